@@ -1,0 +1,43 @@
+"""The configuration every MACS entry point shares, validated once before any generation."""
+from __future__ import annotations
+
+import dataclasses
+
+POOLINGS = ("max", "mean", "min")
+ATTENTIONS = ("softmax", "efficient")
+BACKENDS = ("torch", "triton", "cuda")
+
+
+@dataclasses.dataclass(frozen=True)
+class MacsConfig:
+    """MACS hyper-parameters (paper defaults) and the backend that computes them.
+
+    alpha: floor weight, m = alpha * m' + (1 - alpha); alpha = 1 removes the floor.
+    pooling: how the per-head rows of one layer are pooled ("max" in the paper).
+    redistribute: spread the attention that falls on generated tokens evenly over the inputs.
+    attention: "softmax" rows, or "efficient" rows (the part of each row the output depends on).
+    backend: "torch", "triton", "cuda" or None (the fastest one available for the tensors' device).
+    """
+
+    alpha: float = 0.8
+    pooling: str = "max"
+    redistribute: bool = True
+    attention: str = "softmax"
+    backend: str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)):
+            raise TypeError(f"alpha must be a number in (0, 1], got {self.alpha!r}")
+        if not 0.0 < float(self.alpha) <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"unknown pooling {self.pooling!r}; choose one of {POOLINGS}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"unknown attention {self.attention!r}; choose one of {ATTENTIONS}")
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; choose one of {BACKENDS} or None")
+        if not isinstance(self.redistribute, bool):
+            raise TypeError(f"redistribute must be True or False, got {self.redistribute!r}")
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)

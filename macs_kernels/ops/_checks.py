@@ -1,0 +1,78 @@
+"""Argument checks shared by the public ops: readable errors before any kernel runs."""
+from __future__ import annotations
+
+import torch
+
+
+def check_tensor(name, tensor, ndim, *, float_dtype=True):
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(tensor.shape)}")
+    if float_dtype and not tensor.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
+    if tensor.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride in its last dimension, got strides {tensor.stride()}")
+
+
+def as_index(name, value, batch, device):
+    if value is None:
+        return None
+    tensor = torch.as_tensor(value, device=device)
+    if tensor.dim() == 0:
+        tensor = tensor.expand(batch)
+    if tensor.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {tensor.dtype}")
+    if tuple(tensor.shape) != (batch,):
+        raise ValueError(f"{name} must have shape ({batch},), got {tuple(tensor.shape)}")
+    if tensor.device != torch.device(device):
+        raise ValueError(f"{name} is on {tensor.device} but the data is on {device}")
+    return tensor.long()
+
+
+def check_ranges(input_start, input_end, kv_len, keys, n_max=None):
+    """0 <= input_start < input_end <= kv_len <= keys per row, and N_b <= n_max (one host sync)."""
+    start, end, length = torch.stack([input_start, input_end, kv_len]).cpu().tolist()
+    for b, (s, e, n) in enumerate(zip(start, end, length)):
+        if not 0 <= s < e <= n <= keys:
+            raise ValueError(
+                f"row {b}: need 0 <= input_start < input_end <= kv_len <= S={keys}, "
+                f"got input_start={s}, input_end={e}, kv_len={n}"
+            )
+        if n_max is not None and e - s > n_max:
+            raise ValueError(f"row {b}: {e - s} input tokens do not fit log_c's {n_max} columns")
+
+
+def check_log_c(log_c, batch, device):
+    check_tensor("log_c", log_c, 2)
+    if log_c.dtype != torch.float32:
+        raise TypeError(f"log_c must be float32 (the score state is always float32), got {log_c.dtype}")
+    if log_c.shape[0] != batch or log_c.device != device:
+        raise ValueError(f"log_c must be ({batch}, N_max) on {device}, got {tuple(log_c.shape)} on {log_c.device}")
+    if not log_c.is_contiguous():
+        raise ValueError("log_c must be contiguous: it is updated in place")
+
+
+def check_q_k(q, k_cache, v_cache=None):
+    check_tensor("q", q, 3)
+    check_tensor("k_cache", k_cache, 4)
+    batch, heads, dim = q.shape
+    if k_cache.shape[0] != batch or k_cache.shape[3] != dim:
+        raise ValueError(f"k_cache must be ({batch}, H_kv, S, {dim}), got {tuple(k_cache.shape)}")
+    if heads % k_cache.shape[1]:
+        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({k_cache.shape[1]})")
+    if k_cache.device != q.device:
+        raise ValueError(f"q is on {q.device} but k_cache is on {k_cache.device}")
+    if v_cache is not None:
+        check_tensor("v_cache", v_cache, 4)
+        if v_cache.shape[:3] != k_cache.shape[:3] or v_cache.device != q.device:
+            raise ValueError(f"v_cache must be {tuple(k_cache.shape[:3])} x D_v on {q.device}, got {tuple(v_cache.shape)}")
+
+
+def check_lse(lse, shape, device):
+    if lse is None:
+        return
+    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != shape or lse.device != device:
+        raise ValueError(f"lse must be a tensor of shape {shape} on {device}")
+    if not lse.is_floating_point():
+        raise TypeError(f"lse must be floating point, got {lse.dtype}")

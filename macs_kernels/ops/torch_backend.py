@@ -1,0 +1,96 @@
+"""Vectorised PyTorch implementations of the ops: they run on any device and are the CPU path.
+
+Arguments arrive validated (see ops/__init__.py); index tensors are (B,) int64 on the data's device.
+Nothing here materialises more than one (B, H, S) row block per call: the O(S^2) attention matrix
+never exists.
+"""
+from __future__ import annotations
+
+import torch
+
+_POOL = {
+    "max": lambda x: x.amax(dim=1),
+    "mean": lambda x: x.mean(dim=1),
+    "min": lambda x: x.amin(dim=1),
+}
+
+
+def _column(index: torch.Tensor) -> torch.Tensor:
+    return index.view(-1, 1)
+
+
+def grouped_scores(q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (B, H, D) . k (B, H_kv, S, D) -> float32 scores (B, H, S); query head h reads KV head h // G."""
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    q_grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim).float()
+    scores = torch.matmul(q_grouped, k_cache.float().transpose(-1, -2))
+    return scores.reshape(batch, heads, -1).mul_(scale)
+
+
+def attended_softmax(scores, kv_start, kv_len, lse=None):
+    """Probabilities over keys [kv_start, kv_len) (zero elsewhere) and their natural-log lse (B, H)."""
+    positions = torch.arange(scores.shape[-1], device=scores.device)
+    outside = (positions < _column(kv_start)) | (positions >= _column(kv_len))
+    scores = scores.masked_fill(outside[:, None, :], float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse.float().unsqueeze(-1)), lse
+
+
+def macs_update_rows(rows, log_c, *, input_start, input_end, kv_len, alpha, pooling, redistribute):
+    batch, heads, keys = rows.shape
+    n_max = log_c.shape[1]
+    rows = rows.float()
+    n_input = input_end - input_start
+    offsets = torch.arange(n_max, device=rows.device)
+    input_keys = (_column(input_start) + offsets).clamp_max(keys - 1)
+    inputs = rows.gather(2, input_keys[:, None, :].expand(batch, heads, n_max))
+    if redistribute:
+        positions = torch.arange(keys, device=rows.device)
+        generated = (positions >= _column(input_end)) & (positions < _column(kv_len))
+        spill = (rows * generated[:, None, :]).sum(dim=-1, keepdim=True)
+        inputs = inputs + spill / n_input.view(-1, 1, 1)
+    pooled = _POOL[pooling](inputs)
+    # Efficient-attention rows can pool below zero; clamping keeps the floor's log defined.
+    term = torch.log(pooled.clamp_min_(0.0).mul_(alpha).add_(1.0 - alpha))
+    log_c.add_(term.masked_fill_(offsets >= _column(n_input), 0.0))
+
+
+def macs_update(q, k_cache, log_c, *, input_start, input_end, kv_len, scale, alpha, pooling, redistribute, lse):
+    scores = grouped_scores(q, k_cache, scale)
+    probabilities, _ = attended_softmax(scores, input_start, kv_len, lse)
+    macs_update_rows(
+        probabilities, log_c, input_start=input_start, input_end=input_end, kv_len=kv_len,
+        alpha=alpha, pooling=pooling, redistribute=redistribute,
+    )
+
+
+def macs_zscore(log_c, n_input):
+    n_max = log_c.shape[1]
+    valid = torch.arange(n_max, device=log_c.device) < _column(n_input)
+    masked = log_c.masked_fill(~valid, float("-inf"))
+    top = masked.amax(dim=1, keepdim=True)
+    # z is invariant to scaling c; a row of -inf (all attention underflowed) has no finite top.
+    c = torch.exp(masked - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
+    count = _column(n_input).clamp_min(1).to(c.dtype)
+    mean = c.sum(dim=1, keepdim=True) / count
+    centred = (c - mean).masked_fill_(~valid, 0.0)
+    std = torch.sqrt(centred.square().sum(dim=1, keepdim=True) / count)
+    return torch.where(std > 0, centred / std, torch.zeros_like(centred))
+
+
+def decode_attention(q, k_cache, v_cache, *, kv_start, kv_len, scale, log_c, input_end, alpha, pooling, redistribute):
+    scores = grouped_scores(q, k_cache, scale)
+    probabilities, lse = attended_softmax(scores, kv_start, kv_len)
+    batch, heads, keys = probabilities.shape
+    kv_heads = v_cache.shape[1]
+    out = torch.matmul(
+        probabilities.view(batch, kv_heads, heads // kv_heads, keys), v_cache.float()
+    ).reshape(batch, heads, -1)
+    if log_c is not None:
+        macs_update_rows(
+            probabilities, log_c, input_start=kv_start, input_end=input_end, kv_len=kv_len,
+            alpha=alpha, pooling=pooling, redistribute=redistribute,
+        )
+    return out.to(q.dtype), lse

@@ -1,0 +1,121 @@
+"""Float64 references, written for clarity, one sequence at a time.
+
+Tests and benchmarks both compare against these functions; they share no code with the backends
+(no masks-as-biases, no gathers, no fused forms), so an error in a backend cannot hide here too.
+Every function takes plain tensors and returns float64 tensors on the CPU.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _f64(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().to(device="cpu", dtype=torch.float64)
+
+
+def softmax_row_reference(q: torch.Tensor, keys: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query's softmax over the given keys. q: (D,), keys: (n, D) -> (probabilities (n,), lse scalar)."""
+    scores = (_f64(keys) @ _f64(q)) * scale
+    lse = torch.logsumexp(scores, dim=0)
+    return torch.exp(scores - lse), lse
+
+
+def layer_log_term_reference(
+    rows: torch.Tensor, n_input: int, *, alpha: float = 0.8, pooling: str = "max", redistribute: bool = True
+) -> torch.Tensor:
+    """log(alpha * m' + 1 - alpha) of one layer, from that layer's rows.
+
+    rows: (H, K) attention of the last query over its K attended keys, the N = n_input inputs first, then
+    the generated tokens. Returns (N,) float64. Negative pooled values (efficient attention) clamp to 0.
+    """
+    rows = _f64(rows)
+    inputs = rows[:, :n_input]
+    if redistribute:
+        inputs = inputs + rows[:, n_input:].sum(dim=1, keepdim=True) / n_input
+    pooled = {"max": inputs.amax(dim=0), "mean": inputs.mean(dim=0), "min": inputs.amin(dim=0)}[pooling]
+    return torch.log(alpha * pooled.clamp_min(0.0) + (1.0 - alpha))
+
+
+def zscore_reference(log_c: torch.Tensor) -> torch.Tensor:
+    """z-scores of c = exp(log_c) over one row (population standard deviation; zeros when it is 0)."""
+    log_c = _f64(log_c)
+    top = log_c.max()
+    if not math.isfinite(top.item()):
+        return torch.zeros_like(log_c)
+    c = torch.exp(log_c - top)
+    std = c.std(unbiased=False)
+    if std.item() == 0.0:
+        return torch.zeros_like(c)
+    return (c - c.mean()) / std
+
+
+def macs_step_reference(
+    rows_per_layer, n_input: int, *, alpha: float = 0.8, pooling: str = "max", redistribute: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MACS of one forward pass: rows_per_layer is a sequence of (H, K) rows, one per layer.
+
+    Returns (log_c (N,), z (N,)), both float64.
+    """
+    log_c = torch.zeros(n_input, dtype=torch.float64)
+    for rows in rows_per_layer:
+        log_c = log_c + layer_log_term_reference(
+            rows, n_input, alpha=alpha, pooling=pooling, redistribute=redistribute
+        )
+    return log_c, zscore_reference(log_c)
+
+
+def _row_ranges(batch, input_start, input_end, kv_len):
+    as_list = lambda t: [int(v) for v in torch.as_tensor(t).flatten().tolist()]  # noqa: E731
+    return zip(range(batch), as_list(input_start), as_list(input_end), as_list(kv_len))
+
+
+def macs_update_rows_reference(
+    rows, log_c, *, input_start, input_end, kv_len, alpha=0.8, pooling="max", redistribute=True
+) -> torch.Tensor:
+    """Reference of ops.macs_update_rows: rows (B, H, S) -> the updated log_c (B, N_max), float64."""
+    out = _f64(log_c).clone()
+    for b, start, end, length in _row_ranges(rows.shape[0], input_start, input_end, kv_len):
+        term = layer_log_term_reference(
+            rows[b, :, start:length], end - start, alpha=alpha, pooling=pooling, redistribute=redistribute
+        )
+        out[b, : end - start] += term
+    return out
+
+
+def macs_update_reference(
+    q, k_cache, log_c, *, input_start, input_end, kv_len, scale, alpha=0.8, pooling="max", redistribute=True
+) -> torch.Tensor:
+    """Reference of ops.macs_update: q (B, H, D), k_cache (B, H_kv, S, D) -> updated log_c (B, N_max), float64."""
+    batch, heads, _ = q.shape
+    group = heads // k_cache.shape[1]
+    rows = torch.zeros(batch, heads, k_cache.shape[2], dtype=torch.float64)
+    for b, start, _, length in _row_ranges(batch, input_start, input_end, kv_len):
+        for h in range(heads):
+            rows[b, h, start:length] = softmax_row_reference(q[b, h], k_cache[b, h // group, start:length], scale)[0]
+    return macs_update_rows_reference(
+        rows, log_c, input_start=input_start, input_end=input_end, kv_len=kv_len,
+        alpha=alpha, pooling=pooling, redistribute=redistribute,
+    )
+
+
+def macs_zscore_reference(log_c, n_input) -> torch.Tensor:
+    """Reference of ops.macs_zscore: per row, z-scores over its first n_input[b] entries, zeros after."""
+    out = torch.zeros(log_c.shape, dtype=torch.float64)
+    for b, n in enumerate(torch.as_tensor(n_input).tolist()):
+        out[b, :n] = zscore_reference(log_c[b, :n])
+    return out
+
+
+def decode_attention_reference(q, k_cache, v_cache, *, kv_start, kv_len, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of ops.decode_attention's (out (B, H, D), lse (B, H)), float64."""
+    batch, heads, dim = q.shape
+    group = heads // k_cache.shape[1]
+    out = torch.zeros(batch, heads, v_cache.shape[-1], dtype=torch.float64)
+    lse = torch.zeros(batch, heads, dtype=torch.float64)
+    for b, start, _, length in _row_ranges(batch, kv_start, kv_len, kv_len):
+        for h in range(heads):
+            p, lse[b, h] = softmax_row_reference(q[b, h], k_cache[b, h // group, start:length], scale)
+            out[b, h] = p @ _f64(v_cache[b, h // group, start:length])
+    return out, lse
