@@ -11,9 +11,9 @@ from .config import MacsConfig
 __version__ = "0.1.0"
 
 _LAZY = {
-    "explain": "macs_kernels.explain",
-    "stream": "macs_kernels.explain",
-    "Explanation": "macs_kernels.explain",
+    "explain": "macs_kernels.explanation",
+    "stream": "macs_kernels.explanation",
+    "Explanation": "macs_kernels.explanation",
     "attach": "macs_kernels.tracing",
     "Tracer": "macs_kernels.tracing",
     "qa_prompt": "macs_kernels.prompts",

@@ -119,3 +119,53 @@ def decode_attention_reference(q, k_cache, v_cache, *, kv_start, kv_len, scale) 
             p, lse[b, h] = softmax_row_reference(q[b, h], k_cache[b, h // group, start:length], scale)
             out[b, h] = p @ _f64(v_cache[b, h // group, start:length])
     return out, lse
+
+
+def _column_basis(values: torch.Tensor, rcond: float) -> torch.Tensor | None:
+    """Orthonormal basis (n, k) of the column space of X = [values, 1] from its SVD; None when n <= D + 1."""
+    values = _f64(values)
+    x = torch.cat([values, torch.ones(values.shape[0], 1, dtype=torch.float64)], dim=1)
+    if x.shape[0] <= x.shape[1]:
+        return None
+    basis, singular, _ = torch.linalg.svd(x, full_matrices=False)
+    return basis[:, singular > singular[0] * math.sqrt(rcond)]
+
+
+def efficient_row_reference(p: torch.Tensor, values: torch.Tensor, rcond: float = 1e-10, basis=None) -> torch.Tensor:
+    """One row's efficient attention: p (n,) projected onto the column space of X = [values, 1] (n, D+1).
+
+    Built from the SVD of X (an orthonormal basis of its column space), never from X^T X. Singular values
+    below sqrt(rcond) * the largest are dropped (the backends drop eigenvalues of X^T X below rcond * the
+    largest). A row with n <= D + 1 keys is returned as is. `basis`: _column_basis(values, rcond), if known.
+    """
+    basis = _column_basis(values, rcond) if basis is None else basis
+    p = _f64(p)
+    return p.clone() if basis is None else basis @ (basis.T @ p)
+
+
+def efficient_attention_reference(
+    p, v_cache, *, kv_len, kv_start=None, causal=False, rcond=1e-10
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of ops.efficient_attention: p (B, H, R, S), v_cache (B, H_kv, S, D) ->
+    (a_eff (B, H, R, S), residual (B, H, R)), float64; row r of a causal call attends [kv_start, kv_len - R + r + 1).
+    """
+    batch, heads, rows, keys = p.shape
+    group = heads // v_cache.shape[1]
+    kv_start = [0] * batch if kv_start is None else kv_start
+    a_eff = torch.zeros(batch, heads, rows, keys, dtype=torch.float64)
+    residual = torch.zeros(batch, heads, rows, dtype=torch.float64)
+    bases = {}  # the query heads of one KV head share their keys' basis
+    for b, start, _, length in _row_ranges(batch, kv_start, kv_len, kv_len):
+        for h in range(heads):
+            for r in range(rows):
+                end = length - rows + r + 1 if causal else length
+                values = _f64(v_cache[b, h // group, start:end])
+                if (b, h // group, end) not in bases:
+                    bases[b, h // group, end] = _column_basis(values, rcond)
+                row_p = _f64(p[b, h, r, start:end])
+                row = efficient_row_reference(row_p, values, rcond, bases[b, h // group, end])
+                a_eff[b, h, r, start:end] = row
+                error = torch.cat([row @ values - row_p @ values, (row.sum() - row_p.sum())[None]]).norm()
+                norm = torch.cat([row_p @ values, row_p.sum()[None]]).norm()
+                residual[b, h, r] = error / norm if norm > 0 else error
+    return a_eff, residual

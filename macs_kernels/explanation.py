@@ -1,0 +1,248 @@
+"""explain(), stream() and Explanation: one line from a model and a prompt to per-token attributions."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import queue
+import threading
+
+import torch
+
+from .config import MacsConfig
+from .tracing import attach, check_model
+
+
+@dataclasses.dataclass
+class Explanation:
+    """MACS attributions of one generation.
+
+    step_scores: (steps, N) float32; step_scores[k] explains generated_ids[k]: the z-scores of the forward
+        pass that produced generated token k (row 0 comes from the prefill's last query).
+    step_log_c: (steps, N) float32, the same rows in the log domain (before z-scoring).
+    scores: (N,) float32, the mean of the step rows.
+    source_span: optional [start, end) token range of the prompt that the caller treats as the source
+        (for example the context inside a QA prompt).
+    """
+
+    input_ids: torch.Tensor
+    generated_ids: torch.Tensor
+    input_tokens: list[str]
+    generated_tokens: list[str]
+    step_scores: torch.Tensor
+    step_log_c: torch.Tensor
+    config: dict
+    text: str = ""
+    source_span: tuple[int, int] | None = None
+
+    @property
+    def scores(self) -> torch.Tensor:
+        return self.step_scores.mean(dim=0)
+
+    def as_dict(self) -> dict:
+        return {
+            "input_ids": self.input_ids.tolist(),
+            "generated_ids": self.generated_ids.tolist(),
+            "input_tokens": self.input_tokens,
+            "generated_tokens": self.generated_tokens,
+            "text": self.text,
+            "step_scores": self.step_scores.tolist(),
+            "step_log_c": [[v if v != float("-inf") else None for v in row] for row in self.step_log_c.tolist()],
+            "scores": self.scores.tolist(),
+            "config": self.config,
+            "source_span": list(self.source_span) if self.source_span else None,
+        }
+
+    def to_json(self, **dumps_kwargs) -> str:
+        """The fields as JSON; -inf log values (attention underflow at alpha = 1) become null."""
+        return json.dumps(self.as_dict(), **dumps_kwargs)
+
+    def to_html(self, title: str = "MACS attribution") -> str:
+        """A self-contained page: hovering or clicking a generated token shows that step's heatmap."""
+        from .viz import explanation_html
+
+        return explanation_html(self, title=title)
+
+
+# ---- inputs ---------------------------------------------------------------------------------------
+def _is_messages(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
+
+
+def _prompt_text(tokenizer, prompt) -> str:
+    if _is_messages(prompt):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("chat messages need a tokenizer with a chat template")
+        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    if not isinstance(prompt, str):
+        raise TypeError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+    if not prompt.strip():
+        raise ValueError("the prompt is empty")
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+    return prompt
+
+
+def encode_prompts(tokenizer, prompt=None, input_ids=None):
+    """(input_ids (B, N_max) left-padded, attention_mask (B, N_max), batched) from the explain() inputs."""
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("give exactly one of prompt and input_ids")
+    if input_ids is not None:
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"input_ids must be int64 or int32 token ids, got {input_ids.dtype}")
+        if input_ids.dim() == 2 and input_ids.shape[0] == 1:
+            input_ids = input_ids[0]
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must have shape (N,) or (1, N), got {tuple(input_ids.shape)}")
+        if input_ids.numel() == 0:
+            raise ValueError("input_ids is empty")
+        ids = input_ids.long().unsqueeze(0)
+        return ids, torch.ones_like(ids), False
+    batched = isinstance(prompt, list) and not _is_messages(prompt)
+    prompts = prompt if batched else [prompt]
+    if not prompts:
+        raise ValueError("the list of prompts is empty")
+    texts = [_prompt_text(tokenizer, p) for p in prompts]
+    # The chat template already carries the special tokens.
+    special = not getattr(tokenizer, "chat_template", None)
+    encoded = tokenizer(texts, padding=True, padding_side="left", add_special_tokens=special, return_tensors="pt")
+    if encoded["input_ids"].shape[1] == 0:
+        raise ValueError("the prompt encodes to no tokens")
+    return encoded["input_ids"], encoded["attention_mask"], batched
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for value in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if value is not None:
+            ids.update(value if isinstance(value, (list, tuple)) else [value])
+    return ids
+
+
+def _generate_kwargs(model, tokenizer, max_new_tokens, generate_kwargs) -> dict:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False, "pad_token_id": pad}
+    kwargs.update(generate_kwargs)
+    return kwargs
+
+
+def _decode_tokens(tokenizer, ids) -> list[str]:
+    return [tokenizer.decode([i]) for i in ids]
+
+
+def _explanations(tracer, tokenizer, ids, mask, generated, eos, config) -> list[Explanation]:
+    result = []
+    for b in range(ids.shape[0]):
+        tokens = generated[b].tolist()
+        steps = next((k + 1 for k, t in enumerate(tokens) if t in eos), len(tokens))
+        log_c, scores = tracer.rows(b, steps)
+        prompt_ids = ids[b][mask[b].bool()]
+        result.append(Explanation(
+            input_ids=prompt_ids.cpu(),
+            generated_ids=generated[b, :steps].cpu(),
+            input_tokens=_decode_tokens(tokenizer, prompt_ids.tolist()),
+            generated_tokens=_decode_tokens(tokenizer, tokens[:steps]),
+            step_scores=scores,
+            step_log_c=log_c,
+            config=config.as_dict() | {"backend": tracer.backend},
+            text=tokenizer.decode(tokens[:steps], skip_special_tokens=True),
+        ))
+    return result
+
+
+def _prepare(model, tokenizer, prompt, input_ids, max_new_tokens, config_kwargs, generate_kwargs):
+    """Every check explain() and stream() make before any generation."""
+    config = MacsConfig(**config_kwargs)
+    check_model(model)
+    ids, mask, batched = encode_prompts(tokenizer, prompt, input_ids)
+    kwargs = _generate_kwargs(model, tokenizer, max_new_tokens, generate_kwargs)
+    device = next(model.parameters()).device
+    return config, ids.to(device), mask.to(device), batched, kwargs
+
+
+@torch.inference_mode()
+def explain(model, tokenizer, prompt=None, *, input_ids=None, max_new_tokens=64, alpha=0.8, pooling="max",
+            redistribute=True, attention="softmax", backend=None, **generate_kwargs):
+    """Generate from `prompt` and explain every generated token with MACS.
+
+    prompt: a string (wrapped in the chat template when the tokenizer has one), a list of chat messages,
+        or a list of either (one left-padded batch; returns a list of Explanation).
+    input_ids: (N,) or (1, N) token ids used as the prompt as they are (instead of `prompt`).
+    Greedy decoding unless generate_kwargs say otherwise; generation stops at end-of-sequence, and each
+    item's rows stop at its own end-of-sequence token (included).
+    """
+    config, ids, mask, batched, kwargs = _prepare(
+        model, tokenizer, prompt, input_ids, max_new_tokens,
+        dict(alpha=alpha, pooling=pooling, redistribute=redistribute, attention=attention, backend=backend),
+        generate_kwargs,
+    )
+    with attach(model, **config.as_dict()) as tracer:
+        output = model.generate(ids, attention_mask=mask, **kwargs)
+    generated = output[:, ids.shape[1]:]
+    explanations = _explanations(tracer, tokenizer, ids, mask, generated, _eos_ids(model, tokenizer), config)
+    return explanations if batched else explanations[0]
+
+
+class _StepStreamer:
+    """A generate() streamer that forwards each new token with its step's z-scores to a queue."""
+
+    def __init__(self, tracer, sink: queue.Queue):
+        self.tracer, self.sink, self.prompt_seen = tracer, sink, False
+
+    def put(self, value):
+        if not self.prompt_seen:  # generate() first pushes the prompt
+            self.prompt_seen = True
+            return
+        step = len(self.tracer.step_scores) - 1
+        n = self.tracer.n_input_list[0]
+        self.sink.put((int(value.reshape(-1)[0]), self.tracer.step_scores[step][0, :n].float().cpu()))
+
+    def end(self):
+        self.sink.put(None)
+
+
+def stream(model, tokenizer, prompt=None, *, input_ids=None, max_new_tokens=64, alpha=0.8, pooling="max",
+           redistribute=True, attention="softmax", backend=None, **generate_kwargs):
+    """Like explain() for one prompt, but yields (token_id, z_scores (N,)) as each token is made."""
+    config, ids, mask, batched, kwargs = _prepare(
+        model, tokenizer, prompt, input_ids, max_new_tokens,
+        dict(alpha=alpha, pooling=pooling, redistribute=redistribute, attention=attention, backend=backend),
+        generate_kwargs,
+    )
+    if batched:
+        raise ValueError("stream() takes one prompt; use explain() for a batch")
+    sink: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    failure: list[BaseException] = []
+
+    def run():
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        class StopWhenAsked(StoppingCriteria):
+            def __call__(self, input_ids, scores, **_):
+                return torch.full((input_ids.shape[0],), stop.is_set(), dtype=torch.bool, device=input_ids.device)
+
+        try:
+            with torch.inference_mode(), attach(model, **config.as_dict()) as tracer:
+                streamer = _StepStreamer(tracer, sink)
+                model.generate(ids, attention_mask=mask, streamer=streamer,
+                               stopping_criteria=StoppingCriteriaList([StopWhenAsked()]), **kwargs)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the consumer's thread
+            failure.append(error)
+            sink.put(None)
+
+    worker = threading.Thread(target=run, name="macs-kernels-stream", daemon=True)
+    worker.start()
+    try:
+        while (item := sink.get()) is not None:
+            yield item
+    finally:
+        stop.set()
+        worker.join()
+    if failure:
+        raise failure[0]

@@ -1,0 +1,63 @@
+"""Shared test fixtures' building blocks: the default model, tiny random models, and the independent
+eager-attention MACS reference."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from macs_kernels import reference
+from macs_kernels.prompts import qa_messages
+
+QUESTIONS = [
+    ("Who wrote Hamlet?", "Hamlet is a tragedy written by William Shakespeare around 1600. It is set in Denmark."),
+    ("What colour is the sky?", "On a clear day the sky is blue because air scatters short wavelengths."),
+    ("Where is the Eiffel Tower?", "The Eiffel Tower stands in Paris, France. It was built in 1889 for a fair."),
+]
+
+
+@functools.cache
+def default_model():
+    from macs_kernels.models import load_model
+
+    return load_model()
+
+
+def tiny_llama(heads: int = 4, kv_heads: int = 2, layers: int = 3, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=97, hidden_size=16 * heads, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+        pad_token_id=0, eos_token_id=96, bos_token_id=1,
+        # Peaked attention: near-uniform rows make z-scores of nearly equal values, all float32 noise.
+        initializer_range=0.2,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def qa(i: int):
+    return qa_messages(*QUESTIONS[i])
+
+
+@torch.no_grad()
+def eager_macs(model, input_ids, generated_ids, **config):
+    """Step z-scores and log_c recomputed independently: one eager forward with output_attentions over the
+    whole sequence; the row of step k is the query at position N - 1 + k over its causal prefix."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        full = torch.cat([input_ids, generated_ids]).unsqueeze(0)
+        attentions = model(full[:, :-1] if len(generated_ids) else full, output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation(previous)
+    n = len(input_ids)
+    log_rows, z_rows = [], []
+    for k in range(len(generated_ids)):
+        query = n - 1 + k
+        rows = [layer[0, :, query, : query + 1] for layer in attentions]
+        log_c, z = reference.macs_step_reference(rows, n, **config)
+        log_rows.append(log_c)
+        z_rows.append(z)
+    return torch.stack(log_rows), torch.stack(z_rows)
