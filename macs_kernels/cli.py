@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
@@ -69,10 +70,16 @@ def run_explain(args) -> int:
     return 0
 
 
+# Each subcommand module exposes add_parser(subparsers) and keeps heavy imports inside its run function.
+SUBCOMMAND_MODULES: tuple[str, ...] = ()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="macs-kernels", description=__doc__)
     subparsers = parser.add_subparsers(required=True, dest="command")
     _explain_parser(subparsers)
+    for name in SUBCOMMAND_MODULES:
+        importlib.import_module(name).add_parser(subparsers)
     return parser
 
 
