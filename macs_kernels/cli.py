@@ -57,9 +57,9 @@ def run_explain(args) -> int:
         redistribute=not args.no_redistribute, attention=args.attention, backend=args.backend,
     )
     if args.context:
-        from .evaluation.alignment import context_token_span
+        from .evaluation.alignment import align_qa
 
-        explanation.source_span = context_token_span(tokenizer, explanation.input_ids, args.context)
+        explanation.source_span = align_qa(tokenizer, args.question, args.context).context_tokens
     print_explanation(explanation, step=args.step)
     if args.json:
         args.json.write_text(explanation.to_json(indent=1))

@@ -144,9 +144,11 @@ class Tracer:
             and not kwargs.get("output_attentions", False) and not module.training
         )
         if fused:
+            config = self.config
             out, _ = self._fused_decode(
                 query_last, key, value, kv_start=self.input_start, kv_len=self.kv_len, scale=scale,
-                log_c=self._log_c, **self._update_kwargs(),
+                log_c=self._log_c, input_end=self.input_end, alpha=config.alpha, pooling=config.pooling,
+                redistribute=config.redistribute,
             )
             result = (out.unsqueeze(1), None)
         else:

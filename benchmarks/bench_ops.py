@@ -1,0 +1,275 @@
+"""Time macs_update and the fused decode_attention against the bytes they must move; CSV + PNG, no asserts.
+
+    python benchmarks/bench_ops.py            # full grid (on CPU: S <= 4k, the torch provider only)
+    python benchmarks/bench_ops.py --quick    # a few seconds
+Writes benchmarks/results/ops_<device>.csv and .png (or under --out).
+
+Bytes that must move: K once for macs_update, K and V once for decode_attention (q, log_c and the
+outputs are under 1% of that). GB/s = those bytes / time, whatever a provider actually reads:
+torch's flash kernel and flash-attn compute attention only (no MACS) and are the floor to compare the
+fused decode with; torch's flash kernel has no GQA, so it reads K/V repeated to H heads.
+All providers attend keys [0, S) with the last 16 keys as generated tokens (N = S - 16 inputs).
+On GPU: triton.testing.do_bench, and for B = 1 also one replay of a captured CUDA graph.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import importlib
+import itertools
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from macs_kernels.ops._dispatch import implementation, why_unavailable  # noqa: E402
+
+OPS = ("macs_update", "decode_attention")
+GENERATED = 16
+
+
+@dataclasses.dataclass
+class Problem:
+    batch: int
+    heads: int
+    kv_heads: int
+    dim: int
+    keys: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def __post_init__(self):
+        make = dict(device=self.device, dtype=self.dtype)
+        self.q = torch.randn(self.batch, self.heads, self.dim, **make)
+        self.k = torch.randn(self.batch, self.kv_heads, self.keys, self.dim, **make)
+        self.v = torch.randn(self.batch, self.kv_heads, self.keys, self.dim, **make)
+        index = lambda value: torch.full((self.batch,), value, device=self.device, dtype=torch.long)  # noqa: E731
+        self.start, self.kv_len = index(0), index(self.keys)
+        self.input_end = index(max(1, self.keys - GENERATED))
+        self.log_c = torch.zeros(self.batch, int(self.input_end[0]), device=self.device)
+        self.scale = self.dim ** -0.5
+
+    def bytes(self, op: str) -> int:
+        cache = self.k.numel() * self.k.element_size()
+        return cache if op == "macs_update" else 2 * cache
+
+
+# --- providers: each builds, for one (op, problem), a no-argument callable that runs the op once ---------
+
+def backend_call(backend: str, fused: bool = True):
+    """A macs_kernels backend, called with validated arguments as the tracer does (no host sync)."""
+    def build(op: str, p: Problem):
+        function = implementation(backend, op)
+        macs = dict(alpha=0.8, pooling="max", redistribute=True)
+        if op == "macs_update":
+            return lambda: function(p.q, p.k, p.log_c, input_start=p.start, input_end=p.input_end,
+                                    kv_len=p.kv_len, scale=p.scale, lse=None, **macs)
+        return lambda: function(p.q, p.k, p.v, kv_start=p.start, kv_len=p.kv_len, scale=p.scale,
+                                log_c=p.log_c if fused else None, input_end=p.input_end if fused else None, **macs)
+    return build
+
+
+def torch_flash_call(op: str, p: Problem):
+    group = p.heads // p.kv_heads
+    k, v = (x.repeat_interleave(group, dim=1) for x in (p.k, p.v))
+    q = p.q[:, :, None]
+    return lambda: torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, scale=p.scale)[:2]
+
+
+def flash_attn_call(op: str, p: Problem):
+    from flash_attn import flash_attn_with_kvcache
+
+    k, v = (x.transpose(1, 2).contiguous() for x in (p.k, p.v))  # flash-attn keeps caches (B, S, H_kv, D)
+    q = p.q[:, None]
+    lengths = p.kv_len.to(torch.int32)
+    return lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, softmax_scale=p.scale,
+                                           return_softmax_lse=True)
+
+
+def backend_ready(backend: str):
+    return lambda device: why_unavailable(backend, device)
+
+
+def gpu_with(module: str | None = None):
+    def reason(device):
+        if device.type != "cuda":
+            return "needs a GPU"
+        if module is not None and importlib.util.find_spec(module) is None:
+            return f"{module} is not installed"
+        return None
+    return reason
+
+
+@dataclasses.dataclass(frozen=True)
+class Provider:
+    name: str
+    ops: tuple[str, ...]
+    unavailable: Callable[[torch.device], str | None]
+    build: Callable[[str, Problem], Callable[[], object]]
+
+
+PROVIDERS = (
+    Provider("torch", OPS, backend_ready("torch"), backend_call("torch")),
+    Provider("triton", OPS, lambda d: gpu_with()(d) or why_unavailable("triton", d), backend_call("triton")),
+    Provider("triton-attention-only", ("decode_attention",),
+             lambda d: gpu_with()(d) or why_unavailable("triton", d), backend_call("triton", fused=False)),
+    Provider("torch-flash", ("decode_attention",), gpu_with(), torch_flash_call),
+    Provider("flash-attn", ("decode_attention",), gpu_with("flash_attn"), flash_attn_call),
+)
+
+
+# --- timing ---------------------------------------------------------------------------------------------
+
+def time_cpu(fn) -> float:
+    fn()
+    times = []
+    begin = time.perf_counter()
+    while len(times) < 3 or (time.perf_counter() - begin < 0.3 and len(times) < 50):
+        tick = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - tick)
+    return statistics.median(times) * 1e3
+
+
+def time_gpu(fn, graphed: bool) -> float:
+    import triton.testing
+
+    if graphed:
+        return triton.testing.do_bench_cudagraph(fn)
+    return triton.testing.do_bench(fn)
+
+
+def grid(quick: bool, device: torch.device):
+    if quick:
+        return [(1, 32, 8, 128, 1024), (1, 9, 3, 64, 4096)]
+    keys = (1024, 4096) if device.type == "cpu" else (1024, 4096, 16384, 65536)
+    return [(b, h, hkv, d, s) for b, (h, hkv), d, s in
+            itertools.product((1, 8), ((32, 8), (9, 3)), (64, 128), keys)]
+
+
+def environment(device: torch.device) -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "absent"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        cpuinfo = Path("/proc/cpuinfo")
+        models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                  if line.startswith("model name")] if cpuinfo.exists() else []
+        name = f"{models[0] if models else platform.processor() or platform.machine()} x{os.cpu_count()}"
+    return {"machine": platform.node(), "device": name, "python": platform.python_version(),
+            "torch": torch.__version__, "triton": triton_version, "threads": torch.get_num_threads(),
+            "commit": commit}
+
+
+def plot(rows, path: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = sorted({(r["B"], r["H"], r["H_kv"], r["D"]) for r in rows})
+    columns = min(4, len(configs))
+    per_op = -(-len(configs) // columns)
+    fig, axes = plt.subplots(len(OPS) * per_op, columns, figsize=(3.4 * columns, 2.7 * len(OPS) * per_op),
+                             squeeze=False)
+    used = set()
+    for (i, op), (j, config) in itertools.product(enumerate(OPS), enumerate(configs)):
+        used.add((i * per_op + j // columns, j % columns))
+        ax = axes[i * per_op + j // columns][j % columns]
+        for (provider, mode) in sorted({(r["provider"], r["mode"]) for r in rows if r["op"] == op}):
+            points = sorted((r["S"], r["GB_s"]) for r in rows if r["op"] == op and r["provider"] == provider
+                            and r["mode"] == mode and (r["B"], r["H"], r["H_kv"], r["D"]) == config)
+            if points:
+                ax.plot(*zip(*points), marker="o", label=provider if mode == "eager" else f"{provider} ({mode})")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{op}\nB={config[0]} H={config[1]}/{config[2]} D={config[3]}", fontsize=8)
+        ax.set_xlabel("S (keys)", fontsize=8)
+        if j % columns == 0:
+            ax.set_ylabel("GB/s of required bytes", fontsize=8)
+        ax.tick_params(labelsize=7)
+    handles = {}
+    for (r, c), ax in zip(itertools.product(range(axes.shape[0]), range(columns)), axes.flat):
+        if (r, c) not in used:
+            ax.remove()
+            continue
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="two small problems, a few seconds")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--name", default=None, help="file stem (default ops_cpu / ops_<gpu>)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch (on a shared machine, 1 avoids OpenMP spin contention)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    env = environment(device)  # after --threads: the CSV records the count used
+    stem = args.name or ("ops_cpu" if device.type == "cpu"
+                         else "ops_" + env["device"].split()[-1].lower().replace("-", "_"))
+    providers = []
+    for provider in PROVIDERS:
+        reason = provider.unavailable(device)
+        if reason:
+            print(f"skipping {provider.name}: {reason}")
+        else:
+            providers.append(provider)
+
+    rows = []
+    for batch, heads, kv_heads, dim, keys in grid(args.quick, device):
+        problem = Problem(batch, heads, kv_heads, dim, keys, dtype, device)
+        for op, provider in itertools.product(OPS, providers):
+            if op not in provider.ops:
+                continue
+            fn = provider.build(op, problem)
+            modes = ["eager"] + (["cudagraph"] if device.type == "cuda" and batch == 1 else [])
+            for mode in modes:
+                ms = time_cpu(fn) if device.type == "cpu" else time_gpu(fn, mode == "cudagraph")
+                moved = problem.bytes(op)
+                rows.append({**env, "op": op, "provider": provider.name, "mode": mode, "dtype": str(dtype)[6:],
+                             "B": batch, "H": heads, "H_kv": kv_heads, "D": dim, "S": keys,
+                             "ms": round(ms, 5), "bytes": moved, "GB_s": round(moved / ms / 1e6, 2)})
+                print(f"{op:17s} {provider.name:22s} {mode:9s} B={batch} H={heads}/{kv_heads} D={dim} "
+                      f"S={keys:6d}  {ms:9.4f} ms  {moved / ms / 1e6:8.1f} GB/s", flush=True)
+        del problem
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / f"{stem}.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(rows, args.out / f"{stem}.png")
+    print(f"wrote {args.out / stem}.csv and .png")
+
+
+if __name__ == "__main__":
+    main()

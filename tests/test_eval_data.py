@@ -1,0 +1,95 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from macs_kernels.evaluation.data import QASample, load_qa, parse_range
+
+FLAT = [
+    {"question": f"Q{i}?", "context": f"Context number {i}.", "answers": [{"text": "number", "answer_start": 8}]}
+    for i in range(6)
+]
+NESTED = {
+    "version": "v2.0",
+    "data": [
+        {"title": "A", "paragraphs": [
+            {"context": "Köln liegt am Rhein.", "qas": [
+                {"id": "a1", "question": "Wo?", "answers": [{"text": "am Rhein", "answer_start": 11}],
+                 "is_impossible": False},
+                {"id": "a2", "question": "Wann?", "answers": [], "is_impossible": True,
+                 "plausible_answers": [{"text": "Rhein", "answer_start": 14}]},
+            ]},
+        ]},
+        {"title": "B", "paragraphs": [
+            {"context": "Paris is big.", "qas": [
+                {"id": "b1", "question": "Which?", "answers": [{"text": "Paris", "answer_start": 0},
+                                                               {"text": "Paris is", "answer_start": 0}]},
+            ]},
+        ]},
+    ],
+}
+
+
+def _write(tmp_path: Path, name: str, data) -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    return path
+
+
+def test_flat_list_range_and_n(tmp_path):
+    path = _write(tmp_path, "flat.json", FLAT)
+    everything = load_qa(path)
+    assert everything[0] == QASample(0, "Q0?", "Context number 0.", (("number", 8),))
+    picked = load_qa(path, range=(2, 5), n=2)
+    assert [s.index for s in picked] == [2, 3]
+    assert [s.index for s in load_qa(path, range=parse_range("4:"))] == [4, 5]
+    with pytest.raises(ValueError, match="only 6"):
+        load_qa(path, range=(6, 8))
+
+
+def test_nested_squad_keeps_unanswerable_without_answers(tmp_path):
+    samples = load_qa(_write(tmp_path, "nested.json", NESTED))
+    assert [(s.id, s.context, s.answers) for s in samples] == [
+        ("a1", "Köln liegt am Rhein.", (("am Rhein", 11),)),
+        ("a2", "Köln liegt am Rhein.", ()),
+        ("b1", "Paris is big.", (("Paris", 0), ("Paris is", 0))),
+    ]
+
+
+def test_datasets_local_json_and_saved_folder(tmp_path):
+    import datasets
+
+    via_datasets = load_qa(hf_dataset=str(_write(tmp_path, "flat.json", FLAT)), range=(1, 3),
+                           cache_dir=tmp_path / "cache")
+    assert via_datasets == load_qa(tmp_path / "flat.json", range=(1, 3))
+    # The hub's SQuAD columns: answers as {"text": [...], "answer_start": [...]}.
+    hub_like = datasets.Dataset.from_list([
+        {"id": "x", "question": "Who?", "context": "Ada wrote it.",
+         "answers": {"text": ["Ada", "Ada wrote"], "answer_start": [0, 0]}},
+        {"id": "y", "question": "Why?", "context": "No idea.", "answers": {"text": [], "answer_start": []}},
+    ])
+    datasets.DatasetDict({"validation": hub_like}).save_to_disk(str(tmp_path / "saved"))
+    samples = load_qa(hf_dataset=str(tmp_path / "saved"), split="validation")
+    assert [(s.id, s.answers) for s in samples] == [("x", (("Ada", 0), ("Ada wrote", 0))), ("y", ())]
+
+
+def test_bad_input_is_reported(tmp_path):
+    with pytest.raises(ValueError, match="exactly one"):
+        load_qa()
+    broken = [{"question": "Q?", "context": "short", "answers": [{"text": "longer than it", "answer_start": 2}]}]
+    with pytest.raises(ValueError, match="outside the context"):
+        load_qa(_write(tmp_path, "broken.json", broken))
+    with pytest.raises(ValueError, match="START:STOP"):
+        parse_range("250")
+
+
+def test_stqa_350_paper_split():
+    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "stqa_350.json"
+    if not path.is_file():
+        pytest.skip("stqa_350.json is not next to this checkout")
+    samples = load_qa(path, range=parse_range("250:350"))
+    assert len(samples) == 100 and samples[0].index == 250
+    assert all(s.answers for s in samples)
+    for s in samples:
+        for text, start in s.answers:
+            assert s.context[start:start + len(text)] == text
