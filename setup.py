@@ -1,5 +1,55 @@
-"""Build script: the pure-Python package, plus the optional CUDA extension macs_kernels._C (see csrc/)."""
+"""Build script: the pure-Python package, plus the optional CUDA extension macs_kernels._C (see csrc/).
+
+The extension is built only when torch has CUDA and nvcc is found, and never fails the install for lack
+of them: torch.utils.cpp_extension cannot link CUDA code against a CPU torch. MACS_KERNELS_SKIP_CUDA_BUILD=1
+skips it anyway. TORCH_CUDA_ARCH_LIST picks the architectures (default: the visible GPUs, or 8.0 and 9.0
+when none is visible). Install with `pip install --no-build-isolation -e .` so the build sees your torch.
+"""
+import glob
+import os
+import sys
+
 from setuptools import find_packages, setup
+
+
+def _say(message):
+    print(f"macs_kernels setup: {message}", file=sys.stderr)
+
+
+def cuda_extension():
+    """(ext_modules, cmdclass) for macs_kernels._C, or empty ones with the reason printed."""
+    absent = "the cuda backend will be absent (the torch and triton backends are unaffected)"
+    if os.environ.get("MACS_KERNELS_SKIP_CUDA_BUILD", "0").strip().lower() in ("1", "true", "yes", "on"):
+        _say(f"MACS_KERNELS_SKIP_CUDA_BUILD is set: not building macs_kernels._C; {absent}")
+        return [], {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+    except ImportError as error:
+        _say(f"torch is not importable ({error}): not building macs_kernels._C; {absent}")
+        return [], {}
+    if torch.version.cuda is None:
+        _say(f"torch {torch.__version__} has no CUDA: not building macs_kernels._C; {absent}")
+        return [], {}
+    if CUDA_HOME is None or not os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
+        _say(f"nvcc was not found (CUDA_HOME={CUDA_HOME}): not building macs_kernels._C; {absent}")
+        return [], {}
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+    _say(f"building macs_kernels._C with nvcc from {CUDA_HOME} for TORCH_CUDA_ARCH_LIST="
+         f"{os.environ.get('TORCH_CUDA_ARCH_LIST', '(the visible GPUs)')}")
+    root = os.path.dirname(os.path.abspath(__file__))
+    sources = sorted(glob.glob(os.path.join("csrc", "*", "*.cu"), root_dir=root)) + [os.path.join("csrc", "bindings.cpp")]
+    extension = CUDAExtension(
+        name="macs_kernels._C",
+        sources=sources,
+        include_dirs=[os.path.join(root, "csrc")],
+        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-lineinfo"]},
+    )
+    return [extension], {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = cuda_extension()
 
 setup(
     name="macs_kernels",
@@ -24,4 +74,6 @@ setup(
         "test": ["pytest", "pytest-benchmark", "scikit-learn"],
     },
     entry_points={"console_scripts": ["macs-kernels=macs_kernels.cli:main"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
 )

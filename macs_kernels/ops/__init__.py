@@ -17,13 +17,11 @@ import torch
 
 from ..config import MacsConfig
 from ._checks import check_lse, check_log_c, check_q_k, check_ranges, check_tensor, as_index
-from ._dispatch import BackendUnavailable, implementation, resolve_backend
-from .efficient_attention import efficient_attention
+from ._dispatch import BackendUnavailable, kernel, resolve_backend
 
 __all__ = [
     "BackendUnavailable",
     "decode_attention",
-    "efficient_attention",
     "macs_update",
     "macs_update_rows",
     "macs_zscore",
@@ -56,7 +54,7 @@ def macs_update(
         for name, value in (("input_start", input_start), ("input_end", input_end), ("kv_len", kv_len))
     )
     check_ranges(input_start, input_end, kv_len, k_cache.shape[2], log_c.shape[1])
-    implementation(resolve_backend(backend, q.device), "macs_update")(
+    kernel(backend, q.device, "macs_update")(
         q, k_cache, log_c, input_start=input_start, input_end=input_end, kv_len=kv_len, scale=float(scale),
         alpha=float(alpha), pooling=pooling, redistribute=redistribute, lse=lse,
     )
@@ -78,7 +76,7 @@ def macs_update_rows(
         for name, value in (("input_start", input_start), ("input_end", input_end), ("kv_len", kv_len))
     )
     check_ranges(input_start, input_end, kv_len, rows.shape[2], log_c.shape[1])
-    implementation(resolve_backend(backend, rows.device), "macs_update_rows")(
+    kernel(backend, rows.device, "macs_update_rows")(
         rows, log_c, input_start=input_start, input_end=input_end, kv_len=kv_len,
         alpha=float(alpha), pooling=pooling, redistribute=redistribute,
     )
@@ -97,7 +95,7 @@ def macs_zscore(log_c, n_input, *, backend=None) -> torch.Tensor:
     counts = n_input.cpu()
     if bool(((counts < 1) | (counts > log_c.shape[1])).any()):
         raise ValueError(f"n_input must lie in [1, {log_c.shape[1]}], got {counts.tolist()}")
-    return implementation(resolve_backend(backend, log_c.device), "macs_zscore")(log_c, n_input)
+    return kernel(backend, log_c.device, "macs_zscore")(log_c, n_input)
 
 
 def decode_attention(
@@ -125,7 +123,7 @@ def decode_attention(
         check_log_c(log_c, batch, q.device)
         input_end = as_index("input_end", input_end, batch, q.device)
         check_ranges(kv_start, input_end, kv_len, k_cache.shape[2], log_c.shape[1])
-    return implementation(resolve_backend(backend, q.device), "decode_attention")(
+    return kernel(backend, q.device, "decode_attention")(
         q, k_cache, v_cache, kv_start=kv_start, kv_len=kv_len, scale=float(scale), log_c=log_c,
         input_end=input_end, alpha=float(alpha), pooling=pooling, redistribute=redistribute,
     )

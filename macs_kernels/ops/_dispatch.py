@@ -48,32 +48,46 @@ def why_unavailable(backend: str, device: torch.device) -> str | None:
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS} or None")
 
 
-def resolve_backend(backend: str | None, device: torch.device) -> str:
-    """The backend to run on `device`: the named one (raising if it cannot run) or the best available.
+_MODULES = {
+    "torch": "macs_kernels.ops.torch_backend",
+    "triton": "macs_kernels.ops.triton",
+    "cuda": "macs_kernels.ops.cuda",
+}
 
-    Automatic choice never picks the Triton interpreter: it is for tests, and thousands of times slower.
+
+def _has_op(backend: str, op: str | None) -> bool:
+    return op is None or hasattr(importlib.import_module(_MODULES[backend]), op)
+
+
+def resolve_backend(backend: str | None, device: torch.device, op: str | None = None) -> str:
+    """The backend to run `op` on `device`: the named one (raising if it cannot run) or the best available.
+
+    Automatic choice never picks the Triton interpreter (it is for tests, and thousands of times slower),
+    and skips backends that have no kernel for `op`.
     """
     device = torch.device(device)
     if backend is not None:
         reason = why_unavailable(backend, device)
+        if reason is None and not _has_op(backend, op):
+            reason = f"it has no {op} kernel"
         if reason is not None:
             raise BackendUnavailable(f"backend {backend!r} is unavailable: {reason}")
         return backend
     if device.type == "cuda":
         for candidate in ("cuda", "triton"):
-            if why_unavailable(candidate, device) is None:
+            if why_unavailable(candidate, device) is None and _has_op(candidate, op):
                 return candidate
     return "torch"
 
 
 def implementation(backend: str, op: str):
     """The function that computes `op` on `backend` (arguments already validated)."""
-    module = {
-        "torch": "macs_kernels.ops.torch_backend",
-        "triton": "macs_kernels.ops.triton",
-        "cuda": "macs_kernels.ops.cuda",
-    }[backend]
-    function = getattr(importlib.import_module(module), op, None)
+    function = getattr(importlib.import_module(_MODULES[backend]), op, None)
     if function is None:
         raise BackendUnavailable(f"backend {backend!r} has no {op} kernel")
     return function
+
+
+def kernel(backend: str | None, device: torch.device, op: str):
+    """implementation(resolve_backend(backend, device, op), op): the kernel that runs `op` here."""
+    return implementation(resolve_backend(backend, device, op), op)

@@ -1,0 +1,110 @@
+// Torch-free helpers shared by the MACS kernels: element conversion, 16-byte loads, reductions.
+//
+// Everything compiles under torch's extension flags (__CUDA_NO_HALF_OPERATORS__,
+// __CUDA_NO_HALF_CONVERSIONS__, __CUDA_NO_BFLOAT16_CONVERSIONS__): conversions are explicit calls.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace macs {
+
+// Same order as the schema's strings "max", "mean", "min" (see launch.cu).
+enum class Pooling : int { kMax = 0, kMean = 1, kMin = 2 };
+
+constexpr float kNegInf = -__builtin_huge_valf();
+
+__host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// Elements per 16-byte load of T.
+template <typename T>
+constexpr int kVec16 = 16 / sizeof(T);
+
+// Loads VEC consecutive elements as floats: one 16-byte transaction when VEC * sizeof(T) == 16 (the
+// launcher guarantees the alignment then), element by element when VEC == 1.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_floats(const T* __restrict__ src, float (&dst)[VEC]) {
+  if constexpr (VEC * sizeof(T) == 16) {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src));
+    const T* elements = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) dst[i] = to_float(elements[i]);
+  } else {
+    static_assert(VEC == 1, "VEC is either one element or 16 bytes");
+    dst[0] = to_float(src[0]);
+  }
+}
+
+// (B,) index tensor; stride 0 when one value was broadcast over the batch.
+struct Index {
+  const int64_t* data;
+  int64_t stride;
+  __device__ __forceinline__ int64_t operator[](int64_t b) const { return data[b * stride]; }
+};
+
+// Key range [start, input_end, end) of one row, clamped into [0, keys]: the public ops validate the
+// values, and clamping keeps a direct torch.ops call with bad indices from reading out of bounds.
+struct KeyRange {
+  int64_t start, input_end, end;
+  __device__ __forceinline__ KeyRange(const Index& start_, const Index& input_end_, const Index& end_,
+                                      int64_t b, int64_t keys) {
+    end = min(max(end_[b], int64_t(0)), keys);
+    start = min(max(start_[b], int64_t(0)), end);
+    input_end = min(max(input_end_[b], start), end);
+  }
+};
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+
+// Block-wide sum or max; every thread gets the result. `scratch` holds 32 floats; blockDim.x is a
+// multiple of 32.
+template <bool IS_MAX>
+__device__ float block_reduce(float x, float* scratch) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  x = IS_MAX ? warp_max(x) : warp_sum(x);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  x = lane < warps ? scratch[lane] : (IS_MAX ? kNegInf : 0.0f);
+  return IS_MAX ? warp_max(x) : warp_sum(x);
+}
+
+// log-sum-exp state (m, l): sum = l * exp(m); m = -inf and l = 0 when empty.
+struct SoftmaxState {
+  float m, l;
+  __device__ __forceinline__ void merge(float other_m, float other_l) {
+    const float top = fmaxf(m, other_m);
+    if (top == kNegInf) return;
+    l = l * expf(m - top) + other_l * expf(other_m - top);
+    m = top;
+  }
+  __device__ __forceinline__ float lse() const { return l > 0.0f ? m + logf(l) : kNegInf; }
+};
+
+}  // namespace macs

@@ -1,0 +1,21 @@
+#include "launch_utils.h"
+#include "launchers.h"
+#include "macs_zscore/kernel.cuh"
+
+namespace macs {
+
+at::Tensor macs_zscore_cuda(const at::Tensor& log_c, const at::Tensor& n_input) {
+  constexpr const char* op = "macs_zscore";
+  check_log_c(op, log_c, log_c.size(0), log_c);
+  const int64_t batch = log_c.size(0), n_max = log_c.size(1);
+  const Index counts = index_arg(op, "n_input", n_input, batch, log_c);
+  at::Tensor z = at::empty({batch, n_max}, log_c.options());
+  if (batch == 0 || n_max == 0) return z;
+
+  const c10::cuda::CUDAGuard guard(log_c.device());
+  const ZscoreParams p{log_c.data_ptr<float>(), counts, z.data_ptr<float>(), batch, n_max};
+  check_launch(op, macs_zscore(p, c10::cuda::getCurrentCUDAStream()));
+  return z;
+}
+
+}  // namespace macs

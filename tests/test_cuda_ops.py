@@ -1,0 +1,211 @@
+"""The cuda backend (macs_kernels._C) against the float64 references, on a pairwise grid of shapes and options.
+
+Needs a CUDA device and the built extension; skips with the reason otherwise, so a GPU session runs it as is.
+"""
+import importlib
+
+import pytest
+import torch
+
+from macs_kernels import ops, reference
+from tests.tolerances import RELATIVE_ERROR, relative_error
+
+
+def _why_skip():
+    if not torch.cuda.is_available():
+        return "no CUDA device: the cuda backend runs on CUDA tensors only"
+    try:
+        importlib.import_module("macs_kernels.ops.cuda")
+    except ImportError as error:
+        return str(error)
+    return None
+
+
+pytestmark = pytest.mark.skipif(_why_skip() is not None, reason=str(_why_skip()))
+
+FACTORS = {
+    "keys": (1, 113, 1023),
+    "dim": (64, 128),
+    "group": (1, 3, 4, 8),
+    "batch": (1, 3),
+    "pooling": ("max", "mean", "min"),
+    "alpha": (0.2, 0.8, 1.0),
+    "redistribute": (True, False),
+    "with_lse": (True, False),
+    "dtype": (torch.float32, torch.float16, torch.bfloat16),
+}
+
+
+def pairwise(factors):
+    """A small set of cases in which every pair of values of two factors occurs (greedy, deterministic)."""
+    names = list(factors)
+
+    def pair(x, vx, y, vy):
+        return (x, vx, y, vy) if names.index(x) < names.index(y) else (y, vy, x, vx)
+
+    uncovered = {pair(x, vx, y, vy) for i, x in enumerate(names) for y in names[i + 1:]
+                 for vx in factors[x] for vy in factors[y]}
+    cases = []
+    while uncovered:
+        x, vx, y, vy = min(uncovered, key=repr)
+        case = {x: vx, y: vy}
+        for name in names:
+            if name not in case:
+                case[name] = max(factors[name], key=lambda v: sum(pair(o, case[o], name, v) in uncovered for o in case))
+        uncovered -= {pair(x, case[x], y, case[y]) for i, x in enumerate(names) for y in names[i + 1:]}
+        cases.append({name: case[name] for name in names})
+    return cases
+
+
+CASES = pairwise(FACTORS)
+CASE_IDS = ["-".join(str(v).replace("torch.", "") for v in case.values()) for case in CASES]
+KV_HEADS = 2
+
+
+def ranges(keys, batch):
+    """(input_start, input_end, kv_len) per row: left pads, generated tokens, unused cache slots, N = 1."""
+    if keys == 1:
+        return [0] * batch, [1] * batch, [1] * batch
+    rows = [(0, keys // 2, keys), (3, keys - 20, keys - 7), (keys // 3, keys // 3 + 1, keys // 3 + 6)][:batch]
+    return tuple(list(column) for column in zip(*rows))
+
+
+def make_inputs(case, device="cuda"):
+    heads = KV_HEADS * case["group"]
+    q = 2 * torch.randn(case["batch"], heads, case["dim"], device=device)
+    k_cache = torch.randn(case["batch"], KV_HEADS, case["keys"], case["dim"], device=device)
+    v_cache = torch.randn(case["batch"], KV_HEADS, case["keys"], case["dim"], device=device)
+    start, end, length = ranges(case["keys"], case["batch"])
+    n_max = max(e - s for s, e in zip(start, end)) + 2  # columns past N_b must stay as they are
+    log_c = -torch.rand(case["batch"], n_max, device=device)
+    dtype = case["dtype"]
+    return q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), log_c, start, end, length
+
+
+def reference_lse(q, k_cache, start, length, scale):
+    group = q.shape[1] // k_cache.shape[1]
+    return torch.tensor([
+        [reference.softmax_row_reference(q[b, h], k_cache[b, h // group, start[b]:length[b]], scale)[1].item()
+         for h in range(q.shape[1])]
+        for b in range(q.shape[0])
+    ], dtype=torch.float32, device=q.device)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_macs_update(case):
+    q, k_cache, _, log_c, start, end, length = make_inputs(case)
+    scale = case["dim"] ** -0.5
+    options = dict(alpha=case["alpha"], pooling=case["pooling"], redistribute=case["redistribute"])
+    expected = reference.macs_update_reference(
+        q, k_cache, log_c, input_start=start, input_end=end, kv_len=length, scale=scale, **options
+    )
+    lse = reference_lse(q, k_cache, start, length, scale) if case["with_lse"] else None
+    ops.macs_update(q, k_cache, log_c, input_start=start, input_end=end, kv_len=length, scale=scale, lse=lse,
+                    backend="cuda", **options)
+    assert relative_error(log_c, expected) < RELATIVE_ERROR[case["dtype"]]
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_macs_update_rows(case):
+    q, _, _, log_c, start, end, length = make_inputs(case)
+    heads, keys = q.shape[1], case["keys"]
+    # Efficient-attention rows: mostly small positive, some negative (pooling clamps them).
+    rows = (torch.rand(case["batch"], heads, keys, device="cuda") - 0.1).div(max(keys, 2) ** 0.5).to(case["dtype"])
+    options = dict(alpha=case["alpha"], pooling=case["pooling"], redistribute=case["redistribute"])
+    expected = reference.macs_update_rows_reference(
+        rows, log_c, input_start=start, input_end=end, kv_len=length, **options
+    )
+    ops.macs_update_rows(rows, log_c, input_start=start, input_end=end, kv_len=length, backend="cuda", **options)
+    assert relative_error(log_c, expected) < RELATIVE_ERROR[case["dtype"]]
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_decode_attention(case):
+    q, k_cache, v_cache, log_c, start, end, length = make_inputs(case)
+    scale = case["dim"] ** -0.5
+    fused = case["with_lse"]  # the factor doubles as "with the MACS update" here
+    options = dict(alpha=case["alpha"], pooling=case["pooling"], redistribute=case["redistribute"])
+    expected_out, expected_lse = reference.decode_attention_reference(
+        q, k_cache, v_cache, kv_start=start, kv_len=length, scale=scale
+    )
+    expected_log_c = reference.macs_update_reference(
+        q, k_cache, log_c, input_start=start, input_end=end, kv_len=length, scale=scale, **options
+    )
+    out, lse = ops.decode_attention(
+        q, k_cache, v_cache, kv_start=start, kv_len=length, scale=scale, log_c=log_c if fused else None,
+        input_end=end if fused else None, backend="cuda", **options,
+    )
+    tolerance = RELATIVE_ERROR[case["dtype"]]
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    assert relative_error(out, expected_out) < tolerance
+    assert relative_error(lse, expected_lse) < tolerance
+    if fused:
+        assert relative_error(log_c, expected_log_c) < tolerance
+
+
+@pytest.mark.parametrize(
+    "batch, kv_heads, group, keys, dim, dtype",
+    [
+        (3, 8, 4, 5000, 128, torch.bfloat16),  # many tiles per split: the online softmax rescales
+        (1, 2, 16, 300, 256, torch.float16),  # G * D_v = 4096: 256 threads, > 48 KB shared memory
+        (2, 3, 3, 700, 66, torch.float32),  # rows not 16-byte aligned: element-wise loads
+    ],
+)
+def test_decode_attention_long_and_odd_shapes(batch, kv_heads, group, keys, dim, dtype):
+    heads = kv_heads * group
+    q = torch.randn(batch, heads, dim, device="cuda").to(dtype)
+    # Views, as a model hands them over: a transposed query and caches with spare capacity.
+    k_cache = torch.randn(batch, keys + 9, kv_heads, dim, device="cuda").to(dtype).transpose(1, 2)[:, :, :keys]
+    v_cache = torch.randn(batch, kv_heads, keys, dim, device="cuda").to(dtype)
+    start = [5 * b for b in range(batch)]
+    length = [keys - 2 * b for b in range(batch)]
+    end = [s + (n - s) // 2 for s, n in zip(start, length)]
+    log_c = -torch.rand(batch, max(e - s for s, e in zip(start, end)), device="cuda")
+    scale = dim ** -0.5
+    expected_out, expected_lse = reference.decode_attention_reference(
+        q, k_cache, v_cache, kv_start=start, kv_len=length, scale=scale
+    )
+    expected_log_c = reference.macs_update_reference(
+        q, k_cache, log_c, input_start=start, input_end=end, kv_len=length, scale=scale
+    )
+    out, lse = ops.decode_attention(q, k_cache, v_cache, kv_start=start, kv_len=length, scale=scale, log_c=log_c,
+                                    input_end=end, backend="cuda")
+    assert relative_error(out, expected_out) < RELATIVE_ERROR[dtype]
+    assert relative_error(lse, expected_lse) < RELATIVE_ERROR[dtype]
+    assert relative_error(log_c, expected_log_c) < RELATIVE_ERROR[dtype]
+
+
+@pytest.mark.parametrize("n_max", [1, 113, 1023, 5000])
+def test_macs_zscore(n_max):
+    log_c = -3 * torch.rand(4, n_max, device="cuda")
+    log_c[2] = -2.0  # constant: std 0, zeros
+    log_c[3] = float("-inf")  # all attention underflowed: zeros
+    counts = [n_max, max(1, n_max // 2), n_max, n_max]
+    z = ops.macs_zscore(log_c, counts, backend="cuda")
+    assert relative_error(z, reference.macs_zscore_reference(log_c, counts)) < RELATIVE_ERROR[torch.float32]
+
+
+def test_cuda_equals_torch_backend_through_the_operators():
+    case = dict(CASES[0], keys=113, batch=3)
+    q, k_cache, v_cache, log_c, start, end, length = make_inputs(case)
+    got = ops.decode_attention(q, k_cache, v_cache, kv_start=start, kv_len=length, scale=0.1, log_c=log_c.clone(),
+                               input_end=end, backend="cuda")
+    want = ops.decode_attention(q, k_cache, v_cache, kv_start=start, kv_len=length, scale=0.1,
+                                log_c=log_c.clone(), input_end=end, backend="torch")
+    for g, w in zip(got, want):
+        assert relative_error(g, w) < RELATIVE_ERROR[case["dtype"]]
+
+
+def test_launcher_errors_are_readable():
+    q = torch.randn(1, 4, 64, device="cuda", dtype=torch.float16)
+    k_cache = torch.randn(1, 2, 10, 64, device="cuda")
+    index = torch.tensor([0], device="cuda")
+    log_c = torch.zeros(1, 5, device="cuda")
+    with pytest.raises(RuntimeError, match="q and k_cache must share a dtype"):
+        torch.ops.macs_kernels.macs_update(q, k_cache, log_c, index, index + 5, index + 10, 0.1, 0.8, "max", True, None)
+    with pytest.raises(RuntimeError, match="pooling must be"):
+        torch.ops.macs_kernels.macs_update(q, k_cache.half(), log_c, index, index + 5, index + 10, 0.1, 0.8, "median",
+                                           True, None)
+    with pytest.raises(RuntimeError, match="input_end must be int64"):
+        torch.ops.macs_kernels.macs_update(q, k_cache.half(), log_c, index, (index + 5).int(), index + 10, 0.1, 0.8,
+                                           "max", True, None)
