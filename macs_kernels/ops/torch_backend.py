@@ -96,3 +96,4 @@ def decode_attention(q, k_cache, v_cache, *, kv_start, kv_len, scale, log_c, inp
     return out.to(q.dtype), lse
 
 
+from .torch_efficient import efficient_attention  # noqa: E402,F401
