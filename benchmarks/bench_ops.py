@@ -123,6 +123,9 @@ PROVIDERS = (
     Provider("triton", OPS, lambda d: gpu_with()(d) or why_unavailable("triton", d), backend_call("triton")),
     Provider("triton-attention-only", ("decode_attention",),
              lambda d: gpu_with()(d) or why_unavailable("triton", d), backend_call("triton", fused=False)),
+    Provider("cuda", OPS, lambda d: gpu_with()(d) or why_unavailable("cuda", d), backend_call("cuda")),
+    Provider("cuda-attention-only", ("decode_attention",),
+             lambda d: gpu_with()(d) or why_unavailable("cuda", d), backend_call("cuda", fused=False)),
     Provider("torch-flash", ("decode_attention",), gpu_with(), torch_flash_call),
     Provider("flash-attn", ("decode_attention",), gpu_with("flash_attn"), flash_attn_call),
 )

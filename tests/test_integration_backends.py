@@ -1,0 +1,49 @@
+"""explain() with the Triton and CUDA backends equals the torch backend, and the kernels really run.
+
+Triton runs in its interpreter on CPU with the real default model. The CUDA backend needs a GPU and the
+compiled extension; there the model is random-initialised with the default model's shape (weights do not
+travel to GPU machines).
+"""
+import pytest
+import torch
+
+from macs_kernels import explain
+from macs_kernels.ops._dispatch import why_unavailable
+from tests.helpers import default_model
+
+
+def _compare(model, tokenizer, backend, prompt, max_new_tokens=3):
+    reference = explain(model, tokenizer, prompt, max_new_tokens=max_new_tokens, backend="torch")
+    traced = explain(model, tokenizer, prompt, max_new_tokens=max_new_tokens, backend=backend)
+    assert traced.config["backend"] == backend
+    assert torch.equal(traced.generated_ids, reference.generated_ids)
+    assert (traced.step_scores - reference.step_scores).abs().max() <= 1e-4
+    assert torch.allclose(traced.step_log_c, reference.step_log_c, rtol=1e-4, atol=1e-4)
+
+
+def test_triton_backend_equals_torch_backend_and_really_runs():
+    pytest.importorskip("triton")
+    from macs_kernels.ops.triton import LAUNCHES
+
+    model, tokenizer = default_model()
+    LAUNCHES.clear()
+    _compare(model, tokenizer, "triton", "Name the capital of France.")
+    layers = model.config.num_hidden_layers
+    # Prefill: macs_update per layer; two decode steps: the fused split-KV decode per layer.
+    assert LAUNCHES, "no Triton kernel ran: the backend fell back silently"
+    assert LAUNCHES["_decode_split_kernel"] >= 3 * layers
+
+
+@pytest.mark.gpu
+def test_cuda_backend_equals_torch_backend_on_a_model_of_the_default_shape():
+    device = torch.device("cuda") if torch.cuda.is_available() else None
+    if device is None or why_unavailable("cuda", device):
+        pytest.skip("needs a CUDA device and the compiled extension macs_kernels._C")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from macs_kernels.models import default_model_path, load_tokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(default_model_path()), dtype=torch.float32)
+    model = model.to(device).eval()
+    _compare(model, load_tokenizer(), "cuda", "Name the capital of France.", max_new_tokens=8)
