@@ -7,15 +7,29 @@ import json
 import torch
 
 
-def _unit(scores: torch.Tensor) -> list[float]:
-    """Scores mapped to [0, 1] for colouring (z-scores: 0 and below are cold, the maximum is hottest)."""
-    scores = scores.float().clamp_min(0.0)
-    top = float(scores.max()) if scores.numel() else 0.0
-    return (scores / top).tolist() if top > 0 else [0.0] * scores.numel()
+def _unit(values: torch.Tensor) -> list[float]:
+    """Values mapped to [0, 1] between their finite minimum and maximum (-inf, an underflowed log, is 0).
+
+    Colour follows the log-domain score, not the z-score: z of exp(log c) is dominated by the attention
+    sink (the first token), so inside a context every z is a tie just below 0.
+    """
+    values = values.double()
+    finite = torch.isfinite(values)
+    if not finite.any():
+        return [0.0] * values.numel()
+    low, high = values[finite].min(), values[finite].max()
+    if high <= low:
+        return [0.0] * values.numel()
+    return torch.where(finite, (values - low) / (high - low), torch.zeros_like(values)).tolist()
+
+
+def _step_log_c(explanation, step: int | None) -> torch.Tensor:
+    """The log-domain row of `step`, or the mean over steps (-inf where any step underflowed)."""
+    return explanation.step_log_c.mean(dim=0) if step is None else explanation.step_log_c[step]
 
 
 def heatmap_text(tokens: list[str], scores: torch.Tensor, span: tuple[int, int] | None = None):
-    """A rich Text of the tokens with backgrounds from white (score <= 0) to red (the maximum)."""
+    """A rich Text of the tokens in `span`, from white (the span's lowest score) to red (its highest)."""
     from rich.text import Text
 
     start, end = span if span else (0, len(tokens))
@@ -33,10 +47,10 @@ def print_explanation(explanation, *, step: int | None = None, span=None, consol
     console = console or Console()
     if step is not None and not -len(explanation.generated_ids) <= step < len(explanation.generated_ids):
         raise ValueError(f"step {step} is out of range: {len(explanation.generated_ids)} tokens were generated")
-    scores = explanation.scores if step is None else explanation.step_scores[step]
+    scores = _step_log_c(explanation, step)
     what = "mean over steps" if step is None else f"step {step} ({explanation.generated_tokens[step]!r})"
     console.print(f"[bold]Answer:[/bold] {explanation.text}")
-    console.print(f"[bold]MACS attribution[/bold] ({what}):")
+    console.print(f"[bold]MACS attribution[/bold] ({what}; colour: log consistency, lowest to highest):")
     console.print(heatmap_text(explanation.input_tokens, scores, span or explanation.source_span))
 
 
@@ -52,7 +66,8 @@ body {{ font-family: system-ui, sans-serif; margin: 2em; max-width: 60em; }}
 </style></head><body>
 <h1>{title}</h1>
 <p class="note">Hover or click a generated token to see what it attended to; away from the answer, the
-page shows the mean over all steps. Colour: MACS z-score, white at or below 0, red at the maximum.</p>
+page shows the mean over all steps. Colour: MACS log consistency within the shown tokens, white at the
+lowest, red at the highest; the tooltip gives the z-score.</p>
 <h2>Answer</h2><div class="answer" id="answer"></div>
 <h2 id="caption">Prompt</h2><div class="prompt" id="prompt"></div>
 <script>
@@ -61,26 +76,25 @@ const prompt = document.getElementById("prompt"), answer = document.getElementBy
 const caption = document.getElementById("caption");
 const cells = data.input_tokens.slice(data.span[0], data.span[1]).map(tok => {{
   const s = document.createElement("span"); s.textContent = tok; prompt.appendChild(s); return s; }});
-function paint(row, label) {{
-  const part = row.slice(data.span[0], data.span[1]);
-  const top = Math.max(0, ...part);
-  part.forEach((v, i) => {{
-    const w = top > 0 ? Math.max(0, v) / top : 0, f = Math.round(255 * (1 - w));
-    cells[i].style.background = `rgb(255,${{f}},${{f}})`; cells[i].title = v.toFixed(3); }});
+function paint(k, label) {{
+  const heat = k === null ? data.heat_mean : data.heat[k], z = k === null ? data.scores : data.step_scores[k];
+  heat.forEach((w, i) => {{
+    const f = Math.round(255 * (1 - w));
+    cells[i].style.background = `rgb(255,${{f}},${{f}})`; cells[i].title = "z = " + z[data.span[0] + i].toFixed(3); }});
   caption.textContent = "Prompt: " + label;
 }}
 let pinned = null;
 data.generated_tokens.forEach((tok, k) => {{
   const s = document.createElement("span"); s.textContent = tok; answer.appendChild(s);
-  s.addEventListener("mouseenter", () => {{ if (pinned === null) paint(data.step_scores[k], `step ${{k}} (${{JSON.stringify(tok)}})`); }});
-  s.addEventListener("mouseleave", () => {{ if (pinned === null) paint(data.scores, "mean over steps"); }});
+  s.addEventListener("mouseenter", () => {{ if (pinned === null) paint(k, `step ${{k}} (${{JSON.stringify(tok)}})`); }});
+  s.addEventListener("mouseleave", () => {{ if (pinned === null) paint(null, "mean over steps"); }});
   s.addEventListener("click", () => {{
     answer.querySelectorAll("span").forEach(x => x.classList.remove("active"));
-    if (pinned === k) {{ pinned = null; paint(data.scores, "mean over steps"); return; }}
-    pinned = k; s.classList.add("active"); paint(data.step_scores[k], `step ${{k}} (${{JSON.stringify(tok)}}), pinned`);
+    if (pinned === k) {{ pinned = null; paint(null, "mean over steps"); return; }}
+    pinned = k; s.classList.add("active"); paint(k, `step ${{k}} (${{JSON.stringify(tok)}}), pinned`);
   }});
 }});
-paint(data.scores, "mean over steps");
+paint(null, "mean over steps");
 </script></body></html>
 """
 
@@ -94,6 +108,8 @@ def explanation_html(explanation, *, title: str = "MACS attribution") -> str:
         "step_scores": [[round(v, 4) for v in row] for row in explanation.step_scores.tolist()],
         "scores": [round(v, 4) for v in explanation.scores.tolist()],
         "span": list(span),
+        "heat": [[round(w, 4) for w in _unit(row[span[0]:span[1]])] for row in explanation.step_log_c],
+        "heat_mean": [round(w, 4) for w in _unit(_step_log_c(explanation, None)[span[0]:span[1]])],
     }
     # "</" inside a token would end the script element early.
     payload = json.dumps(data).replace("</", "<\\/")
