@@ -29,7 +29,7 @@ def test_html_heat_is_per_step_within_the_span():
     assert data["span"] == [1, 5]
     assert data["heat"][0] == [1.0, 0.0, 0.0, 0.5]       # step 0 over tokens A..D
     assert data["heat"][1] == [0.6667, 1.0, 0.0, 0.6667]  # step 1: B highest, C lowest
-    assert data["heat_mean"] == [1.0, 0.0, 0.0, 0.5]     # the mean carries step 0's -inf at C
+    assert data["heat_mean"] == [1.0, 0.0, 0.0, 0.0]     # mean over steps: [-1.5, -2, -inf, -2]
 
 
 def test_terminal_heatmap_shows_the_span_and_the_step():
