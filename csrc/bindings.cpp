@@ -10,6 +10,7 @@ TORCH_LIBRARY_IMPL(macs_kernels, CUDA, m) {
   m.impl("macs_update_rows", &macs::macs_update_rows_cuda);
   m.impl("macs_zscore", &macs::macs_zscore_cuda);
   m.impl("decode_attention", &macs::decode_attention_cuda);
+  m.impl("attention_features", &macs::attention_features_cuda);
 }
 
 // Importing the module runs the registration above; the module itself has no attributes.

@@ -27,4 +27,9 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
     const at::Tensor& kv_len, double scale, const std::optional<at::Tensor>& log_c,
     const std::optional<at::Tensor>& input_end, double alpha, std::string_view pooling, bool redistribute);
 
+at::Tensor attention_features_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& source_start,
+                                   const at::Tensor& source_end, const at::Tensor& kv_start, const at::Tensor& kv_len,
+                                   const at::Tensor& n_rows, int64_t n_max, double scale,
+                                   const std::optional<at::Tensor>& lse);
+
 }  // namespace macs

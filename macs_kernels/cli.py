@@ -38,10 +38,17 @@ def _explain_parser(subparsers) -> None:
     parser.add_argument("--json", type=Path, help="write the explanation as JSON here")
     parser.add_argument("--html", type=Path, help="write a self-contained HTML page here")
     add_model_arguments(parser)
+    from .at2.cli import add_explain_arguments
+
+    add_explain_arguments(parser)
     parser.set_defaults(run=run_explain)
 
 
 def run_explain(args) -> int:
+    if args.method == "at2":
+        from .at2.cli import run_explain_at2
+
+        return run_explain_at2(args)
     from .explanation import explain
     from .prompts import qa_messages
     from .viz import print_explanation
@@ -71,7 +78,7 @@ def run_explain(args) -> int:
 
 
 # Each subcommand module exposes add_parser(subparsers) and keeps heavy imports inside its run function.
-SUBCOMMAND_MODULES: tuple[str, ...] = ()
+SUBCOMMAND_MODULES: tuple[str, ...] = ("macs_kernels.at2.cli", "macs_kernels.evaluation.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -151,7 +151,8 @@ def efficient_attention_reference(
     """
     batch, heads, rows, keys = p.shape
     group = heads // v_cache.shape[1]
-    kv_start = [0] * batch if kv_start is None else kv_start
+    kv_start = torch.as_tensor(0 if kv_start is None else kv_start).expand(batch)
+    kv_len = torch.as_tensor(kv_len).expand(batch)
     a_eff = torch.zeros(batch, heads, rows, keys, dtype=torch.float64)
     residual = torch.zeros(batch, heads, rows, dtype=torch.float64)
     bases = {}  # the query heads of one KV head share their keys' basis
@@ -169,3 +170,28 @@ def efficient_attention_reference(
                 norm = torch.cat([row_p @ values, row_p.sum()[None]]).norm()
                 residual[b, h, r] = error / norm if norm > 0 else error
     return a_eff, residual
+
+
+def attention_features_reference(
+    q, k_cache, *, source_start, source_end, kv_len, scale, kv_start=None, n_rows=None
+) -> torch.Tensor:
+    """Reference of ops.attention_features: q (B, H, R, D), k_cache (B, H_kv, S, D) -> (B, H, N_max) float64.
+
+    Valid row r < n_rows[b] attends [kv_start, kv_len - n_rows + r + 1); its probabilities on keys
+    [source_start, source_end) are added up per head.
+    """
+    batch, heads, rows, _ = q.shape
+    group = heads // k_cache.shape[1]
+    as_list = lambda t, default: [int(v) for v in torch.as_tensor(default if t is None else t).expand(batch).tolist()]  # noqa: E731
+    starts, ends = as_list(source_start, 0), as_list(source_end, 0)
+    lengths, kv_starts, counts = as_list(kv_len, 0), as_list(kv_start, 0), as_list(n_rows, rows)
+    out = torch.zeros(batch, heads, max(e - s for s, e in zip(starts, ends)), dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            for r in range(counts[b]):
+                end = lengths[b] - counts[b] + r + 1
+                p, _ = softmax_row_reference(q[b, h, r], k_cache[b, h // group, kv_starts[b]:end], scale)
+                stop = min(ends[b], end)
+                if stop > starts[b]:
+                    out[b, h, : stop - starts[b]] += p[starts[b] - kv_starts[b]: stop - kv_starts[b]]
+    return out

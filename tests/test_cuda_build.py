@@ -29,6 +29,7 @@ KERNELS = {
     "macs_update": ("split_kernel", "combine_kernel"),
     "macs_update_rows": ("generated_mass_kernel", "pool_kernel"),
     "macs_zscore": (),  # log_c is float32 whatever the model's dtype
+    "attention_features": ("features_kernel", "features_lse_kernel"),
 }
 
 

@@ -18,10 +18,12 @@ import torch
 from ..config import MacsConfig
 from ._checks import check_lse, check_log_c, check_q_k, check_ranges, check_tensor, as_index
 from ._dispatch import BackendUnavailable, kernel, resolve_backend
+from .attention_features import attention_features
 from .efficient_attention import efficient_attention
 
 __all__ = [
     "BackendUnavailable",
+    "attention_features",
     "decode_attention",
     "efficient_attention",
     "macs_update",

@@ -37,3 +37,7 @@ def decode_attention(q, k_cache, v_cache, *, kv_start, kv_len, scale, log_c, inp
     return _ops.decode_attention(
         q, k_cache, v_cache, kv_start, kv_len, scale, log_c, input_end, alpha, pooling, redistribute
     )
+
+
+def attention_features(q, k_cache, *, source_start, source_end, kv_start, kv_len, n_rows, n_max, scale, lse):
+    return _ops.attention_features(q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, n_max, scale, lse)

@@ -28,6 +28,10 @@ SCHEMAS = {
         "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_start, Tensor kv_len, float scale, "
         "Tensor(a!)? log_c, Tensor? input_end, float alpha, str pooling, bool redistribute) -> (Tensor, Tensor)"
     ),
+    "attention_features": (
+        "(Tensor q, Tensor k_cache, Tensor source_start, Tensor source_end, Tensor kv_start, Tensor kv_len, "
+        "Tensor n_rows, int n_max, float scale, Tensor? lse) -> Tensor"
+    ),
 }
 
 _library = torch.library.Library(NAMESPACE, "DEF")
@@ -62,6 +66,16 @@ _library.impl("macs_zscore", torch_backend.macs_zscore, "CPU")
 _library.impl("decode_attention", _cpu_decode_attention, "CPU")
 
 
+def _cpu_attention_features(q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, n_max, scale, lse):
+    return torch_backend.attention_features(
+        q, k_cache, source_start=source_start, source_end=source_end, kv_start=kv_start, kv_len=kv_len,
+        n_rows=n_rows, n_max=n_max, scale=scale, lse=lse,
+    )
+
+
+_library.impl("attention_features", _cpu_attention_features, "CPU")
+
+
 @torch.library.register_fake(f"{NAMESPACE}::macs_update", lib=_library)
 def _fake_macs_update(q, k_cache, log_c, input_start, input_end, kv_len, scale, alpha, pooling, redistribute, lse):
     return None
@@ -83,3 +97,8 @@ def _fake_decode_attention(q, k_cache, v_cache, kv_start, kv_len, scale, log_c, 
     out = q.new_empty((batch, heads, v_cache.shape[-1]))
     lse = q.new_empty((batch, heads), dtype=torch.float32)
     return out, lse
+
+
+@torch.library.register_fake(f"{NAMESPACE}::attention_features", lib=_library)
+def _fake_attention_features(q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, n_max, scale, lse):
+    return q.new_empty((q.shape[0], q.shape[1], n_max), dtype=torch.float32)

@@ -97,3 +97,4 @@ def decode_attention(q, k_cache, v_cache, *, kv_start, kv_len, scale, log_c, inp
 
 
 from .torch_efficient import efficient_attention  # noqa: E402,F401
+from .torch_features import attention_features  # noqa: E402,F401

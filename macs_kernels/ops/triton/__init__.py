@@ -3,11 +3,14 @@
 Same validated-argument signatures as ops/torch_backend.py. LAUNCHES counts launches per kernel name.
 """
 from ._launch import LAUNCHES
+from .attention_features import attention_features
 from .decode_attention import decode_attention
 from .efficient_attention import efficient_attention
-from .efficient_attention import efficient_attention  # noqa: F401
 from .macs_update import macs_update
 from .macs_update_rows import macs_update_rows
 from .macs_zscore import macs_zscore
 
-__all__ = ["LAUNCHES", "decode_attention", "efficient_attention", "macs_update", "macs_update_rows", "macs_zscore"]
+__all__ = [
+    "LAUNCHES", "attention_features", "decode_attention", "efficient_attention", "macs_update", "macs_update_rows",
+    "macs_zscore",
+]

@@ -1,0 +1,130 @@
+// AT2 features: per query head, the softmax attention of R target rows on a span of source keys, summed
+// over the rows. Valid row r (< n_rows[b]) attends keys [kv_start, kv_len - n_rows + r + 1).
+//
+// features_lse_kernel (only without a given lse): one warp per row, lanes stride over the row's keys with
+// an online log-sum-exp, merged across the warp.
+// features_kernel: one block per (b, h, tile of 32 source keys). The tile's keys sit in shared memory
+// (float, rows padded by one against bank conflicts); each warp takes one target row at a time, lane j
+// scores key j, and keeps its column's running sum over rows in a register; the warps' sums are added
+// at the end. Rows whose causal window ends before the tile are skipped.
+#pragma once
+
+#include "common.cuh"
+
+namespace macs {
+
+constexpr int kFeatureTile = 32;   // source keys per block: one per lane
+constexpr int kFeatureWarps = 8;   // rows scored at once
+constexpr int kFeatureMaxDim = 256;
+
+template <typename T>
+struct FeaturesParams {
+  const T* q;  // (B, H, R, D), unit last stride
+  int64_t q_sb, q_sh, q_sr;
+  const T* k;  // (B, H_kv, S, D), unit last stride
+  int64_t k_sb, k_sh, k_ss;
+  float* lse;  // (B, H, R) contiguous: read by features_kernel, written by features_lse_kernel
+  Index source_start, source_end, kv_start, kv_len, n_rows;
+  float scale;
+  int64_t batch, heads, group, rows, dim, keys, n_max;
+  float* out;  // (B, H, N_max) contiguous
+};
+
+// Row geometry of item b, clamped into the cache (the public op validates; clamping keeps direct
+// torch.ops calls with bad indices in bounds).
+struct FeatureRows {
+  int64_t start, n_rows, base;  // row r's keys: [start, base + r + 1)
+  __device__ __forceinline__ FeatureRows(const Index& kv_start, const Index& kv_len, const Index& n_rows_,
+                                         int64_t b, int64_t rows, int64_t keys) {
+    const int64_t end = min(max(kv_len[b], int64_t(0)), keys);
+    n_rows = min(max(n_rows_[b], int64_t(0)), min(rows, end));
+    base = end - n_rows;
+    start = min(max(kv_start[b], int64_t(0)), base);
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ float dot_row(const T* __restrict__ a, const float* __restrict__ b, int64_t dim) {
+  float s = 0.0f;
+  for (int64_t d = 0; d < dim; ++d) s = fmaf(to_float(a[d]), b[d], s);
+  return s;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kFeatureWarps * 32) features_lse_kernel(FeaturesParams<T> p) {
+  __shared__ float q_rows[kFeatureWarps][kFeatureMaxDim];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t bh = blockIdx.x, b = bh / p.heads, h = bh % p.heads;
+  const int64_t r = int64_t(blockIdx.y) * kFeatureWarps + warp;
+  const FeatureRows rows(p.kv_start, p.kv_len, p.n_rows, b, p.rows, p.keys);
+  if (r >= p.rows) return;
+  if (r >= rows.n_rows) {
+    if (lane == 0) p.lse[bh * p.rows + r] = 0.0f;
+    return;
+  }
+  const T* q = p.q + b * p.q_sb + h * p.q_sh + r * p.q_sr;
+  for (int64_t d = lane; d < p.dim; d += 32) q_rows[warp][d] = to_float(q[d]) * p.scale;
+  __syncwarp();
+  const T* k = p.k + b * p.k_sb + (h / p.group) * p.k_sh;
+  SoftmaxState state{kNegInf, 0.0f};
+  for (int64_t n = rows.start + lane; n < rows.base + r + 1; n += 32) {
+    const float s = dot_row(k + n * p.k_ss, q_rows[warp], p.dim);
+    state.merge(s, 1.0f);
+  }
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float m = __shfl_xor_sync(0xffffffffu, state.m, offset);
+    const float l = __shfl_xor_sync(0xffffffffu, state.l, offset);
+    state.merge(m, l);
+  }
+  if (lane == 0) p.lse[bh * p.rows + r] = state.lse();
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kFeatureWarps * 32) features_kernel(FeaturesParams<T> p) {
+  __shared__ float k_tile[kFeatureTile][kFeatureMaxDim + 1];
+  __shared__ float q_rows[kFeatureWarps][kFeatureMaxDim];
+  __shared__ float sums[kFeatureWarps][kFeatureTile];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t bh = blockIdx.x, b = bh / p.heads, h = bh % p.heads;
+  const FeatureRows rows(p.kv_start, p.kv_len, p.n_rows, b, p.rows, p.keys);
+  const int64_t source_end = min(max(p.source_end[b], int64_t(0)), p.keys);
+  const int64_t first_key = p.source_start[b] + int64_t(blockIdx.y) * kFeatureTile;
+  const int64_t tile_keys = max(min(int64_t(kFeatureTile), source_end - first_key), int64_t(0));
+
+  const T* k = p.k + b * p.k_sb + (h / p.group) * p.k_sh;
+  for (int64_t i = threadIdx.x; i < tile_keys * p.dim; i += blockDim.x) {
+    const int64_t j = i / p.dim, d = i % p.dim;
+    k_tile[j][d] = to_float(k[(first_key + j) * p.k_ss + d]);
+  }
+  __syncthreads();
+
+  const int64_t key = first_key + lane;
+  float acc = 0.0f;
+  // Row r sees key n when n <= base + r.
+  for (int64_t r = max(first_key - rows.base, int64_t(0)) + warp; r < rows.n_rows; r += kFeatureWarps) {
+    const T* q = p.q + b * p.q_sb + h * p.q_sh + r * p.q_sr;
+    __syncwarp();
+    for (int64_t d = lane; d < p.dim; d += 32) q_rows[warp][d] = to_float(q[d]);
+    __syncwarp();
+    if (lane < tile_keys && key <= rows.base + r) {
+      float s = 0.0f;
+      for (int64_t d = 0; d < p.dim; ++d) s = fmaf(q_rows[warp][d], k_tile[lane][d], s);
+      acc += expf(s * p.scale - p.lse[bh * p.rows + r]);
+    }
+  }
+  sums[warp][lane] = acc;
+  __syncthreads();
+  if (warp == 0) {
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kFeatureWarps; ++w) total += sums[w][lane];
+    const int64_t column = int64_t(blockIdx.y) * kFeatureTile + lane;
+    if (column < p.n_max) p.out[bh * p.n_max + column] = lane < tile_keys ? total : 0.0f;
+  }
+}
+
+// lse pass when compute_lse, then the features pass, on `stream`.
+template <typename T>
+cudaError_t attention_features(const FeaturesParams<T>& p, bool compute_lse, cudaStream_t stream);
+
+}  // namespace macs

@@ -1,0 +1,60 @@
+#include "attention_features/kernel.cuh"
+#include "launch_utils.h"
+#include "launchers.h"
+
+namespace macs {
+
+at::Tensor attention_features_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& source_start,
+                                   const at::Tensor& source_end, const at::Tensor& kv_start, const at::Tensor& kv_len,
+                                   const at::Tensor& n_rows, int64_t n_max, double scale,
+                                   const std::optional<at::Tensor>& lse) {
+  constexpr const char* op = "attention_features";
+  check_tensor(op, "q", q, 4, q);
+  check_tensor(op, "k_cache", k_cache, 4, q);
+  check_float(op, "q", q);
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), op, ": q and k_cache must share a dtype, got ",
+              q.scalar_type(), " and ", k_cache.scalar_type());
+  const int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2), dim = q.size(3);
+  TORCH_CHECK(k_cache.size(0) == batch && k_cache.size(3) == dim, op, ": k_cache must be (", batch, ", H_kv, S, ",
+              dim, "), got ", k_cache.sizes());
+  TORCH_CHECK(k_cache.size(1) > 0 && heads % k_cache.size(1) == 0, op, ": query heads (", heads,
+              ") must be a multiple of KV heads (", k_cache.size(1), ")");
+  TORCH_CHECK(dim <= kFeatureMaxDim, op, ": the cuda backend supports D <= ", kFeatureMaxDim, ", got ", dim);
+  TORCH_CHECK(n_max >= 0, op, ": n_max must be >= 0, got ", n_max);
+  FeaturesParams<float> index{};
+  index.source_start = index_arg(op, "source_start", source_start, batch, q);
+  index.source_end = index_arg(op, "source_end", source_end, batch, q);
+  index.kv_start = index_arg(op, "kv_start", kv_start, batch, q);
+  index.kv_len = index_arg(op, "kv_len", kv_len, batch, q);
+  index.n_rows = index_arg(op, "n_rows", n_rows, batch, q);
+  const auto floats = q.options().dtype(at::kFloat);
+  at::Tensor lse_float;
+  if (lse.has_value()) {
+    check_tensor(op, "lse", *lse, 3, q);
+    TORCH_CHECK(lse->size(0) == batch && lse->size(1) == heads && lse->size(2) == rows, op, ": lse must be (",
+                batch, ", ", heads, ", ", rows, "), got ", lse->sizes());
+    TORCH_CHECK(lse->is_floating_point(), op, ": lse must be floating point, got ", lse->scalar_type());
+    lse_float = lse->to(at::kFloat).contiguous();
+  } else {
+    lse_float = at::empty({batch, heads, rows}, floats);
+  }
+  at::Tensor out = at::empty({batch, heads, n_max}, floats);
+  if (batch == 0 || heads == 0 || n_max == 0) return out;
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  dispatch_float(op, q.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const FeaturesParams<T> p{
+        pointer<T>(q), q.stride(0), q.stride(1), q.stride(2),
+        pointer<T>(k_cache), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        lse_float.data_ptr<float>(),
+        index.source_start, index.source_end, index.kv_start, index.kv_len, index.n_rows,
+        float(scale), batch, heads, heads / k_cache.size(1), rows, dim, k_cache.size(2), n_max,
+        out.data_ptr<float>(),
+    };
+    check_launch(op, attention_features<T>(p, !lse.has_value(), c10::cuda::getCurrentCUDAStream()));
+  });
+  return out;
+}
+
+}  // namespace macs

@@ -1,0 +1,116 @@
+"""AT2 features from an sdpa/FlashAttention model: captured post-RoPE queries + the KV cache -> attention_features.
+
+Two ways to get the queries of the target rows (the row that predicts response token t is the query at
+position t - 1, i.e. the last query of the forward pass that produced t):
+
+- during generation: `QueryCapture()` inside `attach(model, hooks=[capture])` keeps, per layer, the last
+  query of every pass (B, H, D) and the latest key tensor: after generate, `capture.features(...)` gives
+  the features of any target token range with one attention_features call per layer;
+- one forward (training): `forward_capture` runs the model once over prompt + response[:-1] and keeps the
+  last R queries of every layer.
+
+Memory: the queries are L x T x H x D; the features L x H x N. The (L, H, T, N) attention tensor is never
+built: each layer's rows are reduced over the target rows inside the op.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..ops import attention_features
+from ..tracing import TraceHook, attach
+
+
+class QueryCapture(TraceHook):
+    """Per layer: the last `rows` queries of each pass (appended), and the latest key tensor.
+
+    rows=1 (default) is the generation mode. After the traced call, `kv_start` (B,) are the left pads and
+    `kv_len` (B,) is the key after the last captured row.
+    """
+
+    def __init__(self, rows: int = 1):
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1, got {rows}")
+        self.rows = rows
+        self.queries: list[list[torch.Tensor]] = []
+        self.keys: list[torch.Tensor | None] = []
+        self.kv_start = self.kv_len = None
+
+    def begin_pass(self, tracer, prefill: bool) -> None:
+        if prefill:
+            self.queries = [[] for _ in range(tracer.num_layers)]
+            self.keys = [None] * tracer.num_layers
+            self.kv_start = tracer.input_start
+
+    def layer(self, tracer, layer_idx, query, key, value, output) -> None:
+        if query.shape[2] < self.rows:
+            raise ValueError(f"a pass has {query.shape[2]} queries, fewer than the {self.rows} rows to capture")
+        self.queries[layer_idx].append(query[:, :, -self.rows:, :].contiguous())
+        self.keys[layer_idx] = key
+
+    def end_pass(self, tracer) -> None:
+        self.kv_len = tracer.kv_len
+
+    @property
+    def n_rows(self) -> int:
+        """Captured rows per layer."""
+        return sum(q.shape[2] for q in self.queries[0]) if self.queries else 0
+
+    def layer_queries(self, layer: int) -> torch.Tensor:
+        return torch.cat(self.queries[layer], dim=2)
+
+    def features(self, *, source_start, source_end, target_start=0, target_end=None, scale, backend=None):
+        """(B, L, H, N_max) float32: per layer and head, the attention on keys [source_start, source_end)
+        (absolute cache slots, (B,) or int) averaged over the target rows [target_start, target_end[b]).
+
+        Row t is the query that predicts response token t (row 0: the prompt's last token).
+        target_end: (B,) or int, default all captured rows (pass each item's own length for batches
+        whose responses ended at different steps).
+        """
+        if not self.queries or not self.queries[0]:
+            raise RuntimeError("nothing was captured: run generate/forward inside attach(model, hooks=[capture])")
+        total = self.n_rows
+        device = self.keys[0].device
+        batch = self.keys[0].shape[0]
+        end = torch.as_tensor(total if target_end is None else target_end, device=device).long().expand(batch)
+        if not 0 <= target_start < int(end.min()) or int(end.max()) > total:
+            raise ValueError(f"target rows [{target_start}, {end.tolist()}) must be non-empty within [0, {total})")
+        n_rows = end - target_start
+        kv_len = self.kv_len - total + end
+        stop = int(end.max())
+        layers = []
+        for layer, key in enumerate(self.keys):
+            q = self.layer_queries(layer)[:, :, target_start:stop]
+            layers.append(attention_features(
+                q, key, source_start=source_start, source_end=source_end, kv_len=kv_len, kv_start=self.kv_start,
+                n_rows=n_rows, scale=scale, backend=backend,
+            ))
+        return torch.stack(layers, dim=1) / n_rows.view(-1, 1, 1, 1).float()
+
+
+def attention_scale(model) -> float:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return float(head_dim) ** -0.5
+
+
+@torch.no_grad()
+def forward_capture(model, prompt_ids: torch.Tensor, response_ids: torch.Tensor) -> QueryCapture:
+    """One forward over prompt + response[:-1] (1-D id tensors); captures the R = len(response) target rows."""
+    if response_ids.numel() < 1 or prompt_ids.numel() < 1:
+        raise ValueError("the prompt and the response need at least one token each")
+    device = next(model.parameters()).device
+    ids = torch.cat([prompt_ids, response_ids[:-1]]).to(device)[None]
+    capture = QueryCapture(rows=response_ids.numel())
+    with attach(model, hooks=[capture]):
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    return capture
+
+
+def response_token_features(model, prompt_ids, response_ids, context_tokens, *, backend=None) -> torch.Tensor:
+    """(L * H, n_context) float32: AT2 features of the context tokens [context_tokens) of the prompt for the
+    whole response, averaged over its tokens (one forward)."""
+    capture = forward_capture(model, prompt_ids, response_ids)
+    features = capture.features(
+        source_start=context_tokens[0], source_end=context_tokens[1], scale=attention_scale(model), backend=backend,
+    )
+    return features[0].flatten(0, 1).cpu()

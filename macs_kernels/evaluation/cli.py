@@ -1,0 +1,81 @@
+"""`macs-kernels eval`: AUC-PR, faithfulness and ablations of the attribution methods on a QA set."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_parser(subparsers) -> None:
+    from ..cli import add_model_arguments
+
+    parser = subparsers.add_parser(
+        "eval", help="evaluate attributions on QA data (AUC-PR, faithfulness, ablations)",
+        description="One greedy generation per sample; every method and ablation is scored from its recorded "
+                    "rows. Results go to a resumable JSONL (--out), summarised into .json, .md and .png next to it.",
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--data", type=Path, help="QA JSON: a list of {question, context, answers} or SQuAD's nesting")
+    source.add_argument("--hf-dataset", help="a datasets hub name, saved folder or .json/.jsonl file instead")
+    parser.add_argument("--split", default="validation", help="split of --hf-dataset (default: validation)")
+    parser.add_argument("--range", help="START:STOP positions of the samples to use, e.g. 250:350")
+    parser.add_argument("--n", type=int, help="take the first N samples (of --range when given)")
+    parser.add_argument("--methods", help="comma-separated: macs, macs:pool=mean|min, macs:alpha=A, "
+                        "macs:redistribute=off, macs:attention=efficient, at2, attention-mean, rollout, random "
+                        "(default: all available)")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--faithfulness-n", type=int, default=100,
+                        help="masking curves on the first K samples (0: none)")
+    parser.add_argument("--out", type=Path, default=Path("eval_results.jsonl"), help="results JSONL (resumed if present)")
+    parser.add_argument("--records", type=Path, default=None,
+                        help="cache folder of the per-sample attention records (default: the macs_kernels cache)")
+    parser.add_argument("--backend", default=None, choices=["torch", "triton", "cuda"])
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--report-only", action="store_true", help="only summarise --out (a partial run too)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_model_arguments(parser)
+    parser.set_defaults(run=run_eval_command)
+
+
+def run_eval_command(args: argparse.Namespace) -> int:
+    from .report import markdown, write_report
+
+    if not args.report_only:
+        _run(args)
+    elif not args.out.is_file():
+        raise SystemExit(f"no results file at {args.out}")
+    summary = write_report(args.out)
+    print(markdown(summary), end="")
+    base = args.out.with_suffix("")
+    print(f"wrote {base}.json, {base}.md, {base}.png")
+    return 0
+
+
+def _run(args) -> None:
+    import torch
+
+    from ..cli import load_from_args
+    from ..models import DEFAULT_MODEL
+    from .data import load_qa, parse_range
+    from .runner import EvalSettings, parse_methods, run_eval
+
+    if args.data is None and args.hf_dataset is None:
+        raise SystemExit("give --data FILE or --hf-dataset NAME")
+    if args.max_new_tokens < 1 or args.faithfulness_n < 0:
+        raise SystemExit("--max-new-tokens must be >= 1 and --faithfulness-n >= 0")
+    try:
+        methods = parse_methods(args.methods)
+        samples = load_qa(args.data, hf_dataset=args.hf_dataset, split=args.split,
+                          range=parse_range(args.range) if args.range else None, n=args.n)
+    except ValueError as error:
+        raise SystemExit(f"eval: {error}") from None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_from_args(args)
+    settings = EvalSettings(
+        model_name=args.model or DEFAULT_MODEL, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
+        data=str(args.data or args.hf_dataset), faithfulness_n=args.faithfulness_n,
+        records_root=None if args.records is None else str(args.records), backend=args.backend,
+    )
+    print(f"eval: {len(samples)} samples, methods {', '.join(m.name for m in methods)}", flush=True)
+    runner = run_eval(model, tokenizer, samples, methods, settings, args.out, progress=not args.no_progress)
+    print(f"eval: {runner.generations} generations this run", flush=True)

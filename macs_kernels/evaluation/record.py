@@ -1,0 +1,166 @@
+"""One generation, every configuration: the per-layer, per-head attention rows of each step, recorded once.
+
+`RowRecorder` is a TraceHook. For each forward pass (step k produces generated token k) and layer it keeps
+the last query's softmax rows over the N inputs (H, N) and, per head, the attention mass that fell on
+generated tokens (H,): exactly what MACS needs for any alpha, pooling and redistribution. With
+`efficient=True` it also keeps the efficient rows of the same query (macs_kernels.efficient) in the same
+form. `macs_from_record` then scores any configuration from the record without touching the model.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..config import MacsConfig
+from ..tracing import TraceHook, attach, check_model
+
+RECORD_FIELDS = ("rows", "mass", "efficient_rows", "efficient_mass")
+
+
+def efficient_available() -> bool:
+    """Whether macs_kernels.efficient (incremental Gram matrices and efficient rows) can be imported."""
+    try:
+        from .. import efficient  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class RowRecorder(TraceHook):
+    """Records each pass's rows of one sequence (batch 1), float32 on the CPU.
+
+    After a generation, `record(steps)` returns {"rows": (steps, L, H, N), "mass": (steps, L, H)} (and
+    "efficient_rows"/"efficient_mass" with efficient=True) as numpy float32 arrays.
+    """
+
+    def __init__(self, model, *, efficient: bool = False):
+        modules = check_model(model)
+        self.scales = {i: float(getattr(m, "scaling", None) or m.head_dim ** -0.5) for i, m in modules.items()}
+        self.efficient = efficient
+        if efficient:
+            from ..efficient import GramState
+
+            self._gram_state = GramState
+        self.passes: list[dict[str, torch.Tensor]] = []
+        self.residual_max = 0.0
+
+    def begin_pass(self, tracer, prefill: bool) -> None:
+        if len(tracer.n_input_list) != 1:
+            raise ValueError(
+                f"RowRecorder records one sequence at a time (batch 1); this batch has {len(tracer.n_input_list)}"
+            )
+        if prefill:
+            self.passes = []
+            self.residual_max = 0.0
+            if self.efficient:
+                self.grams = self._gram_state(len(self.scales))
+        n, layers = tracer.n_input_list[0], len(self.scales)
+        self._start, self._n, self._kv_len = int(tracer.input_start[0]), n, int(tracer.kv_len[0])
+        self._pass = {
+            name: torch.zeros((layers, 0, n) if "rows" in name else (layers, 0))
+            for name in (RECORD_FIELDS if self.efficient else RECORD_FIELDS[:2])
+        }
+        self._layer_values: dict[str, list] = {name: [] for name in self._pass}
+
+    def _keep(self, prefix: str, rows: torch.Tensor) -> None:
+        start, stop = self._start, self._start + self._n
+        self._layer_values[prefix + "rows"].append(rows[0, :, start:stop].float().cpu())
+        self._layer_values[prefix + "mass"].append(rows[0, :, stop:self._kv_len].sum(-1).float().cpu())
+
+    def layer(self, tracer, layer_idx: int, query, key, value, output) -> None:
+        rows = tracer.softmax_rows(query[:, :, -1, :], key, self.scales[layer_idx])
+        self._keep("", rows)
+        if self.efficient:
+            from ..efficient import efficient_rows
+
+            new = query.shape[2]
+            positions = torch.arange(key.shape[2] - new, key.shape[2], device=key.device)
+            self.grams.append(layer_idx, value[:, :, -new:], (positions >= self._start)[None])
+            eff, residual = efficient_rows(
+                rows, value, self.grams.gram(layer_idx), tracer.input_start, tracer.kv_len
+            )
+            self.residual_max = max(self.residual_max, float(residual.max()))
+            self._keep("efficient_", eff)
+
+    def end_pass(self, tracer) -> None:
+        self.passes.append({name: torch.stack(values) for name, values in self._layer_values.items()})
+
+    def record(self, steps: int | None = None) -> dict[str, np.ndarray]:
+        if not self.passes:
+            raise RuntimeError("nothing was recorded: run a generation inside attach(model, hooks=[recorder])")
+        passes = self.passes[:steps]
+        return {name: torch.stack([p[name] for p in passes]).numpy() for name in passes[0]}
+
+
+@torch.inference_mode()
+def generate_record(model, tokenizer, prompt_ids: torch.Tensor, *, max_new_tokens: int, efficient: bool = False,
+                    backend: str | None = None) -> tuple[dict[str, np.ndarray], torch.Tensor, torch.Tensor]:
+    """Greedy generation from prompt_ids (N,) with every step's rows recorded, as explain() generates.
+
+    Returns (record, generated_ids (T,), step_log_c (T, N) of the tracer's own paper-default MACS); the
+    rows stop at the first end-of-sequence token (included), as explain()'s do.
+    """
+    from ..explanation import _eos_ids, _generate_kwargs, encode_prompts
+
+    ids, mask, _ = encode_prompts(tokenizer, input_ids=prompt_ids)
+    device = next(model.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
+    recorder = RowRecorder(model, efficient=efficient)
+    with attach(model, hooks=[recorder], **MacsConfig(backend=backend).as_dict()) as tracer:
+        output = model.generate(ids, attention_mask=mask, **_generate_kwargs(model, tokenizer, max_new_tokens, {}))
+    generated = output[0, ids.shape[1]:].cpu()
+    eos = _eos_ids(model, tokenizer)
+    steps = next((k + 1 for k, t in enumerate(generated.tolist()) if t in eos), len(generated))
+    step_log_c, _ = tracer.rows(0, steps)
+    record = recorder.record(steps)
+    record["residual_max"] = np.float32(recorder.residual_max)
+    return record, generated[:steps], step_log_c
+
+
+def macs_from_record(record: dict, *, alpha: float = 0.8, pooling: str = "max", redistribute: bool = True,
+                     attention: str = "softmax") -> np.ndarray:
+    """log c (steps, N) float64 of one MACS configuration, from a RowRecorder record.
+
+    Same arithmetic as reference.layer_log_term_reference summed over layers, vectorised over steps.
+    """
+    MacsConfig(alpha=alpha, pooling=pooling, redistribute=redistribute, attention=attention)
+    prefix = "efficient_" if attention == "efficient" else ""
+    if prefix + "rows" not in record:
+        raise ValueError(f"this record has no {attention} rows; record them with efficient=True")
+    rows = np.asarray(record[prefix + "rows"], dtype=np.float64)  # (steps, L, H, N)
+    if redistribute:
+        rows = rows + np.asarray(record[prefix + "mass"], dtype=np.float64)[..., None] / rows.shape[-1]
+    pooled = {"max": np.max, "mean": np.mean, "min": np.min}[pooling](rows, axis=2)
+    with np.errstate(divide="ignore"):
+        return np.log(alpha * np.maximum(pooled, 0.0) + (1.0 - alpha)).sum(axis=1)
+
+
+def attention_mean_from_record(record: dict) -> np.ndarray:
+    """(steps, N) float64: the last query's softmax rows over the inputs, averaged over layers and heads."""
+    return np.asarray(record["rows"], dtype=np.float64).mean(axis=(1, 2))
+
+
+@torch.no_grad()
+def rollout_rows(model, prompt_ids: torch.Tensor, generated_ids: torch.Tensor) -> np.ndarray:
+    """Attention rollout (Abnar & Zuidema) of each step's last query over the inputs: (steps, N) float64.
+
+    One eager forward with output_attentions over prompt + generation (the model is switched to eager for
+    it and restored). Per layer: heads averaged, identity added, rows renormalised; layers multiplied,
+    the first layer applied first. Row k is the query at position N - 1 + k (it produced token k).
+    """
+    n, steps = prompt_ids.shape[-1], generated_ids.shape[-1]
+    ids = torch.cat([prompt_ids.reshape(-1), generated_ids.reshape(-1)[: steps - 1]])[None]
+    device = next(model.parameters()).device
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        attentions = model(ids.to(device), output_attentions=True, use_cache=False).attentions
+    finally:
+        model.set_attn_implementation(previous)
+    length = ids.shape[1]
+    eye = torch.eye(length, dtype=torch.float64)
+    rollout = eye
+    for layer in attentions:
+        mixed = layer[0].double().cpu().mean(0) + eye
+        rollout = (mixed / mixed.sum(-1, keepdim=True)) @ rollout
+    return rollout[n - 1: n - 1 + steps, :n].numpy()

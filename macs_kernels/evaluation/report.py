@@ -1,0 +1,200 @@
+"""The results table of an evaluation run: aggregated from its JSONL at any time (a partial run included),
+written as JSON, Markdown and a PNG of the per-sample AUC-PR distributions."""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import subprocess
+from pathlib import Path
+
+from .metrics import mean_ci, share_before_answer
+from .runner import FAITHFULNESS_METRICS, read_results
+
+# MACS paper, Llama-3.1-8B on stqa_350 (best-step AUC-PR).
+PAPER_AUC_PR = {
+    "macs": 0.601, "macs:pool=mean": 0.570, "macs:pool=min": 0.443, "macs:alpha=1.0": 0.546,
+    "macs:alpha=0.2": 0.599, "macs:alpha=0.5": 0.599, "macs:redistribute=off": 0.600,
+    "attnlrp": 0.565, "atman": 0.315, "rollout": 0.147, "random": 0.113,
+}
+PAPER_BEST_BEFORE_ANSWER = 0.9768
+
+
+def _stats(values) -> dict:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return {"mean": None, "ci": None, "n": 0}
+    mean, low, high = mean_ci(values)
+    return {"mean": mean, "ci": None if math.isnan(low) else [low, high], "n": len(values)}
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def summarise(path) -> dict:
+    """The table of a results file (see the module docstring of runner for its lines)."""
+    lines = read_results(path)
+    run = lines.get(("run", None, None), {})
+    samples = {k[1]: v for k, v in lines.items() if k[0] == "sample"}
+    skipped = {k[1]: v for k, v in lines.items() if k[0] == "skipped"}
+    reasons: dict[str, int] = {}
+    for line in skipped.values():
+        reasons[line["reason"]] = reasons.get(line["reason"], 0) + 1
+    methods: dict[str, dict] = {}
+    order = []
+    for (kind, index, method), line in lines.items():
+        if kind in ("auc", "faithfulness") and index in samples:
+            if method not in methods:
+                methods[method] = {"auc": [], "faithfulness": []}
+                order.append(method)
+            methods[method][kind].append(line)
+    table = {}
+    for name in order:
+        auc, faith = methods[name]["auc"], methods[name]["faithfulness"]
+        ties = [line["ties"] for line in auc]
+        rows = sum(t["rows"] for t in ties)
+        before = share_before_answer([line["best_step"] for line in auc],
+                                     [samples[line["index"]]["answer_step"] for line in auc])
+        table[name] = {
+            "n": len(auc),
+            "skipped": len(samples) - len(auc),
+            "auc_pr": _stats([line["best"] for line in auc]),
+            "best_step": _stats([line["best_step"] for line in auc]),
+            "auc_pr_step_mean": _stats([line["step_mean"] for line in auc]),
+            "auc_pr_aggregate": _stats([line["aggregate"] for line in auc]),
+            "srg": {metric: _stats([line["srg"][metric] for line in faith]) for metric in FAITHFULNESS_METRICS},
+            "ties": {
+                "tied_tokens_per_step": sum(t["tied_tokens"] for t in ties) / rows if rows else None,
+                "share_of_steps_with_ties": sum(t["rows_with_ties"] for t in ties) / rows if rows else None,
+                "samples_with_ties": sum(t["rows_with_ties"] > 0 for t in ties),
+            },
+            "best_step_before_answer": before,
+            "paper_auc_pr": PAPER_AUC_PR.get(name),
+        }
+    scored = list(samples.values())
+    return {
+        "model": run.get("model"),
+        "dtype": run.get("dtype"),
+        "data": run.get("data"),
+        "max_new_tokens": run.get("max_new_tokens"),
+        "date": datetime.date.today().isoformat(),
+        "commit": _commit(),
+        "n": len(scored),
+        "skipped": reasons,
+        "unmatched_answers": {
+            "samples": sum(line["unmatched_answers"] > 0 for line in scored),
+            "answers": sum(line["unmatched_answers"] for line in scored),
+            "of_answers": sum(line["n_answers"] for line in scored),
+        },
+        "answer_not_generated": sum(line["answer_step"] is None for line in scored),
+        "methods": table,
+        "claims": _claims(table),
+    }
+
+
+def _claims(table: dict) -> dict:
+    """The paper's qualitative claims, checked on these numbers (None where a method is missing)."""
+    mean = {name: row["auc_pr"]["mean"] for name, row in table.items()}
+
+    def cmp(*names):
+        values = [mean.get(n) for n in names]
+        if any(v is None for v in values):
+            return None
+        return all(a > b for a, b in zip(values, values[1:]))
+
+    macs = table.get("macs")
+    redistribution = None
+    if mean.get("macs") is not None and mean.get("macs:redistribute=off") is not None:
+        redistribution = mean["macs"] - mean["macs:redistribute=off"]
+    return {
+        "macs_above_rollout": cmp("macs", "rollout"),
+        "macs_above_random": cmp("macs", "random"),
+        "max_above_mean_above_min_pooling": cmp("macs", "macs:pool=mean", "macs:pool=min"),
+        "alpha_1_below_alpha_0.8": cmp("macs", "macs:alpha=1.0"),
+        "redistribution_effect": redistribution,
+        "macs_best_step_before_answer": None if macs is None else macs["best_step_before_answer"]["share"],
+    }
+
+
+def _fmt(stat, digits=3) -> str:
+    if not stat or stat.get("mean") is None:
+        return "-"
+    text = f"{stat['mean']:.{digits}f}"
+    if stat.get("ci"):
+        text += f" [{stat['ci'][0]:.{digits}f}, {stat['ci'][1]:.{digits}f}]"
+    return text
+
+
+def markdown(summary: dict) -> str:
+    lines = [
+        f"Model: {summary['model'] or 'default'} ({summary['dtype']}), data: {summary['data']}, "
+        f"max_new_tokens {summary['max_new_tokens']}, {summary['n']} samples scored, date {summary['date']}, "
+        f"commit {summary['commit']}. Mean [95% CI] over samples.",
+        "",
+        "| method | n | AUC-PR (best step) | paper (Llama-3.1-8B) | AUC-PR (mean over steps) | AUC-PR (aggregate) "
+        "| SRG perplexity | SRG ROUGE-L | SRG logit | ties/step (paper form) | best step before answer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in summary["methods"].items():
+        srg = row["srg"]
+        paper = "-" if row["paper_auc_pr"] is None else f"{row['paper_auc_pr']:.3f}"
+        ties = row["ties"]["tied_tokens_per_step"]
+        before = row["best_step_before_answer"]
+        share = "-" if before["n"] == 0 else f"{before['share']:.1%} of {before['n']}"
+        lines.append(
+            f"| {name} | {row['n']} | {_fmt(row['auc_pr'])} | {paper} | {_fmt(row['auc_pr_step_mean'])} "
+            f"| {_fmt(row['auc_pr_aggregate'])} | {_fmt(srg['perplexity'])} (n={srg['perplexity']['n']}) "
+            f"| {_fmt(srg['rouge_l'])} | {_fmt(srg['logit'])} | {'-' if ties is None else f'{ties:.2f}'} | {share} |"
+        )
+    unmatched = summary["unmatched_answers"]
+    lines += [
+        "",
+        f"Skipped: {summary['skipped'] or 'none'}. Gold answers mapping to no context token (scored 0): "
+        f"{unmatched['answers']} of {unmatched['of_answers']} in {unmatched['samples']} samples. "
+        f"Samples whose generation never contains a gold answer: {summary['answer_not_generated']}.",
+        "",
+        "Paper's claims on this run: " + ", ".join(f"{k} = {v}" for k, v in summary["claims"].items())
+        + f" (paper: best step before the answer in {PAPER_BEST_BEFORE_ANSWER:.2%} of samples).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(path, out) -> None:
+    """Box plots of the per-sample best-step AUC-PR of each method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = read_results(path)
+    data: dict[str, list] = {}
+    for (kind, _, method), line in lines.items():
+        if kind == "auc":
+            data.setdefault(method, []).append(line["best"])
+    if not data:
+        return
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(data)), 4))
+    ax.boxplot(list(data.values()), showmeans=True)
+    ax.set_xticks(range(1, len(data) + 1), list(data), rotation=35, ha="right")
+    ax.set_ylabel("AUC-PR (best step) per sample")
+    ax.set_ylim(0, 1)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def write_report(path) -> dict:
+    """Summarise the results file `path` (x.jsonl) into x.json, x.md and x.png; returns the summary."""
+    path = Path(path)
+    summary = summarise(path)
+    base = path.with_suffix("")
+    Path(f"{base}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    Path(f"{base}.md").write_text(markdown(summary))
+    plot(path, f"{base}.png")
+    return summary
+

@@ -1,0 +1,75 @@
+"""Public op attention_features: AT2's per-head attention of R target rows on a span of source keys,
+summed over the rows, without ever holding more than one layer's (B, H, R, S) block."""
+from __future__ import annotations
+
+import torch
+
+from ._checks import as_index, check_lse, check_tensor
+from ._dispatch import implementation, resolve_backend
+
+
+def check_features_args(q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, lse):
+    """Validate attention_features' arguments (one host sync).
+
+    Returns (source_start, source_end, kv_start, kv_len, n_rows) as (B,) int64 and N_max.
+    """
+    check_tensor("q", q, 4)
+    check_tensor("k_cache", k_cache, 4)
+    batch, heads, rows, dim = q.shape
+    if k_cache.shape[0] != batch or k_cache.shape[3] != dim:
+        raise ValueError(f"k_cache must be ({batch}, H_kv, S, {dim}) to match q {tuple(q.shape)}, got {tuple(k_cache.shape)}")
+    if heads % k_cache.shape[1]:
+        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({k_cache.shape[1]})")
+    if k_cache.device != q.device:
+        raise ValueError(f"q is on {q.device} but k_cache is on {k_cache.device}")
+    check_lse(lse, (batch, heads, rows), q.device)
+    # contiguous: an int broadcast by as_index is a stride-0 view, which kernels would read past.
+    index = {
+        name: as_index(name, value, batch, q.device).contiguous()
+        for name, value in (
+            ("source_start", source_start), ("source_end", source_end), ("kv_len", kv_len),
+            ("kv_start", 0 if kv_start is None else kv_start), ("n_rows", rows if n_rows is None else n_rows),
+        )
+    }
+    keys = k_cache.shape[2]
+    table = torch.stack(list(index.values())).cpu().tolist()
+    for b, (s0, s1, length, start, count) in enumerate(zip(*table)):
+        if not 0 <= start <= s0 < s1 <= length <= keys:
+            raise ValueError(
+                f"item {b}: need 0 <= kv_start <= source_start < source_end <= kv_len <= S={keys}, got "
+                f"kv_start={start}, source_start={s0}, source_end={s1}, kv_len={length}"
+            )
+        if not 0 <= count <= rows or length - count < start:
+            raise ValueError(
+                f"item {b}: n_rows={count} must lie in [0, R={rows}] and the first valid row must attend a key "
+                f"(kv_len - n_rows >= kv_start), got kv_len={length}, kv_start={start}"
+            )
+    n_max = max(s1 - s0 for s0, s1 in zip(table[0], table[1]))
+    return index["source_start"], index["source_end"], index["kv_start"], index["kv_len"], index["n_rows"], n_max
+
+
+def attention_features(
+    q, k_cache, *, source_start, source_end, kv_len, scale, kv_start=None, n_rows=None, lse=None, backend=None
+) -> torch.Tensor:
+    """Per query head, the attention of R target rows on the source keys, summed over the valid rows.
+
+    q: (B, H, R, D) post-RoPE queries of the target rows, in order; k_cache: (B, H_kv, S, D), query head h
+        reads KV head h // (H // H_kv).
+    source_start, source_end, kv_len, kv_start, n_rows: (B,) (ints broadcast). Item b has n_rows[b] valid
+        rows, the FIRST ones (default R); the last valid row sits at key kv_len[b] - 1, so valid row r
+        (< n_rows[b]) attends keys [kv_start[b], kv_len[b] - n_rows[b] + r + 1). Rows r >= n_rows[b]
+        (responses that ended earlier in a batch) are ignored, whatever q holds there.
+        Need kv_start <= source_start < source_end <= kv_len.
+    lse: optional (B, H, R) natural-log log-sum-exp of each row's scores q.k * scale over its attended keys
+        (as FlashAttention returns it); given, the kernels read only the source keys, once.
+    Returns (B, H, N_max) float32 with N_max = max(source_end - source_start): entry [b, h, i] is the sum
+    over valid rows of softmax probability on key source_start[b] + i (a key after a row's causal end gets
+    0 from that row); entries i >= source_end[b] - source_start[b] are 0.
+    """
+    source_start, source_end, kv_start, kv_len, n_rows, n_max = check_features_args(
+        q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, lse
+    )
+    return implementation(resolve_backend(backend, q.device), "attention_features")(
+        q, k_cache, source_start=source_start, source_end=source_end, kv_start=kv_start, kv_len=kv_len,
+        n_rows=n_rows, n_max=n_max, scale=float(scale), lse=lse,
+    )

@@ -1,0 +1,40 @@
+"""Torch path of attention_features: row chunks of one layer's scores, reduced over rows before the gather."""
+from __future__ import annotations
+
+import torch
+
+# Rows per chunk: bounds the (B, H, rows, S) float32 block (64 rows x 8k keys x 9 heads = 19 MB per item).
+ROW_CHUNK = 64
+
+
+def attention_features(q, k_cache, *, source_start, source_end, kv_start, kv_len, n_rows, n_max, scale, lse):
+    batch, heads, rows, dim = q.shape
+    kv_heads, keys = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    device = q.device
+    positions = torch.arange(keys, device=device)
+    # Row r's causal end, per item: the last valid row ends at kv_len.
+    first_end = (kv_len - n_rows + 1).view(-1, 1, 1)
+    keys_f = k_cache.float().transpose(-1, -2)
+    summed = torch.zeros(batch, heads, keys, dtype=torch.float32, device=device)
+    for r0 in range(0, rows, ROW_CHUNK):
+        r = torch.arange(r0, min(rows, r0 + ROW_CHUNK), device=device)
+        chunk = len(r)
+        q_grouped = q[:, :, r0:r0 + chunk].float().reshape(batch, kv_heads, group * chunk, dim)
+        scores = torch.matmul(q_grouped, keys_f).view(batch, heads, chunk, keys).mul_(scale)
+        attended = (positions >= kv_start.view(-1, 1, 1)) & (positions < first_end + r.view(1, -1, 1))
+        valid = (r.view(1, -1) < n_rows.view(-1, 1))[:, None, :]
+        # Rows r >= n_rows still attend a non-empty range here (kv_start < kv_len - n_rows + r + 1), so
+        # their softmax is finite; they are zeroed afterwards (a given lse of +inf zeroes them directly).
+        scores.masked_fill_(~attended[:, None], float("-inf"))
+        if lse is None:
+            p = torch.softmax(scores, dim=-1).mul_(valid.unsqueeze(-1))
+        else:
+            row_lse = lse[:, :, r0:r0 + chunk].float().masked_fill(~valid, float("inf"))
+            p = scores.sub_(row_lse.unsqueeze(-1)).exp_()
+        summed += p.sum(dim=2)
+    offsets = torch.arange(n_max, device=device)
+    columns = (source_start.view(-1, 1) + offsets).clamp_max(keys - 1)
+    features = summed.gather(2, columns[:, None, :].expand(batch, heads, n_max))
+    inside = offsets < (source_end - source_start).view(-1, 1)
+    return features.masked_fill_(~inside[:, None, :], 0.0)

@@ -1,0 +1,126 @@
+"""attention_features in Triton: AT2's per-head attention of R target rows on the source keys, row-summed.
+
+Pass 1 (`_features_lse_kernel`, only without a given lse; grid (B * H, row tiles)): each row's log-sum-exp
+over its causal keys [kv_start, kv_len - n_rows + r + 1), online over key tiles.
+Pass 2 (`_features_kernel`, grid (B * H, source tiles)): a program loads one tile of source keys once and
+walks the row tiles that can see it: a tensor-core product gives the (rows x keys) scores, exp(s - lse)
+the probabilities, and the sum over rows stays in registers; only the (B, H, N_max) result is written.
+Rows before the first one whose causal window reaches the tile are skipped.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import interpreted, launch, next_pow2
+
+
+@triton.jit
+def _features_lse_kernel(
+    q_ptr, k_ptr, start_ptr, kv_len_ptr, n_rows_ptr, lse_ptr,
+    scale, heads, group, rows,
+    stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = (pid // heads).to(tl.int64)
+    h = (pid % heads).to(tl.int64)
+    kv_head = h // group
+    start = tl.load(start_ptr + b)
+    n_rows = tl.load(n_rows_ptr + b)
+    base = tl.load(kv_len_ptr + b) - n_rows  # row r's keys end at base + r + 1
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)
+    row_ok = r < n_rows
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + r[:, None] * stride_qr + d[None, :],
+                mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)  # also the interpreter's path: its bf16 dot and arithmetic are wrong
+    k_base = k_ptr + b * stride_kb + kv_head * stride_kh
+    m = tl.full([BLOCK_R], -1.0e30, tl.float32)
+    l = tl.zeros([BLOCK_R], tl.float32)
+    hi = base + tl.minimum(n_rows, tl.program_id(1) * BLOCK_R + BLOCK_R)
+    for n0 in range(start, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        k = tl.load(k_base + n[:, None] * stride_ks + d[None, :], mask=(n[:, None] < hi) & (d[None, :] < D), other=0.0)
+        if DOT_F32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * (scale * 1.4426950408889634)
+        attended = (n[None, :] <= base + r[:, None]) & row_ok[:, None]
+        s = tl.where(attended, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        l = l * tl.exp2(m - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
+        m = m_new
+    lse = (m + tl.log2(tl.where(row_ok, l, 1.0))) / 1.4426950408889634
+    tl.store(lse_ptr + (b * heads + h) * rows + r, tl.where(row_ok, lse, 0.0), mask=r < rows)
+
+
+@triton.jit
+def _features_kernel(
+    q_ptr, k_ptr, lse_ptr, source_start_ptr, source_end_ptr, kv_len_ptr, n_rows_ptr, out_ptr,
+    scale, heads, group, rows, n_max,
+    stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_lb, stride_lh,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = (pid // heads).to(tl.int64)
+    h = (pid % heads).to(tl.int64)
+    kv_head = h // group
+    source_start = tl.load(source_start_ptr + b)
+    source_end = tl.load(source_end_ptr + b)
+    n_rows = tl.load(n_rows_ptr + b)
+    base = tl.load(kv_len_ptr + b) - n_rows
+    i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = source_start + i
+    d = tl.arange(0, BLOCK_D)
+    key_ok = n < source_end
+    k = tl.load(k_ptr + b * stride_kb + kv_head * stride_kh + n[:, None] * stride_ks + d[None, :],
+                mask=key_ok[:, None] & (d[None, :] < D), other=0.0)
+    if DOT_F32:
+        k = k.to(tl.float32)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    # Row r sees key n when n <= base + r: rows before the tile's first key minus base see none of it.
+    first = tl.maximum(source_start + tl.program_id(1) * BLOCK_N - base, 0)
+    for r0 in range((first // BLOCK_R) * BLOCK_R, n_rows, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        row_ok = r < n_rows
+        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + r[:, None] * stride_qr + d[None, :],
+                    mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+        if DOT_F32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + r, mask=row_ok, other=0.0)
+        p = tl.exp2(s * (scale * 1.4426950408889634) - lse[:, None] * 1.4426950408889634)
+        seen = row_ok[:, None] & key_ok[None, :] & (n[None, :] <= base + r[:, None])
+        acc += tl.sum(tl.where(seen, p, 0.0), axis=0)
+    tl.store(out_ptr + (b * heads + h) * n_max + i, acc, mask=i < n_max)
+
+
+def attention_features(q, k_cache, *, source_start, source_end, kv_start, kv_len, n_rows, n_max, scale, lse):
+    """q (B, H, R, D), k_cache (B, H_kv, S, D) -> (B, H, N_max) float32; lse (B, H, R) or None."""
+    batch, heads, rows, dim = q.shape
+    group = heads // k_cache.shape[1]
+    half = q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype
+    dot_f32 = interpreted() or not half
+    block_d = max(16, next_pow2(dim))
+    block_r = 16 if rows <= 16 else (32 if interpreted() else 64)
+    block_n = 64
+    strides = (q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    consts = dict(D=dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_N=block_n, DOT_F32=dot_f32, num_warps=4)
+    if lse is None:
+        lse = torch.empty(batch, heads, rows, device=q.device, dtype=torch.float32)
+        launch(_features_lse_kernel, (batch * heads, triton.cdiv(rows, block_r)),
+               q, k_cache, kv_start, kv_len, n_rows, lse, scale, heads, group, rows, *strides, **consts)
+    else:
+        lse = lse.float()
+        if lse.stride(-1) != 1:
+            lse = lse.contiguous()
+    out = torch.empty(batch, heads, n_max, device=q.device, dtype=torch.float32)
+    launch(_features_kernel, (batch * heads, triton.cdiv(n_max, block_n)),
+           q, k_cache, lse, source_start, source_end, kv_len, n_rows, out, scale, heads, group, rows, n_max,
+           *strides, lse.stride(0), lse.stride(1), **consts)
+    return out

@@ -1,0 +1,118 @@
+"""AT2 training on a handful of questions of the default model; coefficient files."""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from macs_kernels.at2 import AT2Attributor, load_coefficients, save_coefficients
+from macs_kernels.at2 import train
+from macs_kernels.at2.train import collect, fit, load_examples, mean_loss, pearson_loss
+from macs_kernels.evaluation.data import QASample
+from tests.helpers import QUESTIONS, default_model
+
+SAMPLES = [QASample(i, q, c, ()) for i, (q, c) in enumerate(QUESTIONS)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One torch thread: on a loaded 2-core machine two threads contend and a forward gets ~10x slower."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    return default_model()
+
+
+@pytest.fixture(scope="module")
+def collected(model_and_tokenizer, tmp_path_factory):
+    model, tokenizer = model_and_tokenizer
+    work = tmp_path_factory.mktemp("at2")
+    paths = collect(model, tokenizer, SAMPLES, work, n_masks=4, max_new_tokens=4, progress=False)
+    return work, paths
+
+
+def test_collected_examples_hold_consistent_data(collected, model_and_tokenizer):
+    model, _ = model_and_tokenizer
+    _, paths = collected
+    assert len(paths) == len(SAMPLES)
+    for example in load_examples(paths):
+        c0, c1 = example["context_tokens"].tolist()
+        assert example["features"].shape == (30 * 9, c1 - c0)
+        assert example["masks"].shape == (4, c1 - c0) and example["outputs"].shape == (4,)
+        assert torch.isfinite(example["outputs"]).all()
+        # Per head, the response rows' attention on the context is a share of each softmax row.
+        assert (example["features"] >= 0).all() and (example["features"].sum(1) <= 1 + 1e-5).all()
+
+
+def test_collection_resumes_without_recomputing(collected, model_and_tokenizer, monkeypatch):
+    model, tokenizer = model_and_tokenizer
+    work, paths = collected
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an example already collected was recomputed")
+
+    monkeypatch.setattr(train, "collect_example", refuse)
+    assert collect(model, tokenizer, SAMPLES, work, n_masks=4, max_new_tokens=4, progress=False) == paths
+
+
+def test_fit_lowers_the_pearson_loss_below_uniform(collected):
+    examples = load_examples(collected[1])
+    size = examples[0]["features"].shape[0]
+    uniform = mean_loss(torch.full((size,), 1.0 / size), examples)
+    theta = fit(examples, epochs=30, lr=1e-3, batch_size=2, progress=False)
+    assert theta.abs().sum().item() == pytest.approx(1.0, abs=1e-5)  # L1-normalised
+    assert mean_loss(theta, examples) < uniform - 0.05
+
+
+def test_fit_resumes_from_its_checkpoint(collected, tmp_path, monkeypatch):
+    examples = load_examples(collected[1])
+    straight = fit(examples, epochs=4, batch_size=2, progress=False)
+    checkpoint = tmp_path / "fit.safetensors"
+    calls = {"n": 0}
+
+    def dies_in_epoch_three(theta, example):
+        calls["n"] += 1
+        if calls["n"] > 2 * len(examples):
+            raise KeyboardInterrupt
+        return pearson_loss(theta, example)
+
+    monkeypatch.setattr(train, "pearson_loss", dies_in_epoch_three)
+    with pytest.raises(KeyboardInterrupt):
+        fit(examples, epochs=4, batch_size=2, checkpoint=checkpoint, progress=False)
+    monkeypatch.undo()
+    resumed = fit(examples, epochs=4, batch_size=2, checkpoint=checkpoint, progress=False)
+    assert torch.allclose(resumed, straight, atol=1e-7)
+
+
+def test_coefficients_roundtrip_and_shape_check(model_and_tokenizer, tmp_path):
+    model, tokenizer = model_and_tokenizer
+    theta = torch.rand(30, 9)
+    path = tmp_path / "c.safetensors"
+    AT2Attributor(model, tokenizer, theta).save(path)
+    assert torch.equal(AT2Attributor.load(path, model, tokenizer).theta, theta)
+    save_coefficients(path, torch.rand(12, 9))
+    with pytest.raises(ValueError, match="12 layers x 9 heads, but the model has 30 layers x 9 heads"):
+        AT2Attributor.load(path, model, tokenizer)
+
+
+def test_loading_never_unpickles(tmp_path, monkeypatch):
+    pickled = tmp_path / "theta.pt"
+    torch.save({"theta": torch.rand(30, 9)}, pickled)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("unpickling attempted")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, forbidden)
+    monkeypatch.setattr(torch, "load", forbidden)
+    with pytest.raises(ValueError, match="not a safetensors"):
+        load_coefficients(pickled)
+    good = tmp_path / "theta.safetensors"
+    save_coefficients(good, torch.ones(2, 3))
+    assert torch.equal(load_coefficients(good)[0], torch.ones(2, 3))

@@ -1,0 +1,170 @@
+"""The evaluation runner: recorded rows against explain() and the float64 references, rollout against an
+independent computation, and the `macs-kernels eval` command end to end (smoke run, report, resume)."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from macs_kernels import explain, reference
+from macs_kernels.evaluation.record import attention_mean_from_record, generate_record, macs_from_record, rollout_rows
+from macs_kernels.evaluation.runner import MethodUnavailable, at2_from_record, parse_method
+from tests.helpers import default_model, qa, tiny_llama
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "stqa_350.json"
+ABLATIONS = [
+    {}, {"pooling": "mean"}, {"pooling": "min"}, {"alpha": 0.2}, {"alpha": 0.5}, {"alpha": 1.0},
+    {"redistribute": False},
+]
+
+
+def test_record_of_one_generation_gives_explains_log_c():
+    model, tokenizer = default_model()
+    explanation = explain(model, tokenizer, qa(0), max_new_tokens=6, backend="torch")
+    record, generated, tracer_log_c = generate_record(
+        model, tokenizer, explanation.input_ids, max_new_tokens=6, backend="torch"
+    )
+    assert torch.equal(generated, explanation.generated_ids)
+    steps, n = explanation.step_log_c.shape
+    assert record["rows"].shape == (steps, 30, 9, n) and record["mass"].shape == (steps, 30, 9)
+    # Step 0 is the prefill (no generated key); later steps put mass on the generated tokens.
+    assert np.all(record["mass"][0] == 0) and np.all(record["mass"][1:] > 0)
+    np.testing.assert_allclose(record["rows"].sum(-1) + record["mass"], 1.0, atol=1e-5)
+    for config in ({}, {"pooling": "min", "alpha": 1.0, "redistribute": False}):
+        explained = explain(model, tokenizer, input_ids=explanation.input_ids, max_new_tokens=6, backend="torch",
+                            **config) if config else explanation
+        log_c = macs_from_record(record, **config)
+        # The tracer sums 30 float32 terms: its error grows with |log c| (about 400 at alpha = 1).
+        np.testing.assert_allclose(log_c, explained.step_log_c.double().numpy(), rtol=1e-6, atol=1e-4)
+    assert torch.allclose(tracer_log_c, explanation.step_log_c)
+
+
+def test_at2_from_the_record_equals_at2_attributor_token_scores():
+    from macs_kernels.at2 import AT2Attributor
+    from macs_kernels.evaluation.alignment import align_qa
+    from tests.helpers import QUESTIONS
+
+    model, tokenizer = default_model()
+    question, context = QUESTIONS[0]
+    alignment = align_qa(tokenizer, question, context)
+    record, generated, _ = generate_record(model, tokenizer, torch.tensor(alignment.input_ids), max_new_tokens=6)
+    theta = torch.rand(30, 9)
+    response = generated[:-1] if int(generated[-1]) == tokenizer.eos_token_id else generated
+    want = AT2Attributor(model, tokenizer, theta).explain(question, context, response_ids=response, sources="token")
+    per_step, aggregate = at2_from_record(record, theta.double().numpy(), len(response))
+    start, stop = alignment.context_tokens
+    assert per_step.shape == (len(generated), len(alignment.input_ids))
+    np.testing.assert_allclose(aggregate[start:stop], want.scores.double().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def _synthetic_record(rng, steps=3, layers=4, heads=3, n=7, negative=False):
+    full, rows, mass = [], [], []
+    for k in range(steps):
+        p = rng.dirichlet(np.full(n + k, 0.3), size=(layers, heads))
+        if negative:  # efficient rows: same sums, some negative entries
+            p = p + rng.normal(0, 0.05, p.shape)
+            p -= (p.sum(-1, keepdims=True) - 1) / p.shape[-1]
+        full.append(p)
+        rows.append(p[..., :n])
+        mass.append(p[..., n:].sum(-1))
+    return full, {"rows": np.stack(rows), "mass": np.stack(mass)}
+
+
+@pytest.mark.parametrize("config", ABLATIONS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "paper")
+def test_macs_from_record_equals_the_layer_reference(config):
+    rng = np.random.default_rng(3)
+    full, record = _synthetic_record(rng)
+    eff_full, eff = _synthetic_record(rng, negative=True)
+    record |= {"efficient_rows": eff["rows"], "efficient_mass": eff["mass"]}
+    for attention, rows in (("softmax", full), ("efficient", eff_full)):
+        got = macs_from_record(record, attention=attention, **config)
+        for k, step in enumerate(rows):
+            want = sum(reference.layer_log_term_reference(torch.from_numpy(layer), 7, **config) for layer in step)
+            np.testing.assert_allclose(got[k], want.numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(attention_mean_from_record(record)[1], np.mean([r[:, :7] for r in full[1]], axis=(0, 1)))
+    with pytest.raises(ValueError, match="no efficient rows"):
+        macs_from_record({"rows": record["rows"], "mass": record["mass"]}, attention="efficient")
+
+
+@torch.no_grad()
+def test_rollout_equals_a_per_step_vector_recursion():
+    model = tiny_llama()
+    torch.manual_seed(1)
+    prompt, generated = torch.randint(2, 90, (9,)), torch.randint(2, 90, (4,))
+    previous = model.config._attn_implementation
+    got = rollout_rows(model, prompt, generated)
+    assert model.config._attn_implementation == previous
+    ids = torch.cat([prompt, generated])
+    for k in range(4):
+        # Independent: a forward over this step's prefix only, the rollout row pulled back layer by layer.
+        prefix = ids[: 9 + k][None]
+        model.set_attn_implementation("eager")
+        attentions = model(prefix, output_attentions=True).attentions
+        model.set_attn_implementation(previous)
+        row = np.zeros(9 + k)
+        row[-1] = 1.0
+        for layer in reversed(attentions):
+            a = layer[0].double().mean(0).numpy() + np.eye(9 + k)
+            row = row @ (a / a.sum(1, keepdims=True))
+        np.testing.assert_allclose(got[k], row[:9], rtol=1e-5, atol=1e-9)  # float32 attentions of two forwards
+
+
+def test_method_names():
+    assert parse_method("macs").name == "macs"
+    assert parse_method("macs:pool=max").name == "macs"
+    assert parse_method("macs:alpha=1").name == "macs:alpha=1.0"
+    config = parse_method("macs:alpha=0.5:redistribute=off").macs
+    assert (config.alpha, config.redistribute, config.pooling) == (0.5, False, "max")
+    assert parse_method("attention-mean").faithfulness and not parse_method("rollout").faithfulness
+    for bad, match in (("lime", "unknown method"), ("macs:pool=median", "pooling"), ("macs:beta=1", "bad MACS"),
+                       ("rollout:alpha=1", "takes no options"), ("macs:alpha=2", "alpha")):
+        with pytest.raises(ValueError, match=match):
+            parse_method(bad)
+    try:
+        parse_method("at2")
+    except MethodUnavailable as error:
+        assert "at2" in str(error)
+
+
+def test_eval_command_smoke_report_and_resume(tmp_path, capsys):
+    from macs_kernels.cli import main
+
+    if not DATA.is_file():
+        pytest.skip("stqa_350.json is not next to this checkout")
+    out, records = tmp_path / "eval.jsonl", tmp_path / "records"
+    command = ["eval", "--data", str(DATA), "--n", "3", "--max-new-tokens", "8", "--methods", "macs,random",
+               "--faithfulness-n", "1", "--out", str(out), "--records", str(records), "--no-progress",
+               "--threads", "1"]
+    threads = torch.get_num_threads()
+    try:
+        assert main(command) == 0
+        first = capsys.readouterr().out
+        summary = json.loads(out.with_suffix(".json").read_text())
+        assert out.with_suffix(".md").read_text().startswith("Model: SmolLM2-135M-Instruct")
+        assert out.with_suffix(".png").stat().st_size > 0
+        assert "eval: 3 generations this run" in first
+        assert {"model", "data", "n", "skipped", "methods"} <= set(summary)
+        assert summary["n"] == 3 and summary["skipped"] == {}
+        for name in ("macs", "random"):
+            row = summary["methods"][name]
+            assert row["n"] == 3
+            assert {"auc_pr", "auc_pr_step_mean", "auc_pr_aggregate", "srg", "ties"} <= set(row)
+            assert 0 <= row["auc_pr"]["mean"] <= 1 and row["auc_pr"]["ci"][0] <= row["auc_pr"]["mean"]
+            assert row["auc_pr_step_mean"]["mean"] <= row["auc_pr"]["mean"]
+            assert set(row["srg"]) == {"perplexity", "rouge_l", "logit"} and row["srg"]["logit"]["n"] == 1
+        lines = out.read_text().splitlines()
+        assert len(lines) == 1 + 3 + 6 + 2  # run, samples, AUC per (sample, method), faithfulness
+
+        # Resumed: nothing generated again; an added ablation is scored from the stored records.
+        methods = command.index("--methods") + 1
+        assert main(command[:methods] + ["macs,random,macs:pool=mean"] + command[methods + 1:]) == 0
+        second = capsys.readouterr().out
+        assert "eval: 0 generations this run" in second
+        assert out.read_text().splitlines()[: len(lines)] == lines
+        assert json.loads(out.with_suffix(".json").read_text())["methods"]["macs:pool=mean"]["n"] == 3
+
+        assert main(["eval", "--report-only", "--out", str(out)]) == 0
+        assert "| macs:pool=mean | 3 |" in capsys.readouterr().out
+    finally:
+        torch.set_num_threads(threads)
