@@ -14,14 +14,10 @@ On GPU: triton.testing.do_bench, and for B = 1 also one replay of a captured CUD
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import importlib
 import itertools
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from macs_kernels.bench import device_stem, environment, write_csv  # noqa: E402
 from macs_kernels.ops._dispatch import implementation, why_unavailable  # noqa: E402
 
 OPS = ("macs_update", "decode_attention")
@@ -160,29 +157,6 @@ def grid(quick: bool, device: torch.device):
             itertools.product((1, 8), ((32, 8), (9, 3)), (64, 128), keys)]
 
 
-def environment(device: torch.device) -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "absent"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        cpuinfo = Path("/proc/cpuinfo")
-        models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                  if line.startswith("model name")] if cpuinfo.exists() else []
-        name = f"{models[0] if models else platform.processor() or platform.machine()} x{os.cpu_count()}"
-    return {"machine": platform.node(), "device": name, "python": platform.python_version(),
-            "torch": torch.__version__, "triton": triton_version, "threads": torch.get_num_threads(),
-            "commit": commit}
-
-
 def plot(rows, path: Path):
     import matplotlib
     matplotlib.use("Agg")
@@ -235,8 +209,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     env = environment(device)  # after --threads: the CSV records the count used
-    stem = args.name or ("ops_cpu" if device.type == "cpu"
-                         else "ops_" + env["device"].split()[-1].lower().replace("-", "_"))
+    stem = args.name or device_stem("ops", env, device)
     providers = []
     for provider in PROVIDERS:
         reason = provider.unavailable(device)
@@ -265,11 +238,7 @@ def main(argv=None):
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / f"{stem}.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, args.out / f"{stem}.csv")
     plot(rows, args.out / f"{stem}.png")
     print(f"wrote {args.out / stem}.csv and .png")
 

@@ -18,6 +18,8 @@ _LAZY = {
     "Tracer": "macs_kernels.tracing",
     "qa_prompt": "macs_kernels.prompts",
     "load_model": "macs_kernels.models",
+    "trace_tensors": "macs_kernels.interop",
+    "TraceTensors": "macs_kernels.interop",
 }
 
 __all__ = ["MacsConfig", "__version__", *_LAZY]

@@ -78,7 +78,7 @@ def run_explain(args) -> int:
 
 
 # Each subcommand module exposes add_parser(subparsers) and keeps heavy imports inside its run function.
-SUBCOMMAND_MODULES: tuple[str, ...] = ("macs_kernels.at2.cli", "macs_kernels.evaluation.cli")
+SUBCOMMAND_MODULES: tuple[str, ...] = ("macs_kernels.at2.cli", "macs_kernels.evaluation.cli", "macs_kernels.bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -61,11 +61,8 @@ class Tracer:
         self._fused_decode = (
             implementation(self.backend, "decode_attention") if self.backend != "torch" else None
         )
-        self._efficient = None
-        if config.attention == "efficient":
-            from .efficient import EfficientRows
-
-            self._efficient = EfficientRows(num_layers)
+        # Efficient rows have torch and Triton kernels; with cuda named, the best of those runs them.
+        self._efficient_backend = config.backend if config.backend in ("torch", "triton") else None
         self.reset()
 
     def reset(self) -> None:
@@ -78,8 +75,13 @@ class Tracer:
         self.n_input_list: list[int] | None = None
         self._log_c = None
         self.prefill = False
-        if self._efficient is not None:
-            self._efficient.reset()
+        self._unpadded = self._dense = False
+        self._attended = None
+        self._gram = None
+        if self.config.attention == "efficient":
+            from .efficient import GramState
+
+            self._gram = GramState(self.num_layers)
 
     # ---- one forward pass -------------------------------------------------------------------------
     def _begin_pass(self, query: torch.Tensor, key: torch.Tensor, mask) -> None:
@@ -100,10 +102,15 @@ class Tracer:
                 )
             self.reset()
             self.prefill = True
+            # No mask on the prefill: no pads, every item's inputs are keys [0, N).
+            self._unpadded = mask is None
             self.input_start, self.input_end = input_start, kv_len
+            self._attended = attended
             self.n_input = kv_len - input_start
             self.n_input_list = self.n_input.tolist()
         self.kv_len = kv_len
+        # No mask now either: every key slot is attended, so the torch path needs no masks nor gathers.
+        self._dense = self._unpadded and mask is None and self.backend == "torch"
         self._log_c = torch.zeros(query.shape[0], max(self.n_input_list), dtype=torch.float32, device=key.device)
         for hook in self.hooks:
             hook.begin_pass(self, self.prefill)
@@ -126,6 +133,26 @@ class Tracer:
         scores = torch_backend.grouped_scores(query_last, key, scale)
         return torch_backend.attended_softmax(scores, self.input_start, self.kv_len)[0]
 
+    def efficient_rows(self, layer: int, query_last, key, value, scale: float) -> torch.Tensor:
+        """The last query's efficient rows (B, H, S), after adding this pass's values to the Gram state.
+
+        The Gram state follows the cache by appending its newest slot on decode steps, so it assumes a
+        dynamic cache (new tokens at the end), the default of generate().
+        """
+        from .efficient import efficient_rows
+
+        if self.prefill:
+            new_values, valid = value, self._attended
+        else:
+            new_values = value[:, :, -1:]
+            valid = torch.ones(value.shape[0], 1, dtype=torch.bool, device=value.device)
+        self._gram.append(layer, new_values, valid)
+        rows, _ = efficient_rows(
+            self.softmax_rows(query_last, key, scale), value, self._gram.gram(layer), self.input_start,
+            self.kv_len, backend=self._efficient_backend,
+        )
+        return rows
+
     def _update_kwargs(self) -> dict:
         config = self.config
         return dict(
@@ -140,7 +167,7 @@ class Tracer:
         scale = float(scaling if scaling is not None else getattr(module, "scaling", query.shape[-1] ** -0.5))
         query_last = query[:, :, -1, :]
         fused = (
-            self._fused_decode is not None and not self.prefill and self._efficient is None
+            self._fused_decode is not None and not self.prefill and self._gram is None
             and not kwargs.get("output_attentions", False) and not module.training
         )
         if fused:
@@ -153,9 +180,15 @@ class Tracer:
             result = (out.unsqueeze(1), None)
         else:
             result = inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-            if self._efficient is not None:
-                rows = self._efficient.rows(self, layer, query_last, key, value, scale)
+            if self._gram is not None:
+                rows = self.efficient_rows(layer, query_last, key, value, scale)
                 self._macs_update_rows(rows, self._log_c, **self._update_kwargs())
+            elif self._dense:
+                config = self.config
+                torch_backend.macs_update_dense(
+                    query_last, key, self._log_c, n_input=self.n_input_list[0], scale=scale, alpha=config.alpha,
+                    pooling=config.pooling, redistribute=config.redistribute,
+                )
             else:
                 self._macs_update(query_last, key, self._log_c, scale=scale, lse=None, **self._update_kwargs())
         for hook in self.hooks:

@@ -51,10 +51,27 @@ def macs_update_rows(rows, log_c, *, input_start, input_end, kv_len, alpha, pool
         generated = (positions >= _column(input_end)) & (positions < _column(kv_len))
         spill = (rows * generated[:, None, :]).sum(dim=-1, keepdim=True)
         inputs = inputs + spill / n_input.view(-1, 1, 1)
+    term = _log_floor(inputs, alpha, pooling)
+    log_c.add_(term.masked_fill_(offsets >= _column(n_input), 0.0))
+
+
+def _log_floor(inputs, alpha, pooling):
+    """log(alpha * pool_heads(inputs) + 1 - alpha), (B, H, N) -> (B, N)."""
     pooled = _POOL[pooling](inputs)
     # Efficient-attention rows can pool below zero; clamping keeps the floor's log defined.
-    term = torch.log(pooled.clamp_min_(0.0).mul_(alpha).add_(1.0 - alpha))
-    log_c.add_(term.masked_fill_(offsets >= _column(n_input), 0.0))
+    return pooled.clamp_min_(0.0).mul_(alpha).add_(1.0 - alpha).log_()
+
+
+def macs_update_dense(q, k_cache, log_c, *, n_input, scale, alpha, pooling, redistribute):
+    """`macs_update` when every key slot [0, S) is attended and keys [0, n_input) are every item's inputs
+    (an unpadded batch with a growing cache). n_input is a Python int, so there is no mask, no gather and
+    no host sync: about a third of the general path's kernel launches, which is what a decode step pays
+    per layer on a CPU."""
+    rows = torch.softmax(grouped_scores(q, k_cache, scale), dim=-1)
+    inputs = rows[:, :, :n_input]
+    if redistribute and rows.shape[-1] > n_input:
+        inputs = inputs + rows[:, :, n_input:].sum(dim=-1, keepdim=True).div_(n_input)
+    log_c.add_(_log_floor(inputs, alpha, pooling))
 
 
 def macs_update(q, k_cache, log_c, *, input_start, input_end, kv_len, scale, alpha, pooling, redistribute, lse):

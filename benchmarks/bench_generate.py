@@ -1,0 +1,17 @@
+"""Generation throughput and peak memory: plain generate vs MACS vs the eager output_attentions way.
+
+    python benchmarks/bench_generate.py --quick                 # seconds (what CI runs)
+    python benchmarks/bench_generate.py --threads 1 --repeats 3 # the CPU grid, default model
+    python benchmarks/bench_generate.py --config Llama-3.1-8B   # on a GPU: random weights, real shape
+Same as `macs-kernels bench`; the logic lives in macs_kernels/bench.py. Writes
+benchmarks/results/generate_<device>.csv (every repeat), _summary.csv (medians, ratios) and .png.
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from macs_kernels.bench import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

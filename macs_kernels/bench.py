@@ -1,0 +1,535 @@
+"""`macs-kernels bench`: generation throughput and peak memory of plain generate, MACS and the eager
+output_attentions way of computing the same scores. Also the benchmarks' shared conventions (the
+machine/version columns, CSV writing) that benchmarks/bench_ops.py uses too.
+
+For each prompt length and batch size, every method generates the same number of new tokens (greedy,
+end-of-sequence suppressed) from the same random prompt:
+
+- plain-sdpa (plain-fa2 where flash-attn is installed on a GPU): `model.generate`, no attribution;
+- macs-<backend>: the same generate inside `macs_kernels.attach` (every backend that runs natively on
+  the device: never the Triton interpreter);
+- output-attentions (batch 1 only): eager attention, `generate(output_attentions=True)`, then MACS
+  computed from the returned attention rows, as attention-based attribution tools do today. It keeps
+  every step's attentions: at 2k tokens the prefill's alone take 30 x 9 x 2k^2 x 4 bytes = 4.4 GB on the
+  default model. Where that would not fit the device, the row says so (status) instead of running.
+
+Prefill tokens/s = B x N / (time to the first new token); decode tokens/s = B x (new - 1) / the rest
+(for output-attentions the rest includes scoring). The same with the process's CPU time instead of wall
+time (decode_cpu_tok_s) is what to compare on a shared, oversubscribed machine. Peak memory: CUDA max_memory_allocated on a GPU; on
+the CPU the peak RSS of a fresh process per measurement (the weights included, the same for every
+method). Repeats are interleaved (every method of a cell, in rotated order, before the next repeat) and
+summarised by medians.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_LENGTHS = (256, 512, 1024, 2048)
+GPU_LENGTHS = (1024, 4096, 16384, 32768)
+QUICK_LENGTHS = (48, 96)
+BATCHES = (1, 8)
+OUTPUT_ATTENTIONS = "output-attentions"
+
+# Shapes of real architectures for --config (no weights travel to a GPU machine; random weights cost
+# the same). A config.json path or folder works too.
+ARCHITECTURES = {
+    "Llama-3.1-8B": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
+    "Llama-3.2-1B": dict(
+        model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    ),
+    "SmolLM2-135M": dict(
+        model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,
+        rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    ),
+    # --quick: seconds on two CPU cores.
+    "tiny": dict(
+        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=512,
+    ),
+}
+
+COLUMNS = (
+    "machine", "device", "python", "torch", "transformers", "triton", "threads", "commit", "loadavg",
+    "model", "dtype", "method", "batch", "prompt_len", "new_tokens", "repeat", "status",
+    "prefill_s", "decode_s", "prefill_cpu_s", "decode_cpu_s", "prefill_tok_s", "decode_tok_s", "decode_cpu_tok_s",
+    "peak_mem_bytes", "memory", "isolated",
+)
+SUMMARY_COLUMNS = (
+    "machine", "device", "torch", "transformers", "commit", "model", "dtype", "method", "batch", "prompt_len",
+    "new_tokens", "repeats", "prefill_tok_s", "decode_tok_s", "decode_cpu_tok_s", "peak_mem_bytes",
+    "prefill_vs_plain", "decode_vs_plain", "decode_cpu_vs_plain", "mem_vs_plain",
+    "decode_vs_output_attentions", "decode_cpu_vs_output_attentions", "mem_vs_output_attentions",
+)
+# Ratio columns: (prefix, median field).
+RATIOS = (("prefill", "prefill_tok_s"), ("decode", "decode_tok_s"), ("decode_cpu", "decode_cpu_tok_s"),
+          ("mem", "peak_mem_bytes"))
+
+
+# ---- conventions shared by the benchmarks ----------------------------------------------------------
+def environment(device) -> dict:
+    """Machine, versions and commit columns of every benchmark CSV."""
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    versions = {}
+    for module in ("transformers", "triton"):
+        try:
+            versions[module] = __import__(module).__version__
+        except ImportError:
+            versions[module] = "absent"
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        cpuinfo = Path("/proc/cpuinfo")
+        models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                  if line.startswith("model name")] if cpuinfo.exists() else []
+        name = f"{models[0] if models else platform.processor() or platform.machine()} x{os.cpu_count()}"
+    return {"machine": platform.node(), "device": name, "python": platform.python_version(),
+            "torch": torch.__version__, **versions, "threads": torch.get_num_threads(), "commit": commit}
+
+
+def write_csv(rows: list[dict], path: Path, columns=None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(columns or rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def device_stem(prefix: str, env: dict, device) -> str:
+    """results file stem: <prefix>_cpu or <prefix>_<gpu model>, e.g. generate_h100."""
+    import torch
+
+    if torch.device(device).type == "cpu":
+        return f"{prefix}_cpu"
+    return f"{prefix}_" + env["device"].split()[-1].lower().replace("-", "_")
+
+
+# ---- one measurement ----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One (model, method, batch, prompt length) measurement; JSON-able so a fresh process can run it."""
+
+    model: str | None
+    config: str | None
+    dtype: str
+    device: str
+    method: str
+    batch: int
+    prompt_len: int
+    new_tokens: int
+    threads: int | None = None
+
+
+def methods_for(device) -> list[str]:
+    """Every method that runs natively on `device`, plain first."""
+    import importlib.util
+
+    import torch
+
+    from .ops._dispatch import why_unavailable
+
+    device = torch.device(device)
+    methods = ["plain-sdpa"]
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        methods.append("plain-fa2")
+    # why_unavailable would accept the Triton interpreter on a CPU: a test tool, not a contender.
+    for backend in ("torch", "triton", "cuda"):
+        if (backend == "torch" or device.type == "cuda") and why_unavailable(backend, device) is None:
+            methods.append(f"macs-{backend}")
+    return methods + [OUTPUT_ATTENTIONS]
+
+
+def load(spec: Spec):
+    """(model, pad id) for a spec: weights from --model (default model when neither is given) or a
+    random-initialised model of --config's shape."""
+    import torch
+
+    dtype = getattr(torch, spec.dtype)
+    implementation = "eager" if spec.method == OUTPUT_ATTENTIONS else (
+        "flash_attention_2" if spec.method == "plain-fa2" else "sdpa")
+    if spec.config is None:
+        from .models import load_model
+
+        model, tokenizer = load_model(spec.model, dtype=dtype, device=spec.device, attn_implementation=implementation)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return model, pad
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if spec.config in ARCHITECTURES:
+        fields = dict(ARCHITECTURES[spec.config])
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    else:
+        config = AutoConfig.from_pretrained(spec.config)
+    torch.manual_seed(0)
+    with torch.device(spec.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=implementation)
+    return model.eval(), 0
+
+
+def prompt_ids(vocab_size: int, batch: int, length: int, device):
+    """A fixed random prompt (the same for every method), away from the low ids where special tokens live."""
+    import torch
+
+    generator = torch.Generator().manual_seed(length)
+    low = min(1000, vocab_size // 4)
+    return torch.randint(low, vocab_size, (1, length), generator=generator).expand(batch, -1).to(device)
+
+
+def _synchronize(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _scores_from_attentions(attentions, n_input: int, config) -> None:
+    """MACS from generate(output_attentions=True)'s per-step attention tuples, as the attention-tool way."""
+    import torch
+
+    from .ops import torch_backend
+
+    batch = attentions[0][0].shape[0]
+    index = lambda value: torch.full((batch,), value, dtype=torch.long, device=attentions[0][0].device)  # noqa: E731
+    for step in attentions:
+        keys = step[0].shape[-1]
+        log_c = torch.zeros(batch, n_input, device=step[0].device)
+        for layer in step:
+            torch_backend.macs_update_rows(
+                layer[:, :, -1, :], log_c, input_start=index(0), input_end=index(n_input), kv_len=index(keys),
+                alpha=config.alpha, pooling=config.pooling, redistribute=config.redistribute,
+            )
+        torch_backend.macs_zscore(log_c, index(n_input))
+
+
+def _generate(model, ids, spec: Spec, pad: int):
+    """((prefill, decode) wall seconds, (prefill, decode) process CPU seconds) of one greedy generate."""
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    from .config import MacsConfig
+    from .tracing import attach
+
+    first_token = []
+
+    class MarkFirstToken(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            if not first_token:
+                _synchronize(spec.device)
+                first_token.extend((time.perf_counter(), time.process_time()))
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    kwargs = dict(max_new_tokens=spec.new_tokens, min_new_tokens=spec.new_tokens, do_sample=False,
+                  pad_token_id=pad, attention_mask=torch.ones_like(ids),
+                  stopping_criteria=StoppingCriteriaList([MarkFirstToken()]))
+    oa = spec.method == OUTPUT_ATTENTIONS
+    if oa:
+        kwargs.update(output_attentions=True, return_dict_in_generate=True)
+    macs = spec.method.startswith("macs-")
+    context = attach(model, backend=spec.method[5:]) if macs else contextlib.nullcontext()
+    _synchronize(spec.device)
+    start, start_cpu = time.perf_counter(), time.process_time()
+    with context:
+        output = model.generate(ids, **kwargs)
+    if oa:
+        _scores_from_attentions(output.attentions, ids.shape[1], MacsConfig())
+    _synchronize(spec.device)
+    end, end_cpu = time.perf_counter(), time.process_time()
+    del output
+    return (first_token[0] - start, end - first_token[0]), (first_token[1] - start_cpu, end_cpu - first_token[1])
+
+
+def _reset_peak(device) -> str:
+    """Start a fresh peak-memory window; returns how the peak is measured."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return "cuda_max_allocated"
+    try:  # Linux: writing 5 resets this process's peak RSS (VmHWM)
+        Path("/proc/self/clear_refs").write_text("5")
+        return "rss_peak"
+    except OSError:
+        return "rss_peak_since_start"
+
+
+def _peak(device) -> int:
+    import resource
+
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def oa_bytes(model, spec: Spec) -> int:
+    """Memory the output_attentions way keeps: every step's attention rows of every layer."""
+    config = model.config.get_text_config()
+    item = {"float32": 4}.get(spec.dtype, 2)
+    n, new = spec.prompt_len, spec.new_tokens
+    per_head = n * n + sum(n + k for k in range(1, new))
+    return config.num_hidden_layers * config.num_attention_heads * per_head * item * spec.batch
+
+
+def _available_bytes(device) -> int:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure(spec: Spec, model=None, pad=None) -> dict:
+    """One measurement: the result columns of a CSV row."""
+    import torch
+
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    if model is None:
+        model, pad = load(spec)
+    ids = prompt_ids(model.config.get_text_config().vocab_size, spec.batch, spec.prompt_len, spec.device)
+    if spec.method == OUTPUT_ATTENTIONS and oa_bytes(model, spec) > 0.8 * _available_bytes(spec.device):
+        return {"status": f"skipped: its attentions need {oa_bytes(model, spec) / 2**30:.1f} GiB"}
+    with torch.inference_mode():
+        _generate(model, ids[:, :16], dataclasses.replace(spec, new_tokens=2), pad)  # warm-up
+        memory = _reset_peak(spec.device)
+        (prefill_s, decode_s), (prefill_cpu_s, decode_cpu_s) = _generate(model, ids, spec, pad)
+    decoded = spec.batch * (spec.new_tokens - 1)
+    return {
+        "status": "ok", "prefill_s": round(prefill_s, 4), "decode_s": round(decode_s, 4),
+        "prefill_cpu_s": round(prefill_cpu_s, 4), "decode_cpu_s": round(decode_cpu_s, 4),
+        "prefill_tok_s": round(spec.batch * spec.prompt_len / prefill_s, 2),
+        "decode_tok_s": round(decoded / decode_s, 3), "decode_cpu_tok_s": round(decoded / decode_cpu_s, 3),
+        "peak_mem_bytes": _peak(spec.device), "memory": memory,
+    }
+
+
+def _measure_in_fresh_process(spec: Spec) -> dict:
+    command = [sys.executable, "-m", "macs_kernels.bench", "--worker", json.dumps(dataclasses.asdict(spec))]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"status": f"failed (exit {done.returncode}): {tail[0][:200]}"}
+    return json.loads(lines[-1])
+
+
+# ---- the grid -------------------------------------------------------------------------------------------
+def grid(args, device, max_positions: int) -> list[tuple[int, int]]:
+    lengths = args.lengths or (QUICK_LENGTHS if args.quick else CPU_LENGTHS if device.type == "cpu" else GPU_LENGTHS)
+    batches = args.batches or ((1, 2) if args.quick else BATCHES)
+    usable = [n for n in lengths if n + args.new_tokens <= max_positions]
+    skipped = sorted(set(lengths) - set(usable))
+    if skipped:
+        print(f"skipping prompt lengths {skipped}: beyond the model's context window ({max_positions})")
+    return [(n, b) for n in usable for b in batches]
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Medians per (method, batch, length) and the ratios to plain-sdpa and to output-attentions."""
+    cells: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if row["status"] == "ok":
+            cells.setdefault((row["method"], row["batch"], row["prompt_len"]), []).append(row)
+    medians = {}
+    for key, group in cells.items():
+        medians[key] = {field: statistics.median(r[field] for r in group) for _, field in RATIOS}
+        medians[key]["repeats"] = len(group)
+    summary = []
+    for (method, batch, length), values in sorted(medians.items(), key=lambda item: (item[0][2], item[0][1], item[0][0])):
+        first = cells[(method, batch, length)][0]
+        row = {field: first[field] for field in SUMMARY_COLUMNS if field in first}
+        row.update(values, peak_mem_bytes=int(values["peak_mem_bytes"]))
+        for name, reference in (("plain", "plain-sdpa"), ("output_attentions", OUTPUT_ATTENTIONS)):
+            base = medians.get((reference, batch, length))
+            for short, field in RATIOS:
+                column = f"{short}_vs_{name}"
+                if column in SUMMARY_COLUMNS:
+                    row[column] = round(values[field] / base[field], 3) if base else ""
+        summary.append(row)
+    return summary
+
+
+def plot(summary: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in summary})
+    fields = (("decode_tok_s", "decode tokens/s"), ("decode_cpu_tok_s", "decode tokens per CPU-second"),
+              ("prefill_tok_s", "prefill tokens/s"),
+              ("peak_mem_bytes", "peak memory (GiB)"))
+    fig, axes = plt.subplots(len(batches), len(fields), figsize=(4.2 * len(fields), 3.2 * len(batches)), squeeze=False)
+    for (i, batch), (j, (field, label)) in ((a, b) for a in enumerate(batches) for b in enumerate(fields)):
+        ax = axes[i][j]
+        for method in sorted({r["method"] for r in summary}):
+            points = sorted((r["prompt_len"], r[field] / (2**30 if field == "peak_mem_bytes" else 1))
+                            for r in summary if r["method"] == method and r["batch"] == batch)
+            if points:
+                ax.plot(*zip(*points), marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_title(f"{label}, batch {batch}", fontsize=9)
+        ax.legend(fontsize=7)
+    first = summary[0]
+    fig.suptitle(f"{first['model']} {first['dtype']} on {first['device']}, {first['new_tokens']} new tokens", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args) -> int:
+    import torch
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    config = "tiny" if args.quick and args.model is None and args.config is None else args.config
+    methods = args.methods or methods_for(device)
+    base = Spec(args.model, config, dtype, str(device), methods[0], 1, 1, args.new_tokens, args.threads)
+    # On a GPU the peak is reset per measurement; on a CPU only a fresh process gives a clean peak RSS.
+    isolate = device.type == "cpu" and not args.quick and not args.in_process
+    model, pad = (None, None) if isolate else load(base)
+    if model is None:
+        from transformers import AutoConfig
+
+        from .models import default_model_path
+
+        source = ARCHITECTURES.get(config) if config else None
+        max_positions = source["max_position_embeddings"] if source else AutoConfig.from_pretrained(
+            config or args.model or default_model_path()).get_text_config().max_position_embeddings
+    else:
+        max_positions = model.config.get_text_config().max_position_embeddings
+    env = environment(device)
+    model_name = f"random {config}" if config else (args.model or "SmolLM2-135M-Instruct")
+    rows = []
+    stem = args.name or device_stem("generate", env, device) + ("_quick" if args.quick else "")
+    cells = grid(args, device, max_positions)
+    for repeat in range(args.repeats):
+        for length, batch in cells:
+            rotated = methods[repeat % len(methods):] + methods[:repeat % len(methods)]
+            for method in rotated:
+                if method == OUTPUT_ATTENTIONS and batch > 1:
+                    continue
+                spec = dataclasses.replace(base, method=method, batch=batch, prompt_len=length)
+                if isolate:
+                    result = _measure_in_fresh_process(spec)
+                else:
+                    # In one process the eager way needs its own attention implementation.
+                    model.set_attn_implementation("eager" if method == OUTPUT_ATTENTIONS else
+                                                  "flash_attention_2" if method == "plain-fa2" else "sdpa")
+                    result = measure(spec, model, pad)
+                row = {**env, "loadavg": os.getloadavg()[0], "model": model_name, "dtype": dtype, "method": method,
+                       "batch": batch, "prompt_len": length, "new_tokens": args.new_tokens, "repeat": repeat,
+                       "isolated": isolate, **result}
+                rows.append({column: row.get(column, "") for column in COLUMNS})
+                write_csv(rows, args.out / f"{stem}.csv", COLUMNS)  # as it goes: a long run keeps what it measured
+                shown = (f"{result['prefill_tok_s']:9.1f} prefill tok/s {result['decode_tok_s']:8.2f} decode tok/s "
+                         f"{result['peak_mem_bytes'] / 2**30:6.2f} GiB" if result["status"] == "ok" else result["status"])
+                print(f"repeat {repeat} N={length:6d} B={batch} {method:18s} {shown}", flush=True)
+    summary = summarise(rows)
+    if summary:
+        write_csv(summary, args.out / f"{stem}_summary.csv", SUMMARY_COLUMNS)
+        plot(summary, args.out / f"{stem}.png")
+        print_summary(summary)
+    print(f"wrote {args.out / stem}.csv, {stem}_summary.csv and {stem}.png")
+    return 0
+
+
+def print_summary(summary: list[dict]) -> None:
+    """The summary as a markdown table (what the README quotes)."""
+    print("| N | B | method | prefill tok/s | decode tok/s | decode tok/CPU-s | peak GiB | decode vs plain "
+          "| decode (CPU) vs plain | mem vs plain | decode vs OA | decode (CPU) vs OA | mem vs OA |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in summary:
+        print(f"| {r['prompt_len']} | {r['batch']} | {r['method']} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.2f} "
+              f"| {r['decode_cpu_tok_s']:.2f} | {r['peak_mem_bytes'] / 2**30:.2f} | {r['decode_vs_plain']} "
+              f"| {r['decode_cpu_vs_plain']} | {r['mem_vs_plain']} | {r['decode_vs_output_attentions']} "
+              f"| {r['decode_cpu_vs_output_attentions']} | {r['mem_vs_output_attentions']} |")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help="seconds: a tiny random model (unless --model/--config), two short prompts, in one process")
+    parser.add_argument("--model", default=None, help="transformers model id or folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--config", default=None,
+                        help=f"random-initialised model of this shape: {', '.join(ARCHITECTURES)} or a config.json path")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="default: bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--lengths", type=int, nargs="+", default=None,
+                        help=f"prompt lengths (default CPU {CPU_LENGTHS}, GPU {GPU_LENGTHS})")
+    parser.add_argument("--batches", type=int, nargs="+", default=None, help=f"batch sizes (default {BATCHES})")
+    parser.add_argument("--methods", nargs="+", default=None, help="subset of the methods (default: all available)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="new tokens per generate (default 64; --quick 4)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (on a shared machine 1 avoids OpenMP spin contention)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="on CPU, measure in this process (faster; peak RSS then carries earlier runs' heap)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--name", default=None, help="file stem (default generate_cpu / generate_<gpu>)")
+
+
+def _finish_args(args) -> argparse.Namespace:
+    if args.new_tokens is None:
+        args.new_tokens = 4 if args.quick else 64
+    if args.quick:
+        args.repeats = min(args.repeats, 1)
+    if args.new_tokens < 2:
+        raise SystemExit("--new-tokens must be at least 2 (prefill and decode are timed apart)")
+    return args
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("bench", help="throughput and peak memory: plain generate vs MACS vs output_attentions")
+    add_arguments(parser)
+    parser.set_defaults(run=lambda args: run(_finish_args(args)))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(measure(Spec(**json.loads(args.worker)))), flush=True)
+        return 0
+    return run(_finish_args(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""MACS's intermediate tensors for other attribution tools: `trace_tensors` (no printing, no files).
+
+The generation is teacher-forced: one prefill over the prompt, then the generated tokens fed one at a
+time through the KV cache, exactly the passes `generate` makes, so the z-scores equal `explain`'s for
+the same tokens. The last generated token is never fed: no step explains the token after it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .config import MacsConfig
+from .ops import torch_backend
+from .tracing import TraceHook, attach, check_model
+
+
+@dataclasses.dataclass
+class TraceTensors:
+    """Per generation step k (row k explains generated token k), float32 on the CPU, N prompt tokens.
+
+    pooled: (steps, L, N) the head-pooled (and, when configured, redistributed) attention m' of the pass's
+        last query on each input, per layer, before the floor: log_c[k] = sum over l of
+        log(alpha * pooled[k, l] + 1 - alpha).
+    log_c: (steps, N) the log consistency state; z_scores: (steps, N) its z-scores (what `explain` gives).
+    at2_features: (steps, L, H, N) when asked for: per layer and query head, the softmax attention of step
+        k's query row on each input token (AT2's features; no redistribution, no pooling).
+    """
+
+    pooled: torch.Tensor
+    log_c: torch.Tensor
+    z_scores: torch.Tensor
+    at2_features: torch.Tensor | None = None
+
+
+class PooledRows(TraceHook):
+    """Records m' (B, N_max) per layer of every pass, from the softmax rows of the pass's last query."""
+
+    def __init__(self, scales: list[float], config: MacsConfig):
+        self.scales, self.config = scales, config
+        self.steps: list[torch.Tensor] = []
+        self._layers: list[torch.Tensor] = []
+
+    def begin_pass(self, tracer, prefill: bool) -> None:
+        if prefill:
+            self.steps = []
+        self._layers = []
+
+    def layer(self, tracer, layer_idx, query, key, value, output) -> None:
+        rows = tracer.softmax_rows(query[:, :, -1, :], key, self.scales[layer_idx])
+        # At alpha = 1 the layer's log-term is log(m') itself.
+        log_pooled = torch.zeros(rows.shape[0], max(tracer.n_input_list), dtype=torch.float32, device=rows.device)
+        torch_backend.macs_update_rows(
+            rows, log_pooled, input_start=tracer.input_start, input_end=tracer.input_end, kv_len=tracer.kv_len,
+            alpha=1.0, pooling=self.config.pooling, redistribute=self.config.redistribute,
+        )
+        self._layers.append(log_pooled.exp_())
+
+    def end_pass(self, tracer) -> None:
+        self.steps.append(torch.stack(self._layers, dim=1))
+
+
+def _ids(name: str, value) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name} must be an int64 or int32 torch.Tensor of token ids")
+    if value.dim() == 2 and value.shape[0] == 1:
+        value = value[0]
+    if value.dim() != 1 or value.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty (T,) or (1, T) tensor, got shape {tuple(value.shape)}")
+    return value.long()
+
+
+@torch.inference_mode()
+def trace_tensors(model, input_ids, generated_ids, *, at2: bool = False, **config) -> TraceTensors:
+    """MACS's per-step tensors for `generated_ids` (T,) continuing the prompt `input_ids` (N,) (no pads).
+
+    config: MacsConfig fields (alpha, pooling, redistribute, backend); attention must be "softmax" (the
+    pooled rows are softmax rows). at2=True adds AT2's per-step features (macs_kernels.at2.features).
+    """
+    macs_config = MacsConfig(**config)
+    if macs_config.attention != "softmax":
+        raise NotImplementedError("trace_tensors records softmax rows; attention='efficient' is not supported")
+    modules = check_model(model)
+    prompt, generated = _ids("input_ids", input_ids), _ids("generated_ids", generated_ids)
+    device = next(model.parameters()).device
+    scales = [float(modules[layer].scaling) for layer in range(len(modules))]
+    pooled = PooledRows(scales, macs_config)
+    hooks = [pooled]
+    if at2:
+        from .at2.features import QueryCapture
+
+        capture = QueryCapture()
+        hooks.append(capture)
+    with attach(model, hooks=hooks, **macs_config.as_dict()) as tracer:
+        output = model(input_ids=prompt[None].to(device), use_cache=True, logits_to_keep=1)
+        cache = output.past_key_values
+        for token in generated[:-1].tolist():
+            model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True,
+                  logits_to_keep=1)
+    log_c, z_scores = tracer.rows(0)
+    features = None
+    if at2:
+        n = prompt.numel()
+        features = torch.stack([
+            capture.features(source_start=0, source_end=n, target_start=k, target_end=k + 1,
+                             scale=scales[0], backend=macs_config.backend)[0]
+            for k in range(generated.numel())
+        ]).cpu()
+    return TraceTensors(
+        pooled=torch.stack([step[0] for step in pooled.steps]).cpu(), log_c=log_c, z_scores=z_scores,
+        at2_features=features,
+    )

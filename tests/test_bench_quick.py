@@ -1,0 +1,81 @@
+"""The generation benchmark's --quick mode (what CI runs) and its CSV schema."""
+import csv
+
+import pytest
+
+from macs_kernels import bench
+from macs_kernels.cli import build_parser
+
+
+def read(path):
+    with open(path, newline="") as handle:
+        reader = csv.DictReader(handle)
+        return reader.fieldnames, list(reader)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    assert bench.main(["--quick", "--out", str(out), "--name", "quick"]) == 0
+    return out
+
+
+def test_quick_mode_writes_every_method_with_the_schema(quick_run):
+    columns, rows = read(quick_run / "quick.csv")
+    assert tuple(columns) == bench.COLUMNS
+    assert {r["method"] for r in rows} == {"plain-sdpa", "macs-torch", bench.OUTPUT_ATTENTIONS}
+    cells = {(int(r["prompt_len"]), int(r["batch"])) for r in rows}
+    assert cells == {(n, b) for n in bench.QUICK_LENGTHS for b in (1, 2)}
+    assert all(r["batch"] == "1" for r in rows if r["method"] == bench.OUTPUT_ATTENTIONS)
+    for r in rows:
+        assert r["status"] == "ok", r["status"]
+        assert r["commit"] and r["torch"] and r["transformers"] and r["device"]
+        for field in ("prefill_s", "decode_s", "prefill_tok_s", "decode_tok_s", "decode_cpu_tok_s", "peak_mem_bytes"):
+            assert float(r[field]) > 0, field
+        # Throughput is what the timings say: B x N prompt tokens over the prefill time.
+        expected = int(r["batch"]) * int(r["prompt_len"]) / float(r["prefill_s"])
+        assert float(r["prefill_tok_s"]) == pytest.approx(expected, rel=1e-2)
+    assert (quick_run / "quick.png").stat().st_size > 0
+
+
+def test_summary_has_medians_and_ratios(quick_run):
+    columns, summary = read(quick_run / "quick_summary.csv")
+    assert tuple(columns) == bench.SUMMARY_COLUMNS
+    _, rows = read(quick_run / "quick.csv")
+    for s in summary:
+        assert int(s["repeats"]) == 1
+        if s["method"] == "plain-sdpa":
+            assert float(s["decode_vs_plain"]) == float(s["mem_vs_plain"]) == 1.0
+        if s["batch"] == "1":
+            plain = next(r for r in rows if r["method"] == "plain-sdpa" and r["batch"] == "1"
+                         and r["prompt_len"] == s["prompt_len"])
+            oa = next(r for r in rows if r["method"] == bench.OUTPUT_ATTENTIONS and r["prompt_len"] == s["prompt_len"])
+            assert float(s["decode_vs_plain"]) == pytest.approx(
+                float(s["decode_tok_s"]) / float(plain["decode_tok_s"]), abs=1e-3)
+            assert float(s["mem_vs_output_attentions"]) == pytest.approx(
+                float(s["peak_mem_bytes"]) / float(oa["peak_mem_bytes"]), abs=1e-3)
+        else:
+            assert s["decode_vs_output_attentions"] == ""  # no output_attentions run at batch > 1
+
+
+def test_medians_over_repeats():
+    base = {"machine": "m", "model": "x", "dtype": "float32", "batch": 1, "prompt_len": 8, "new_tokens": 4,
+            "status": "ok"}
+    rows = [base | {"method": method, "prefill_tok_s": p, "decode_tok_s": d, "decode_cpu_tok_s": d,
+                    "peak_mem_bytes": m}
+            for method, p, d, m in [("plain-sdpa", 10, 4.0, 100), ("plain-sdpa", 30, 2.0, 300),
+                                    ("plain-sdpa", 20, 3.0, 200), ("macs-torch", 10, 1.5, 220)]]
+    summary = {s["method"]: s for s in bench.summarise(rows)}
+    assert summary["plain-sdpa"]["decode_tok_s"] == 3.0 and summary["plain-sdpa"]["repeats"] == 3
+    assert summary["macs-torch"]["decode_vs_plain"] == 0.5
+    assert summary["macs-torch"]["mem_vs_plain"] == 1.1
+    assert summary["macs-torch"]["decode_vs_output_attentions"] == ""
+
+
+def test_cli_has_the_bench_subcommand():
+    args = build_parser().parse_args(["bench", "--quick", "--lengths", "32"])
+    assert args.quick and args.lengths == [32] and callable(args.run)
+
+
+def test_methods_never_include_the_triton_interpreter():
+    assert bench.methods_for("cpu") == ["plain-sdpa", "macs-torch", bench.OUTPUT_ATTENTIONS]
