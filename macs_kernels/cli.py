@@ -68,13 +68,18 @@ def run_explain(args) -> int:
 
         explanation.source_span = align_qa(tokenizer, args.question, args.context).context_tokens
     print_explanation(explanation, step=args.step)
+    write_outputs(args, explanation)
+    return 0
+
+
+def write_outputs(args, explanation) -> None:
+    """--json and --html of an explanation (anything with to_json and to_html)."""
     if args.json:
         args.json.write_text(explanation.to_json(indent=1))
         print(f"wrote {args.json}")
     if args.html:
         args.html.write_text(explanation.to_html())
         print(f"wrote {args.html}")
-    return 0
 
 
 # Each subcommand module exposes add_parser(subparsers) and keeps heavy imports inside its run function.

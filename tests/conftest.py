@@ -10,3 +10,13 @@ import torch  # noqa: E402
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module of small ops: two threads on two busy cores contend, and forwards of
+    small models get several times slower."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -11,13 +11,7 @@ from macs_kernels.cli import main
 from tests.helpers import QUESTIONS
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One torch thread: on a loaded 2-core machine two threads contend and a forward gets ~10x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_explain_at2_writes_sources_and_scores(tmp_path):

@@ -100,13 +100,7 @@ def test_bad_arguments_raise(bad, message):
         ops.attention_features(torch.randn(1, 2, 3, 8), torch.randn(1, 1, 10, 8), **args)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One torch thread: on a loaded 2-core machine two threads contend and a forward gets ~10x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---- on the default model -----------------------------------------------------------------------------
@@ -146,6 +140,29 @@ def test_one_forward_features_match_eager_output_attentions(model_and_tokenizer,
         got = capture.features(source_start=start, source_end=end, scale=attention_scale(model))[0]
         ref = torch.stack([layer[:, :, start:end].sum(1) / response_ids.numel() for layer in rows])
         assert relative_error(got, ref) <= RELATIVE_ERROR[torch.float32]
+
+
+def test_efficient_features_match_svd_projection_of_eager_rows(model_and_tokenizer, prompt_and_response):
+    model, _ = model_and_tokenizer
+    prompt_ids, response_ids = prompt_and_response
+    capture = forward_capture(model, prompt_ids, response_ids)
+    rows = _eager_rows(model, prompt_ids, response_ids)
+    start, end, n_rows = 40, 70, response_ids.numel()
+    got = capture.features(source_start=start, source_end=end, scale=attention_scale(model), attention="efficient")[0]
+    softmax = capture.features(source_start=start, source_end=end, scale=attention_scale(model))[0]
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    ref = torch.zeros_like(got, dtype=torch.float64)
+    for layer, layer_rows in enumerate(rows):
+        values = capture.values[layer][0]
+        keys = layer_rows.shape[-1]
+        for h in range(layer_rows.shape[0]):
+            for r in range(n_rows):
+                prefix = keys - n_rows + r + 1
+                a_eff = reference.efficient_row_reference(layer_rows[h, r, :prefix], values[h // group, :prefix])
+                ref[layer, h] += a_eff[start:end]
+    ref /= n_rows
+    assert relative_error(got, ref) <= 1e-4  # float32 Gram solves against an SVD in float64
+    assert relative_error(softmax, ref) > 1e-2  # and the efficient features are not the softmax ones
 
 
 def test_features_captured_during_generation_equal_one_forward(model_and_tokenizer):

@@ -15,13 +15,7 @@ from tests.helpers import QUESTIONS, default_model
 SAMPLES = [QASample(i, q, c, ()) for i, (q, c) in enumerate(QUESTIONS)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One torch thread: on a loaded 2-core machine two threads contend and a forward gets ~10x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

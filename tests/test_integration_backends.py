@@ -2,7 +2,7 @@
 
 Triton runs in its interpreter on CPU with the real default model. The CUDA backend needs a GPU and the
 compiled extension; there the model is random-initialised with the default model's shape (weights do not
-travel to GPU machines).
+travel to GPU machines) and traced through attach() on token ids (no tokenizer travels either).
 """
 import pytest
 import torch
@@ -41,9 +41,22 @@ def test_cuda_backend_equals_torch_backend_on_a_model_of_the_default_shape():
         pytest.skip("needs a CUDA device and the compiled extension macs_kernels._C")
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from macs_kernels.models import default_model_path, load_tokenizer
+    from macs_kernels import attach
+    from macs_kernels.bench import ARCHITECTURES
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(default_model_path()), dtype=torch.float32)
-    model = model.to(device).eval()
-    _compare(model, load_tokenizer(), "cuda", "Name the capital of France.", max_new_tokens=8)
+    shape = dict(ARCHITECTURES["SmolLM2-135M"])
+    config = AutoConfig.for_model(shape.pop("model_type"), **shape)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).eval()
+    prompts = torch.randint(3, config.vocab_size, (2, 40), device=device)
+    mask = torch.ones_like(prompts)
+    mask[1, :7] = 0  # a left-padded second row
+    runs = {}
+    for backend in ("torch", "cuda"):
+        with torch.no_grad(), attach(model, backend=backend) as tracer:
+            out = model.generate(prompts, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        runs[backend] = (out, [tracer.rows(b) for b in range(2)])
+    assert torch.equal(runs["torch"][0], runs["cuda"][0])
+    for (log_torch, z_torch), (log_cuda, z_cuda) in zip(runs["torch"][1], runs["cuda"][1]):
+        assert (z_cuda - z_torch).abs().max() <= 1e-4
+        assert torch.allclose(log_cuda, log_torch, rtol=1e-4, atol=1e-4)

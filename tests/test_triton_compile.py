@@ -19,6 +19,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = (80, 90)
 
+FEATURES_INDEX = {
+    name: "i64" for name in ("source_start_ptr", "source_end_ptr", "start_ptr", "kv_len_ptr", "n_rows_ptr")
+}
+
 # name -> (module, kernel, pointer element types, constexprs, options)
 VARIANTS = {
     "decode_bf16_gqa4_d128": (
@@ -59,6 +63,18 @@ VARIANTS = {
     ),
     "zscore": (
         "macs_zscore", "_macs_zscore_kernel", {"n_ptr": "i64"}, dict(BLOCK=1024), dict(num_warps=4),
+    ),
+    "features_bf16_d64": (
+        "attention_features", "_features_kernel", {"q_ptr": "bf16", "k_ptr": "bf16", **FEATURES_INDEX},
+        dict(D=64, BLOCK_D=64, BLOCK_R=64, BLOCK_N=64, DOT_F32=False), dict(num_warps=4),
+    ),
+    "features_fp32_d128": (
+        "attention_features", "_features_kernel", FEATURES_INDEX,
+        dict(D=128, BLOCK_D=128, BLOCK_R=64, BLOCK_N=64, DOT_F32=True), dict(num_warps=4),
+    ),
+    "lse_fp16_d64": (
+        "attention_features", "_features_lse_kernel", {"q_ptr": "fp16", "k_ptr": "fp16", **FEATURES_INDEX},
+        dict(D=64, BLOCK_D=64, BLOCK_R=64, BLOCK_N=64, DOT_F32=False), dict(num_warps=4),
     ),
 }
 
@@ -125,3 +141,9 @@ def test_split_pass_uses_tensor_cores_and_16_byte_loads(compiled, variant, arch)
     assert re.search(r"\b(mma\.sync\.aligned\.m16n8k16|wgmma\.mma_async)", ptx)
     # K (and V) tiles are staged through shared memory by asynchronous 16-byte copies.
     assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10,", ptx)
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+@pytest.mark.parametrize("variant", ["features_bf16_d64", "lse_fp16_d64"])
+def test_half_precision_feature_scores_use_tensor_cores(compiled, variant, arch):
+    assert re.search(r"\b(mma\.sync\.aligned\.m16n8k16|wgmma\.mma_async)", compiled[f"{variant}@sm_{arch}"]["ptx"])

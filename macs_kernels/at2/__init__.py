@@ -168,13 +168,14 @@ class AT2Attributor:
 
     @torch.no_grad()
     def explain(self, question=None, context=None, *, messages=None, response_ids=None, target=None,
-                sources: str = "sentence", max_new_tokens: int = 64) -> AT2Explanation:
+                sources: str = "sentence", max_new_tokens: int = 64, attention: str = "softmax") -> AT2Explanation:
         """Scores of the context's sources for a response.
 
         The prompt is the QA prompt of (question, context), or `messages` whose last user message ends with
         `context`. Without `response_ids` the model generates greedily (features captured during generation);
         with them, one forward scores that response. target: [start, end) response tokens (default all,
-        the end-of-sequence token excluded).
+        the end-of-sequence token excluded). attention="efficient" takes the features from efficient rows
+        (the coefficients were trained on softmax features).
         """
         from ..evaluation.alignment import align_context
         from ..prompts import qa_messages
@@ -197,7 +198,8 @@ class AT2Attributor:
         if not 0 <= start < end <= response_ids.numel():
             raise ValueError(f"target [{start}, {end}) must be a non-empty range of the {response_ids.numel()} response tokens")
         features = capture.features(source_start=alignment.context_tokens[0], source_end=alignment.context_tokens[1],
-                                    target_start=start, target_end=end, scale=attention_scale(self.model))
+                                    target_start=start, target_end=end, scale=attention_scale(self.model),
+                                    attention=attention)
         chosen = make_sources(alignment, context, sources)
         scores = self.source_scores(features[0].flatten(0, 1), source_index(chosen, alignment.context_tokens), len(chosen))
         ids = response_ids.tolist()

@@ -53,7 +53,7 @@ def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_explain_at2(args) -> int:
     """explain --method at2: needs --question and --context; prints the ranked sources, writes JSON/HTML."""
-    from ..cli import load_from_args
+    from ..cli import load_from_args, write_outputs
     from . import AT2Attributor
 
     if args.prompt is not None or not (args.question and args.context):
@@ -63,14 +63,10 @@ def run_explain_at2(args) -> int:
         attributor = AT2Attributor(model, tokenizer, args.coefficients)
     except (FileNotFoundError, ValueError) as error:  # missing file, wrong shape, not safetensors
         raise SystemExit(f"macs-kernels explain --method at2: {error}") from None
-    explanation = attributor.explain(args.question, args.context, sources=args.sources, max_new_tokens=args.max_new_tokens)
+    explanation = attributor.explain(args.question, args.context, sources=args.sources,
+                                     max_new_tokens=args.max_new_tokens, attention=args.attention)
     print(f"response: {explanation.response}")
     for score, source in explanation.ranked()[:10]:
         print(f"{score:+.4f}  {source.text[:100]!r}")
-    if args.json:
-        args.json.write_text(explanation.to_json(indent=1))
-        print(f"wrote {args.json}")
-    if args.html:
-        args.html.write_text(explanation.to_html())
-        print(f"wrote {args.html}")
+    write_outputs(args, explanation)
     return 0

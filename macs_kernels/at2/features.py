@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import attention_features
+from ..config import ATTENTIONS
+from ..ops import attention_features, efficient_attention
 from ..tracing import TraceHook, attach
 
 
 class QueryCapture(TraceHook):
-    """Per layer: the last `rows` queries of each pass (appended), and the latest key tensor.
+    """Per layer: the last `rows` queries of each pass (appended), and the latest key and value tensors.
 
     rows=1 (default) is the generation mode. After the traced call, `kv_start` (B,) are the left pads and
     `kv_len` (B,) is the key after the last captured row.
@@ -33,12 +34,14 @@ class QueryCapture(TraceHook):
         self.rows = rows
         self.queries: list[list[torch.Tensor]] = []
         self.keys: list[torch.Tensor | None] = []
+        self.values: list[torch.Tensor | None] = []
         self.kv_start = self.kv_len = None
 
     def begin_pass(self, tracer, prefill: bool) -> None:
         if prefill:
             self.queries = [[] for _ in range(tracer.num_layers)]
             self.keys = [None] * tracer.num_layers
+            self.values = [None] * tracer.num_layers
             self.kv_start = tracer.input_start
 
     def layer(self, tracer, layer_idx, query, key, value, output) -> None:
@@ -46,6 +49,7 @@ class QueryCapture(TraceHook):
             raise ValueError(f"a pass has {query.shape[2]} queries, fewer than the {self.rows} rows to capture")
         self.queries[layer_idx].append(query[:, :, -self.rows:, :].contiguous())
         self.keys[layer_idx] = key
+        self.values[layer_idx] = value
 
     def end_pass(self, tracer) -> None:
         self.kv_len = tracer.kv_len
@@ -58,14 +62,19 @@ class QueryCapture(TraceHook):
     def layer_queries(self, layer: int) -> torch.Tensor:
         return torch.cat(self.queries[layer], dim=2)
 
-    def features(self, *, source_start, source_end, target_start=0, target_end=None, scale, backend=None):
+    def features(self, *, source_start, source_end, target_start=0, target_end=None, scale, backend=None,
+                 attention="softmax"):
         """(B, L, H, N_max) float32: per layer and head, the attention on keys [source_start, source_end)
         (absolute cache slots, (B,) or int) averaged over the target rows [target_start, target_end[b]).
 
         Row t is the query that predicts response token t (row 0: the prompt's last token).
         target_end: (B,) or int, default all captured rows (pass each item's own length for batches
         whose responses ended at different steps).
+        attention="efficient" sums efficient rows (ops.efficient_attention over each row's causal prefix of
+        the value cache) instead of softmax rows; it materialises one layer's (B, H, R, S) rows at a time.
         """
+        if attention not in ATTENTIONS:
+            raise ValueError(f"unknown attention {attention!r}; choose one of {ATTENTIONS}")
         if not self.queries or not self.queries[0]:
             raise RuntimeError("nothing was captured: run generate/forward inside attach(model, hooks=[capture])")
         total = self.n_rows
@@ -80,11 +89,42 @@ class QueryCapture(TraceHook):
         layers = []
         for layer, key in enumerate(self.keys):
             q = self.layer_queries(layer)[:, :, target_start:stop]
+            if attention == "efficient":
+                layers.append(_efficient_features(
+                    q, key, self.values[layer], source_start=source_start, source_end=source_end,
+                    kv_start=self.kv_start, kv_len=self.kv_len - total + stop, n_rows=n_rows, scale=scale,
+                    backend=backend,
+                ))
+                continue
             layers.append(attention_features(
                 q, key, source_start=source_start, source_end=source_end, kv_len=kv_len, kv_start=self.kv_start,
                 n_rows=n_rows, scale=scale, backend=backend,
             ))
         return torch.stack(layers, dim=1) / n_rows.view(-1, 1, 1, 1).float()
+
+
+def _efficient_features(q, key, value, *, source_start, source_end, kv_start, kv_len, n_rows, scale, backend):
+    """attention_features of efficient rows: q (B, H, R, D) rows r attending [kv_start, kv_len - R + r + 1),
+    rows r >= n_rows[b] left out. Returns (B, H, N_max) float32."""
+    batch, heads, rows, dim = q.shape
+    kv_heads = key.shape[1]
+    # Query heads h = kv_head * G + g share a KV head: one matmul per KV head for all G x R rows.
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads * rows, dim).float()
+    scores = torch.matmul(grouped, key.float().transpose(-1, -2)).view(batch, heads, rows, -1).mul_(scale)
+    positions = torch.arange(key.shape[2], device=key.device)
+    row_end = kv_len.view(-1, 1, 1) - rows + torch.arange(1, rows + 1, device=key.device).view(1, -1, 1)
+    allowed = (positions >= kv_start.view(-1, 1, 1)) & (positions < row_end)
+    probabilities = torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), dim=-1)
+    a_eff, _ = efficient_attention(probabilities, value, kv_len=kv_len, kv_start=kv_start, causal=True,
+                                   backend=backend)
+    valid_rows = torch.arange(rows, device=key.device).view(1, -1) < n_rows.view(-1, 1)
+    summed = (a_eff * valid_rows[:, None, :, None]).sum(dim=2)  # (B, H, S)
+    start = torch.as_tensor(source_start, device=key.device).long().expand(batch)
+    counts = torch.as_tensor(source_end, device=key.device).long().expand(batch) - start
+    offsets = torch.arange(int(counts.max()), device=key.device)
+    columns = (start.view(-1, 1) + offsets).clamp_max(key.shape[2] - 1)
+    features = summed.gather(2, columns[:, None, :].expand(batch, heads, offsets.numel()))
+    return features * (offsets < counts.view(-1, 1))[:, None, :]
 
 
 def attention_scale(model) -> float:

@@ -17,15 +17,6 @@ from ..tracing import TraceHook, attach, check_model
 RECORD_FIELDS = ("rows", "mass", "efficient_rows", "efficient_mass")
 
 
-def efficient_available() -> bool:
-    """Whether macs_kernels.efficient (incremental Gram matrices and efficient rows) can be imported."""
-    try:
-        from .. import efficient  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 class RowRecorder(TraceHook):
     """Records each pass's rows of one sequence (batch 1), float32 on the CPU.
 

@@ -83,11 +83,6 @@ def parse_method(text: str) -> Method:
         else:
             values[_MACS_OPTIONS[key]] = value
     config = MacsConfig(**values)
-    if config.attention == "efficient":
-        from .record import efficient_available
-
-        if not efficient_available():
-            raise MethodUnavailable("macs:attention=efficient needs macs_kernels.efficient, which is not available")
     default = MacsConfig()
     parts = []
     if config.alpha != default.alpha:
@@ -102,10 +97,8 @@ def parse_method(text: str) -> Method:
 
 
 def _check_at2() -> None:
-    try:
-        from ..at2 import DEFAULT_COEFFICIENTS
-    except ImportError:
-        raise MethodUnavailable("at2 is not available: macs_kernels.at2 cannot be imported") from None
+    from ..at2 import DEFAULT_COEFFICIENTS
+
     if not DEFAULT_COEFFICIENTS.is_file():
         raise MethodUnavailable(f"at2 is not available yet: no trained coefficients at {DEFAULT_COEFFICIENTS}")
 
