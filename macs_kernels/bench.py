@@ -7,7 +7,8 @@ end-of-sequence suppressed) from the same random prompt:
 
 - plain-sdpa (plain-fa2 where flash-attn is installed on a GPU): `model.generate`, no attribution;
 - macs-<backend>: the same generate inside `macs_kernels.attach` (every backend that runs natively on
-  the device: never the Triton interpreter);
+  the device: never the Triton interpreter); macs-torch-fused: the torch backend with fused_decode=True
+  (it computes decode attention itself, reading K once, instead of calling sdpa);
 - output-attentions (batch 1 only): eager attention, `generate(output_attentions=True)`, then MACS
   computed from the returned attention rows, as attention-based attribution tools do today. It keeps
   every step's attentions: at 2k tokens the prefill's alone take 30 x 9 x 2k^2 x 4 bytes = 4.4 GB on the
@@ -161,6 +162,7 @@ def methods_for(device) -> list[str]:
     for backend in ("torch", "triton", "cuda"):
         if (backend == "torch" or device.type == "cuda") and why_unavailable(backend, device) is None:
             methods.append(f"macs-{backend}")
+    methods.append("macs-torch-fused")  # the torch backend computing decode attention itself
     return methods + [OUTPUT_ATTENTIONS]
 
 
@@ -250,7 +252,8 @@ def _generate(model, ids, spec: Spec, pad: int):
     if oa:
         kwargs.update(output_attentions=True, return_dict_in_generate=True)
     macs = spec.method.startswith("macs-")
-    context = attach(model, backend=spec.method[5:]) if macs else contextlib.nullcontext()
+    backend, _, fused = spec.method[5:].partition("-")
+    context = attach(model, backend=backend, fused_decode=bool(fused) or None) if macs else contextlib.nullcontext()
     _synchronize(spec.device)
     start, start_cpu = time.perf_counter(), time.process_time()
     with context:

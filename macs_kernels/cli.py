@@ -35,6 +35,9 @@ def _explain_parser(subparsers) -> None:
     parser.add_argument("--no-redistribute", action="store_true", help="switch redistribution off")
     parser.add_argument("--attention", default="softmax", choices=["softmax", "efficient"])
     parser.add_argument("--backend", default=None, choices=["torch", "triton", "cuda"])
+    parser.add_argument("--fused-decode", action=argparse.BooleanOptionalAction, default=None,
+                        help="compute decode-step attention with the backend's fused kernel (default: on for "
+                             "triton and cuda, off for torch)")
     parser.add_argument("--json", type=Path, help="write the explanation as JSON here")
     parser.add_argument("--html", type=Path, help="write a self-contained HTML page here")
     add_model_arguments(parser)
@@ -62,6 +65,7 @@ def run_explain(args) -> int:
     explanation = explain(
         model, tokenizer, prompt, max_new_tokens=args.max_new_tokens, alpha=args.alpha, pooling=args.pooling,
         redistribute=not args.no_redistribute, attention=args.attention, backend=args.backend,
+        fused_decode=args.fused_decode,
     )
     if args.context:
         from .evaluation.alignment import align_qa

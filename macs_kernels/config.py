@@ -17,6 +17,10 @@ class MacsConfig:
     redistribute: spread the attention that falls on generated tokens evenly over the inputs.
     attention: "softmax" rows, or "efficient" rows (the part of each row the output depends on).
     backend: "torch", "triton", "cuda" or None (the fastest one available for the tensors' device).
+    fused_decode: on decode steps, compute the attention output with the backend's decode kernel, which
+        also yields the MACS term from the same single read of the key cache, instead of calling the
+        wrapped implementation. None: on for triton and cuda; off for torch, whose output is then exactly
+        the wrapped implementation's (fused, it equals it within float rounding and saves a pass over K).
     """
 
     alpha: float = 0.8
@@ -24,6 +28,7 @@ class MacsConfig:
     redistribute: bool = True
     attention: str = "softmax"
     backend: str | None = None
+    fused_decode: bool | None = None
 
     def __post_init__(self):
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)):
@@ -38,6 +43,8 @@ class MacsConfig:
             raise ValueError(f"unknown backend {self.backend!r}; choose one of {BACKENDS} or None")
         if not isinstance(self.redistribute, bool):
             raise TypeError(f"redistribute must be True or False, got {self.redistribute!r}")
+        if self.fused_decode is not None and not isinstance(self.fused_decode, bool):
+            raise TypeError(f"fused_decode must be True, False or None, got {self.fused_decode!r}")
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -167,7 +167,7 @@ def _prepare(model, tokenizer, prompt, input_ids, max_new_tokens, config_kwargs,
 
 @torch.inference_mode()
 def explain(model, tokenizer, prompt=None, *, input_ids=None, max_new_tokens=64, alpha=0.8, pooling="max",
-            redistribute=True, attention="softmax", backend=None, **generate_kwargs):
+            redistribute=True, attention="softmax", backend=None, fused_decode=None, **generate_kwargs):
     """Generate from `prompt` and explain every generated token with MACS.
 
     prompt: a string (wrapped in the chat template when the tokenizer has one), a list of chat messages,
@@ -175,10 +175,13 @@ def explain(model, tokenizer, prompt=None, *, input_ids=None, max_new_tokens=64,
     input_ids: (N,) or (1, N) token ids used as the prompt as they are (instead of `prompt`).
     Greedy decoding unless generate_kwargs say otherwise; generation stops at end-of-sequence, and each
     item's rows stop at its own end-of-sequence token (included).
+    fused_decode: see MacsConfig (None: the backend's default; True on the torch backend reads the key
+    cache once per decode step, computing the attention output itself).
     """
     config, ids, mask, batched, kwargs = _prepare(
         model, tokenizer, prompt, input_ids, max_new_tokens,
-        dict(alpha=alpha, pooling=pooling, redistribute=redistribute, attention=attention, backend=backend),
+        dict(alpha=alpha, pooling=pooling, redistribute=redistribute, attention=attention, backend=backend,
+             fused_decode=fused_decode),
         generate_kwargs,
     )
     with attach(model, **config.as_dict()) as tracer:
@@ -207,11 +210,12 @@ class _StepStreamer:
 
 
 def stream(model, tokenizer, prompt=None, *, input_ids=None, max_new_tokens=64, alpha=0.8, pooling="max",
-           redistribute=True, attention="softmax", backend=None, **generate_kwargs):
+           redistribute=True, attention="softmax", backend=None, fused_decode=None, **generate_kwargs):
     """Like explain() for one prompt, but yields (token_id, z_scores (N,)) as each token is made."""
     config, ids, mask, batched, kwargs = _prepare(
         model, tokenizer, prompt, input_ids, max_new_tokens,
-        dict(alpha=alpha, pooling=pooling, redistribute=redistribute, attention=attention, backend=backend),
+        dict(alpha=alpha, pooling=pooling, redistribute=redistribute, attention=attention, backend=backend,
+             fused_decode=fused_decode),
         generate_kwargs,
     )
     if batched:

@@ -58,9 +58,8 @@ class Tracer:
         self._macs_update = implementation(self.backend, "macs_update")
         self._macs_update_rows = implementation(self.backend, "macs_update_rows")
         self._macs_zscore = implementation(self.backend, "macs_zscore")
-        self._fused_decode = (
-            implementation(self.backend, "decode_attention") if self.backend != "torch" else None
-        )
+        fused = config.fused_decode if config.fused_decode is not None else self.backend != "torch"
+        self._fused_decode = implementation(self.backend, "decode_attention") if fused else None
         # Efficient rows have torch and Triton kernels; with cuda named, the best of those runs them.
         self._efficient_backend = config.backend if config.backend in ("torch", "triton") else None
         self.reset()
@@ -170,13 +169,19 @@ class Tracer:
             self._fused_decode is not None and not self.prefill and self._gram is None
             and not kwargs.get("output_attentions", False) and not module.training
         )
+        config = self.config
         if fused:
-            config = self.config
-            out, _ = self._fused_decode(
-                query_last, key, value, kv_start=self.input_start, kv_len=self.kv_len, scale=scale,
-                log_c=self._log_c, input_end=self.input_end, alpha=config.alpha, pooling=config.pooling,
-                redistribute=config.redistribute,
-            )
+            if self._dense:
+                out = torch_backend.decode_attention_dense(
+                    query_last, key, value, self._log_c, n_input=self.n_input_list[0], scale=scale,
+                    alpha=config.alpha, pooling=config.pooling, redistribute=config.redistribute,
+                )
+            else:
+                out, _ = self._fused_decode(
+                    query_last, key, value, kv_start=self.input_start, kv_len=self.kv_len, scale=scale,
+                    log_c=self._log_c, input_end=self.input_end, alpha=config.alpha, pooling=config.pooling,
+                    redistribute=config.redistribute,
+                )
             result = (out.unsqueeze(1), None)
         else:
             result = inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
@@ -184,7 +189,6 @@ class Tracer:
                 rows = self.efficient_rows(layer, query_last, key, value, scale)
                 self._macs_update_rows(rows, self._log_c, **self._update_kwargs())
             elif self._dense:
-                config = self.config
                 torch_backend.macs_update_dense(
                     query_last, key, self._log_c, n_input=self.n_input_list[0], scale=scale, alpha=config.alpha,
                     pooling=config.pooling, redistribute=config.redistribute,

@@ -23,7 +23,7 @@ def quick_run(tmp_path_factory):
 def test_quick_mode_writes_every_method_with_the_schema(quick_run):
     columns, rows = read(quick_run / "quick.csv")
     assert tuple(columns) == bench.COLUMNS
-    assert {r["method"] for r in rows} == {"plain-sdpa", "macs-torch", bench.OUTPUT_ATTENTIONS}
+    assert {r["method"] for r in rows} == {"plain-sdpa", "macs-torch", "macs-torch-fused", bench.OUTPUT_ATTENTIONS}
     cells = {(int(r["prompt_len"]), int(r["batch"])) for r in rows}
     assert cells == {(n, b) for n in bench.QUICK_LENGTHS for b in (1, 2)}
     assert all(r["batch"] == "1" for r in rows if r["method"] == bench.OUTPUT_ATTENTIONS)
@@ -78,4 +78,4 @@ def test_cli_has_the_bench_subcommand():
 
 
 def test_methods_never_include_the_triton_interpreter():
-    assert bench.methods_for("cpu") == ["plain-sdpa", "macs-torch", bench.OUTPUT_ATTENTIONS]
+    assert bench.methods_for("cpu") == ["plain-sdpa", "macs-torch", "macs-torch-fused", bench.OUTPUT_ATTENTIONS]

@@ -12,13 +12,46 @@ from macs_kernels.ops._dispatch import why_unavailable
 from tests.helpers import default_model
 
 
-def _compare(model, tokenizer, backend, prompt, max_new_tokens=3):
+def _compare(model, tokenizer, backend, prompt, max_new_tokens=3, **config):
     reference = explain(model, tokenizer, prompt, max_new_tokens=max_new_tokens, backend="torch")
-    traced = explain(model, tokenizer, prompt, max_new_tokens=max_new_tokens, backend=backend)
+    traced = explain(model, tokenizer, prompt, max_new_tokens=max_new_tokens, backend=backend, **config)
     assert traced.config["backend"] == backend
     assert torch.equal(traced.generated_ids, reference.generated_ids)
     assert (traced.step_scores - reference.step_scores).abs().max() <= 1e-4
     assert torch.allclose(traced.step_log_c, reference.step_log_c, rtol=1e-4, atol=1e-4)
+
+
+def test_torch_fused_decode_matches_the_wrapped_attention(monkeypatch):
+    """fused_decode=True on the torch backend: decode steps skip sdpa (a spy counts its calls), read K once,
+    and give the same tokens, logits within float rounding, and the same scores; unpadded and padded."""
+    from transformers import AttentionInterface
+
+    from macs_kernels import attach
+    from tests.helpers import qa
+
+    model, tokenizer = default_model()
+    _compare(model, tokenizer, "torch", qa(0), max_new_tokens=4, fused_decode=True)
+    calls = []
+    original = AttentionInterface._global_mapping["sdpa"]
+    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", lambda *a, **k: calls.append(1) or original(*a, **k))
+    encoded = tokenizer(["Name a colour.", "Name the capital of France, please."], padding=True,
+                        padding_side="left", return_tensors="pt")
+    kwargs = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                  pad_token_id=tokenizer.eos_token_id)
+    runs = {}
+    for fused in (False, True):
+        calls.clear()
+        with torch.no_grad(), attach(model, fused_decode=fused) as tracer:
+            out = model.generate(**encoded, **kwargs)
+        runs[fused] = (out, [tracer.rows(b) for b in range(2)], len(calls))
+    layers = model.config.num_hidden_layers
+    assert runs[False][2] == 4 * layers and runs[True][2] == layers  # fused: sdpa on the prefill only
+    assert torch.equal(runs[False][0].sequences, runs[True][0].sequences)
+    for a, b in zip(runs[False][0].logits, runs[True][0].logits):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+    for (log_a, z_a), (log_b, z_b) in zip(runs[False][1], runs[True][1]):
+        assert (z_a - z_b).abs().max() <= 1e-4
+        assert torch.allclose(log_a, log_b, rtol=1e-4, atol=1e-4)
 
 
 def test_triton_backend_equals_torch_backend_and_really_runs():

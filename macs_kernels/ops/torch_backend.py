@@ -68,10 +68,29 @@ def macs_update_dense(q, k_cache, log_c, *, n_input, scale, alpha, pooling, redi
     no host sync: about a third of the general path's kernel launches, which is what a decode step pays
     per layer on a CPU."""
     rows = torch.softmax(grouped_scores(q, k_cache, scale), dim=-1)
+    _add_dense_term(rows, log_c, n_input, alpha, pooling, redistribute)
+
+
+def _add_dense_term(rows, log_c, n_input, alpha, pooling, redistribute):
     inputs = rows[:, :, :n_input]
     if redistribute and rows.shape[-1] > n_input:
         inputs = inputs + rows[:, :, n_input:].sum(dim=-1, keepdim=True).div_(n_input)
     log_c.add_(_log_floor(inputs, alpha, pooling))
+
+
+def grouped_output(probabilities, v_cache, dtype):
+    """p (B, H, S) . v (B, H_kv, S, D) -> (B, H, D) in `dtype`, the query heads of a group sharing V."""
+    batch, heads, keys = probabilities.shape
+    kv_heads = v_cache.shape[1]
+    out = torch.matmul(probabilities.view(batch, kv_heads, heads // kv_heads, keys), v_cache.float())
+    return out.reshape(batch, heads, -1).to(dtype)
+
+
+def decode_attention_dense(q, k_cache, v_cache, log_c, *, n_input, scale, alpha, pooling, redistribute):
+    """`decode_attention` fused with the update under `macs_update_dense`'s conditions: K is read once."""
+    rows = torch.softmax(grouped_scores(q, k_cache, scale), dim=-1)
+    _add_dense_term(rows, log_c, n_input, alpha, pooling, redistribute)
+    return grouped_output(rows, v_cache, q.dtype)
 
 
 def macs_update(q, k_cache, log_c, *, input_start, input_end, kv_len, scale, alpha, pooling, redistribute, lse):
@@ -100,17 +119,12 @@ def macs_zscore(log_c, n_input):
 def decode_attention(q, k_cache, v_cache, *, kv_start, kv_len, scale, log_c, input_end, alpha, pooling, redistribute):
     scores = grouped_scores(q, k_cache, scale)
     probabilities, lse = attended_softmax(scores, kv_start, kv_len)
-    batch, heads, keys = probabilities.shape
-    kv_heads = v_cache.shape[1]
-    out = torch.matmul(
-        probabilities.view(batch, kv_heads, heads // kv_heads, keys), v_cache.float()
-    ).reshape(batch, heads, -1)
     if log_c is not None:
         macs_update_rows(
             probabilities, log_c, input_start=kv_start, input_end=input_end, kv_len=kv_len,
             alpha=alpha, pooling=pooling, redistribute=redistribute,
         )
-    return out.to(q.dtype), lse
+    return grouped_output(probabilities, v_cache, q.dtype), lse
 
 
 from .torch_efficient import efficient_attention  # noqa: E402,F401
