@@ -16,11 +16,13 @@ def check_tensor(name, tensor, ndim, *, float_dtype=True):
 
 
 def as_index(name, value, batch, device):
+    """A (B,) int64 index tensor from a tensor, a sequence or a Python int (repeated over the batch)."""
     if value is None:
         return None
     tensor = torch.as_tensor(value, device=device)
     if tensor.dim() == 0:
-        tensor = tensor.expand(batch)
+        # A copy, not a stride-0 view: kernels index these by row.
+        tensor = tensor.repeat(batch)
     if tensor.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 or int64, got {tensor.dtype}")
     if tuple(tensor.shape) != (batch,):
@@ -53,12 +55,13 @@ def check_log_c(log_c, batch, device):
         raise ValueError("log_c must be contiguous: it is updated in place")
 
 
-def check_q_k(q, k_cache, v_cache=None):
-    check_tensor("q", q, 3)
+def check_q_k(q, k_cache, v_cache=None, *, q_dims=3):
+    """q (B, H, D), or (B, H, R, D) with q_dims=4, against k_cache (B, H_kv, S, D) and v_cache."""
+    check_tensor("q", q, q_dims)
     check_tensor("k_cache", k_cache, 4)
-    batch, heads, dim = q.shape
+    batch, heads, dim = q.shape[0], q.shape[1], q.shape[-1]
     if k_cache.shape[0] != batch or k_cache.shape[3] != dim:
-        raise ValueError(f"k_cache must be ({batch}, H_kv, S, {dim}), got {tuple(k_cache.shape)}")
+        raise ValueError(f"k_cache must be ({batch}, H_kv, S, {dim}) to match q {tuple(q.shape)}, got {tuple(k_cache.shape)}")
     if heads % k_cache.shape[1]:
         raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({k_cache.shape[1]})")
     if k_cache.device != q.device:

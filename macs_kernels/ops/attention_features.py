@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import as_index, check_lse, check_tensor
-from ._dispatch import implementation, resolve_backend
+from ._checks import as_index, check_lse, check_q_k
+from ._dispatch import kernel
 
 
 def check_features_args(q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, lse):
@@ -13,19 +13,11 @@ def check_features_args(q, k_cache, source_start, source_end, kv_start, kv_len, 
 
     Returns (source_start, source_end, kv_start, kv_len, n_rows) as (B,) int64 and N_max.
     """
-    check_tensor("q", q, 4)
-    check_tensor("k_cache", k_cache, 4)
-    batch, heads, rows, dim = q.shape
-    if k_cache.shape[0] != batch or k_cache.shape[3] != dim:
-        raise ValueError(f"k_cache must be ({batch}, H_kv, S, {dim}) to match q {tuple(q.shape)}, got {tuple(k_cache.shape)}")
-    if heads % k_cache.shape[1]:
-        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({k_cache.shape[1]})")
-    if k_cache.device != q.device:
-        raise ValueError(f"q is on {q.device} but k_cache is on {k_cache.device}")
+    check_q_k(q, k_cache, q_dims=4)
+    batch, heads, rows, _ = q.shape
     check_lse(lse, (batch, heads, rows), q.device)
-    # contiguous: an int broadcast by as_index is a stride-0 view, which kernels would read past.
     index = {
-        name: as_index(name, value, batch, q.device).contiguous()
+        name: as_index(name, value, batch, q.device)
         for name, value in (
             ("source_start", source_start), ("source_end", source_end), ("kv_len", kv_len),
             ("kv_start", 0 if kv_start is None else kv_start), ("n_rows", rows if n_rows is None else n_rows),
@@ -69,7 +61,7 @@ def attention_features(
     source_start, source_end, kv_start, kv_len, n_rows, n_max = check_features_args(
         q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, lse
     )
-    return implementation(resolve_backend(backend, q.device), "attention_features")(
+    return kernel(backend, q.device, "attention_features")(
         q, k_cache, source_start=source_start, source_end=source_end, kv_start=kv_start, kv_len=kv_len,
         n_rows=n_rows, n_max=n_max, scale=float(scale), lse=lse,
     )
