@@ -330,8 +330,8 @@ def measure(spec: Spec, model=None, pad=None) -> dict:
         (prefill_s, decode_s), (prefill_cpu_s, decode_cpu_s) = _generate(model, ids, spec, pad)
     decoded = spec.batch * (spec.new_tokens - 1)
     return {
-        "status": "ok", "prefill_s": round(prefill_s, 4), "decode_s": round(decode_s, 4),
-        "prefill_cpu_s": round(prefill_cpu_s, 4), "decode_cpu_s": round(decode_cpu_s, 4),
+        "status": "ok", "prefill_s": round(prefill_s, 6), "decode_s": round(decode_s, 6),
+        "prefill_cpu_s": round(prefill_cpu_s, 6), "decode_cpu_s": round(decode_cpu_s, 6),
         "prefill_tok_s": round(spec.batch * spec.prompt_len / prefill_s, 2),
         "decode_tok_s": round(decoded / decode_s, 3), "decode_cpu_tok_s": round(decoded / decode_cpu_s, 3),
         "peak_mem_bytes": _peak(spec.device), "memory": memory,
