@@ -55,3 +55,23 @@ def test_efficient_attention_on_a_left_padded_batch():
         assert torch.equal(item.generated_ids, alone.generated_ids)
         assert (item.step_scores - alone.step_scores).abs().max() <= Z_TOLERANCE
         assert torch.isfinite(item.step_scores).all()
+
+
+def test_efficient_attention_on_the_triton_backend_equals_torch():
+    import pytest
+
+    pytest.importorskip("triton")
+    from macs_kernels.ops.triton import LAUNCHES
+
+    model, tokenizer = default_model()
+    prompt = "Name the capital of France."
+    reference = explain(model, tokenizer, prompt, max_new_tokens=2, attention="efficient", backend="torch")
+    LAUNCHES.clear()
+    traced = explain(model, tokenizer, prompt, max_new_tokens=2, attention="efficient", backend="triton")
+    layers = model.config.num_hidden_layers
+    # Every layer of both passes: the back-projection and the pooled update ran as Triton kernels.
+    assert LAUNCHES["_efficient_back_projection_kernel"] == 2 * layers
+    assert LAUNCHES["_macs_pool_kernel"] == 2 * layers
+    assert torch.equal(traced.generated_ids, reference.generated_ids)
+    assert (traced.step_scores - reference.step_scores).abs().max() <= Z_TOLERANCE
+    assert torch.allclose(traced.step_log_c, reference.step_log_c, rtol=1e-4, atol=1e-4)
