@@ -156,13 +156,18 @@ def test_eval_command_smoke_report_and_resume(tmp_path, capsys):
         lines = out.read_text().splitlines()
         assert len(lines) == 1 + 3 + 6 + 2  # run, samples, AUC per (sample, method), faithfulness
 
-        # Resumed: nothing generated again; an added ablation is scored from the stored records.
+        # Resumed: nothing generated again; an added ablation is scored from the stored records, and the
+        # masking curves of a later sample (--faithfulness-from) come from them too.
         methods = command.index("--methods") + 1
-        assert main(command[:methods] + ["macs,random,macs:pool=mean"] + command[methods + 1:]) == 0
+        resumed = command[:methods] + ["macs,random,macs:pool=mean"] + command[methods + 1:]
+        assert main(resumed + ["--faithfulness-from", "2"]) == 0
         second = capsys.readouterr().out
         assert "eval: 0 generations this run" in second
         assert out.read_text().splitlines()[: len(lines)] == lines
         assert json.loads(out.with_suffix(".json").read_text())["methods"]["macs:pool=mean"]["n"] == 3
+        curves = [line for line in map(json.loads, out.read_text().splitlines()) if line["kind"] == "faithfulness"]
+        assert sorted((c["index"], c["method"]) for c in curves) == [(0, "macs"), (0, "random"), (2, "macs"),
+                                                                      (2, "random")]
 
         assert main(["eval", "--report-only", "--out", str(out)]) == 0
         assert "| macs:pool=mean | 3 |" in capsys.readouterr().out

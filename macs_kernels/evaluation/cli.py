@@ -25,6 +25,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--faithfulness-n", type=int, default=100,
                         help="masking curves on the first K samples (0: none)")
+    parser.add_argument("--faithfulness-from", type=int, default=0, metavar="INDEX",
+                        help="masking curves start at this sample index (250 on stqa_350: AT2's held-out "
+                             "questions, so that every method's curves come from the same samples)")
     parser.add_argument("--out", type=Path, default=Path("eval_results.jsonl"), help="results JSONL (resumed if present)")
     parser.add_argument("--records", type=Path, default=None,
                         help="cache folder of the per-sample attention records (default: the macs_kernels cache)")
@@ -60,8 +63,8 @@ def _run(args) -> None:
 
     if args.data is None and args.hf_dataset is None:
         raise SystemExit("give --data FILE or --hf-dataset NAME")
-    if args.max_new_tokens < 1 or args.faithfulness_n < 0:
-        raise SystemExit("--max-new-tokens must be >= 1 and --faithfulness-n >= 0")
+    if args.max_new_tokens < 1 or args.faithfulness_n < 0 or args.faithfulness_from < 0:
+        raise SystemExit("--max-new-tokens must be >= 1, --faithfulness-n and --faithfulness-from >= 0")
     try:
         methods = parse_methods(args.methods)
         samples = load_qa(args.data, hf_dataset=args.hf_dataset, split=args.split,
@@ -74,6 +77,7 @@ def _run(args) -> None:
     settings = EvalSettings(
         model_name=args.model or DEFAULT_MODEL, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
         data=str(args.data or args.hf_dataset), faithfulness_n=args.faithfulness_n,
+        faithfulness_from=args.faithfulness_from,
         records_root=None if args.records is None else str(args.records), backend=args.backend,
     )
     print(f"eval: {len(samples)} samples, methods {', '.join(m.name for m in methods)}", flush=True)

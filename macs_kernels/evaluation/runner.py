@@ -7,7 +7,8 @@ alignment), "skipped" (a sample that cannot be scored, with the reason), "auc" (
 sample), "faithfulness" (one method's masking curves of one sample).
 
 Phase 1 generates and scores every sample with every method; phase 2 runs the faithfulness curves (the
-bulk of the time: 11 masked regenerations per method and sample) on the first --faithfulness-n samples.
+bulk of the time: 11 masked regenerations per method and sample) on the first --faithfulness-n samples
+from index --faithfulness-from on.
 Each generation's rows are kept as a compact record (float16 rows, float32 masses) in a cache folder, so a
 method added later (another MACS ablation, efficient attention, AT2) is scored without regenerating.
 """
@@ -292,6 +293,7 @@ class EvalSettings:
     max_new_tokens: int
     data: str
     faithfulness_n: int
+    faithfulness_from: int = 0
     records_root: str | None = None
     backend: str | None = None
 
@@ -370,7 +372,7 @@ class Runner:
 
     def run(self, samples) -> None:
         # Faithfulness scores are kept for the samples phase 2 will reach: the first faithfulness_n with answers.
-        answered = [s for s in samples if s.answers]
+        answered = [s for s in samples if s.answers and s.index >= self.settings.faithfulness_from]
         self.faithfulness_indices = {s.index for s in answered[: self.settings.faithfulness_n]}
         for sample in self._bar(samples, "generate + AUC-PR"):
             self.score_sample(sample)
