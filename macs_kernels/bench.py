@@ -13,9 +13,13 @@ end-of-sequence suppressed) from the same random prompt:
   computed from the returned attention rows, as attention-based attribution tools do today. It keeps
   every step's attentions: at 2k tokens the prefill's alone take 30 x 9 x 2k^2 x 4 bytes = 4.4 GB on the
   default model. Where that would not fit the device, the row says so (status) instead of running.
+- output-attentions-rerun (batch 1 only): the public MACS implementation's way: no KV cache, every step
+  re-runs the whole sequence through eager attention with output_attentions=True and scores the last row
+  of every layer. Each of its steps costs a full forward, so only its first RERUN_STEPS steps are timed.
 
 Prefill tokens/s = B x N / (time to the first new token); decode tokens/s = B x (new - 1) / the rest
-(for output-attentions the rest includes scoring). The same with the process's CPU time instead of wall
+(for the output-attentions methods the rest includes scoring). End-to-end tokens/s = B x new / (prefill +
+decode time), the decode time of output-attentions-rerun extrapolated from its timed steps. The same with the process's CPU time instead of wall
 time (decode_cpu_tok_s) is what to compare on a shared, oversubscribed machine. Peak memory: CUDA max_memory_allocated on a GPU; on
 the CPU the peak RSS of a fresh process per measurement (the weights included, the same for every
 method). Repeats are interleaved (every method of a cell, in rotated order, before the next repeat) and
@@ -42,6 +46,9 @@ GPU_LENGTHS = (1024, 4096, 16384, 32768)
 QUICK_LENGTHS = (48, 96)
 BATCHES = (1, 8)
 OUTPUT_ATTENTIONS = "output-attentions"
+RERUN = "output-attentions-rerun"
+EAGER_METHODS = (OUTPUT_ATTENTIONS, RERUN)  # batch 1 only: their attentions alone take GBs per sequence
+RERUN_STEPS = 4
 
 # Shapes of real architectures for --config (no weights travel to a GPU machine; random weights cost
 # the same). A config.json path or folder works too.
@@ -71,18 +78,20 @@ ARCHITECTURES = {
 COLUMNS = (
     "machine", "device", "python", "torch", "transformers", "triton", "threads", "commit", "loadavg",
     "model", "dtype", "method", "batch", "prompt_len", "new_tokens", "repeat", "status",
-    "prefill_s", "decode_s", "prefill_cpu_s", "decode_cpu_s", "prefill_tok_s", "decode_tok_s", "decode_cpu_tok_s",
-    "peak_mem_bytes", "memory", "isolated",
+    "prefill_s", "decode_s", "decode_steps", "prefill_cpu_s", "decode_cpu_s", "prefill_tok_s", "decode_tok_s",
+    "decode_cpu_tok_s", "e2e_tok_s", "peak_mem_bytes", "memory", "isolated",
 )
 SUMMARY_COLUMNS = (
     "machine", "device", "torch", "transformers", "commit", "model", "dtype", "method", "batch", "prompt_len",
-    "new_tokens", "repeats", "prefill_tok_s", "decode_tok_s", "decode_cpu_tok_s", "peak_mem_bytes",
-    "prefill_vs_plain", "decode_vs_plain", "decode_cpu_vs_plain", "mem_vs_plain",
-    "decode_vs_output_attentions", "decode_cpu_vs_output_attentions", "mem_vs_output_attentions",
+    "new_tokens", "repeats", "prefill_tok_s", "decode_tok_s", "decode_cpu_tok_s", "e2e_tok_s", "peak_mem_bytes",
+    "prefill_vs_plain", "decode_vs_plain", "decode_cpu_vs_plain", "e2e_vs_plain", "mem_vs_plain",
+    "decode_vs_output_attentions", "decode_cpu_vs_output_attentions", "e2e_vs_output_attentions",
+    "mem_vs_output_attentions", "decode_vs_output_attentions_rerun", "e2e_vs_output_attentions_rerun",
+    "mem_vs_output_attentions_rerun",
 )
 # Ratio columns: (prefix, median field).
 RATIOS = (("prefill", "prefill_tok_s"), ("decode", "decode_tok_s"), ("decode_cpu", "decode_cpu_tok_s"),
-          ("mem", "peak_mem_bytes"))
+          ("e2e", "e2e_tok_s"), ("mem", "peak_mem_bytes"))
 
 
 # ---- conventions shared by the benchmarks ----------------------------------------------------------
@@ -163,7 +172,7 @@ def methods_for(device) -> list[str]:
         if (backend == "torch" or device.type == "cuda") and why_unavailable(backend, device) is None:
             methods.append(f"macs-{backend}")
     methods.append("macs-torch-fused")  # the torch backend computing decode attention itself
-    return methods + [OUTPUT_ATTENTIONS]
+    return methods + list(EAGER_METHODS)
 
 
 def load(spec: Spec):
@@ -172,7 +181,7 @@ def load(spec: Spec):
     import torch
 
     dtype = getattr(torch, spec.dtype)
-    implementation = "eager" if spec.method == OUTPUT_ATTENTIONS else (
+    implementation = "eager" if spec.method in EAGER_METHODS else (
         "flash_attention_2" if spec.method == "plain-fa2" else "sdpa")
     if spec.config is None:
         from .models import load_model
@@ -210,7 +219,8 @@ def _synchronize(device) -> None:
 
 
 def _scores_from_attentions(attentions, n_input: int, config) -> None:
-    """MACS from generate(output_attentions=True)'s per-step attention tuples, as the attention-tool way."""
+    """MACS from per-step tuples of per-layer attentions (generate(output_attentions=True)'s layout), as
+    attention-based tools compute it."""
     import torch
 
     from .ops import torch_backend
@@ -229,7 +239,8 @@ def _scores_from_attentions(attentions, n_input: int, config) -> None:
 
 
 def _generate(model, ids, spec: Spec, pad: int):
-    """((prefill, decode) wall seconds, (prefill, decode) process CPU seconds) of one greedy generate."""
+    """((prefill, decode) wall seconds, (prefill, decode) process CPU seconds, decode steps) of one greedy
+    generate."""
     import torch
     from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -263,7 +274,29 @@ def _generate(model, ids, spec: Spec, pad: int):
     _synchronize(spec.device)
     end, end_cpu = time.perf_counter(), time.process_time()
     del output
-    return (first_token[0] - start, end - first_token[0]), (first_token[1] - start_cpu, end_cpu - first_token[1])
+    return ((first_token[0] - start, end - first_token[0]), (first_token[1] - start_cpu, end_cpu - first_token[1]),
+            spec.new_tokens - 1)
+
+
+def _rerun_without_cache(model, ids, spec: Spec, pad: int):
+    """_generate's timings for output-attentions-rerun (its first RERUN_STEPS steps, each a full forward; no
+    padding, so `pad` is unused)."""
+    import torch
+
+    from .config import MacsConfig
+
+    wall, cpu = [], []
+    for _ in range(min(spec.new_tokens, RERUN_STEPS)):
+        _synchronize(spec.device)
+        start, start_cpu = time.perf_counter(), time.process_time()
+        output = model(ids, attention_mask=torch.ones_like(ids), use_cache=False, output_attentions=True)
+        _scores_from_attentions((output.attentions,), spec.prompt_len, MacsConfig())
+        ids = torch.cat([ids, output.logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        del output
+        _synchronize(spec.device)
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return (wall[0], sum(wall[1:])), (cpu[0], sum(cpu[1:])), len(wall) - 1
 
 
 def _reset_peak(device) -> str:
@@ -296,11 +329,12 @@ def _peak(device) -> int:
 
 
 def oa_bytes(model, spec: Spec) -> int:
-    """Memory the output_attentions way keeps: every step's attention rows of every layer."""
+    """Attention memory of the output_attentions ways: every step's rows of every layer (cached generate),
+    or one full forward's matrices (rerun)."""
     config = model.config.get_text_config()
     item = {"float32": 4}.get(spec.dtype, 2)
     n, new = spec.prompt_len, spec.new_tokens
-    per_head = n * n + sum(n + k for k in range(1, new))
+    per_head = (n + RERUN_STEPS) ** 2 if spec.method == RERUN else n * n + sum(n + k for k in range(1, new))
     return config.num_hidden_layers * config.num_attention_heads * per_head * item * spec.batch
 
 
@@ -322,18 +356,21 @@ def measure(spec: Spec, model=None, pad=None) -> dict:
     if model is None:
         model, pad = load(spec)
     ids = prompt_ids(model.config.get_text_config().vocab_size, spec.batch, spec.prompt_len, spec.device)
-    if spec.method == OUTPUT_ATTENTIONS and oa_bytes(model, spec) > 0.8 * _available_bytes(spec.device):
+    if spec.method in EAGER_METHODS and oa_bytes(model, spec) > 0.8 * _available_bytes(spec.device):
         return {"status": f"skipped: its attentions need {oa_bytes(model, spec) / 2**30:.1f} GiB"}
+    timed = _rerun_without_cache if spec.method == RERUN else _generate
     with torch.inference_mode():
-        _generate(model, ids[:, :16], dataclasses.replace(spec, new_tokens=2), pad)  # warm-up
+        timed(model, ids[:, :16], dataclasses.replace(spec, prompt_len=16, new_tokens=2), pad)  # warm-up
         memory = _reset_peak(spec.device)
-        (prefill_s, decode_s), (prefill_cpu_s, decode_cpu_s) = _generate(model, ids, spec, pad)
-    decoded = spec.batch * (spec.new_tokens - 1)
+        (prefill_s, decode_s), (prefill_cpu_s, decode_cpu_s), steps = timed(model, ids, spec, pad)
+    decoded = spec.batch * steps
+    decode_tok_s = decoded / decode_s
     return {
-        "status": "ok", "prefill_s": round(prefill_s, 6), "decode_s": round(decode_s, 6),
+        "status": "ok", "prefill_s": round(prefill_s, 6), "decode_s": round(decode_s, 6), "decode_steps": steps,
         "prefill_cpu_s": round(prefill_cpu_s, 6), "decode_cpu_s": round(decode_cpu_s, 6),
         "prefill_tok_s": round(spec.batch * spec.prompt_len / prefill_s, 2),
-        "decode_tok_s": round(decoded / decode_s, 3), "decode_cpu_tok_s": round(decoded / decode_cpu_s, 3),
+        "decode_tok_s": round(decode_tok_s, 3), "decode_cpu_tok_s": round(decoded / decode_cpu_s, 3),
+        "e2e_tok_s": round(spec.batch * spec.new_tokens / (prefill_s + spec.batch * (spec.new_tokens - 1) / decode_tok_s), 3),
         "peak_mem_bytes": _peak(spec.device), "memory": memory,
     }
 
@@ -374,7 +411,8 @@ def summarise(rows: list[dict]) -> list[dict]:
         first = cells[(method, batch, length)][0]
         row = {field: first[field] for field in SUMMARY_COLUMNS if field in first}
         row.update(values, peak_mem_bytes=int(values["peak_mem_bytes"]))
-        for name, reference in (("plain", "plain-sdpa"), ("output_attentions", OUTPUT_ATTENTIONS)):
+        for name, reference in (("plain", "plain-sdpa"), ("output_attentions", OUTPUT_ATTENTIONS),
+                                ("output_attentions_rerun", RERUN)):
             base = medians.get((reference, batch, length))
             for short, field in RATIOS:
                 column = f"{short}_vs_{name}"
@@ -392,7 +430,7 @@ def plot(summary: list[dict], path: Path) -> None:
 
     batches = sorted({r["batch"] for r in summary})
     fields = (("decode_tok_s", "decode tokens/s"), ("decode_cpu_tok_s", "decode tokens per CPU-second"),
-              ("prefill_tok_s", "prefill tokens/s"),
+              ("prefill_tok_s", "prefill tokens/s"), ("e2e_tok_s", "end-to-end tokens/s"),
               ("peak_mem_bytes", "peak memory (GiB)"))
     fig, axes = plt.subplots(len(batches), len(fields), figsize=(4.2 * len(fields), 3.2 * len(batches)), squeeze=False)
     for (i, batch), (j, (field, label)) in ((a, b) for a in enumerate(batches) for b in enumerate(fields)):
@@ -445,14 +483,14 @@ def run(args) -> int:
         for length, batch in cells:
             rotated = methods[repeat % len(methods):] + methods[:repeat % len(methods)]
             for method in rotated:
-                if method == OUTPUT_ATTENTIONS and batch > 1:
+                if method in EAGER_METHODS and batch > 1:
                     continue
                 spec = dataclasses.replace(base, method=method, batch=batch, prompt_len=length)
                 if isolate:
                     result = _measure_in_fresh_process(spec)
                 else:
                     # In one process the eager way needs its own attention implementation.
-                    model.set_attn_implementation("eager" if method == OUTPUT_ATTENTIONS else
+                    model.set_attn_implementation("eager" if method in EAGER_METHODS else
                                                   "flash_attention_2" if method == "plain-fa2" else "sdpa")
                     result = measure(spec, model, pad)
                 row = {**env, "loadavg": os.getloadavg()[0], "model": model_name, "dtype": dtype, "method": method,
@@ -472,16 +510,25 @@ def run(args) -> int:
     return 0
 
 
+SUMMARY_TABLE = (  # (header, summary column, format) of the printed table
+    ("N", "prompt_len", "{}"), ("B", "batch", "{}"), ("method", "method", "{}"),
+    ("prefill tok/s", "prefill_tok_s", "{:.1f}"), ("decode tok/s", "decode_tok_s", "{:.2f}"),
+    ("e2e tok/s", "e2e_tok_s", "{:.3f}"), ("peak GiB", "peak_mem_bytes", "{:.2f}"),
+    ("decode vs plain", "decode_vs_plain", "{}"), ("decode (CPU) vs plain", "decode_cpu_vs_plain", "{}"),
+    ("mem vs plain", "mem_vs_plain", "{}"), ("e2e vs OA", "e2e_vs_output_attentions", "{}"),
+    ("mem vs OA", "mem_vs_output_attentions", "{}"), ("e2e vs OA rerun", "e2e_vs_output_attentions_rerun", "{}"),
+    ("mem vs OA rerun", "mem_vs_output_attentions_rerun", "{}"),
+)
+
+
 def print_summary(summary: list[dict]) -> None:
     """The summary as a markdown table (what the README quotes)."""
-    print("| N | B | method | prefill tok/s | decode tok/s | decode tok/CPU-s | peak GiB | decode vs plain "
-          "| decode (CPU) vs plain | mem vs plain | decode vs OA | decode (CPU) vs OA | mem vs OA |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| " + " | ".join(header for header, _, _ in SUMMARY_TABLE) + " |")
+    print("|" + "|".join("---" if column == "method" else "---:" for _, column, _ in SUMMARY_TABLE) + "|")
     for r in summary:
-        print(f"| {r['prompt_len']} | {r['batch']} | {r['method']} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.2f} "
-              f"| {r['decode_cpu_tok_s']:.2f} | {r['peak_mem_bytes'] / 2**30:.2f} | {r['decode_vs_plain']} "
-              f"| {r['decode_cpu_vs_plain']} | {r['mem_vs_plain']} | {r['decode_vs_output_attentions']} "
-              f"| {r['decode_cpu_vs_output_attentions']} | {r['mem_vs_output_attentions']} |")
+        cells = [fmt.format(r[column] / 2**30 if column == "peak_mem_bytes" else r[column])
+                 for _, column, fmt in SUMMARY_TABLE]
+        print("| " + " | ".join(cells) + " |")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

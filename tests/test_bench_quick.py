@@ -23,18 +23,24 @@ def quick_run(tmp_path_factory):
 def test_quick_mode_writes_every_method_with_the_schema(quick_run):
     columns, rows = read(quick_run / "quick.csv")
     assert tuple(columns) == bench.COLUMNS
-    assert {r["method"] for r in rows} == {"plain-sdpa", "macs-torch", "macs-torch-fused", bench.OUTPUT_ATTENTIONS}
+    assert {r["method"] for r in rows} == {"plain-sdpa", "macs-torch", "macs-torch-fused", *bench.EAGER_METHODS}
     cells = {(int(r["prompt_len"]), int(r["batch"])) for r in rows}
     assert cells == {(n, b) for n in bench.QUICK_LENGTHS for b in (1, 2)}
-    assert all(r["batch"] == "1" for r in rows if r["method"] == bench.OUTPUT_ATTENTIONS)
+    assert all(r["batch"] == "1" for r in rows if r["method"] in bench.EAGER_METHODS)
     for r in rows:
         assert r["status"] == "ok", r["status"]
         assert r["commit"] and r["torch"] and r["transformers"] and r["device"]
-        for field in ("prefill_s", "decode_s", "prefill_tok_s", "decode_tok_s", "decode_cpu_tok_s", "peak_mem_bytes"):
+        for field in ("prefill_s", "decode_s", "prefill_tok_s", "decode_tok_s", "decode_cpu_tok_s", "e2e_tok_s",
+                      "peak_mem_bytes"):
             assert float(r[field]) > 0, field
-        # Throughput is what the timings say: B x N prompt tokens over the prefill time.
-        expected = int(r["batch"]) * int(r["prompt_len"]) / float(r["prefill_s"])
-        assert float(r["prefill_tok_s"]) == pytest.approx(expected, rel=1e-2)
+        # Throughput is what the timings say: B x N prompt tokens over the prefill time, the decoded tokens
+        # over the decode time, end to end the new tokens over both (the rerun's decode extrapolated).
+        batch, new, steps = int(r["batch"]), int(r["new_tokens"]), int(r["decode_steps"])
+        assert steps == (min(new, bench.RERUN_STEPS) if r["method"] == bench.RERUN else new) - 1
+        assert float(r["prefill_tok_s"]) == pytest.approx(batch * int(r["prompt_len"]) / float(r["prefill_s"]), rel=1e-2)
+        assert float(r["decode_tok_s"]) == pytest.approx(batch * steps / float(r["decode_s"]), rel=1e-2)
+        e2e_s = float(r["prefill_s"]) + float(r["decode_s"]) * (new - 1) / steps
+        assert float(r["e2e_tok_s"]) == pytest.approx(batch * new / e2e_s, rel=1e-2)
     assert (quick_run / "quick.png").stat().st_size > 0
 
 
@@ -54,15 +60,18 @@ def test_summary_has_medians_and_ratios(quick_run):
                 float(s["decode_tok_s"]) / float(plain["decode_tok_s"]), abs=1e-3)
             assert float(s["mem_vs_output_attentions"]) == pytest.approx(
                 float(s["peak_mem_bytes"]) / float(oa["peak_mem_bytes"]), abs=1e-3)
-        else:
-            assert s["decode_vs_output_attentions"] == ""  # no output_attentions run at batch > 1
+            rerun = next(r for r in rows if r["method"] == bench.RERUN and r["prompt_len"] == s["prompt_len"])
+            assert float(s["e2e_vs_output_attentions_rerun"]) == pytest.approx(
+                float(s["e2e_tok_s"]) / float(rerun["e2e_tok_s"]), abs=1e-3)
+        else:  # no output_attentions runs at batch > 1
+            assert s["decode_vs_output_attentions"] == s["e2e_vs_output_attentions_rerun"] == ""
 
 
 def test_medians_over_repeats():
     base = {"machine": "m", "model": "x", "dtype": "float32", "batch": 1, "prompt_len": 8, "new_tokens": 4,
             "status": "ok"}
     rows = [base | {"method": method, "prefill_tok_s": p, "decode_tok_s": d, "decode_cpu_tok_s": d,
-                    "peak_mem_bytes": m}
+                    "e2e_tok_s": d, "peak_mem_bytes": m}
             for method, p, d, m in [("plain-sdpa", 10, 4.0, 100), ("plain-sdpa", 30, 2.0, 300),
                                     ("plain-sdpa", 20, 3.0, 200), ("macs-torch", 10, 1.5, 220)]]
     summary = {s["method"]: s for s in bench.summarise(rows)}
@@ -78,4 +87,4 @@ def test_cli_has_the_bench_subcommand():
 
 
 def test_methods_never_include_the_triton_interpreter():
-    assert bench.methods_for("cpu") == ["plain-sdpa", "macs-torch", "macs-torch-fused", bench.OUTPUT_ATTENTIONS]
+    assert bench.methods_for("cpu") == ["plain-sdpa", "macs-torch", "macs-torch-fused", *bench.EAGER_METHODS]

@@ -8,6 +8,7 @@ from macs_kernels.evaluation.faithfulness import (
     faithfulness_curves,
     greedy_generate,
     masked_positions,
+    masked_variants,
     masking_order,
     rouge_l_f1,
     teacher_forced_scores,
@@ -87,7 +88,8 @@ def test_positions_passed_are_the_original_ones(models):
     finally:
         handle.remove()
     assert tokens.shape == (1, 4)
-    assert seen == [list(range(N + T)), list(range(N)), [N], [N + 1], [N + 2]]
+    # Teacher forcing: the prompt, then the generation after it; regeneration: the prompt, then one per step.
+    assert seen == [list(range(N)), list(range(N, N + T - 1)), list(range(N)), [N], [N + 1], [N + 2]]
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -114,6 +116,25 @@ def test_greedy_generation(models, attention):
     eos = sequence[N + 1]
     stopped = greedy_generate(model, prompt, max_new_tokens=6, masked=masked, eos_token_id=eos)
     assert stopped[0].tolist() == sequence[N:N + sequence[N:].index(eos) + 1]
+
+
+def test_a_batch_of_masked_variants_equals_each_run_alone(models):
+    model = models["sdpa"]
+    prompt, generated = _ids(N, 6), _ids(T, 7)
+    masked_sets = [(), (4, 7, 8), (3, 10, 11, 12), tuple(range(1, N, 2))]
+    batch, again = masked_variants(model, prompt, generated, masked_sets, regenerate_tokens=8, eos_token_id=[])
+    for masked, got in zip(masked_sets, batch):
+        alone = teacher_forced_scores(model, prompt, generated, masked)
+        assert got["perplexity"] == pytest.approx(alone["perplexity"], rel=1e-5)
+        assert got["mean_logit"] == pytest.approx(alone["mean_logit"], rel=1e-5, abs=1e-6)
+    alone = [greedy_generate(model, prompt, max_new_tokens=8, masked=masked, eos_token_id=[]) for masked in masked_sets]
+    assert [ids.tolist() for ids in again] == [ids.tolist() for ids in alone]
+    # An end-of-sequence id that some rows produce: those rows stop there, the others run on.
+    eos = alone[1][0, 2].item()
+    expected = [ids[0, :ids[0].tolist().index(eos) + 1] if eos in ids[0].tolist() else ids[0] for ids in alone]
+    _, got = masked_variants(model, prompt, None, masked_sets, regenerate_tokens=8, eos_token_id=eos)
+    assert [ids[0].tolist() for ids in got] == [ids.tolist() for ids in expected]
+    assert len({len(ids) for ids in expected}) > 1  # rows really ended at different lengths
 
 
 def test_bad_input_is_refused(models):
@@ -172,7 +193,9 @@ def test_faithfulness_curves(models):
     assert curves["mif"]["rouge_l"][0] == 1.0
     # f = .10 of 18 tokens: the 2 highest-scored context tokens (MIF).
     top = sorted(3 + i for i in np.argsort(-scores)[:2])
-    assert curves["mif"]["perplexity"][3] == teacher_forced_scores(model, prompt, generated, top)["perplexity"]
+    # The curves run every variant in one batch: equal to one by one within float rounding.
+    assert curves["mif"]["perplexity"][3] == pytest.approx(
+        teacher_forced_scores(model, prompt, generated, top)["perplexity"], rel=1e-5)
     again = greedy_generate(model, prompt, max_new_tokens=T, masked=top)
     assert curves["mif"]["rouge_l"][3] == pytest.approx(rouge_l_f1(
         _DigitsTokenizer().decode(generated[0]), _DigitsTokenizer().decode(again[0])))
@@ -186,8 +209,8 @@ def test_faithfulness_curves(models):
     mif_order, lif_order = rng.permutation(18), rng.permutation(18)
     for order, name in ((mif_order, "mif"), (lif_order, "lif")):
         masked = masked_positions(order, FRACTIONS[-1], 3)
-        assert random["curves"][name]["perplexity"][-1] == teacher_forced_scores(
-            model, prompt, generated, masked)["perplexity"]
+        assert random["curves"][name]["perplexity"][-1] == pytest.approx(teacher_forced_scores(
+            model, prompt, generated, masked)["perplexity"], rel=1e-5)
     with pytest.raises(ValueError, match="needs an rng"):
         faithfulness_curves(model, _DigitsTokenizer(), prompt, generated, context, None, max_new_tokens=T)
 

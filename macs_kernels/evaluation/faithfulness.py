@@ -3,7 +3,8 @@
 Masked tokens are removed through the attention mask while every other token keeps its original
 position: positions are always passed explicitly. transformers' generate() derives positions from the
 attention mask's cumulative sum, which would shift every token after a masked one, so regeneration is
-a greedy loop of its own over a DynamicCache.
+a greedy loop of its own over a DynamicCache. All masked variants of one sample run as one batch whose prompt
+prefill serves both the teacher forcing and the regeneration: half the forward work of running them apart.
 """
 from __future__ import annotations
 
@@ -47,75 +48,95 @@ def _check_inputs(model, prompt_ids, generated_ids=None):
             raise ValueError(f"{name} must be (1, length >= 1), got {tuple(ids.shape)}")
 
 
-def _attention_mask(length: int, masked, device) -> torch.Tensor:
-    mask = torch.ones(1, length, dtype=torch.long, device=device)
-    masked = list(masked)
-    if masked:
-        if min(masked) < 1 or max(masked) >= length:
-            # Position 0 masked would leave its own query row with nothing to attend to.
-            raise ValueError(f"masked positions must lie in [1, {length}), got {min(masked)}..{max(masked)}")
-        mask[0, masked] = 0
+def _attention_masks(length: int, masked_sets, device) -> torch.Tensor:
+    """(len(masked_sets), length) attention mask: row i hides the prompt positions of masked_sets[i]."""
+    mask = torch.ones(len(masked_sets), length, dtype=torch.long, device=device)
+    for row, masked in enumerate(masked_sets):
+        masked = list(masked)
+        if masked:
+            if min(masked) < 1 or max(masked) >= length:
+                # Position 0 masked would leave its own query row with nothing to attend to.
+                raise ValueError(f"masked positions must lie in [1, {length}), got {min(masked)}..{max(masked)}")
+            mask[row, masked] = 0
     return mask
 
 
 @torch.no_grad()
-def teacher_forced_scores(model, prompt_ids: torch.Tensor, generated_ids: torch.Tensor, masked=()) -> dict:
-    """Perplexity and mean logit of the generation with the prompt positions `masked` hidden. One forward.
+def masked_variants(model, prompt_ids: torch.Tensor, generated_ids: torch.Tensor | None, masked_sets, *,
+                    regenerate_tokens: int = 0, eos_token_id=None) -> tuple[list[dict], list[torch.Tensor]]:
+    """Each set of hidden prompt positions as one row of a batch that shares one prefill of the prompt.
 
-    prompt_ids (1, N), generated_ids (1, T); position_ids are arange(N + T) whatever is masked.
-    Returns {"perplexity": exp(mean NLL of the T tokens), "mean_logit": mean raw logit of those tokens}.
+    prompt_ids (1, N); generated_ids (1, T) or None. Positions are the original ones whatever is masked:
+    the prompt at arange(N), token k after it at N + k.
+    Returns (scores, regenerations):
+    - scores, per set (when generated_ids is given): {"perplexity": exp(mean NLL of the T tokens by teacher
+      forcing), "mean_logit": mean raw logit of those tokens};
+    - regenerations, per set (when regenerate_tokens > 0): the greedy continuation (1, T_i), ended after an
+      end-of-sequence id (kept, as generate() keeps it; eos_token_id: int or list, default the model's
+      generation_config) or regenerate_tokens. The batch runs on until every row has ended; rows never mix.
     """
-    _check_inputs(model, prompt_ids, generated_ids)
-    device = model.device
-    prompt_ids, generated_ids = prompt_ids.to(device), generated_ids.to(device)
-    n, t = prompt_ids.shape[1], generated_ids.shape[1]
-    ids = torch.cat([prompt_ids, generated_ids], dim=1)
-    mask = torch.cat([_attention_mask(n, masked, device), torch.ones(1, t, dtype=torch.long, device=device)], dim=1)
-    out = model(input_ids=ids, attention_mask=mask,
-                position_ids=torch.arange(n + t, device=device)[None], use_cache=False, logits_to_keep=t + 1)
-    logits = out.logits[0, :t].float()  # the row before each generated token predicts it
-    target = generated_ids[0]
-    nll = torch.nn.functional.cross_entropy(logits, target)
-    return {
-        "perplexity": nll.exp().item(),
-        "mean_logit": logits.gather(1, target[:, None]).mean().item(),
-    }
+    import copy
 
-
-@torch.no_grad()
-def greedy_generate(model, prompt_ids: torch.Tensor, *, max_new_tokens: int, masked=(),
-                    eos_token_id=None) -> torch.Tensor:
-    """Greedy continuation of prompt_ids (1, N) with the prompt positions `masked` hidden -> (1, T) ids.
-
-    Token k is fed at position N + k and the mask grows by one attended slot per step, so no position
-    moves. Stops after an end-of-sequence id (kept, as generate() keeps it) or max_new_tokens.
-    eos_token_id: int or list; default the model's generation_config.
-    """
     from transformers import DynamicCache
 
-    _check_inputs(model, prompt_ids)
+    _check_inputs(model, prompt_ids, generated_ids)
+    if generated_ids is None and regenerate_tokens < 1:
+        raise ValueError("nothing to do: give generated_ids or regenerate_tokens >= 1")
+    device = model.device
+    rows, n = len(masked_sets), prompt_ids.shape[1]
+    mask = _attention_masks(n, masked_sets, device)
+    cache = DynamicCache(config=model.config)
+    prefill = model(input_ids=prompt_ids.to(device).expand(rows, -1), attention_mask=mask,
+                    position_ids=torch.arange(n, device=device).expand(rows, -1),
+                    past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    scores, regenerations = [], []
+    if generated_ids is not None:
+        target = generated_ids.to(device)[0].expand(rows, -1)
+        t = target.shape[1]
+        logits = prefill[:, None].float()  # the last prompt row predicts the first generated token
+        if t > 1:
+            forced = model(input_ids=target[:, :-1], attention_mask=torch.cat([mask, mask.new_ones(rows, t - 1)], 1),
+                           position_ids=torch.arange(n, n + t - 1, device=device).expand(rows, -1),
+                           past_key_values=copy.deepcopy(cache) if regenerate_tokens else cache, use_cache=True)
+            logits = torch.cat([logits, forced.logits.float()], dim=1)
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none").mean(1)
+        target_logits = logits.gather(2, target[..., None])[..., 0].mean(1)
+        scores = [{"perplexity": value.exp().item(), "mean_logit": logit.item()}
+                  for value, logit in zip(nll, target_logits)]
+    if regenerate_tokens:
+        if eos_token_id is None:
+            eos_token_id = model.generation_config.eos_token_id
+        stop = torch.tensor([] if eos_token_id is None else np.atleast_1d(eos_token_id).tolist(), dtype=torch.long,
+                            device=device)
+        tokens, lengths, logits = [], torch.full((rows,), regenerate_tokens, device=device), prefill
+        for k in range(regenerate_tokens):
+            token = logits.argmax(dim=-1, keepdim=True)
+            tokens.append(token)
+            lengths = torch.where(torch.isin(token[:, 0], stop) & (lengths > k + 1), k + 1, lengths)
+            if k + 1 == regenerate_tokens or bool((lengths <= k + 1).all()):
+                break
+            mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
+            logits = model(input_ids=token, attention_mask=mask, position_ids=torch.full((rows, 1), n + k, device=device),
+                           past_key_values=cache, use_cache=True).logits[:, -1]
+        tokens = torch.cat(tokens, dim=1)
+        regenerations = [tokens[row:row + 1, :length] for row, length in enumerate(lengths.tolist())]
+    return scores, regenerations
+
+
+def teacher_forced_scores(model, prompt_ids: torch.Tensor, generated_ids: torch.Tensor, masked=()) -> dict:
+    """Perplexity and mean logit of generated_ids (1, T) after prompt_ids (1, N) with the prompt positions
+    `masked` hidden (masked_variants of one set)."""
+    return masked_variants(model, prompt_ids, generated_ids, [masked])[0][0]
+
+
+def greedy_generate(model, prompt_ids: torch.Tensor, *, max_new_tokens: int, masked=(),
+                    eos_token_id=None) -> torch.Tensor:
+    """Greedy continuation (1, T) of prompt_ids (1, N) with the prompt positions `masked` hidden
+    (masked_variants of one set)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if eos_token_id is None:
-        eos_token_id = model.generation_config.eos_token_id
-    stop = set() if eos_token_id is None else {int(e) for e in np.atleast_1d(eos_token_id)}
-    device = model.device
-    prompt_ids = prompt_ids.to(device)
-    n = prompt_ids.shape[1]
-    mask = _attention_mask(n, masked, device)
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=torch.arange(n, device=device)[None],
-                past_key_values=cache, use_cache=True, logits_to_keep=1)
-    tokens = []
-    for k in range(max_new_tokens):
-        token = out.logits[:, -1].argmax(dim=-1, keepdim=True)
-        tokens.append(token)
-        if k + 1 == max_new_tokens or int(token) in stop:
-            break
-        mask = torch.cat([mask, mask.new_ones(1, 1)], dim=1)
-        out = model(input_ids=token, attention_mask=mask, position_ids=torch.tensor([[n + k]], device=device),
-                    past_key_values=cache, use_cache=True)
-    return torch.cat(tokens, dim=1)
+    return masked_variants(model, prompt_ids, None, [masked], regenerate_tokens=max_new_tokens,
+                           eos_token_id=eos_token_id)[1][0]
 
 
 _ROUGE = None
@@ -156,22 +177,19 @@ def faithfulness_curves(model, tokenizer, prompt_ids: torch.Tensor, generated_id
             raise ValueError(f"{len(scores)} scores for {stop - start} context tokens")
         orders = {order: masking_order(scores, order) for order in ORDERS}
     metrics = METRICS if regenerate else METRICS[:2]
-    reference = tokenizer.decode(generated_ids[0], skip_special_tokens=True)
-
-    def measure(masked):
-        values = teacher_forced_scores(model, prompt_ids, generated_ids, masked)
-        if regenerate:
-            again = greedy_generate(model, prompt_ids, max_new_tokens=max_new_tokens, masked=masked)
-            values["rouge_l"] = rouge_l_f1(reference, tokenizer.decode(again[0], skip_special_tokens=True))
-        return values
-
-    unmasked = measure(())
-    curves = {order: {m: [] for m in metrics} for order in ORDERS}
-    for order in ORDERS:
-        for fraction in fractions:
-            values = unmasked if fraction == 0 else measure(masked_positions(orders[order], fraction, start))
-            for m in metrics:
-                curves[order][m].append(values[m])
+    # Every variant of this sample in one batch; f = 0 is the same for both orders.
+    variants = {(order, fraction): () if fraction == 0 else tuple(masked_positions(orders[order], fraction, start))
+                for order in ORDERS for fraction in fractions}
+    masked_sets = list(dict.fromkeys(variants.values()))
+    values, again = masked_variants(model, prompt_ids, generated_ids, masked_sets,
+                                    regenerate_tokens=max_new_tokens if regenerate else 0)
+    if regenerate:
+        reference = tokenizer.decode(generated_ids[0], skip_special_tokens=True)
+        for value, ids in zip(values, again):
+            value["rouge_l"] = rouge_l_f1(reference, tokenizer.decode(ids[0], skip_special_tokens=True))
+    by_set = dict(zip(masked_sets, values))
+    curves = {order: {m: [by_set[variants[order, fraction]][m] for fraction in fractions] for m in metrics}
+              for order in ORDERS}
     auc = {order: {m: curve_auc(curves[order][m], fractions) for m in metrics} for order in ORDERS}
     return {
         "curves": curves,
