@@ -19,11 +19,14 @@ end-of-sequence suppressed) from the same random prompt:
 
 Prefill tokens/s = B x N / (time to the first new token); decode tokens/s = B x (new - 1) / the rest
 (for the output-attentions methods the rest includes scoring). End-to-end tokens/s = B x new / (prefill +
-decode time), the decode time of output-attentions-rerun extrapolated from its timed steps. The same with the process's CPU time instead of wall
-time (decode_cpu_tok_s) is what to compare on a shared, oversubscribed machine. Peak memory: CUDA max_memory_allocated on a GPU; on
-the CPU the peak RSS of a fresh process per measurement (the weights included, the same for every
-method). Repeats are interleaved (every method of a cell, in rotated order, before the next repeat) and
-summarised by medians.
+decode time), the decode time of output-attentions-rerun extrapolated from its timed steps. The same with
+the process's CPU time instead of wall time (decode_cpu_tok_s) is what to compare on a shared,
+oversubscribed machine. Peak memory: CUDA max_memory_allocated on a GPU; on the CPU the peak RSS of a
+fresh process per measurement (the weights included, the same for every method), taken in a second fresh
+process with fixed glibc malloc thresholds (MALLOC_ENV: without them the peak varies by up to 15% between
+repeats of the same method, with them decode is ~30% slower, so the timings come from a process with the
+default allocator). Repeats are interleaved (every method of a cell, in rotated order, before the next
+repeat) and summarised by medians.
 """
 from __future__ import annotations
 
@@ -375,9 +378,28 @@ def measure(spec: Spec, model=None, pad=None) -> dict:
     }
 
 
-def _measure_in_fresh_process(spec: Spec) -> dict:
+# glibc raises its mmap threshold after a large block is freed, so later large tensors come from the heap and
+# stay resident after they are freed: the peak RSS then depends on allocation history (up to 15% apart between
+# repeats of one method at batch 8). A fixed threshold returns every large block to the OS when it is freed,
+# so the peak RSS follows the live memory (repeats within 0.01%), but the page faults cost ~30% of decode
+# throughput: peak memory is measured in a second fresh process with it, timings in one without.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+
+
+def _measure_isolated(spec: Spec) -> dict:
+    """Timings from a fresh process with the default allocator, peak memory from one with MALLOC_ENV."""
+    result = _measure_in_fresh_process(spec)
+    if result["status"] == "ok":
+        memory = _measure_in_fresh_process(spec, MALLOC_ENV)
+        if memory["status"] != "ok":
+            return memory
+        result.update(peak_mem_bytes=memory["peak_mem_bytes"], memory=f"{memory['memory']}_fixed_mmap_threshold")
+    return result
+
+
+def _measure_in_fresh_process(spec: Spec, env: dict | None = None) -> dict:
     command = [sys.executable, "-m", "macs_kernels.bench", "--worker", json.dumps(dataclasses.asdict(spec))]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, **(env or {})})
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -454,6 +476,9 @@ def plot(summary: list[dict], path: Path) -> None:
 def run(args) -> int:
     import torch
 
+    if args.summarise is not None:
+        return summarise_csv(args.summarise)
+
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -487,7 +512,7 @@ def run(args) -> int:
                     continue
                 spec = dataclasses.replace(base, method=method, batch=batch, prompt_len=length)
                 if isolate:
-                    result = _measure_in_fresh_process(spec)
+                    result = _measure_isolated(spec)
                 else:
                     # In one process the eager way needs its own attention implementation.
                     model.set_attn_implementation("eager" if method in EAGER_METHODS else
@@ -501,13 +526,28 @@ def run(args) -> int:
                 shown = (f"{result['prefill_tok_s']:9.1f} prefill tok/s {result['decode_tok_s']:8.2f} decode tok/s "
                          f"{result['peak_mem_bytes'] / 2**30:6.2f} GiB" if result["status"] == "ok" else result["status"])
                 print(f"repeat {repeat} N={length:6d} B={batch} {method:18s} {shown}", flush=True)
+    return write_summary(rows, args.out, stem)
+
+
+def write_summary(rows: list[dict], out: Path, stem: str) -> int:
     summary = summarise(rows)
     if summary:
-        write_csv(summary, args.out / f"{stem}_summary.csv", SUMMARY_COLUMNS)
-        plot(summary, args.out / f"{stem}.png")
+        write_csv(summary, out / f"{stem}_summary.csv", SUMMARY_COLUMNS)
+        plot(summary, out / f"{stem}.png")
         print_summary(summary)
-    print(f"wrote {args.out / stem}.csv, {stem}_summary.csv and {stem}.png")
+    print(f"wrote {out / stem}.csv, {stem}_summary.csv and {stem}.png")
     return 0
+
+
+def summarise_csv(path: Path) -> int:
+    """The summary, table and plot of a run's CSV (one that was stopped midway too)."""
+    numeric = {field for _, field in RATIOS} | {"batch", "prompt_len", "new_tokens", "repeat"}
+    with open(path, newline="") as handle:
+        rows = [{key: float(value) if key in numeric and value != "" else value for key, value in row.items()}
+                for row in csv.DictReader(handle)]
+    for row in rows:
+        row.update({key: int(row[key]) for key in ("batch", "prompt_len", "new_tokens", "repeat")})
+    return write_summary(rows, path.parent, path.stem)
 
 
 SUMMARY_TABLE = (  # (header, summary column, format) of the printed table
@@ -552,6 +592,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on CPU, measure in this process (faster; peak RSS then carries earlier runs' heap)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--name", default=None, help="file stem (default generate_cpu / generate_<gpu>)")
+    parser.add_argument("--summarise", type=Path, default=None, metavar="CSV",
+                        help="only summarise this run's CSV (e.g. of a run stopped midway) into _summary.csv and .png")
 
 
 def _finish_args(args) -> argparse.Namespace:

@@ -88,3 +88,19 @@ def test_cli_has_the_bench_subcommand():
 
 def test_methods_never_include_the_triton_interpreter():
     assert bench.methods_for("cpu") == ["plain-sdpa", "macs-torch", "macs-torch-fused", *bench.EAGER_METHODS]
+
+
+def test_isolated_measurement_times_and_measures_memory_in_two_fresh_processes():
+    spec = bench.Spec(None, "tiny", "float32", "cpu", "macs-torch", 1, 32, 4, 1)
+    result = bench._measure_isolated(spec)
+    assert result["status"] == "ok", result["status"]
+    assert result["memory"] == "rss_peak_fixed_mmap_threshold"
+    assert result["decode_steps"] == 3 and result["peak_mem_bytes"] > 0 and result["decode_tok_s"] > 0
+
+
+def test_a_stopped_runs_csv_is_summarised_as_the_run_itself_would(quick_run, tmp_path):
+    copy = tmp_path / "copy.csv"
+    copy.write_text((quick_run / "quick.csv").read_text())
+    assert bench.main(["--summarise", str(copy)]) == 0
+    assert (tmp_path / "copy_summary.csv").read_text() == (quick_run / "quick_summary.csv").read_text()
+    assert (tmp_path / "copy.png").stat().st_size > 0
