@@ -95,6 +95,18 @@ def test_coefficients_roundtrip_and_shape_check(model_and_tokenizer, tmp_path):
         AT2Attributor.load(path, model, tokenizer)
 
 
+def test_the_packaged_coefficients_are_trained_for_the_default_model(model_and_tokenizer):
+    from macs_kernels.at2 import DEFAULT_COEFFICIENTS, load_coefficients
+
+    model, tokenizer = model_and_tokenizer
+    theta, metadata = load_coefficients(DEFAULT_COEFFICIENTS, model)
+    assert theta.shape == (30, 9) and theta.abs().sum().item() == pytest.approx(1.0, abs=1e-5)
+    assert theta.std() > 0.1 * theta.abs().mean()  # trained: far from the uniform start
+    assert metadata["model"] == "SmolLM2-135M-Instruct" and metadata["data"] == "stqa_350.json"
+    assert metadata["samples"] == "0..249" and metadata["examples"] == "250"  # 250-349 stay held out
+    assert torch.equal(AT2Attributor(model, tokenizer).theta, theta)
+
+
 def test_loading_never_unpickles(tmp_path, monkeypatch):
     pickled = tmp_path / "theta.pt"
     torch.save({"theta": torch.rand(30, 9)}, pickled)

@@ -233,10 +233,12 @@ class AT2Attributor:
 
 def train_coefficients(model, tokenizer, samples, *, work, out=None, n_masks: int = 32, epochs: int = 100,
                        lr: float = 1e-3, batch_size: int = 16, max_new_tokens: int = 32, seed: int = 0,
-                       progress: bool = True) -> tuple[torch.Tensor, dict]:
+                       progress: bool = True, model_name: str | None = None,
+                       data_name: str = "") -> tuple[torch.Tensor, dict]:
     """Collect ablations for `samples` (QASample list) under WORK, fit theta, save it to `out` if given.
 
-    Resumable: collected examples and the fit checkpoint in WORK are reused. Returns (theta (L, H), metadata).
+    Resumable: collected examples and the fit checkpoint in WORK are reused. Returns (theta (L, H), metadata);
+    the metadata names the model (`model_name`, default its _name_or_path) and the data (`data_name`).
     """
     from .train import collect, fit, load_examples
 
@@ -248,7 +250,8 @@ def train_coefficients(model, tokenizer, samples, *, work, out=None, n_masks: in
     theta = fit(examples, epochs=epochs, lr=lr, batch_size=batch_size, seed=seed, checkpoint=checkpoint,
                 progress=progress).view(*model_shape(model))
     metadata = {
-        "model": getattr(model.config, "_name_or_path", ""), "layers": theta.shape[0], "heads": theta.shape[1],
+        "model": model_name or getattr(model.config, "_name_or_path", ""), "data": data_name,
+        "layers": theta.shape[0], "heads": theta.shape[1],
         "examples": len(examples), "masks": n_masks, "epochs": epochs, "lr": lr, "sources": "token",
         "samples": f"{samples[0].index}..{samples[-1].index}" if samples else "",
     }

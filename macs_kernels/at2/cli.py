@@ -30,7 +30,7 @@ def run_train(args) -> int:
 
     from ..cli import load_from_args
     from ..evaluation.data import load_qa, parse_range
-    from ..models import cache_dir
+    from ..models import DEFAULT_MODEL, cache_dir
     from . import train_coefficients
 
     if args.threads:
@@ -39,7 +39,8 @@ def run_train(args) -> int:
     model, tokenizer = load_from_args(args)
     work = args.work or cache_dir() / "at2"
     theta, metadata = train_coefficients(model, tokenizer, samples, work=work, out=args.out, n_masks=args.masks,
-                                         epochs=args.epochs, lr=args.lr, max_new_tokens=args.max_new_tokens)
+                                         epochs=args.epochs, lr=args.lr, max_new_tokens=args.max_new_tokens,
+                                         model_name=args.model or DEFAULT_MODEL, data_name=args.data.name)
     print(f"wrote {args.out}: {theta.shape[0]} layers x {theta.shape[1]} heads from {metadata['examples']} questions")
     return 0
 
