@@ -77,6 +77,8 @@ def summarise(path) -> dict:
             "paper_auc_pr": PAPER_AUC_PR.get(name),
         }
     scored = list(samples.values())
+    largest = max((len(parts["auc"]) for parts in methods.values()), default=0)
+    subsets = {name: _on_subset(methods, name) for name in order if 0 < len(methods[name]["auc"]) < largest}
     return {
         "model": run.get("model"),
         "dtype": run.get("dtype"),
@@ -93,8 +95,24 @@ def summarise(path) -> dict:
         },
         "answer_not_generated": sum(line["answer_step"] is None for line in scored),
         "methods": table,
+        "subsets": subsets,
         "claims": _claims(table),
     }
+
+
+def _on_subset(methods: dict, reference: str) -> dict:
+    """Every method on the samples that `reference` scores (e.g. at2 on its held-out questions), with the
+    paired difference method - reference per sample: what a comparison on the same samples says."""
+    by_index = {line["index"]: line for line in methods[reference]["auc"]}
+    table = {}
+    for name, parts in methods.items():
+        lines = [line for line in parts["auc"] if line["index"] in by_index]
+        table[name] = {"n": len(lines)}
+        for field, key in (("auc_pr", "best"), ("auc_pr_aggregate", "aggregate")):
+            table[name][field] = _stats([line[key] for line in lines])
+            table[name][f"{field}_minus_{reference}"] = _stats([line[key] - by_index[line["index"]][key]
+                                                               for line in lines])
+    return {"samples": len(by_index), "methods": table}
 
 
 def _claims(table: dict) -> dict:
@@ -151,6 +169,18 @@ def markdown(summary: dict) -> str:
             f"| {_fmt(row['auc_pr_aggregate'])} | {_fmt(srg['perplexity'])} (n={srg['perplexity']['n']}) "
             f"| {_fmt(srg['rouge_l'])} | {_fmt(srg['logit'])} | {'-' if ties is None else f'{ties:.2f}'} | {share} |"
         )
+    for reference, subset in summary.get("subsets", {}).items():
+        lines += [
+            "",
+            f"On the {subset['samples']} samples that {reference} scores, paired differences with {reference} "
+            "(mean [95% CI] of method - reference per sample):",
+            "",
+            f"| method | n | AUC-PR (best step) | minus {reference} | AUC-PR (aggregate) | minus {reference} |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, row in subset["methods"].items():
+            lines.append(f"| {name} | {row['n']} | {_fmt(row['auc_pr'])} | {_fmt(row[f'auc_pr_minus_{reference}'])} "
+                         f"| {_fmt(row['auc_pr_aggregate'])} | {_fmt(row[f'auc_pr_aggregate_minus_{reference}'])} |")
     unmatched = summary["unmatched_answers"]
     lines += [
         "",

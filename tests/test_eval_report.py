@@ -1,0 +1,42 @@
+"""The results table: a method scored on fewer samples (at2 on its held-out questions) is also compared with
+every other method on exactly those samples."""
+import json
+
+import pytest
+
+from macs_kernels.evaluation.report import markdown, summarise
+
+TIES = {"rows": 4, "tied_tokens": 0, "rows_with_ties": 0}
+
+
+def _lines():
+    yield {"kind": "run", "model": "m", "dtype": "float32", "max_new_tokens": 4, "data": "d"}
+    for index in range(4):
+        yield {"kind": "sample", "index": index, "answer_step": 1, "unmatched_answers": 0, "n_answers": 1}
+    macs = {0: (0.9, 0.5), 1: (0.2, 0.1), 2: (0.6, 0.3), 3: (0.4, 0.2)}
+    for index, (best, aggregate) in macs.items():
+        yield {"kind": "auc", "index": index, "method": "macs", "best": best, "best_step": 0, "step_mean": best / 2,
+               "aggregate": aggregate, "ties": TIES}
+    for index, (best, aggregate) in {2: (0.5, 0.5), 3: (0.7, 0.4)}.items():
+        yield {"kind": "auc", "index": index, "method": "at2", "best": best, "best_step": 0, "step_mean": best,
+               "aggregate": aggregate, "ties": TIES}
+
+
+def test_methods_are_compared_on_the_samples_the_smaller_method_scores(tmp_path):
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in _lines()))
+    summary = summarise(path)
+    assert summary["methods"]["macs"]["auc_pr"]["mean"] == pytest.approx(0.525)  # all four samples
+    assert set(summary["subsets"]) == {"at2"}  # macs scores every sample: no subset of its own
+    subset = summary["subsets"]["at2"]
+    assert subset["samples"] == 2
+    macs = subset["methods"]["macs"]
+    assert macs["n"] == 2 and macs["auc_pr"]["mean"] == pytest.approx(0.5)  # samples 2 and 3 only
+    # Paired per sample: (0.6 - 0.5, 0.4 - 0.7) and (0.3 - 0.5, 0.2 - 0.4).
+    assert macs["auc_pr_minus_at2"]["mean"] == pytest.approx(-0.1)
+    assert macs["auc_pr_aggregate_minus_at2"]["mean"] == pytest.approx(-0.2)
+    assert macs["auc_pr_aggregate_minus_at2"]["ci"] == pytest.approx([-0.2, -0.2])  # equal differences: no spread
+    # Student-t, 1 degree of freedom: -0.1 +- 12.706 * 0.2828 / sqrt(2).
+    assert macs["auc_pr_minus_at2"]["ci"] == pytest.approx([-2.641, 2.441], abs=2e-3)
+    assert subset["methods"]["at2"]["auc_pr_minus_at2"]["mean"] == 0
+    assert "On the 2 samples that at2 scores" in markdown(summary)
