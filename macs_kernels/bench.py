@@ -367,13 +367,13 @@ def measure(spec: Spec, model=None, pad=None) -> dict:
         memory = _reset_peak(spec.device)
         (prefill_s, decode_s), (prefill_cpu_s, decode_cpu_s), steps = timed(model, ids, spec, pad)
     decoded = spec.batch * steps
-    decode_tok_s = decoded / decode_s
+    e2e_s = prefill_s + decode_s * (spec.new_tokens - 1) / steps  # the rerun's untimed steps extrapolated
     return {
         "status": "ok", "prefill_s": round(prefill_s, 6), "decode_s": round(decode_s, 6), "decode_steps": steps,
         "prefill_cpu_s": round(prefill_cpu_s, 6), "decode_cpu_s": round(decode_cpu_s, 6),
         "prefill_tok_s": round(spec.batch * spec.prompt_len / prefill_s, 2),
-        "decode_tok_s": round(decode_tok_s, 3), "decode_cpu_tok_s": round(decoded / decode_cpu_s, 3),
-        "e2e_tok_s": round(spec.batch * spec.new_tokens / (prefill_s + spec.batch * (spec.new_tokens - 1) / decode_tok_s), 3),
+        "decode_tok_s": round(decoded / decode_s, 3), "decode_cpu_tok_s": round(decoded / decode_cpu_s, 3),
+        "e2e_tok_s": round(spec.batch * spec.new_tokens / e2e_s, 3),
         "peak_mem_bytes": _peak(spec.device), "memory": memory,
     }
 
@@ -541,12 +541,10 @@ def write_summary(rows: list[dict], out: Path, stem: str) -> int:
 
 def summarise_csv(path: Path) -> int:
     """The summary, table and plot of a run's CSV (one that was stopped midway too)."""
-    numeric = {field for _, field in RATIOS} | {"batch", "prompt_len", "new_tokens", "repeat"}
+    types = {field: float for _, field in RATIOS} | dict.fromkeys(("batch", "prompt_len", "new_tokens", "repeat"), int)
     with open(path, newline="") as handle:
-        rows = [{key: float(value) if key in numeric and value != "" else value for key, value in row.items()}
+        rows = [{key: types[key](value) if key in types and value != "" else value for key, value in row.items()}
                 for row in csv.DictReader(handle)]
-    for row in rows:
-        row.update({key: int(row[key]) for key in ("batch", "prompt_len", "new_tokens", "repeat")})
     return write_summary(rows, path.parent, path.stem)
 
 
