@@ -36,8 +36,8 @@ class TraceTensors:
 class PooledRows(TraceHook):
     """Records m' (B, N_max) per layer of every pass, from the softmax rows of the pass's last query."""
 
-    def __init__(self, scales: list[float], config: MacsConfig):
-        self.scales, self.config = scales, config
+    def __init__(self, config: MacsConfig):
+        self.config = config
         self.steps: list[torch.Tensor] = []
         self._layers: list[torch.Tensor] = []
 
@@ -46,8 +46,8 @@ class PooledRows(TraceHook):
             self.steps = []
         self._layers = []
 
-    def layer(self, tracer, layer_idx, query, key, value, output) -> None:
-        rows = tracer.softmax_rows(query[:, :, -1, :], key, self.scales[layer_idx])
+    def layer(self, tracer, layer_idx, query, key, value, output, scale) -> None:
+        rows = tracer.softmax_rows(query[:, :, -1, :], key, scale)
         # At alpha = 1 the layer's log-term is log(m') itself.
         log_pooled = torch.zeros(rows.shape[0], max(tracer.n_input_list), dtype=torch.float32, device=rows.device)
         torch_backend.macs_update_rows(
@@ -84,7 +84,7 @@ def trace_tensors(model, input_ids, generated_ids, *, at2: bool = False, **confi
     prompt, generated = _ids("input_ids", input_ids), _ids("generated_ids", generated_ids)
     device = next(model.parameters()).device
     scales = [float(modules[layer].scaling) for layer in range(len(modules))]
-    pooled = PooledRows(scales, macs_config)
+    pooled = PooledRows(macs_config)
     hooks = [pooled]
     if at2:
         from .at2.features import QueryCapture

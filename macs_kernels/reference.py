@@ -22,19 +22,24 @@ def softmax_row_reference(q: torch.Tensor, keys: torch.Tensor, scale: float) -> 
     return torch.exp(scores - lse), lse
 
 
-def layer_log_term_reference(
-    rows: torch.Tensor, n_input: int, *, alpha: float = 0.8, pooling: str = "max", redistribute: bool = True
+def pooled_row_reference(
+    rows: torch.Tensor, n_input: int, *, pooling: str = "max", redistribute: bool = True
 ) -> torch.Tensor:
-    """log(alpha * m' + 1 - alpha) of one layer, from that layer's rows.
-
-    rows: (H, K) attention of the last query over its K attended keys, the N = n_input inputs first, then
-    the generated tokens. Returns (N,) float64. Negative pooled values (efficient attention) clamp to 0.
-    """
+    """m' of one layer: rows (H, K) of one query over its K attended keys, the N = n_input inputs first, then
+    the generated tokens, whose mass is spread over the inputs when `redistribute`. Returns (N,) float64."""
     rows = _f64(rows)
     inputs = rows[:, :n_input]
     if redistribute:
         inputs = inputs + rows[:, n_input:].sum(dim=1, keepdim=True) / n_input
-    pooled = {"max": inputs.amax(dim=0), "mean": inputs.mean(dim=0), "min": inputs.amin(dim=0)}[pooling]
+    return {"max": inputs.amax(dim=0), "mean": inputs.mean(dim=0), "min": inputs.amin(dim=0)}[pooling]
+
+
+def layer_log_term_reference(
+    rows: torch.Tensor, n_input: int, *, alpha: float = 0.8, pooling: str = "max", redistribute: bool = True
+) -> torch.Tensor:
+    """log(alpha * m' + 1 - alpha) of one layer, from that layer's rows (see pooled_row_reference).
+    Negative pooled values (efficient attention) clamp to 0."""
+    pooled = pooled_row_reference(rows, n_input, pooling=pooling, redistribute=redistribute)
     return torch.log(alpha * pooled.clamp_min(0.0) + (1.0 - alpha))
 
 
@@ -98,6 +103,29 @@ def macs_update_reference(
         rows, log_c, input_start=input_start, input_end=input_end, kv_len=kv_len,
         alpha=alpha, pooling=pooling, redistribute=redistribute,
     )
+
+
+def macs_pool_reference(
+    q, k_cache, *, input_start, input_end, kv_len, scale, pooling="max", redistribute=True
+) -> torch.Tensor:
+    """Reference of ops.macs_pool: q (B, H, R, D), k_cache (B, H_kv, S, D), ranges (B, R) -> m' (B, R, N_max)
+    float64, N_max the largest N, zeros past each row's N."""
+    batch, heads, rows, _ = q.shape
+    group = heads // k_cache.shape[1]
+    ranges = [torch.as_tensor(t).expand(batch, rows).tolist() for t in (input_start, input_end, kv_len)]
+    n_max = max(end - start for starts, ends in zip(ranges[0], ranges[1]) for start, end in zip(starts, ends))
+    out = torch.zeros(batch, rows, n_max, dtype=torch.float64)
+    for b in range(batch):
+        for r in range(rows):
+            start, end, length = (ranges[i][b][r] for i in range(3))
+            probabilities = torch.stack([
+                softmax_row_reference(q[b, h, r], k_cache[b, h // group, start:length], scale)[0]
+                for h in range(heads)
+            ])
+            out[b, r, : end - start] = pooled_row_reference(
+                probabilities, end - start, pooling=pooling, redistribute=redistribute
+            )
+    return out
 
 
 def macs_zscore_reference(log_c, n_input) -> torch.Tensor:

@@ -35,8 +35,8 @@ class TraceHook:
     def begin_pass(self, tracer: "Tracer", prefill: bool) -> None:
         pass
 
-    def layer(self, tracer: "Tracer", layer_idx: int, query, key, value, output) -> None:
-        pass
+    def layer(self, tracer: "Tracer", layer_idx: int, query, key, value, output, scale: float) -> None:
+        """`scale`: the softmax scale this layer used (its own `module.scaling` or the call's `scaling`)."""
 
     def end_pass(self, tracer: "Tracer") -> None:
         pass
@@ -196,7 +196,7 @@ class Tracer:
             else:
                 self._macs_update(query_last, key, self._log_c, scale=scale, lse=None, **self._update_kwargs())
         for hook in self.hooks:
-            hook.layer(self, layer, query, key, value, result[0])
+            hook.layer(self, layer, query, key, value, result[0], scale)
         if layer == self.num_layers - 1:
             self._end_pass()
         return result

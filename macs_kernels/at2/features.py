@@ -44,7 +44,7 @@ class QueryCapture(TraceHook):
             self.values = [None] * tracer.num_layers
             self.kv_start = tracer.input_start
 
-    def layer(self, tracer, layer_idx, query, key, value, output) -> None:
+    def layer(self, tracer, layer_idx, query, key, value, output, scale) -> None:
         if query.shape[2] < self.rows:
             raise ValueError(f"a pass has {query.shape[2]} queries, fewer than the {self.rows} rows to capture")
         self.queries[layer_idx].append(query[:, :, -self.rows:, :].contiguous())

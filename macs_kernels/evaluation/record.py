@@ -26,7 +26,7 @@ class RowRecorder(TraceHook):
 
     def __init__(self, model, *, efficient: bool = False):
         modules = check_model(model)
-        self.scales = {i: float(getattr(m, "scaling", None) or m.head_dim ** -0.5) for i, m in modules.items()}
+        self.num_layers = len(modules)
         self.efficient = efficient
         if efficient:
             from ..efficient import GramState
@@ -44,8 +44,8 @@ class RowRecorder(TraceHook):
             self.passes = []
             self.residual_max = 0.0
             if self.efficient:
-                self.grams = self._gram_state(len(self.scales))
-        n, layers = tracer.n_input_list[0], len(self.scales)
+                self.grams = self._gram_state(self.num_layers)
+        n, layers = tracer.n_input_list[0], self.num_layers
         self._start, self._n, self._kv_len = int(tracer.input_start[0]), n, int(tracer.kv_len[0])
         self._pass = {
             name: torch.zeros((layers, 0, n) if "rows" in name else (layers, 0))
@@ -58,8 +58,8 @@ class RowRecorder(TraceHook):
         self._layer_values[prefix + "rows"].append(rows[0, :, start:stop].float().cpu())
         self._layer_values[prefix + "mass"].append(rows[0, :, stop:self._kv_len].sum(-1).float().cpu())
 
-    def layer(self, tracer, layer_idx: int, query, key, value, output) -> None:
-        rows = tracer.softmax_rows(query[:, :, -1, :], key, self.scales[layer_idx])
+    def layer(self, tracer, layer_idx: int, query, key, value, output, scale) -> None:
+        rows = tracer.softmax_rows(query[:, :, -1, :], key, scale)
         self._keep("", rows)
         if self.efficient:
             from ..efficient import efficient_rows

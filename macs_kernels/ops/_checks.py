@@ -32,7 +32,20 @@ def as_index(name, value, batch, device):
     return tensor.long()
 
 
-def check_ranges(input_start, input_end, kv_len, keys, n_max=None):
+def as_row_index(name, value, batch, rows, device):
+    """A (B, R) int64 index tensor: (B, R) as given, or (B,) / a Python int repeated over the R rows."""
+    if isinstance(value, torch.Tensor) and value.dim() == 2:
+        if value.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be int32 or int64, got {value.dtype}")
+        if tuple(value.shape) != (batch, rows):
+            raise ValueError(f"{name} must have shape ({batch},) or ({batch}, {rows}), got {tuple(value.shape)}")
+        if value.device != torch.device(device):
+            raise ValueError(f"{name} is on {value.device} but the data is on {device}")
+        return value.long()
+    return as_index(name, value, batch, device)[:, None].repeat(1, rows)
+
+
+def check_ranges(input_start, input_end, kv_len, keys, n_max=None, state="log_c"):
     """0 <= input_start < input_end <= kv_len <= keys per row, and N_b <= n_max (one host sync)."""
     start, end, length = torch.stack([input_start, input_end, kv_len]).cpu().tolist()
     for b, (s, e, n) in enumerate(zip(start, end, length)):
@@ -42,17 +55,18 @@ def check_ranges(input_start, input_end, kv_len, keys, n_max=None):
                 f"got input_start={s}, input_end={e}, kv_len={n}"
             )
         if n_max is not None and e - s > n_max:
-            raise ValueError(f"row {b}: {e - s} input tokens do not fit log_c's {n_max} columns")
+            raise ValueError(f"row {b}: {e - s} input tokens do not fit {state}'s {n_max} columns")
 
 
-def check_log_c(log_c, batch, device):
-    check_tensor("log_c", log_c, 2)
+def check_log_c(log_c, batch, device, name="log_c"):
+    """A float32 (B, N_max) state updated in place (log_c, or a pooled-row buffer)."""
+    check_tensor(name, log_c, 2)
     if log_c.dtype != torch.float32:
-        raise TypeError(f"log_c must be float32 (the score state is always float32), got {log_c.dtype}")
+        raise TypeError(f"{name} must be float32 (the score state is always float32), got {log_c.dtype}")
     if log_c.shape[0] != batch or log_c.device != device:
-        raise ValueError(f"log_c must be ({batch}, N_max) on {device}, got {tuple(log_c.shape)} on {log_c.device}")
+        raise ValueError(f"{name} must be ({batch}, N_max) on {device}, got {tuple(log_c.shape)} on {log_c.device}")
     if not log_c.is_contiguous():
-        raise ValueError("log_c must be contiguous: it is updated in place")
+        raise ValueError(f"{name} must be contiguous: it is written in place")
 
 
 def check_q_k(q, k_cache, v_cache=None, *, q_dims=3):

@@ -33,7 +33,11 @@ def macs_zscore(log_c, n_input):
     return _ops.macs_zscore(log_c, n_input)
 
 
-def decode_attention(q, k_cache, v_cache, *, kv_start, kv_len, scale, log_c, input_end, alpha, pooling, redistribute):
+def decode_attention(
+    q, k_cache, v_cache, *, kv_start, kv_len, scale, log_c, input_end, alpha, pooling, redistribute, pooled=None
+):
+    if pooled is not None:
+        raise NotImplementedError("the cuda decode kernel has no pooled mode yet; use backend='torch'")
     return _ops.decode_attention(
         q, k_cache, v_cache, kv_start, kv_len, scale, log_c, input_end, alpha, pooling, redistribute
     )

@@ -102,6 +102,38 @@ def macs_update(q, k_cache, log_c, *, input_start, input_end, kv_len, scale, alp
     )
 
 
+def macs_pool(q, k_cache, out, *, input_start, input_end, kv_len, scale, pooling, redistribute, lse):
+    """q (B, H, R, D), ranges (B, R), out (B, R, N_max): see ops.macs_pool."""
+    batch, heads, rows, dim = q.shape
+    kv_heads, keys = k_cache.shape[1], k_cache.shape[2]
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads * rows, dim).float()
+    scores = torch.matmul(grouped, k_cache.float().transpose(-1, -2)).view(batch, heads, rows, keys).mul_(scale)
+    positions = torch.arange(keys, device=q.device)
+    outside = (positions < input_start.unsqueeze(-1)) | (positions >= kv_len.unsqueeze(-1))
+    scores.masked_fill_(outside.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1) if lse is None else lse.float()
+    probabilities = scores.sub_(lse.unsqueeze(-1)).exp_()
+    _pool_rows(probabilities, out, input_start, input_end, kv_len, pooling, redistribute)
+
+
+def _pool_rows(probabilities, out, input_start, input_end, kv_len, pooling, redistribute):
+    """m' of rows (B, H, [R,] S) over ranges (B, [R]) into out (B, [R,] N_max): the inputs' probabilities plus
+    (when redistributing) the row's mass on generated keys / N, pooled over heads; 0 past each row's N."""
+    keys, n_max = probabilities.shape[-1], out.shape[-1]
+    heads_dim = 1
+    start, end, length = (index.unsqueeze(-1) for index in (input_start, input_end, kv_len))
+    offsets = torch.arange(n_max, device=out.device)
+    n_input = end - start
+    input_keys = (start + offsets).clamp_max(keys - 1).unsqueeze(heads_dim)
+    inputs = probabilities.gather(-1, input_keys.expand(*probabilities.shape[:-1], n_max))
+    if redistribute:
+        positions = torch.arange(keys, device=out.device)
+        generated = ((positions >= end) & (positions < length)).unsqueeze(heads_dim)
+        spill = (probabilities * generated).sum(dim=-1, keepdim=True)
+        inputs = inputs + spill / n_input.unsqueeze(heads_dim)
+    out.copy_(_POOL[pooling](inputs).masked_fill_(offsets >= n_input, 0.0))
+
+
 def macs_zscore(log_c, n_input):
     n_max = log_c.shape[1]
     valid = torch.arange(n_max, device=log_c.device) < _column(n_input)
@@ -116,10 +148,14 @@ def macs_zscore(log_c, n_input):
     return torch.where(std > 0, centred / std, torch.zeros_like(centred))
 
 
-def decode_attention(q, k_cache, v_cache, *, kv_start, kv_len, scale, log_c, input_end, alpha, pooling, redistribute):
+def decode_attention(
+    q, k_cache, v_cache, *, kv_start, kv_len, scale, log_c, input_end, alpha, pooling, redistribute, pooled=None
+):
     scores = grouped_scores(q, k_cache, scale)
     probabilities, lse = attended_softmax(scores, kv_start, kv_len)
-    if log_c is not None:
+    if pooled is not None:
+        _pool_rows(probabilities, pooled, kv_start, input_end, kv_len, pooling, redistribute)
+    elif log_c is not None:
         macs_update_rows(
             probabilities, log_c, input_start=kv_start, input_end=input_end, kv_len=kv_len,
             alpha=alpha, pooling=pooling, redistribute=redistribute,

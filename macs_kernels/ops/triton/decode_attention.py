@@ -167,11 +167,15 @@ def split_kv_pass(q, k_cache, v_cache, *, kv_start, input_end, kv_len, scale, n_
     return out, lse, lse_gen, scores if n_scores else None
 
 
-def decode_attention(q, k_cache, v_cache, *, kv_start, kv_len, scale, log_c, input_end, alpha, pooling, redistribute):
+def decode_attention(
+    q, k_cache, v_cache, *, kv_start, kv_len, scale, log_c, input_end, alpha, pooling, redistribute, pooled=None
+):
     """out (B, H, D) in q's dtype and lse (B, H) float32; with log_c, also macs_update (input_start = kv_start).
 
     q may be any view with unit last stride (transformers' query[:, :, -1, :] is one); it is not copied.
     """
+    if pooled is not None:
+        raise NotImplementedError("the triton decode kernel has no pooled mode yet; use backend='torch'")
     fused = log_c is not None
     out, lse, lse_gen, scores = split_kv_pass(
         q, k_cache, v_cache, kv_start=kv_start, input_end=input_end if fused else kv_len, kv_len=kv_len,
