@@ -1,8 +1,11 @@
+// CUDA kernel of macs_kernels::macs_zscore (the operator is defined in macs_kernels/ops/macs_zscore.py).
+#include <torch/library.h>
+
 #include "launch_utils.h"
-#include "launchers.h"
 #include "macs_zscore/kernel.cuh"
 
 namespace macs {
+namespace {
 
 at::Tensor macs_zscore_cuda(const at::Tensor& log_c, const at::Tensor& n_input) {
   constexpr const char* op = "macs_zscore";
@@ -18,4 +21,7 @@ at::Tensor macs_zscore_cuda(const at::Tensor& log_c, const at::Tensor& n_input) 
   return z;
 }
 
+}  // namespace
 }  // namespace macs
+
+TORCH_LIBRARY_IMPL(macs_kernels, CUDA, m) { m.impl("macs_zscore", &macs::macs_zscore_cuda); }
