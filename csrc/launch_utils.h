@@ -34,12 +34,16 @@ inline void check_float(const char* op, const char* name, const at::Tensor& t) {
               " must be float32, float16 or bfloat16, got ", type);
 }
 
-// A float32 tensor of exactly `sizes`, contiguous: an output or a state the kernel writes in place.
-inline void check_float32_buffer(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef sizes,
-                                 const at::Tensor& like) {
-  check_tensor(op, name, t, int64_t(sizes.size()), like);
+// A float32 (leading..., N_max) tensor, contiguous, that the kernel writes in place (log_c, out, pooled).
+inline void check_state(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef leading,
+                        const at::Tensor& like) {
+  std::string expected = "(";
+  for (const int64_t size : leading) expected += std::to_string(size) + ", ";
+  expected += "N_max)";
+  check_tensor(op, name, t, int64_t(leading.size()) + 1, like);
+  TORCH_CHECK(t.sizes().slice(0, leading.size()) == leading, op, ": ", name, " must have shape ", expected,
+              ", got ", t.sizes());
   TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
-  TORCH_CHECK(t.sizes() == sizes, op, ": ", name, " must have shape ", sizes, ", got ", t.sizes());
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous: it is written in place");
 }
 
@@ -57,11 +61,6 @@ inline Index index_arg(const char* op, const char* name, const at::Tensor& t, in
   TORCH_CHECK(t.dim() == 2 && t.size(0) == batch && t.size(1) == rows, op, ": ", name, " must have shape (",
               batch, ", ", rows, "), got ", t.sizes());
   return Index{t.data_ptr<int64_t>(), t.stride(0), t.stride(1)};
-}
-
-inline void check_log_c(const char* op, const at::Tensor& log_c, int64_t batch, const at::Tensor& like) {
-  check_tensor(op, "log_c", log_c, 2, like);
-  check_float32_buffer(op, "log_c", log_c, {batch, log_c.size(1)}, like);
 }
 
 // A given log-sum-exp of `sizes`, any float dtype, as the float32 contiguous tensor the kernels read.

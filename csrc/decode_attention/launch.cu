@@ -29,8 +29,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
   Index inputs_end = end;
   PoolTail tail{nullptr, 0, float(alpha), pooling_arg(op, pooling), PoolEpilogue::kAddLogFloor, nullptr};
   if (state.has_value()) {
-    check_tensor(op, state_name, *state, 2, q);
-    check_float32_buffer(op, state_name, *state, {shape.batch, state->size(1)}, q);
+    check_state(op, state_name, *state, {shape.batch}, q);
     inputs_end = index_arg(op, "input_end", *input_end, shape.batch, q);
     tail.out = state->data_ptr<float>();
     tail.n_max = state->size(1);

@@ -13,8 +13,7 @@ void macs_pool_cuda(const at::Tensor& q, const at::Tensor& k_cache, at::Tensor& 
                     bool redistribute, const std::optional<at::Tensor>& lse) {
   constexpr const char* op = "macs_pool";
   const SplitShape shape(op, q, 4, k_cache, nullptr);
-  check_tensor(op, "out", out, 3, q);
-  check_float32_buffer(op, "out", out, {shape.batch, shape.rows, out.size(2)}, q);
+  check_state(op, "out", out, {shape.batch, shape.rows}, q);
   const Index start = index_arg(op, "input_start", input_start, shape.batch, q, shape.rows);
   const Index inputs_end = index_arg(op, "input_end", input_end, shape.batch, q, shape.rows);
   const Index end = index_arg(op, "kv_len", kv_len, shape.batch, q, shape.rows);

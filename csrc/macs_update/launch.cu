@@ -14,7 +14,7 @@ void macs_update_cuda(const at::Tensor& q, const at::Tensor& k_cache, at::Tensor
                       const std::optional<at::Tensor>& lse) {
   constexpr const char* op = "macs_update";
   const SplitShape shape(op, q, 3, k_cache, nullptr);
-  check_log_c(op, log_c, shape.batch, q);
+  check_state(op, "log_c", log_c, {shape.batch}, q);
   const Index start = index_arg(op, "input_start", input_start, shape.batch, q);
   const Index inputs_end = index_arg(op, "input_end", input_end, shape.batch, q);
   const Index end = index_arg(op, "kv_len", kv_len, shape.batch, q);

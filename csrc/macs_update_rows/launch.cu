@@ -15,7 +15,7 @@ void macs_update_rows_cuda(const at::Tensor& rows, at::Tensor& log_c, const at::
   check_tensor(op, "rows", rows, 3, rows);
   check_float(op, "rows", rows);
   const int64_t batch = rows.size(0), heads = rows.size(1), keys = rows.size(2);
-  check_log_c(op, log_c, batch, rows);
+  check_state(op, "log_c", log_c, {batch}, rows);
   const Index start = index_arg(op, "input_start", input_start, batch, rows);
   const Index inputs_end = index_arg(op, "input_end", input_end, batch, rows);
   const Index end = index_arg(op, "kv_len", kv_len, batch, rows);

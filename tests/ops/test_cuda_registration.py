@@ -102,7 +102,7 @@ def test_launcher_errors_name_the_argument():
     macs_pool = torch.ops.macs_kernels.macs_pool
     with pytest.raises(RuntimeError, match=r"macs_pool: out must be float32"):
         macs_pool(q, k_cache, out.double(), start, input_end, kv_len, 0.1, "max", True, None)
-    with pytest.raises(RuntimeError, match=r"macs_pool: out must have shape \[2, 3, 30\]"):
+    with pytest.raises(RuntimeError, match=r"macs_pool: out must have shape \(2, 3, N_max\)"):
         macs_pool(q, k_cache, out[:, :2], start, input_end, kv_len, 0.1, "max", True, None)
     with pytest.raises(RuntimeError, match=r"macs_pool: input_start must have shape \(2, 3\)"):
         macs_pool(q, k_cache, out, start[:, 0].contiguous(), input_end, kv_len, 0.1, "max", True, None)
