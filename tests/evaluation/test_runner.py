@@ -9,10 +9,10 @@ import torch
 
 from macs_kernels import explain, reference
 from macs_kernels.evaluation.record import attention_mean_from_record, generate_record, macs_from_record, rollout_rows
-from macs_kernels.evaluation.runner import MethodUnavailable, at2_from_record, parse_method
+from macs_kernels.evaluation.methods import MethodUnavailable, parse_method
+from macs_kernels.evaluation.scoring import at2_from_record
+from tests.evaluation import stqa_350
 from tests.helpers import default_model, qa, tiny_llama
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "stqa_350.json"
 ABLATIONS = [
     {}, {"pooling": "mean"}, {"pooling": "min"}, {"alpha": 0.2}, {"alpha": 0.5}, {"alpha": 1.0},
     {"redistribute": False},
@@ -130,10 +130,9 @@ def test_method_names():
 def test_eval_command_smoke_report_and_resume(tmp_path, capsys):
     from macs_kernels.cli import main
 
-    if not DATA.is_file():
-        pytest.skip("stqa_350.json is not next to this checkout")
+    data = stqa_350()
     out, records = tmp_path / "eval.jsonl", tmp_path / "records"
-    command = ["eval", "--data", str(DATA), "--n", "3", "--max-new-tokens", "8", "--methods", "macs,random",
+    command = ["eval", "--data", str(data), "--n", "3", "--max-new-tokens", "8", "--methods", "macs,random",
                "--faithfulness-n", "1", "--out", str(out), "--records", str(records), "--no-progress",
                "--threads", "1"]
     threads = torch.get_num_threads()
@@ -143,7 +142,7 @@ def test_eval_command_smoke_report_and_resume(tmp_path, capsys):
         summary = json.loads(out.with_suffix(".json").read_text())
         assert out.with_suffix(".md").read_text().startswith("Model: SmolLM2-135M-Instruct")
         assert out.with_suffix(".png").stat().st_size > 0
-        assert "eval: 3 generations this run" in first
+        assert "eval: 3 generations this run, 0 taken from the record cache" in first
         assert {"model", "data", "n", "skipped", "methods"} <= set(summary)
         assert summary["n"] == 3 and summary["skipped"] == {}
         for name in ("macs", "random"):
@@ -163,6 +162,7 @@ def test_eval_command_smoke_report_and_resume(tmp_path, capsys):
         assert main(resumed + ["--faithfulness-from", "2"]) == 0
         second = capsys.readouterr().out
         assert "eval: 0 generations this run" in second
+        assert "AUC-PR lines: 3 scored, 6 reused; faithfulness curves: 2 computed, 0 reused" in second
         assert out.read_text().splitlines()[: len(lines)] == lines
         assert json.loads(out.with_suffix(".json").read_text())["methods"]["macs:pool=mean"]["n"] == 3
         curves = [line for line in map(json.loads, out.read_text().splitlines()) if line["kind"] == "faithfulness"]
