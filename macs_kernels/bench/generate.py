@@ -356,7 +356,8 @@ def _measure_in_fresh_process(spec: Spec, env: dict | None = None) -> dict:
     command = [sys.executable, "-m", "macs_kernels.bench.generate", "--worker", json.dumps(dataclasses.asdict(spec))]
     # The worker imports this very package, wherever it lies (a checkout run as a script, or installed).
     path = os.pathsep.join(filter(None, (str(PACKAGE_DIR.parent), os.environ.get("PYTHONPATH"))))
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path, **(env or {})})
+    environment = {**os.environ, "PYTHONPATH": path, **(env or {})}
+    done = subprocess.run(command, capture_output=True, text=True, env=environment)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -386,7 +387,8 @@ def summarise(rows: list[dict]) -> list[dict]:
         medians[key] = {field: statistics.median(r[field] for r in group) for _, field in RATIOS}
         medians[key]["repeats"] = len(group)
     summary = []
-    for (method, batch, length), values in sorted(medians.items(), key=lambda item: (item[0][2], item[0][1], item[0][0])):
+    by_length_batch_method = sorted(medians.items(), key=lambda item: (item[0][2], item[0][1], item[0][0]))
+    for (method, batch, length), values in by_length_batch_method:
         first = cells[(method, batch, length)][0]
         row = {field: first[field] for field in SUMMARY_COLUMNS if field in first}
         row.update(values, peak_mem_bytes=int(values["peak_mem_bytes"]))
@@ -420,7 +422,8 @@ def plot(summary: list[dict], path: Path) -> None:
         ax.set_title(f"{label}, batch {batch}", fontsize=9)
         ax.legend(fontsize=7)
     first = summary[0]
-    fig.suptitle(f"{first['model']} {first['dtype']} on {first['device']}, {first['new_tokens']} new tokens", fontsize=10)
+    fig.suptitle(f"{first['model']} {first['dtype']} on {first['device']}, {first['new_tokens']} new tokens",
+                 fontsize=10)
     save_figure(fig, path)
 
 
@@ -474,8 +477,9 @@ def run(args) -> int:
                        "isolated": isolate, **result}
                 rows.append({column: row.get(column, "") for column in COLUMNS})
                 write_csv(rows, args.out / f"{stem}.csv", COLUMNS)  # as it goes: a long run keeps what it measured
-                shown = (f"{result['prefill_tok_s']:9.1f} prefill tok/s {result['decode_tok_s']:8.2f} decode tok/s "
-                         f"{result['peak_mem_bytes'] / 2**30:6.2f} GiB" if result["status"] == "ok" else result["status"])
+                shown = result["status"] if result["status"] != "ok" else (
+                    f"{result['prefill_tok_s']:9.1f} prefill tok/s {result['decode_tok_s']:8.2f} decode tok/s "
+                    f"{result['peak_mem_bytes'] / 2**30:6.2f} GiB")
                 print(f"repeat {repeat} N={length:6d} B={batch} {method:18s} {shown}", flush=True)
     return write_summary(rows, args.out, stem)
 
@@ -522,10 +526,13 @@ def print_summary(summary: list[dict]) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser, default_out: Path = Path(".")) -> None:
     parser.add_argument("--quick", action="store_true",
-                        help="seconds: a tiny random model (unless --model/--config), two short prompts, in one process")
-    parser.add_argument("--model", default=None, help="transformers model id or folder (default: SmolLM2-135M-Instruct)")
+                        help="seconds: a tiny random model (unless --model/--config), two short prompts, in one "
+                             "process")
+    parser.add_argument("--model", default=None,
+                        help="transformers model id or folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--config", default=None,
-                        help=f"random-initialised model of this shape: {', '.join(ARCHITECTURES)} or a config.json path")
+                        help=f"random-initialised model of this shape: {', '.join(ARCHITECTURES)} or a config.json "
+                             "path")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="default: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
@@ -539,8 +546,8 @@ def add_arguments(parser: argparse.ArgumentParser, default_out: Path = Path(".")
                         help="torch CPU threads (on a shared machine 1 avoids OpenMP spin contention)")
     parser.add_argument("--in-process", action="store_true",
                         help="on CPU, measure in this process (faster; peak RSS then carries earlier runs' heap)")
-    parser.add_argument("--out", type=Path, default=default_out,
-                        help=f"results folder (default: {'the working directory' if default_out == Path('.') else default_out})")
+    where = "the working directory" if default_out == Path(".") else default_out
+    parser.add_argument("--out", type=Path, default=default_out, help=f"results folder (default: {where})")
     parser.add_argument("--name", default=None, help="file stem (default generate_cpu / generate_<gpu>)")
     parser.add_argument("--summarise", type=Path, default=None, metavar="CSV",
                         help="only summarise this run's CSV (e.g. of a run stopped midway) into _summary.csv and .png")

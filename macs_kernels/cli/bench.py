@@ -5,7 +5,9 @@ from ..bench import generate
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("bench", help="throughput and peak memory: plain generate vs MACS vs output_attentions",
-                                   description=generate.__doc__.split("\n\n")[0])
+    parser = subparsers.add_parser(
+        "bench", help="throughput and peak memory: plain generate vs MACS vs output_attentions",
+        description=generate.__doc__.split("\n\n")[0],
+    )
     generate.add_arguments(parser)
     parser.set_defaults(run=generate.run_command)

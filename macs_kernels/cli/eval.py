@@ -31,7 +31,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--faithfulness-from", type=int, default=0, metavar="INDEX",
                         help="masking curves start at this sample index (250 on stqa_350: AT2's held-out "
                              "questions, so that every method's curves come from the same samples)")
-    parser.add_argument("--out", type=Path, default=Path("eval_results.jsonl"), help="results JSONL (resumed if present)")
+    parser.add_argument("--out", type=Path, default=Path("eval_results.jsonl"),
+                        help="results JSONL (resumed if present)")
     parser.add_argument("--records", type=Path, default=None,
                         help="cache folder of the per-sample attention records (default: the macs_kernels cache)")
     parser.add_argument("--backend", default=None, choices=["torch", "triton", "cuda"])

@@ -140,7 +140,8 @@ class Runner:
         self.results.write({"kind": "run", "format": RESULTS_FORMAT, **self.settings.generation(),
                             "data": self.settings.data, "samples": [[i, k] for i, k in self.keys.items()]})
         # Faithfulness scores are kept for the samples phase 2 will reach: the first faithfulness_n with answers.
-        answered = [s for s in samples if s.answers and s.problem is None and s.index >= self.settings.faithfulness_from]
+        answered = [s for s in samples
+                    if s.answers and s.problem is None and s.index >= self.settings.faithfulness_from]
         self.faithfulness_indices = {s.index for s in answered[: self.settings.faithfulness_n]}
         for sample in self._bar(samples, "generate + AUC-PR"):
             self.score_sample(sample)
@@ -198,7 +199,8 @@ class Runner:
 
     def score_sample(self, sample) -> None:
         methods = [m for m in self.methods if m.scores_sample(sample.index)]
-        todo = [m for m in methods if self.results.get("auc", sample.index, m.name, key=self._auc_key(sample, m)) is None]
+        todo = [m for m in methods
+                if self.results.get("auc", sample.index, m.name, key=self._auc_key(sample, m)) is None]
         self.counts.auc_reused += len(methods) - len(todo)
         if not todo and self.results.get("sample", sample.index, key=self.keys[sample.index]) is not None:
             self.counts.samples_reused += 1

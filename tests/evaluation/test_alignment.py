@@ -1,5 +1,4 @@
 import copy
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -122,5 +121,5 @@ def test_gold_answers_of_stqa_350_map_to_their_tokens(tokenizer):
     path = stqa_350()
     for sample in load_qa(path, n=25):
         alignment = align_qa(tokenizer, sample.question, sample.context)
-        for (text, start), labels in zip(sample.answers, alignment.answer_labels(sample.answers)):
+        for (text, _), labels in zip(sample.answers, alignment.answer_labels(sample.answers)):
             _assert_minimal_cover(tokenizer, alignment, labels, text)

@@ -88,7 +88,8 @@ def test_answers_at_a_wrong_offset_move_to_the_nearest_occurrence_of_their_text(
         {"question": "Q0", "context": context, "answers": [{"text": "Paris", "answer_start": 22}]},
         {"question": "Q1", "context": context, "answers": [{"text": "Rome", "answer_start": 14},  # right
                                                             {"text": "Nice", "answer_start": 500}]},  # outside
-        {"question": "Q2", "context": context, "answers": [{"text": "Paris", "answer_start": 13}]},  # 0 is nearer than 27
+        # 0 is nearer than 27
+        {"question": "Q2", "context": context, "answers": [{"text": "Paris", "answer_start": 13}]},
     ]
     samples = load_qa(_write(tmp_path, "offsets.json", records))
     assert samples[0].answers == (("Paris", 27),) and samples[0].relocated == ((0, 22),)

@@ -1,18 +1,18 @@
 """The evaluation runner: recorded rows against explain() and the float64 references, rollout against an
 independent computation, and the `macs-kernels eval` command end to end (smoke run, report, resume)."""
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from macs_kernels import explain, reference
-from macs_kernels.evaluation.record import attention_mean_from_record, generate_record, macs_from_record, rollout_rows
 from macs_kernels.evaluation.methods import MethodUnavailable, parse_method
+from macs_kernels.evaluation.record import attention_mean_from_record, generate_record, macs_from_record, rollout_rows
 from macs_kernels.evaluation.scoring import at2_from_record
 from tests.evaluation import stqa_350
 from tests.helpers import default_model, qa, tiny_llama
+
 ABLATIONS = [
     {}, {"pooling": "mean"}, {"pooling": "min"}, {"alpha": 0.2}, {"alpha": 0.5}, {"alpha": 1.0},
     {"redistribute": False},
