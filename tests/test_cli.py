@@ -30,8 +30,7 @@ def test_help_imports_neither_torch_nor_transformers(argv):
 def test_every_subcommand_module_registers_and_nothing_imports_back():
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices
-    assert set(commands) == {"explain", "eval", "bench", "at2"}
-    assert len(SUBCOMMAND_MODULES) == len(commands)
+    assert {"explain", "eval", "bench", "at2"} <= set(commands) and len(SUBCOMMAND_MODULES) == len(commands)
     for module in ("macs_kernels.at2", "macs_kernels.evaluation", "macs_kernels.bench"):
         # The library never imports its command line (the old at2/cli.py <-> cli.py cycle).
         done = subprocess.run([sys.executable, "-c", f"import sys, {module}; print('macs_kernels.cli' in sys.modules)"],

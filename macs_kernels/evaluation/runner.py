@@ -202,14 +202,13 @@ class Runner:
         todo = [m for m in methods
                 if self.results.get("auc", sample.index, m.name, key=self._auc_key(sample, m)) is None]
         self.counts.auc_reused += len(methods) - len(todo)
-        if not todo and self.results.get("sample", sample.index, key=self.keys[sample.index]) is not None:
-            self.counts.samples_reused += 1
+        known = self.results.get("sample", sample.index, key=self.keys[sample.index]) is not None
+        self.counts.samples_reused += known
+        if known and not todo:
             return
-        reused = self.results.get("sample", sample.index, key=self.keys[sample.index]) is not None
         item = self._prepare(sample)
         if item is None:
             return
-        self.counts.samples_reused += reused
         labels = item.alignment.answer_labels(sample.answers)
         faith = sample.index in self.faithfulness_indices
         for method in todo:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from macs_kernels import explain, reference
+from macs_kernels import explain, ops, reference
 from macs_kernels.evaluation.methods import MethodUnavailable, parse_method
 from macs_kernels.evaluation.record import attention_mean_from_record, generate_record, macs_from_record, rollout_rows
 from macs_kernels.evaluation.scoring import at2_from_record
@@ -80,8 +80,15 @@ def test_macs_from_record_equals_the_layer_reference(config):
     for attention, rows in (("softmax", full), ("efficient", eff_full)):
         got = macs_from_record(record, attention=attention, **config)
         for k, step in enumerate(rows):
+            # The record keeps one mass column for the generated keys; the references see every key.
             want = sum(reference.layer_log_term_reference(torch.from_numpy(layer), 7, **config) for layer in step)
             np.testing.assert_allclose(got[k], want.numpy(), rtol=1e-12, atol=1e-12)
+            # And the torch backend, which shares no code with the reference, in float32.
+            backend = torch.zeros(1, 7)
+            for layer in step:
+                ops.macs_update_rows(torch.from_numpy(layer)[None].float(), backend, input_start=0, input_end=7,
+                                     kv_len=layer.shape[-1], backend="torch", **config)
+            np.testing.assert_allclose(got[k], backend[0].double().numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(attention_mean_from_record(record)[1], np.mean([r[:, :7] for r in full[1]], axis=(0, 1)))
     with pytest.raises(ValueError, match="no efficient rows"):
         macs_from_record({"rows": record["rows"], "mass": record["mass"]}, attention="efficient")
