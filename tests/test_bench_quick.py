@@ -137,3 +137,16 @@ def test_the_commit_is_this_checkouts_when_run_from_it():
     if head.returncode != 0:
         pytest.skip("not a git checkout")
     assert source_commit() == head.stdout.strip()
+
+
+def test_no_commit_is_taken_from_a_repository_that_merely_encloses_the_package(tmp_path, monkeypatch):
+    """A virtual environment inside someone's project: git there answers with the project's commit."""
+    from macs_kernels.bench import common
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=x", "-c", "user.email=x@y", "commit", "-q",
+                    "--allow-empty", "-m", "project"], check=True)
+    package = tmp_path / "venv" / "site-packages" / "macs_kernels"
+    package.mkdir(parents=True)
+    monkeypatch.setattr(common, "PACKAGE_DIR", package)
+    assert common.source_commit() is None  # the editable install's pip record names a folder, not a commit

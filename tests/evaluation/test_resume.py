@@ -1,9 +1,12 @@
 """`macs-kernels eval` never loses or misattributes results: where the summary goes, which files it refuses to
 touch, and what a resumed run reuses (only results computed from the same content)."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from macs_kernels.cli import main
 from macs_kernels.evaluation.store import summary_paths
@@ -133,3 +136,12 @@ def test_wrong_offsets_are_relocated_or_refused_and_counted(tmp_path, capsys):
     assert summary["n"] == 1 and summary["skipped"] == {"answer_not_in_context": 1}
     assert summary["relocated_answers"] == {"answers": 1, "samples": 1}
     assert "moved to the nearest occurrence of their text: 1 in 1 samples" in out.with_suffix(".md").read_text()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="abc.-_xjsonlmdpg", min_size=1, max_size=14).filter(lambda n: n not in (".", "..")))
+def test_summary_paths_are_never_the_stream_nor_each_other(name):
+    stream = Path("results") / name
+    paths = list(summary_paths(stream).values())
+    assert stream not in paths and len(set(paths)) == 3
+    assert all(p.parent == stream.parent for p in paths)
