@@ -87,3 +87,22 @@ def test_a_step_past_an_early_end_keeps_the_json(tmp_path):
               "--json", str(out), "--html", str(page)])
     data = json.loads(out.read_text())
     assert 0 < len(data["generated_ids"]) <= 40 and page.read_text().lstrip().lower().startswith("<!doctype html")
+
+
+def test_a_subcommand_module_is_added_by_one_line(monkeypatch):
+    """What the serve package does: a module with add_parser(subparsers), named once in SUBCOMMAND_MODULES."""
+    import types
+
+    import macs_kernels.cli as cli
+
+    module = types.ModuleType("fake_serve")
+
+    def add_parser(subparsers):
+        parser = subparsers.add_parser("serve", help="serve explanations")
+        parser.add_argument("--port", type=int, default=8000)
+        parser.set_defaults(run=lambda args: args.port)
+
+    module.add_parser = add_parser
+    monkeypatch.setitem(sys.modules, "fake_serve", module)
+    monkeypatch.setattr(cli, "SUBCOMMAND_MODULES", (*cli.SUBCOMMAND_MODULES, "fake_serve"))
+    assert cli.main(["serve", "--port", "9"]) == 9
