@@ -123,7 +123,8 @@ def bare_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos: int 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="a Llama-architecture model id or folder (default: the default model)")
+    parser.add_argument("--model", default=None,
+                        help="a Llama-architecture model id or folder (default: the default model)")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     args = parser.parse_args()
