@@ -80,10 +80,9 @@ def trace_tensors(model, input_ids, generated_ids, *, at2: bool = False, **confi
     macs_config = MacsConfig(**config)
     if macs_config.attention != "softmax":
         raise NotImplementedError("trace_tensors records softmax rows; attention='efficient' is not supported")
-    modules = check_model(model)
+    check_model(model)
     prompt, generated = _ids("input_ids", input_ids), _ids("generated_ids", generated_ids)
     device = next(model.parameters()).device
-    scales = [float(modules[layer].scaling) for layer in range(len(modules))]
     pooled = PooledRows(macs_config)
     hooks = [pooled]
     if at2:
@@ -103,7 +102,7 @@ def trace_tensors(model, input_ids, generated_ids, *, at2: bool = False, **confi
         n = prompt.numel()
         features = torch.stack([
             capture.features(source_start=0, source_end=n, target_start=k, target_end=k + 1,
-                             scale=scales[0], backend=macs_config.backend)[0]
+                             backend=macs_config.backend)[0]
             for k in range(generated.numel())
         ]).cpu()
     return TraceTensors(

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from macs_kernels import explain, reference, trace_tensors
-from tests.helpers import default_model, eager_macs, qa, tiny_llama
+from tests.helpers import default_model, eager_attentions, eager_macs, qa, tiny_llama
 
 ALPHA = 0.8
 
@@ -19,18 +19,6 @@ def model_and_tokenizer():
 def explained(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     return explain(model, tokenizer, qa(0), max_new_tokens=5, backend="torch")
-
-
-def eager_attentions(model, input_ids, generated_ids):
-    """Every layer's (H, S, S) softmax attention over prompt + generated[:-1], one eager forward."""
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        full = torch.cat([input_ids, generated_ids[:-1]])[None]
-        with torch.no_grad():
-            return [layer[0] for layer in model(full, output_attentions=True).attentions]
-    finally:
-        model.set_attn_implementation(previous)
 
 
 def test_z_scores_and_log_c_equal_explain(model_and_tokenizer, explained):
