@@ -24,9 +24,9 @@ def explained(model_and_tokenizer):
 def test_z_scores_and_log_c_equal_explain(model_and_tokenizer, explained):
     model, _ = model_and_tokenizer
     traced = trace_tensors(model, explained.input_ids, explained.generated_ids, backend="torch")
-    steps, n = explained.step_scores.shape
+    steps, n = explained.step_log_c.shape
     assert traced.z_scores.shape == traced.log_c.shape == (steps, n)
-    assert (traced.z_scores - explained.step_scores).abs().max() <= 1e-5
+    assert (traced.z_scores - explained.paper_step_scores).abs().max() <= 1e-5
     assert (traced.log_c - explained.step_log_c).abs().max() <= 1e-4
     assert traced.at2_features is None
 
@@ -93,10 +93,10 @@ def test_inseq_method_gives_explains_scores(model_and_tokenizer):
     ids = [token.id for token in sequence.target]
     assert ids[:n] == prompt_ids.tolist()
     # inseq re-tokenizes the generated text, so its targets are not generate's ids: the reference is the
-    # independent eager computation over inseq's own tokens.
+    # independent eager computation over inseq's own tokens, scored as Explanation.step_scores.
     generated = torch.tensor(ids[n:])
-    _, z_ref = eager_macs(model, prompt_ids, generated)
+    log_ref, _ = eager_macs(model, prompt_ids, generated)
     scores = sequence.target_attributions  # (tokens, steps): step k's scores in column k
     assert scores.shape == (len(ids), len(generated))
-    assert (scores[:n].T.double() - z_ref).abs().max() <= 1e-4
+    assert (scores[:n].T.double() - reference.log_zscore_reference(log_ref)).abs().max() <= 1e-4
     assert all(math.isnan(v) for v in scores[n:].flatten().tolist())
