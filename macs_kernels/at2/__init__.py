@@ -16,6 +16,15 @@ from .sources import SOURCE_TYPES, Source, make_sources
 from .train import train_coefficients
 
 __all__ = [
-    "AT2Attributor", "AT2Explanation", "DEFAULT_COEFFICIENTS", "SOURCE_TYPES", "Source", "load_coefficients",
-    "make_sources", "model_record", "model_shape", "save_coefficients", "train_coefficients",
+    "DEFAULT_COEFFICIENTS",
+    "SOURCE_TYPES",
+    "AT2Attributor",
+    "AT2Explanation",
+    "Source",
+    "load_coefficients",
+    "make_sources",
+    "model_record",
+    "model_shape",
+    "save_coefficients",
+    "train_coefficients",
 ]

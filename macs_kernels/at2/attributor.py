@@ -89,7 +89,7 @@ class AT2Attributor:
         self.theta = coefficients.float().cpu()
 
     @classmethod
-    def load(cls, path, model, tokenizer) -> "AT2Attributor":
+    def load(cls, path, model, tokenizer) -> AT2Attributor:
         return cls(model, tokenizer, Path(path))
 
     def save(self, path) -> None:
@@ -97,7 +97,7 @@ class AT2Attributor:
         save_coefficients(path, self.theta, self.metadata | model_record(self.model))
 
     @classmethod
-    def train(cls, model, tokenizer, samples, *, work, **kwargs) -> "AT2Attributor":
+    def train(cls, model, tokenizer, samples, *, work, **kwargs) -> AT2Attributor:
         from .train import train_coefficients
 
         theta, metadata = train_coefficients(model, tokenizer, samples, work=work, **kwargs)

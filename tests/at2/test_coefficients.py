@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from macs_kernels.at2 import (
-    DEFAULT_COEFFICIENTS, AT2Attributor, load_coefficients, model_record, save_coefficients,
+    DEFAULT_COEFFICIENTS,
+    AT2Attributor,
+    load_coefficients,
+    model_record,
+    save_coefficients,
 )
 from tests.helpers import default_model, tiny_llama
 

@@ -85,8 +85,8 @@ def test_trained_coefficients_record_their_model(collected, model_and_tokenizer,
     model, tokenizer = model_and_tokenizer
     work, _ = collected
     out = tmp_path / "theta.safetensors"
-    theta, metadata = train_coefficients(model, tokenizer, SAMPLES, work=work, out=out, n_masks=4, epochs=2,
-                                         batch_size=2, max_new_tokens=4, progress=False, data_name="three")
+    _, metadata = train_coefficients(model, tokenizer, SAMPLES, work=work, out=out, n_masks=4, epochs=2,
+                                     batch_size=2, max_new_tokens=4, progress=False, data_name="three")
     assert metadata == load_coefficients(out, model)[1]
     assert metadata["model"] == "SmolLM2-135M-Instruct" and metadata["data"] == "three"
     assert metadata["attention_fingerprint"] == model_record(model)["attention_fingerprint"]
