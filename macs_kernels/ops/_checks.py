@@ -1,7 +1,13 @@
 """Argument checks shared by the public ops: readable errors before any kernel runs."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+# An index argument as the public ops accept it: a tensor (int32 or int64), a sequence of ints, or one int
+# repeated over the batch.
+IndexLike = torch.Tensor | Sequence[int] | int
 
 
 def check_tensor(name, tensor, ndim, *, float_dtype=True):
