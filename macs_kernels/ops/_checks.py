@@ -1,6 +1,8 @@
 """Argument checks shared by the public ops: readable errors before any kernel runs."""
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -90,6 +92,15 @@ def check_q_k(q, k_cache, v_cache=None, *, q_dims=3):
         check_tensor("v_cache", v_cache, 4)
         if v_cache.shape[:3] != k_cache.shape[:3] or v_cache.device != q.device:
             raise ValueError(f"v_cache must be {tuple(k_cache.shape[:3])} x D_v on {q.device}, got {tuple(v_cache.shape)}")
+
+
+def as_scale(scale: float) -> float:
+    """The softmax scale as a float: a finite real number (a bool is refused)."""
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)
 
 
 def check_lse(lse, shape, device):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import torch_features
-from ._checks import IndexLike, as_index, check_lse, check_q_k
+from ._checks import IndexLike, as_index, as_scale, check_lse, check_q_k
 from ._dispatch import NAMESPACE, kernel
 
 operator = torch.library.custom_op(
@@ -74,5 +74,5 @@ def attention_features(
         q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, lse
     )
     return kernel(backend, q.device, "attention_features")(
-        q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, n_max, float(scale), lse
+        q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, n_max, as_scale(scale), lse
     )

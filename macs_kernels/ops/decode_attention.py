@@ -5,7 +5,7 @@ import torch
 
 from ..config import MacsConfig
 from . import torch_backend
-from ._checks import IndexLike, as_index, check_log_c, check_q_k, check_ranges
+from ._checks import IndexLike, as_index, as_scale, check_log_c, check_q_k, check_ranges
 from ._dispatch import NAMESPACE, kernel
 
 operator = torch.library.custom_op(
@@ -52,6 +52,6 @@ def decode_attention(
         input_end = as_index("input_end", input_end, batch, q.device)
         check_ranges(kv_start, input_end, kv_len, k_cache.shape[2], state.shape[1], state=name)
     return kernel(backend, q.device, "decode_attention")(
-        q, k_cache, v_cache, kv_start, kv_len, float(scale), log_c, input_end, float(alpha), pooling,
+        q, k_cache, v_cache, kv_start, kv_len, as_scale(scale), log_c, input_end, float(alpha), pooling,
         bool(redistribute), pooled,
     )

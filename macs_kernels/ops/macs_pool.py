@@ -6,7 +6,7 @@ import torch
 
 from ..config import MacsConfig
 from . import torch_backend
-from ._checks import IndexLike, as_row_index, check_lse, check_q_k, check_ranges
+from ._checks import IndexLike, as_row_index, as_scale, check_lse, check_q_k, check_ranges
 from ._dispatch import NAMESPACE, kernel
 
 # Writes `out` and returns nothing: the trivial fake kernel torch.library generates is the right one.
@@ -58,6 +58,6 @@ def macs_pool(
             or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous float32 tensor of shape {expected} on {q.device}")
     kernel(backend, q.device, "macs_pool")(
-        block, k_cache, out.view(batch, rows, n_max), *ranges, float(scale), pooling, bool(redistribute), lse
+        block, k_cache, out.view(batch, rows, n_max), *ranges, as_scale(scale), pooling, bool(redistribute), lse
     )
     return out

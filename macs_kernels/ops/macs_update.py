@@ -5,7 +5,7 @@ import torch
 
 from ..config import MacsConfig
 from . import torch_backend
-from ._checks import IndexLike, as_index, check_log_c, check_lse, check_q_k, check_ranges
+from ._checks import IndexLike, as_index, as_scale, check_log_c, check_lse, check_q_k, check_ranges
 from ._dispatch import NAMESPACE, kernel
 
 # Schema from torch_backend.macs_update's type hints; the torch path is the kernel on every device unless
@@ -41,6 +41,6 @@ def macs_update(
     )
     check_ranges(input_start, input_end, kv_len, k_cache.shape[2], log_c.shape[1])
     kernel(backend, q.device, "macs_update")(
-        q, k_cache, log_c, input_start, input_end, kv_len, float(scale), float(alpha), pooling, bool(redistribute),
+        q, k_cache, log_c, input_start, input_end, kv_len, as_scale(scale), float(alpha), pooling, bool(redistribute),
         lse,
     )

@@ -16,6 +16,7 @@ BATCH, HEADS, KV_HEADS, KEYS, DIM, N_MAX = 2, 6, 2, 13, 8, 9
 INPUT_START, INPUT_END, KV_LEN = [2, 0], [9, 5], [13, 8]
 
 # The operator contract with csrc/ (argument order matters: the C++ kernels take these positionally).
+# custom_op writes a Python int as SymInt; a C++ kernel taking int64_t is accepted for it.
 SCHEMAS = {
     "macs_update": "(Tensor q, Tensor k_cache, Tensor(a2!) log_c, Tensor input_start, Tensor input_end, "
                    "Tensor kv_len, float scale, float alpha, str pooling, bool redistribute, Tensor? lse) -> ()",
@@ -23,7 +24,7 @@ SCHEMAS = {
                         "float alpha, str pooling, bool redistribute) -> ()",
     "macs_zscore": "(Tensor log_c, Tensor n_input) -> Tensor",
     "attention_features": "(Tensor q, Tensor k_cache, Tensor source_start, Tensor source_end, Tensor kv_start, "
-                          "Tensor kv_len, Tensor n_rows, int n_max, float scale, Tensor? lse) -> Tensor",
+                          "Tensor kv_len, Tensor n_rows, SymInt n_max, float scale, Tensor? lse) -> Tensor",
     "decode_attention": "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_start, Tensor kv_len, float scale, "
                         "Tensor(a6!)? log_c, Tensor? input_end, float alpha, str pooling, bool redistribute, "
                         "Tensor(a11!)? pooled=None) -> (Tensor, Tensor)",
