@@ -150,3 +150,9 @@ def test_launch_counter_counts_each_kernel():
         "_split_kv_kernel": 2, "_split_kv_combine_kernel": 2, "_pool_kernel": 3,
         "_generated_mass_kernel": 1, "_macs_zscore_kernel": 1,
     }
+
+
+def test_self_check_launches_are_not_counted(fresh_verdicts):
+    before = triton_backend.LAUNCHES.copy()
+    assert ops.self_check("triton", CPU, "macs_update") is None
+    assert triton_backend.LAUNCHES == before

@@ -13,6 +13,7 @@ from macs_kernels import ops
 from macs_kernels.efficient import GramState, efficient_rows
 from macs_kernels.ops import torch_efficient
 from macs_kernels.reference import efficient_attention_reference, macs_update_rows_reference
+from tests.ops.cases import DEVICE, backends
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
 # Tolerances: RELATIVE_ERROR of the result dtype, for a_eff against the reference and for a_eff X against
@@ -53,11 +54,12 @@ def per_row_error(a, p, v, inside):
     return ((a.double() - p) @ x).norm(dim=-1).div((p @ x).norm(dim=-1)).max().item()
 
 
+@pytest.mark.parametrize("backend", backends("efficient_attention"))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_svd_reference_and_reproduces(name, dtype):
+def test_matches_svd_reference_and_reproduces(name, dtype, backend):
     p, v, ranges, inside, dim = make_case(name, dtype)
-    a_eff, residual = ops.efficient_attention(p, v, backend="torch", **ranges)
+    a_eff, residual = (x.cpu() for x in ops.efficient_attention(p.to(DEVICE), v.to(DEVICE), backend=backend, **ranges))
     ref, ref_residual = efficient_attention_reference(p, v, **ranges)
     assert a_eff.dtype == residual.dtype == dtype
     assert relative_error(a_eff, ref) <= RELATIVE_ERROR[dtype]
