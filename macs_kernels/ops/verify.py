@@ -10,6 +10,7 @@ difference; a backend named explicitly is used anyway, and the disagreement is r
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -121,6 +122,18 @@ def self_check(backend: str, device: torch.device | str, op: str) -> str | None:
     return _verdicts[key]
 
 
+@contextlib.contextmanager
+def _exact_float32_matmuls():
+    """The torch path's float32 matmuls in full precision, whatever the user allowed (TF32 would make a correct
+    backend look wrong)."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
 def _compare(backend: str, device: torch.device, op: str) -> str | None:
     if backend != "triton":
         return _run_cases(backend, device, op)
@@ -138,7 +151,8 @@ def _run_cases(backend: str, device: torch.device, op: str) -> str | None:
         tolerance = TOLERANCE[dtype]
         for case, (args, *which) in enumerate(_cases(op, device, dtype)):
             want_args = _clone(args)
-            want = _outputs(reference(*want_args), want_args, *which)
+            with _exact_float32_matmuls():
+                want = _outputs(reference(*want_args), want_args, *which)
             got_args = _clone(args)
             try:
                 got = _outputs(function(*got_args), got_args, *which)
