@@ -41,7 +41,7 @@ def as_index(name, value, batch, device):
 
 
 def as_row_index(name, value, batch, rows, device):
-    """A (B, R) int64 index tensor: (B, R) as given, or (B,) / a Python int repeated over the R rows."""
+    """A contiguous (B, R) int64 index tensor: (B, R) as given, or (B,) / a Python int repeated over the R rows."""
     if isinstance(value, torch.Tensor) and value.dim() == 2:
         if value.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{name} must be int32 or int64, got {value.dtype}")
@@ -49,7 +49,8 @@ def as_row_index(name, value, batch, rows, device):
             raise ValueError(f"{name} must have shape ({batch},) or ({batch}, {rows}), got {tuple(value.shape)}")
         if value.device != torch.device(device):
             raise ValueError(f"{name} is on {value.device} but the data is on {device}")
-        return value.long()
+        # Contiguous: kernels index (b, r) as b * R + r (an expanded (B, 1) view has stride 0).
+        return value.long().contiguous()
     return as_index(name, value, batch, device)[:, None].repeat(1, rows)
 
 
