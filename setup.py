@@ -73,7 +73,7 @@ setup(
         "triton": ["triton>=3.1"],
         "gguf": ["gguf>=0.10", "accelerate"],
         "eval": ["datasets", "rouge-score", "scikit-learn"],
-        "test": ["pytest", "pytest-benchmark", "scikit-learn", "ruff"],
+        "test": ["pytest", "pytest-benchmark", "scikit-learn", "hypothesis", "ruff"],
     },
     entry_points={"console_scripts": ["macs-kernels=macs_kernels.cli:main"]},
     ext_modules=ext_modules,

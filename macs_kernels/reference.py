@@ -86,9 +86,14 @@ def macs_step_reference(
     return log_c, zscore_reference(log_c)
 
 
+def _ints(values, batch=None) -> list[int]:
+    """A list of ints from a tensor, a sequence or one int (repeated over `batch` when given)."""
+    tensor = torch.as_tensor(values)
+    return [int(v) for v in (tensor.flatten() if batch is None else tensor.expand(batch)).tolist()]
+
+
 def _row_ranges(batch, input_start, input_end, kv_len):
-    as_list = lambda t: [int(v) for v in torch.as_tensor(t).flatten().tolist()]  # noqa: E731
-    return zip(range(batch), as_list(input_start), as_list(input_end), as_list(kv_len))
+    return zip(range(batch), _ints(input_start), _ints(input_end), _ints(kv_len))
 
 
 def macs_update_rows_reference(
@@ -153,7 +158,7 @@ def macs_zscore_reference(log_c, n_input) -> torch.Tensor:
 
 def decode_attention_reference(q, k_cache, v_cache, *, kv_start, kv_len, scale) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of ops.decode_attention's (out (B, H, D), lse (B, H)), float64."""
-    batch, heads, dim = q.shape
+    batch, heads, _ = q.shape
     group = heads // k_cache.shape[1]
     out = torch.zeros(batch, heads, v_cache.shape[-1], dtype=torch.float64)
     lse = torch.zeros(batch, heads, dtype=torch.float64)
@@ -225,9 +230,9 @@ def attention_features_reference(
     """
     batch, heads, rows, _ = q.shape
     group = heads // k_cache.shape[1]
-    as_list = lambda t, default: [int(v) for v in torch.as_tensor(default if t is None else t).expand(batch).tolist()]  # noqa: E731
-    starts, ends = as_list(source_start, 0), as_list(source_end, 0)
-    lengths, kv_starts, counts = as_list(kv_len, 0), as_list(kv_start, 0), as_list(n_rows, rows)
+    starts, ends, lengths = (_ints(values, batch) for values in (source_start, source_end, kv_len))
+    kv_starts = _ints(0 if kv_start is None else kv_start, batch)
+    counts = _ints(rows if n_rows is None else n_rows, batch)
     out = torch.zeros(batch, heads, max(e - s for s, e in zip(starts, ends)), dtype=torch.float64)
     for b in range(batch):
         for h in range(heads):

@@ -64,7 +64,7 @@ def test_triton_backend_equals_torch_backend_and_really_runs():
     layers = model.config.num_hidden_layers
     # Prefill: macs_update per layer; two decode steps: the fused split-KV decode per layer.
     assert LAUNCHES, "no Triton kernel ran: the backend fell back silently"
-    assert LAUNCHES["_decode_split_kernel"] >= 3 * layers
+    assert LAUNCHES["_split_kv_kernel"] >= 3 * layers
 
 
 @pytest.mark.gpu

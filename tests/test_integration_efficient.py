@@ -71,7 +71,7 @@ def test_efficient_attention_on_the_triton_backend_equals_torch():
     layers = model.config.num_hidden_layers
     # Every layer of both passes: the back-projection and the pooled update ran as Triton kernels.
     assert LAUNCHES["_efficient_back_projection_kernel"] == 2 * layers
-    assert LAUNCHES["_macs_pool_kernel"] == 2 * layers
+    assert LAUNCHES["_pool_kernel"] == 2 * layers
     assert torch.equal(traced.generated_ids, reference.generated_ids)
     assert (traced.step_scores - reference.step_scores).abs().max() <= Z_TOLERANCE
     assert torch.allclose(traced.step_log_c, reference.step_log_c, rtol=1e-4, atol=1e-4)

@@ -1,7 +1,15 @@
 """Argument checks shared by the public ops: readable errors before any kernel runs."""
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Sequence
+
 import torch
+
+# An index argument as the public ops accept it: a tensor (int32 or int64), a sequence of ints, or one int
+# repeated over the batch.
+IndexLike = torch.Tensor | Sequence[int] | int
 
 
 def check_tensor(name, tensor, ndim, *, float_dtype=True):
@@ -33,7 +41,7 @@ def as_index(name, value, batch, device):
 
 
 def as_row_index(name, value, batch, rows, device):
-    """A (B, R) int64 index tensor: (B, R) as given, or (B,) / a Python int repeated over the R rows."""
+    """A contiguous (B, R) int64 index tensor: (B, R) as given, or (B,) / a Python int repeated over the R rows."""
     if isinstance(value, torch.Tensor) and value.dim() == 2:
         if value.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{name} must be int32 or int64, got {value.dtype}")
@@ -41,7 +49,8 @@ def as_row_index(name, value, batch, rows, device):
             raise ValueError(f"{name} must have shape ({batch},) or ({batch}, {rows}), got {tuple(value.shape)}")
         if value.device != torch.device(device):
             raise ValueError(f"{name} is on {value.device} but the data is on {device}")
-        return value.long()
+        # Contiguous: kernels index (b, r) as b * R + r (an expanded (B, 1) view has stride 0).
+        return value.long().contiguous()
     return as_index(name, value, batch, device)[:, None].repeat(1, rows)
 
 
@@ -84,6 +93,15 @@ def check_q_k(q, k_cache, v_cache=None, *, q_dims=3):
         check_tensor("v_cache", v_cache, 4)
         if v_cache.shape[:3] != k_cache.shape[:3] or v_cache.device != q.device:
             raise ValueError(f"v_cache must be {tuple(k_cache.shape[:3])} x D_v on {q.device}, got {tuple(v_cache.shape)}")
+
+
+def as_scale(scale: float) -> float:
+    """The softmax scale as a float: a finite real number (a bool is refused)."""
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)
 
 
 def check_lse(lse, shape, device):

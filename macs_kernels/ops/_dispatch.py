@@ -1,17 +1,35 @@
-"""Backend choice: cuda > triton > torch by what the tensors' device supports.
+"""Backends: which can run an op on a device, the function that runs it there, and the choice.
 
-Optional backends are imported only here and only when asked for, so `import macs_kernels` needs
-neither triton nor the compiled extension.
+- "torch": the functions of torch_backend.py (and torch_features.py, torch_efficient.py), called directly;
+  they are also each operator's default kernel.
+- "triton": the launchers of ops/triton/, called directly (a `register_kernel` per device type could not
+  coexist with the extension's CUDA kernels).
+- "cuda": `torch.ops.macs_kernels.<op>` once the compiled extension macs_kernels._C has registered its CUDA
+  kernel for the operator.
+
+Optional backends are imported only here and only when asked for, so `import macs_kernels` needs neither
+triton nor the compiled extension. Every implementation takes the validated positional arguments of its
+operator (keywords by the same names work too).
 """
 from __future__ import annotations
 
 import functools
 import importlib
 import os
+from collections.abc import Callable
 
 import torch
 
 from ..config import BACKENDS
+
+NAMESPACE = "macs_kernels"
+OPS = (
+    "macs_update", "macs_update_rows", "macs_pool", "macs_zscore", "decode_attention", "attention_features",
+    "efficient_attention",
+)
+# The ops a generation tracer calls per layer and step: what a backend must prove before it is chosen.
+TRACER_OPS = ("macs_update", "macs_update_rows", "macs_zscore", "decode_attention")
+_TORCH_MODULES = {"attention_features": "torch_features", "efficient_attention": "torch_efficient"}
 
 
 class BackendUnavailable(RuntimeError):
@@ -31,8 +49,15 @@ def _import_error(module: str) -> str | None:
     return None
 
 
-def why_unavailable(backend: str, device: torch.device) -> str | None:
-    """None when `backend` can run on `device`, else the reason in words."""
+def _check_op(op: str | None) -> None:
+    if op is not None and op not in OPS:
+        raise ValueError(f"unknown op {op!r}; choose one of {OPS}")
+
+
+def why_unavailable(backend: str, device: torch.device | str, op: str | None = None) -> str | None:
+    """None when `backend` can run `op` (any op when None) on `device`, else the reason in words."""
+    _check_op(op)
+    device = torch.device(device)
     if backend == "torch":
         return None
     if backend == "triton":
@@ -43,51 +68,50 @@ def why_unavailable(backend: str, device: torch.device) -> str | None:
     if backend == "cuda":
         if device.type != "cuda":
             return "the cuda backend needs CUDA tensors"
-        error = _import_error("macs_kernels.ops.cuda")
-        return None if error is None else f"the compiled extension macs_kernels._C is absent ({error})"
+        error = _import_error(f"{NAMESPACE}._C")
+        if error is not None:
+            return (
+                f"the compiled extension {NAMESPACE}._C is absent ({error}); install on a machine with CUDA "
+                "torch and nvcc (pip install --no-build-isolation -e ., without MACS_KERNELS_SKIP_CUDA_BUILD=1)"
+            )
+        importlib.import_module("macs_kernels.ops")  # defines the operators
+        if op is not None and not torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{op}", "CUDA"):
+            return f"{NAMESPACE}._C registers no CUDA kernel for {op}"
+        return None
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS} or None")
 
 
-_MODULES = {
-    "torch": "macs_kernels.ops.torch_backend",
-    "triton": "macs_kernels.ops.triton",
-    "cuda": "macs_kernels.ops.cuda",
-}
-
-
-def _has_op(backend: str, op: str | None) -> bool:
-    return op is None or hasattr(importlib.import_module(_MODULES[backend]), op)
-
-
-def resolve_backend(backend: str | None, device: torch.device, op: str | None = None) -> str:
-    """The backend to run `op` on `device`: the named one (raising if it cannot run) or the best available.
-
-    Automatic choice never picks the Triton interpreter (it is for tests, and thousands of times slower),
-    and skips backends that have no kernel for `op`.
-    """
-    device = torch.device(device)
-    if backend is not None:
-        reason = why_unavailable(backend, device)
-        if reason is None and not _has_op(backend, op):
-            reason = f"it has no {op} kernel"
-        if reason is not None:
-            raise BackendUnavailable(f"backend {backend!r} is unavailable: {reason}")
-        return backend
-    if device.type == "cuda":
-        for candidate in ("cuda", "triton"):
-            if why_unavailable(candidate, device) is None and _has_op(candidate, op):
-                return candidate
-    return "torch"
-
-
-def implementation(backend: str, op: str):
+def implementation(backend: str, op: str) -> Callable:
     """The function that computes `op` on `backend` (arguments already validated)."""
-    function = getattr(importlib.import_module(_MODULES[backend]), op, None)
-    if function is None:
-        raise BackendUnavailable(f"backend {backend!r} has no {op} kernel")
-    return function
+    _check_op(op)
+    if backend == "torch":
+        return getattr(importlib.import_module(f"macs_kernels.ops.{_TORCH_MODULES.get(op, 'torch_backend')}"), op)
+    if backend == "triton":
+        return getattr(importlib.import_module("macs_kernels.ops.triton"), op)
+    if backend == "cuda":
+        importlib.import_module(f"{NAMESPACE}._C")
+        return getattr(getattr(torch.ops, NAMESPACE), op)
+    raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS} or None")
 
 
-def kernel(backend: str | None, device: torch.device, op: str):
+def candidates(device: torch.device) -> tuple[str, ...]:
+    """Backends the automatic choice tries on `device`, best first; never the Triton interpreter (it is for
+    tests, and thousands of times slower)."""
+    return ("cuda", "triton", "torch") if torch.device(device).type == "cuda" else ("torch",)
+
+
+def resolve_backend(backend: str | None, device: torch.device | str, op: str | None = None) -> str:
+    """The backend to run `op` (the tracer's ops when None) on `device`.
+
+    Named: that backend, raising BackendUnavailable if it cannot run here; its self-check against the
+    torch path runs once per process and device and warns when it disagrees. None: the best available
+    backend whose self-check passes (see verify.verified_backend).
+    """
+    from .verify import verified_backend
+
+    return verified_backend(backend, device, ops=TRACER_OPS if op is None else (op,))
+
+
+def kernel(backend: str | None, device: torch.device, op: str) -> Callable:
     """implementation(resolve_backend(backend, device, op), op): the kernel that runs `op` here."""
     return implementation(resolve_backend(backend, device, op), op)

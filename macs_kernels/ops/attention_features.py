@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import as_index, check_lse, check_q_k
-from ._dispatch import kernel
+from . import torch_features
+from ._checks import IndexLike, as_index, as_scale, check_lse, check_q_k
+from ._dispatch import NAMESPACE, kernel
+
+operator = torch.library.custom_op(
+    f"{NAMESPACE}::attention_features", torch_features.attention_features, mutates_args=()
+)
+
+
+@operator.register_fake
+def _(q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, n_max, scale, lse):
+    return q.new_empty((q.shape[0], q.shape[1], n_max), dtype=torch.float32)
 
 
 def check_features_args(q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, lse):
@@ -41,7 +51,9 @@ def check_features_args(q, k_cache, source_start, source_end, kv_start, kv_len, 
 
 
 def attention_features(
-    q, k_cache, *, source_start, source_end, kv_len, scale, kv_start=None, n_rows=None, lse=None, backend=None
+    q: torch.Tensor, k_cache: torch.Tensor, *, source_start: IndexLike, source_end: IndexLike, kv_len: IndexLike,
+    scale: float, kv_start: IndexLike | None = None, n_rows: IndexLike | None = None, lse: torch.Tensor | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Per query head, the attention of R target rows on the source keys, summed over the valid rows.
 
@@ -62,6 +74,5 @@ def attention_features(
         q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, lse
     )
     return kernel(backend, q.device, "attention_features")(
-        q, k_cache, source_start=source_start, source_end=source_end, kv_start=kv_start, kv_len=kv_len,
-        n_rows=n_rows, n_max=n_max, scale=float(scale), lse=lse,
+        q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, n_max, as_scale(scale), lse
     )

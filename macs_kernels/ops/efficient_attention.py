@@ -3,9 +3,20 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import as_index, check_ranges, check_tensor
-from ._dispatch import kernel
+from . import torch_efficient
+from ._checks import IndexLike, as_index, check_ranges, check_tensor
+from ._dispatch import NAMESPACE, kernel
 from .torch_efficient import DEFAULT_RCOND
+
+operator = torch.library.custom_op(
+    f"{NAMESPACE}::efficient_attention", torch_efficient.efficient_attention, mutates_args=()
+)
+
+
+@operator.register_fake
+def _(p, v_cache, kv_start, kv_len, causal, rcond, gram=None):
+    dtype = torch.float64 if torch.float64 in (p.dtype, v_cache.dtype) else torch.float32
+    return p.new_empty(p.shape, dtype=dtype), p.new_empty(p.shape[:3], dtype=dtype)
 
 
 def check_efficient_args(p, v_cache, kv_start, kv_len, rcond, *, causal=False):
@@ -32,7 +43,8 @@ def check_efficient_args(p, v_cache, kv_start, kv_len, rcond, *, causal=False):
 
 
 def efficient_attention(
-    p, v_cache, *, kv_len, kv_start=None, causal=False, rcond=DEFAULT_RCOND, backend=None
+    p: torch.Tensor, v_cache: torch.Tensor, *, kv_len: IndexLike, kv_start: IndexLike | None = None,
+    causal: bool = False, rcond: float = DEFAULT_RCOND, backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Efficient attention rows: each softmax row projected onto the span of its keys' [V, 1].
 
@@ -50,6 +62,4 @@ def efficient_attention(
     v_cache is float64, else float32. X^T X and the solve are float64 on every backend.
     """
     kv_start, kv_len = check_efficient_args(p, v_cache, kv_start, kv_len, rcond, causal=causal)
-    return kernel(backend, p.device, "efficient_attention")(
-        p, v_cache, kv_start=kv_start, kv_len=kv_len, causal=bool(causal), rcond=float(rcond)
-    )
+    return kernel(backend, p.device, "efficient_attention")(p, v_cache, kv_start, kv_len, bool(causal), float(rcond))

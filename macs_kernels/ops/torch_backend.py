@@ -1,12 +1,15 @@
-"""Vectorised PyTorch implementations of the ops: they run on any device and are the CPU path.
+"""Vectorised PyTorch implementations of the ops: they run on any device, and each is its operator's
+default kernel (ops/<op>.py declares `torch.ops.macs_kernels.<op>` from the function's type hints).
 
-Arguments arrive validated (see ops/__init__.py); index tensors are (B,) int64 on the data's device.
+Arguments arrive validated and positional in the operator's order; index tensors are (B,) (macs_pool:
+(B, R)) int64 on the data's device.
 Nothing here materialises more than one (B, H, S) row block per call: the O(S^2) attention matrix
 never exists.
 """
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 _POOL = {
     "max": lambda x: x.amax(dim=1),
@@ -38,7 +41,10 @@ def attended_softmax(scores, kv_start, kv_len, lse=None):
     return torch.exp(scores - lse.float().unsqueeze(-1)), lse
 
 
-def macs_update_rows(rows, log_c, *, input_start, input_end, kv_len, alpha, pooling, redistribute):
+def macs_update_rows(
+    rows: Tensor, log_c: Tensor, input_start: Tensor, input_end: Tensor, kv_len: Tensor, alpha: float, pooling: str,
+    redistribute: bool,
+) -> None:
     batch, heads, keys = rows.shape
     n_max = log_c.shape[1]
     rows = rows.float()
@@ -93,16 +99,19 @@ def decode_attention_dense(q, k_cache, v_cache, log_c, *, n_input, scale, alpha,
     return grouped_output(rows, v_cache, q.dtype)
 
 
-def macs_update(q, k_cache, log_c, *, input_start, input_end, kv_len, scale, alpha, pooling, redistribute, lse):
+def macs_update(
+    q: Tensor, k_cache: Tensor, log_c: Tensor, input_start: Tensor, input_end: Tensor, kv_len: Tensor, scale: float,
+    alpha: float, pooling: str, redistribute: bool, lse: Tensor | None,
+) -> None:
     scores = grouped_scores(q, k_cache, scale)
     probabilities, _ = attended_softmax(scores, input_start, kv_len, lse)
-    macs_update_rows(
-        probabilities, log_c, input_start=input_start, input_end=input_end, kv_len=kv_len,
-        alpha=alpha, pooling=pooling, redistribute=redistribute,
-    )
+    macs_update_rows(probabilities, log_c, input_start, input_end, kv_len, alpha, pooling, redistribute)
 
 
-def macs_pool(q, k_cache, out, *, input_start, input_end, kv_len, scale, pooling, redistribute, lse):
+def macs_pool(
+    q: Tensor, k_cache: Tensor, out: Tensor, input_start: Tensor, input_end: Tensor, kv_len: Tensor, scale: float,
+    pooling: str, redistribute: bool, lse: Tensor | None,
+) -> None:
     """q (B, H, R, D), ranges (B, R), out (B, R, N_max): see ops.macs_pool."""
     batch, heads, rows, dim = q.shape
     kv_heads, keys = k_cache.shape[1], k_cache.shape[2]
@@ -134,7 +143,7 @@ def _pool_rows(probabilities, out, input_start, input_end, kv_len, pooling, redi
     out.copy_(_POOL[pooling](inputs).masked_fill_(offsets >= n_input, 0.0))
 
 
-def macs_zscore(log_c, n_input):
+def macs_zscore(log_c: Tensor, n_input: Tensor) -> Tensor:
     n_max = log_c.shape[1]
     valid = torch.arange(n_max, device=log_c.device) < _column(n_input)
     masked = log_c.masked_fill(~valid, float("-inf"))
@@ -149,19 +158,14 @@ def macs_zscore(log_c, n_input):
 
 
 def decode_attention(
-    q, k_cache, v_cache, *, kv_start, kv_len, scale, log_c, input_end, alpha, pooling, redistribute, pooled=None
-):
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_start: Tensor, kv_len: Tensor, scale: float, log_c: Tensor | None,
+    input_end: Tensor | None, alpha: float, pooling: str, redistribute: bool, pooled: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     scores = grouped_scores(q, k_cache, scale)
     probabilities, lse = attended_softmax(scores, kv_start, kv_len)
     if pooled is not None:
         _pool_rows(probabilities, pooled, kv_start, input_end, kv_len, pooling, redistribute)
     elif log_c is not None:
-        macs_update_rows(
-            probabilities, log_c, input_start=kv_start, input_end=input_end, kv_len=kv_len,
-            alpha=alpha, pooling=pooling, redistribute=redistribute,
-        )
+        macs_update_rows(probabilities, log_c, kv_start, input_end, kv_len, alpha, pooling, redistribute)
     return grouped_output(probabilities, v_cache, q.dtype), lse
 
-
-from .torch_efficient import efficient_attention  # noqa: E402,F401
-from .torch_features import attention_features  # noqa: E402,F401

@@ -10,6 +10,7 @@ ops/triton/efficient_attention.py). Both return a_eff X as well, from which the 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 # Eigenvalues of G below DEFAULT_RCOND * max eigenvalue are treated as zero: singular values of X below
 # 1e-5 of the largest. float64 Gram matrices of n keys carry rounding of about n * 1e-16 relative.
@@ -41,7 +42,6 @@ def gram_matrices(x, kv_start, ends, causal):
     Causal rows differ by one key each: the Gram of the keys before the first row's last key, then a
     cumulative sum of the R rank-1 terms (memory O(R E^2) per KV head).
     """
-    rows = ends.shape[1]
     if not causal:
         inside = key_mask(kv_start, ends[:, :1], x.shape[2])[:, 0]
         xm = x * inside[:, None, :, None]
@@ -93,12 +93,19 @@ def torch_back_project(coefficients, v_cache, kv_start, kv_len, causal):
     return a_eff, reproduced.view(batch, heads, rows, width)
 
 
-def efficient_attention(p, v_cache, *, kv_start, kv_len, causal, rcond, gram=None, back_project=torch_back_project):
+def efficient_attention(
+    p: Tensor, v_cache: Tensor, kv_start: Tensor, kv_len: Tensor, causal: bool, rcond: float, gram: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """Efficient rows of p (B, H, R, S) over values (B, H_kv, S, D); see ops.efficient_attention.
 
     gram: optional (B, H_kv, D+1, D+1) float64 X^T X over [kv_start, kv_len) (a GramState's), used
-    instead of recomputing it; only for causal=False. back_project: the backend's W X^T.
+    instead of recomputing it; only for causal=False.
     """
+    return project_rows(p, v_cache, kv_start, kv_len, causal, rcond, gram, torch_back_project)
+
+
+def project_rows(p, v_cache, kv_start, kv_len, causal, rcond, gram, back_project):
+    """efficient_attention with the backend's back-projection W X^T (torch_back_project's signature)."""
     batch, heads, rows, keys = p.shape
     kv_heads, width = v_cache.shape[1], v_cache.shape[3] + 1
     group = heads // kv_heads

@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 # Rows per chunk: bounds the (B, H, rows, S) float32 block (64 rows x 8k keys x 9 heads = 19 MB per item).
 ROW_CHUNK = 64
 
 
-def attention_features(q, k_cache, *, source_start, source_end, kv_start, kv_len, n_rows, n_max, scale, lse):
+def attention_features(
+    q: Tensor, k_cache: Tensor, source_start: Tensor, source_end: Tensor, kv_start: Tensor, kv_len: Tensor,
+    n_rows: Tensor, n_max: int, scale: float, lse: Tensor | None,
+) -> Tensor:
     batch, heads, rows, dim = q.shape
     kv_heads, keys = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads

@@ -194,8 +194,6 @@ def test_gpu_backends_match_reference(shape, with_lse, dtype, backend):
 
 
 def test_registered_operator_passes_opcheck():
-    from macs_kernels.ops import library  # noqa: F401 - defines torch.ops.macs_kernels.attention_features
-
     q, k, args = _case(2, 6, 2, 7, 16, 40, torch.float32, True)
     index = [args[name].long() for name in ("source_start", "source_end", "kv_start", "kv_len", "n_rows")]
     n_max = int((args["source_end"] - args["source_start"]).max())

@@ -1,16 +1,18 @@
 """Triton backend of the ops (GPU, or the interpreter with TRITON_INTERPRET=1).
 
-Same validated-argument signatures as ops/torch_backend.py. LAUNCHES counts launches per kernel name.
+Each launcher takes the validated positional arguments of its operator (see ops/<op>.py).
+LAUNCHES counts launches per kernel name.
 """
-from ._launch import LAUNCHES
 from .attention_features import attention_features
+from .common import LAUNCHES
 from .decode_attention import decode_attention
 from .efficient_attention import efficient_attention
+from .macs_pool import macs_pool
 from .macs_update import macs_update
 from .macs_update_rows import macs_update_rows
 from .macs_zscore import macs_zscore
 
 __all__ = [
-    "LAUNCHES", "attention_features", "decode_attention", "efficient_attention", "macs_update", "macs_update_rows",
-    "macs_zscore",
+    "LAUNCHES", "attention_features", "decode_attention", "efficient_attention", "macs_pool", "macs_update",
+    "macs_update_rows", "macs_zscore",
 ]

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import interpreted, launch, next_pow2
+from .common import LOG2E, MIN_SCORE, dot, dot_in_f32, features_tiles, head_block, launch, operand
 
 
 @triton.jit
@@ -35,26 +35,21 @@ def _features_lse_kernel(
     row_ok = r < n_rows
     q = tl.load(q_ptr + b * stride_qb + h * stride_qh + r[:, None] * stride_qr + d[None, :],
                 mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)  # also the interpreter's path: its bf16 dot and arithmetic are wrong
+    q = operand(q, DOT_F32)
     k_base = k_ptr + b * stride_kb + kv_head * stride_kh
-    m = tl.full([BLOCK_R], -1.0e30, tl.float32)
+    m = tl.full([BLOCK_R], MIN_SCORE, tl.float32)
     l = tl.zeros([BLOCK_R], tl.float32)
     hi = base + tl.minimum(n_rows, tl.program_id(1) * BLOCK_R + BLOCK_R)
     for n0 in range(start, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         k = tl.load(k_base + n[:, None] * stride_ks + d[None, :], mask=(n[:, None] < hi) & (d[None, :] < D), other=0.0)
-        if DOT_F32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * (scale * 1.4426950408889634)
+        s = dot(q, tl.trans(operand(k, DOT_F32)), DOT_F32) * (scale * LOG2E)
         attended = (n[None, :] <= base + r[:, None]) & row_ok[:, None]
         s = tl.where(attended, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         l = l * tl.exp2(m - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
         m = m_new
-    lse = (m + tl.log2(tl.where(row_ok, l, 1.0))) / 1.4426950408889634
+    lse = (m + tl.log2(tl.where(row_ok, l, 1.0))) / LOG2E
     tl.store(lse_ptr + (b * heads + h) * rows + r, tl.where(row_ok, lse, 0.0), mask=r < rows)
 
 
@@ -79,8 +74,7 @@ def _features_kernel(
     key_ok = n < source_end
     k = tl.load(k_ptr + b * stride_kb + kv_head * stride_kh + n[:, None] * stride_ks + d[None, :],
                 mask=key_ok[:, None] & (d[None, :] < D), other=0.0)
-    if DOT_F32:
-        k = k.to(tl.float32)
+    k = operand(k, DOT_F32)
     acc = tl.zeros([BLOCK_N], tl.float32)
     # Row r sees key n when n <= base + r: rows before the tile's first key minus base see none of it.
     first = tl.maximum(source_start + tl.program_id(1) * BLOCK_N - base, 0)
@@ -89,26 +83,21 @@ def _features_kernel(
         row_ok = r < n_rows
         q = tl.load(q_ptr + b * stride_qb + h * stride_qh + r[:, None] * stride_qr + d[None, :],
                     mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
-        if DOT_F32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        s = dot(operand(q, DOT_F32), tl.trans(k), DOT_F32)
         lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + r, mask=row_ok, other=0.0)
-        p = tl.exp2(s * (scale * 1.4426950408889634) - lse[:, None] * 1.4426950408889634)
+        p = tl.exp2(s * (scale * LOG2E) - lse[:, None] * LOG2E)
         seen = row_ok[:, None] & key_ok[None, :] & (n[None, :] <= base + r[:, None])
         acc += tl.sum(tl.where(seen, p, 0.0), axis=0)
     tl.store(out_ptr + (b * heads + h) * n_max + i, acc, mask=i < n_max)
 
 
-def attention_features(q, k_cache, *, source_start, source_end, kv_start, kv_len, n_rows, n_max, scale, lse):
+def attention_features(q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, n_max, scale, lse):
     """q (B, H, R, D), k_cache (B, H_kv, S, D) -> (B, H, N_max) float32; lse (B, H, R) or None."""
     batch, heads, rows, dim = q.shape
     group = heads // k_cache.shape[1]
-    half = q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype
-    dot_f32 = interpreted() or not half
-    block_d = max(16, next_pow2(dim))
-    block_r = 16 if rows <= 16 else (32 if interpreted() else 64)
-    block_n = 64
+    dot_f32 = dot_in_f32(q, k_cache)
+    block_d = head_block(dim)
+    block_r, block_n = features_tiles(rows)
     strides = (q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     consts = dict(D=dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_N=block_n, DOT_F32=dot_f32, num_warps=4)
     if lse is None:

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..torch_efficient import efficient_attention as _efficient_attention
-from ._launch import interpreted, launch, multiprocessors, next_pow2
+from ..torch_efficient import project_rows
+from .common import back_projection_tiles, dot, head_block, launch, multiprocessors
 
 
 @triton.jit
@@ -57,11 +57,11 @@ def _efficient_back_projection_kernel(
         j = tile * BLOCK_S + tl.arange(0, BLOCK_S)
         v = tl.load(v_base + j[:, None] * stride_vs + d[None, :], mask=(j < length)[:, None] & d_mask[None, :],
                     other=0.0).to(COMPUTE)
-        a = tl.dot(w, tl.trans(v), input_precision="ieee") + w_ones[:, None]
+        a = dot(w, tl.trans(v), True) + w_ones[:, None]
         inside = (j[None, :] >= start) & (j[None, :] < ends[:, None]) & m_mask[:, None]
         a = tl.where(inside, a, 0.0)
         tl.store(out_rows[:, None] + j[None, :], a, mask=inside)
-        reproduced += tl.dot(a, v, input_precision="ieee")
+        reproduced += dot(a, v, True)
         mass += tl.sum(a, 1)
     partial_rows = partial_ptr + ((split * tl.num_programs(0) + head) * rows_m + m) * width
     tl.store(partial_rows[:, None] + d[None, :], reproduced, mask=m_mask[:, None] & d_mask[None, :])
@@ -73,9 +73,8 @@ def back_project(coefficients, v_cache, kv_start, kv_len, causal):
     batch, heads, rows, width = coefficients.shape
     kv_heads, keys, dim = v_cache.shape[1:]
     rows_m = heads // kv_heads * rows
-    block_m = max(16, min(next_pow2(rows_m), 64))
-    block_s = max(16, min(next_pow2(keys), 256 if interpreted() else 64))
-    block_d = max(16, next_pow2(dim))
+    block_m, block_s = back_projection_tiles(rows_m, keys)
+    block_d = head_block(dim)
     row_tiles = triton.cdiv(rows_m, block_m)
     splits = max(1, min(triton.cdiv(keys, block_s), triton.cdiv(2 * multiprocessors(v_cache.device),
                                                                   batch * kv_heads * row_tiles)))
@@ -91,8 +90,5 @@ def back_project(coefficients, v_cache, kv_start, kv_len, causal):
     return a_eff, partial.sum(dim=0)
 
 
-def efficient_attention(p, v_cache, *, kv_start, kv_len, causal, rcond, gram=None):
-    return _efficient_attention(
-        p, v_cache, kv_start=kv_start, kv_len=kv_len, causal=causal, rcond=rcond, gram=gram,
-        back_project=back_project,
-    )
+def efficient_attention(p, v_cache, kv_start, kv_len, causal, rcond, gram=None):
+    return project_rows(p, v_cache, kv_start, kv_len, causal, rcond, gram, back_project)

@@ -1,22 +1,20 @@
-"""MACS update from q and the key cache: decode_attention's split-KV pass without V, then the pool.
+"""macs_update in Triton: the split-KV pass without V, then the head pooling into log_c.
 
-One pass over K whether or not lse is given: the pass computes each head's log-sum-exp and the
-generated keys' share alongside the scores; a given lse (FlashAttention's) replaces the computed one
-in p = exp(s - lse), as the op's contract says.
+One pass over K whether or not lse is given: the pass computes each head's log-sum-exp and the generated
+keys' share alongside the scores; a given lse (FlashAttention's) replaces the computed one in
+p = exp(s - lse), as the op's contract says.
 """
 from __future__ import annotations
 
-from .decode_attention import split_kv_pass
-from .macs_update_rows import pool_into_log_c
+from .pool import pool
+from .split_kv import split_kv_pass
 
 
-def macs_update(q, k_cache, log_c, *, input_start, input_end, kv_len, scale, alpha, pooling, redistribute, lse):
+def macs_update(q, k_cache, log_c, input_start, input_end, kv_len, scale, alpha, pooling, redistribute, lse):
     """q (B, H, D), k_cache (B, H_kv, S, D); log_c (B, N_max) float32 updated in place; lse (B, H) or None."""
+    start, end, length = (index[:, None] for index in (input_start, input_end, kv_len))
     _, own_lse, lse_gen, scores = split_kv_pass(
-        q, k_cache, None, kv_start=input_start, input_end=input_end, kv_len=kv_len, scale=scale,
-        n_scores=log_c.shape[1],
+        q[:, :, None], k_cache, None, start, end, length, scale, n_scores=log_c.shape[1]
     )
-    pool_into_log_c(
-        scores, log_c, input_start=input_start, input_end=input_end, lse=own_lse if lse is None else lse,
-        lse_gen=lse_gen, alpha=alpha, pooling=pooling, redistribute=redistribute,
-    )
+    pool(scores, log_c, start, end, lse=own_lse if lse is None else lse[:, :, None], generated=lse_gen,
+         alpha=alpha, pooling=pooling, redistribute=redistribute)

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import interpreted, launch, next_pow2
+from .common import launch, row_block
 
 
 @triton.jit
@@ -48,7 +48,6 @@ def macs_zscore(log_c, n_input):
     """log_c (B, N_max) float32, n_input (B,) -> z (B, N_max) float32."""
     batch, n_max = log_c.shape
     out = torch.empty(batch, n_max, device=log_c.device, dtype=torch.float32)
-    block = min(next_pow2(n_max), 4096 if interpreted() else 1024)
     launch(_macs_zscore_kernel, (batch,), log_c, n_input, out, n_max, log_c.stride(0), out.stride(0),
-           BLOCK=block, num_warps=4)
+           BLOCK=row_block(n_max), num_warps=4)
     return out

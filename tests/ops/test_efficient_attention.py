@@ -13,6 +13,7 @@ from macs_kernels import ops
 from macs_kernels.efficient import GramState, efficient_rows
 from macs_kernels.ops import torch_efficient
 from macs_kernels.reference import efficient_attention_reference, macs_update_rows_reference
+from tests.ops.cases import DEVICE, backends
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
 # Tolerances: RELATIVE_ERROR of the result dtype, for a_eff against the reference and for a_eff X against
@@ -47,17 +48,18 @@ def augmented(v):
 
 def per_row_error(a, p, v, inside):
     """max over rows of ||(a - p) X|| / ||p X|| over each row's keys (X = [V, 1] of its KV head)."""
-    batch, heads, rows, keys = p.shape
+    heads = p.shape[1]
     x = augmented(v).repeat_interleave(heads // v.shape[1], dim=1)
     p = p.double() * inside
     return ((a.double() - p) @ x).norm(dim=-1).div((p @ x).norm(dim=-1)).max().item()
 
 
+@pytest.mark.parametrize("backend", backends("efficient_attention"))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_svd_reference_and_reproduces(name, dtype):
+def test_matches_svd_reference_and_reproduces(name, dtype, backend):
     p, v, ranges, inside, dim = make_case(name, dtype)
-    a_eff, residual = ops.efficient_attention(p, v, backend="torch", **ranges)
+    a_eff, residual = (x.cpu() for x in ops.efficient_attention(p.to(DEVICE), v.to(DEVICE), backend=backend, **ranges))
     ref, ref_residual = efficient_attention_reference(p, v, **ranges)
     assert a_eff.dtype == residual.dtype == dtype
     assert relative_error(a_eff, ref) <= RELATIVE_ERROR[dtype]
@@ -81,7 +83,7 @@ def null_space_projector(v_rows):
 
 @pytest.mark.parametrize("name", ["decode", "causal"])
 def test_identifiability(name):
-    p, v, ranges, inside, _ = make_case(name, torch.float64, sharpness=0.5)
+    p, v, ranges, _, _ = make_case(name, torch.float64, sharpness=0.5)
     generator = torch.Generator().manual_seed(1)
     kv_start, kv_len, causal = ranges["kv_start"], ranges["kv_len"], ranges["causal"]
     rows, group = p.shape[2], p.shape[1] // v.shape[1]
@@ -157,7 +159,7 @@ def test_gram_state_matches_fresh_computation_after_many_tokens():
     p = torch.softmax(torch.randn(batch, 6, prompt + steps), dim=-1)
     kv_len = torch.full((batch,), prompt + steps)
     a_rows, res_rows = efficient_rows(p, cache[0], state.gram(0), pads, kv_len, backend="torch")
-    a_op, res_op = ops.efficient_attention(p[:, :, None], cache[0], kv_len=kv_len, kv_start=pads, backend="torch")
+    a_op, _ = ops.efficient_attention(p[:, :, None], cache[0], kv_len=kv_len, kv_start=pads, backend="torch")
     assert a_rows.shape == p.shape and res_rows.shape == p.shape[:2]
     assert relative_error(a_rows, a_op[:, :, 0]) <= 1e-6 and res_rows.max() <= RELATIVE_ERROR[torch.float32]
     if importlib.util.find_spec("triton") is not None:
@@ -204,7 +206,7 @@ def test_efficient_rows_feed_macs_update_rows():
 
 
 def test_bad_arguments_raise():
-    p, v, ranges, _, _ = make_case("causal", torch.float32)
+    p, v, _, _, _ = make_case("causal", torch.float32)
     with pytest.raises(ValueError, match="kv_len must be >= 40"):
         ops.efficient_attention(p, v, kv_len=[30, 50], causal=True)
     with pytest.raises(ValueError, match="v_cache must be"):

@@ -2,26 +2,22 @@
 
 Needs a CUDA device and the built extension; skips with the reason otherwise, so a GPU session runs it as is.
 """
-import importlib
-
 import pytest
 import torch
 
 from macs_kernels import ops, reference
+from macs_kernels.ops import why_unavailable
+from tests.grids import pairwise
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
 
 def _why_skip():
     if not torch.cuda.is_available():
         return "no CUDA device: the cuda backend runs on CUDA tensors only"
-    try:
-        importlib.import_module("macs_kernels.ops.cuda")
-    except ImportError as error:
-        return str(error)
-    return None
+    return why_unavailable("cuda", "cuda")
 
 
-pytestmark = pytest.mark.skipif(_why_skip() is not None, reason=str(_why_skip()))
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_why_skip() is not None, reason=str(_why_skip()))]
 
 FACTORS = {
     "keys": (1, 113, 1023),
@@ -34,27 +30,6 @@ FACTORS = {
     "with_lse": (True, False),
     "dtype": (torch.float32, torch.float16, torch.bfloat16),
 }
-
-
-def pairwise(factors):
-    """A small set of cases in which every pair of values of two factors occurs (greedy, deterministic)."""
-    names = list(factors)
-
-    def pair(x, vx, y, vy):
-        return (x, vx, y, vy) if names.index(x) < names.index(y) else (y, vy, x, vx)
-
-    uncovered = {pair(x, vx, y, vy) for i, x in enumerate(names) for y in names[i + 1:]
-                 for vx in factors[x] for vy in factors[y]}
-    cases = []
-    while uncovered:
-        x, vx, y, vy = min(uncovered, key=repr)
-        case = {x: vx, y: vy}
-        for name in names:
-            if name not in case:
-                case[name] = max(factors[name], key=lambda v: sum(pair(o, case[o], name, v) in uncovered for o in case))
-        uncovered -= {pair(x, case[x], y, case[y]) for i, x in enumerate(names) for y in names[i + 1:]}
-        cases.append({name: case[name] for name in names})
-    return cases
 
 
 CASES = pairwise(FACTORS)

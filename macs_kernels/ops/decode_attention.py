@@ -1,0 +1,57 @@
+"""decode_attention: attention of one query per sequence (flash-decoding), optionally fused with MACS."""
+from __future__ import annotations
+
+import torch
+
+from ..config import MacsConfig
+from . import torch_backend
+from ._checks import IndexLike, as_index, as_scale, check_log_c, check_q_k, check_ranges
+from ._dispatch import NAMESPACE, kernel
+
+operator = torch.library.custom_op(
+    f"{NAMESPACE}::decode_attention", torch_backend.decode_attention, mutates_args=("log_c", "pooled")
+)
+
+
+@operator.register_fake
+def _(q, k_cache, v_cache, kv_start, kv_len, scale, log_c, input_end, alpha, pooling, redistribute, pooled=None):
+    batch, heads, _ = q.shape
+    return q.new_empty((batch, heads, v_cache.shape[-1])), q.new_empty((batch, heads), dtype=torch.float32)
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, kv_start: IndexLike | None = None,
+    kv_len: IndexLike, scale: float, log_c: torch.Tensor | None = None, pooled: torch.Tensor | None = None,
+    input_end: IndexLike | None = None, alpha: float = 0.8, pooling: str = "max", redistribute: bool = True,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one query per sequence over keys [kv_start, kv_len), optionally fused with MACS.
+
+    q: (B, H, D); k_cache, v_cache: (B, H_kv, S, D). kv_start: (B,) left pads (default 0).
+    Returns out (B, H, D) in q's dtype and lse (B, H) float32 (natural log). From the same single read of K,
+    with `input_end` (B,) (inputs are keys [kv_start, input_end)) and either
+    - `log_c` (B, N_max): also performs macs_update, or
+    - `pooled` (B, N_max) float32: also writes macs_pool's m' (the tracer floors and logs it per pass).
+    """
+    MacsConfig(alpha=alpha, pooling=pooling, redistribute=redistribute, backend=backend)
+    check_q_k(q, k_cache, v_cache)
+    batch = q.shape[0]
+    kv_len = as_index("kv_len", kv_len, batch, q.device)
+    kv_start = as_index("kv_start", 0 if kv_start is None else kv_start, batch, q.device)
+    if log_c is not None and pooled is not None:
+        raise ValueError("give log_c or pooled, not both")
+    state, name = (log_c, "log_c") if pooled is None else (pooled, "pooled")
+    if state is None:
+        if input_end is not None:
+            raise ValueError("input_end is only meaningful together with log_c or pooled")
+        check_ranges(kv_start, kv_len, kv_len, k_cache.shape[2])
+    else:
+        if input_end is None:
+            raise ValueError(f"{name} needs input_end (the end of the input keys)")
+        check_log_c(state, batch, q.device, name=name)
+        input_end = as_index("input_end", input_end, batch, q.device)
+        check_ranges(kv_start, input_end, kv_len, k_cache.shape[2], state.shape[1], state=name)
+    return kernel(backend, q.device, "decode_attention")(
+        q, k_cache, v_cache, kv_start, kv_len, as_scale(scale), log_c, input_end, float(alpha), pooling,
+        bool(redistribute), pooled,
+    )

@@ -1,0 +1,63 @@
+"""macs_pool: MACS's head-pooled row m' before the floor, for R query rows per sequence, each row with its
+own key range (decode, verify blocks of assisted decoding, packed requests)."""
+from __future__ import annotations
+
+import torch
+
+from ..config import MacsConfig
+from . import torch_backend
+from ._checks import IndexLike, as_row_index, as_scale, check_lse, check_q_k, check_ranges
+from ._dispatch import NAMESPACE, kernel
+
+# Writes `out` and returns nothing: the trivial fake kernel torch.library generates is the right one.
+operator = torch.library.custom_op(f"{NAMESPACE}::macs_pool", torch_backend.macs_pool, mutates_args=("out",))
+
+
+def macs_pool(
+    q: torch.Tensor, k_cache: torch.Tensor, *, input_start: IndexLike, input_end: IndexLike, kv_len: IndexLike,
+    scale: float, pooling: str = "max", redistribute: bool = True, lse: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, backend: str | None = None,
+) -> torch.Tensor:
+    """MACS's head-pooled row m' of each query row, before the floor: the per-layer quantity that the tracer
+    combines over layers (and, under tensor parallelism, over ranks) before taking the floor and the log.
+
+    q: (B, H, D), one row per sequence, or (B, H, R, D), R rows per sequence (a verify pass of assisted
+        decoding, packed requests).
+    k_cache: (B, H_kv, S, D).
+    input_start, input_end, kv_len: (B,) or (B, R) (a (B,) range applies to every row of item b). Row
+        (b, r) attends keys [input_start, kv_len) of item b; [input_start, input_end) are its N inputs,
+        [input_end, kv_len) generated tokens whose attention is spread evenly over the inputs when
+        `redistribute`.
+    lse: optional (B, H) or (B, H, R) natural-log log-sum-exp over each row's attended keys.
+    out: optional float32 (B, N_max) or (B, R, N_max) buffer (q's rank minus one), written and returned.
+    Returns float32 (B, N_max) or (B, R, N_max): m'[b, r, i] = pool over heads of (p[h, input_start + i] +
+    the row's mass on generated keys / N) for i < N of that row, 0 after. N_max defaults to the largest N.
+    """
+    MacsConfig(pooling=pooling, redistribute=redistribute, backend=backend)
+    check_q_k(q, k_cache, q_dims=q.dim() if isinstance(q, torch.Tensor) and q.dim() in (3, 4) else 3)
+    single_row = q.dim() == 3
+    block = q.unsqueeze(2) if single_row else q
+    batch, heads, rows, _ = block.shape
+    ranges = [
+        as_row_index(name, value, batch, rows, q.device)
+        for name, value in (("input_start", input_start), ("input_end", input_end), ("kv_len", kv_len))
+    ]
+    expected_rank = 2 if single_row else 3
+    if out is not None and (not isinstance(out, torch.Tensor) or out.dim() != expected_rank):
+        raise ValueError(f"out must be a float32 tensor with {expected_rank} dimensions (q's rank minus one)")
+    check_ranges(*(index.flatten() for index in ranges), k_cache.shape[2], None if out is None else out.shape[-1],
+                 state="out")
+    n_max = int((ranges[1] - ranges[0]).max()) if out is None else out.shape[-1]
+    if lse is not None:
+        check_lse(lse, (batch, heads) if single_row else (batch, heads, rows), q.device)
+        lse = lse.unsqueeze(-1) if single_row else lse
+    expected = (batch, n_max) if single_row else (batch, rows, n_max)
+    if out is None:
+        out = torch.empty(expected, dtype=torch.float32, device=q.device)
+    elif tuple(out.shape) != expected or out.dtype != torch.float32 or out.device != q.device \
+            or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 tensor of shape {expected} on {q.device}")
+    kernel(backend, q.device, "macs_pool")(
+        block, k_cache, out.view(batch, rows, n_max), *ranges, as_scale(scale), pooling, bool(redistribute), lse
+    )
+    return out

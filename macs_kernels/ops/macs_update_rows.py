@@ -1,0 +1,38 @@
+"""macs_update_rows: macs_update from given attention rows (efficient attention, other tools) instead of q, K."""
+from __future__ import annotations
+
+import torch
+
+from ..config import MacsConfig
+from . import torch_backend
+from ._checks import IndexLike, as_index, check_log_c, check_ranges, check_tensor
+from ._dispatch import NAMESPACE, kernel
+
+# Mutating and returning nothing: the trivial fake kernel torch.library generates is the right one.
+operator = torch.library.custom_op(
+    f"{NAMESPACE}::macs_update_rows", torch_backend.macs_update_rows, mutates_args=("log_c",)
+)
+
+
+def macs_update_rows(
+    rows: torch.Tensor, log_c: torch.Tensor, *, input_start: IndexLike, input_end: IndexLike, kv_len: IndexLike,
+    alpha: float = 0.8, pooling: str = "max", redistribute: bool = True, backend: str | None = None,
+) -> None:
+    """`macs_update` from given attention rows (B, H, S) instead of q and K.
+
+    rows: (B, H, S), any float dtype; entries outside [input_start, kv_len) are ignored. Rows may be signed
+        (efficient attention): a negative pooled value is clamped to 0 before the floor.
+    log_c: (B, N_max) float32, updated in place as in macs_update.
+    """
+    MacsConfig(alpha=alpha, pooling=pooling, redistribute=redistribute, backend=backend)
+    check_tensor("rows", rows, 3)
+    batch = rows.shape[0]
+    check_log_c(log_c, batch, rows.device)
+    input_start, input_end, kv_len = (
+        as_index(name, value, batch, rows.device)
+        for name, value in (("input_start", input_start), ("input_end", input_end), ("kv_len", kv_len))
+    )
+    check_ranges(input_start, input_end, kv_len, rows.shape[2], log_c.shape[1])
+    kernel(backend, rows.device, "macs_update_rows")(
+        rows, log_c, input_start, input_end, kv_len, float(alpha), pooling, bool(redistribute)
+    )

@@ -1,0 +1,31 @@
+"""macs_zscore: the paper's z-scores of c = exp(log_c) over each row's inputs."""
+from __future__ import annotations
+
+import torch
+
+from . import torch_backend
+from ._checks import IndexLike, as_index, check_log_c, check_tensor
+from ._dispatch import NAMESPACE, kernel
+
+operator = torch.library.custom_op(f"{NAMESPACE}::macs_zscore", torch_backend.macs_zscore, mutates_args=())
+
+
+@operator.register_fake
+def _(log_c: torch.Tensor, n_input: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(log_c, memory_format=torch.contiguous_format)
+
+
+def macs_zscore(log_c: torch.Tensor, n_input: IndexLike, *, backend: str | None = None) -> torch.Tensor:
+    """z-scores of c = exp(log_c) per row over its first n_input[b] entries; zeros after.
+
+    log_c: (B, N_max) float32; n_input: (B,). Returns (B, N_max) float32. Computed as exp(log_c - max)
+    (z does not change when c is scaled), with the population standard deviation; a row whose standard
+    deviation is 0, or whose entries are all -inf, gets zeros.
+    """
+    check_tensor("log_c", log_c, 2)
+    check_log_c(log_c, log_c.shape[0], log_c.device)
+    n_input = as_index("n_input", n_input, log_c.shape[0], log_c.device)
+    counts = n_input.cpu()
+    if bool(((counts < 1) | (counts > log_c.shape[1])).any()):
+        raise ValueError(f"n_input must lie in [1, {log_c.shape[1]}], got {counts.tolist()}")
+    return kernel(backend, log_c.device, "macs_zscore")(log_c, n_input)

@@ -1,0 +1,128 @@
+"""What the Triton kernels and their launchers share: constants, the dot-precision helper, the launch counter
+and the tile policy (block sizes and key splits decided here, not in each launcher, as Liger's
+`calculate_settings`).
+
+Conventions every kernel follows:
+- masked scores are -inf; running maxima start at MIN_SCORE, a finite value, so that a tile in which a row
+  attends no key rescales by exp(MIN_SCORE - MIN_SCORE) = 1 and adds exp(-inf) = 0, never NaN;
+- base-2 exponentials scale their arguments by LOG2E;
+- operands are cast to float32 right after loading unless both are half precision of one dtype (then the
+  tensor cores multiply them); float32 products are exact ("ieee"), as the float64 references expect, not
+  TF32. The interpreter always takes the float32 path: its bf16 dot and arithmetic are wrong.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from .._dispatch import triton_interpreted as interpreted
+
+LOG2E = tl.constexpr(1.4426950408889634)
+MIN_SCORE = tl.constexpr(-1.0e30)
+
+# Kernel name -> launches since import: lets an integration test prove that Triton really ran.
+LAUNCHES: collections.Counter = collections.Counter()
+
+
+@triton.jit
+def operand(x, DOT_F32: tl.constexpr):
+    """A loaded dot operand in the precision the product runs in."""
+    if DOT_F32:
+        return x.to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def dot(a, b, DOT_F32: tl.constexpr):
+    """a @ b: exact float32 products for float32 operands, tensor cores for half precision."""
+    if DOT_F32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@contextlib.contextmanager
+def uncounted():
+    """Launches inside are not counted (the backend self-check's are not the caller's work)."""
+    saved = LAUNCHES.copy()
+    try:
+        yield
+    finally:
+        LAUNCHES.clear()
+        LAUNCHES.update(saved)
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:
+    LAUNCHES[kernel.fn.__name__] += 1
+    kernel[grid](*args, **kwargs)
+
+
+def next_pow2(value: int) -> int:
+    return 1 << max(0, int(value) - 1).bit_length()
+
+
+def multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors to fill; the interpreter runs programs one by one, so a few suffice."""
+    if interpreted() or device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def dot_in_f32(*tensors: torch.Tensor) -> bool:
+    """True unless every operand is float16, or every one bfloat16 (then tensor cores run the product)."""
+    dtypes = {tensor.dtype for tensor in tensors}
+    return interpreted() or len(dtypes) != 1 or not dtypes <= {torch.float16, torch.bfloat16}
+
+
+def head_block(dim: int) -> int:
+    """Head-dimension tile: tl.dot needs at least 16."""
+    return max(16, next_pow2(dim))
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitKV:
+    """Tiles of the split-KV pass: BLOCK_M query rows (a GQA group's heads x query rows) per program,
+    BLOCK_N keys per step, the keys cut into `splits` slices of `split_size` keys."""
+    block_m: int
+    block_n: int
+    splits: int
+    split_size: int
+
+
+def split_kv_tiles(batch: int, kv_heads: int, group_rows: int, keys: int, device: torch.device) -> SplitKV:
+    """Enough (row tile, key slice) programs to fill the GPU twice over, whole key blocks per slice; tl.dot
+    needs 16 rows, and more than 64 rows per program would spill the accumulator."""
+    block_m = min(64, max(16, next_pow2(group_rows)))
+    block_n = 128 if interpreted() else 64
+    programs = batch * kv_heads * triton.cdiv(group_rows, block_m)
+    blocks = triton.cdiv(keys, block_n)
+    splits = min(blocks, max(1, triton.cdiv(2 * multiprocessors(device), programs)))
+    per_split = triton.cdiv(blocks, splits)
+    return SplitKV(block_m, block_n, triton.cdiv(blocks, per_split), per_split * block_n)
+
+
+def pool_block(heads: int, n_max: int) -> int:
+    """Inputs per program of the pooling kernel: one tile holds every head of BLOCK_I inputs; the
+    interpreter prefers few, large tiles."""
+    return max(16, min(next_pow2(n_max), (16384 if interpreted() else 4096) // next_pow2(heads)))
+
+
+def row_block(length: int) -> int:
+    """Elements per step of a kernel that sweeps one row (z-scores, generated mass)."""
+    return min(next_pow2(length), 4096 if interpreted() else 1024)
+
+
+def features_tiles(rows: int) -> tuple[int, int]:
+    """(BLOCK_R target rows, BLOCK_N source keys) of attention_features."""
+    return (16 if rows <= 16 else (32 if interpreted() else 64)), 64
+
+
+def back_projection_tiles(rows_m: int, keys: int) -> tuple[int, int]:
+    """(BLOCK_M coefficient rows, BLOCK_S keys) of the efficient-attention back-projection."""
+    return max(16, min(next_pow2(rows_m), 64)), max(16, min(next_pow2(keys), 256 if interpreted() else 64))

@@ -1,0 +1,15 @@
+"""macs_pool in Triton: the split-KV pass without V over R query rows per sequence, then the head pooling
+written out before the floor."""
+from __future__ import annotations
+
+from .pool import pool
+from .split_kv import split_kv_pass
+
+
+def macs_pool(q, k_cache, out, input_start, input_end, kv_len, scale, pooling, redistribute, lse):
+    """q (B, H, R, D), ranges (B, R) int64 contiguous, out (B, R, N_max) float32 written; lse (B, H, R) or None."""
+    _, own_lse, lse_gen, scores = split_kv_pass(
+        q, k_cache, None, input_start, input_end, kv_len, scale, n_scores=out.shape[-1]
+    )
+    pool(scores, out, input_start, input_end, lse=own_lse if lse is None else lse, generated=lse_gen,
+         pooling=pooling, redistribute=redistribute, into_log_c=False)

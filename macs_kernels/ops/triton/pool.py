@@ -1,0 +1,121 @@
+"""MACS's head pooling: m' = pool over heads of (p[h, i] + the head's generated mass / N), then either the
+floor added to log_c, or m' itself written out.
+
+`_pool_kernel` (grid (B * R, input blocks)) reads a tile of all H heads x BLOCK_I inputs of one query row.
+It takes either given rows (B, H, S) with each head's generated mass, or the scores the split-KV pass
+wrote with lse and lse_gen (then p = exp(s - lse) and the generated mass is exp(lse_gen - lse)).
+`_generated_mass_kernel` (grid (B * H,)) sums given rows over the generated keys [input_end, kv_len).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import launch, next_pow2, pool_block, row_block
+
+
+@triton.jit
+def _generated_mass_kernel(
+    rows_ptr, input_end_ptr, kv_len_ptr, mass_ptr, heads, stride_rb, stride_rh, BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // heads
+    base = rows_ptr + b * stride_rb + (row % heads) * stride_rh
+    end = tl.load(kv_len_ptr + b)
+    total = tl.zeros([BLOCK_S], tl.float32)
+    for j0 in range(tl.load(input_end_ptr + b), end, BLOCK_S):
+        j = j0 + tl.arange(0, BLOCK_S)
+        total += tl.load(base + j, mask=j < end, other=0.0).to(tl.float32)
+    tl.store(mass_ptr + row, tl.sum(total, 0))
+
+
+@triton.jit
+def _pool_kernel(
+    values_ptr, lse_ptr, gen_ptr, start_ptr, end_ptr, target_ptr,
+    alpha, heads, rows, n_target,
+    stride_vb, stride_vh, stride_vr, stride_lb, stride_lh, stride_lr, stride_gb, stride_gh, stride_gr,
+    stride_ib, stride_ir, stride_tb, stride_tr,
+    H_PAD: tl.constexpr, BLOCK_I: tl.constexpr, FROM_SCORES: tl.constexpr, REDISTRIBUTE: tl.constexpr,
+    POOLING: tl.constexpr, INTO_LOG_C: tl.constexpr,
+):
+    b = (tl.program_id(0) // rows).to(tl.int64)
+    r = (tl.program_id(0) % rows).to(tl.int64)
+    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    start = tl.load(start_ptr + b * stride_ib + r * stride_ir)
+    n_input = tl.load(end_ptr + b * stride_ib + r * stride_ir) - start
+    i_mask = i < n_input
+    h = tl.arange(0, H_PAD)
+    h_mask = h < heads
+    tile_mask = h_mask[:, None] & i_mask[None, :]
+    if FROM_SCORES:
+        # The split pass writes input i of a row in column i; given rows keep absolute key positions.
+        column = i
+    else:
+        column = start + i
+    x = tl.load(values_ptr + b * stride_vb + r * stride_vr + h[:, None] * stride_vh + column[None, :],
+                mask=tile_mask, other=0.0).to(tl.float32)
+    if FROM_SCORES:
+        lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + r * stride_lr, mask=h_mask, other=0.0)
+        x = tl.exp(x - lse.to(tl.float32)[:, None])
+    if REDISTRIBUTE:
+        gen = tl.load(gen_ptr + b * stride_gb + h * stride_gh + r * stride_gr, mask=h_mask, other=0.0)
+        if FROM_SCORES:
+            gen = tl.exp(gen - lse)
+        x += gen[:, None] / n_input.to(tl.float32)
+    if POOLING == "max":
+        pooled = tl.max(tl.where(h_mask[:, None], x, float("-inf")), 0)
+    elif POOLING == "min":
+        pooled = tl.min(tl.where(h_mask[:, None], x, float("inf")), 0)
+    else:
+        pooled = tl.sum(tl.where(h_mask[:, None], x, 0.0), 0) / heads
+    target = target_ptr + b * stride_tb + r * stride_tr + i
+    if INTO_LOG_C:
+        # Efficient-attention rows can pool below zero; clamping keeps the floor's log defined.
+        term = tl.log(alpha * tl.maximum(pooled, 0.0) + (1.0 - alpha))
+        tl.store(target, tl.load(target, mask=i_mask) + term, mask=i_mask)
+    else:
+        tl.store(target, tl.where(i_mask, pooled, 0.0), mask=i < n_target)
+
+
+def pool(values, target, start, end, *, lse=None, generated=None, alpha=1.0, pooling="max", redistribute=True,
+         into_log_c=True):
+    """Pool `values` over heads into `target` for each query row.
+
+    values: scores (B, H, R, N_max) with lse and generated = lse_gen (B, H, R), or rows (B, H, S) (R = 1)
+        with generated = each head's generated mass (B, H) float32 (lse None).
+    start, end: (B, R) int64 input ranges (stride 0 over R allowed).
+    target: log_c (B, N_max) to which log(alpha * m' + 1 - alpha) is added for i < N (into_log_c), or
+        out (B, R, N_max) that receives m' for i < N and 0 after.
+    """
+    from_scores = lse is not None
+    values4 = values if from_scores else values[:, :, None]
+    batch, heads, rows = values4.shape[:3]
+    target3 = target.view(batch, rows, -1)
+    n_target = target3.shape[-1]
+    gen = generated if generated is not None else values4  # not read: REDISTRIBUTE is off
+    gen3 = gen if gen.dim() != 2 else gen[:, :, None]
+    lse3 = lse if from_scores else values4
+    block_i = pool_block(heads, n_target)
+    launch(
+        _pool_kernel, (batch * rows, triton.cdiv(n_target, block_i)),
+        values4, lse3, gen3, start, end, target3,
+        float(alpha), heads, rows, n_target,
+        values4.stride(0), values4.stride(1), values4.stride(2), lse3.stride(0), lse3.stride(1), lse3.stride(2),
+        gen3.stride(0), gen3.stride(1), gen3.stride(2), start.stride(0), start.stride(1),
+        target3.stride(0), target3.stride(1),
+        H_PAD=next_pow2(heads), BLOCK_I=block_i, FROM_SCORES=from_scores, REDISTRIBUTE=redistribute,
+        POOLING=pooling, INTO_LOG_C=into_log_c, num_warps=4,
+    )
+
+
+def generated_mass(rows, input_end, kv_len):
+    """(B, H) float32: each head's sum of rows (B, H, S) over keys [input_end, kv_len)."""
+    batch, heads, keys = rows.shape
+    mass = torch.empty(batch, heads, device=rows.device, dtype=torch.float32)
+    launch(
+        _generated_mass_kernel, (batch * heads,),
+        rows, input_end, kv_len, mass, heads, rows.stride(0), rows.stride(1),
+        BLOCK_S=row_block(keys), num_warps=4,
+    )
+    return mass

@@ -1,0 +1,85 @@
+"""What the per-op tests share: the device, backend parameters with the dispatcher's skip reasons, the
+factor values of the grids, ranges with pads / generated keys / unused slots, and result checks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from macs_kernels import reference
+from macs_kernels.config import BACKENDS
+from macs_kernels.ops import why_unavailable
+from tests.tolerances import RELATIVE_ERROR, relative_error
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+SEQUENCES = (1, 113, 1023)
+HEAD_DIMS = (64, 128)
+HEADS = ((2, 2), (3, 1), (8, 2), (8, 1))  # H:H_kv = 1:1, 3:1, 4:1, 8:1
+BATCHES = (1, 3)
+POOLINGS = ("max", "mean", "min")
+ALPHAS = (0.2, 0.8, 1.0)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+EXTRA_COLUMNS = 3  # log_c columns past every row's N_b: they must come back untouched
+SENTINEL = 7.25
+
+
+def backends(op: str) -> list:
+    """pytest params over every backend for `op`, skipped with the dispatcher's reason where it cannot run;
+    the cuda backend carries the gpu marker."""
+    params = []
+    for name in BACKENDS:
+        reason = why_unavailable(name, DEVICE, op)
+        marks = [pytest.mark.gpu] if name == "cuda" else []
+        if reason is not None:
+            marks.append(pytest.mark.skip(reason=reason))
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
+
+
+def row_ranges(keys: int, batch: int):
+    """Per row (input_start, input_end, kv_len): pads + inputs + generated + unused slots; a full cache
+    of inputs only; a single input followed by many generated keys. S = 1 leaves one input key."""
+    if keys == 1:
+        patterns = [(0, 1, 1)] * 3
+    else:
+        patterns = [
+            (keys // 8, keys // 2 + 1, keys - keys // 16),
+            (0, keys, keys),
+            (keys // 3, keys // 3 + 1, keys // 3 + 1 + keys // 4),
+        ]
+    start, end, length = zip(*patterns[:batch])
+    return tuple(torch.tensor(values, device=DEVICE) for values in (start, end, length))
+
+
+def fresh_log_c(input_start, input_end):
+    """Random log_c with SENTINEL in each row's columns >= N_b."""
+    n_input = (input_end - input_start).cpu()
+    log_c = torch.randn(len(n_input), int(n_input.max()) + EXTRA_COLUMNS)
+    log_c[torch.arange(log_c.shape[1]) >= n_input[:, None]] = SENTINEL
+    return log_c.to(DEVICE)
+
+
+def assert_log_c(got, ref, input_start, input_end, dtype):
+    n_input = (input_end - input_start).cpu()
+    beyond = torch.arange(got.shape[1]) >= n_input[:, None]
+    got = got.cpu()
+    assert bool((got[beyond] == SENTINEL).all()), "entries i >= N_b were written"
+    # alpha = 1 with a pooled value of exactly 0 (clamped negative rows) gives log 0 = -inf on both sides.
+    infinite = torch.isinf(ref)
+    assert torch.equal(torch.isinf(got), infinite) and bool((got[infinite] == ref[infinite]).all())
+    error = relative_error(got[~infinite], ref[~infinite])
+    assert error <= RELATIVE_ERROR[dtype], f"relative error {error:.3g} > {RELATIVE_ERROR[dtype]:.3g}"
+
+
+def random_qk(batch, heads, kv_heads, keys, dim, dtype):
+    q = torch.randn(batch, heads, dim, dtype=dtype, device=DEVICE)
+    k = torch.randn(batch, kv_heads, keys, dim, dtype=dtype, device=DEVICE)
+    return q, k
+
+
+def reference_lse(q, k, input_start, kv_len, scale):
+    group = q.shape[1] // k.shape[1]
+    return torch.tensor([
+        [float(reference.softmax_row_reference(q[b, h], k[b, h // group, s:n], scale)[1]) for h in range(q.shape[1])]
+        for b, (s, n) in enumerate(zip(input_start.tolist(), kv_len.tolist()))
+    ], dtype=torch.float32, device=DEVICE)

@@ -1,0 +1,158 @@
+"""Backend choice and the backend self-check (issue 15, "Unverified GPU paths"), on the CPU: with the Triton
+interpreter, the triton backend can be made a candidate of the automatic choice and its kernels made
+wrong by monkeypatching."""
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+
+import macs_kernels.ops.triton as triton_backend
+from macs_kernels import ops
+from macs_kernels.ops import _dispatch, verify
+from tests.ops.cases import DEVICE, random_qk
+
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def fresh_verdicts(monkeypatch):
+    """An empty self-check cache, as in a new process."""
+    monkeypatch.setattr(verify, "_verdicts", {})
+    monkeypatch.setattr(verify, "_warned", set())
+
+
+@pytest.fixture
+def triton_is_a_candidate(monkeypatch, fresh_verdicts):
+    """The automatic choice on the CPU tries triton (in the interpreter) before torch."""
+    monkeypatch.setattr(verify, "candidates", lambda device: ("triton", "torch"))
+
+
+@pytest.fixture
+def wrong_triton_zscore(monkeypatch):
+    original = triton_backend.macs_zscore
+    monkeypatch.setattr(triton_backend, "macs_zscore", lambda log_c, n_input: original(log_c, n_input) * 1.01)
+
+
+def test_automatic_choice_takes_a_backend_that_passes(triton_is_a_candidate):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert ops.verified_backend(None, CPU, ops=("macs_zscore", "macs_update")) == "triton"
+    assert ops.self_check("triton", CPU, "macs_update") is None
+
+
+def test_automatic_choice_falls_back_with_one_warning(triton_is_a_candidate, wrong_triton_zscore):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        chosen = [ops.verified_backend(None, CPU, ops=("macs_update", "macs_zscore")),
+                  ops.resolve_backend(None, CPU, "macs_zscore"), ops.verified_backend(None, CPU, ops=("macs_zscore",))]
+    assert chosen == ["torch"] * 3
+    messages = [str(w.message) for w in record if "self-check" in str(w.message)]
+    assert len(messages) == 1
+    assert re.search(r"triton backend's macs_zscore failed its self-check on cpu: .*differs from the torch path by "
+                     r"0\.0\d+ .*falling back", messages[0])
+    # The public op, with backend=None, runs the torch path: exact z-scores, not 1% off.
+    log_c = torch.randn(2, 7)
+    torch.testing.assert_close(ops.macs_zscore(log_c, [7, 3]), ops.macs_zscore(log_c, [7, 3], backend="torch"))
+    # The other ops still pass: the verdict is per op.
+    assert ops.verified_backend(None, CPU, ops=("macs_update",)) == "triton"
+
+
+def test_an_explicit_backend_is_kept_but_its_check_is_reported(fresh_verdicts, wrong_triton_zscore):
+    log_c = torch.randn(2, 7)
+    with pytest.warns(RuntimeWarning, match="macs_zscore failed its self-check.*named explicitly"):
+        z = ops.macs_zscore(log_c, [7, 3], backend="triton")
+    torch.testing.assert_close(z, ops.macs_zscore(log_c, [7, 3], backend="torch") * 1.01)
+
+
+def test_a_backend_that_raises_fails_its_check(triton_is_a_candidate, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(triton_backend, "decode_attention", broken)
+    with pytest.warns(RuntimeWarning, match="decode_attention failed its self-check.*raised RuntimeError: no kernel"):
+        assert ops.verified_backend(None, CPU) == "torch"
+
+
+def test_self_check_catches_a_wrong_pooled_decode(fresh_verdicts, monkeypatch):
+    """decode_attention is checked in both fused modes: a kernel wrong only in the pooled mode fails."""
+    original = triton_backend.decode_attention
+
+    def wrong_pooled(*args):
+        result = original(*args)
+        if args[11] is not None:
+            args[11].mul_(1.001)
+        return result
+
+    monkeypatch.setattr(triton_backend, "decode_attention", wrong_pooled)
+    assert "differs from the torch path" in ops.self_check("triton", CPU, "decode_attention")
+
+
+def test_verdicts_are_cached_per_process_and_device(fresh_verdicts, monkeypatch):
+    calls = []
+    compare = verify._compare
+    monkeypatch.setattr(verify, "_compare", lambda *args: calls.append(args) or compare(*args))
+    for _ in range(3):
+        assert ops.self_check("triton", "cpu", "macs_zscore") is None
+    assert len(calls) == 1
+    assert ops.self_check("torch", "cpu", "macs_zscore") is None and len(calls) == 1
+
+
+def test_named_backend_that_cannot_run_raises():
+    with pytest.raises(ops.BackendUnavailable, match="cuda backend needs CUDA tensors"):
+        ops.verified_backend("cuda", CPU)
+    with pytest.raises(ValueError, match="unknown backend"):
+        ops.resolve_backend("tpu", CPU)
+    with pytest.raises(ValueError, match="unknown op"):
+        ops.why_unavailable("torch", CPU, "macs_updat")
+
+
+def test_cuda_backend_absent_without_extension():
+    """Without macs_kernels._C the cuda backend is unavailable, naming the missing build."""
+    try:
+        import macs_kernels._C  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("macs_kernels._C is built here")
+    reason = _dispatch.why_unavailable("cuda", torch.device("cuda"), "macs_update")
+    assert "macs_kernels._C is absent" in reason
+
+
+@pytest.mark.parametrize(
+    "available, expected",
+    [({"cuda", "triton", "torch"}, "cuda"), ({"triton", "torch"}, "triton"), ({"torch"}, "torch")],
+)
+def test_automatic_choice_prefers_cuda_then_triton(monkeypatch, fresh_verdicts, available, expected):
+    monkeypatch.setattr(verify, "why_unavailable",
+                        lambda name, device, op=None: None if name in available else "absent")
+    monkeypatch.setattr(verify, "self_check", lambda backend, device, op: None)
+    monkeypatch.setattr(verify, "_device_key", torch.device)
+    assert ops.resolve_backend(None, torch.device("cuda")) == expected
+    assert ops.resolve_backend(None, torch.device("cpu")) == "torch"
+
+
+def test_launch_counter_counts_each_kernel():
+    ops.verified_backend("triton", DEVICE, ops=("decode_attention", "macs_update", "macs_update_rows", "macs_zscore"))
+    counts = triton_backend.LAUNCHES
+    before = counts.copy()
+    q, k = random_qk(1, 3, 1, 113, 64, torch.float32)
+    log_c = torch.zeros(1, 50, device=DEVICE)
+    ops.decode_attention(q, k, k, kv_len=113, scale=0.125, log_c=log_c, input_end=50, backend="triton")
+    ops.macs_update(q, k, log_c, input_start=0, input_end=50, kv_len=113, scale=0.125, backend="triton")
+    ops.macs_update_rows(torch.rand(1, 3, 113, device=DEVICE), log_c, input_start=0, input_end=50, kv_len=113,
+                         backend="triton")
+    ops.macs_zscore(log_c, [50], backend="triton")
+    assert counts - before == {
+        "_split_kv_kernel": 2, "_split_kv_combine_kernel": 2, "_pool_kernel": 3,
+        "_generated_mass_kernel": 1, "_macs_zscore_kernel": 1,
+    }
+
+
+def test_self_check_launches_are_not_counted(fresh_verdicts):
+    before = triton_backend.LAUNCHES.copy()
+    assert ops.self_check("triton", CPU, "macs_update") is None
+    assert triton_backend.LAUNCHES == before
