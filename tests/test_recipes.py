@@ -46,3 +46,32 @@ def test_batch_explain_writes_one_result_per_prompt(tmp_path):
             assert 0 < start < stop <= len(result["input_ids"])
         else:
             assert result["source_span"] is None
+
+
+def test_batch_explain_data_parallel_resumes_with_every_prompt_once(tmp_path):
+    """Two torchrun ranks append to one output; ids already there (an earlier, stopped run) are skipped, and
+    each result equals the single-process run's."""
+    inputs = tmp_path / "prompts.jsonl"
+    lines = (RECIPES / "example_prompts.jsonl").read_text().splitlines()
+    inputs.write_text("\n".join(lines + [json.dumps({"id": "extra", "prompt": "Name a colour."})]) + "\n")
+    single = tmp_path / "single.jsonl"
+    run(RECIPES / "batch_explain.py", inputs, single, "--max-new-tokens", "3", cwd=tmp_path)
+    expected = {str(r["id"]): r for r in map(json.loads, single.read_text().splitlines())}
+    stopped = tmp_path / "parallel.jsonl"
+    first = single.read_text().splitlines()[0]
+    stopped.write_text(first + "\n" + first[: len(first) // 3])  # one result, then a line cut by a kill
+    out = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+              RECIPES / "batch_explain.py", inputs, stopped, "--max-new-tokens", "3", cwd=tmp_path)
+    assert "holds 4 results (1 from an earlier run)" in out
+    results = []
+    for line in stopped.read_text().splitlines():
+        try:
+            results.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    assert sorted(str(r["id"]) for r in results) == sorted(expected)
+    for result in results:
+        reference = expected[str(result["id"])]
+        assert result["generated_ids"] == reference["generated_ids"]
+        assert max(abs(a - b) for row, ref in zip(result["step_log_c"], reference["step_log_c"])
+                   for a, b in zip(row, ref) if a is not None) <= 1e-4

@@ -38,6 +38,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--backend", default=None, choices=["torch", "triton", "cuda"])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--report-only", action="store_true", help="only summarise --out (a partial run too)")
+    parser.add_argument("--distributed", action="store_true",
+                        help="data parallel: run under torchrun (torchrun --nproc-per-node K -m macs_kernels eval "
+                             "...); rank r takes every K-th sample, all ranks append to one --out, rank 0 writes "
+                             "the summary. Under torchrun this is implied.")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_model_arguments(parser)
     parser.set_defaults(run=run)
@@ -52,17 +56,23 @@ def run(args: argparse.Namespace) -> int:
         check_outputs(args.out, protected=[data_file], write_stream=not args.report_only)
     except ValueError as error:
         raise SystemExit(f"eval: --out: {error}") from None
-    if not args.report_only:
-        _run(args)
-    elif not args.out.is_file():
-        raise SystemExit(f"no results file at {args.out}")
+    from ..parallel import data_parallel
+
+    with data_parallel(required=args.distributed) as shard:
+        if not args.report_only:
+            _run(args, shard)
+        elif not args.out.is_file():
+            raise SystemExit(f"no results file at {args.out}")
+        shard.barrier()
+    if not shard.leader:
+        return 0
     summary = write_report(args.out)
     print(markdown(summary), end="")
     print("wrote " + ", ".join(str(p) for p in summary_paths(args.out).values()))
     return 0
 
 
-def _run(args: argparse.Namespace) -> None:
+def _run(args: argparse.Namespace, shard) -> None:
     from ..evaluation.data import load_qa, parse_range
     from ..evaluation.methods import parse_methods
 
@@ -101,6 +111,9 @@ def _run(args: argparse.Namespace) -> None:
         faithfulness_from=args.faithfulness_from,
         records_root=None if args.records is None else str(args.records), backend=args.backend,
     )
-    print(f"eval: {len(samples)} samples, methods {', '.join(m.name for m in methods)}", flush=True)
-    runner = run_eval(model, tokenizer, samples, methods, settings, args.out, progress=not args.no_progress)
-    print(f"eval: {runner.counts.describe()}", flush=True)
+    rank = f"rank {shard.rank} of {shard.size}: " if shard.size > 1 else ""
+    print(f"eval: {rank}{len(shard.take(samples))} of {len(samples)} samples, methods "
+          f"{', '.join(m.name for m in methods)}", flush=True)
+    runner = run_eval(model, tokenizer, samples, methods, settings, args.out, progress=not args.no_progress,
+                      shard=shard)
+    print(f"eval: {rank}{runner.counts.describe()}", flush=True)

@@ -19,6 +19,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from ..parallel import Shard
 from .methods import FAITHFULNESS_METRICS, Method
 from .record_cache import RECORD_VERSION, load_record, records_dir, save_record
 from .scoring import RANDOM_SEED, method_identity, method_scores, score_auc
@@ -135,18 +136,22 @@ class Runner:
 
         return tqdm(items, desc=desc, disable=not self.progress, mininterval=5.0, dynamic_ncols=True)
 
-    def run(self, samples) -> None:
+    def run(self, samples, shard: Shard = Shard()) -> None:
+        """Every sample (this rank's share of them under data parallelism: every shard.size-th one)."""
         self.keys = {s.index: sample_key(self.settings, s) for s in samples}
-        self.results.write({"kind": "run", "format": RESULTS_FORMAT, **self.settings.generation(),
-                            "data": self.settings.data, "samples": [[i, k] for i, k in self.keys.items()]})
+        if shard.leader:
+            self.results.write({"kind": "run", "format": RESULTS_FORMAT, **self.settings.generation(),
+                                "data": self.settings.data, "samples": [[i, k] for i, k in self.keys.items()]})
+        # A new stream must start with its run line (that is how a results stream is recognised).
+        shard.barrier()
         # Faithfulness scores are kept for the samples phase 2 will reach: the first faithfulness_n with answers.
         answered = [s for s in samples
                     if s.answers and s.problem is None and s.index >= self.settings.faithfulness_from]
         self.faithfulness_indices = {s.index for s in answered[: self.settings.faithfulness_n]}
-        for sample in self._bar(samples, "generate + AUC-PR"):
+        for sample in self._bar(shard.take(samples), "generate + AUC-PR"):
             self.score_sample(sample)
         faithful = [m for m in self.methods if m.faithfulness]
-        chosen = [s for s in answered if s.index in self.faithfulness_indices]
+        chosen = shard.take([s for s in answered if s.index in self.faithfulness_indices])
         if faithful and chosen:
             for sample in self._bar(chosen, "faithfulness"):
                 self.faithfulness_sample(sample, faithful)
@@ -280,8 +285,10 @@ class Runner:
                             **method_identity(method)})
 
 
-def run_eval(model, tokenizer, samples, methods: list[Method], settings: EvalSettings, out, progress=True) -> Runner:
-    """Generate, score and write every sample's results to `out` (reusing what is already there)."""
+def run_eval(model, tokenizer, samples, methods: list[Method], settings: EvalSettings, out, progress=True,
+             shard: Shard = Shard()) -> Runner:
+    """Generate, score and write every sample's results to `out` (reusing what is already there); under data
+    parallelism, this rank's share of the samples."""
     runner = Runner(model, tokenizer, methods, Results(out), settings, progress)
-    runner.run(samples)
+    runner.run(samples, shard)
     return runner

@@ -20,6 +20,8 @@ import json
 import os
 from pathlib import Path
 
+from ..parallel import append_line, end_with_newline
+
 RESULTS_FORMAT = "macs-kernels eval results"
 SUMMARY_FORMAT = "macs-kernels eval summary"
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -63,14 +65,9 @@ class Results:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         check_results_stream(self.path)
-        self.lines = read_results(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.is_file() and self.path.stat().st_size:
-            with open(self.path, "rb") as f:  # a killed write can leave a line without its newline
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    with open(self.path, "a", encoding="utf-8") as g:
-                        g.write("\n")
+        end_with_newline(self.path)
+        self.lines = read_results(self.path)
 
     def get(self, kind: str, index=None, method=None, *, key: str | None = None):
         """The line of (kind, index, method); with `key`, only when it was computed from that content."""
@@ -80,8 +77,8 @@ class Results:
         return line
 
     def write(self, line: dict) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+        # Data-parallel ranks append to the same stream: whole lines under a lock.
+        append_line(self.path, json.dumps(line, ensure_ascii=False))
         self.lines[line_key(line)] = line
 
 
