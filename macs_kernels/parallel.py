@@ -37,6 +37,9 @@ class Shard:
             dist.barrier()
 
 
+SINGLE_PROCESS = Shard()
+
+
 def torchrun_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -49,7 +52,7 @@ def data_parallel(required: bool = False):
         if required:
             raise SystemExit("--distributed: start this under torchrun, e.g. "
                              "torchrun --nproc-per-node 2 -m macs_kernels eval ... (WORLD_SIZE is not set)")
-        yield Shard()
+        yield SINGLE_PROCESS
         return
     import torch.distributed as dist
 

@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from ..parallel import Shard
+from ..parallel import SINGLE_PROCESS, Shard
 from .methods import FAITHFULNESS_METRICS, Method
 from .record_cache import RECORD_VERSION, load_record, records_dir, save_record
 from .scoring import RANDOM_SEED, method_identity, method_scores, score_auc
@@ -136,7 +136,7 @@ class Runner:
 
         return tqdm(items, desc=desc, disable=not self.progress, mininterval=5.0, dynamic_ncols=True)
 
-    def run(self, samples, shard: Shard = Shard()) -> None:
+    def run(self, samples, shard: Shard = SINGLE_PROCESS) -> None:
         """Every sample (this rank's share of them under data parallelism: every shard.size-th one)."""
         self.keys = {s.index: sample_key(self.settings, s) for s in samples}
         if shard.leader:
@@ -286,7 +286,7 @@ class Runner:
 
 
 def run_eval(model, tokenizer, samples, methods: list[Method], settings: EvalSettings, out, progress=True,
-             shard: Shard = Shard()) -> Runner:
+             shard: Shard = SINGLE_PROCESS) -> Runner:
     """Generate, score and write every sample's results to `out` (reusing what is already there); under data
     parallelism, this rank's share of the samples."""
     runner = Runner(model, tokenizer, methods, Results(out), settings, progress)
