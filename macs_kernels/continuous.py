@@ -474,14 +474,14 @@ def attach_continuous(model, *, manager=None, keep_finished: int = 256, **config
         tracer._close()
 
 
-@torch.inference_mode()
 def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuous_batching_config=None, **config):
     """Run `prompts` through `model.generate_batch` (greedy) and explain each with MACS.
 
     prompts: a list of prompts (strings, wrapped in the chat template when the tokenizer has one, or lists of
         chat messages). Returns one Explanation per prompt, in prompt order, whose rows equal explain() of
         that prompt alone. continuous_batching_config: a transformers ContinuousBatchingConfig (page size,
-        token budget, ...); flash attention is never switched on.
+        token budget, ...); flash attention is never switched on. Without `num_blocks` in it, the paged cache
+        holds exactly these prompts and their new tokens (sized from free memory, its allocation would dominate).
     """
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -500,6 +500,9 @@ def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuo
     elif not isinstance(continuous_batching_config, ContinuousBatchingConfig):
         raise TypeError("continuous_batching_config must be a transformers ContinuousBatchingConfig")
     continuous_batching_config = dataclasses.replace(continuous_batching_config, auto_switch_to_flash=False)
+    if continuous_batching_config.num_blocks is None:
+        page = continuous_batching_config.page_size
+        continuous_batching_config.num_blocks = sum(-(-(len(ids) + max_new_tokens) // page) for ids in inputs) + 1
     # explain() generates with the model's own generation config, greedy: so does this.
     generation_config = copy.deepcopy(model.generation_config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
