@@ -9,12 +9,13 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from macs_kernels import explain
-from macs_kernels.continuous import attach_continuous, explain_continuous
+from macs_kernels import explain, reference
+from macs_kernels.continuous import Segments, attach_continuous, explain_continuous, macs_pool_packed
 from tests.helpers import default_model, eager_macs, qa, tiny_llama
+from tests.tolerances import RELATIVE_ERROR, relative_error
 
 LOG_C_TOLERANCE = 1e-3
-GREEDY = dict(do_sample=False, eos_token_id=-1, pad_token_id=0)
+GREEDY = {"do_sample": False, "eos_token_id": -1, "pad_token_id": 0}
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,39 @@ def assert_rows_match_reference(model, prompt, output, rows, **config):
     assert log_c.dtype == scores.dtype == torch.float32
     log_ref, _ = eager_macs(model, torch.tensor(prompt), generated, **config)
     assert (log_c.double() - log_ref).abs().max() <= LOG_C_TOLERANCE
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pooling", ["max", "mean", "min"])
+@pytest.mark.parametrize("redistribute", [True, False, "mixed"])
+def test_macs_pool_packed_matches_float64_reference(dtype, pooling, redistribute):
+    """Rows over a packed key tensor (a 37-key segment of a non-emitting prefill chunk between them), GQA 3:1,
+    odd lengths; against the float64 reference of ops.macs_pool with per-row ranges."""
+    heads, kv_heads, dim = 9, 3, 16
+    starts, lengths, n_input = [0, 150, 157], [113, 7, 40], [100, 7, 33]
+    flags = [True, False, True] if redistribute == "mixed" else [redistribute] * 3
+    q = torch.randn(heads, 3, dim, dtype=dtype) * 2
+    key = torch.randn(kv_heads, 197, dim, dtype=dtype)
+    segments = Segments(starts, lengths, n_input, flags, torch.device("cpu"))
+    got = macs_pool_packed(q, key, segments, scale=dim**-0.5, pooling=pooling)
+    assert got.dtype == torch.float32 and got.shape == (3, 100)
+    for r, flag in enumerate(flags):
+        ref = reference.macs_pool_reference(
+            q[:, r : r + 1].unsqueeze(0), key.unsqueeze(0), input_start=[[starts[r]]],
+            input_end=[[starts[r] + n_input[r]]], kv_len=[[starts[r] + lengths[r]]], scale=dim**-0.5,
+            pooling=pooling, redistribute=flag,
+        )[0, 0]
+        assert relative_error(got[r, : n_input[r]], ref) <= RELATIVE_ERROR[dtype]
+
+
+def test_macs_pool_packed_refuses_bad_ranges():
+    with pytest.raises(ValueError, match="n_input"):
+        Segments([0], [5], [6], [True], torch.device("cpu"))
+    segments = Segments([0, 10], [10, 5], [4, 5], [True, True], torch.device("cpu"))
+    with pytest.raises(ValueError, match="inside the key tensor"):
+        macs_pool_packed(torch.randn(4, 2, 8), torch.randn(2, 12, 8), segments, scale=1.0)
+    with pytest.raises(ValueError, match="pooling"):
+        macs_pool_packed(torch.randn(4, 2, 8), torch.randn(2, 15, 8), segments, scale=1.0, pooling="sum")
 
 
 def test_packed_requests_with_chunked_prefill_match_reference(tiny):
@@ -142,7 +176,7 @@ def test_streaming_reader_sees_one_row_per_token_then_release(tiny):
             def consume():
                 try:
                     for output in manager.request_id_iter(request_id):
-                        log_c, scores = tracer.request_rows(request_id)
+                        log_c, _ = tracer.request_rows(request_id)
                         seen.append((len(output.generated_tokens), log_c.shape[0], output))
                 except Exception as error:  # noqa: BLE001 - reported in the test thread
                     errors.append(error)
@@ -215,16 +249,13 @@ def test_leaving_attach_restores_model_and_registries(tiny):
 
 
 def test_unsupported_modes_raise_before_generation(tiny):
-    with pytest.raises(NotImplementedError, match="efficient"):
-        with attach_continuous(tiny, attention="efficient"):
-            pass
-    with pytest.raises(ValueError, match="alpha"):
-        with attach_continuous(tiny, alpha=0.0):
-            pass
+    with pytest.raises(NotImplementedError, match="efficient"), attach_continuous(tiny, attention="efficient"):
+        pass
+    with pytest.raises(ValueError, match="alpha"), attach_continuous(tiny, alpha=0.0):
+        pass
     gen = GenerationConfig(max_new_tokens=2, num_return_sequences=2, do_sample=True, eos_token_id=-1, pad_token_id=0)
-    with attach_continuous(tiny):
-        with pytest.raises(NotImplementedError, match="num_return_sequences"):
-            tiny.init_continuous_batching(generation_config=gen, continuous_batching_config=cb_config(8))
+    with attach_continuous(tiny), pytest.raises(NotImplementedError, match="num_return_sequences"):
+        tiny.init_continuous_batching(generation_config=gen, continuous_batching_config=cb_config(8))
     with attach_continuous(tiny) as tracer:
         with pytest.raises(ValueError, match="per request"):
             tracer.configure("r", backend="torch")
