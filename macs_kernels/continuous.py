@@ -561,7 +561,8 @@ def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuo
     prompts: a list of prompts (strings, wrapped in the chat template when the tokenizer has one, or lists of
         chat messages). Returns one Explanation per prompt, in prompt order, whose rows equal explain() of
         that prompt alone. continuous_batching_config: a transformers ContinuousBatchingConfig (page size,
-        token budget, ...); flash attention is never switched on. Without `num_blocks` in it, the paged cache
+        token budget, ...); flash attention, CUDA graphs and async batching stay off unless asked for (then
+        they are refused: they bypass the traced attention). Without `num_blocks` in it, the paged cache
         holds exactly these prompts and their new tokens (sized from free memory, its allocation would dominate).
     """
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -580,7 +581,12 @@ def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuo
         continuous_batching_config = ContinuousBatchingConfig()
     elif not isinstance(continuous_batching_config, ContinuousBatchingConfig):
         raise TypeError("continuous_batching_config must be a transformers ContinuousBatchingConfig")
-    continuous_batching_config = dataclasses.replace(continuous_batching_config, auto_switch_to_flash=False)
+    # Flash, CUDA graphs and async batching bypass the traced attention; left to the engine they could be on.
+    continuous_batching_config = dataclasses.replace(
+        continuous_batching_config, auto_switch_to_flash=False,
+        use_cuda_graph=continuous_batching_config.use_cuda_graph or False,
+        use_async_batching=continuous_batching_config.use_async_batching or False,
+    )
     if continuous_batching_config.num_blocks is None:
         page = continuous_batching_config.page_size
         continuous_batching_config.num_blocks = sum(-(-(len(ids) + max_new_tokens) // page) for ids in inputs) + 1
