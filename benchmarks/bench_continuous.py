@@ -2,8 +2,9 @@
 
     python benchmarks/bench_continuous.py            # 16 requests, prompts 100-1000 tokens, 32 new tokens, 3 pairs
     python benchmarks/bench_continuous.py --quick    # 4 requests, prompts 50-200 tokens, 8 new tokens, 1 pair
-Writes benchmarks/results/continuous_<device>.csv (every run), _summary.csv (medians, ratios) and .png
-(or under --out).
+    python benchmarks/bench_continuous.py --requests 16 --prompt-tokens 100 400 --new-tokens 16   # a smaller run
+Writes benchmarks/results/continuous_cpu_<requests>x<prompt range>_<new tokens>.csv (every run), _summary.csv
+(medians, ratios) and .png (or under --out).
 
 Both modes run the same workload through transformers' continuous batching engine (sdpa, default paged
 cache settings except a cache sized for the workload, prefix sharing on): prompts of random token ids
@@ -124,6 +125,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--pairs", type=int, default=None, help="runs per mode (default 3, 1 with --quick)")
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=None, metavar=("SHORTEST", "LONGEST"))
+    parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -132,13 +136,16 @@ def main(argv=None) -> int:
         print(json.dumps(_child(mode, *map(int, sizes))))
         return 0
     requests, shortest, longest, new_tokens = (4, 50, 200, 8) if args.quick else (16, 100, 1000, 32)
+    requests = args.requests or requests
+    shortest, longest = args.prompt_tokens or (shortest, longest)
+    new_tokens = args.new_tokens or new_tokens
     pairs = args.pairs or (1 if args.quick else 3)
     order = [("plain", "macs") if i % 2 == 0 else ("macs", "plain") for i in range(pairs)]
     rows = []
     for mode in (mode for pair in order for mode in pair):
         done = subprocess.run(
             [sys.executable, __file__, "--child", mode, str(requests), str(shortest), str(longest), str(new_tokens)],
-            capture_output=True, text=True,
+            capture_output=True, text=True, check=False,
         )
         if done.returncode:
             raise SystemExit(f"{mode} run failed:\n{done.stderr[-4000:]}")
@@ -148,7 +155,7 @@ def main(argv=None) -> int:
               f"(+{row['peak_above_model_mib']:.1f} above the loaded model)", flush=True)
     summary = _summary(rows)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / ("continuous_cpu_quick" if args.quick else "continuous_cpu")
+    stem = args.out / f"continuous_cpu_{requests}x{shortest}-{longest}_{new_tokens}"
     for path, table in ((stem.with_suffix(".csv"), rows), (Path(f"{stem}_summary.csv"), [summary])):
         with open(path, "w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=list(table[0]))

@@ -9,8 +9,9 @@ only the pass that ends it emits a token. So per pass the tracer
 1. reads which requests are in the batch, in packing order, from the manager that prepared it;
 2. scores only the query rows that produce a token (the last row of a finished prefill, every decode row):
    row r of request i attends keys [cu_k[i], cu_k[i+1]), whose first N (the whole prompt) are its inputs;
-3. per layer, runs `ops.macs_pool` over the packed keys with those per-row ranges (m' before the floor)
-   and adds log(alpha * clamp(m', 0) + 1 - alpha) to a (rows, N_max) float32 state;
+3. per layer, computes MACS's pooled row m' (before the floor) of each scored row over its own keys
+   (`ops.macs_pool` with per-row ranges on the GPU backends, `macs_pool_packed` on torch) and adds
+   log(alpha * clamp(m', 0) + 1 - alpha) to a (rows, N_max) float32 state;
 4. after the last layer, z-scores the rows and appends each to its request's record.
 
 transformers accepts only "sdpa", "paged|eager" and flash names in continuous batching, so `attach_continuous`
@@ -81,11 +82,13 @@ def _install() -> None:
     global _attached_models
     with _install_lock:
         if _attached_models == 0:
+            wrappers = {}
             for name in WRAPPED_NAMES:
                 # A fresh instance has no local overrides: this is the library-wide function.
                 _originals[name] = AttentionInterface()[name]
-                AttentionInterface.register(name, _continuous_attention(_originals[name]))
-            shadowed = [name for name in WRAPPED_NAMES if ALL_ATTENTION_FUNCTIONS[name] is _originals[name]]
+                wrappers[name] = _continuous_attention(_originals[name])
+                AttentionInterface.register(name, wrappers[name])
+            shadowed = [name for name in WRAPPED_NAMES if ALL_ATTENTION_FUNCTIONS[name] is not wrappers[name]]
             if shadowed:
                 for name in WRAPPED_NAMES:
                     AttentionInterface.register(name, _originals.pop(name))
@@ -156,7 +159,7 @@ class Segments:
         as_index = functools.partial(torch.tensor, dtype=torch.int64, device=device)
         self.input_start = as_index([self.starts])
         self.input_end = as_index([[s + n for s, n in zip(self.starts, self.n_input)]])
-        self.kv_len = as_index([[s + n for s, n in zip(self.starts, self.lengths)]])
+        self.kv_len = as_index([[s + length for s, length in zip(self.starts, self.lengths)]])
 
     def probabilities(self, q, key, scale: float) -> torch.Tensor:
         """Softmax rows (R, H, L_max) float32 of q (H, R, D) over each row's own keys of key (H_kv, S, D),
