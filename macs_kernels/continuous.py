@@ -243,7 +243,8 @@ class ContinuousTracer:
         merged = dataclasses.replace(self.config, **config)
         _check_supported(merged)
         with self._lock:
-            if request_id in self._requests:
+            running = self._requests.get(request_id)
+            if running is not None and not running.finished():
                 raise RuntimeError(f"request {request_id!r} is already running; configure it before adding it")
             self._pending[request_id] = merged
 
@@ -311,7 +312,9 @@ class ContinuousTracer:
 
     def _request_for(self, state) -> _Request:
         record = self._requests.get(state.request_id)
-        if record is None:
+        # A finished request's id can come back as a new request (a fresh manager numbers from req_0 again).
+        if record is None or (record.state is not state and record.finished()):
+            self._finished.pop(state.request_id, None)
             config = self._pending.pop(state.request_id, self.config)
             record = _Request(n_input=_prompt_length(state), config=config, state=state)
             self._requests[state.request_id] = record

@@ -10,7 +10,12 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from macs_kernels import explain, reference
-from macs_kernels.continuous import Segments, attach_continuous, explain_continuous, macs_pool_packed
+from macs_kernels.continuous import (
+    Segments,
+    attach_continuous,
+    explain_continuous,
+    macs_pool_packed,
+)
 from tests.helpers import default_model, eager_macs, qa, tiny_llama
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
@@ -213,6 +218,15 @@ def test_finished_requests_beyond_keep_finished_are_dropped(tiny):
             assert tracer.request_rows("req_2")[0].shape == (2, 2)
         finally:
             tiny.destroy_cached_continuous_batching_manager()
+
+
+def test_request_ids_reused_by_a_new_manager_start_new_rows(tiny):
+    gen = GenerationConfig(max_new_tokens=2, **GREEDY)
+    with attach_continuous(tiny) as tracer:
+        for prompt in ([1, 2, 3, 4, 5, 6], [7, 8, 9]):
+            outputs = tiny.generate_batch([prompt], generation_config=gen, continuous_batching_config=cb_config(64))
+            assert list(outputs) == ["req_0"]
+            assert_rows_match_reference(tiny, prompt, outputs["req_0"], tracer.request_rows("req_0"))
 
 
 def test_leaving_attach_restores_model_and_registries(tiny):
