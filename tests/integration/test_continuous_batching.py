@@ -300,11 +300,9 @@ def test_manager_created_before_attach_needs_track(tiny):
         assert_rows_match_reference(tiny, [4, 5, 6, 7], output, tracer.request_rows(tracked))
 
 
-def test_default_model_rows_equal_explain_alone(model_and_tokenizer):
-    """Three QA prompts of different lengths, prefills split into 64-token chunks, the chat template's common
-    prefix shared between requests: each request's rows equal explain() of its prompt alone."""
-    model, tokenizer = model_and_tokenizer
-    prompts = [qa(0), "Name a primary colour.", qa(2)]
+def explain_default_batch(model, tokenizer, prompts):
+    """explain_continuous with prefills split into 64-token chunks and the chat template's common prefix
+    shared between requests (both checked)."""
     passes = PassLog(model)
     try:
         batch = explain_continuous(
@@ -314,10 +312,29 @@ def test_default_model_rows_equal_explain_alone(model_and_tokenizer):
     finally:
         passes.remove()
     lengths = [len(item.input_ids) for item in batch]
-    assert len(set(lengths)) == 3 and max(lengths) > 64
+    assert len(set(lengths)) == len(prompts) and max(lengths) > 64
     assert max(passes.tokens) <= 64
     assert sum(passes.tokens) < sum(lengths) + 4 * len(prompts), "the chat template's prefix must be shared"
-    for prompt, item in zip(prompts, batch):
+    return batch
+
+
+DEFAULT_PROMPTS = [qa(0), "Name a primary colour.", qa(2)]
+
+
+def test_default_model_rows_match_teacher_forced_reference(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    for item in explain_default_batch(model, tokenizer, DEFAULT_PROMPTS):
+        assert item.step_log_c.shape == item.step_scores.shape == (len(item.generated_ids), len(item.input_ids))
+        log_ref, _ = eager_macs(model, item.input_ids, item.generated_ids)
+        assert (item.step_log_c.double() - log_ref).abs().max() <= LOG_C_TOLERANCE
+
+
+@pytest.mark.slow
+def test_default_model_rows_equal_explain_alone(model_and_tokenizer):
+    """Each request's rows and tokens equal explain() of its prompt alone (three generate() runs: slow on a
+    busy machine)."""
+    model, tokenizer = model_and_tokenizer
+    for prompt, item in zip(DEFAULT_PROMPTS, explain_default_batch(model, tokenizer, DEFAULT_PROMPTS)):
         alone = explain(model, tokenizer, prompt, max_new_tokens=5, backend="torch")
         assert torch.equal(item.input_ids, alone.input_ids)
         assert torch.equal(item.generated_ids, alone.generated_ids)
