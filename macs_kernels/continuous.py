@@ -34,7 +34,7 @@ from .ops._dispatch import implementation, resolve_backend
 from .ops.torch_backend import _POOL as POOL
 from .tracing import check_model
 
-__all__ = ["ContinuousTracer", "attach_continuous", "explain_continuous"]
+__all__ = ["ContinuousTracer", "Segments", "attach_continuous", "explain_continuous", "macs_pool_packed"]
 
 # The names continuous batching accepts that run on any device; flash names need CUDA and hand the attention
 # function a block table on decode steps instead of packed keys.
