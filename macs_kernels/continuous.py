@@ -364,6 +364,11 @@ class ContinuousTracer:
                 records.append(record)
         if not records:
             return
+        # The engine computes logits at exactly these rows; a mismatch means its packing changed under us.
+        if kwargs["logits_indices"][: len(rows)].tolist() != rows:
+            raise RuntimeError(
+                f"continuous batching pass: rows that emit a token {rows} differ from the engine's logits_indices"
+            )
         segments = Segments(
             starts, [end - start for start, end in zip(starts, ends)], [r.n_input for r in records],
             [r.config.redistribute for r in records], device,
