@@ -151,9 +151,6 @@ class _PassPlan:
     """One forward pass: the scored query rows (the last `rows` of the pass) and how each layer scores them."""
 
     rows: int
-    input_start: torch.Tensor  # (B, R)
-    input_end: torch.Tensor  # (B, R)
-    kv_len: torch.Tensor  # (B, R): each row attends [input_start, kv_len)
     step: torch.Tensor  # (B, R): the row's index k in its sequence
     pooled: torch.Tensor  # (L, B, R, N_max) float32 m'
     pool: object  # (layer, q_rows (B, H, R, D), key) -> writes pooled[layer]
@@ -175,10 +172,9 @@ class Tracer:
         self.keep_pooled = keep_pooled
         self.backend = resolve_backend(config.backend, device)
         self._pool, self._decode = _pooled_kernels(self.backend)
-        # The torch backend's kernels for passes where one row attends every slot (no mask, no gather).
-        dense = self.backend == "torch"
-        self._pool_dense = torch_backend.macs_pool_dense if dense else None
-        self._decode_dense = torch_backend.decode_attention_dense if dense else None
+        # Kernels for passes where one row attends every slot (no mask, no gather), where a backend has them.
+        self._pool_dense = _optional_kernel(self.backend, "macs_pool_dense")
+        self._decode_dense = _optional_kernel(self.backend, "decode_attention_dense")
         self._pool_rows = implementation(self.backend, "macs_update_rows")
         self._macs_zscore = implementation(self.backend, "macs_zscore")
         self._fused = config.fused_decode if config.fused_decode is not None else self.backend != "torch"
@@ -288,8 +284,7 @@ class Tracer:
                 return out
 
         fused = self._fused and not self.prefill and q_len == 1 and self._gram is None
-        self._plan = _PassPlan(rows, ranges["input_start"], ranges["input_end"], kv_len, step, pooled, pool,
-                               decode if fused else None)
+        self._plan = _PassPlan(rows, step, pooled, pool, decode if fused else None)
         if self._gram is not None:
             self._gram_values = self._new_gram_values(value, mask, q_len)
         for hook in self.hooks:
@@ -478,6 +473,13 @@ class Tracer:
         return record["log_c"][offset, :n].cpu(), record["scores"][offset, :n].cpu()
 
 
+def _optional_kernel(backend: str, op: str):
+    try:
+        return implementation(backend, op)
+    except BackendUnavailable:
+        return None
+
+
 def _pool_from_log_term(out: torch.Tensor, add_log_term) -> None:
     """m' from a kernel that adds log(m') (its alpha = 1 term) to a zeroed state: exp of that state."""
     out.zero_()
@@ -649,6 +651,10 @@ def _traced_generate(model, tracer: Tracer, generate):
             finally:
                 tracer._suspended -= 1
         inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+        if not isinstance(inputs, torch.Tensor):
+            raise NotImplementedError(
+                "generate without input_ids (inputs_embeds) is not supported: the tracer needs the prompt's token slots"
+            )
         plan = check_generate(model, kwargs, attention=tracer.config.attention)
         wants_dict = kwargs.get("return_dict_in_generate", False)
         if plan.num_beams > 1:
