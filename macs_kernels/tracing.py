@@ -104,11 +104,6 @@ def check_generate(model, generate_kwargs: dict, *, attention: str = "softmax") 
 
     if generate_kwargs.get("custom_generate") is not None:
         raise NotImplementedError("custom_generate is not supported: macs_kernels traces generate's own modes only")
-    if _compiled(model.forward) or _compiled(getattr(model, "__call__", None)):
-        raise NotImplementedError(
-            "the model's forward is torch.compile'd: the tracer keeps host-side state per pass; "
-            "run with the uncompiled forward (drop torch.compile)"
-        )
     config_kwargs = {k: v for k, v in generate_kwargs.items() if k not in _GENERATE_ARGUMENTS}
     config, model_kwargs = model._prepare_generation_config(generate_kwargs.get("generation_config"), **config_kwargs)
     mode = str(config.get_generation_mode(generate_kwargs.get("assistant_model")).value)
@@ -304,11 +299,15 @@ class Tracer:
         return bool((last_end == q_len).all())
 
     def _start_sequence(self, start, last_end, end, mask, batch, q_len, keys) -> None:
-        counts = _last_row_attended(mask, batch, keys, start.device).sum(-1)
-        ends_at_query = (last_end == q_len) | (last_end == keys) | self._static
         # One host sync per sequence: the attended keys must be one contiguous run, the last query (a
-        # prompt token, not a right pad) attends its own slot, and the inputs are not empty.
-        if bool(((last_end - start != counts) | (end <= start) | ~ends_at_query).any()):
+        # prompt token, not a right pad) attends its own slot, and the inputs are not empty. Without a
+        # mask there are no pads.
+        bad = end <= start
+        if mask is not None:
+            counts = _last_row_attended(mask, batch, keys, start.device).sum(-1)
+            ends_at_query = (last_end == q_len) | (last_end == keys) | self._static
+            bad = bad | (last_end - start != counts) | ~ends_at_query
+        if bool(bad.any()):
             raise ValueError(
                 "the attention mask is not left padding (attended keys must form one run ending at the "
                 "last key); pad on the left"
@@ -601,6 +600,11 @@ def check_model(model) -> dict[int, torch.nn.Module]:
             "so macs_kernels cannot trace it"
         )
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text_config, "attn_logit_softcapping", None):
+        raise NotImplementedError(
+            f"attention logit softcapping (attn_logit_softcapping={text_config.attn_logit_softcapping}) is not "
+            "supported: the MACS rows would be computed without the tanh cap the model applies"
+        )
     layer_types = getattr(text_config, "layer_types", None) or []
     if any("sliding" in str(kind) for kind in layer_types) or (
         getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True)
@@ -609,10 +613,10 @@ def check_model(model) -> dict[int, torch.nn.Module]:
             "sliding-window attention layers are not supported: their cache keeps only the window, so key "
             "slots no longer map to tokens"
         )
-    if getattr(text_config, "attn_logit_softcapping", None):
+    if _compiled(getattr(model, "forward", None)):
         raise NotImplementedError(
-            f"attention logit softcapping (attn_logit_softcapping={text_config.attn_logit_softcapping}) is not "
-            "supported: the MACS rows would be computed without the tanh cap the model applies"
+            "the model's forward is torch.compile'd: the tracer keeps host-side state per pass and cannot run "
+            "inside a compiled graph; use the uncompiled forward (drop torch.compile)"
         )
     modules = _attention_modules(model)
     if sorted(modules) != list(range(len(modules))) or not modules:

