@@ -181,6 +181,7 @@ class Tracer:
         self._prompt_length = None
         self._static = False
         self._suspended = 0
+        self.prefill = False  # whether the pass in progress starts a sequence
         self.reset()
 
     def reset(self) -> None:
@@ -190,7 +191,6 @@ class Tracer:
         self._flat = None
         self.input_start = self.input_end = self.kv_len = self.n_input = None
         self.n_input_list: list[int] | None = None
-        self.prefill = False
         self._row_map = None
         self._valid = None
         self._beam_indices = None
@@ -281,7 +281,7 @@ class Tracer:
         fused = self._fused and not self.prefill and q_len == 1 and self._gram is None
         self._plan = _PassPlan(rows, step, pooled, pool, decode if fused else None)
         if self._gram is not None:
-            self._gram_values = self._new_gram_values(value, mask, q_len)
+            self._gram_slots = self._new_gram_slots(mask, batch, keys, key.device)
         for hook in self.hooks:
             hook.begin_pass(self, self.prefill)
 
@@ -327,16 +327,22 @@ class Tracer:
             pad = torch.full((self._row_map.shape[0], missing), -1, dtype=torch.int64, device=self._row_map.device)
             self._row_map = torch.cat([self._row_map, pad], dim=1)
 
-    def _new_gram_values(self, value, mask, q_len):
-        """The value rows this pass adds to the Gram state and which of them are valid keys: every attended
-        slot on a sequence's first pass (prompt, earlier turns), then the new token's slot (static caches
-        write it anywhere)."""
+    def _new_gram_slots(self, mask, batch, keys, device):
+        """Which value slots this pass adds to the Gram state: every attended slot on a sequence's first pass
+        (prompt, earlier turns; (B, S) bool), then the new token's slot ((B,) index: a static cache writes
+        it anywhere)."""
         if self.prefill:
-            attended = _last_row_attended(mask, value.shape[0], value.shape[2], value.device)
-            slots = torch.arange(value.shape[2], device=value.device)
-            return value, attended & (slots < self.kv_len[:, None])
-        slot = (self.kv_len - 1).view(-1, 1, 1, 1).expand(-1, value.shape[1], 1, value.shape[3])
-        return value.gather(2, slot), torch.ones(value.shape[0], 1, dtype=torch.bool, device=value.device)
+            slots = torch.arange(keys, device=device)
+            return _last_row_attended(mask, batch, keys, device) & (slots < self.kv_len[:, None])
+        return self.kv_len - 1
+
+    def _gram_values(self, value):
+        """(values (B, H_kv, T, D), valid (B, T)) of this pass's new slots in one layer's value cache."""
+        slots = self._gram_slots
+        if slots.dtype == torch.bool:
+            return value, slots
+        index = slots.view(-1, 1, 1, 1).expand(-1, value.shape[1], 1, value.shape[3])
+        return value.gather(2, index), torch.ones(value.shape[0], 1, dtype=torch.bool, device=value.device)
 
     def _end_pass(self) -> None:
         plan = self._plan
@@ -371,7 +377,7 @@ class Tracer:
         """m' of the last query's efficient rows, after adding this pass's values to the Gram state."""
         from .efficient import efficient_rows
 
-        self._gram.append(layer, *self._gram_values)
+        self._gram.append(layer, *self._gram_values(value))
         rows, _ = efficient_rows(
             self.softmax_rows(query_last, key, scale), value, self._gram.gram(layer), self.input_start,
             self.kv_len, backend=self._efficient_backend,

@@ -13,6 +13,7 @@ from transformers import DynamicCache, StaticCache
 
 from macs_kernels import attach, explain, stream, trace_tensors
 from tests.helpers import default_model, eager_macs, qa, tiny_llama
+from tests.integration.test_integration_efficient import _efficient_reference as efficient_reference
 
 LOG_TOLERANCE = 1e-3
 EOS = 96  # tiny_llama's end-of-sequence id
@@ -233,25 +234,19 @@ def test_stream_with_prompt_lookup_yields_every_accepted_token(gqa_model):
 
 
 # ---- efficient attention follows the cache slots ------------------------------------------------------
-def _efficient_teacher_forced(model, prompt_ids, generated_ids):
-    with torch.no_grad(), attach(model, attention="efficient", backend="torch") as tracer:
-        cache = model(prompt_ids[None], use_cache=True).past_key_values
-        for token in generated_ids[:-1].tolist():
-            model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
-    return tracer.rows(0)[0]
-
-
 @pytest.mark.parametrize("generate_kwargs", [
     dict(cache_implementation="static"), dict(num_beams=3, num_return_sequences=2),
 ], ids=["static", "beams"])
 def test_efficient_attention_follows_static_slots_and_beam_reorders(generate_kwargs):
     model = tiny_llama(heads=3, kv_heads=1, layers=2)
-    ids = PROMPTS[1]
+    ids = torch.arange(3, 33)  # more keys than D + 1 = 17: the rows are projections, not the softmax rows
     result = explain(model, IdTokenizer(), input_ids=ids, max_new_tokens=4, attention="efficient", backend="torch",
                      **generate_kwargs)
     for item in result if isinstance(result, list) else [result]:
-        reference = _efficient_teacher_forced(model, ids, item.generated_ids)
-        assert (item.step_log_c - reference).abs().max() <= LOG_TOLERANCE
+        reference, _ = efficient_reference(model, ids, item.generated_ids)
+        assert (item.step_log_c.double() - reference).abs().max() <= LOG_TOLERANCE
+        softmax = trace_tensors(model, ids, item.generated_ids, backend="torch").log_c
+        assert (item.step_log_c - softmax).abs().max() > 0.01
     with pytest.raises(NotImplementedError, match="efficient"):
         explain(model, IdTokenizer(), input_ids=ids, max_new_tokens=3, attention="efficient",
                 prompt_lookup_num_tokens=3)
