@@ -112,7 +112,9 @@ def check_generate(model, generate_kwargs: dict, *, attention: str = "softmax") 
         raise NotImplementedError(f"{option} is not supported by macs_kernels; supported modes: {SUPPORTED_MODES}")
     for option in ("use_mtp", "assistant_early_exit", "prefill_chunk_size"):
         if getattr(config, option, None):
-            raise NotImplementedError(f"{option} is not supported by macs_kernels: it changes which passes see which keys")
+            raise NotImplementedError(
+                f"{option} is not supported by macs_kernels: it changes which passes see which keys"
+            )
     cache_implementation = getattr(config, "cache_implementation", None)
     if cache_implementation not in SUPPORTED_CACHE_IMPLEMENTATIONS:
         raise NotImplementedError(
