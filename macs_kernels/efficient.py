@@ -22,9 +22,10 @@ class GramState:
     valid keys so far.
 
     Allocated at a layer's first `append` from the values' shape and device. The state must see exactly
-    the keys that `efficient_rows` later attends ([kv_start, kv_len) of the cache): append the whole
-    prompt at prefill with pads invalid, then every generated token. A sliding-window layer drops keys
-    from its cache, which this state cannot follow.
+    the keys that `efficient_rows` later attends ([kv_start, kv_len) of the cache): append every attended
+    slot at a sequence's first pass (pads and a static cache's unused slots invalid), then each new token's
+    slot, and `reorder` it with the cache (beam search). A sliding-window layer drops keys from its cache,
+    and a crop (assisted decoding) drops rejected ones, which this state cannot follow.
     """
 
     def __init__(self, num_layers: int):
@@ -60,6 +61,13 @@ class GramState:
         x = augmented(v_new, torch.float64) * valid.to(v_new.device)[:, None, :, None]
         gram.add_(x.transpose(-1, -2) @ x)
         self._tokens[layer_idx].add_(valid.to(v_new.device).sum(dim=1))
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Follow a reorder of the cache's batch rows (beam search): row b now holds the keys of row rows[b]."""
+        for layer, gram in enumerate(self._grams):
+            if gram is not None:
+                self._grams[layer] = gram.index_select(0, rows.to(gram.device))
+                self._tokens[layer] = self._tokens[layer].index_select(0, rows.to(gram.device))
 
     def gram(self, layer_idx: int) -> torch.Tensor:
         """(B, H_kv, D+1, D+1) float64 Gram matrix of layer `layer_idx` (the state's own tensor)."""

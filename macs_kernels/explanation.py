@@ -9,7 +9,7 @@ import threading
 import torch
 
 from .config import MacsConfig
-from .tracing import attach, check_model
+from .tracing import attach, check_generate, check_model
 
 
 def log_zscores(log_c: torch.Tensor) -> torch.Tensor:
@@ -249,15 +249,19 @@ def _decode_tokens(tokenizer, ids) -> list[str]:
 
 
 def _explanations(tracer, tokenizer, ids, mask, generated, eos, config) -> list[Explanation]:
+    """One Explanation per returned sequence, in generate's order (prompt-major: sequence i continues
+    prompt i // k with k sequences per prompt)."""
+    per_prompt = generated.shape[0] // ids.shape[0]
     result = []
-    for b in range(ids.shape[0]):
-        tokens = generated[b].tolist()
+    for i in range(generated.shape[0]):
+        b = i // per_prompt
+        tokens = generated[i].tolist()
         steps = next((k + 1 for k, t in enumerate(tokens) if t in eos), len(tokens))
-        log_c, _ = tracer.rows(b, steps)
+        log_c, _ = tracer.rows(i, steps)
         prompt_ids = ids[b][mask[b].bool()]
         result.append(Explanation(
             input_ids=prompt_ids.cpu(),
-            generated_ids=generated[b, :steps].cpu(),
+            generated_ids=generated[i, :steps].cpu(),
             input_tokens=_decode_tokens(tokenizer, prompt_ids.tolist()),
             generated_tokens=_decode_tokens(tokenizer, tokens[:steps]),
             step_log_c=log_c,
@@ -279,8 +283,9 @@ def _prepare(model, tokenizer, prompt, input_ids, max_new_tokens, config_kwargs,
     kwargs = _generate_kwargs(model, tokenizer, max_new_tokens, generate_kwargs)
     # A model whose generation config asks for a dict would make generate return one.
     kwargs["return_dict_in_generate"] = False
+    plan = check_generate(model, kwargs, attention=config.attention)
     device = next(model.parameters()).device
-    return config, ids.to(device), mask.to(device), batched, kwargs
+    return config, ids.to(device), mask.to(device), batched, kwargs, plan
 
 
 @torch.inference_mode()
@@ -289,14 +294,21 @@ def explain(model, tokenizer, prompt=None, *, input_ids=None, max_new_tokens=64,
     """Generate from `prompt` and explain every generated token with MACS.
 
     prompt: a string (wrapped in the chat template when the tokenizer has one), a list of chat messages,
-        or a list of either (one left-padded batch; returns a list of Explanation).
+        or a list of either (one left-padded batch).
     input_ids: (N,) or (1, N) token ids used as the prompt as they are (instead of `prompt`).
-    Greedy decoding unless generate_kwargs say otherwise; generation stops at end-of-sequence, and each
-    item's rows stop at its own end-of-sequence token (included).
+    generate_kwargs: passed to `model.generate` (greedy decoding unless they say otherwise). Supported
+        modes: greedy, sampling, beam search (num_beams, length_penalty, early_stopping), several returned
+        sequences (num_return_sequences), static caches (cache_implementation="static" or a StaticCache),
+        assisted decoding (assistant_model=, prompt_lookup_num_tokens=), and a continued conversation:
+        past_key_values=<the cache of the earlier turns> with input_ids = every token of all turns, whose
+        inputs are then every token before the new generation. Other modes raise before generating.
+    Returns one Explanation, or a list when there are several prompts or num_return_sequences > 1 (P
+    prompts with k sequences each: P * k, prompt-major, in generate's order). Each sequence's rows stop at
+    its own end-of-sequence token (included).
     fused_decode: see MacsConfig (None: the backend's default; True on the torch backend reads the key
     cache once per decode step, computing the attention output itself).
     """
-    config, ids, mask, batched, kwargs = _prepare(
+    config, ids, mask, batched, kwargs, plan = _prepare(
         model, tokenizer, prompt, input_ids, max_new_tokens,
         dict(alpha=alpha, pooling=pooling, redistribute=redistribute, attention=attention, backend=backend,
              fused_decode=fused_decode),
@@ -304,23 +316,27 @@ def explain(model, tokenizer, prompt=None, *, input_ids=None, max_new_tokens=64,
     )
     with attach(model, **config.as_dict()) as tracer:
         output = model.generate(ids, attention_mask=mask, **kwargs)
-    generated = output[:, ids.shape[1]:]
+    sequences = output if isinstance(output, torch.Tensor) else output.sequences
+    generated = sequences[:, ids.shape[1]:]
     explanations = _explanations(tracer, tokenizer, ids, mask, generated, _eos_ids(model, tokenizer), config)
-    return explanations if batched else explanations[0]
+    return explanations if batched or plan.num_return_sequences > 1 else explanations[0]
 
 
 class _StepStreamer:
     """A generate() streamer that forwards each new token with its step's scores (log_zscores) to a queue."""
 
     def __init__(self, tracer, sink: queue.Queue):
-        self.tracer, self.sink, self.prompt_seen = tracer, sink, False
+        self.tracer, self.sink, self.prompt_seen, self.step = tracer, sink, False, 0
 
     def put(self, value):
         if not self.prompt_seen:  # generate() first pushes the prompt
             self.prompt_seen = True
             return
-        n = self.tracer.n_input_list[0]
-        self.sink.put((int(value.reshape(-1)[0]), log_zscores(self.tracer.step_log_c[-1][0, :n].cpu())))
+        # Assisted decoding pushes every token a verify pass accepted at once.
+        for token in value.reshape(-1).tolist():
+            log_c, _ = self.tracer.row(0, self.step)
+            self.sink.put((int(token), log_zscores(log_c)))
+            self.step += 1
 
     def end(self):
         self.sink.put(None)
@@ -328,9 +344,10 @@ class _StepStreamer:
 
 def stream(model, tokenizer, prompt=None, *, input_ids=None, max_new_tokens=64, alpha=0.8, pooling="max",
            redistribute=True, attention="softmax", backend=None, fused_decode=None, **generate_kwargs):
-    """Like explain() for one prompt, but yields (token_id, scores (N,)) as each token is made: the row
-    Explanation.step_scores would hold for that step."""
-    config, ids, mask, batched, kwargs = _prepare(
+    """Like explain() for one prompt and one sequence, but yields (token_id, scores (N,)) as each token is
+    made: the row Explanation.step_scores would hold for that step. Beam search and num_return_sequences > 1
+    pick their sequences at the end: use explain()."""
+    config, ids, mask, batched, kwargs, plan = _prepare(
         model, tokenizer, prompt, input_ids, max_new_tokens,
         dict(alpha=alpha, pooling=pooling, redistribute=redistribute, attention=attention, backend=backend,
              fused_decode=fused_decode),
@@ -338,6 +355,12 @@ def stream(model, tokenizer, prompt=None, *, input_ids=None, max_new_tokens=64, 
     )
     if batched:
         raise ValueError("stream() takes one prompt; use explain() for a batch")
+    if plan.num_return_sequences > 1:
+        raise ValueError(
+            f"stream() yields one sequence; num_return_sequences={plan.num_return_sequences} needs explain()"
+        )
+    if plan.num_beams > 1:
+        raise ValueError(f"stream() cannot follow beam search (num_beams={plan.num_beams}); use explain()")
     sink: queue.Queue = queue.Queue()
     stop = threading.Event()
     failure: list[BaseException] = []

@@ -11,8 +11,7 @@ import dataclasses
 import torch
 
 from .config import MacsConfig
-from .ops import torch_backend
-from .tracing import TraceHook, attach, check_model
+from .tracing import attach, check_model
 
 
 @dataclasses.dataclass
@@ -33,33 +32,6 @@ class TraceTensors:
     log_c: torch.Tensor
     z_scores: torch.Tensor
     at2_features: torch.Tensor | None = None
-
-
-class PooledRows(TraceHook):
-    """Records m' (B, N_max) per layer of every pass, from the softmax rows of the pass's last query."""
-
-    def __init__(self, config: MacsConfig):
-        self.config = config
-        self.steps: list[torch.Tensor] = []
-        self._layers: list[torch.Tensor] = []
-
-    def begin_pass(self, tracer, prefill: bool) -> None:
-        if prefill:
-            self.steps = []
-        self._layers = []
-
-    def layer(self, tracer, layer_idx, query, key, value, output, scale) -> None:
-        rows = tracer.softmax_rows(query[:, :, -1, :], key, scale)
-        # At alpha = 1 the layer's log-term is log(m') itself.
-        log_pooled = torch.zeros(rows.shape[0], max(tracer.n_input_list), dtype=torch.float32, device=rows.device)
-        torch_backend.macs_update_rows(
-            rows, log_pooled, input_start=tracer.input_start, input_end=tracer.input_end, kv_len=tracer.kv_len,
-            alpha=1.0, pooling=self.config.pooling, redistribute=self.config.redistribute,
-        )
-        self._layers.append(log_pooled.exp_())
-
-    def end_pass(self, tracer) -> None:
-        self.steps.append(torch.stack(self._layers, dim=1))
 
 
 def _ids(name: str, value) -> torch.Tensor:
@@ -85,14 +57,13 @@ def trace_tensors(model, input_ids, generated_ids, *, at2: bool = False, **confi
     check_model(model)
     prompt, generated = _ids("input_ids", input_ids), _ids("generated_ids", generated_ids)
     device = next(model.parameters()).device
-    pooled = PooledRows(macs_config)
-    hooks = [pooled]
+    hooks = []
     if at2:
         from .at2.features import QueryCapture
 
         capture = QueryCapture()
         hooks.append(capture)
-    with attach(model, hooks=hooks, **macs_config.as_dict()) as tracer:
+    with attach(model, hooks=hooks, keep_pooled=True, **macs_config.as_dict()) as tracer:
         output = model(input_ids=prompt[None].to(device), use_cache=True, logits_to_keep=1)
         cache = output.past_key_values
         for token in generated[:-1].tolist():
@@ -108,6 +79,6 @@ def trace_tensors(model, input_ids, generated_ids, *, at2: bool = False, **confi
             for k in range(generated.numel())
         ]).cpu()
     return TraceTensors(
-        pooled=torch.stack([step[0] for step in pooled.steps]).cpu(), log_c=log_c, z_scores=z_scores,
+        pooled=tracer.pooled_rows(0), log_c=log_c, z_scores=z_scores,
         at2_features=features,
     )

@@ -1,29 +1,42 @@
 """The generation tracer and its transformers integration.
 
 `attach(model, **config)` swaps the model's attention implementation for a registered wrapper around it
-(sdpa, eager or flash_attention_2). For every layer of every forward pass the wrapper
+(sdpa, eager or flash_attention_2) and wraps `model.generate`. Nothing in the tracer assumes that batch row
+b is one sequence for the whole generation or that the newest key is the newest token; it follows what the
+cache and `generate` say:
 
-1. runs the wrapped implementation and returns its output untouched (on decode steps with a GPU backend,
-   the fused decode kernel computes the output and the MACS term together, reading K once);
-2. hands the LAST query row and the key cache to the backend's `macs_update`, which adds this layer's
-   log-term to an O(N) float32 state;
-3. after the last layer, z-scores the state: one row of step scores per forward pass.
+- a `generate` call starts new sequences: per batch row a record (input key range, row map: the MACS row
+  of each generated step). The inputs are every key the first pass's last query attends, so a call on top
+  of an existing cache (a continued conversation) counts the earlier turns as inputs;
+- per forward pass a plan: which query rows to score, each with its key range read from the attention
+  mask (a static cache hands over every slot; the mask marks the live ones). The first pass of a sequence
+  scores its last query; later passes score every query (one on a decode step, K+1 on a verify pass of
+  assisted decoding). Row k of a sequence is the query at key slot input_end - 1 + k, so a row computed
+  again after `past_key_values.crop()` replaces the rejected one;
+- per layer, the backend writes m' (MACS's head-pooled row before the floor) of the scored rows into the
+  pass's (L, B, R, N_max) buffer; after the last layer `combine_layers` takes the floor and the log and
+  sums over layers, once per pass (the one place a tensor-parallel run reduces over ranks);
+- events that reorder rows act on the records: beam search's `reorder_cache(beam_idx)` permutes them, and
+  the returned beams' rows are rebuilt from generate's `beam_indices`.
 
-The tracer is the only stateful object. A pass whose query is longer than one token, or that finds no
-earlier pass, starts a new sequence: every attended key then is an input. Per-layer extensions (AT2 query
-capture, row recording for evaluation) hang on the same tracer as `TraceHook`s.
+Generation modes the tracer is tested on are allowed by name; anything else raises before generation,
+naming the option (`check_generate`). Per-layer extensions (AT2 query capture, row recording for
+evaluation) hang on the same tracer as `TraceHook`s.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
+import dataclasses
 import functools
 import sys
+import threading
 
 import torch
 
 from .config import MacsConfig
 from .ops import torch_backend
-from .ops._dispatch import implementation, resolve_backend
+from .ops._dispatch import BackendUnavailable, implementation, resolve_backend
 
 # Registered names must contain neither "flash" nor "sdpa": transformers treats those specially.
 WRAPPED_NAMES = {"sdpa": "macs_kernels", "eager": "macs_kernels_eager", "flash_attention_2": "macs_kernels_fa2"}
@@ -42,88 +55,318 @@ class TraceHook:
         pass
 
 
+def combine_layers(pooled: torch.Tensor, alpha: float, valid: torch.Tensor) -> torch.Tensor:
+    """log c of a pass: sum over layers of log(alpha * clamp(m', 0) + 1 - alpha).
+
+    pooled: (L, B, R, N_max) float32 m' per layer; valid: (B, 1, N_max) bool, the item's inputs. Returns
+    (B, R, N_max) float32, 0 past each item's inputs.
+    """
+    log_c = pooled.clamp_min(0.0).mul_(alpha).add_(1.0 - alpha).log_().sum(dim=0)
+    return log_c.masked_fill_(~valid, 0.0)
+
+
+# ---- generation modes -----------------------------------------------------------------------------
+SUPPORTED_MODES = ("greedy_search", "sample", "beam_search", "beam_sample", "assisted_generation")
+_MODE_OPTIONS = {
+    "contrastive_search": "penalty_alpha (contrastive search)",
+    "dola_generation": "dola_layers (DoLa decoding)",
+    "constrained_beam_search": "constraints / force_words_ids (constrained beam search)",
+    "group_beam_search": "num_beam_groups (group beam search)",
+}
+SUPPORTED_CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
+_GENERATE_ARGUMENTS = (
+    "inputs", "generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
+    "synced_gpus", "assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask",
+    "custom_generate", "trust_remote_code", "assistant_tokenizer", "tokenizer",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationPlan:
+    """What a `generate` call will do, as far as the tracer cares."""
+
+    mode: str
+    num_return_sequences: int
+    num_beams: int
+    static_cache: bool
+
+
+def _compiled(function) -> bool:
+    return hasattr(function, "_torchdynamo_orig_callable") or hasattr(function, "_orig_mod")
+
+
+def check_generate(model, generate_kwargs: dict, *, attention: str = "softmax") -> GenerationPlan:
+    """The plan of `model.generate(**generate_kwargs)`, or an error naming the option that the tracer cannot
+    follow. An allow-list: greedy, sampling, beam search (with sampling, num_return_sequences,
+    length_penalty, early_stopping), assisted decoding with `assistant_model` or `prompt_lookup_num_tokens`,
+    dynamic and static caches, a cache passed in (continued conversation)."""
+    from transformers import DynamicCache, StaticCache
+
+    if generate_kwargs.get("custom_generate") is not None:
+        raise NotImplementedError("custom_generate is not supported: macs_kernels traces generate's own modes only")
+    config_kwargs = {k: v for k, v in generate_kwargs.items() if k not in _GENERATE_ARGUMENTS}
+    config, model_kwargs = model._prepare_generation_config(generate_kwargs.get("generation_config"), **config_kwargs)
+    mode = str(config.get_generation_mode(generate_kwargs.get("assistant_model")).value)
+    if mode not in SUPPORTED_MODES:
+        option = _MODE_OPTIONS.get(mode, f"the options that select {mode}")
+        raise NotImplementedError(f"{option} is not supported by macs_kernels; supported modes: {SUPPORTED_MODES}")
+    for option in ("use_mtp", "assistant_early_exit", "prefill_chunk_size"):
+        if getattr(config, option, None):
+            raise NotImplementedError(
+                f"{option} is not supported by macs_kernels: it changes which passes see which keys"
+            )
+    cache_implementation = getattr(config, "cache_implementation", None)
+    if cache_implementation not in SUPPORTED_CACHE_IMPLEMENTATIONS:
+        raise NotImplementedError(
+            f"cache_implementation={cache_implementation!r} is not supported; use one of "
+            f"{SUPPORTED_CACHE_IMPLEMENTATIONS}"
+        )
+    cache = model_kwargs.get("past_key_values")
+    if cache is not None and type(cache) not in (DynamicCache, StaticCache):
+        raise NotImplementedError(
+            f"past_key_values of type {type(cache).__name__} is not supported; pass a DynamicCache or StaticCache"
+        )
+    static = cache_implementation == "static" or isinstance(cache, StaticCache)
+    device = next(model.parameters()).device
+    if static and device.type != "cpu" and not getattr(config, "disable_compile", False):
+        raise NotImplementedError(
+            "a static cache on an accelerator makes generate torch.compile the forward, which the tracer does not "
+            "support: pass disable_compile=True"
+        )
+    if attention == "efficient" and mode == "assisted_generation":
+        raise NotImplementedError(
+            "attention='efficient' with assisted decoding (assistant_model / prompt_lookup_num_tokens) is not "
+            "supported: the Gram state cannot drop rejected candidates"
+        )
+    beams = config.num_beams or 1
+    return GenerationPlan(mode, config.num_return_sequences or 1, beams, static)
+
+
+# ---- the tracer -----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _PassPlan:
+    """One forward pass: the scored query rows (the last `rows` of the pass) and how each layer scores them."""
+
+    rows: int
+    step: torch.Tensor  # (B, R): the row's index k in its sequence
+    pooled: torch.Tensor  # (L, B, R, N_max) float32 m'
+    pool: object  # (layer, q_rows (B, H, R, D), key) -> writes pooled[layer]
+    decode: object | None  # (layer, q (B, H, D), key, value) -> attention output; writes pooled[layer]
+
+
 class Tracer:
     """MACS state of the sequences that pass through one model.
 
-    After a generate/forward call, `step_log_c` and `step_scores` hold one (B, N_max) float32 row per
-    forward pass (log consistency and z-scores), `n_input` the inputs per item and `input_start` the
-    left pads per item.
+    After a generate call, `rows(i)` gives (step_log_c, step_scores) of returned sequence i (generate's
+    order); after plain forward calls, of batch row i. `passes` holds every pass's rows; `input_start`,
+    `input_end`, `kv_len` (B,) and `n_input_list` describe the current pass (its last query) for hooks.
     """
 
-    def __init__(self, config: MacsConfig, num_layers: int, device: torch.device, hooks=()):
+    def __init__(self, config: MacsConfig, num_layers: int, device: torch.device, hooks=(), keep_pooled=False):
         self.config = config
         self.num_layers = num_layers
         self.hooks = list(hooks)
+        self.keep_pooled = keep_pooled
         self.backend = resolve_backend(config.backend, device)
-        self._macs_update = implementation(self.backend, "macs_update")
-        self._macs_update_rows = implementation(self.backend, "macs_update_rows")
+        self._pool, self._decode = _pooled_kernels(self.backend)
+        # Kernels for passes where one row attends every slot (no mask, no gather), where a backend has them.
+        self._pool_dense = _optional_kernel(self.backend, "macs_pool_dense")
+        self._decode_dense = _optional_kernel(self.backend, "decode_attention_dense")
+        self._pool_rows = implementation(self.backend, "macs_update_rows")
         self._macs_zscore = implementation(self.backend, "macs_zscore")
-        fused = config.fused_decode if config.fused_decode is not None else self.backend != "torch"
-        self._fused_decode = implementation(self.backend, "decode_attention") if fused else None
+        self._fused = config.fused_decode if config.fused_decode is not None else self.backend != "torch"
         # Efficient rows have torch and Triton kernels; with cuda named, the best of those runs them.
         self._efficient_backend = config.backend if config.backend in ("torch", "triton") else None
+        self.owner = threading.get_ident()
+        self._generation = None  # the GenerationPlan of the generate call in progress
+        self._start_pending = False
+        self._prompt_length = None
+        self._static = False
+        self._suspended = 0
+        self.prefill = False  # whether the pass in progress starts a sequence
         self.reset()
 
     def reset(self) -> None:
-        self.step_log_c: list[torch.Tensor] = []
-        self.step_scores: list[torch.Tensor] = []
-        self.input_start = None
-        self.input_end = None
-        self.kv_len = None
-        self.n_input = None
+        self.passes: list[dict] = []
+        self._bases: list[int] = []
+        self._stored = 0
+        self._flat = None
+        self.input_start = self.input_end = self.kv_len = self.n_input = None
         self.n_input_list: list[int] | None = None
-        self._log_c = None
-        self.prefill = False
-        self._unpadded = self._dense = False
-        self._attended = None
+        self._row_map = None
+        self._valid = None
+        self._beam_indices = None
+        self._returned = None
+        self._plan = None
         self._gram = None
         if self.config.attention == "efficient":
             from .efficient import GramState
 
             self._gram = GramState(self.num_layers)
 
+    # ---- events from generate ---------------------------------------------------------------------
+    def begin_generation(self, plan: GenerationPlan, prompt_length: int) -> None:
+        """A generate call starts: its inputs are the key slots before `prompt_length` (the padded prompt,
+        with any cached earlier turns)."""
+        self._generation, self._start_pending, self._static = plan, True, plan.static_cache
+        self._prompt_length = prompt_length
+
+    def end_generation(self, output, prompt_length: int) -> None:
+        """Record what generate returned: per returned sequence its generated length (and beam ancestry)."""
+        sequences = output if isinstance(output, torch.Tensor) else output.sequences
+        beam_indices = None if isinstance(output, torch.Tensor) else getattr(output, "beam_indices", None)
+        self._beam_indices = beam_indices if self._generation.num_beams > 1 else None
+        self._returned = (sequences.shape[0], sequences.shape[1] - prompt_length)
+        self._generation = None
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        """Beam search moved the cache's rows: row j now continues the sequence of row beam_idx[j]."""
+        if self._row_map is None:
+            return
+        beam_idx = beam_idx.to(self._row_map.device)
+        self._row_map = self._row_map.index_select(0, beam_idx)
+        if self._gram is not None:
+            self._gram.reorder(beam_idx)
+
     # ---- one forward pass -------------------------------------------------------------------------
-    def _begin_pass(self, query: torch.Tensor, key: torch.Tensor, mask) -> None:
-        q_len, keys = query.shape[2], key.shape[2]
-        attended = _attended_keys(mask, query.shape[0], keys, key.device)
-        kv_len = keys - attended.flip(-1).int().argmax(-1)
-        self.prefill = q_len > 1 or keys == q_len or self.n_input is None
+    def _begin_pass(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask) -> None:
+        batch, q_len, keys = query.shape[0], query.shape[2], key.shape[2]
+        start = _last_row_attended(mask, batch, keys, key.device).int().argmax(-1).long()
+        last_end = _row_ends(mask, batch, q_len, keys, 1, key.device)[:, 0]
+        generating = self._start_pending
+        self.prefill = self._starts_sequence(batch, q_len, keys, mask, last_end)
         if self.prefill:
-            input_start = attended.int().argmax(-1)
-            counts = attended.sum(-1)
-            # One host sync per sequence: the inputs must be one contiguous run of keys,
-            # and the last query (a prompt token, not a right pad) attends its own slot.
-            ends_at_query = (kv_len == q_len) | (kv_len == keys)
-            if bool(((kv_len - input_start != counts) | (counts == 0) | ~ends_at_query).any()):
-                raise ValueError(
-                    "the attention mask is not left padding (attended keys must form one run ending at the "
-                    "last key); pad on the left"
+            # In generate the inputs end where the prompt does; an assisted generation's first pass already
+            # verifies candidates after it. A plain forward's inputs are every key its last query attends.
+            end = torch.full_like(last_end, self._prompt_length) if generating else last_end
+            self._start_sequence(start, last_end, end, mask, batch, q_len, keys)
+            rows = int(last_end[0]) - self._prompt_length + 1 if generating else 1
+        else:
+            rows = q_len
+        if self._gram is not None and rows > 1:
+            raise NotImplementedError("attention='efficient' scores one new query per pass (no verify passes)")
+        kv_len = last_end[:, None] if rows == 1 else _row_ends(mask, batch, q_len, keys, rows, key.device)
+        self.kv_len = kv_len[:, -1]
+        step = kv_len - self.input_end[:, None]
+        self._grow_row_map(keys)
+        n_max = self._valid.shape[-1]
+        pooled = torch.empty(self.num_layers, batch, rows, n_max, dtype=torch.float32, device=key.device)
+        ranges = dict(
+            input_start=self.input_start[:, None].expand(batch, rows),
+            input_end=self.input_end[:, None].expand(batch, rows), kv_len=kv_len,
+        )
+        config = self.config
+        options = dict(pooling=config.pooling, redistribute=config.redistribute)
+        # Every slot [0, S) attended by one row: an unpadded dynamic cache (the mask was dropped).
+        dense = mask is None and rows == 1 and (q_len == 1 or q_len == keys) and self._pool_dense is not None
+        if dense:
+            n_input = self.n_input_list[0]
+
+            def pool(layer, q_rows, key):
+                self._pool_dense(q_rows[:, :, 0], key, pooled[layer, :, 0], n_input=n_input, scale=self._scale,
+                                 **options)
+
+            def decode(layer, q, key, value):
+                return self._decode_dense(q, key, value, pooled[layer, :, 0], n_input=n_input, scale=self._scale,
+                                          **options)
+        else:
+            def pool(layer, q_rows, key):
+                self._pool(q_rows, key, pooled[layer], scale=self._scale, lse=None, **ranges, **options)
+
+            def decode(layer, q, key, value):
+                out, _ = self._decode(
+                    q, key, value, kv_start=self.input_start, kv_len=self.kv_len, scale=self._scale, log_c=None,
+                    pooled=pooled[layer, :, 0], input_end=self.input_end, alpha=config.alpha, **options,
                 )
-            self.reset()
-            self.prefill = True
-            # No mask on the prefill: no pads, every item's inputs are keys [0, N).
-            self._unpadded = mask is None
-            self.input_start, self.input_end = input_start, kv_len
-            self._attended = attended
-            self.n_input = kv_len - input_start
-            self.n_input_list = self.n_input.tolist()
-        self.kv_len = kv_len
-        # No mask now either: every key slot is attended, so the torch path needs no masks nor gathers.
-        self._dense = self._unpadded and mask is None and self.backend == "torch"
-        self._log_c = torch.zeros(query.shape[0], max(self.n_input_list), dtype=torch.float32, device=key.device)
+                return out
+
+        fused = self._fused and not self.prefill and q_len == 1 and self._gram is None
+        self._plan = _PassPlan(rows, step, pooled, pool, decode if fused else None)
+        if self._gram is not None:
+            self._gram_slots = self._new_gram_slots(mask, batch, keys, key.device)
         for hook in self.hooks:
             hook.begin_pass(self, self.prefill)
 
+    def _starts_sequence(self, batch, q_len, keys, mask, last_end) -> bool:
+        if self._start_pending:
+            self._start_pending = False
+            return True
+        if self._generation is not None:
+            return False
+        if self.input_end is None or self.input_end.shape[0] != batch:
+            return True
+        if mask is None:
+            return q_len > 1 or keys == 1
+        # Outside generate, a pass with no cached keys before it starts a new sequence.
+        return bool((last_end == q_len).all())
+
+    def _start_sequence(self, start, last_end, end, mask, batch, q_len, keys) -> None:
+        # One host sync per sequence: the attended keys must be one contiguous run, the last query (a
+        # prompt token, not a right pad) attends its own slot, and the inputs are not empty. Without a
+        # mask there are no pads.
+        bad = end <= start
+        if mask is not None:
+            counts = _last_row_attended(mask, batch, keys, start.device).sum(-1)
+            ends_at_query = (last_end == q_len) | (last_end == keys) | self._static
+            bad = bad | (last_end - start != counts) | ~ends_at_query
+        if bool(bad.any()):
+            raise ValueError(
+                "the attention mask is not left padding (attended keys must form one run ending at the "
+                "last key); pad on the left"
+            )
+        self.reset()
+        self.input_start, self.input_end = start, end
+        self.n_input = end - start
+        self.n_input_list = self.n_input.tolist()
+        n_max = max(self.n_input_list)
+        self._valid = (torch.arange(n_max, device=start.device) < self.n_input[:, None])[:, None, :]
+        self._row_map = torch.full((batch, 0), -1, dtype=torch.int64, device=start.device)
+
+    def _grow_row_map(self, keys: int) -> None:
+        # Row k is the query at slot input_end - 1 + k < keys: the map never needs more than `keys` columns.
+        missing = keys - self._row_map.shape[1]
+        if missing > 0:
+            pad = torch.full((self._row_map.shape[0], missing), -1, dtype=torch.int64, device=self._row_map.device)
+            self._row_map = torch.cat([self._row_map, pad], dim=1)
+
+    def _new_gram_slots(self, mask, batch, keys, device):
+        """Which value slots this pass adds to the Gram state: every attended slot on a sequence's first pass
+        (prompt, earlier turns; (B, S) bool), then the new token's slot ((B,) index: a static cache writes
+        it anywhere)."""
+        if self.prefill:
+            slots = torch.arange(keys, device=device)
+            return _last_row_attended(mask, batch, keys, device) & (slots < self.kv_len[:, None])
+        return self.kv_len - 1
+
+    def _gram_values(self, value):
+        """(values (B, H_kv, T, D), valid (B, T)) of this pass's new slots in one layer's value cache."""
+        slots = self._gram_slots
+        if slots.dtype == torch.bool:
+            return value, slots
+        index = slots.view(-1, 1, 1, 1).expand(-1, value.shape[1], 1, value.shape[3])
+        return value.gather(2, index), torch.ones(value.shape[0], 1, dtype=torch.bool, device=value.device)
+
     def _end_pass(self) -> None:
-        log_c = self._log_c
+        plan = self._plan
+        log_c = combine_layers(plan.pooled, self.config.alpha, self._valid)
         # A NaN anywhere in an attention row reaches the state; -inf (underflow at alpha = 1) is legitimate.
         if bool(torch.isnan(log_c).any()):
             raise FloatingPointError(
                 "NaN in an attention row during generation: the model produced non-finite attention; "
                 "no scores were computed for this step"
             )
-        self.step_log_c.append(log_c)
-        self.step_scores.append(self._macs_zscore(log_c, self.n_input))
+        batch, rows, n_max = log_c.shape
+        flat = log_c.view(batch * rows, n_max)
+        scores = self._macs_zscore(flat, self.n_input.repeat_interleave(rows))
+        ids = self._stored + torch.arange(batch * rows, device=flat.device).view(batch, rows)
+        self._row_map.scatter_(1, plan.step, ids)
+        record = {"log_c": flat, "scores": scores, "rows": rows}
+        if self.keep_pooled:
+            record["pooled"] = plan.pooled.permute(1, 2, 0, 3).reshape(batch * rows, self.num_layers, n_max)
+        self._bases.append(self._stored)
+        self._stored += batch * rows
+        self.passes.append(record)
+        self._flat = None
         for hook in self.hooks:
             hook.end_pass(self)
 
@@ -132,69 +375,43 @@ class Tracer:
         scores = torch_backend.grouped_scores(query_last, key, scale)
         return torch_backend.attended_softmax(scores, self.input_start, self.kv_len)[0]
 
-    def efficient_rows(self, layer: int, query_last, key, value, scale: float) -> torch.Tensor:
-        """The last query's efficient rows (B, H, S), after adding this pass's values to the Gram state.
-
-        The Gram state follows the cache by appending its newest slot on decode steps, so it assumes a
-        dynamic cache (new tokens at the end), the default of generate().
-        """
+    def _efficient_pool(self, layer: int, query_last, key, value, scale: float) -> None:
+        """m' of the last query's efficient rows, after adding this pass's values to the Gram state."""
         from .efficient import efficient_rows
 
-        if self.prefill:
-            new_values, valid = value, self._attended
-        else:
-            new_values = value[:, :, -1:]
-            valid = torch.ones(value.shape[0], 1, dtype=torch.bool, device=value.device)
-        self._gram.append(layer, new_values, valid)
+        self._gram.append(layer, *self._gram_values(value))
         rows, _ = efficient_rows(
             self.softmax_rows(query_last, key, scale), value, self._gram.gram(layer), self.input_start,
             self.kv_len, backend=self._efficient_backend,
         )
-        return rows
-
-    def _update_kwargs(self) -> dict:
-        config = self.config
-        return dict(
-            input_start=self.input_start, input_end=self.input_end, kv_len=self.kv_len,
-            alpha=config.alpha, pooling=config.pooling, redistribute=config.redistribute,
-        )
+        _pool_from_log_term(self._plan.pooled[layer, :, 0], lambda log_term: self._pool_rows(
+            rows, log_term, input_start=self.input_start, input_end=self.input_end, kv_len=self.kv_len,
+            alpha=1.0, pooling=self.config.pooling, redistribute=self.config.redistribute,
+        ))
 
     def attention(self, module, query, key, value, attention_mask, inner, scaling=None, dropout=0.0, **kwargs):
+        if threading.get_ident() != self.owner:
+            raise RuntimeError(
+                f"{type(module).__name__} is attached to a macs_kernels tracer owned by another thread (an "
+                "explain() or a stream() that has not finished); run this call after it, or on another model instance"
+            )
+        if self._suspended:
+            return inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         layer = module.layer_idx
         if layer == 0:
-            self._begin_pass(query, key, attention_mask)
+            self._begin_pass(query, key, value, attention_mask)
         scale = float(scaling if scaling is not None else getattr(module, "scaling", query.shape[-1] ** -0.5))
-        query_last = query[:, :, -1, :]
-        fused = (
-            self._fused_decode is not None and not self.prefill and self._gram is None
-            and not kwargs.get("output_attentions", False) and not module.training
-        )
-        config = self.config
+        self._scale = scale
+        plan = self._plan
+        fused = plan.decode is not None and not kwargs.get("output_attentions", False) and not module.training
         if fused:
-            if self._dense:
-                out = torch_backend.decode_attention_dense(
-                    query_last, key, value, self._log_c, n_input=self.n_input_list[0], scale=scale,
-                    alpha=config.alpha, pooling=config.pooling, redistribute=config.redistribute,
-                )
-            else:
-                out, _ = self._fused_decode(
-                    query_last, key, value, kv_start=self.input_start, kv_len=self.kv_len, scale=scale,
-                    log_c=self._log_c, input_end=self.input_end, alpha=config.alpha, pooling=config.pooling,
-                    redistribute=config.redistribute,
-                )
-            result = (out.unsqueeze(1), None)
+            result = (plan.decode(layer, query[:, :, -1, :], key, value).unsqueeze(1), None)
         else:
             result = inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
             if self._gram is not None:
-                rows = self.efficient_rows(layer, query_last, key, value, scale)
-                self._macs_update_rows(rows, self._log_c, **self._update_kwargs())
-            elif self._dense:
-                torch_backend.macs_update_dense(
-                    query_last, key, self._log_c, n_input=self.n_input_list[0], scale=scale, alpha=config.alpha,
-                    pooling=config.pooling, redistribute=config.redistribute,
-                )
+                self._efficient_pool(layer, query[:, :, -1, :], key, value, scale)
             else:
-                self._macs_update(query_last, key, self._log_c, scale=scale, lse=None, **self._update_kwargs())
+                plan.pool(layer, query[:, :, -plan.rows:, :], key)
         for hook in self.hooks:
             hook.layer(self, layer, query, key, value, result[0], scale)
         if layer == self.num_layers - 1:
@@ -202,29 +419,138 @@ class Tracer:
         return result
 
     # ---- results ----------------------------------------------------------------------------------
-    def rows(self, item: int, steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(step_log_c, step_scores) of batch item `item`: (steps, N_item) float32 tensors on the CPU."""
-        if not self.step_log_c:
+    def _stacked(self) -> dict[str, torch.Tensor]:
+        if self._flat is None:
+            names = ["log_c", "scores"] + (["pooled"] if self.keep_pooled else [])
+            self._flat = {name: torch.cat([p[name] for p in self.passes]) for name in names}
+        return self._flat
+
+    def sequences(self) -> int:
+        """How many sequences there are rows for: generate's returned sequences, or the batch rows."""
+        if self._returned is not None:
+            return self._returned[0]
+        return 0 if self._row_map is None else self._row_map.shape[0]
+
+    def _row_ids(self, item: int) -> tuple[torch.Tensor, int]:
+        """(global ids of sequence `item`'s rows, the batch row whose inputs it explains)."""
+        if not self.passes:
             raise RuntimeError("nothing was traced: run a forward or generate call inside attach()")
+        if not 0 <= item < self.sequences():
+            raise IndexError(f"sequence {item} is outside [0, {self.sequences()})")
+        if self._beam_indices is not None:
+            # Beam search: the token of step t came from pass t at batch row beam_indices[item, t].
+            beams = self._beam_indices[item].to(self._row_map.device).long()
+            steps = int((beams >= 0).sum())
+            bases = torch.tensor(self._bases[:steps], device=beams.device)
+            return bases + beams[:steps], int(beams[0])
+        row = self._row_map[item]
+        written = int((row >= 0).long().cumprod(0).sum())
+        steps = written if self._returned is None else min(written, self._returned[1])
+        return row[:steps], item
+
+    def rows(self, item: int, steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(step_log_c, step_scores) of sequence `item`: (steps, N_item) float32 tensors on the CPU.
+
+        Default steps: every generated token (generate) or every scored row (plain forwards)."""
+        ids, batch_row = self._row_ids(item)
+        if steps is not None:
+            if steps > ids.numel():
+                raise ValueError(f"sequence {item} has {ids.numel()} rows, fewer than the {steps} asked for")
+            ids = ids[:steps]
+        n = self.n_input_list[batch_row]
+        flat = self._stacked()
+        return flat["log_c"][ids, :n].cpu(), flat["scores"][ids, :n].cpu()
+
+    def pooled_rows(self, item: int, steps: int | None = None) -> torch.Tensor:
+        """(steps, L, N_item) float32 m' per layer of sequence `item` (needs keep_pooled=True)."""
+        if not self.keep_pooled:
+            raise RuntimeError("pooled rows are kept only with keep_pooled=True")
+        ids, batch_row = self._row_ids(item)
+        ids = ids if steps is None else ids[:steps]
+        return self._stacked()["pooled"][ids, :, : self.n_input_list[batch_row]].cpu()
+
+    def row(self, item: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log_c, scores) (N_item,) of row `step` of batch row `item` while generating (one host sync)."""
+        global_id = int(self._row_map[item, step])
+        if global_id < 0:
+            raise IndexError(f"row {step} of sequence {item} was not computed")
+        index = bisect.bisect_right(self._bases, global_id) - 1
+        record, offset = self.passes[index], global_id - self._bases[index]
         n = self.n_input_list[item]
-        steps = len(self.step_log_c) if steps is None else steps
-        log_c = torch.stack([row[item, :n] for row in self.step_log_c[:steps]]).cpu()
-        scores = torch.stack([row[item, :n] for row in self.step_scores[:steps]]).cpu()
-        return log_c, scores
+        return record["log_c"][offset, :n].cpu(), record["scores"][offset, :n].cpu()
 
 
-def _attended_keys(mask, batch: int, keys: int, device) -> torch.Tensor:
+def _optional_kernel(backend: str, op: str):
+    try:
+        return implementation(backend, op)
+    except BackendUnavailable:
+        return None
+
+
+def _pool_from_log_term(out: torch.Tensor, add_log_term) -> None:
+    """m' from a kernel that adds log(m') (its alpha = 1 term) to a zeroed state: exp of that state."""
+    out.zero_()
+    add_log_term(out)
+    out.exp_()
+
+
+def _pooled_kernels(backend: str):
+    """The backend's (macs_pool, decode_attention writing m'). A backend without macs_pool yet gets both
+    from its macs_update / decode_attention at alpha = 1 (their log-term is log m'), one row at a time."""
+    decode = implementation(backend, "decode_attention")
+    try:
+        return implementation(backend, "macs_pool"), decode
+    except BackendUnavailable:
+        update = implementation(backend, "macs_update")
+
+    def pool(q, k_cache, out, *, input_start, input_end, kv_len, scale, pooling, redistribute, lse):
+        for r in range(q.shape[2]):
+            _pool_from_log_term(out[:, r], lambda log_c: update(
+                q[:, :, r], k_cache, log_c, input_start=input_start[:, r], input_end=input_end[:, r],
+                kv_len=kv_len[:, r], scale=scale, alpha=1.0, pooling=pooling, redistribute=redistribute, lse=lse,
+            ))
+
+    def decode_pooled(q, k_cache, v_cache, *, pooled, **kwargs):
+        result = []
+        _pool_from_log_term(pooled, lambda log_c: result.append(
+            decode(q, k_cache, v_cache, **(kwargs | {"log_c": log_c, "alpha": 1.0}))
+        ))
+        return result[0]
+
+    return pool, decode_pooled
+
+
+def _last_row_attended(mask, batch: int, keys: int, device) -> torch.Tensor:
     """(B, S) bool: which keys the LAST query attends, from whatever mask the wrapped implementation uses."""
     if mask is None:
         return torch.ones(batch, keys, dtype=torch.bool, device=device)
     if mask.dim() == 2:  # flash-attention padding mask (B, S), 1 = token
         return mask.bool()
-    row = mask[:, 0, -1, :]
-    if row.dtype == torch.bool:
-        return row.expand(batch, keys)
-    return (row > torch.finfo(row.dtype).min / 2).expand(batch, keys)  # additive float mask
+    return _attended(mask[:, 0, -1, :]).expand(batch, keys)
 
 
+def _attended(mask_rows: torch.Tensor) -> torch.Tensor:
+    if mask_rows.dtype == torch.bool:
+        return mask_rows
+    return mask_rows > torch.finfo(mask_rows.dtype).min / 2  # additive float mask
+
+
+def _row_ends(mask, batch, q_len, keys, rows, device) -> torch.Tensor:
+    """(B, rows) int64: last attended key + 1 of the pass's last `rows` queries (each one's causal end).
+
+    Without a mask, sdpa runs causal attention aligned at the first key: a multi-token pass then starts at
+    slot 0 (a static cache's prefill hands over every slot), a one-token pass attends every slot. A
+    flash-attention padding mask aligns the queries with the last keys."""
+    if mask is None:
+        first = keys if q_len == 1 else q_len - rows + 1
+        return (first + torch.arange(rows, device=device)).expand(batch, rows)
+    if mask.dim() == 2:
+        return (keys - rows + 1 + torch.arange(rows, device=device)).expand(batch, rows)
+    attended = _attended(mask[:, 0, -rows:, :]).expand(batch, rows, keys)
+    return keys - attended.flip(-1).int().argmax(-1).long()
+
+
+# ---- transformers integration ---------------------------------------------------------------------
 def _model_eager(module):
     """The eager attention function of the module's own modeling file (transformers keeps eager out of
     the registry)."""
@@ -282,6 +608,11 @@ def check_model(model) -> dict[int, torch.nn.Module]:
             "so macs_kernels cannot trace it"
         )
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text_config, "attn_logit_softcapping", None):
+        raise NotImplementedError(
+            f"attention logit softcapping (attn_logit_softcapping={text_config.attn_logit_softcapping}) is not "
+            "supported: the MACS rows would be computed without the tanh cap the model applies"
+        )
     layer_types = getattr(text_config, "layer_types", None) or []
     if any("sliding" in str(kind) for kind in layer_types) or (
         getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True)
@@ -290,35 +621,114 @@ def check_model(model) -> dict[int, torch.nn.Module]:
             "sliding-window attention layers are not supported: their cache keeps only the window, so key "
             "slots no longer map to tokens"
         )
+    if _compiled(getattr(model, "forward", None)):
+        raise NotImplementedError(
+            "the model's forward is torch.compile'd: the tracer keeps host-side state per pass and cannot run "
+            "inside a compiled graph; use the uncompiled forward (drop torch.compile)"
+        )
     modules = _attention_modules(model)
     if sorted(modules) != list(range(len(modules))) or not modules:
         raise TypeError(f"could not find one attention module per layer in {type(model).__name__}")
     return modules
 
 
+_LOCKS_GUARD = threading.Lock()
+
+
+def _model_lock(model) -> threading.RLock:
+    """One lock per model: attaching is atomic, and a second explain() on the model waits for the first."""
+    with _LOCKS_GUARD:
+        lock = model.__dict__.get("_macs_lock")
+        if lock is None:
+            lock = model.__dict__["_macs_lock"] = threading.RLock()
+        return lock
+
+
+def _traced_generate(model, tracer: Tracer, generate):
+    """`model.generate` while attached: checks the mode (allow-list), tells the tracer where a generation
+    starts and what it returned. A generate nested in another (the model as its own assistant) runs
+    untraced."""
+
+    @functools.wraps(generate)
+    def traced(*args, **kwargs):
+        if threading.get_ident() != tracer.owner:
+            raise RuntimeError(
+                "this model is attached to a macs_kernels tracer owned by another thread (an explain() or a "
+                "stream() that has not finished); generate after it, or on another model instance"
+            )
+        if tracer._generation is not None:
+            tracer._suspended += 1
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                tracer._suspended -= 1
+        inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+        if not isinstance(inputs, torch.Tensor):
+            raise NotImplementedError(
+                "generate without input_ids (inputs_embeds) is not supported: the tracer needs the prompt's token slots"
+            )
+        plan = check_generate(model, kwargs, attention=tracer.config.attention)
+        wants_dict = kwargs.get("return_dict_in_generate", False)
+        if plan.num_beams > 1:
+            kwargs["return_dict_in_generate"] = True  # the returned beams' ancestry: beam_indices
+        tracer.begin_generation(plan, inputs.shape[-1])
+        try:
+            output = generate(*args, **kwargs)
+        except BaseException:
+            tracer._generation = None
+            raise
+        tracer.end_generation(output, inputs.shape[-1])
+        return output if wants_dict or isinstance(output, torch.Tensor) else output.sequences
+
+    return traced
+
+
+def _traced_reorder(tracer: Tracer, reorder):
+    def reorder_cache(cache, beam_idx):
+        if not tracer._suspended:
+            tracer.reorder(beam_idx)
+        if reorder is not None:
+            return reorder(cache, beam_idx)
+        cache.reorder_cache(beam_idx)
+        return cache
+
+    return reorder_cache
+
+
 @contextlib.contextmanager
-def attach(model, *, hooks=(), **config):
+def attach(model, *, hooks=(), keep_pooled=False, **config):
     """Trace every generate/forward call on `model` inside the block; yields the `Tracer`.
 
-    config: MacsConfig fields (alpha, pooling, redistribute, attention, backend). The model's previous
-    attention implementation (sdpa, eager or flash_attention_2) is wrapped, and restored on exit.
+    config: MacsConfig fields (alpha, pooling, redistribute, attention, backend, fused_decode). The model's
+    previous attention implementation (sdpa, eager or flash_attention_2) is wrapped, and restored on exit.
+    Attaching holds the model's lock: another thread's attach waits, and another thread's forward or
+    generate on the attached model raises. keep_pooled: keep every pass's per-layer m' (`pooled_rows`).
     """
     macs_config = MacsConfig(**config)
     modules = check_model(model)
-    previous = model.config._attn_implementation
-    if previous in WRAPPED_NAMES.values():
-        raise RuntimeError("a macs_kernels tracer is already attached to this model")
-    if previous not in WRAPPED_NAMES:
-        raise ValueError(f"cannot wrap attention implementation {previous!r}; use one of {list(WRAPPED_NAMES)}")
-    device = next(model.parameters()).device
-    tracer = Tracer(macs_config, len(modules), device, hooks)
-    _register()
-    for module in modules.values():
-        module._macs_tracer = tracer
-    model.set_attn_implementation(WRAPPED_NAMES[previous])
-    try:
-        yield tracer
-    finally:
-        model.set_attn_implementation(previous)
+    with _model_lock(model):
+        previous = model.config._attn_implementation
+        if previous in WRAPPED_NAMES.values():
+            raise RuntimeError("a macs_kernels tracer is already attached to this model")
+        if previous not in WRAPPED_NAMES:
+            raise ValueError(f"cannot wrap attention implementation {previous!r}; use one of {list(WRAPPED_NAMES)}")
+        device = next(model.parameters()).device
+        tracer = Tracer(macs_config, len(modules), device, hooks, keep_pooled=keep_pooled)
+        _register()
+        saved = {name: model.__dict__[name] for name in ("generate", "_reorder_cache") if name in model.__dict__}
         for module in modules.values():
-            del module._macs_tracer
+            module._macs_tracer = tracer
+        model.generate = _traced_generate(model, tracer, model.generate)
+        model._reorder_cache = _traced_reorder(tracer, getattr(model, "_reorder_cache", None))
+        model.set_attn_implementation(WRAPPED_NAMES[previous])
+        try:
+            yield tracer
+        finally:
+            model.set_attn_implementation(previous)
+            for name in ("generate", "_reorder_cache"):
+                if name in saved:
+                    setattr(model, name, saved[name])
+                else:
+                    delattr(model, name)
+            for module in modules.values():
+                del module._macs_tracer

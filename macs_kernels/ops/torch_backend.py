@@ -68,20 +68,20 @@ def _log_floor(inputs, alpha, pooling):
     return pooled.clamp_min_(0.0).mul_(alpha).add_(1.0 - alpha).log_()
 
 
-def macs_update_dense(q, k_cache, log_c, *, n_input, scale, alpha, pooling, redistribute):
-    """`macs_update` when every key slot [0, S) is attended and keys [0, n_input) are every item's inputs
-    (an unpadded batch with a growing cache). n_input is a Python int, so there is no mask, no gather and
-    no host sync: about a third of the general path's kernel launches, which is what a decode step pays
-    per layer on a CPU."""
-    rows = torch.softmax(grouped_scores(q, k_cache, scale), dim=-1)
-    _add_dense_term(rows, log_c, n_input, alpha, pooling, redistribute)
+def macs_pool_dense(q, k_cache, out, *, n_input, scale, pooling, redistribute):
+    """`macs_pool` of one query row per item (q (B, H, D), out (B, N_max)) when every key slot [0, S) is
+    attended and keys [0, n_input) are every item's inputs (an unpadded batch with a growing cache). n_input
+    is a Python int, so there is no mask, no gather and no host sync: about a third of the general path's
+    kernel launches, which is what a decode step pays per layer on a CPU."""
+    _pool_dense_rows(torch.softmax(grouped_scores(q, k_cache, scale), dim=-1), out, n_input, pooling, redistribute)
 
 
-def _add_dense_term(rows, log_c, n_input, alpha, pooling, redistribute):
+def _pool_dense_rows(rows, out, n_input, pooling, redistribute):
     inputs = rows[:, :, :n_input]
     if redistribute and rows.shape[-1] > n_input:
         inputs = inputs + rows[:, :, n_input:].sum(dim=-1, keepdim=True).div_(n_input)
-    log_c.add_(_log_floor(inputs, alpha, pooling))
+    out[:, :n_input].copy_(_POOL[pooling](inputs))
+    out[:, n_input:].zero_()
 
 
 def grouped_output(probabilities, v_cache, dtype):
@@ -92,10 +92,11 @@ def grouped_output(probabilities, v_cache, dtype):
     return out.reshape(batch, heads, -1).to(dtype)
 
 
-def decode_attention_dense(q, k_cache, v_cache, log_c, *, n_input, scale, alpha, pooling, redistribute):
-    """`decode_attention` fused with the update under `macs_update_dense`'s conditions: K is read once."""
+def decode_attention_dense(q, k_cache, v_cache, pooled, *, n_input, scale, pooling, redistribute):
+    """`decode_attention` writing `macs_pool_dense`'s m' into pooled (B, N_max) under its conditions: K is
+    read once."""
     rows = torch.softmax(grouped_scores(q, k_cache, scale), dim=-1)
-    _add_dense_term(rows, log_c, n_input, alpha, pooling, redistribute)
+    _pool_dense_rows(rows, pooled, n_input, pooling, redistribute)
     return grouped_output(rows, v_cache, q.dtype)
 
 

@@ -10,7 +10,7 @@ Z_TOLERANCE = 1e-4
 
 @torch.no_grad()
 def _efficient_reference(model, input_ids, generated_ids):
-    """Step z-scores from eager softmax rows projected by ops.efficient_attention (no Gram state)."""
+    """Step (log_c, z-scores) from eager softmax rows projected by ops.efficient_attention (no Gram state)."""
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
@@ -19,7 +19,7 @@ def _efficient_reference(model, input_ids, generated_ids):
     finally:
         model.set_attn_implementation(previous)
     n, steps = len(input_ids), len(generated_ids)
-    z_rows = []
+    log_rows, z_rows = [], []
     queries = torch.arange(n - 1, n - 1 + steps)
     per_layer = []
     for layer, attention in enumerate(out.attentions):
@@ -29,8 +29,10 @@ def _efficient_reference(model, input_ids, generated_ids):
         per_layer.append(a_eff[0])
     for k in range(steps):
         rows = [layer_rows[:, k, : n + k] for layer_rows in per_layer]
-        z_rows.append(reference.macs_step_reference(rows, n)[1])
-    return torch.stack(z_rows)
+        log_c, z = reference.macs_step_reference(rows, n)
+        log_rows.append(log_c)
+        z_rows.append(z)
+    return torch.stack(log_rows), torch.stack(z_rows)
 
 
 def test_efficient_rows_match_the_op_and_differ_from_softmax():
@@ -39,7 +41,7 @@ def test_efficient_rows_match_the_op_and_differ_from_softmax():
     softmax = explain(model, tokenizer, qa(0), max_new_tokens=4, backend="torch")
     assert torch.equal(efficient.generated_ids, softmax.generated_ids)
     assert efficient.config["attention"] == "efficient"
-    z_ref = _efficient_reference(model, efficient.input_ids, efficient.generated_ids)
+    _, z_ref = _efficient_reference(model, efficient.input_ids, efficient.generated_ids)
     assert (efficient.paper_step_scores.double() - z_ref).abs().max() <= Z_TOLERANCE
     # The z-scores of both are dominated by the attention sink (the first token); the log domain shows
     # how far the rows moved.

@@ -87,7 +87,7 @@ def test_attaching_changes_neither_tokens_nor_logits(model_and_tokenizer, implem
     assert torch.equal(plain.sequences, traced.sequences)
     for a, b in zip(plain.logits, traced.logits):
         assert torch.equal(a, b)
-    assert len(tracer.step_scores) == len(traced.logits)
+    assert len(tracer.passes) == len(traced.logits)
 
 
 def test_plain_forward_call_is_traced(model_and_tokenizer):

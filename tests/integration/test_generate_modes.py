@@ -1,0 +1,371 @@
+"""Every generate mode the tracer allows: each returned sequence's rows equal a teacher-forced trace of its own
+tokens (`trace_tensors` and the independent eager `output_attentions` reference), with as many rows as generated
+tokens (up to and including its end-of-sequence token), N columns, max |d log c| <= 1e-3 in float32.
+Every other mode raises before generation, naming the option."""
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+from macs_kernels import attach, explain, stream, trace_tensors
+from tests.helpers import default_model, eager_macs, qa, tiny_llama
+from tests.integration.test_integration_efficient import _efficient_reference as efficient_reference
+
+LOG_TOLERANCE = 1e-3
+EOS = 96  # tiny_llama's end-of-sequence id
+
+# A left-padded batch of 3 prompts of different lengths (pad id 0).
+PROMPTS = torch.tensor([[0, 0, 5, 9, 14, 20, 33, 41], [1, 5, 9, 14, 20, 33, 41, 7], [0, 0, 0, 0, 3, 8, 12, 60]])
+MASK = (torch.arange(8) >= torch.tensor([[2], [0], [4]])).long()
+
+
+class IdTokenizer:
+    """The tokenizer explain() needs for token-id prompts on a tiny random model: ids are their own text."""
+
+    pad_token_id, eos_token_id, chat_template = 0, EOS, None
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(str(i) for i in ids)
+
+
+def assert_teacher_forced(model, prompt_ids, generated_ids, step_log_c):
+    assert step_log_c.shape == (len(generated_ids), len(prompt_ids))
+    reference, _ = eager_macs(model, prompt_ids, generated_ids)
+    traced = trace_tensors(model, prompt_ids, generated_ids, backend="torch")
+    assert (step_log_c.double() - reference).abs().max() <= LOG_TOLERANCE
+    assert (step_log_c - traced.log_c).abs().max() <= LOG_TOLERANCE
+
+
+def traced_sequences(model, ids, mask, *, eos=None, max_new_tokens=6, **generate_kwargs):
+    """generate inside attach(): per returned sequence (prompt ids, generated ids up to its EOS, step_log_c)."""
+    if eos is not None:
+        generate_kwargs["eos_token_id"] = eos
+    with torch.no_grad(), attach(model, backend="torch") as tracer:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=0,
+                             **generate_kwargs)
+    per_prompt = out.shape[0] // ids.shape[0]
+    result = []
+    for i, sequence in enumerate(out):
+        generated = sequence[ids.shape[1]:].tolist()
+        if eos in generated:
+            generated = generated[: generated.index(eos) + 1]
+        log_c, _ = tracer.rows(i, len(generated))
+        result.append((ids[i // per_prompt][mask[i // per_prompt].bool()], torch.tensor(generated), log_c))
+    return result, tracer
+
+
+@pytest.fixture(scope="module")
+def gqa_model():
+    return tiny_llama(heads=3, kv_heads=1)
+
+
+# ---- small random models (GQA 3:1) --------------------------------------------------------------------
+@pytest.mark.parametrize("generate_kwargs", [
+    dict(num_beams=3),
+    dict(num_beams=3, num_return_sequences=2, length_penalty=0.5, early_stopping=True),
+    dict(num_beams=3, num_return_sequences=3, length_penalty=2.0, early_stopping="never"),
+    dict(num_beams=3, num_return_sequences=2, do_sample=True),
+    dict(do_sample=True, num_return_sequences=2),
+    dict(cache_implementation="static"),
+    dict(cache_implementation="static", num_beams=3, num_return_sequences=2),
+], ids=["beams", "beams-k2-penalty", "beams-k3-never", "beam-sample", "sample-k2", "static", "static-beams"])
+def test_left_padded_batch_rows_equal_teacher_forced(gqa_model, generate_kwargs):
+    torch.manual_seed(1)
+    sequences, _ = traced_sequences(gqa_model, PROMPTS, MASK, **generate_kwargs)
+    assert len(sequences) == 3 * generate_kwargs.get("num_return_sequences", 1)
+    for prompt_ids, generated_ids, log_c in sequences:
+        assert_teacher_forced(gqa_model, prompt_ids, generated_ids, log_c)
+
+
+def test_beams_ending_at_different_steps(gqa_model):
+    # An end-of-sequence id that some beam makes early: the returned beams then end at different steps.
+    free, _ = traced_sequences(gqa_model, PROMPTS[1:2], MASK[1:2], num_beams=3, num_return_sequences=3,
+                               max_new_tokens=8)
+    eos = int(free[1][1][3])
+    sequences, _ = traced_sequences(gqa_model, PROMPTS[1:2], MASK[1:2], eos=eos, num_beams=3,
+                                    num_return_sequences=3, max_new_tokens=8)
+    lengths = [len(generated) for _, generated, _ in sequences]
+    assert len(set(lengths)) > 1 and any(generated[-1] == eos for _, generated, _ in sequences), lengths
+    for prompt_ids, generated_ids, log_c in sequences:
+        assert_teacher_forced(gqa_model, prompt_ids, generated_ids, log_c)
+
+
+def test_static_cache_rows_equal_the_dynamic_cache_run(gqa_model):
+    dynamic, _ = traced_sequences(gqa_model, PROMPTS, MASK)
+    static, _ = traced_sequences(gqa_model, PROMPTS, MASK, cache_implementation="static")
+    cache = StaticCache(config=gqa_model.config, max_cache_len=40)
+    passed_in, _ = traced_sequences(gqa_model, PROMPTS, MASK, past_key_values=cache)
+    for (_, tokens, log_c), (_, tokens_s, log_c_s), (_, tokens_p, log_c_p) in zip(dynamic, static, passed_in):
+        assert torch.equal(tokens, tokens_s) and torch.equal(tokens, tokens_p)
+        assert log_c_s.shape == log_c.shape == log_c_p.shape  # unused cache slots are not inputs
+        assert (log_c - log_c_s).abs().max() <= 1e-5 and (log_c - log_c_p).abs().max() <= 1e-5
+
+
+def _repetitive_prompt(model):
+    """A prompt that contains its own greedy continuation: prompt lookup then finds candidates."""
+    base = PROMPTS[1:2]
+    with torch.no_grad():
+        continuation = model.generate(base, max_new_tokens=10, do_sample=False, pad_token_id=0)[0, 8:]
+    return torch.cat([base[0], continuation, base[0]])[None]
+
+
+@pytest.mark.parametrize("assistant", ["prompt_lookup", "second_model", "itself"])
+def test_assisted_decoding_scores_every_verified_row(gqa_model, assistant):
+    ids = _repetitive_prompt(gqa_model)
+    kwargs = {
+        "prompt_lookup": dict(prompt_lookup_num_tokens=3),
+        "second_model": dict(assistant_model=tiny_llama(heads=3, kv_heads=1, seed=1)),
+        "itself": dict(assistant_model=gqa_model),
+    }[assistant]
+    sequences, tracer = traced_sequences(gqa_model, ids, torch.ones_like(ids), max_new_tokens=10, **kwargs)
+    assert max(p["rows"] for p in tracer.passes) > 1, "no verify pass scored several candidates"
+    (prompt_ids, generated_ids, log_c), = sequences
+    assert len(generated_ids) == 10
+    assert_teacher_forced(gqa_model, prompt_ids, generated_ids, log_c)
+
+
+def test_rejected_candidates_are_dropped(gqa_model):
+    # A second random model proposes tokens the main model mostly rejects: the cache is cropped, and rows
+    # of rejected candidates are replaced by the rows of the tokens generated instead.
+    ids = PROMPTS[1:2]
+    assistant = tiny_llama(heads=3, kv_heads=1, seed=5)
+    sequences, tracer = traced_sequences(gqa_model, ids, torch.ones_like(ids), max_new_tokens=8,
+                                         assistant_model=assistant)
+    scored = sum(p["rows"] for p in tracer.passes)
+    (prompt_ids, generated_ids, log_c), = sequences
+    assert scored > len(generated_ids), "no candidate was rejected: the test would not exercise the crop"
+    assert_teacher_forced(gqa_model, prompt_ids, generated_ids, log_c)
+
+
+def test_continued_conversation_inputs_are_every_earlier_token(gqa_model):
+    cache = DynamicCache(config=gqa_model.config)
+    with torch.no_grad():
+        turn_1 = gqa_model.generate(PROMPTS[1:2], max_new_tokens=4, do_sample=False, pad_token_id=0,
+                                    past_key_values=cache)
+    both_turns = torch.cat([turn_1[0], torch.tensor([3, 8, 12, 60])])[None]
+    explanation = explain(gqa_model, IdTokenizer(), input_ids=both_turns, max_new_tokens=5,
+                          past_key_values=cache, backend="torch")
+    assert torch.equal(explanation.input_ids, both_turns[0])
+    assert len(explanation.generated_ids) == 5
+    assert_teacher_forced(gqa_model, both_turns[0], explanation.generated_ids, explanation.step_log_c)
+    fresh = explain(gqa_model, IdTokenizer(), input_ids=both_turns, max_new_tokens=5, backend="torch")
+    assert torch.equal(fresh.generated_ids, explanation.generated_ids)
+    assert (fresh.step_log_c - explanation.step_log_c).abs().max() <= 1e-5
+
+
+def test_explain_returns_one_explanation_per_returned_sequence(gqa_model):
+    prompt = PROMPTS[1]
+    single = explain(gqa_model, IdTokenizer(), input_ids=prompt, max_new_tokens=4, num_beams=3)
+    several = explain(gqa_model, IdTokenizer(), input_ids=prompt, max_new_tokens=4, num_beams=3,
+                      num_return_sequences=2)
+    assert not isinstance(single, list)
+    assert isinstance(several, list) and len(several) == 2
+    assert torch.equal(several[0].generated_ids, single.generated_ids)  # generate's order: best beam first
+    for item in several:
+        assert torch.equal(item.input_ids, prompt)
+        assert_teacher_forced(gqa_model, prompt, item.generated_ids, item.step_log_c)
+
+
+# ---- refused modes ------------------------------------------------------------------------------------
+def _count_forwards(model):
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
+    return calls, handle
+
+
+@pytest.mark.parametrize("generate_kwargs,option", [
+    (dict(penalty_alpha=0.6, top_k=4), "penalty_alpha"),
+    (dict(dola_layers="high"), "dola_layers"),
+    (dict(num_beams=2, force_words_ids=[[5]]), "force_words_ids"),
+    (dict(num_beams=2, num_beam_groups=2, diversity_penalty=1.0), "num_beam_groups"),
+    (dict(custom_generate=lambda **_: None), "custom_generate"),
+    (dict(cache_implementation="offloaded"), "cache_implementation"),
+    (dict(prefill_chunk_size=4), "prefill_chunk_size"),
+    (dict(assistant_early_exit=1), "assistant_early_exit"),
+], ids=["contrastive", "dola", "constrained", "group-beams", "custom", "offloaded-cache", "chunked-prefill",
+        "early-exit"])
+def test_unsupported_modes_are_refused_before_generation(gqa_model, generate_kwargs, option):
+    calls, handle = _count_forwards(gqa_model)
+    try:
+        with pytest.raises(NotImplementedError, match=option):
+            explain(gqa_model, IdTokenizer(), input_ids=PROMPTS[1], max_new_tokens=3, **generate_kwargs)
+        with pytest.raises(NotImplementedError, match=option):
+            with torch.no_grad(), attach(gqa_model):
+                gqa_model.generate(PROMPTS[1:2], max_new_tokens=3, pad_token_id=0, **generate_kwargs)
+    finally:
+        handle.remove()
+    assert not calls
+    assert gqa_model.config._attn_implementation == "sdpa"
+
+
+def test_compiled_forward_is_refused_naming_torch_compile():
+    model = tiny_llama(heads=3, kv_heads=1)
+    model.forward = torch.compile(model.forward)  # compiles lazily: nothing runs unless called
+    calls, handle = _count_forwards(model)
+    try:
+        with pytest.raises(NotImplementedError, match="torch.compile"):
+            explain(model, IdTokenizer(), input_ids=PROMPTS[1], max_new_tokens=3)
+    finally:
+        handle.remove()
+    assert not calls
+
+
+def test_stream_refuses_several_sequences_and_beams(gqa_model):
+    for kwargs, message in ((dict(num_return_sequences=2, do_sample=True), "num_return_sequences"),
+                            (dict(num_beams=2), "num_beams")):
+        with pytest.raises(ValueError, match=message):
+            next(stream(gqa_model, IdTokenizer(), input_ids=PROMPTS[1], max_new_tokens=3, **kwargs))
+
+
+def test_stream_with_prompt_lookup_yields_every_accepted_token(gqa_model):
+    ids = _repetitive_prompt(gqa_model)
+    explanation = explain(gqa_model, IdTokenizer(), input_ids=ids, max_new_tokens=8, prompt_lookup_num_tokens=3)
+    streamed = list(stream(gqa_model, IdTokenizer(), input_ids=ids, max_new_tokens=8, prompt_lookup_num_tokens=3))
+    assert [token for token, _ in streamed] == explanation.generated_ids.tolist()
+    assert torch.allclose(torch.stack([z for _, z in streamed]), explanation.step_scores)
+
+
+# ---- efficient attention follows the cache slots ------------------------------------------------------
+@pytest.mark.parametrize("generate_kwargs", [
+    dict(cache_implementation="static"), dict(num_beams=3, num_return_sequences=2),
+], ids=["static", "beams"])
+def test_efficient_attention_follows_static_slots_and_beam_reorders(generate_kwargs):
+    model = tiny_llama(heads=3, kv_heads=1, layers=2)
+    ids = torch.arange(3, 33)  # more keys than D + 1 = 17: the rows are projections, not the softmax rows
+    result = explain(model, IdTokenizer(), input_ids=ids, max_new_tokens=4, attention="efficient", backend="torch",
+                     **generate_kwargs)
+    for item in result if isinstance(result, list) else [result]:
+        reference, _ = efficient_reference(model, ids, item.generated_ids)
+        assert (item.step_log_c.double() - reference).abs().max() <= LOG_TOLERANCE
+        softmax = trace_tensors(model, ids, item.generated_ids, backend="torch").log_c
+        assert (item.step_log_c - softmax).abs().max() > 0.01
+    with pytest.raises(NotImplementedError, match="efficient"):
+        explain(model, IdTokenizer(), input_ids=ids, max_new_tokens=3, attention="efficient",
+                prompt_lookup_num_tokens=3)
+
+
+# ---- concurrency (issue 15) ---------------------------------------------------------------------------
+def test_a_forward_from_another_thread_while_a_stream_holds_the_model_raises(gqa_model):
+    ids = PROMPTS[1]
+    expected = explain(gqa_model, IdTokenizer(), input_ids=ids, max_new_tokens=6)
+    gate, passes = threading.Event(), []
+
+    def hold_after_two_passes(*_):
+        if threading.current_thread().name == "macs-kernels-stream":
+            passes.append(1)
+            if len(passes) == 2:
+                gate.wait(30)
+
+    handle = gqa_model.register_forward_pre_hook(hold_after_two_passes)
+    try:
+        generator = stream(gqa_model, IdTokenizer(), input_ids=ids, max_new_tokens=6)
+        first = next(generator)
+        with pytest.raises(RuntimeError, match="another thread"):
+            gqa_model.generate(PROMPTS[1:2], max_new_tokens=2, pad_token_id=0)
+        with pytest.raises(RuntimeError, match="another thread"), torch.no_grad():
+            gqa_model(PROMPTS[1:2])
+        gate.set()
+        streamed = [first, *generator]
+    finally:
+        gate.set()
+        handle.remove()
+    assert [token for token, _ in streamed] == expected.generated_ids.tolist()
+    assert torch.allclose(torch.stack([z for _, z in streamed]), expected.step_scores)
+    assert gqa_model.config._attn_implementation == "sdpa"
+
+
+def test_two_threads_explaining_on_one_model_both_get_their_own_rows(gqa_model):
+    prompts = [PROMPTS[1], PROMPTS[2][4:]]
+    expected = [explain(gqa_model, IdTokenizer(), input_ids=p, max_new_tokens=5) for p in prompts]
+    results: dict[int, list] = {0: [], 1: []}
+    errors = []
+
+    def run(index):
+        try:
+            for _ in range(4):
+                results[index].append(explain(gqa_model, IdTokenizer(), input_ids=prompts[index], max_new_tokens=5))
+        except BaseException as error:  # noqa: BLE001 - reported by the main thread
+            errors.append(error)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # force thread switches inside the attach/generate window
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors
+    for index in (0, 1):
+        for item in results[index]:
+            assert torch.equal(item.generated_ids, expected[index].generated_ids)
+            assert torch.equal(item.step_log_c, expected[index].step_log_c)
+
+
+def test_attention_logit_softcapping_is_refused():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(vocab_size=50, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, attn_logit_softcapping=5.0,
+                          layer_types=["full_attention"] * 2)
+    with pytest.raises(NotImplementedError, match="attn_logit_softcapping"):
+        with attach(Gemma2ForCausalLM(config)):
+            pass
+
+
+# ---- the real default model: one check per mode --------------------------------------------------------
+@pytest.fixture(scope="module")
+def real():
+    return default_model()
+
+
+def _assert_explanations(model, explanations):
+    for item in explanations if isinstance(explanations, list) else [explanations]:
+        assert len(item.step_log_c) == len(item.generated_ids) == len(item.generated_tokens)
+        assert_teacher_forced(model, item.input_ids, item.generated_ids, item.step_log_c)
+
+
+@pytest.mark.parametrize("generate_kwargs", [
+    dict(num_beams=3, num_return_sequences=2),
+    dict(do_sample=True, num_return_sequences=2),
+    dict(cache_implementation="static"),
+    dict(prompt_lookup_num_tokens=3),
+], ids=["beams-k2", "sample-k2", "static", "prompt-lookup"])
+def test_default_model_rows_equal_teacher_forced(real, generate_kwargs):
+    model, tokenizer = real
+    torch.manual_seed(2)
+    result = explain(model, tokenizer, qa(0), max_new_tokens=6, backend="torch", **generate_kwargs)
+    expected = generate_kwargs.get("num_return_sequences", 1)
+    assert (len(result) if isinstance(result, list) else 1) == expected
+    _assert_explanations(model, result)
+
+
+@pytest.mark.slow
+def test_default_model_batch_of_three_with_beams_and_its_own_assistant(real):
+    model, tokenizer = real
+    prompts = [qa(0), "Name a primary colour.", qa(2)]
+    _assert_explanations(model, explain(model, tokenizer, prompts, max_new_tokens=6, num_beams=3,
+                                        num_return_sequences=2, length_penalty=0.8, early_stopping=True))
+    _assert_explanations(model, explain(model, tokenizer, qa(1), max_new_tokens=6, assistant_model=model))
+
+
+def test_default_model_continued_conversation(real):
+    model, tokenizer = real
+    encoded = tokenizer.apply_chat_template(qa(0), add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        turn_1 = model.generate(encoded, attention_mask=torch.ones_like(encoded), max_new_tokens=6, do_sample=False,
+                                past_key_values=cache, pad_token_id=tokenizer.eos_token_id)
+    follow_up = tokenizer("<|im_end|>\n<|im_start|>user\nWhen?<|im_end|>\n<|im_start|>assistant\n",
+                          add_special_tokens=False, return_tensors="pt")["input_ids"]
+    both_turns = torch.cat([turn_1, follow_up], dim=1)
+    explanation = explain(model, tokenizer, input_ids=both_turns, max_new_tokens=5, past_key_values=cache)
+    assert torch.equal(explanation.input_ids, both_turns[0])
+    _assert_explanations(model, explanation)
