@@ -12,7 +12,6 @@ import itertools
 
 import pytest
 import torch
-
 from bench_ops import Problem, backend_call
 
 CASES = list(itertools.product(("macs_update", "decode_attention"), (1, 8), ((32, 8), (9, 3)), (64, 128), (1024, 4096)))

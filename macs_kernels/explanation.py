@@ -307,7 +307,16 @@ def explain(model, tokenizer, prompt=None, *, input_ids=None, max_new_tokens=64,
     its own end-of-sequence token (included).
     fused_decode: see MacsConfig (None: the backend's default; True on the torch backend reads the key
     cache once per decode step, computing the attention output itself).
+    continuous_batching=True: run the prompts through transformers' continuous-batching engine
+        (`model.generate_batch`, greedy; macs_kernels.continuous.explain_continuous), one Explanation per
+        prompt; `continuous_batching_config=` passes the engine's ContinuousBatchingConfig.
     """
+    if generate_kwargs.pop("continuous_batching", False):
+        # The engine runs its loop in a thread of its own, where tensors made in inference mode are read-only.
+        with torch.inference_mode(False):
+            return _explain_continuous(model, tokenizer, prompt, input_ids, max_new_tokens, generate_kwargs, dict(
+                alpha=alpha, pooling=pooling, redistribute=redistribute, attention=attention, backend=backend,
+                fused_decode=fused_decode))
     config, ids, mask, batched, kwargs, plan = _prepare(
         model, tokenizer, prompt, input_ids, max_new_tokens,
         dict(alpha=alpha, pooling=pooling, redistribute=redistribute, attention=attention, backend=backend,
@@ -320,6 +329,22 @@ def explain(model, tokenizer, prompt=None, *, input_ids=None, max_new_tokens=64,
     generated = sequences[:, ids.shape[1]:]
     explanations = _explanations(tracer, tokenizer, ids, mask, generated, _eos_ids(model, tokenizer), config)
     return explanations if batched or plan.num_return_sequences > 1 else explanations[0]
+
+
+def _explain_continuous(model, tokenizer, prompt, input_ids, max_new_tokens, generate_kwargs, config):
+    from .continuous import explain_continuous
+
+    engine = {key: generate_kwargs.pop(key) for key in ("continuous_batching_config",) if key in generate_kwargs}
+    if generate_kwargs:
+        raise ValueError(f"continuous_batching=True generates greedily with the engine's own settings; "
+                         f"{sorted(generate_kwargs)} cannot be passed with it")
+    if input_ids is not None or prompt is None:
+        raise ValueError("continuous_batching=True takes prompt= (a string, chat messages or a list of them), "
+                         "not input_ids")
+    batched = isinstance(prompt, list) and not _is_messages(prompt)
+    prompts = prompt if batched else [prompt]
+    explanations = explain_continuous(model, tokenizer, prompts, max_new_tokens=max_new_tokens, **engine, **config)
+    return explanations if batched else explanations[0]
 
 
 class _StepStreamer:

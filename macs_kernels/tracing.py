@@ -29,14 +29,16 @@ import bisect
 import contextlib
 import dataclasses
 import functools
+import importlib
 import sys
 import threading
 
 import torch
 
 from .config import MacsConfig
+from .distributed import HeadShards, head_shards, reduce_pooled
 from .ops import torch_backend
-from .ops._dispatch import BackendUnavailable, implementation, resolve_backend
+from .ops._dispatch import implementation, resolve_backend
 
 # Registered names must contain neither "flash" nor "sdpa": transformers treats those specially.
 WRAPPED_NAMES = {"sdpa": "macs_kernels", "eager": "macs_kernels_eager", "flash_attention_2": "macs_kernels_fa2"}
@@ -45,13 +47,13 @@ WRAPPED_NAMES = {"sdpa": "macs_kernels", "eager": "macs_kernels_eager", "flash_a
 class TraceHook:
     """Per-layer extension point: subclasses see each pass and each layer's tensors."""
 
-    def begin_pass(self, tracer: "Tracer", prefill: bool) -> None:
+    def begin_pass(self, tracer: Tracer, prefill: bool) -> None:
         pass
 
-    def layer(self, tracer: "Tracer", layer_idx: int, query, key, value, output, scale: float) -> None:
+    def layer(self, tracer: Tracer, layer_idx: int, query, key, value, output, scale: float) -> None:
         """`scale`: the softmax scale this layer used (its own `module.scaling` or the call's `scaling`)."""
 
-    def end_pass(self, tracer: "Tracer") -> None:
+    def end_pass(self, tracer: Tracer) -> None:
         pass
 
 
@@ -162,13 +164,19 @@ class Tracer:
     `input_end`, `kv_len` (B,) and `n_input_list` describe the current pass (its last query) for hooks.
     """
 
-    def __init__(self, config: MacsConfig, num_layers: int, device: torch.device, hooks=(), keep_pooled=False):
+    def __init__(self, config: MacsConfig, num_layers: int, device: torch.device, hooks=(), keep_pooled=False,
+                 shards: HeadShards | None = None):
         self.config = config
+        # Under tensor parallelism this rank pools its own heads; a pass's rows are reduced over the group.
+        self.shards = shards
+        # Set when the attach block hands over to continuous batching (macs_kernels.continuous).
+        self.continuous = None
         self.num_layers = num_layers
         self.hooks = list(hooks)
         self.keep_pooled = keep_pooled
         self.backend = resolve_backend(config.backend, device)
-        self._pool, self._decode = _pooled_kernels(self.backend)
+        self._pool = implementation(self.backend, "macs_pool")
+        self._decode = implementation(self.backend, "decode_attention")
         # Kernels for passes where one row attends every slot (no mask, no gather), where a backend has them.
         self._pool_dense = _optional_kernel(self.backend, "macs_pool_dense")
         self._decode_dense = _optional_kernel(self.backend, "decode_attention_dense")
@@ -348,6 +356,7 @@ class Tracer:
 
     def _end_pass(self) -> None:
         plan = self._plan
+        reduce_pooled(plan.pooled, self.shards, self.config.pooling)
         log_c = combine_layers(plan.pooled, self.config.alpha, self._valid)
         # A NaN anywhere in an attention row reaches the state; -inf (underflow at alpha = 1) is legitimate.
         if bool(torch.isnan(log_c).any()):
@@ -448,6 +457,25 @@ class Tracer:
         steps = written if self._returned is None else min(written, self._returned[1])
         return row[:steps], item
 
+    # ---- continuous batching (after generate_batch / init_continuous_batching ran in the attach block) ----
+    def _continuous(self):
+        if self.continuous is None:
+            raise RuntimeError("no continuous batching ran in this attach block: call model.generate_batch(...) or "
+                               "model.init_continuous_batching() inside it")
+        return self.continuous
+
+    def request_rows(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(step_log_c, step_scores) of a continuous-batching request so far (see ContinuousTracer)."""
+        return self._continuous().request_rows(request_id)
+
+    def configure(self, request_id: str, **config) -> None:
+        """Per-request alpha/pooling/redistribute/attention of a request not added yet (see ContinuousTracer)."""
+        self._continuous().configure(request_id, **config)
+
+    def release(self, request_id: str) -> None:
+        """Free a finished or cancelled request's rows (see ContinuousTracer)."""
+        self._continuous().release(request_id)
+
     def rows(self, item: int, steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(step_log_c, step_scores) of sequence `item`: (steps, N_item) float32 tensors on the CPU.
 
@@ -481,10 +509,9 @@ class Tracer:
 
 
 def _optional_kernel(backend: str, op: str):
-    try:
-        return implementation(backend, op)
-    except BackendUnavailable:
-        return None
+    """A backend's kernel for a special case that is not an op of its own (None where it has none)."""
+    module = {"torch": "macs_kernels.ops.torch_backend", "triton": "macs_kernels.ops.triton"}.get(backend)
+    return None if module is None else getattr(importlib.import_module(module), op, None)
 
 
 def _pool_from_log_term(out: torch.Tensor, add_log_term) -> None:
@@ -492,32 +519,6 @@ def _pool_from_log_term(out: torch.Tensor, add_log_term) -> None:
     out.zero_()
     add_log_term(out)
     out.exp_()
-
-
-def _pooled_kernels(backend: str):
-    """The backend's (macs_pool, decode_attention writing m'). A backend without macs_pool yet gets both
-    from its macs_update / decode_attention at alpha = 1 (their log-term is log m'), one row at a time."""
-    decode = implementation(backend, "decode_attention")
-    try:
-        return implementation(backend, "macs_pool"), decode
-    except BackendUnavailable:
-        update = implementation(backend, "macs_update")
-
-    def pool(q, k_cache, out, *, input_start, input_end, kv_len, scale, pooling, redistribute, lse):
-        for r in range(q.shape[2]):
-            _pool_from_log_term(out[:, r], lambda log_c: update(
-                q[:, :, r], k_cache, log_c, input_start=input_start[:, r], input_end=input_end[:, r],
-                kv_len=kv_len[:, r], scale=scale, alpha=1.0, pooling=pooling, redistribute=redistribute, lse=lse,
-            ))
-
-    def decode_pooled(q, k_cache, v_cache, *, pooled, **kwargs):
-        result = []
-        _pool_from_log_term(pooled, lambda log_c: result.append(
-            decode(q, k_cache, v_cache, **(kwargs | {"log_c": log_c, "alpha": 1.0}))
-        ))
-        return result[0]
-
-    return pool, decode_pooled
 
 
 def _last_row_attended(mask, batch: int, keys: int, device) -> torch.Tensor:
@@ -656,6 +657,11 @@ def _traced_generate(model, tracer: Tracer, generate):
                 "this model is attached to a macs_kernels tracer owned by another thread (an explain() or a "
                 "stream() that has not finished); generate after it, or on another model instance"
             )
+        if tracer.continuous is not None:
+            raise RuntimeError(
+                "this attach block serves continuous batching (generate_batch / init_continuous_batching ran in "
+                "it); call generate in another attach block"
+            )
         if tracer._generation is not None:
             tracer._suspended += 1
             try:
@@ -681,6 +687,31 @@ def _traced_generate(model, tracer: Tracer, generate):
         return output if wants_dict or isinstance(output, torch.Tensor) else output.sequences
 
     return traced
+
+
+# The ways into transformers' continuous-batching engine (which accepts only its own attention names).
+_CONTINUOUS_ENTRIES = ("generate_batch", "init_continuous_batching")
+
+
+def _continuous_entry(model, tracer: Tracer, name: str, saved: dict, previous: str, stack: contextlib.ExitStack):
+    """`model.<name>` while attached: the first call hands the rest of the attach block to a continuous-batching
+    tracer (macs_kernels.continuous), whose rows `tracer.request_rows(request_id)` reads."""
+
+    def enter(*args, **kwargs):
+        if tracer.continuous is None:
+            from .continuous import attach_continuous
+
+            for entry in _CONTINUOUS_ENTRIES:  # the engine's own methods again, for the continuous tracer to wrap
+                if entry in saved:
+                    setattr(model, entry, saved[entry])
+                else:
+                    model.__dict__.pop(entry, None)
+            model.set_attn_implementation(previous)
+            config = tracer.config.as_dict() | {"fused_decode": None}
+            tracer.continuous = stack.enter_context(attach_continuous(model, **config))
+        return getattr(model, name)(*args, **kwargs)
+
+    return functools.wraps(getattr(model, name))(enter)
 
 
 def _traced_reorder(tracer: Tracer, reorder):
@@ -713,22 +744,28 @@ def attach(model, *, hooks=(), keep_pooled=False, **config):
         if previous not in WRAPPED_NAMES:
             raise ValueError(f"cannot wrap attention implementation {previous!r}; use one of {list(WRAPPED_NAMES)}")
         device = next(model.parameters()).device
-        tracer = Tracer(macs_config, len(modules), device, hooks, keep_pooled=keep_pooled)
+        tracer = Tracer(macs_config, len(modules), device, hooks, keep_pooled=keep_pooled,
+                        shards=head_shards(model, modules))
         _register()
-        saved = {name: model.__dict__[name] for name in ("generate", "_reorder_cache") if name in model.__dict__}
+        wrapped = ("generate", "_reorder_cache", *_CONTINUOUS_ENTRIES)
+        saved = {name: model.__dict__[name] for name in wrapped if name in model.__dict__}
         for module in modules.values():
             module._macs_tracer = tracer
         model.generate = _traced_generate(model, tracer, model.generate)
         model._reorder_cache = _traced_reorder(tracer, getattr(model, "_reorder_cache", None))
+        continuous = contextlib.ExitStack()
+        for name in _CONTINUOUS_ENTRIES:
+            setattr(model, name, _continuous_entry(model, tracer, name, saved, previous, continuous))
         model.set_attn_implementation(WRAPPED_NAMES[previous])
         try:
             yield tracer
         finally:
+            continuous.close()
             model.set_attn_implementation(previous)
-            for name in ("generate", "_reorder_cache"):
+            for name in wrapped:
                 if name in saved:
                     setattr(model, name, saved[name])
                 else:
-                    delattr(model, name)
+                    model.__dict__.pop(name, None)
             for module in modules.values():
                 del module._macs_tracer

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ATTENTIONS
+from ..distributed import gather_heads
 from ..ops import attention_features, efficient_attention
 from ..tracing import TraceHook, attach
 
@@ -39,8 +40,11 @@ class QueryCapture(TraceHook):
         self.values: list[torch.Tensor | None] = []
         self.scales: list[float | None] = []
         self.kv_start = self.kv_len = None
+        self.shards = None
 
     def begin_pass(self, tracer, prefill: bool) -> None:
+        # Under tensor parallelism this rank sees its own heads; features are gathered in global head order.
+        self.shards = tracer.shards
         if prefill:
             self.queries = [[] for _ in range(tracer.num_layers)]
             self.keys = [None] * tracer.num_layers
@@ -106,7 +110,8 @@ class QueryCapture(TraceHook):
                 q, key, source_start=source_start, source_end=source_end, kv_len=kv_len, kv_start=self.kv_start,
                 n_rows=n_rows, scale=self.scales[layer], backend=backend,
             ))
-        return torch.stack(layers, dim=1) / n_rows.view(-1, 1, 1, 1).float()
+        local = torch.stack(layers, dim=1) / n_rows.view(-1, 1, 1, 1).float()
+        return gather_heads(local, self.shards, dim=2)
 
 
 def _efficient_features(q, key, value, *, source_start, source_end, kv_start, kv_len, n_rows, scale, backend):

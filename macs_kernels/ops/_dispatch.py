@@ -28,7 +28,7 @@ OPS = (
     "efficient_attention",
 )
 # The ops a generation tracer calls per layer and step: what a backend must prove before it is chosen.
-TRACER_OPS = ("macs_update", "macs_update_rows", "macs_zscore", "decode_attention")
+TRACER_OPS = ("macs_pool", "macs_update_rows", "macs_zscore", "decode_attention")
 _TORCH_MODULES = {"attention_features": "torch_features", "efficient_attention": "torch_efficient"}
 
 

@@ -342,3 +342,42 @@ def test_default_model_rows_equal_explain_alone(model_and_tokenizer):
         assert item.input_tokens == alone.input_tokens and item.text == alone.text
         assert (item.step_log_c - alone.step_log_c).abs().max() <= LOG_C_TOLERANCE
         assert item.config == alone.config
+
+
+def test_attach_hands_generate_batch_to_the_continuous_tracer_and_restores_the_model(tiny):
+    """`with macs_kernels.attach(model) as tracer:` around generate_batch: request_rows per request, each equal
+    to the eager reference; leaving the block restores the model exactly; generate is refused in that block."""
+    import macs_kernels
+
+    prompts = [list(range(1, 12)), [5, 6, 7, 8]]
+    with macs_kernels.attach(tiny):  # registers the tracer's attention names, once per process
+        pass
+    before = {"implementation": tiny.config._attn_implementation, "attributes": dict(vars(tiny)),
+              "attention": dict(AttentionInterface._global_mapping)}
+    with macs_kernels.attach(tiny) as tracer:
+        outputs = tiny.generate_batch(prompts, generation_config=GenerationConfig(max_new_tokens=3, **GREEDY),
+                                      continuous_batching_config=cb_config(8))
+        for prompt, (request_id, output) in zip(prompts, outputs.items()):
+            assert_rows_match_reference(tiny, prompt, output, tracer.request_rows(request_id))
+        with pytest.raises(RuntimeError, match="continuous batching"):
+            tiny.generate(torch.tensor([prompts[0]]), max_new_tokens=2)
+    assert {"implementation": tiny.config._attn_implementation, "attributes": dict(vars(tiny)),
+            "attention": dict(AttentionInterface._global_mapping)} == before
+    with macs_kernels.attach(tiny) as tracer, pytest.raises(RuntimeError, match="no continuous batching"):
+        tracer.request_rows("req_0")
+
+
+def test_explain_with_continuous_batching_returns_one_explanation_per_prompt(model_and_tokenizer):
+    import macs_kernels
+
+    model, tokenizer = model_and_tokenizer
+    prompts = ["Name a primary colour.", qa(0)]
+    explanations = macs_kernels.explain(model, tokenizer, prompts, max_new_tokens=3, continuous_batching=True)
+    assert len(explanations) == 2
+    for explanation in explanations:
+        log_ref, _ = eager_macs(model, explanation.input_ids, explanation.generated_ids)
+        assert (explanation.step_log_c.double() - log_ref).abs().max() <= LOG_C_TOLERANCE
+    single = macs_kernels.explain(model, tokenizer, prompts[0], max_new_tokens=3, continuous_batching=True)
+    assert torch.equal(single.generated_ids, explanations[0].generated_ids)
+    with pytest.raises(ValueError, match="do_sample"):
+        macs_kernels.explain(model, tokenizer, prompts, continuous_batching=True, do_sample=True)
