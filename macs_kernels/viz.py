@@ -101,7 +101,9 @@ function paint(k, label) {{
 let pinned = null;
 data.generated_tokens.forEach((tok, k) => {{
   const s = document.createElement("span"); s.textContent = tok; answer.appendChild(s);
-  s.addEventListener("mouseenter", () => {{ if (pinned === null) paint(k, `step ${{k}} (${{JSON.stringify(tok)}})`); }});
+  s.addEventListener("mouseenter", () => {{
+    if (pinned === null) paint(k, `step ${{k}} (${{JSON.stringify(tok)}})`);
+  }});
   s.addEventListener("mouseleave", () => {{ if (pinned === null) paint(null, "over all steps"); }});
   s.addEventListener("click", () => {{
     answer.querySelectorAll("span").forEach(x => x.classList.remove("active"));

@@ -139,11 +139,14 @@ class AT2Attributor:
             capture = forward_capture(self.model, prompt_ids, response_ids)
         start, end = target if target is not None else (0, response_ids.numel())
         if not 0 <= start < end <= response_ids.numel():
-            raise ValueError(f"target [{start}, {end}) must be a non-empty range of the {response_ids.numel()} response tokens")
+            raise ValueError(
+                f"target [{start}, {end}) must be a non-empty range of the {response_ids.numel()} response tokens"
+            )
         features = capture.features(source_start=alignment.context_tokens[0], source_end=alignment.context_tokens[1],
                                     target_start=start, target_end=end, attention=attention)
         chosen = make_sources(alignment, context, sources)
-        scores = self.source_scores(features[0].flatten(0, 1), source_index(chosen, alignment.context_tokens), len(chosen))
+        index = source_index(chosen, alignment.context_tokens)
+        scores = self.source_scores(features[0].flatten(0, 1), index, len(chosen))
         ids = response_ids.tolist()
         return AT2Explanation(
             prompt_ids=prompt_ids, response_ids=response_ids,

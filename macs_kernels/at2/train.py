@@ -105,7 +105,8 @@ def collect_example(model, tokenizer, sample, *, n_masks: int = N_MASKS, keep_pr
     outputs = logit_prob_targets(model, prompt_ids, response_ids, keep, alignment.context_tokens, batch_size=batch_size)
     return {
         "features": features.contiguous(), "masks": keep.to(torch.uint8), "outputs": outputs,
-        "prompt_ids": prompt_ids, "response_ids": response_ids, "context_tokens": torch.tensor(alignment.context_tokens),
+        "prompt_ids": prompt_ids, "response_ids": response_ids,
+        "context_tokens": torch.tensor(alignment.context_tokens),
     }
 
 
@@ -198,7 +199,8 @@ def fit(examples, *, epochs: int = 100, lr: float = 1e-3, batch_size: int = 16, 
         if checkpoint is not None:
             state = optimizer.state[theta]
             save_file({"theta": theta.detach().clone(), "step": state["step"].clone(), "exp_avg": state["exp_avg"],
-                       "exp_avg_sq": state["exp_avg_sq"], "epoch": torch.tensor(epoch + 1)}, Path(checkpoint).with_suffix(".tmp"))
+                       "exp_avg_sq": state["exp_avg_sq"], "epoch": torch.tensor(epoch + 1)},
+                      Path(checkpoint).with_suffix(".tmp"))
             os.replace(Path(checkpoint).with_suffix(".tmp"), checkpoint)
     theta = theta.detach()
     return theta / theta.abs().sum()

@@ -84,7 +84,9 @@ def check_q_k(q, k_cache, v_cache=None, *, q_dims=3):
     check_tensor("k_cache", k_cache, 4)
     batch, heads, dim = q.shape[0], q.shape[1], q.shape[-1]
     if k_cache.shape[0] != batch or k_cache.shape[3] != dim:
-        raise ValueError(f"k_cache must be ({batch}, H_kv, S, {dim}) to match q {tuple(q.shape)}, got {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"k_cache must be ({batch}, H_kv, S, {dim}) to match q {tuple(q.shape)}, got {tuple(k_cache.shape)}"
+        )
     if heads % k_cache.shape[1]:
         raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({k_cache.shape[1]})")
     if k_cache.device != q.device:
@@ -92,7 +94,9 @@ def check_q_k(q, k_cache, v_cache=None, *, q_dims=3):
     if v_cache is not None:
         check_tensor("v_cache", v_cache, 4)
         if v_cache.shape[:3] != k_cache.shape[:3] or v_cache.device != q.device:
-            raise ValueError(f"v_cache must be {tuple(k_cache.shape[:3])} x D_v on {q.device}, got {tuple(v_cache.shape)}")
+            raise ValueError(
+                f"v_cache must be {tuple(k_cache.shape[:3])} x D_v on {q.device}, got {tuple(v_cache.shape)}"
+            )
 
 
 def as_scale(scale: float) -> float:

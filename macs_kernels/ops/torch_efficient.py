@@ -94,7 +94,8 @@ def torch_back_project(coefficients, v_cache, kv_start, kv_len, causal):
 
 
 def efficient_attention(
-    p: Tensor, v_cache: Tensor, kv_start: Tensor, kv_len: Tensor, causal: bool, rcond: float, gram: Tensor | None = None,
+    p: Tensor, v_cache: Tensor, kv_start: Tensor, kv_len: Tensor, causal: bool, rcond: float,
+    gram: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Efficient rows of p (B, H, R, S) over values (B, H_kv, S, D); see ops.efficient_attention.
 

@@ -33,7 +33,8 @@ def test_torch_fused_decode_matches_the_wrapped_attention(monkeypatch):
     _compare(model, tokenizer, "torch", qa(0), max_new_tokens=4, fused_decode=True)
     calls = []
     original = AttentionInterface._global_mapping["sdpa"]
-    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", lambda *a, **k: calls.append(1) or original(*a, **k))
+    counted = lambda *a, **k: calls.append(1) or original(*a, **k)  # noqa: E731
+    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", counted)
     encoded = tokenizer(["Name a colour.", "Name the capital of France, please."], padding=True,
                         padding_side="left", return_tensors="pt")
     kwargs = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True,

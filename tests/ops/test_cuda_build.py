@@ -45,7 +45,8 @@ def _nvcc():
         candidate = Path(os.environ["CUDA_HOME"]) / "bin" / "nvcc"
         found = str(candidate) if candidate.exists() else None
     if found is None:
-        pytest.skip("nvcc is not installed (not on PATH, nor in $CUDA_HOME/bin): the CUDA sources cannot be compile-checked")
+        pytest.skip("nvcc is not installed (not on PATH, nor in $CUDA_HOME/bin): the CUDA sources cannot be "
+                    "compile-checked")
     return found
 
 

@@ -108,7 +108,8 @@ def test_schema_is_the_contract(op):
 
 def _device_params():
     reason = "no CUDA device" if not torch.cuda.is_available() else why_unavailable("cuda", "cuda")
-    return ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu] + ([pytest.mark.skip(reason=reason)] if reason else []))]
+    marks = [pytest.mark.gpu] + ([pytest.mark.skip(reason=reason)] if reason else [])
+    return ["cpu", pytest.param("cuda", marks=marks)]
 
 
 @pytest.mark.parametrize("device", _device_params())

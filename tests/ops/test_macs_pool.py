@@ -25,7 +25,8 @@ def _verify_block_ranges(batch, rows, keys, generator):
     end = start + n_input
     last = (end + generated).clamp_max(keys)
     kv_len = last[:, None] - rows + 1 + torch.arange(rows)
-    return (index.to(DEVICE) for index in (start[:, None].expand(batch, rows), end[:, None].expand(batch, rows), kv_len))
+    ranges = (start[:, None].expand(batch, rows), end[:, None].expand(batch, rows), kv_len)
+    return (index.to(DEVICE) for index in ranges)
 
 
 VERIFY_CASES = pairwise({
