@@ -79,3 +79,35 @@ def test_every_entry_point_under_tensor_parallelism(tmp_path):
     attached = record["attach"]
     assert (attached["step_log_c"] - trace_tensors(model, greedy["input_ids"], attached["generated_ids"]).log_c
             ).abs().max() <= TOLERANCE
+
+
+UNEVEN_WORKER = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+import macs_kernels
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], tp_plan="auto").eval()
+try:
+    macs_kernels.trace_tensors(model, torch.tensor([1, 2, 3]), torch.tensor([4, 5]))
+except NotImplementedError as error:
+    print("REFUSED:", error)
+"""
+
+
+def test_heads_that_do_not_split_evenly_are_refused(tmp_path):
+    """6 query / 3 KV heads over 2 ranks: transformers loads it, MACS refuses before any pass, naming why."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=97, hidden_size=96, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=64)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    (tmp_path / "worker.py").write_text(UNEVEN_WORKER)
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(tmp_path / "worker.py"), str(tmp_path / "model")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    refusals = [line for line in result.stdout.splitlines() if line.startswith("REFUSED:")]
+    assert len(refusals) == 2
+    assert all("do not split evenly over 2 tensor-parallel ranks" in line for line in refusals)
