@@ -56,7 +56,7 @@ setup(
     version="0.1.0",
     description="Token attribution from attention (MACS, AT2, efficient attention) inside FlashAttention-style inference",
     packages=find_packages(include=["macs_kernels", "macs_kernels.*"]),
-    package_data={"macs_kernels": ["data/*"]},
+    package_data={"macs_kernels": ["data/*"], "macs_kernels.serve": ["static/*"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import html
 import json
+from importlib import resources
 
 import torch
 
@@ -71,6 +72,7 @@ lowest, red at the highest; the tooltip gives the z-score.</p>
 <h2>Answer</h2><div class="answer" id="answer"></div>
 <h2 id="caption">Prompt</h2><div class="prompt" id="prompt"></div>
 <script>
+{heatmap_js}
 const data = {data};
 const prompt = document.getElementById("prompt"), answer = document.getElementById("answer");
 const caption = document.getElementById("caption");
@@ -79,8 +81,7 @@ const cells = data.input_tokens.slice(data.span[0], data.span[1]).map(tok => {{
 function paint(k, label) {{
   const heat = k === null ? data.heat_mean : data.heat[k], z = k === null ? data.scores : data.step_scores[k];
   heat.forEach((w, i) => {{
-    const f = Math.round(255 * (1 - w));
-    cells[i].style.background = `rgb(255,${{f}},${{f}})`; cells[i].title = "z = " + z[data.span[0] + i].toFixed(3); }});
+    cells[i].style.background = macsHeatColour(w); cells[i].title = "z = " + z[data.span[0] + i].toFixed(3); }});
   caption.textContent = "Prompt: " + label;
 }}
 let pinned = null;
@@ -113,4 +114,5 @@ def explanation_html(explanation, *, title: str = "MACS attribution") -> str:
     }
     # "</" inside a token would end the script element early.
     payload = json.dumps(data).replace("</", "<\\/")
-    return _PAGE.format(title=html.escape(title), data=payload)
+    heatmap_js = (resources.files("macs_kernels") / "data" / "heatmap.js").read_text()
+    return _PAGE.format(title=html.escape(title), data=payload, heatmap_js=heatmap_js)
