@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import itertools
 import threading
@@ -254,9 +255,10 @@ class Engine:
                     attach(self.model, **_request_config(job.attribution)) as tracer:
                 device = next(self.model.parameters()).device
                 ids = torch.tensor([job.input_ids], device=device)
+                config = copy.deepcopy(self.generation_config)
+                config.max_new_tokens = job.max_new_tokens
                 self.model.generate(
-                    ids, attention_mask=torch.ones_like(ids), generation_config=self.generation_config,
-                    max_new_tokens=job.max_new_tokens, streamer=RowStreamer(tracer),
+                    ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=RowStreamer(tracer),
                     stopping_criteria=StoppingCriteriaList([StopWhenAsked()]),
                 )
         except BaseException as error:  # noqa: BLE001 - handed to the request's coroutine

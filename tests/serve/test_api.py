@@ -8,16 +8,15 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from macs_kernels import explain
-from tests.helpers import default_model, qa
+from tests.helpers import qa
 
-from .conftest import MODEL
+from .conftest import TINY as MODEL
+from .conftest import assert_matches
 
 openai = pytest.importorskip("openai", reason="the server tests need the official openai client (the test extra)")
 
-LOG_C_TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -25,21 +24,9 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def _rows(values) -> torch.Tensor:
-    return torch.tensor([[float("-inf") if v is None else v for v in row] for row in values])
-
-
-def _assert_matches(attribution: dict, reference, text: str):
-    """The server's attribution equals explain()'s: same ids and tokens, step_log_c within LOG_C_TOL."""
-    assert attribution["input_ids"] == reference.input_ids.tolist()
-    assert attribution["generated_ids"] == reference.generated_ids.tolist()
-    assert attribution["generated_tokens"] == reference.generated_tokens
-    assert text == reference.text
-    log_c = _rows(attribution["step_log_c"])
-    assert log_c.shape == reference.step_log_c.shape
-    assert torch.allclose(log_c, reference.step_log_c, atol=LOG_C_TOL, rtol=0)
-    scores = torch.tensor(attribution["step_scores"])
-    assert torch.allclose(scores, reference.step_scores, atol=1e-3, rtol=0)
+@pytest.fixture
+def lm(tiny_model):
+    return tiny_model[1], tiny_model[2]
 
 
 def test_health_and_models(server, client):
@@ -48,20 +35,20 @@ def test_health_and_models(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
-def test_chat_with_attribution_equals_explain(client):
+def test_chat_with_attribution_equals_explain(client, lm):
     response = client.chat.completions.create(
         model=MODEL, messages=qa(0), max_tokens=4, extra_body={"attribution": True},
     )
-    model, tokenizer = default_model()
+    model, tokenizer = lm
     reference = explain(model, tokenizer, qa(0), max_new_tokens=4)
     attribution = response.model_extra["attribution"]
-    _assert_matches(attribution, reference, response.choices[0].message.content)
+    assert_matches(attribution, reference, response.choices[0].message.content)
     assert attribution["config"]["alpha"] == 0.8 and attribution["config"]["pooling"] == "max"
     assert response.usage.prompt_tokens == len(reference.input_ids)
     assert response.usage.completion_tokens == len(reference.generated_ids)
 
 
-def test_streamed_rows_equal_explain_with_request_options(client):
+def test_streamed_rows_equal_explain_with_request_options(client, lm):
     options = {"alpha": 0.5, "pooling": "mean", "redistribute": False}
     stream = client.chat.completions.create(
         model=MODEL, messages=qa(1), max_tokens=4, stream=True, extra_body={"attribution": options},
@@ -70,11 +57,11 @@ def test_streamed_rows_equal_explain_with_request_options(client):
     header = chunks[0].model_extra["attribution"]
     steps = [c.model_extra["attribution"] for c in chunks[1:] if c.model_extra.get("attribution")]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    model, tokenizer = default_model()
+    model, tokenizer = lm
     reference = explain(model, tokenizer, qa(1), max_new_tokens=4, **options)
     assert [s["step"] for s in steps] == list(range(len(reference.generated_ids)))
     assert header["config"] | options == header["config"]
-    _assert_matches(
+    assert_matches(
         {"input_ids": header["input_ids"], "generated_ids": [s["token_id"] for s in steps],
          "generated_tokens": [tokenizer.decode([s["token_id"]]) for s in steps],
          "step_log_c": [s["log_c"] for s in steps], "step_scores": [s["scores"] for s in steps]},
@@ -87,8 +74,8 @@ def reference_finish(reference) -> str:
     return "stop" if reference.generated_ids[-1].item() == 2 else "length"
 
 
-def test_completions_with_and_without_attribution(client):
-    model, tokenizer = default_model()
+def test_completions_with_and_without_attribution(client, lm):
+    model, tokenizer = lm
     prompt = "The capital of France is"
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"][0]
     reference = explain(model, tokenizer, input_ids=ids, max_new_tokens=3)
@@ -97,15 +84,15 @@ def test_completions_with_and_without_attribution(client):
     assert "attribution" not in (plain.model_extra or {})
     attributed = client.completions.create(model=MODEL, prompt=ids.tolist(), max_tokens=3,
                                            extra_body={"attribution": True})
-    _assert_matches(attributed.model_extra["attribution"], reference, attributed.choices[0].text)
+    assert_matches(attributed.model_extra["attribution"], reference, attributed.choices[0].text)
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=3, stream=True))
     assert streamed == reference.text
 
 
-def test_concurrent_requests_each_get_their_own_answer(client):
+def test_concurrent_requests_each_get_their_own_answer(client, lm):
     """Two clients at once, one with attribution and one without: each answer is the one it gets alone."""
-    model, tokenizer = default_model()
+    model, tokenizer = lm
     results = {}
 
     def ask(i, attribution):
@@ -120,7 +107,7 @@ def test_concurrent_requests_each_get_their_own_answer(client):
     for i in (0, 2):
         reference = explain(model, tokenizer, qa(i), max_new_tokens=3)
         assert results[i].choices[0].message.content == reference.text
-    _assert_matches(results[2].model_extra["attribution"], explain(model, tokenizer, qa(2), max_new_tokens=3),
+    assert_matches(results[2].model_extra["attribution"], explain(model, tokenizer, qa(2), max_new_tokens=3),
                     results[2].choices[0].message.content)
 
 
