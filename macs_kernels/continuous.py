@@ -1,0 +1,539 @@
+"""MACS under transformers' continuous batching (`model.generate_batch`, `ContinuousBatchingManager`).
+
+The engine packs the requests of a forward pass into one query (1, H, T, D): request i owns query rows
+[cu_seq_lens_q[i], cu_seq_lens_q[i+1]) and, after the paged cache's update, keys [cu_seq_lens_k[i],
+cu_seq_lens_k[i+1]) of the packed key tensor, which are its tokens 0, 1, ... in order (read back from its
+pages, shared prefix pages included). A request's prefill may be split into chunks over several passes;
+only the pass that ends it emits a token. So per pass the tracer
+
+1. reads which requests are in the batch, in packing order, from the manager that prepared it;
+2. scores only the query rows that produce a token (the last row of a finished prefill, every decode row):
+   row r of request i attends keys [cu_k[i], cu_k[i+1]), whose first N (the whole prompt) are its inputs;
+3. per layer, runs `ops.macs_pool` over the packed keys with those per-row ranges (m' before the floor)
+   and adds log(alpha * clamp(m', 0) + 1 - alpha) to a (rows, N_max) float32 state;
+4. after the last layer, z-scores the rows and appends each to its request's record.
+
+transformers accepts only "sdpa", "paged|eager" and flash names in continuous batching, so `attach_continuous`
+wraps the registered functions under those names (restored on exit): the wrapper computes exactly what the
+original does, and traces only modules of an attached model called with a paged cache.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import dataclasses
+import functools
+import threading
+
+import torch
+
+from .config import MacsConfig
+from .ops._dispatch import implementation, resolve_backend
+from .tracing import check_model
+
+__all__ = ["ContinuousTracer", "attach_continuous", "explain_continuous"]
+
+# The names continuous batching accepts that run on any device; flash names need CUDA and hand the attention
+# function a block table on decode steps instead of packed keys.
+WRAPPED_NAMES = ("sdpa", "paged|eager")
+_TRACER_ATTRIBUTE = "_macs_continuous_tracer"
+_PER_REQUEST_FIELDS = ("alpha", "pooling", "redistribute", "attention")
+
+
+# ---- the registry wrapper -------------------------------------------------------------------------
+class _ReadCache:
+    """Stands in for the paged cache once the wrapper has updated it: hands back the keys it already read."""
+
+    def __init__(self, key: torch.Tensor, value: torch.Tensor):
+        self.key, self.value = key, value
+
+    def update(self, key_states, value_states, layer_idx, kwargs):
+        return self.key, self.value
+
+
+def _continuous_attention(original):
+    def forward(module, query, key, value, attention_mask, **kwargs):
+        from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+        tracer = getattr(module, _TRACER_ATTRIBUTE, None)
+        cache = kwargs.get("cache")
+        if tracer is None or not isinstance(cache, PagedAttentionCache):
+            return original(module, query, key, value, attention_mask, **kwargs)
+        return tracer.attention(module, query, key, value, attention_mask, original, **kwargs)
+
+    forward.__wrapped__ = original
+    return forward
+
+
+_install_lock = threading.Lock()
+_originals: dict[str, object] = {}
+_attached_models = 0
+
+
+def _install() -> None:
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    global _attached_models
+    with _install_lock:
+        if _attached_models == 0:
+            for name in WRAPPED_NAMES:
+                # A fresh instance has no local overrides: this is the library-wide function.
+                _originals[name] = AttentionInterface()[name]
+                AttentionInterface.register(name, _continuous_attention(_originals[name]))
+            shadowed = [name for name in WRAPPED_NAMES if ALL_ATTENTION_FUNCTIONS[name] is _originals[name]]
+            if shadowed:
+                for name in WRAPPED_NAMES:
+                    AttentionInterface.register(name, _originals.pop(name))
+                raise RuntimeError(
+                    f"transformers' attention registry overrides {shadowed} locally; macs_kernels cannot wrap them"
+                )
+        _attached_models += 1
+
+
+def _uninstall() -> None:
+    from transformers import AttentionInterface
+
+    global _attached_models
+    with _install_lock:
+        _attached_models -= 1
+        if _attached_models == 0:
+            for name in WRAPPED_NAMES:
+                AttentionInterface.register(name, _originals.pop(name))
+
+
+# ---- per-request state ----------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Request:
+    n_input: int
+    config: MacsConfig
+    state: object  # the engine's RequestState (replaced when the engine re-queues the request)
+    log_c: list = dataclasses.field(default_factory=list)
+    scores: list = dataclasses.field(default_factory=list)
+    error: str | None = None
+
+    def generated(self) -> int:
+        """Tokens the engine has accepted so far (a re-queued request carries earlier ones in its prompt)."""
+        state = self.state
+        return len(state.initial_tokens) - self.n_input + len(state.generated_tokens)
+
+    def finished(self) -> bool:
+        from transformers.generation.continuous_batching.requests import RequestStatus
+
+        return self.state.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
+
+
+def _prompt_length(state) -> int:
+    # A request the engine soft-reset is re-queued with its generated tokens appended to its prompt.
+    return getattr(state, "_true_initial_tokens", 0) or len(state.initial_tokens)
+
+
+@dataclasses.dataclass
+class _Pass:
+    """The scored rows of one forward pass and their ranges over the packed keys."""
+
+    rows: torch.Tensor  # (R,) query rows that emit a token
+    records: list
+    input_start: torch.Tensor  # (1, R) each
+    input_end: torch.Tensor
+    kv_len: torch.Tensor
+    n_input: torch.Tensor  # (R,)
+    groups: list  # (pooling, redistribute, row indices or None, alpha (R_g, 1))
+    log_c: torch.Tensor  # (R, N_max) float32
+
+
+class ContinuousTracer:
+    """MACS rows of the requests that a continuous-batching engine runs on one model, keyed by request id.
+
+    Thread-safe: the engine's loop appends rows in its own thread while others read them.
+    """
+
+    def __init__(self, config: MacsConfig, num_layers: int, device: torch.device, keep_finished: int = 256):
+        self.config = config
+        self.num_layers = num_layers
+        self.backend = resolve_backend(config.backend, device, "macs_pool")
+        self._macs_pool = implementation(self.backend, "macs_pool")
+        self._macs_zscore = implementation(resolve_backend(config.backend, device, "macs_zscore"), "macs_zscore")
+        self.keep_finished = keep_finished
+        self._lock = threading.Lock()
+        self._managers: list = []
+        self._requests: dict[str, _Request] = {}
+        self._pending: dict[str, MacsConfig] = {}
+        self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._released: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._untracked_passes = 0
+        self._pass: _Pass | None = None
+
+    # ---- public API ---------------------------------------------------------------------------------
+    def configure(self, request_id: str, **config) -> None:
+        """Per-request alpha, pooling, redistribute or attention, given before the request is added."""
+        unknown = set(config) - set(_PER_REQUEST_FIELDS)
+        if unknown:
+            raise ValueError(f"configure() takes {_PER_REQUEST_FIELDS} per request, not {sorted(unknown)}")
+        merged = dataclasses.replace(self.config, **config)
+        _check_supported(merged)
+        with self._lock:
+            if request_id in self._requests:
+                raise RuntimeError(f"request {request_id!r} is already running; configure it before adding it")
+            self._pending[request_id] = merged
+
+    def request_rows(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(step_log_c, step_scores), each (steps, N) float32 on the CPU, steps = tokens generated so far."""
+        with self._lock:
+            record = self._record(request_id)
+            steps = min(len(record.log_c), record.generated())
+            log_c, scores = record.log_c[:steps], record.scores[:steps]
+        if not log_c:
+            empty = torch.zeros(0, record.n_input, dtype=torch.float32)
+            return empty, empty.clone()
+        return torch.stack(log_c), torch.stack(scores)
+
+    def request_input_count(self, request_id: str) -> int:
+        """N: the number of prompt tokens of the request (its inputs)."""
+        with self._lock:
+            return self._record(request_id).n_input
+
+    def release(self, request_id: str) -> None:
+        """Free a finished or cancelled request's rows (a no-op for a request already released or never seen)."""
+        with self._lock:
+            self._pending.pop(request_id, None)
+            self._drop(request_id, "released")
+
+    def track(self, manager) -> None:
+        """Trace the passes of `manager` (one created before attach_continuous; those created inside it are
+        tracked already). Raises for engine modes whose passes the tracer cannot follow."""
+        _check_manager(manager)
+        with self._lock:
+            if all(known is not manager for known in self._managers):
+                self._managers.append(manager)
+
+    # ---- bookkeeping (callers hold the lock) --------------------------------------------------------
+    def _record(self, request_id: str) -> _Request:
+        record = self._requests.get(request_id)
+        if record is None:
+            if request_id in self._released:
+                raise KeyError(f"request {request_id!r} was {self._released[request_id]}; its rows are gone")
+            hint = (
+                f" ({self._untracked_passes} forward passes came from a manager this tracer does not know: pass "
+                "it to tracer.track(manager) or create it inside attach_continuous)"
+                if self._untracked_passes else ""
+            )
+            raise KeyError(f"no MACS rows for request {request_id!r}: no pass has produced a token for it yet{hint}")
+        if record.error is not None:
+            raise FloatingPointError(record.error)
+        return record
+
+    def _drop(self, request_id: str, why: str) -> None:
+        if self._requests.pop(request_id, None) is not None:
+            self._released[request_id] = why
+            while len(self._released) > 4 * self.keep_finished + 64:
+                self._released.popitem(last=False)
+        self._finished.pop(request_id, None)
+
+    def _retire_finished(self) -> None:
+        """Keep the rows of at most `keep_finished` finished requests that nobody released (oldest go first)."""
+        for request_id, record in self._requests.items():
+            if request_id not in self._finished and record.finished():
+                self._finished[request_id] = None
+        while len(self._finished) > self.keep_finished:
+            oldest = next(iter(self._finished))
+            self._drop(oldest, f"dropped: more than keep_finished={self.keep_finished} finished requests were kept")
+
+    def _request_for(self, state) -> _Request:
+        record = self._requests.get(state.request_id)
+        if record is None:
+            config = self._pending.pop(state.request_id, self.config)
+            record = _Request(n_input=_prompt_length(state), config=config, state=state)
+            self._requests[state.request_id] = record
+        record.state = state
+        return record
+
+    # ---- one forward pass -----------------------------------------------------------------------------
+    def _batch(self, cache):
+        """The requests of the pass being run on `cache`, in packing order, or None for an unknown engine."""
+        with self._lock:
+            managers = list(self._managers)
+        for manager in managers:
+            processor = manager.batch_processor
+            if processor is not None and processor.cache is cache:
+                return processor.inputs_and_outputs.requests_in_batch
+        return None
+
+    def _begin_pass(self, cache, kwargs, device) -> None:
+        self._pass = None
+        batch = self._batch(cache)
+        if batch is None:
+            with self._lock:
+                self._untracked_passes += 1
+            return
+        cu_q = kwargs["cu_seq_lens_q"].tolist()
+        cu_k_by_type = kwargs["cu_seq_lens_k"]
+        cu_k = (cu_k_by_type["full_attention"] if isinstance(cu_k_by_type, dict) else cu_k_by_type).tolist()
+        if len(batch) != len(cu_q) - 1 or len(cu_k) != len(cu_q):
+            raise RuntimeError(
+                f"continuous batching pass with {len(batch)} requests but {len(cu_q) - 1} query segments"
+            )
+        rows, starts, ends, lengths, records = [], [], [], [], []
+        with self._lock:
+            self._retire_finished()
+            for i, future in enumerate(batch):
+                if not future.has_new_token:  # a prefill chunk that does not end its prompt
+                    continue
+                record = self._request_for(future.state)
+                if cu_k[i + 1] - cu_k[i] < record.n_input:
+                    raise RuntimeError(
+                        f"request {future.state.request_id!r} emits a token after {cu_k[i + 1] - cu_k[i]} keys but "
+                        f"has {record.n_input} prompt tokens"
+                    )
+                rows.append(cu_q[i + 1] - 1)
+                starts.append(cu_k[i])
+                ends.append(cu_k[i] + record.n_input)
+                lengths.append(cu_k[i + 1])
+                records.append(record)
+        if not records:
+            return
+        as_index = functools.partial(torch.tensor, dtype=torch.int64, device=device)
+        by_config = collections.defaultdict(list)
+        for r, record in enumerate(records):
+            by_config[(record.config.pooling, record.config.redistribute)].append(r)
+        groups = []
+        for (pooling, redistribute), members in by_config.items():
+            alphas = torch.tensor([[records[r].config.alpha] for r in members], dtype=torch.float32, device=device)
+            index = None if len(members) == len(records) else as_index(members)
+            groups.append((pooling, redistribute, index, alphas))
+        n_input = [record.n_input for record in records]
+        self._pass = _Pass(
+            rows=as_index(rows), records=records, input_start=as_index([starts]), input_end=as_index([ends]),
+            kv_len=as_index([lengths]), n_input=as_index(n_input), groups=groups,
+            log_c=torch.zeros(len(records), max(n_input), dtype=torch.float32, device=device),
+        )
+
+    def _add_layer(self, query, key, scale: float) -> None:
+        step = self._pass
+        q_rows = query[:, :, step.rows, :]
+        for pooling, redistribute, index, alphas in step.groups:
+            if index is None:
+                q, ranges = q_rows, (step.input_start, step.input_end, step.kv_len)
+            else:
+                q = q_rows[:, :, index, :]
+                ranges = tuple(bound[:, index] for bound in (step.input_start, step.input_end, step.kv_len))
+            pooled = torch.empty(1, q.shape[2], step.log_c.shape[1], dtype=torch.float32, device=q.device)
+            self._macs_pool(
+                q, key, pooled, input_start=ranges[0], input_end=ranges[1], kv_len=ranges[2], scale=scale,
+                pooling=pooling, redistribute=redistribute, lse=None,
+            )
+            # Entries past a row's N are never read (rows are cut to N, z-scores mask them).
+            term = pooled[0].clamp_min_(0.0).mul_(alphas).add_(1.0 - alphas).log_()
+            if index is None:
+                step.log_c.add_(term)
+            else:
+                step.log_c.index_add_(0, index, term)
+
+    def _end_pass(self) -> None:
+        step, self._pass = self._pass, None
+        scores = self._macs_zscore(step.log_c, step.n_input).cpu()
+        log_c = step.log_c.cpu()
+        broken = torch.isnan(log_c).any(dim=1).tolist()
+        with self._lock:
+            for r, record in enumerate(step.records):
+                n = record.n_input
+                if broken[r]:
+                    record.error = (
+                        "NaN in an attention row during generation: the model produced non-finite attention; "
+                        "no scores were computed for this step"
+                    )
+                record.log_c.append(log_c[r, :n].clone())
+                record.scores.append(scores[r, :n].clone())
+
+    def attention(self, module, query, key, value, attention_mask, inner, **kwargs):
+        """One layer of a packed pass: the paged cache's update, the wrapped implementation on the keys it
+        read (its output untouched), and this layer's MACS term for the rows that emit a token."""
+        layer = module.layer_idx
+        cache = kwargs.pop("cache")
+        updated = dict(kwargs)
+        key, value = cache.update(key_states=key, value_states=value, layer_idx=layer, kwargs=updated)
+        # sdpa updates the cache only when it is given one; paged|eager always asks it for the keys.
+        stand_in = _ReadCache(key, value) if inner is _originals.get("paged|eager") else None
+        result = inner(module, query, key, value, attention_mask, cache=stand_in, **updated)
+        if layer == 0:
+            self._begin_pass(cache, kwargs, key.device)
+        if self._pass is not None:
+            scale = kwargs.get("scaling")
+            scale = float(scale if scale is not None else getattr(module, "scaling", query.shape[-1] ** -0.5))
+            self._add_layer(query, key, scale)
+            if layer == self.num_layers - 1:
+                self._end_pass()
+        return result
+
+    def _close(self) -> None:
+        with self._lock:
+            self._managers.clear()
+            self._pass = None
+
+
+# ---- checks -----------------------------------------------------------------------------------------
+def _check_supported(config: MacsConfig) -> None:
+    if config.attention != "softmax":
+        raise NotImplementedError(
+            f"attention={config.attention!r} is not supported under continuous batching (softmax rows only)"
+        )
+    if config.fused_decode:
+        raise NotImplementedError(
+            "fused_decode=True is not supported under continuous batching: the engine's own attention computes "
+            "the output"
+        )
+
+
+def _check_manager(manager) -> None:
+    from transformers.utils.generic import is_flash_attention_requested
+
+    implementation_name = manager.model.config._attn_implementation
+    if is_flash_attention_requested(requested_attention_implementation=implementation_name):
+        raise NotImplementedError(
+            f"the continuous batching manager runs {implementation_name!r}: its decode fast path hands the attention a "
+            "block table of the paged cache, which macs_kernels does not trace; use sdpa or eager and "
+            "ContinuousBatchingConfig(auto_switch_to_flash=False)"
+        )
+    cb_config = manager.continuous_batching_config
+    if cb_config.use_async_batching:
+        raise NotImplementedError("use_async_batching=True is not supported by macs_kernels' continuous tracer")
+    if any(cb_config.cuda_graph_booleans) or cb_config.varlen_compile_config or cb_config.decode_compile_config:
+        raise NotImplementedError(
+            "CUDA graphs and torch.compile in continuous batching replay the forward without the Python attention "
+            "function that computes MACS; set use_cuda_graph=False and no compile configs"
+        )
+    if manager.num_return_sequences > 1:
+        raise NotImplementedError("num_return_sequences > 1 (forked requests) is not supported by the continuous tracer")
+
+
+def _restore_attention(manager) -> None:
+    """Undo the switch a refused manager made to the model's attention implementation."""
+    original = getattr(manager, "_original_attn_impl", None)
+    if original is not None:
+        manager.model.set_attn_implementation(original)
+        manager._original_attn_impl = None
+
+
+# ---- entry points ---------------------------------------------------------------------------------
+@contextlib.contextmanager
+def attach_continuous(model, *, manager=None, keep_finished: int = 256, **config):
+    """Trace every continuous-batching pass on `model` inside the block; yields a `ContinuousTracer`.
+
+    Use it around `model.generate_batch(...)` or a `ContinuousBatchingManager`: managers created inside the
+    block (`model.init_continuous_batching()`, generate_batch) are tracked; pass one created before as
+    `manager=`. config: MacsConfig fields (alpha, pooling, redistribute, attention, backend), the default
+    of every request (`tracer.configure` overrides them per request). keep_finished: how many finished
+    requests keep their rows until `release` (older ones are dropped). On exit the model, its attention
+    implementation and transformers' registries are as they were.
+    """
+    macs_config = MacsConfig(**config)
+    _check_supported(macs_config)
+    if isinstance(keep_finished, bool) or not isinstance(keep_finished, int) or keep_finished < 0:
+        raise ValueError(f"keep_finished must be an int >= 0, got {keep_finished!r}")
+    modules = check_model(model)
+    current = model.config._attn_implementation
+    if current not in ("sdpa", "eager", "paged|eager"):
+        raise NotImplementedError(
+            f"continuous batching with attention implementation {current!r} is not supported; use sdpa or eager"
+        )
+    if any(hasattr(module, _TRACER_ATTRIBUTE) for module in modules.values()):
+        raise RuntimeError("a macs_kernels continuous tracer is already attached to this model")
+    tracer = ContinuousTracer(macs_config, len(modules), next(model.parameters()).device, keep_finished)
+    for known in (manager, getattr(model, "_cached_continuous_batching_manager", None)):
+        if known is not None:
+            tracer.track(known)
+
+    own_init = vars(model).get("init_continuous_batching")
+    original_init = model.init_continuous_batching
+
+    @functools.wraps(original_init)
+    def init_continuous_batching(*args, **kwargs):
+        created = original_init(*args, **kwargs)
+        try:
+            tracer.track(created)
+        except NotImplementedError:
+            _restore_attention(created)
+            raise
+        return created
+
+    _install()
+    for module in modules.values():
+        setattr(module, _TRACER_ATTRIBUTE, tracer)
+    model.init_continuous_batching = init_continuous_batching
+    try:
+        yield tracer
+    finally:
+        if own_init is None:
+            del model.init_continuous_batching
+        else:
+            model.init_continuous_batching = own_init
+        for module in modules.values():
+            delattr(module, _TRACER_ATTRIBUTE)
+        _uninstall()
+        tracer._close()
+
+
+def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuous_batching_config=None, **config):
+    """Run `prompts` through `model.generate_batch` (greedy) and explain each with MACS.
+
+    prompts: a list of prompts (strings, wrapped in the chat template when the tokenizer has one, or lists of
+        chat messages). Returns one Explanation per prompt, in prompt order, whose rows equal explain() of
+        that prompt alone. continuous_batching_config: a transformers ContinuousBatchingConfig (page size,
+        token budget, ...); flash attention is never switched on. Without `num_blocks` in it, the paged cache
+        holds exactly these prompts and their new tokens (sized from free memory, its allocation would dominate).
+    """
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from .explanation import Explanation, encode_prompts
+
+    macs_config = MacsConfig(**config)
+    _check_supported(macs_config)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of prompts")
+    check_model(model)
+    inputs = [encode_prompts(tokenizer, prompt)[0][0].tolist() for prompt in prompts]
+    if continuous_batching_config is None:
+        continuous_batching_config = ContinuousBatchingConfig()
+    elif not isinstance(continuous_batching_config, ContinuousBatchingConfig):
+        raise TypeError("continuous_batching_config must be a transformers ContinuousBatchingConfig")
+    continuous_batching_config = dataclasses.replace(continuous_batching_config, auto_switch_to_flash=False)
+    if continuous_batching_config.num_blocks is None:
+        page = continuous_batching_config.page_size
+        continuous_batching_config.num_blocks = sum(-(-(len(ids) + max_new_tokens) // page) for ids in inputs) + 1
+    # explain() generates with the model's own generation config, greedy: so does this.
+    generation_config = copy.deepcopy(model.generation_config)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    generation_config.update(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    if generation_config.eos_token_id is None:
+        generation_config.eos_token_id = tokenizer.eos_token_id
+    with attach_continuous(model, **macs_config.as_dict()) as tracer:
+        outputs = model.generate_batch(
+            inputs, generation_config=generation_config, continuous_batching_config=continuous_batching_config,
+        )
+        if len(outputs) != len(inputs):
+            raise RuntimeError(f"generate_batch returned {len(outputs)} results for {len(inputs)} prompts")
+        explanations = []
+        for prompt_ids, (request_id, output) in zip(inputs, outputs.items()):
+            if output.error is not None:
+                raise RuntimeError(f"request {request_id} failed in generate_batch: {output.error}")
+            log_c, scores = tracer.request_rows(request_id)
+            tracer.release(request_id)
+            generated = list(output.generated_tokens)
+            if list(output.prompt_ids) != prompt_ids or log_c.shape[0] != len(generated):
+                raise RuntimeError(
+                    f"request {request_id}: {log_c.shape[0]} MACS rows for {len(generated)} generated tokens"
+                )
+            explanations.append(Explanation(
+                input_ids=torch.tensor(prompt_ids),
+                generated_ids=torch.tensor(generated, dtype=torch.long),
+                input_tokens=[tokenizer.decode([i]) for i in prompt_ids],
+                generated_tokens=[tokenizer.decode([i]) for i in generated],
+                step_scores=scores,
+                step_log_c=log_c,
+                config=macs_config.as_dict() | {"backend": tracer.backend},
+                text=tokenizer.decode(generated, skip_special_tokens=True),
+            ))
+    return explanations

@@ -1,0 +1,281 @@
+"""MACS under transformers continuous batching: packed passes, chunked prefill, shared prefixes, streaming
+readers; rows against explain() of each prompt alone and against the independent eager reference."""
+import threading
+
+import pytest
+import torch
+from transformers import AttentionInterface, GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from macs_kernels import explain
+from macs_kernels.continuous import attach_continuous, explain_continuous
+from tests.helpers import default_model, eager_macs, qa, tiny_llama
+
+LOG_C_TOLERANCE = 1e-3
+GREEDY = dict(do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    return default_model()
+
+
+@pytest.fixture
+def tiny():
+    model = tiny_llama(heads=6, kv_heads=2)  # GQA 3:1
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+class PassLog:
+    """Query tokens of every continuous-batching forward pass (teacher-forced reference forwards excluded)."""
+
+    def __init__(self, model):
+        self.tokens = []
+        self.handle = model.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs):
+        if "cu_seq_lens_q" in kwargs:
+            self.tokens.append(kwargs["position_ids"].shape[1])
+
+    def remove(self):
+        self.handle.remove()
+
+
+def cb_config(max_batch_tokens, page_size=4, num_blocks=48):
+    # A small cache: sized from free memory, it would take most of a test's time to allocate.
+    return ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens, page_size=page_size, num_blocks=num_blocks)
+
+
+def run_batch(model, prompts, max_new_tokens, budget, **config):
+    """generate_batch inside attach_continuous; (outputs in prompt order, rows per request, query tokens per pass)."""
+    passes = PassLog(model)
+    try:
+        with attach_continuous(model, **config) as tracer:
+            outputs = model.generate_batch(
+                prompts, generation_config=GenerationConfig(max_new_tokens=max_new_tokens, **GREEDY),
+                continuous_batching_config=cb_config(budget),
+            )
+            rows = {request_id: tracer.request_rows(request_id) for request_id in outputs}
+    finally:
+        passes.remove()
+    return list(outputs.values()), list(rows.values()), passes.tokens
+
+
+def assert_rows_match_reference(model, prompt, output, rows, **config):
+    log_c, scores = rows
+    generated = torch.tensor(output.generated_tokens)
+    assert list(output.prompt_ids) == prompt
+    assert log_c.shape == scores.shape == (len(generated), len(prompt))
+    assert log_c.dtype == scores.dtype == torch.float32
+    log_ref, _ = eager_macs(model, torch.tensor(prompt), generated, **config)
+    assert (log_c.double() - log_ref).abs().max() <= LOG_C_TOLERANCE
+
+
+def test_packed_requests_with_chunked_prefill_match_reference(tiny):
+    prompts = [list(range(1, 12)), [1, 5, 6, 7, 20, 21], list(range(30, 47)), [3, 4]]
+    outputs, rows, passes = run_batch(tiny, prompts, max_new_tokens=5, budget=8)
+    assert max(passes) <= 8 and max(map(len, prompts)) > 8, "prefills must be split into chunks"
+    assert max(passes) > 1 and passes.count(1) < len(passes), "requests must share passes"
+    for prompt, output, request_rows in zip(prompts, outputs, rows):
+        assert_rows_match_reference(tiny, prompt, output, request_rows)
+
+
+def test_shared_prefix_blocks_match_reference(tiny):
+    prefix = list(range(2, 22))
+    prompts = [prefix + [40, 41, 42], prefix + [50, 51], [1, 60, 61, 62, 63]]
+    outputs, rows, passes = run_batch(tiny, prompts, max_new_tokens=4, budget=16)
+    computed_without_sharing = sum(map(len, prompts)) + len(prompts) * 3
+    assert sum(passes) <= computed_without_sharing - 16, "the common prefix must be read from shared blocks"
+    for prompt, output, request_rows in zip(prompts, outputs, rows):
+        assert_rows_match_reference(tiny, prompt, output, request_rows)
+
+
+def test_eager_implementation_is_traced_through_paged_eager(tiny):
+    tiny.set_attn_implementation("eager")
+    prompts = [list(range(1, 10)), [7, 8, 9]]
+    outputs, rows, _ = run_batch(tiny, prompts, max_new_tokens=3, budget=8)
+    assert tiny.config._attn_implementation == "eager"
+    for prompt, output, request_rows in zip(prompts, outputs, rows):
+        assert_rows_match_reference(tiny, prompt, output, request_rows)
+
+
+def test_per_request_configuration_in_one_batch(tiny):
+    configs = [{"alpha": 0.5, "pooling": "mean"}, {"redistribute": False}, {"alpha": 1.0, "pooling": "min"}, {}]
+    prompts = [list(range(1, 9)), list(range(10, 15)), list(range(20, 31)), [40, 41, 42]]
+    gen = GenerationConfig(max_new_tokens=3, **GREEDY)
+    with attach_continuous(tiny) as tracer:
+        manager = tiny.init_continuous_batching(generation_config=gen, continuous_batching_config=cb_config(64))
+        manager.start()
+        try:
+            for i, config in enumerate(configs):
+                tracer.configure(f"r{i}", **config)
+            ids = [manager.add_request(prompt, request_id=f"r{i}") for i, prompt in enumerate(prompts)]
+            outputs = {}
+            while len(outputs) < len(ids):
+                output = manager.get_result(timeout=30)
+                assert output is not None, "the manager stopped answering"
+                outputs[output.request_id] = output
+        finally:
+            manager.stop(block=True)
+        for request_id, prompt, config in zip(ids, prompts, configs):
+            log_c, _ = tracer.request_rows(request_id)
+            log_ref, _ = eager_macs(tiny, torch.tensor(prompt), torch.tensor(outputs[request_id].generated_tokens), **config)
+            finite = torch.isfinite(log_ref)
+            assert torch.equal(torch.isfinite(log_c), finite)
+            assert (log_c.double()[finite] - log_ref[finite]).abs().max() <= LOG_C_TOLERANCE
+
+
+def test_streaming_reader_sees_one_row_per_token_then_release(tiny):
+    prompt = list(range(1, 14))
+    gen = GenerationConfig(max_new_tokens=6, **GREEDY)
+    seen, errors = [], []
+    with attach_continuous(tiny) as tracer:
+        manager = tiny.init_continuous_batching(generation_config=gen, continuous_batching_config=cb_config(8))
+        manager.start()
+        try:
+            other = manager.add_request(list(range(40, 60)), request_id="other")
+            request_id = manager.add_request(prompt, request_id="streamed", streaming=True)
+
+            def consume():
+                try:
+                    for output in manager.request_id_iter(request_id):
+                        log_c, scores = tracer.request_rows(request_id)
+                        seen.append((len(output.generated_tokens), log_c.shape[0], output))
+                except Exception as error:  # noqa: BLE001 - reported in the test thread
+                    errors.append(error)
+
+            reader = threading.Thread(target=consume)
+            reader.start()
+            reader.join(timeout=120)
+        finally:
+            manager.stop(block=True)
+        assert not errors and seen, errors
+        assert all(steps >= tokens for tokens, steps, _ in seen), "a token arrived before its row"
+        assert seen[-1][0] == 6
+        assert tracer.request_input_count(request_id) == len(prompt)
+        assert_rows_match_reference(tiny, prompt, seen[-1][2], tracer.request_rows(request_id))
+        tracer.release(request_id)
+        with pytest.raises(KeyError, match="released"):
+            tracer.request_rows(request_id)
+        tracer.release(request_id)  # idempotent
+        assert tracer.request_rows(other)[0].shape[0] == 6
+
+
+def test_finished_requests_beyond_keep_finished_are_dropped(tiny):
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    gen = GenerationConfig(max_new_tokens=2, **GREEDY)
+    with attach_continuous(tiny, keep_finished=0) as tracer:
+        tiny.generate_batch(prompts[:2], generation_config=gen, continuous_batching_config=cb_config(64),
+                            persistent_manager=True)
+        try:
+            tiny.generate_batch(prompts[2:], generation_config=gen, persistent_manager=True)
+            # The second run's first pass retires the first run's finished requests.
+            for request_id in ("req_0", "req_1"):
+                with pytest.raises(KeyError, match="keep_finished=0"):
+                    tracer.request_rows(request_id)
+            assert tracer.request_rows("req_2")[0].shape == (2, 2)
+        finally:
+            tiny.destroy_cached_continuous_batching_manager()
+
+
+def test_leaving_attach_restores_model_and_registries(tiny):
+    gen = GenerationConfig(max_new_tokens=3, **GREEDY)
+    prompts = [list(range(1, 12)), [5, 6, 7]]
+    before = {
+        "attention": dict(AttentionInterface._global_mapping),
+        "attention_local": dict(ALL_ATTENTION_FUNCTIONS._local_mapping),
+        "masks": dict(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping),
+        "masks_local": dict(ALL_MASK_ATTENTION_FUNCTIONS._local_mapping),
+        "implementation": tiny.config._attn_implementation,
+        "attributes": dict(vars(tiny)),
+        "module_attributes": [dict(vars(module)) for module in tiny.modules()],
+    }
+    plain = tiny.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb_config(8))
+    with attach_continuous(tiny) as tracer:
+        assert AttentionInterface._global_mapping["sdpa"] is not before["attention"]["sdpa"]
+        traced = tiny.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb_config(8))
+        # Outside continuous batching the wrapper is the original implementation.
+        ids = torch.tensor([prompts[0]])
+        assert torch.equal(tiny(ids).logits, tiny(ids).logits)
+    after = {
+        "attention": dict(AttentionInterface._global_mapping),
+        "attention_local": dict(ALL_ATTENTION_FUNCTIONS._local_mapping),
+        "masks": dict(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping),
+        "masks_local": dict(ALL_MASK_ATTENTION_FUNCTIONS._local_mapping),
+        "implementation": tiny.config._attn_implementation,
+        "attributes": dict(vars(tiny)),
+        "module_attributes": [dict(vars(module)) for module in tiny.modules()],
+    }
+    assert after == before
+    assert [o.generated_tokens for o in traced.values()] == [o.generated_tokens for o in plain.values()]
+    assert all(tracer.request_rows(request_id)[0].shape[0] == 3 for request_id in traced)
+
+
+def test_unsupported_modes_raise_before_generation(tiny):
+    with pytest.raises(NotImplementedError, match="efficient"):
+        with attach_continuous(tiny, attention="efficient"):
+            pass
+    with pytest.raises(ValueError, match="alpha"):
+        with attach_continuous(tiny, alpha=0.0):
+            pass
+    gen = GenerationConfig(max_new_tokens=2, num_return_sequences=2, do_sample=True, eos_token_id=-1, pad_token_id=0)
+    with attach_continuous(tiny):
+        with pytest.raises(NotImplementedError, match="num_return_sequences"):
+            tiny.init_continuous_batching(generation_config=gen, continuous_batching_config=cb_config(8))
+    with attach_continuous(tiny) as tracer:
+        with pytest.raises(ValueError, match="per request"):
+            tracer.configure("r", backend="torch")
+        with pytest.raises(NotImplementedError, match="efficient"):
+            tracer.configure("r", attention="efficient")
+        with pytest.raises(KeyError, match="no MACS rows"):
+            tracer.request_rows("never-added")
+    with pytest.raises(ValueError, match="prompts"):
+        explain_continuous(tiny, None, [])
+    assert tiny.config._attn_implementation == "sdpa"
+
+
+def test_manager_created_before_attach_needs_track(tiny):
+    gen = GenerationConfig(max_new_tokens=2, **GREEDY)
+    manager = tiny.init_continuous_batching(generation_config=gen, continuous_batching_config=cb_config(64))
+    with attach_continuous(tiny) as tracer:
+        manager.start()
+        try:
+            untracked = manager.add_request([1, 2, 3], request_id="untracked")
+            assert manager.get_result(request_id=untracked, timeout=30) is not None
+            with pytest.raises(KeyError, match="track"):
+                tracer.request_rows(untracked)
+            tracer.track(manager)
+            tracked = manager.add_request([4, 5, 6, 7], request_id="tracked")
+            output = manager.get_result(request_id=tracked, timeout=30)
+        finally:
+            manager.stop(block=True)
+        assert_rows_match_reference(tiny, [4, 5, 6, 7], output, tracer.request_rows(tracked))
+
+
+def test_default_model_rows_equal_explain_alone(model_and_tokenizer):
+    """Three QA prompts of different lengths, prefills split into 64-token chunks, the chat template's common
+    prefix shared between requests: each request's rows equal explain() of its prompt alone."""
+    model, tokenizer = model_and_tokenizer
+    prompts = [qa(0), "Name a primary colour.", qa(2)]
+    passes = PassLog(model)
+    try:
+        batch = explain_continuous(
+            model, tokenizer, prompts, max_new_tokens=5,
+            continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=64, page_size=16),
+        )
+    finally:
+        passes.remove()
+    lengths = [len(item.input_ids) for item in batch]
+    assert len(set(lengths)) == 3 and max(lengths) > 64
+    assert max(passes.tokens) <= 64
+    assert sum(passes.tokens) < sum(lengths) + 4 * len(prompts), "the chat template's prefix must be shared"
+    for prompt, item in zip(prompts, batch):
+        alone = explain(model, tokenizer, prompt, max_new_tokens=5, backend="torch")
+        assert torch.equal(item.input_ids, alone.input_ids)
+        assert torch.equal(item.generated_ids, alone.generated_ids)
+        assert item.input_tokens == alone.input_tokens and item.text == alone.text
+        assert (item.step_log_c - alone.step_log_c).abs().max() <= LOG_C_TOLERANCE
+        assert item.config == alone.config
