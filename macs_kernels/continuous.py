@@ -160,6 +160,7 @@ class ContinuousTracer:
         self._managers: list = []
         self._requests: dict[str, _Request] = {}
         self._pending: dict[str, MacsConfig] = {}
+        self._skipped: set[str] = set()
         self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._released: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._untracked_passes = 0
@@ -177,6 +178,11 @@ class ContinuousTracer:
             if request_id in self._requests:
                 raise RuntimeError(f"request {request_id!r} is already running; configure it before adding it")
             self._pending[request_id] = merged
+
+    def skip(self, request_id: str) -> None:
+        """No MACS work for this request (a server's request that did not ask for attribution), until release."""
+        with self._lock:
+            self._skipped.add(request_id)
 
     def request_rows(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(step_log_c, step_scores), each (steps, N) float32 on the CPU, steps = tokens generated so far."""
@@ -198,6 +204,7 @@ class ContinuousTracer:
         """Free a finished or cancelled request's rows (a no-op for a request already released or never seen)."""
         with self._lock:
             self._pending.pop(request_id, None)
+            self._skipped.discard(request_id)
             self._drop(request_id, "released")
 
     def track(self, manager) -> None:
@@ -278,8 +285,8 @@ class ContinuousTracer:
         with self._lock:
             self._retire_finished()
             for i, future in enumerate(batch):
-                if not future.has_new_token:  # a prefill chunk that does not end its prompt
-                    continue
+                if not future.has_new_token or future.state.request_id in self._skipped:
+                    continue  # a prefill chunk that does not end its prompt, or a request not traced
                 record = self._request_for(future.state)
                 if cu_k[i + 1] - cu_k[i] < record.n_input:
                     raise RuntimeError(

@@ -55,9 +55,10 @@ class _Prompt:
 class _Attribution:
     """Builds a request's attribution payloads from its steps: one per streamed token, and the whole object."""
 
-    def __init__(self, tokenizer, prompt: _Prompt, options: AttributionOptions, mode: str):
+    def __init__(self, tokenizer, prompt: _Prompt, options: AttributionOptions):
         self.tokenizer, self.prompt, self.options = tokenizer, prompt, options
-        self.config = options.macs_config().as_dict() | {"engine": mode}
+        config = options.macs_config()
+        self.config = config.as_dict() | {"engine": Engine.attribution_mode(config)}
         self.span = prompt.source_span or (0, len(prompt.ids))
         self.log_c_sum = None
         self.steps: list[Step] = []
@@ -160,8 +161,7 @@ def create_app(engine: Engine) -> FastAPI:
     async def health():
         if not engine.alive():
             return _error("the generation engine is not running", 503, code="engine_unavailable")
-        return {"status": "ok", "model": engine.name, "attribution": engine.attribution_mode,
-                "requests": engine.load()}
+        return {"status": "ok", "model": engine.name, "requests": engine.load()}
 
     @app.get("/v1/models")
     async def models():
@@ -203,7 +203,7 @@ def create_app(engine: Engine) -> FastAPI:
         check_model(body.model)
         job: Job = engine.job(prompt.ids, body.max_tokens, options.macs_config() if options else None,
                               prompt_param="messages" if chat else "prompt")
-        attribution = _Attribution(tokenizer, prompt, options, engine.attribution_mode) if options else None
+        attribution = _Attribution(tokenizer, prompt, options) if options else None
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": engine.name}
         if body.stream:

@@ -1,10 +1,10 @@
 """The server's engine: one transformers ContinuousBatchingManager serves every request; requests that ask for
 attribution also get their MACS rows, step by step.
 
-Attribution goes through `macs_kernels.continuous.attach_continuous` (MACS inside the continuous-batching
-engine) when that module is present. Without it, attribution requests run one at a time through
-`macs_kernels.attach` + `generate()` while the batching loop is paused (correct rows, no batching for them);
-`Engine.attribution_mode` says which.
+Attribution goes through `macs_kernels.continuous.attach_continuous`: MACS inside the continuous-batching
+engine, batched with everything else; requests without attribution are skipped by its tracer (no MACS work).
+What that tracer does not compute (attention="efficient") runs one request at a time through
+`macs_kernels.attach` + `generate()` while the batching loop is paused: correct rows, no batching for those.
 """
 from __future__ import annotations
 
@@ -45,14 +45,6 @@ class Job:
     attribution: MacsConfig | None = None
 
 
-def _continuous_module():
-    try:
-        from .. import continuous
-    except ImportError:
-        return None
-    return continuous if hasattr(continuous, "attach_continuous") else None
-
-
 class Engine:
     """Owns the model, its continuous-batching manager and (when available) the continuous MACS tracer.
 
@@ -85,8 +77,6 @@ class Engine:
         text_config = model.config.get_text_config()
         self.context_tokens = min(int(getattr(text_config, "max_position_embeddings", cache_tokens)), cache_tokens)
         self.default_max_tokens = default_max_tokens
-        self._continuous = _continuous_module()
-        self.attribution_mode = "continuous" if self._continuous is not None else "serial"
         self._ids = itertools.count()
         self._serial_lock = threading.Lock()
         self._stack = contextlib.ExitStack()
@@ -96,9 +86,10 @@ class Engine:
 
     # ---- life cycle -------------------------------------------------------------------------------
     def start(self) -> None:
-        if self._continuous is not None:
-            # The tracer must wrap the attention before the manager switches the model to its own.
-            self.tracer = self._stack.enter_context(self._continuous.attach_continuous(self.model))
+        from ..continuous import attach_continuous
+
+        # Entered first: managers created inside attach_continuous are traced.
+        self.tracer = self._stack.enter_context(attach_continuous(self.model))
         self.manager = self.model.init_continuous_batching(
             generation_config=self.generation_config, continuous_batching_config=self.cb_config,
         )
@@ -162,7 +153,7 @@ class Engine:
         """Steps of `job` as they are made; closing the iterator early cancels the request and frees it."""
         if not self.alive():
             raise RequestRejected("the generation engine is not running", code="engine_unavailable", status=503)
-        if job.attribution is not None and self.tracer is None:
+        if job.attribution is not None and self.attribution_mode(job.attribution) == "serial":
             stream = self._generate_serial(job)
         else:
             stream = self._generate_continuous(job)
@@ -174,12 +165,19 @@ class Engine:
         finally:
             self._streams -= 1
 
+    @staticmethod
+    def attribution_mode(config: MacsConfig) -> str:
+        """"continuous" (batched with other requests) or "serial" (alone, the batching loop paused)."""
+        return "continuous" if config.attention == "softmax" else "serial"
+
     async def _generate_continuous(self, job: Job) -> AsyncIterator[Step]:
         request_id = f"serve_{next(self._ids)}"
         outputs: asyncio.Queue = asyncio.Queue()
         manager = self.manager
         if job.attribution is not None:
             self.tracer.configure(request_id, **_request_config(job.attribution))
+        else:
+            self.tracer.skip(request_id)
         manager.register_result_handler(request_id, outputs.put_nowait)
         manager.add_request(job.input_ids, request_id=request_id, max_new_tokens=job.max_new_tokens,
                             streaming=True, eos_token_id=sorted(self.eos_ids))
@@ -202,8 +200,7 @@ class Engine:
                 manager.cancel_request(request_id)
                 with manager.output_router._lock:  # the manager drops a handler only on a finished output
                     manager.output_router.result_handlers.pop(request_id, None)
-            if job.attribution is not None:
-                self.tracer.release(request_id)
+            self.tracer.release(request_id)
 
     async def _generate_serial(self, job: Job) -> AsyncIterator[Step]:
         loop = asyncio.get_running_loop()

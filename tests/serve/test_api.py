@@ -44,6 +44,7 @@ def test_chat_with_attribution_equals_explain(client, lm):
     attribution = response.model_extra["attribution"]
     assert_matches(attribution, reference, response.choices[0].message.content)
     assert attribution["config"]["alpha"] == 0.8 and attribution["config"]["pooling"] == "max"
+    assert attribution["config"]["engine"] == "continuous"
     assert response.usage.prompt_tokens == len(reference.input_ids)
     assert response.usage.completion_tokens == len(reference.generated_ids)
 
@@ -68,6 +69,18 @@ def test_streamed_rows_equal_explain_with_request_options(client, lm):
         reference, text,
     )
     assert chunks[-1].choices[0].finish_reason == reference_finish(reference)
+
+
+def test_efficient_attention_runs_alone_and_equals_explain(client, lm):
+    """The continuous tracer computes softmax rows only; efficient rows come from the serial path."""
+    response = client.chat.completions.create(
+        model=MODEL, messages=qa(2), max_tokens=3, extra_body={"attribution": {"attention": "efficient"}},
+    )
+    model, tokenizer = lm
+    reference = explain(model, tokenizer, qa(2), max_new_tokens=3, attention="efficient")
+    attribution = response.model_extra["attribution"]
+    assert attribution["config"]["engine"] == "serial" and attribution["config"]["attention"] == "efficient"
+    assert_matches(attribution, reference, response.choices[0].message.content)
 
 
 def reference_finish(reference) -> str:
