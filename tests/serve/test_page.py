@@ -19,10 +19,10 @@ webdriver = pytest.importorskip("selenium.webdriver", reason="the page test need
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not (CHROMIUM and CHROMEDRIVER),
     reason="no system browser: apt-get install -y chromium chromium-driver (Debian/Ubuntu) to run the page test",
-)
+)]
 MAX_TOKENS = 6
 TOP_K = 5  # page.js marks this many top tokens
 
