@@ -70,9 +70,11 @@ class Engine:
         self.generation_config = GenerationConfig(
             do_sample=False, max_new_tokens=default_max_tokens, eos_token_id=sorted(self.eos_ids), pad_token_id=pad,
         )
+        # The MACS tracer runs inside the Python attention function: no flash decode path (block tables), no
+        # CUDA graphs or async batching (they replay passes without it).
         self.cb_config = ContinuousBatchingConfig(
             num_blocks=cache_tokens // page_size, page_size=page_size, max_batch_tokens=max_batch_tokens,
-            auto_switch_to_flash=False,
+            auto_switch_to_flash=False, use_cuda_graph=False, use_async_batching=False,
         )
         text_config = model.config.get_text_config()
         self.context_tokens = min(int(getattr(text_config, "max_position_embeddings", cache_tokens)), cache_tokens)
