@@ -46,7 +46,7 @@ class Job:
 
 
 class Engine:
-    """Owns the model, its continuous-batching manager and (when available) the continuous MACS tracer.
+    """Owns the model, its continuous-batching manager and the continuous MACS tracer around it.
 
     cache_tokens: KV-cache capacity in tokens (all requests together); a request's prompt plus its
         max_tokens must fit, and within the model's context.
@@ -57,15 +57,14 @@ class Engine:
                  max_batch_tokens: int = 256, default_max_tokens: int = 256):
         from transformers import ContinuousBatchingConfig, GenerationConfig
 
+        from ..explanation import _eos_ids
         from ..tracing import check_model
 
         if cache_tokens < page_size or cache_tokens % page_size:
             raise ValueError(f"cache_tokens ({cache_tokens}) must be a positive multiple of page_size ({page_size})")
         self.model, self.tokenizer, self.name = model, tokenizer, name
         check_model(model)
-        eos = model.generation_config.eos_token_id
-        eos = eos if eos is not None else tokenizer.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
+        self.eos_ids = _eos_ids(model, tokenizer)  # where explain() stops, so answers agree
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.generation_config = GenerationConfig(
             do_sample=False, max_new_tokens=default_max_tokens, eos_token_id=sorted(self.eos_ids), pad_token_id=pad,

@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from macs_kernels import explain
 from tests.helpers import qa
@@ -197,3 +198,18 @@ def test_a_client_leaving_mid_stream_frees_its_request(server, client):
     # ... and the server goes on serving.
     again = client.chat.completions.create(model=MODEL, messages=qa(0), max_tokens=2)
     assert again.choices[0].message.content
+
+
+def test_the_page_and_to_html_share_one_colouring(server):
+    """The live page loads the very script Explanation.to_html() inlines to colour its heatmap."""
+    from macs_kernels.explanation import Explanation
+
+    script = httpx.get(server.url + "/static/heatmap.js").text
+    assert "function macsHeatColour" in script
+    log_c = torch.tensor([[0.0, -1.0, -2.0]])
+    page = Explanation(
+        input_ids=torch.arange(3), generated_ids=torch.tensor([5]), input_tokens=["a", "b", "c"],
+        generated_tokens=["x"], step_scores=torch.zeros(1, 3), step_log_c=log_c, config={},
+    ).to_html()
+    assert script in page and "macsHeatColour(w)" in page
+    assert '<script src="/static/heatmap.js">' in httpx.get(server.url + "/").text
