@@ -10,7 +10,7 @@ import uuid
 from importlib import resources
 
 import torch
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -56,7 +56,7 @@ class _Attribution:
     """Builds a request's attribution payloads from its steps: one per streamed token, and the whole object."""
 
     def __init__(self, tokenizer, prompt: _Prompt, options: AttributionOptions):
-        self.tokenizer, self.prompt, self.options = tokenizer, prompt, options
+        self.tokenizer, self.prompt = tokenizer, prompt
         config = options.macs_config()
         self.config = config.as_dict() | {"engine": Engine.attribution_mode(config)}
         self.span = prompt.source_span or (0, len(prompt.ids))

@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -53,7 +54,7 @@ class Server:
     def __init__(self, *args: str, startup_s: float = 300):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self._log = open(f"/tmp/macs_serve_{self.port}.log", "w+")
+        self._log = tempfile.TemporaryFile("w+")
         command = [sys.executable, "-m", "macs_kernels.serve", "--host", "127.0.0.1", "--port", str(self.port),
                    "--threads", "1", "--cache-tokens", "4096", *args]
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=os.environ.copy())
