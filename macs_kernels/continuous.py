@@ -9,8 +9,9 @@ only the pass that ends it emits a token. So per pass the tracer
 1. reads which requests are in the batch, in packing order, from the manager that prepared it;
 2. scores only the query rows that produce a token (the last row of a finished prefill, every decode row):
    row r of request i attends keys [cu_k[i], cu_k[i+1]), whose first N (the whole prompt) are its inputs;
-3. per layer, runs `ops.macs_pool` over the packed keys with those per-row ranges (m' before the floor)
-   and adds log(alpha * clamp(m', 0) + 1 - alpha) to a (rows, N_max) float32 state;
+3. per layer, computes MACS's pooled row m' (before the floor) of each scored row over its own keys
+   (`ops.macs_pool` with per-row ranges on the GPU backends, `macs_pool_packed` on torch) and adds
+   log(alpha * clamp(m', 0) + 1 - alpha) to a (rows, N_max) float32 state;
 4. after the last layer, z-scores the rows and appends each to its request's record.
 
 transformers accepts only "sdpa", "paged|eager" and flash names in continuous batching, so `attach_continuous`
@@ -30,6 +31,7 @@ import torch
 
 from .config import MacsConfig
 from .ops._dispatch import implementation, resolve_backend
+from .ops.torch_backend import _POOL as POOL
 from .tracing import check_model
 
 __all__ = ["ContinuousTracer", "attach_continuous", "explain_continuous"]
@@ -54,7 +56,9 @@ class _ReadCache:
 
 def _continuous_attention(original):
     def forward(module, query, key, value, attention_mask, **kwargs):
-        from transformers.generation.continuous_batching.cache import PagedAttentionCache
+        from transformers.generation.continuous_batching.cache import (
+            PagedAttentionCache,
+        )
 
         tracer = getattr(module, _TRACER_ATTRIBUTE, None)
         cache = kwargs.get("cache")
@@ -78,11 +82,13 @@ def _install() -> None:
     global _attached_models
     with _install_lock:
         if _attached_models == 0:
+            wrappers = {}
             for name in WRAPPED_NAMES:
                 # A fresh instance has no local overrides: this is the library-wide function.
                 _originals[name] = AttentionInterface()[name]
-                AttentionInterface.register(name, _continuous_attention(_originals[name]))
-            shadowed = [name for name in WRAPPED_NAMES if ALL_ATTENTION_FUNCTIONS[name] is _originals[name]]
+                wrappers[name] = _continuous_attention(_originals[name])
+                AttentionInterface.register(name, wrappers[name])
+            shadowed = [name for name in WRAPPED_NAMES if ALL_ATTENTION_FUNCTIONS[name] is not wrappers[name]]
             if shadowed:
                 for name in WRAPPED_NAMES:
                     AttentionInterface.register(name, _originals.pop(name))
@@ -129,15 +135,78 @@ def _prompt_length(state) -> int:
     return getattr(state, "_true_initial_tokens", 0) or len(state.initial_tokens)
 
 
+# ---- the per-layer op over packed keys -------------------------------------------------------------
+class Segments:
+    """Key ranges of R query rows over a packed key tensor, and the constants every layer of a pass shares.
+
+    Row r attends keys [starts[r], starts[r] + lengths[r]); the first n_input[r] of them are its inputs,
+    the rest generated tokens (their attention is spread over the inputs where redistribute[r]).
+    """
+
+    def __init__(self, starts, lengths, n_input, redistribute, device):
+        if not (len(starts) == len(lengths) == len(n_input) == len(redistribute)) or not starts:
+            raise ValueError("starts, lengths, n_input and redistribute must be equally long and not empty")
+        if any(n < 1 or n > length for n, length in zip(n_input, lengths)):
+            raise ValueError(f"every row needs 1 <= n_input <= its key count, got {n_input} for {lengths}")
+        self.starts, self.lengths, self.n_input = list(starts), list(lengths), list(n_input)
+        self.n_max, self.length_max = max(self.n_input), max(self.lengths)
+        positions = torch.arange(self.length_max, device=device)
+        lengths_t = torch.tensor(self.lengths, device=device).view(-1, 1, 1)
+        n_input_t = torch.tensor(self.n_input, device=device).view(-1, 1, 1)
+        spread = torch.tensor(redistribute, dtype=torch.float32, device=device).view(-1, 1, 1) / n_input_t
+        # Weight of each key's probability in the spill every input receives: 1/N on generated keys.
+        self.spill_weight = ((positions >= n_input_t) & (positions < lengths_t)) * spread
+        as_index = functools.partial(torch.tensor, dtype=torch.int64, device=device)
+        self.input_start = as_index([self.starts])
+        self.input_end = as_index([[s + n for s, n in zip(self.starts, self.n_input)]])
+        self.kv_len = as_index([[s + length for s, length in zip(self.starts, self.lengths)]])
+
+    def probabilities(self, q, key, scale: float) -> torch.Tensor:
+        """Softmax rows (R, H, L_max) float32 of q (H, R, D) over each row's own keys of key (H_kv, S, D),
+        zeros past a row's length. One product per row over its own keys: R x S for the whole packed tensor
+        would cost R times more."""
+        heads, rows, dim = q.shape
+        kv_heads = key.shape[0]
+        grouped = q.transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, dim).float()
+        scores = torch.full(
+            (rows, kv_heads, heads // kv_heads, self.length_max), float("-inf"), dtype=torch.float32, device=q.device
+        )
+        for r, (start, length) in enumerate(zip(self.starts, self.lengths)):
+            own_keys = key[:, start : start + length].float()
+            scores[r, :, :, :length] = torch.matmul(grouped[r], own_keys.transpose(-1, -2))
+        scores = scores.view(rows, heads, self.length_max).mul_(scale)
+        return scores.sub_(torch.logsumexp(scores, dim=-1, keepdim=True)).exp_()
+
+    def spread_inputs(self, probabilities) -> torch.Tensor:
+        """(R, H, N_max): each input's probability plus the row's spill; entries past a row's N are not inputs."""
+        spill = (probabilities * self.spill_weight).sum(dim=-1, keepdim=True)
+        return probabilities[:, :, : self.n_max] + spill
+
+
+def macs_pool_packed(q, key, segments: Segments, *, scale, pooling="max") -> torch.Tensor:
+    """MACS's head-pooled rows m' (before the floor) of R query rows over a packed key tensor: the torch form
+    of `ops.macs_pool` with per-row ranges (B = 1), computing each row against its own keys only.
+
+    q: (H, R, D), one row per request; key: (H_kv, S, D), the requests' keys back to back (continuous
+    batching's layout); segments: each row's key range, input count and redistribution.
+    Returns float32 (R, N_max); entries past a row's N are unspecified.
+    """
+    MacsConfig(pooling=pooling)
+    if q.dim() != 3 or key.dim() != 3 or q.shape[0] % key.shape[0] or q.shape[2] != key.shape[2]:
+        raise ValueError(f"q (H, R, D) and key (H_kv, S, D) with H a multiple of H_kv, got {tuple(q.shape)}, "
+                         f"{tuple(key.shape)}")
+    if q.shape[1] != len(segments.starts) or max(s + n for s, n in zip(segments.starts, segments.lengths)) > key.shape[1]:
+        raise ValueError("segments must give one key range per query row, inside the key tensor")
+    return POOL[pooling](segments.spread_inputs(segments.probabilities(q, key, float(scale))))
+
+
 @dataclasses.dataclass
 class _Pass:
-    """The scored rows of one forward pass and their ranges over the packed keys."""
+    """The scored rows of one forward pass: which query rows, whose records, their key ranges."""
 
     rows: torch.Tensor  # (R,) query rows that emit a token
     records: list
-    input_start: torch.Tensor  # (1, R) each
-    input_end: torch.Tensor
-    kv_len: torch.Tensor
+    segments: Segments
     n_input: torch.Tensor  # (R,)
     groups: list  # (pooling, redistribute, row indices or None, alpha (R_g, 1))
     log_c: torch.Tensor  # (R, N_max) float32
@@ -175,7 +244,8 @@ class ContinuousTracer:
         merged = dataclasses.replace(self.config, **config)
         _check_supported(merged)
         with self._lock:
-            if request_id in self._requests:
+            running = self._requests.get(request_id)
+            if running is not None and not running.finished():
                 raise RuntimeError(f"request {request_id!r} is already running; configure it before adding it")
             self._pending[request_id] = merged
 
@@ -249,7 +319,9 @@ class ContinuousTracer:
 
     def _request_for(self, state) -> _Request:
         record = self._requests.get(state.request_id)
-        if record is None:
+        # A finished request's id can come back as a new request (a fresh manager numbers from req_0 again).
+        if record is None or (record.state is not state and record.finished()):
+            self._finished.pop(state.request_id, None)
             config = self._pending.pop(state.request_id, self.config)
             record = _Request(n_input=_prompt_length(state), config=config, state=state)
             self._requests[state.request_id] = record
@@ -281,7 +353,7 @@ class ContinuousTracer:
             raise RuntimeError(
                 f"continuous batching pass with {len(batch)} requests but {len(cu_q) - 1} query segments"
             )
-        rows, starts, ends, lengths, records = [], [], [], [], []
+        rows, starts, ends, records = [], [], [], []
         with self._lock:
             self._retire_finished()
             for i, future in enumerate(batch):
@@ -295,43 +367,58 @@ class ContinuousTracer:
                     )
                 rows.append(cu_q[i + 1] - 1)
                 starts.append(cu_k[i])
-                ends.append(cu_k[i] + record.n_input)
-                lengths.append(cu_k[i + 1])
+                ends.append(cu_k[i + 1])
                 records.append(record)
         if not records:
             return
-        as_index = functools.partial(torch.tensor, dtype=torch.int64, device=device)
+        segments = Segments(
+            starts, [end - start for start, end in zip(starts, ends)], [r.n_input for r in records],
+            [r.config.redistribute for r in records], device,
+        )
+        # The torch form takes per-row redistribution, so only pooling splits its rows into groups.
+        group_key = (lambda c: (c.pooling, None)) if self.backend == "torch" else (lambda c: (c.pooling, c.redistribute))
         by_config = collections.defaultdict(list)
         for r, record in enumerate(records):
-            by_config[(record.config.pooling, record.config.redistribute)].append(r)
+            by_config[group_key(record.config)].append(r)
         groups = []
         for (pooling, redistribute), members in by_config.items():
             alphas = torch.tensor([[records[r].config.alpha] for r in members], dtype=torch.float32, device=device)
-            index = None if len(members) == len(records) else as_index(members)
+            index = None if len(members) == len(records) else torch.tensor(members, device=device)
             groups.append((pooling, redistribute, index, alphas))
-        n_input = [record.n_input for record in records]
         self._pass = _Pass(
-            rows=as_index(rows), records=records, input_start=as_index([starts]), input_end=as_index([ends]),
-            kv_len=as_index([lengths]), n_input=as_index(n_input), groups=groups,
-            log_c=torch.zeros(len(records), max(n_input), dtype=torch.float32, device=device),
+            rows=torch.tensor(rows, device=device), records=records, segments=segments,
+            n_input=torch.tensor(segments.n_input, device=device), groups=groups,
+            log_c=torch.zeros(len(records), segments.n_max, dtype=torch.float32, device=device),
         )
+
+    def _kernel_pooled(self, q_rows, key, scale, pooling, redistribute, index) -> torch.Tensor:
+        """m' (R_g, N_max) of the rows `index` (all when None) from the backend's macs_pool kernel, which reads
+        only each row's own key range of the packed tensor."""
+        segments = self._pass.segments
+        ranges = (segments.input_start, segments.input_end, segments.kv_len)
+        if index is not None:
+            q_rows = q_rows[:, :, index, :]
+            ranges = tuple(bound[:, index] for bound in ranges)
+        pooled = torch.empty(1, q_rows.shape[2], segments.n_max, dtype=torch.float32, device=q_rows.device)
+        self._macs_pool(
+            q_rows, key, pooled, input_start=ranges[0], input_end=ranges[1], kv_len=ranges[2], scale=scale,
+            pooling=pooling, redistribute=redistribute, lse=None,
+        )
+        return pooled[0]
 
     def _add_layer(self, query, key, scale: float) -> None:
         step = self._pass
         q_rows = query[:, :, step.rows, :]
+        inputs = None
+        if self.backend == "torch":
+            inputs = step.segments.spread_inputs(step.segments.probabilities(q_rows[0], key[0], scale))
         for pooling, redistribute, index, alphas in step.groups:
-            if index is None:
-                q, ranges = q_rows, (step.input_start, step.input_end, step.kv_len)
+            if inputs is None:
+                pooled = self._kernel_pooled(q_rows, key, scale, pooling, redistribute, index)
             else:
-                q = q_rows[:, :, index, :]
-                ranges = tuple(bound[:, index] for bound in (step.input_start, step.input_end, step.kv_len))
-            pooled = torch.empty(1, q.shape[2], step.log_c.shape[1], dtype=torch.float32, device=q.device)
-            self._macs_pool(
-                q, key, pooled, input_start=ranges[0], input_end=ranges[1], kv_len=ranges[2], scale=scale,
-                pooling=pooling, redistribute=redistribute, lse=None,
-            )
+                pooled = POOL[pooling](inputs if index is None else inputs[index])
             # Entries past a row's N are never read (rows are cut to N, z-scores mask them).
-            term = pooled[0].clamp_min_(0.0).mul_(alphas).add_(1.0 - alphas).log_()
+            term = pooled.clamp_min(0.0).mul_(alphas).add_(1.0 - alphas).log_()
             if index is None:
                 step.log_c.add_(term)
             else:
@@ -487,7 +574,8 @@ def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuo
     prompts: a list of prompts (strings, wrapped in the chat template when the tokenizer has one, or lists of
         chat messages). Returns one Explanation per prompt, in prompt order, whose rows equal explain() of
         that prompt alone. continuous_batching_config: a transformers ContinuousBatchingConfig (page size,
-        token budget, ...); flash attention is never switched on. Without `num_blocks` in it, the paged cache
+        token budget, ...); flash attention, CUDA graphs and async batching stay off unless asked for (then
+        they are refused: they bypass the traced attention). Without `num_blocks` in it, the paged cache
         holds exactly these prompts and their new tokens (sized from free memory, its allocation would dominate).
     """
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -506,7 +594,12 @@ def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuo
         continuous_batching_config = ContinuousBatchingConfig()
     elif not isinstance(continuous_batching_config, ContinuousBatchingConfig):
         raise TypeError("continuous_batching_config must be a transformers ContinuousBatchingConfig")
-    continuous_batching_config = dataclasses.replace(continuous_batching_config, auto_switch_to_flash=False)
+    # Flash, CUDA graphs and async batching bypass the traced attention; left to the engine they could be on.
+    continuous_batching_config = dataclasses.replace(
+        continuous_batching_config, auto_switch_to_flash=False,
+        use_cuda_graph=continuous_batching_config.use_cuda_graph or False,
+        use_async_batching=continuous_batching_config.use_async_batching or False,
+    )
     if continuous_batching_config.num_blocks is None:
         page = continuous_batching_config.page_size
         continuous_batching_config.num_blocks = sum(-(-(len(ids) + max_new_tokens) // page) for ids in inputs) + 1

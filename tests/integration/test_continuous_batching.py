@@ -9,12 +9,18 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from macs_kernels import explain
-from macs_kernels.continuous import attach_continuous, explain_continuous
+from macs_kernels import explain, reference
+from macs_kernels.continuous import (
+    Segments,
+    attach_continuous,
+    explain_continuous,
+    macs_pool_packed,
+)
 from tests.helpers import default_model, eager_macs, qa, tiny_llama
+from tests.tolerances import RELATIVE_ERROR, relative_error
 
 LOG_C_TOLERANCE = 1e-3
-GREEDY = dict(do_sample=False, eos_token_id=-1, pad_token_id=0)
+GREEDY = {"do_sample": False, "eos_token_id": -1, "pad_token_id": 0}
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +78,39 @@ def assert_rows_match_reference(model, prompt, output, rows, **config):
     assert log_c.dtype == scores.dtype == torch.float32
     log_ref, _ = eager_macs(model, torch.tensor(prompt), generated, **config)
     assert (log_c.double() - log_ref).abs().max() <= LOG_C_TOLERANCE
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pooling", ["max", "mean", "min"])
+@pytest.mark.parametrize("redistribute", [True, False, "mixed"])
+def test_macs_pool_packed_matches_float64_reference(dtype, pooling, redistribute):
+    """Rows over a packed key tensor (a 37-key segment of a non-emitting prefill chunk between them), GQA 3:1,
+    odd lengths; against the float64 reference of ops.macs_pool with per-row ranges."""
+    heads, kv_heads, dim = 9, 3, 16
+    starts, lengths, n_input = [0, 150, 157], [113, 7, 40], [100, 7, 33]
+    flags = [True, False, True] if redistribute == "mixed" else [redistribute] * 3
+    q = torch.randn(heads, 3, dim, dtype=dtype) * 2
+    key = torch.randn(kv_heads, 197, dim, dtype=dtype)
+    segments = Segments(starts, lengths, n_input, flags, torch.device("cpu"))
+    got = macs_pool_packed(q, key, segments, scale=dim**-0.5, pooling=pooling)
+    assert got.dtype == torch.float32 and got.shape == (3, 100)
+    for r, flag in enumerate(flags):
+        ref = reference.macs_pool_reference(
+            q[:, r : r + 1].unsqueeze(0), key.unsqueeze(0), input_start=[[starts[r]]],
+            input_end=[[starts[r] + n_input[r]]], kv_len=[[starts[r] + lengths[r]]], scale=dim**-0.5,
+            pooling=pooling, redistribute=flag,
+        )[0, 0]
+        assert relative_error(got[r, : n_input[r]], ref) <= RELATIVE_ERROR[dtype]
+
+
+def test_macs_pool_packed_refuses_bad_ranges():
+    with pytest.raises(ValueError, match="n_input"):
+        Segments([0], [5], [6], [True], torch.device("cpu"))
+    segments = Segments([0, 10], [10, 5], [4, 5], [True, True], torch.device("cpu"))
+    with pytest.raises(ValueError, match="inside the key tensor"):
+        macs_pool_packed(torch.randn(4, 2, 8), torch.randn(2, 12, 8), segments, scale=1.0)
+    with pytest.raises(ValueError, match="pooling"):
+        macs_pool_packed(torch.randn(4, 2, 8), torch.randn(2, 15, 8), segments, scale=1.0, pooling="sum")
 
 
 def test_packed_requests_with_chunked_prefill_match_reference(tiny):
@@ -142,7 +181,7 @@ def test_streaming_reader_sees_one_row_per_token_then_release(tiny):
             def consume():
                 try:
                     for output in manager.request_id_iter(request_id):
-                        log_c, scores = tracer.request_rows(request_id)
+                        log_c, _ = tracer.request_rows(request_id)
                         seen.append((len(output.generated_tokens), log_c.shape[0], output))
                 except Exception as error:  # noqa: BLE001 - reported in the test thread
                     errors.append(error)
@@ -181,6 +220,15 @@ def test_finished_requests_beyond_keep_finished_are_dropped(tiny):
             tiny.destroy_cached_continuous_batching_manager()
 
 
+def test_request_ids_reused_by_a_new_manager_start_new_rows(tiny):
+    gen = GenerationConfig(max_new_tokens=2, **GREEDY)
+    with attach_continuous(tiny) as tracer:
+        for prompt in ([1, 2, 3, 4, 5, 6], [7, 8, 9]):
+            outputs = tiny.generate_batch([prompt], generation_config=gen, continuous_batching_config=cb_config(64))
+            assert list(outputs) == ["req_0"]
+            assert_rows_match_reference(tiny, prompt, outputs["req_0"], tracer.request_rows("req_0"))
+
+
 def test_leaving_attach_restores_model_and_registries(tiny):
     gen = GenerationConfig(max_new_tokens=3, **GREEDY)
     prompts = [list(range(1, 12)), [5, 6, 7]]
@@ -215,16 +263,13 @@ def test_leaving_attach_restores_model_and_registries(tiny):
 
 
 def test_unsupported_modes_raise_before_generation(tiny):
-    with pytest.raises(NotImplementedError, match="efficient"):
-        with attach_continuous(tiny, attention="efficient"):
-            pass
-    with pytest.raises(ValueError, match="alpha"):
-        with attach_continuous(tiny, alpha=0.0):
-            pass
+    with pytest.raises(NotImplementedError, match="efficient"), attach_continuous(tiny, attention="efficient"):
+        pass
+    with pytest.raises(ValueError, match="alpha"), attach_continuous(tiny, alpha=0.0):
+        pass
     gen = GenerationConfig(max_new_tokens=2, num_return_sequences=2, do_sample=True, eos_token_id=-1, pad_token_id=0)
-    with attach_continuous(tiny):
-        with pytest.raises(NotImplementedError, match="num_return_sequences"):
-            tiny.init_continuous_batching(generation_config=gen, continuous_batching_config=cb_config(8))
+    with attach_continuous(tiny), pytest.raises(NotImplementedError, match="num_return_sequences"):
+        tiny.init_continuous_batching(generation_config=gen, continuous_batching_config=cb_config(8))
     with attach_continuous(tiny) as tracer:
         with pytest.raises(ValueError, match="per request"):
             tracer.configure("r", backend="torch")
@@ -255,11 +300,9 @@ def test_manager_created_before_attach_needs_track(tiny):
         assert_rows_match_reference(tiny, [4, 5, 6, 7], output, tracer.request_rows(tracked))
 
 
-def test_default_model_rows_equal_explain_alone(model_and_tokenizer):
-    """Three QA prompts of different lengths, prefills split into 64-token chunks, the chat template's common
-    prefix shared between requests: each request's rows equal explain() of its prompt alone."""
-    model, tokenizer = model_and_tokenizer
-    prompts = [qa(0), "Name a primary colour.", qa(2)]
+def explain_default_batch(model, tokenizer, prompts):
+    """explain_continuous with prefills split into 64-token chunks and the chat template's common prefix
+    shared between requests (both checked)."""
     passes = PassLog(model)
     try:
         batch = explain_continuous(
@@ -269,10 +312,29 @@ def test_default_model_rows_equal_explain_alone(model_and_tokenizer):
     finally:
         passes.remove()
     lengths = [len(item.input_ids) for item in batch]
-    assert len(set(lengths)) == 3 and max(lengths) > 64
+    assert len(set(lengths)) == len(prompts) and max(lengths) > 64
     assert max(passes.tokens) <= 64
     assert sum(passes.tokens) < sum(lengths) + 4 * len(prompts), "the chat template's prefix must be shared"
-    for prompt, item in zip(prompts, batch):
+    return batch
+
+
+DEFAULT_PROMPTS = [qa(0), "Name a primary colour.", qa(2)]
+
+
+def test_default_model_rows_match_teacher_forced_reference(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    for item in explain_default_batch(model, tokenizer, DEFAULT_PROMPTS):
+        assert item.step_log_c.shape == item.step_scores.shape == (len(item.generated_ids), len(item.input_ids))
+        log_ref, _ = eager_macs(model, item.input_ids, item.generated_ids)
+        assert (item.step_log_c.double() - log_ref).abs().max() <= LOG_C_TOLERANCE
+
+
+@pytest.mark.slow
+def test_default_model_rows_equal_explain_alone(model_and_tokenizer):
+    """Each request's rows and tokens equal explain() of its prompt alone (three generate() runs: slow on a
+    busy machine)."""
+    model, tokenizer = model_and_tokenizer
+    for prompt, item in zip(DEFAULT_PROMPTS, explain_default_batch(model, tokenizer, DEFAULT_PROMPTS)):
         alone = explain(model, tokenizer, prompt, max_new_tokens=5, backend="torch")
         assert torch.equal(item.input_ids, alone.input_ids)
         assert torch.equal(item.generated_ids, alone.generated_ids)
