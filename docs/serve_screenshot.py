@@ -38,7 +38,7 @@ def main() -> int:
     url = f"http://127.0.0.1:{port}"
     options = webdriver.ChromeOptions()
     options.binary_location = "/usr/bin/chromium"
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1100,820"):
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1100,960"):
         options.add_argument(flag)
     try:
         for _ in range(600):
