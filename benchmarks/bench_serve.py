@@ -1,10 +1,11 @@
 """Load on `macs-kernels serve`: 32 concurrent clients on loopback, 64 chat requests in all, with attribution
 off and on (same server, same prompts), every answer checked against explain() of its prompt alone.
 
-    python benchmarks/bench_serve.py                 # default model, 64 requests, 32 clients, 16 new tokens
+    python benchmarks/bench_serve.py                 # default model, 64 requests, 32 clients, 16 new tokens,
+                                                     # 2 rounds per setting (off, on, on, off)
     python benchmarks/bench_serve.py --requests 8 --clients 4 --max-tokens 4    # a quick look
-Writes benchmarks/results/serve_cpu.csv (one row per request), serve_cpu_summary.csv and serve_cpu.png (or
-under --out).
+Writes benchmarks/results/serve_cpu.csv (one row per request), serve_cpu_summary.csv (per setting, over its
+rounds) and serve_cpu.png (or under --out).
 
 The server runs in its own process (the continuous-batching engine with the MACS tracer attached, as
 `macs-kernels serve` runs it); clients are asyncio tasks with httpx, each sending its requests one after the
@@ -166,8 +167,8 @@ def plot(summary: list[dict], records: list[dict], path: Path, args) -> None:
                  for s in summary]
     axes[2].boxplot(latencies, tick_labels=labels, whis=(1, 99))
     axes[2].set_title("latency (s), whiskers p1-p99")
-    fig.suptitle(f"macs-kernels serve, {args.requests} requests from {args.clients} concurrent clients, "
-                 f"{args.max_tokens} new tokens each (CPU, default model)")
+    fig.suptitle(f"macs-kernels serve, {args.rounds} x {args.requests} requests per setting from {args.clients} "
+                 f"concurrent clients, {args.max_tokens} new tokens each (CPU, default model)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -177,6 +178,7 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2, help="phases per setting, run in ABBA order")
     parser.add_argument("--deadline", type=float, default=1200, help="seconds each phase may take")
     parser.add_argument("--cache-tokens", type=int, default=8192)
     parser.add_argument("--threads", type=int, default=None)
@@ -190,12 +192,15 @@ def main(argv=None) -> int:
     server = start_server(port, args)
     url = f"http://127.0.0.1:{port}"
     try:
-        records, summary = [], []
-        for attribution in (False, True):
+        records, walls = [], {False: 0.0, True: 0.0}
+        # ABBA order over rounds: a drift in the shared machine's load hits both settings alike.
+        order = [False, True, True, False] * (args.rounds // 2) + [False, True] * (args.rounds % 2)
+        for attribution in order:
             phase_records, wall = asyncio.run(phase(url, DEFAULT_MODEL, args, refs, attribution))
             records += phase_records
-            summary.append(summarise(phase_records, wall, attribution))
-            print(json.dumps(summary[-1]), flush=True)
+            walls[attribution] += wall
+            print(json.dumps(summarise(phase_records, wall, attribution)), flush=True)
+        summary = [summarise([r for r in records if r["attribution"] == a], walls[a], a) for a in (False, True)]
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(120)
