@@ -39,7 +39,8 @@ def cuda_extension():
     _say(f"building macs_kernels._C with nvcc from {CUDA_HOME} for TORCH_CUDA_ARCH_LIST="
          f"{os.environ.get('TORCH_CUDA_ARCH_LIST', '(the visible GPUs)')}")
     root = os.path.dirname(os.path.abspath(__file__))
-    sources = sorted(glob.glob(os.path.join("csrc", "*", "*.cu"), root_dir=root)) + [os.path.join("csrc", "bindings.cpp")]
+    kernels = sorted(glob.glob(os.path.join("csrc", "*", "*.cu"), root_dir=root))
+    sources = kernels + [os.path.join("csrc", "bindings.cpp")]
     extension = CUDAExtension(
         name="macs_kernels._C",
         sources=sources,
@@ -54,7 +55,8 @@ ext_modules, cmdclass = cuda_extension()
 setup(
     name="macs_kernels",
     version="0.1.0",
-    description="Token attribution from attention (MACS, AT2, efficient attention) inside FlashAttention-style inference",
+    description="Token attribution from attention (MACS, AT2, efficient attention) inside FlashAttention-style "
+                "inference",
     packages=find_packages(include=["macs_kernels", "macs_kernels.*"]),
     package_data={"macs_kernels": ["data/*"], "macs_kernels.serve": ["static/*"]},
     python_requires=">=3.10",
@@ -72,7 +74,7 @@ setup(
         "gguf": ["gguf>=0.10", "accelerate"],
         "eval": ["datasets", "rouge-score", "scikit-learn"],
         "serve": ["fastapi>=0.110", "uvicorn>=0.29"],
-        "test": ["pytest", "pytest-benchmark", "scikit-learn", "openai>=1.0", "httpx", "selenium>=4.11"],
+        "test": ["pytest", "pytest-benchmark", "scikit-learn", "ruff", "openai>=1.0", "httpx", "selenium>=4.11"],
     },
     entry_points={"console_scripts": ["macs-kernels=macs_kernels.cli:main"]},
     ext_modules=ext_modules,

@@ -93,7 +93,8 @@ def main(argv=None) -> int:
     parser.add_argument("--data", type=Path, default=Path("/work/shared/data/stqa_350.json"))
     parser.add_argument("--range", default="250:350")
     parser.add_argument("--coefficients", type=Path, default=None, help="default: the packaged file")
-    parser.add_argument("--work", type=Path, default=None, help="ablation work folder (default ~/.cache/macs_kernels/at2)")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="ablation work folder (default ~/.cache/macs_kernels/at2)")
     parser.add_argument("--masks", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="4 masks, 8 new tokens: a smoke run")
@@ -139,7 +140,8 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     for metric, entry in report["summary"].items():
-        line = "  ".join(f"{name} {v['mean']:+.4f} [{v['ci95'][0]:+.4f}, {v['ci95'][1]:+.4f}]" for name, v in entry.items())
+        line = "  ".join(f"{name} {v['mean']:+.4f} [{v['ci95'][0]:+.4f}, {v['ci95'][1]:+.4f}]"
+                         for name, v in entry.items())
         print(f"{metric:13s} {line}")
     print(f"wrote {args.out}")
     return 0

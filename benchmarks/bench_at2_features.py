@@ -17,7 +17,6 @@ the inputs were built (Linux: /proc/self/clear_refs resets the peak), time the m
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 import subprocess
@@ -109,18 +108,11 @@ def main(argv=None) -> int:
         ours_row, dense_row = rows[-2], rows[-1]
         if abs(ours_row["checksum"] - dense_row["checksum"]) > 1e-3 * abs(dense_row["checksum"]):
             raise SystemExit(f"N={n}: the two methods disagree ({ours_row['checksum']} vs {dense_row['checksum']})")
-    args.out.mkdir(parents=True, exist_ok=True)
+    from macs_kernels.bench.common import pyplot, save_figure, write_csv
+
     stem = args.out / ("at2_features_cpu_quick" if args.quick else "at2_features_cpu")
-    with open(stem.with_suffix(".csv"), "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+    write_csv(rows, stem.with_suffix(".csv"))
+    figure, axes = pyplot().subplots(1, 2, figsize=(10, 4))
     for method, style in (("ours", "o-"), ("dense", "s--")):
         points = [r for r in rows if r["method"] == method]
         label = "ours (attention_features)" if method == "ours" else "dense (L, H, T, N)"
@@ -132,8 +124,7 @@ def main(argv=None) -> int:
         axis.set_title(title)
         axis.legend()
     figure.suptitle(f"AT2 features, {layers} layers x {SHAPE['heads']} heads, R = {ROWS}, CPU 1 thread")
-    figure.tight_layout()
-    figure.savefig(stem.with_suffix(".png"), dpi=120)
+    save_figure(figure, stem.with_suffix(".png"), dpi=120)
     print(f"wrote {stem.with_suffix('.csv')} and .png")
     return 0
 

@@ -154,14 +154,16 @@ def main(argv=None) -> int:
     rows = []
     for mode in (mode for pair in order for mode in pair):
         done = subprocess.run(
-            [sys.executable, __file__, "--child", mode, *map(str, (requests, shortest, longest, new_tokens, args.threads))],
+            [sys.executable, __file__, "--child", mode,
+             *map(str, (requests, shortest, longest, new_tokens, args.threads))],
             capture_output=True, text=True, check=False,
         )
         if done.returncode:
             raise SystemExit(f"{mode} run failed:\n{done.stderr[-4000:]}")
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         row = rows[-1]
-        print(f"{mode:5s} {row['seconds']:8.1f} s {row['tokens_per_s']:7.2f} tok/s {row['tokens_per_cpu_s']:7.2f} tok/CPU s "
+        print(f"{mode:5s} {row['seconds']:8.1f} s {row['tokens_per_s']:7.2f} tok/s "
+              f"{row['tokens_per_cpu_s']:7.2f} tok/CPU s "
               f"peak {row['peak_rss_mib']:8.1f} MiB "
               f"(+{row['peak_above_model_mib']:.1f} above the loaded model)", flush=True)
     summary = _summary(rows)

@@ -3,15 +3,17 @@
     python benchmarks/bench_generate.py --quick                 # seconds (what CI runs)
     python benchmarks/bench_generate.py --threads 1 --repeats 3 # the CPU grid, default model
     python benchmarks/bench_generate.py --config Llama-3.1-8B   # on a GPU: random weights, real shape
-Same as `macs-kernels bench`; the logic lives in macs_kernels/bench.py. Writes
-benchmarks/results/generate_<device>.csv (every repeat), _summary.csv (medians, ratios) and .png.
+Same as `macs-kernels bench` (the logic lives in macs_kernels/bench/generate.py), except that results go to
+this checkout's benchmarks/results unless --out says otherwise: generate_<device>.csv (every repeat),
+_summary.csv (medians, ratios) and .png.
 """
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-from macs_kernels.bench import main  # noqa: E402
+from macs_kernels.bench.generate import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(default_out=ROOT / "benchmarks" / "results"))

@@ -1,4 +1,5 @@
-// Torch-free helpers shared by the MACS kernels: element conversion, 16-byte loads, reductions.
+// Torch-free helpers shared by every kernel: constants, element conversion, 16-byte loads, index views,
+// reductions.
 //
 // Everything compiles under torch's extension flags (__CUDA_NO_HALF_OPERATORS__,
 // __CUDA_NO_HALF_CONVERSIONS__, __CUDA_NO_BFLOAT16_CONVERSIONS__): conversions are explicit calls.
@@ -12,10 +13,17 @@
 
 namespace macs {
 
-// Same order as the schema's strings "max", "mean", "min" (see launch.cu).
+// Same order as the schema's strings "max", "mean", "min" (see launch_utils.h).
 enum class Pooling : int { kMax = 0, kMean = 1, kMin = 2 };
 
-constexpr float kNegInf = -__builtin_huge_valf();
+// The -inf convention: a masked score, the max of no score and the log-sum-exp of an empty row are kNegInf;
+// an exponential of a difference with kNegInf on its left is taken as 0 without evaluating it, so that
+// exp(-inf - (-inf)) never makes a NaN.
+constexpr float kInf = __builtin_huge_valf();
+constexpr float kNegInf = -kInf;
+
+// Scores are carried as score * log2(e), so that each exponential is one exp2f (split_kv/state.cuh).
+constexpr float kLog2e = 1.4426950408889634f;
 
 __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -51,22 +59,26 @@ __device__ __forceinline__ void load_floats(const T* __restrict__ src, float (&d
   }
 }
 
-// (B,) index tensor; stride 0 when one value was broadcast over the batch.
+// An int64 index tensor, (B,) or (B, R) (query row r of item b); a stride is 0 where a value is
+// broadcast, and stride_r is 0 for a (B,) tensor, so that every row of item b reads its value.
 struct Index {
   const int64_t* data;
-  int64_t stride;
-  __device__ __forceinline__ int64_t operator[](int64_t b) const { return data[b * stride]; }
+  int64_t stride_b, stride_r;
+  __device__ __forceinline__ int64_t operator()(int64_t b, int64_t r = 0) const {
+    return data[b * stride_b + r * stride_r];
+  }
 };
 
-// Key range [start, input_end, end) of one row, clamped into [0, keys]: the public ops validate the
-// values, and clamping keeps a direct torch.ops call with bad indices from reading out of bounds.
+// Key range [start, input_end, end) of query row r of item b, clamped into [0, keys]: the public ops
+// validate the values, and clamping keeps a direct torch.ops call with bad indices from reading out of
+// bounds.
 struct KeyRange {
   int64_t start, input_end, end;
-  __device__ __forceinline__ KeyRange(const Index& start_, const Index& input_end_, const Index& end_,
-                                      int64_t b, int64_t keys) {
-    end = min(max(end_[b], int64_t(0)), keys);
-    start = min(max(start_[b], int64_t(0)), end);
-    input_end = min(max(input_end_[b], start), end);
+  __device__ __forceinline__ KeyRange(const Index& start_, const Index& input_end_, const Index& end_, int64_t b,
+                                      int64_t r, int64_t keys) {
+    end = min(max(end_(b, r), int64_t(0)), keys);
+    start = min(max(start_(b, r), int64_t(0)), end);
+    input_end = min(max(input_end_(b, r), start), end);
   }
 };
 
@@ -94,17 +106,5 @@ __device__ float block_reduce(float x, float* scratch) {
   x = lane < warps ? scratch[lane] : (IS_MAX ? kNegInf : 0.0f);
   return IS_MAX ? warp_max(x) : warp_sum(x);
 }
-
-// log-sum-exp state (m, l): sum = l * exp(m); m = -inf and l = 0 when empty.
-struct SoftmaxState {
-  float m, l;
-  __device__ __forceinline__ void merge(float other_m, float other_l) {
-    const float top = fmaxf(m, other_m);
-    if (top == kNegInf) return;
-    l = l * expf(m - top) + other_l * expf(other_m - top);
-    m = top;
-  }
-  __device__ __forceinline__ float lse() const { return l > 0.0f ? m + logf(l) : kNegInf; }
-};
 
 }  // namespace macs

@@ -1,6 +1,7 @@
-// Torch-side helpers shared by the launchers: argument checks with readable messages, dtype dispatch,
-// and the split pass's parameters. The schemas (and the argument checks users normally go through) are
-// in macs_kernels/ops/library.py and ops/__init__.py; these checks guard direct torch.ops calls.
+// Torch-side helpers shared by the launchers (csrc/<op>/launch.cu): argument checks whose messages name
+// the op and the argument, dtype dispatch, and the split-KV pass's shapes, scratch and launch. Python
+// (macs_kernels/ops/<op>.py) defines each operator and validates the public arguments; these checks
+// guard direct torch.ops calls, so that a bad call fails with a message instead of reading out of bounds.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -10,9 +11,10 @@
 #include <c10/util/Exception.h>
 
 #include <optional>
+#include <string>
 #include <string_view>
 
-#include "decode_attention/kernel.cuh"
+#include "pool/kernel.cuh"
 
 namespace macs {
 
@@ -32,21 +34,41 @@ inline void check_float(const char* op, const char* name, const at::Tensor& t) {
               " must be float32, float16 or bfloat16, got ", type);
 }
 
+// A float32 (leading..., N_max) tensor, contiguous, that the kernel writes in place (log_c, out, pooled).
+inline void check_state(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef leading,
+                        const at::Tensor& like) {
+  std::string expected = "(";
+  for (const int64_t size : leading) expected += std::to_string(size) + ", ";
+  expected += "N_max)";
+  check_tensor(op, name, t, int64_t(leading.size()) + 1, like);
+  TORCH_CHECK(t.sizes().slice(0, leading.size()) == leading, op, ": ", name, " must have shape ", expected,
+              ", got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous: it is written in place");
+}
+
+// An int64 index tensor of shape (batch,), or (batch, rows) when rows >= 0.
 inline Index index_arg(const char* op, const char* name, const at::Tensor& t, int64_t batch,
-                       const at::Tensor& like) {
+                       const at::Tensor& like, int64_t rows = -1) {
   TORCH_CHECK(t.is_cuda() && t.device() == like.device(), op, ": ", name, " must be on ", like.device(),
               ", got ", t.device());
   TORCH_CHECK(t.scalar_type() == at::kLong, op, ": ", name, " must be int64, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == batch, op, ": ", name, " must have shape (", batch, ",), got ",
-              t.sizes());
-  return Index{t.data_ptr<int64_t>(), t.stride(0)};
+  if (rows < 0) {
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == batch, op, ": ", name, " must have shape (", batch, ",), got ",
+                t.sizes());
+    return Index{t.data_ptr<int64_t>(), t.stride(0), 0};
+  }
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == batch && t.size(1) == rows, op, ": ", name, " must have shape (",
+              batch, ", ", rows, "), got ", t.sizes());
+  return Index{t.data_ptr<int64_t>(), t.stride(0), t.stride(1)};
 }
 
-inline void check_log_c(const char* op, const at::Tensor& log_c, int64_t batch, const at::Tensor& like) {
-  check_tensor(op, "log_c", log_c, 2, like);
-  TORCH_CHECK(log_c.scalar_type() == at::kFloat, op, ": log_c must be float32, got ", log_c.scalar_type());
-  TORCH_CHECK(log_c.size(0) == batch, op, ": log_c must have ", batch, " rows, got shape ", log_c.sizes());
-  TORCH_CHECK(log_c.is_contiguous(), op, ": log_c must be contiguous: it is updated in place");
+// A given log-sum-exp of `sizes`, any float dtype, as the float32 contiguous tensor the kernels read.
+inline at::Tensor lse_arg(const char* op, const at::Tensor& lse, at::IntArrayRef sizes, const at::Tensor& like) {
+  check_tensor(op, "lse", lse, int64_t(sizes.size()), like);
+  TORCH_CHECK(lse.sizes() == sizes, op, ": lse must have shape ", sizes, ", got ", lse.sizes());
+  TORCH_CHECK(lse.is_floating_point(), op, ": lse must be floating point, got ", lse.scalar_type());
+  return lse.to(at::kFloat).contiguous();
 }
 
 inline Pooling pooling_arg(const char* op, std::string_view pooling) {
@@ -96,21 +118,23 @@ const T* pointer(const at::Tensor& t) {
   return reinterpret_cast<const T*>(t.data_ptr());
 }
 
-// Shapes of q (B, H, D) against k_cache (B, H_kv, S, D) and v_cache (B, H_kv, S, D_v), checked for the
-// split pass, which also needs every head group to fit its registers and shared memory.
+// q (B, H, D) or (B, H, R, D) against k_cache (B, H_kv, S, D) and v_cache (B, H_kv, S, D_v), checked for
+// the split-KV pass, with its tile policy for this GPU (which must fit the block in shared memory).
 struct SplitShape {
-  int64_t batch, heads, kv_heads, keys, dim, dim_v;
+  int64_t batch, heads, kv_heads, rows, keys, dim, dim_v;
   bool vectorized;
+  SplitPolicy policy;
 
-  SplitShape(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor* v) {
-    check_tensor(op, "q", q, 3, q);
+  SplitShape(const char* op, const at::Tensor& q, int64_t q_dims, const at::Tensor& k, const at::Tensor* v) {
+    check_tensor(op, "q", q, q_dims, q);
     check_tensor(op, "k_cache", k, 4, q);
     check_float(op, "q", q);
     TORCH_CHECK(k.scalar_type() == q.scalar_type(), op, ": q and k_cache must share a dtype, got ",
                 q.scalar_type(), " and ", k.scalar_type());
     batch = q.size(0);
     heads = q.size(1);
-    dim = q.size(2);
+    rows = q_dims == 4 ? q.size(2) : 1;
+    dim = q.size(-1);
     kv_heads = k.size(1);
     keys = k.size(2);
     TORCH_CHECK(k.size(0) == batch && k.size(3) == dim, op, ": k_cache must be (", batch, ", H_kv, S, ", dim,
@@ -129,36 +153,76 @@ struct SplitShape {
       vectorized = vectorized && rows_aligned16(*v);
     }
     const int64_t group = heads / kv_heads;
-    TORCH_CHECK(group * dim_v <= kMaxGroupTimesDimV, op, ": the cuda backend supports (H / H_kv) * D_v <= ",
-                kMaxGroupTimesDimV, ", got ", group, " * ", dim_v);
-    const int64_t smem = int64_t(split_smem_bytes(group, dim, dim_v, v != nullptr));
+    TORCH_CHECK(group * dim_v <= kMaxVectorsTimesDimV, op, ": the cuda backend supports (H / H_kv) * D_v <= ",
+                kMaxVectorsTimesDimV, ", got ", group, " * ", dim_v);
+    if (batch == 0 || heads == 0) {
+      policy = SplitPolicy{1, 1, 1, 0, 0};
+      return;
+    }
+    policy = split_policy(batch, heads, kv_heads, rows, keys, dim, dim_v, v != nullptr,
+                          device_attribute(cudaDevAttrMultiProcessorCount, q));
     const int64_t limit = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, q);
-    TORCH_CHECK(smem <= limit, op, ": a head group of ", group, " with D=", dim, ", D_v=", dim_v, " needs ", smem,
-                " bytes of shared memory; this GPU allows ", limit);
-  }
-
-  int64_t splits(const at::Tensor& like) const {
-    return choose_splits(batch, kv_heads, keys, device_attribute(cudaDevAttrMultiProcessorCount, like));
+    TORCH_CHECK(int64_t(policy.smem_bytes) <= limit, op, ": a block of ", group, " query heads with D=", dim,
+                ", D_v=", dim_v, " needs ", policy.smem_bytes, " bytes of shared memory; this GPU allows ", limit);
   }
 };
 
-template <typename T>
-SplitParams<T> split_params(const SplitShape& shape, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor* v, Index start, Index input_end, Index end, double scale,
-                            int64_t splits, at::Tensor& part_stats, at::Tensor* part_acc, at::Tensor* scores) {
-  return SplitParams<T>{
-      pointer<T>(q),  q.stride(0),  q.stride(1),
-      pointer<T>(k),  k.stride(0),  k.stride(1),  k.stride(2),
-      v == nullptr ? nullptr : pointer<T>(*v),
-      v == nullptr ? 0 : v->stride(0),
-      v == nullptr ? 0 : v->stride(1),
-      v == nullptr ? 0 : v->stride(2),
-      start,          input_end,    end,          float(scale),
-      shape.batch,    shape.heads,  shape.kv_heads, shape.keys, shape.dim, shape.dim_v, splits,
-      part_stats.data_ptr<float>(),
-      part_acc == nullptr ? nullptr : part_acc->data_ptr<float>(),
-      scores == nullptr ? nullptr : scores->data_ptr<float>(),
-  };
-}
+// The split-KV pass's float32 scratch and its launch, then head pooling of its scores when `pool.out` is
+// set (pool/kernel.cuh's split_kv_pool). `v`, `lse_in`, `out` and `lse_out` may be null.
+struct SplitRun {
+  const char* op;
+  const SplitShape& shape;
+  const at::Tensor& q;
+  const at::Tensor& k;
+  const at::Tensor* v;
+  Index start, input_end, end;
+  double scale;
+  const at::Tensor* lse_in;  // (B, H, R) float32 contiguous
+  bool redistribute;
+  at::Tensor* out;      // (B, H, [R,] D_v) in q's dtype, contiguous
+  at::Tensor* lse_out;  // (B, H, [R]) float32, contiguous
+  PoolTail pool;        // pool.out null: no pooling; pool.stats is allocated here
+
+  void launch() {
+    const SplitPolicy& policy = shape.policy;
+    const auto floats = q.options().dtype(at::kFloat);
+    at::Tensor part_stats = at::empty({shape.batch, shape.heads, shape.rows, policy.splits, 4}, floats);
+    at::Tensor part_acc, scores, stats;
+    if (v != nullptr) part_acc = at::empty({shape.batch, shape.heads, shape.rows, policy.splits, shape.dim_v}, floats);
+    if (pool.out != nullptr) {
+      scores = at::empty({shape.batch, shape.heads, shape.rows, shape.keys}, floats);
+      stats = at::empty({shape.batch, shape.heads, shape.rows, 2}, floats);
+      pool.stats = stats.data_ptr<float>();
+    }
+    const auto data = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
+    const c10::cuda::CUDAGuard guard(q.device());
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    dispatch_float(op, q.scalar_type(), [&](auto tag) {
+      using T = decltype(tag);
+      const bool four_dims = q.dim() == 4;
+      const SplitParams<T> p{
+          pointer<T>(q), q.stride(0), q.stride(1), four_dims ? q.stride(2) : 0,
+          pointer<T>(k), k.stride(0), k.stride(1), k.stride(2),
+          v == nullptr ? nullptr : pointer<T>(*v),
+          v == nullptr ? 0 : v->stride(0),
+          v == nullptr ? 0 : v->stride(1),
+          v == nullptr ? 0 : v->stride(2),
+          start, input_end, end, float(scale * double(kLog2e)),
+          shape.batch, shape.heads, shape.kv_heads, shape.rows, shape.keys, shape.dim, shape.dim_v,
+          policy.splits, policy.rows_per_block,
+          part_stats.data_ptr<float>(), data(part_acc), data(scores),
+      };
+      const CombineParams<T> combine{
+          part_stats.data_ptr<float>(), data(part_acc), shape.heads * shape.rows, policy.splits, shape.dim_v,
+          lse_in == nullptr ? nullptr : lse_in->data_ptr<float>(), redistribute, data(stats),
+          lse_out == nullptr ? nullptr : lse_out->data_ptr<float>(),
+          out == nullptr ? nullptr : reinterpret_cast<T*>(out->data_ptr()),
+      };
+      const cudaError_t error = v == nullptr ? split_kv_pool<T, false>(p, combine, pool, shape.vectorized, stream)
+                                             : split_kv_pool<T, true>(p, combine, pool, shape.vectorized, stream);
+      check_launch(op, error);
+    });
+  }
+};
 
 }  // namespace macs

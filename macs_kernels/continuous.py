@@ -12,7 +12,7 @@ only the pass that ends it emits a token. So per pass the tracer
 3. per layer, computes MACS's pooled row m' (before the floor) of each scored row over its own keys
    (`ops.macs_pool` with per-row ranges on the GPU backends, `macs_pool_packed` on torch) and adds
    log(alpha * clamp(m', 0) + 1 - alpha) to a (rows, N_max) float32 state;
-4. after the last layer, z-scores the rows and appends each to its request's record.
+4. after the last layer, appends each row of log c to its request's record (scores are its z-scores).
 
 transformers accepts only "sdpa", "paged|eager" and flash names in continuous batching, so `attach_continuous`
 wraps the registered functions under those names (restored on exit): the wrapper computes exactly what the
@@ -34,7 +34,7 @@ from .ops._dispatch import implementation, resolve_backend
 from .ops.torch_backend import _POOL as POOL
 from .tracing import check_model
 
-__all__ = ["ContinuousTracer", "attach_continuous", "explain_continuous"]
+__all__ = ["ContinuousTracer", "Segments", "attach_continuous", "explain_continuous", "macs_pool_packed"]
 
 # The names continuous batching accepts that run on any device; flash names need CUDA and hand the attention
 # function a block table on decode steps instead of packed keys.
@@ -116,7 +116,6 @@ class _Request:
     config: MacsConfig
     state: object  # the engine's RequestState (replaced when the engine re-queues the request)
     log_c: list = dataclasses.field(default_factory=list)
-    scores: list = dataclasses.field(default_factory=list)
     error: str | None = None
 
     def generated(self) -> int:
@@ -195,7 +194,8 @@ def macs_pool_packed(q, key, segments: Segments, *, scale, pooling="max") -> tor
     if q.dim() != 3 or key.dim() != 3 or q.shape[0] % key.shape[0] or q.shape[2] != key.shape[2]:
         raise ValueError(f"q (H, R, D) and key (H_kv, S, D) with H a multiple of H_kv, got {tuple(q.shape)}, "
                          f"{tuple(key.shape)}")
-    if q.shape[1] != len(segments.starts) or max(s + n for s, n in zip(segments.starts, segments.lengths)) > key.shape[1]:
+    ends = [start + length for start, length in zip(segments.starts, segments.lengths)]
+    if q.shape[1] != len(segments.starts) or max(ends) > key.shape[1]:
         raise ValueError("segments must give one key range per query row, inside the key tensor")
     return POOL[pooling](segments.spread_inputs(segments.probabilities(q, key, float(scale))))
 
@@ -207,7 +207,6 @@ class _Pass:
     rows: torch.Tensor  # (R,) query rows that emit a token
     records: list
     segments: Segments
-    n_input: torch.Tensor  # (R,)
     groups: list  # (pooling, redistribute, row indices or None, alpha (R_g, 1))
     log_c: torch.Tensor  # (R, N_max) float32
 
@@ -223,7 +222,6 @@ class ContinuousTracer:
         self.num_layers = num_layers
         self.backend = resolve_backend(config.backend, device, "macs_pool")
         self._macs_pool = implementation(self.backend, "macs_pool")
-        self._macs_zscore = implementation(resolve_backend(config.backend, device, "macs_zscore"), "macs_zscore")
         self.keep_finished = keep_finished
         self._lock = threading.Lock()
         self._managers: list = []
@@ -255,15 +253,16 @@ class ContinuousTracer:
             self._skipped.add(request_id)
 
     def request_rows(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(step_log_c, step_scores), each (steps, N) float32 on the CPU, steps = tokens generated so far."""
+        """(step_log_c, step_scores), each (steps, N) float32 on the CPU, steps = tokens generated so far;
+        step_scores are Explanation's: the z-scores of each row's log c (`log_zscores`)."""
+        from .explanation import log_zscores
+
         with self._lock:
             record = self._record(request_id)
             steps = min(len(record.log_c), record.generated())
-            log_c, scores = record.log_c[:steps], record.scores[:steps]
-        if not log_c:
-            empty = torch.zeros(0, record.n_input, dtype=torch.float32)
-            return empty, empty.clone()
-        return torch.stack(log_c), torch.stack(scores)
+            rows = record.log_c[:steps]
+        log_c = torch.stack(rows) if rows else torch.zeros(0, record.n_input, dtype=torch.float32)
+        return log_c, log_zscores(log_c)
 
     def request_input_count(self, request_id: str) -> int:
         """N: the number of prompt tokens of the request (its inputs)."""
@@ -353,12 +352,15 @@ class ContinuousTracer:
             raise RuntimeError(
                 f"continuous batching pass with {len(batch)} requests but {len(cu_q) - 1} query segments"
             )
-        rows, starts, ends, records = [], [], [], []
+        rows, starts, ends, records, emitting = [], [], [], [], []
         with self._lock:
             self._retire_finished()
             for i, future in enumerate(batch):
-                if not future.has_new_token or future.state.request_id in self._skipped:
-                    continue  # a prefill chunk that does not end its prompt, or a request not traced
+                if not future.has_new_token:  # a prefill chunk that does not end its prompt
+                    continue
+                emitting.append(cu_q[i + 1] - 1)
+                if future.state.request_id in self._skipped:
+                    continue
                 record = self._request_for(future.state)
                 if cu_k[i + 1] - cu_k[i] < record.n_input:
                     raise RuntimeError(
@@ -369,6 +371,11 @@ class ContinuousTracer:
                 starts.append(cu_k[i])
                 ends.append(cu_k[i + 1])
                 records.append(record)
+        # The engine computes logits at exactly these rows; a mismatch means its packing changed under us.
+        if kwargs["logits_indices"][: len(emitting)].tolist() != emitting:
+            raise RuntimeError(
+                f"continuous batching pass: rows that emit a token {emitting} differ from the engine's logits_indices"
+            )
         if not records:
             return
         segments = Segments(
@@ -376,18 +383,17 @@ class ContinuousTracer:
             [r.config.redistribute for r in records], device,
         )
         # The torch form takes per-row redistribution, so only pooling splits its rows into groups.
-        group_key = (lambda c: (c.pooling, None)) if self.backend == "torch" else (lambda c: (c.pooling, c.redistribute))
         by_config = collections.defaultdict(list)
         for r, record in enumerate(records):
-            by_config[group_key(record.config)].append(r)
+            redistribute = None if self.backend == "torch" else record.config.redistribute
+            by_config[(record.config.pooling, redistribute)].append(r)
         groups = []
         for (pooling, redistribute), members in by_config.items():
             alphas = torch.tensor([[records[r].config.alpha] for r in members], dtype=torch.float32, device=device)
             index = None if len(members) == len(records) else torch.tensor(members, device=device)
             groups.append((pooling, redistribute, index, alphas))
         self._pass = _Pass(
-            rows=torch.tensor(rows, device=device), records=records, segments=segments,
-            n_input=torch.tensor(segments.n_input, device=device), groups=groups,
+            rows=torch.tensor(rows, device=device), records=records, segments=segments, groups=groups,
             log_c=torch.zeros(len(records), segments.n_max, dtype=torch.float32, device=device),
         )
 
@@ -417,7 +423,7 @@ class ContinuousTracer:
                 pooled = self._kernel_pooled(q_rows, key, scale, pooling, redistribute, index)
             else:
                 pooled = POOL[pooling](inputs if index is None else inputs[index])
-            # Entries past a row's N are never read (rows are cut to N, z-scores mask them).
+            # Entries past a row's N are never read: rows are cut to N.
             term = pooled.clamp_min(0.0).mul_(alphas).add_(1.0 - alphas).log_()
             if index is None:
                 step.log_c.add_(term)
@@ -426,7 +432,6 @@ class ContinuousTracer:
 
     def _end_pass(self) -> None:
         step, self._pass = self._pass, None
-        scores = self._macs_zscore(step.log_c, step.n_input).cpu()
         log_c = step.log_c.cpu()
         broken = torch.isnan(log_c).any(dim=1).tolist()
         with self._lock:
@@ -438,7 +443,6 @@ class ContinuousTracer:
                         "no scores were computed for this step"
                     )
                 record.log_c.append(log_c[r, :n].clone())
-                record.scores.append(scores[r, :n].clone())
 
     def attention(self, module, query, key, value, attention_mask, inner, **kwargs):
         """One layer of a packed pass: the paged cache's update, the wrapped implementation on the keys it
@@ -498,7 +502,9 @@ def _check_manager(manager) -> None:
             "function that computes MACS; set use_cuda_graph=False and no compile configs"
         )
     if manager.num_return_sequences > 1:
-        raise NotImplementedError("num_return_sequences > 1 (forked requests) is not supported by the continuous tracer")
+        raise NotImplementedError(
+            "num_return_sequences > 1 (forked requests) is not supported by the continuous tracer"
+        )
 
 
 def _restore_attention(manager) -> None:
@@ -589,7 +595,8 @@ def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuo
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of prompts")
     check_model(model)
-    inputs = [encode_prompts(tokenizer, prompt)[0][0].tolist() for prompt in prompts]
+    vocab_size = model.get_input_embeddings().num_embeddings
+    inputs = [encode_prompts(tokenizer, prompt, vocab_size=vocab_size)[0][0].tolist() for prompt in prompts]
     if continuous_batching_config is None:
         continuous_batching_config = ContinuousBatchingConfig()
     elif not isinstance(continuous_batching_config, ContinuousBatchingConfig):
@@ -619,7 +626,7 @@ def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuo
         for prompt_ids, (request_id, output) in zip(inputs, outputs.items()):
             if output.error is not None:
                 raise RuntimeError(f"request {request_id} failed in generate_batch: {output.error}")
-            log_c, scores = tracer.request_rows(request_id)
+            log_c, _ = tracer.request_rows(request_id)
             tracer.release(request_id)
             generated = list(output.generated_tokens)
             if list(output.prompt_ids) != prompt_ids or log_c.shape[0] != len(generated):
@@ -631,7 +638,6 @@ def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuo
                 generated_ids=torch.tensor(generated, dtype=torch.long),
                 input_tokens=[tokenizer.decode([i]) for i in prompt_ids],
                 generated_tokens=[tokenizer.decode([i]) for i in generated],
-                step_scores=scores,
                 step_log_c=log_c,
                 config=macs_config.as_dict() | {"backend": tracer.backend},
                 text=tokenizer.decode(generated, skip_special_tokens=True),

@@ -12,31 +12,124 @@ from .config import MacsConfig
 from .tracing import attach, check_model
 
 
+def log_zscores(log_c: torch.Tensor) -> torch.Tensor:
+    """The scores users rank by: z-scores of log c along the last dimension, float32 (computed in float64).
+
+    An affine map of log c, so they rank tokens exactly as log c does. The paper's z-scores of c = exp(log c)
+    do not: the attention sink has c ~ 1 and every other token c ~ 1e-15, so all non-sink tokens share one
+    z-score to 7 digits. Population standard deviation over the finite entries; a row whose finite entries
+    are all equal scores 0; -inf (attention underflow at alpha = 1) stays -inf, below everything.
+    """
+    values = log_c.double()
+    finite = torch.isfinite(values)
+    count = finite.sum(dim=-1, keepdim=True).clamp_min(1)
+    mean = torch.where(finite, values, 0.0).sum(dim=-1, keepdim=True) / count
+    centred = torch.where(finite, values - mean, 0.0)
+    std = torch.sqrt(centred.square().sum(dim=-1, keepdim=True) / count)
+    z = torch.where(std > 0, centred / std, 0.0)
+    return torch.where(finite, z, values).float()
+
+
+SCORE_DEFINITION = (
+    "step_scores[k]: z-scores over the prompt tokens of step k's log consistency log c (rank-faithful to "
+    "step_log_c); scores: z-scores of the mean over steps of log c; -inf (null in JSON) is an underflowed "
+    "token. paper_step_scores / paper_scores: the paper's z-scores of c = exp(log c) and their mean over "
+    "steps, which tie for every token but the attention sink."
+)
+
+
+def json_values(values: torch.Tensor, digits: int | None = None) -> list:
+    """Nested lists of `values` (rounded to `digits` when given) with -inf as None: JSON has no infinities."""
+    if values.dim() > 1:
+        return [json_values(row, digits) for row in values]
+    return [None if v == float("-inf") else v if digits is None else round(v, digits) for v in values.tolist()]
+
+
 @dataclasses.dataclass
 class Explanation:
     """MACS attributions of one generation.
 
-    step_scores: (steps, N) float32; step_scores[k] explains generated_ids[k]: the z-scores of the forward
-        pass that produced generated token k (row 0 comes from the prefill's last query).
-    step_log_c: (steps, N) float32, the same rows in the log domain (before z-scoring).
-    scores: (N,) float32, the mean of the step rows.
+    step_log_c: (steps, N) float32; row k is the log consistency of the N prompt tokens in the forward pass
+        that produced generated_ids[k] (row 0 comes from the prefill's last query). Every score derives
+        from it.
+    step_scores: (steps, N) float32, log_zscores(step_log_c): the z-scores of each row's log c. They rank
+        the prompt tokens exactly as step_log_c does; the paper's form ties (see log_zscores).
+    scores: (N,) float32, the z-scores of the mean over steps of log c (the log of the geometric mean of
+        c), so it ranks as the mean log c does.
+    paper_step_scores, paper_scores: the paper's z-scores of c = exp(log c) per step and their mean over
+        steps (what step_scores and scores were before; kept for comparison with the paper).
     source_span: optional [start, end) token range of the prompt that the caller treats as the source
-        (for example the context inside a QA prompt).
+        (for example the context inside a QA prompt); `top_k(span=True)` ranks inside it.
     """
 
     input_ids: torch.Tensor
     generated_ids: torch.Tensor
     input_tokens: list[str]
     generated_tokens: list[str]
-    step_scores: torch.Tensor
     step_log_c: torch.Tensor
     config: dict
     text: str = ""
     source_span: tuple[int, int] | None = None
 
     @property
+    def step_scores(self) -> torch.Tensor:
+        return log_zscores(self.step_log_c)
+
+    @property
     def scores(self) -> torch.Tensor:
-        return self.step_scores.mean(dim=0)
+        return log_zscores(self.step_log_c.mean(dim=0))
+
+    @property
+    def paper_step_scores(self) -> torch.Tensor:
+        from .ops import torch_backend
+
+        steps, n = self.step_log_c.shape
+        return torch_backend.macs_zscore(self.step_log_c.float(), torch.full((steps,), n))
+
+    @property
+    def paper_scores(self) -> torch.Tensor:
+        return self.paper_step_scores.mean(dim=0)
+
+    def score_row(self, step: int | None = None) -> torch.Tensor:
+        """(N,) step_scores[step], or `scores` (over steps) when step is None; negative steps count from
+        the end."""
+        if step is None:
+            return self.scores
+        steps = len(self.step_log_c)
+        if isinstance(step, bool) or not isinstance(step, int) or not -steps <= step < steps:
+            raise ValueError(f"step {step!r} is out of range: {steps} tokens were generated")
+        return self.step_scores[step]
+
+    def span_range(self, span=None) -> tuple[int, int]:
+        """[start, end) of `span`: None is the whole prompt, True the source_span, or a (start, end) pair."""
+        n = len(self.input_tokens)
+        if span is None:
+            return 0, n
+        if span is True:
+            if self.source_span is None:
+                raise ValueError("span=True needs a source_span; this explanation has none")
+            span = self.source_span
+        if (isinstance(span, bool) or not isinstance(span, (tuple, list)) or len(span) != 2
+                or not all(isinstance(i, int) and not isinstance(i, bool) for i in span)):
+            raise ValueError(f"span must be None, True or a (start, end) pair of token indices, got {span!r}")
+        start, end = span
+        if not 0 <= start < end <= n:
+            raise ValueError(f"span [{start}, {end}) is not a non-empty range of the {n} prompt tokens")
+        return start, end
+
+    def top_k(self, k: int, step: int | None = None, span=None) -> list[tuple[int, str, float]]:
+        """The k highest-scoring prompt tokens as (token index, token text, score), best first.
+
+        step: a generated token's row (default: `scores`, over all steps). span: None ranks every prompt
+        token, True only those in source_span, (start, end) those in that range; indices stay prompt indices.
+        Fewer than k tokens in the span return them all; equal scores keep prompt order.
+        """
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be an integer >= 1, got {k!r}")
+        start, end = self.span_range(span)
+        row = self.score_row(step)[start:end]
+        order = torch.sort(row, descending=True, stable=True).indices[:k].tolist()
+        return [(start + i, self.input_tokens[start + i], float(row[i])) for i in order]
 
     def as_dict(self) -> dict:
         return {
@@ -45,15 +138,18 @@ class Explanation:
             "input_tokens": self.input_tokens,
             "generated_tokens": self.generated_tokens,
             "text": self.text,
-            "step_scores": self.step_scores.tolist(),
-            "step_log_c": [[v if v != float("-inf") else None for v in row] for row in self.step_log_c.tolist()],
-            "scores": self.scores.tolist(),
+            "score_definition": SCORE_DEFINITION,
+            "step_scores": json_values(self.step_scores),
+            "scores": json_values(self.scores),
+            "step_log_c": json_values(self.step_log_c),
+            "paper_step_scores": self.paper_step_scores.tolist(),
+            "paper_scores": self.paper_scores.tolist(),
             "config": self.config,
             "source_span": list(self.source_span) if self.source_span else None,
         }
 
     def to_json(self, **dumps_kwargs) -> str:
-        """The fields as JSON; -inf log values (attention underflow at alpha = 1) become null."""
+        """The fields as JSON; -inf values (attention underflow at alpha = 1) become null."""
         return json.dumps(self.as_dict(), **dumps_kwargs)
 
     def to_html(self, title: str = "MACS attribution") -> str:
@@ -84,8 +180,12 @@ def _prompt_text(tokenizer, prompt) -> str:
     return prompt
 
 
-def encode_prompts(tokenizer, prompt=None, input_ids=None):
-    """(input_ids (B, N_max) left-padded, attention_mask (B, N_max), batched) from the explain() inputs."""
+def encode_prompts(tokenizer, prompt=None, input_ids=None, *, vocab_size: int | None = None):
+    """(input_ids (B, N_max) left-padded, attention_mask (B, N_max), batched) from the explain() inputs.
+
+    vocab_size: the model's embedding rows; every id (pads included: they are embedded too) must be in
+    [0, vocab_size), or a ValueError names the first offending ones.
+    """
     if (prompt is None) == (input_ids is None):
         raise ValueError("give exactly one of prompt and input_ids")
     if input_ids is not None:
@@ -100,6 +200,7 @@ def encode_prompts(tokenizer, prompt=None, input_ids=None):
         if input_ids.numel() == 0:
             raise ValueError("input_ids is empty")
         ids = input_ids.long().unsqueeze(0)
+        _check_vocabulary(ids, vocab_size, "input_ids")
         return ids, torch.ones_like(ids), False
     batched = isinstance(prompt, list) and not _is_messages(prompt)
     prompts = prompt if batched else [prompt]
@@ -111,7 +212,19 @@ def encode_prompts(tokenizer, prompt=None, input_ids=None):
     encoded = tokenizer(texts, padding=True, padding_side="left", add_special_tokens=special, return_tensors="pt")
     if encoded["input_ids"].shape[1] == 0:
         raise ValueError("the prompt encodes to no tokens")
+    _check_vocabulary(encoded["input_ids"], vocab_size, "the tokenizer's ids (is it the model's tokenizer?)")
     return encoded["input_ids"], encoded["attention_mask"], batched
+
+
+def _check_vocabulary(ids: torch.Tensor, vocab_size: int | None, what: str) -> None:
+    if vocab_size is None:
+        return
+    outside = (ids < 0) | (ids >= vocab_size)
+    if bool(outside.any()):
+        found = ", ".join(f"{int(ids[b, i])} (prompt {b}, position {i})" for b, i in outside.nonzero()[:5].tolist())
+        raise ValueError(
+            f"{what}: {int(outside.sum())} token id(s) outside the model's vocabulary [0, {vocab_size}): {found}"
+        )
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
@@ -140,14 +253,13 @@ def _explanations(tracer, tokenizer, ids, mask, generated, eos, config) -> list[
     for b in range(ids.shape[0]):
         tokens = generated[b].tolist()
         steps = next((k + 1 for k, t in enumerate(tokens) if t in eos), len(tokens))
-        log_c, scores = tracer.rows(b, steps)
+        log_c, _ = tracer.rows(b, steps)
         prompt_ids = ids[b][mask[b].bool()]
         result.append(Explanation(
             input_ids=prompt_ids.cpu(),
             generated_ids=generated[b, :steps].cpu(),
             input_tokens=_decode_tokens(tokenizer, prompt_ids.tolist()),
             generated_tokens=_decode_tokens(tokenizer, tokens[:steps]),
-            step_scores=scores,
             step_log_c=log_c,
             config=config.as_dict() | {"backend": tracer.backend},
             text=tokenizer.decode(tokens[:steps], skip_special_tokens=True),
@@ -159,8 +271,14 @@ def _prepare(model, tokenizer, prompt, input_ids, max_new_tokens, config_kwargs,
     """Every check explain() and stream() make before any generation."""
     config = MacsConfig(**config_kwargs)
     check_model(model)
-    ids, mask, batched = encode_prompts(tokenizer, prompt, input_ids)
+    ids, mask, batched = encode_prompts(tokenizer, prompt, input_ids,
+                                        vocab_size=model.get_input_embeddings().num_embeddings)
+    if generate_kwargs.get("return_dict_in_generate"):
+        raise ValueError("return_dict_in_generate=True is not supported: explain() and stream() return the "
+                         "generated ids with their attributions (Explanation.generated_ids); drop the option")
     kwargs = _generate_kwargs(model, tokenizer, max_new_tokens, generate_kwargs)
+    # A model whose generation config asks for a dict would make generate return one.
+    kwargs["return_dict_in_generate"] = False
     device = next(model.parameters()).device
     return config, ids.to(device), mask.to(device), batched, kwargs
 
@@ -192,7 +310,7 @@ def explain(model, tokenizer, prompt=None, *, input_ids=None, max_new_tokens=64,
 
 
 class _StepStreamer:
-    """A generate() streamer that forwards each new token with its step's z-scores to a queue."""
+    """A generate() streamer that forwards each new token with its step's scores (log_zscores) to a queue."""
 
     def __init__(self, tracer, sink: queue.Queue):
         self.tracer, self.sink, self.prompt_seen = tracer, sink, False
@@ -201,9 +319,8 @@ class _StepStreamer:
         if not self.prompt_seen:  # generate() first pushes the prompt
             self.prompt_seen = True
             return
-        step = len(self.tracer.step_scores) - 1
         n = self.tracer.n_input_list[0]
-        self.sink.put((int(value.reshape(-1)[0]), self.tracer.step_scores[step][0, :n].float().cpu()))
+        self.sink.put((int(value.reshape(-1)[0]), log_zscores(self.tracer.step_log_c[-1][0, :n].cpu())))
 
     def end(self):
         self.sink.put(None)
@@ -211,7 +328,8 @@ class _StepStreamer:
 
 def stream(model, tokenizer, prompt=None, *, input_ids=None, max_new_tokens=64, alpha=0.8, pooling="max",
            redistribute=True, attention="softmax", backend=None, fused_decode=None, **generate_kwargs):
-    """Like explain() for one prompt, but yields (token_id, z_scores (N,)) as each token is made."""
+    """Like explain() for one prompt, but yields (token_id, scores (N,)) as each token is made: the row
+    Explanation.step_scores would hold for that step."""
     config, ids, mask, batched, kwargs = _prepare(
         model, tokenizer, prompt, input_ids, max_new_tokens,
         dict(alpha=alpha, pooling=pooling, redistribute=redistribute, attention=attention, backend=backend,

@@ -1,8 +1,8 @@
 """MACS's intermediate tensors for other attribution tools: `trace_tensors` (no printing, no files).
 
 The generation is teacher-forced: one prefill over the prompt, then the generated tokens fed one at a
-time through the KV cache, exactly the passes `generate` makes, so the z-scores equal `explain`'s for
-the same tokens. The last generated token is never fed: no step explains the token after it.
+time through the KV cache, exactly the passes `generate` makes, so the rows equal `explain`'s for the
+same tokens. The last generated token is never fed: no step explains the token after it.
 """
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ class TraceTensors:
     pooled: (steps, L, N) the head-pooled (and, when configured, redistributed) attention m' of the pass's
         last query on each input, per layer, before the floor: log_c[k] = sum over l of
         log(alpha * pooled[k, l] + 1 - alpha).
-    log_c: (steps, N) the log consistency state; z_scores: (steps, N) its z-scores (what `explain` gives).
+    log_c: (steps, N) the log consistency state. z_scores: (steps, N) the paper's z-scores of exp(log_c)
+        (Explanation.paper_step_scores); they tie for every token but the attention sink, so rank with log_c
+        or `macs_kernels.explanation.log_zscores(log_c)` (Explanation.step_scores).
     at2_features: (steps, L, H, N) when asked for: per layer and query head, the softmax attention of step
         k's query row on each input token (AT2's features; no redistribution, no pooling).
     """
@@ -80,10 +82,9 @@ def trace_tensors(model, input_ids, generated_ids, *, at2: bool = False, **confi
     macs_config = MacsConfig(**config)
     if macs_config.attention != "softmax":
         raise NotImplementedError("trace_tensors records softmax rows; attention='efficient' is not supported")
-    modules = check_model(model)
+    check_model(model)
     prompt, generated = _ids("input_ids", input_ids), _ids("generated_ids", generated_ids)
     device = next(model.parameters()).device
-    scales = [float(modules[layer].scaling) for layer in range(len(modules))]
     pooled = PooledRows(macs_config)
     hooks = [pooled]
     if at2:
@@ -103,7 +104,7 @@ def trace_tensors(model, input_ids, generated_ids, *, at2: bool = False, **confi
         n = prompt.numel()
         features = torch.stack([
             capture.features(source_start=0, source_end=n, target_start=k, target_end=k + 1,
-                             scale=scales[0], backend=macs_config.backend)[0]
+                             backend=macs_config.backend)[0]
             for k in range(generated.numel())
         ]).cpu()
     return TraceTensors(

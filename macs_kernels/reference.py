@@ -56,6 +56,21 @@ def zscore_reference(log_c: torch.Tensor) -> torch.Tensor:
     return (c - c.mean()) / std
 
 
+def log_zscore_reference(log_c: torch.Tensor) -> torch.Tensor:
+    """Reference of explanation.log_zscores, row by row: z-scores of the finite log c values (population
+    standard deviation; zeros when it is 0), -inf entries kept as -inf."""
+    log_c = _f64(log_c)
+    if log_c.dim() > 1:
+        return torch.stack([log_zscore_reference(row) for row in log_c])
+    finite = torch.isfinite(log_c)
+    out = log_c.clone()
+    if finite.any():
+        values = log_c[finite]
+        std = values.std(unbiased=False)
+        out[finite] = (values - values.mean()) / std if std.item() > 0 else torch.zeros_like(values)
+    return out
+
+
 def macs_step_reference(
     rows_per_layer, n_input: int, *, alpha: float = 0.8, pooling: str = "max", redistribute: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:

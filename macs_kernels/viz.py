@@ -1,4 +1,8 @@
-"""Rendering: a colour heatmap of the prompt in the terminal (rich) and a self-contained HTML page."""
+"""Rendering: a colour heatmap of the prompt in the terminal (rich) and a self-contained HTML page.
+
+Both colour and list the Explanation's own scores (step_scores / scores: z-scores of log c, which rank as
+log c does), so what the terminal, the page, the JSON and top_k show is one definition.
+"""
 from __future__ import annotations
 
 import html
@@ -7,12 +11,14 @@ from importlib import resources
 
 import torch
 
+from .explanation import json_values
+
 
 def _unit(values: torch.Tensor) -> list[float]:
     """Values mapped to [0, 1] between their finite minimum and maximum (-inf, an underflowed log, is 0).
 
-    Colour follows the log-domain score, not the z-score: z of exp(log c) is dominated by the attention
-    sink (the first token), so inside a context every z is a tie just below 0.
+    Scaled within the shown tokens: the attention sink, far above the rest, would otherwise leave every
+    other token white.
     """
     values = values.double()
     finite = torch.isfinite(values)
@@ -24,9 +30,11 @@ def _unit(values: torch.Tensor) -> list[float]:
     return torch.where(finite, (values - low) / (high - low), torch.zeros_like(values)).tolist()
 
 
-def _step_log_c(explanation, step: int | None) -> torch.Tensor:
-    """The log-domain row of `step`, or the mean over steps (-inf where any step underflowed)."""
-    return explanation.step_log_c.mean(dim=0) if step is None else explanation.step_log_c[step]
+def _shown_span(explanation, span=None) -> tuple[int, int]:
+    """[start, end) of `span` (Explanation.top_k's forms); by default the source span, else the prompt."""
+    if span is None and explanation.source_span:
+        span = True
+    return explanation.span_range(span)
 
 
 def heatmap_text(tokens: list[str], scores: torch.Tensor, span: tuple[int, int] | None = None):
@@ -41,18 +49,22 @@ def heatmap_text(tokens: list[str], scores: torch.Tensor, span: tuple[int, int] 
     return text
 
 
-def print_explanation(explanation, *, step: int | None = None, span=None, console=None) -> None:
-    """Prints the answer and the heatmap of the prompt for `step` (default: the mean over steps)."""
+def print_explanation(explanation, *, step: int | None = None, span=None, top: int = 5, console=None) -> None:
+    """Prints the answer, the heatmap of the prompt for `step` (default: over all steps) and its `top`
+    highest-scoring tokens. span: as Explanation.top_k's (default: the source_span when there is one)."""
     from rich.console import Console
 
     console = console or Console()
-    if step is not None and not -len(explanation.generated_ids) <= step < len(explanation.generated_ids):
-        raise ValueError(f"step {step} is out of range: {len(explanation.generated_ids)} tokens were generated")
-    scores = _step_log_c(explanation, step)
-    what = "mean over steps" if step is None else f"step {step} ({explanation.generated_tokens[step]!r})"
+    scores = explanation.score_row(step)
+    shown = _shown_span(explanation, span)
+    what = "over all steps" if step is None else f"step {step} ({explanation.generated_tokens[step]!r})"
     console.print(f"[bold]Answer:[/bold] {explanation.text}")
-    console.print(f"[bold]MACS attribution[/bold] ({what}; colour: log consistency, lowest to highest):")
-    console.print(heatmap_text(explanation.input_tokens, scores, span or explanation.source_span))
+    console.print(f"[bold]MACS attribution[/bold] ({what}; colour: score, lowest to highest):")
+    console.print(heatmap_text(explanation.input_tokens, scores, shown))
+    if top:
+        best = explanation.top_k(top, step=step, span=shown)
+        console.print("[bold]Top tokens[/bold] (score = z-score of log consistency): "
+                      + ", ".join(f"{token!r} {score:+.2f}" for _, token, score in best), highlight=False)
 
 
 _PAGE = """<!doctype html>
@@ -67,8 +79,9 @@ body {{ font-family: system-ui, sans-serif; margin: 2em; max-width: 60em; }}
 </style></head><body>
 <h1>{title}</h1>
 <p class="note">Hover or click a generated token to see what it attended to; away from the answer, the
-page shows the mean over all steps. Colour: MACS log consistency within the shown tokens, white at the
-lowest, red at the highest; the tooltip gives the z-score.</p>
+page shows the score over all steps. Colour: the MACS score within the shown tokens, white at the lowest,
+red at the highest; the tooltip gives the score (the z-score of log consistency, which ranks as log
+consistency does).</p>
 <h2>Answer</h2><div class="answer" id="answer"></div>
 <h2 id="caption">Prompt</h2><div class="prompt" id="prompt"></div>
 <script>
@@ -81,36 +94,44 @@ const cells = data.input_tokens.slice(data.span[0], data.span[1]).map(tok => {{
 function paint(k, label) {{
   const heat = k === null ? data.heat_mean : data.heat[k], z = k === null ? data.scores : data.step_scores[k];
   heat.forEach((w, i) => {{
+<<<<<<< HEAD
     cells[i].style.background = macsHeatColour(w); cells[i].title = "z = " + z[data.span[0] + i].toFixed(3); }});
+=======
+    const f = Math.round(255 * (1 - w));
+    const score = z[data.span[0] + i];
+    cells[i].style.background = `rgb(255,${{f}},${{f}})`;
+    cells[i].title = "score = " + (score === null ? "-inf (underflow)" : score.toFixed(3)); }});
+>>>>>>> cb
   caption.textContent = "Prompt: " + label;
 }}
 let pinned = null;
 data.generated_tokens.forEach((tok, k) => {{
   const s = document.createElement("span"); s.textContent = tok; answer.appendChild(s);
   s.addEventListener("mouseenter", () => {{ if (pinned === null) paint(k, `step ${{k}} (${{JSON.stringify(tok)}})`); }});
-  s.addEventListener("mouseleave", () => {{ if (pinned === null) paint(null, "mean over steps"); }});
+  s.addEventListener("mouseleave", () => {{ if (pinned === null) paint(null, "over all steps"); }});
   s.addEventListener("click", () => {{
     answer.querySelectorAll("span").forEach(x => x.classList.remove("active"));
-    if (pinned === k) {{ pinned = null; paint(null, "mean over steps"); return; }}
+    if (pinned === k) {{ pinned = null; paint(null, "over all steps"); return; }}
     pinned = k; s.classList.add("active"); paint(k, `step ${{k}} (${{JSON.stringify(tok)}}), pinned`);
   }});
 }});
-paint(null, "mean over steps");
+paint(null, "over all steps");
 </script></body></html>
 """
 
 
 def explanation_html(explanation, *, title: str = "MACS attribution") -> str:
     """The page for one Explanation; the JSON payload is embedded, so the file stands alone."""
-    span = explanation.source_span or (0, len(explanation.input_tokens))
+    start, end = _shown_span(explanation)
+    step_scores, scores = explanation.step_scores, explanation.scores
     data = {
         "input_tokens": explanation.input_tokens,
         "generated_tokens": explanation.generated_tokens,
-        "step_scores": [[round(v, 4) for v in row] for row in explanation.step_scores.tolist()],
-        "scores": [round(v, 4) for v in explanation.scores.tolist()],
-        "span": list(span),
-        "heat": [[round(w, 4) for w in _unit(row[span[0]:span[1]])] for row in explanation.step_log_c],
-        "heat_mean": [round(w, 4) for w in _unit(_step_log_c(explanation, None)[span[0]:span[1]])],
+        "step_scores": json_values(step_scores, 4),
+        "scores": json_values(scores, 4),
+        "span": [start, end],
+        "heat": [[round(w, 4) for w in _unit(row[start:end])] for row in step_scores],
+        "heat_mean": [round(w, 4) for w in _unit(scores[start:end])],
     }
     # "</" inside a token would end the script element early.
     payload = json.dumps(data).replace("</", "<\\/")

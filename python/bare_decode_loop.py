@@ -123,7 +123,8 @@ def bare_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos: int 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="a Llama-architecture model id or folder (default: the default model)")
+    parser.add_argument("--model", default=None,
+                        help="a Llama-architecture model id or folder (default: the default model)")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     args = parser.parse_args()
@@ -140,7 +141,7 @@ def main() -> None:
     steps = len(reference.generated_ids)
     if generated[0, :steps].tolist() != reference.generated_ids.tolist():
         raise SystemExit("the bare loop's tokens differ from generate's")
-    error = (z[:steps, 0].cpu() - reference.step_scores).abs().max().item()
+    error = (z[:steps, 0].cpu() - reference.paper_step_scores).abs().max().item()  # both z-scores of c
     print(f"{steps} steps; max |z - explain's z| = {error:.2e}")
     if error > 1e-3:
         raise SystemExit("the bare loop's z-scores differ from explain's")

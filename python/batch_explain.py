@@ -50,7 +50,8 @@ def main() -> None:
                     model, tokenizer, prompts, max_new_tokens=args.max_new_tokens)):
                 result = {"id": record["id"]} | explanation.as_dict()
                 if "question" in record:
-                    result["source_span"] = list(align_qa(tokenizer, record["question"], record["context"]).context_tokens)
+                    alignment = align_qa(tokenizer, record["question"], record["context"])
+                    result["source_span"] = list(alignment.context_tokens)
                 out.write(json.dumps(result) + "\n")
             progress.update(len(chunk))
     print(f"wrote {len(records)} results to {args.outputs}")

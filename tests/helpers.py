@@ -61,3 +61,15 @@ def eager_macs(model, input_ids, generated_ids, **config):
         log_rows.append(log_c)
         z_rows.append(z)
     return torch.stack(log_rows), torch.stack(z_rows)
+
+
+@torch.no_grad()
+def eager_attentions(model, input_ids, generated_ids):
+    """Every layer's (H, S, S) softmax attention over prompt + generated[:-1] (1-D ids), one eager forward."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        full = torch.cat([input_ids, generated_ids[:-1]])[None]
+        return [layer[0] for layer in model(full, output_attentions=True).attentions]
+    finally:
+        model.set_attn_implementation(previous)

@@ -10,7 +10,6 @@ from macs_kernels.at2 import save_coefficients
 from macs_kernels.cli import main
 from tests.helpers import QUESTIONS
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
@@ -24,7 +23,8 @@ def test_explain_at2_writes_sources_and_scores(tmp_path):
     data = json.loads(out.read_text())
     assert data["method"] == "at2" and data["source_type"] == "sentence"
     sources = data["sources"]
-    assert [s["text"] for s in sources] == ["The Eiffel Tower stands in Paris, France.", "It was built in 1889 for a fair."]
+    assert [s["text"] for s in sources] == ["The Eiffel Tower stands in Paris, France.",
+                                            "It was built in 1889 for a fair."]
     for s in sources:
         a, b = s["char_span"]
         assert context[a:b] == s["text"] and s["token_span"][0] < s["token_span"][1]
@@ -66,7 +66,8 @@ def test_attributor_generation_and_given_response_agree():
     generated = attributor.explain(question, context, max_new_tokens=5, sources="word")
     assert generated.target == (0, generated.response_ids.numel()) and len(generated.sources) == len(context.split())
     for target in (None, (1, 3)):
-        online = generated if target is None else attributor.explain(question, context, max_new_tokens=5, sources="word",
-                                                                     target=target)
-        given = attributor.explain(question, context, response_ids=generated.response_ids, sources="word", target=target)
+        online = generated if target is None else attributor.explain(question, context, max_new_tokens=5,
+                                                                     sources="word", target=target)
+        given = attributor.explain(question, context, response_ids=generated.response_ids, sources="word",
+                                   target=target)
         assert torch.allclose(online.scores, given.scores, rtol=1e-5, atol=1e-6)

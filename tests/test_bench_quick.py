@@ -1,9 +1,15 @@
-"""The generation benchmark's --quick mode (what CI runs) and its CSV schema."""
+"""The generation benchmark's --quick mode (what CI runs), its CSV schema, and `macs-kernels bench` run from
+an installed copy of the package, away from any checkout."""
 import csv
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from macs_kernels import bench
+from macs_kernels.bench import generate as bench
+from macs_kernels.bench.common import PACKAGE_DIR, source_commit
 from macs_kernels.cli import build_parser
 
 
@@ -37,7 +43,8 @@ def test_quick_mode_writes_every_method_with_the_schema(quick_run):
         # over the decode time, end to end the new tokens over both (the rerun's decode extrapolated).
         batch, new, steps = int(r["batch"]), int(r["new_tokens"]), int(r["decode_steps"])
         assert steps == (min(new, bench.RERUN_STEPS) if r["method"] == bench.RERUN else new) - 1
-        assert float(r["prefill_tok_s"]) == pytest.approx(batch * int(r["prompt_len"]) / float(r["prefill_s"]), rel=1e-2)
+        prefill_tok_s = batch * int(r["prompt_len"]) / float(r["prefill_s"])
+        assert float(r["prefill_tok_s"]) == pytest.approx(prefill_tok_s, rel=1e-2)
         assert float(r["decode_tok_s"]) == pytest.approx(batch * steps / float(r["decode_s"]), rel=1e-2)
         e2e_s = float(r["prefill_s"]) + float(r["decode_s"]) * (new - 1) / steps
         assert float(r["e2e_tok_s"]) == pytest.approx(batch * new / e2e_s, rel=1e-2)
@@ -104,3 +111,42 @@ def test_a_stopped_runs_csv_is_summarised_as_the_run_itself_would(quick_run, tmp
     assert bench.main(["--summarise", str(copy)]) == 0
     assert (tmp_path / "copy_summary.csv").read_text() == (quick_run / "quick_summary.csv").read_text()
     assert (tmp_path / "copy.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_bench_runs_from_an_installed_copy_and_writes_to_the_working_directory(tmp_path):
+    """The package copied as pip installs it (site-packages, no checkout, no git): results land in the working
+    directory (or --out), the commit column stays empty instead of naming some other repository's commit."""
+    site, work = tmp_path / "site-packages", tmp_path / "work"
+    shutil.copytree(PACKAGE_DIR, site / "macs_kernels", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    work.mkdir()
+    command = [sys.executable, "-m", "macs_kernels", "bench", "--quick", "--lengths", "16", "--batches", "1",
+               "--methods", "plain-sdpa", "macs-torch", "--name", "installed", "--threads", "1"]
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(site), "TRITON_INTERPRET": "1"}
+    done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(p.name for p in work.iterdir()) == ["installed.csv", "installed.png", "installed_summary.csv"]
+    _, rows = read(work / "installed.csv")
+    assert {r["method"] for r in rows} == {"plain-sdpa", "macs-torch"} and all(r["status"] == "ok" for r in rows)
+    assert all(r["commit"] == "" for r in rows)
+    assert not (site / "benchmarks").exists() and not list(site.glob("*.csv"))
+
+
+def test_the_commit_is_this_checkouts_when_run_from_it():
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    assert source_commit() == head.stdout.strip()
+
+
+def test_no_commit_is_taken_from_a_repository_that_merely_encloses_the_package(tmp_path, monkeypatch):
+    """A virtual environment inside someone's project: git there answers with the project's commit."""
+    from macs_kernels.bench import common
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=x", "-c", "user.email=x@y", "commit", "-q",
+                    "--allow-empty", "-m", "project"], check=True)
+    package = tmp_path / "venv" / "site-packages" / "macs_kernels"
+    package.mkdir(parents=True)
+    monkeypatch.setattr(common, "PACKAGE_DIR", package)
+    assert common.source_commit() is None  # the editable install's pip record names a folder, not a commit

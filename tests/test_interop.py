@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from macs_kernels import explain, reference, trace_tensors
-from tests.helpers import default_model, eager_macs, qa, tiny_llama
+from tests.helpers import default_model, eager_attentions, eager_macs, qa, tiny_llama
 
 ALPHA = 0.8
 
@@ -21,24 +21,12 @@ def explained(model_and_tokenizer):
     return explain(model, tokenizer, qa(0), max_new_tokens=5, backend="torch")
 
 
-def eager_attentions(model, input_ids, generated_ids):
-    """Every layer's (H, S, S) softmax attention over prompt + generated[:-1], one eager forward."""
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        full = torch.cat([input_ids, generated_ids[:-1]])[None]
-        with torch.no_grad():
-            return [layer[0] for layer in model(full, output_attentions=True).attentions]
-    finally:
-        model.set_attn_implementation(previous)
-
-
 def test_z_scores_and_log_c_equal_explain(model_and_tokenizer, explained):
     model, _ = model_and_tokenizer
     traced = trace_tensors(model, explained.input_ids, explained.generated_ids, backend="torch")
-    steps, n = explained.step_scores.shape
+    steps, n = explained.step_log_c.shape
     assert traced.z_scores.shape == traced.log_c.shape == (steps, n)
-    assert (traced.z_scores - explained.step_scores).abs().max() <= 1e-5
+    assert (traced.z_scores - explained.paper_step_scores).abs().max() <= 1e-5
     assert (traced.log_c - explained.step_log_c).abs().max() <= 1e-4
     assert traced.at2_features is None
 
@@ -105,10 +93,10 @@ def test_inseq_method_gives_explains_scores(model_and_tokenizer):
     ids = [token.id for token in sequence.target]
     assert ids[:n] == prompt_ids.tolist()
     # inseq re-tokenizes the generated text, so its targets are not generate's ids: the reference is the
-    # independent eager computation over inseq's own tokens.
+    # independent eager computation over inseq's own tokens, scored as Explanation.step_scores.
     generated = torch.tensor(ids[n:])
-    _, z_ref = eager_macs(model, prompt_ids, generated)
+    log_ref, _ = eager_macs(model, prompt_ids, generated)
     scores = sequence.target_attributions  # (tokens, steps): step k's scores in column k
     assert scores.shape == (len(ids), len(generated))
-    assert (scores[:n].T.double() - z_ref).abs().max() <= 1e-4
+    assert (scores[:n].T.double() - reference.log_zscore_reference(log_ref)).abs().max() <= 1e-4
     assert all(math.isnan(v) for v in scores[n:].flatten().tolist())

@@ -1,7 +1,9 @@
-"""Rendering: colour follows the log-domain score within the shown span; the page embeds its data."""
+"""Rendering: colour and top tokens follow the Explanation's scores (which rank as log c does) within the
+shown span; the page embeds its data."""
 import json
 import re
 
+import pytest
 import torch
 from rich.console import Console
 
@@ -13,7 +15,7 @@ def _explanation():
     log_c = torch.tensor([[0.0, -1.0, -3.0, float("-inf"), -2.0], [0.0, -2.0, -1.0, -4.0, -2.0]])
     return Explanation(
         input_ids=torch.arange(5), generated_ids=torch.tensor([7, 8]), input_tokens=["<s>", "A", "B", "C", "D"],
-        generated_tokens=["x", "y"], step_scores=torch.randn(2, 5), step_log_c=log_c, config={}, text="xy",
+        generated_tokens=["x", "y"], step_log_c=log_c, config={}, text="xy",
         source_span=(1, 5),
     )
 
@@ -30,6 +32,10 @@ def test_html_heat_is_per_step_within_the_span():
     assert data["heat"][0] == [1.0, 0.0, 0.0, 0.5]       # step 0 over tokens A..D
     assert data["heat"][1] == [0.6667, 1.0, 0.0, 0.6667]  # step 1: B highest, C lowest
     assert data["heat_mean"] == [1.0, 0.0, 0.0, 0.0]     # mean over steps: [-1.5, -2, -inf, -2]
+    explanation = _explanation()
+    assert data["scores"][3] is None and data["scores"][1] == round(float(explanation.scores[1]), 4)
+    assert data["step_scores"][0][3] is None  # -inf: JSON has no infinities; the tooltip says underflow
+    assert "-inf (underflow)" in page
 
 
 def test_terminal_heatmap_shows_the_span_and_the_step():
@@ -39,3 +45,12 @@ def test_terminal_heatmap_shows_the_span_and_the_step():
     text = console.export_text()
     assert "Answer: xy" in text and "step 1 ('y')" in text and "ABCD" in text and "<s>" not in text
     assert "#ff0000" in page  # B, the step's highest log consistency, is pure red
+    # The top tokens of the span, by the same scores as top_k: B, then A and D (equal: prompt order), C.
+    scores = _explanation().step_scores[1]
+    assert f"Top tokens (score = z-score of log consistency): 'B' {scores[2]:+.2f}, 'A' {scores[1]:+.2f}, " \
+           f"'D' {scores[4]:+.2f}, 'C' {scores[3]:+.2f}" in " ".join(text.split())
+
+
+def test_terminal_output_refuses_a_step_out_of_range():
+    with pytest.raises(ValueError, match="step 2 is out of range: 2 tokens were generated"):
+        print_explanation(_explanation(), step=2, console=Console(record=True))

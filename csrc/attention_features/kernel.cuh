@@ -9,7 +9,7 @@
 // at the end. Rows whose causal window ends before the tile are skipped.
 #pragma once
 
-#include "common.cuh"
+#include "split_kv/state.cuh"
 
 namespace macs {
 
@@ -25,7 +25,7 @@ struct FeaturesParams {
   int64_t k_sb, k_sh, k_ss;
   float* lse;  // (B, H, R) contiguous: read by features_kernel, written by features_lse_kernel
   Index source_start, source_end, kv_start, kv_len, n_rows;
-  float scale;
+  float scale_log2;  // the softmax scale times log2(e): scores are base 2 (split_kv/state.cuh)
   int64_t batch, heads, group, rows, dim, keys, n_max;
   float* out;  // (B, H, N_max) contiguous
 };
@@ -36,10 +36,10 @@ struct FeatureRows {
   int64_t start, n_rows, base;  // row r's keys: [start, base + r + 1)
   __device__ __forceinline__ FeatureRows(const Index& kv_start, const Index& kv_len, const Index& n_rows_,
                                          int64_t b, int64_t rows, int64_t keys) {
-    const int64_t end = min(max(kv_len[b], int64_t(0)), keys);
-    n_rows = min(max(n_rows_[b], int64_t(0)), min(rows, end));
+    const int64_t end = min(max(kv_len(b), int64_t(0)), keys);
+    n_rows = min(max(n_rows_(b), int64_t(0)), min(rows, end));
     base = end - n_rows;
-    start = min(max(kv_start[b], int64_t(0)), base);
+    start = min(max(kv_start(b), int64_t(0)), base);
   }
 };
 
@@ -63,10 +63,10 @@ __global__ void __launch_bounds__(kFeatureWarps * 32) features_lse_kernel(Featur
     return;
   }
   const T* q = p.q + b * p.q_sb + h * p.q_sh + r * p.q_sr;
-  for (int64_t d = lane; d < p.dim; d += 32) q_rows[warp][d] = to_float(q[d]) * p.scale;
+  for (int64_t d = lane; d < p.dim; d += 32) q_rows[warp][d] = to_float(q[d]) * p.scale_log2;
   __syncwarp();
   const T* k = p.k + b * p.k_sb + (h / p.group) * p.k_sh;
-  SoftmaxState state{kNegInf, 0.0f};
+  SoftmaxState state;
   for (int64_t n = rows.start + lane; n < rows.base + r + 1; n += 32) {
     const float s = dot_row(k + n * p.k_ss, q_rows[warp], p.dim);
     state.merge(s, 1.0f);
@@ -87,8 +87,8 @@ __global__ void __launch_bounds__(kFeatureWarps * 32) features_kernel(FeaturesPa
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t bh = blockIdx.x, b = bh / p.heads, h = bh % p.heads;
   const FeatureRows rows(p.kv_start, p.kv_len, p.n_rows, b, p.rows, p.keys);
-  const int64_t source_end = min(max(p.source_end[b], int64_t(0)), p.keys);
-  const int64_t first_key = p.source_start[b] + int64_t(blockIdx.y) * kFeatureTile;
+  const int64_t source_end = min(max(p.source_end(b), int64_t(0)), p.keys);
+  const int64_t first_key = p.source_start(b) + int64_t(blockIdx.y) * kFeatureTile;
   const int64_t tile_keys = max(min(int64_t(kFeatureTile), source_end - first_key), int64_t(0));
 
   const T* k = p.k + b * p.k_sb + (h / p.group) * p.k_sh;
@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(kFeatureWarps * 32) features_kernel(FeaturesPa
     if (lane < tile_keys && key <= rows.base + r) {
       float s = 0.0f;
       for (int64_t d = 0; d < p.dim; ++d) s = fmaf(q_rows[warp][d], k_tile[lane][d], s);
-      acc += expf(s * p.scale - p.lse[bh * p.rows + r]);
+      acc += exp2f(fmaf(s, p.scale_log2, -p.lse[bh * p.rows + r] * kLog2e));
     }
   }
   sums[warp][lane] = acc;

@@ -1,8 +1,12 @@
-#include "attention_features/kernel.cuh"
+// CUDA kernel of macs_kernels::attention_features (the operator is defined in
+// macs_kernels/ops/attention_features.py).
+#include <torch/library.h>
+
 #include "launch_utils.h"
-#include "launchers.h"
+#include "attention_features/kernel.cuh"
 
 namespace macs {
+namespace {
 
 at::Tensor attention_features_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& source_start,
                                    const at::Tensor& source_end, const at::Tensor& kv_start, const at::Tensor& kv_len,
@@ -28,16 +32,8 @@ at::Tensor attention_features_cuda(const at::Tensor& q, const at::Tensor& k_cach
   index.kv_len = index_arg(op, "kv_len", kv_len, batch, q);
   index.n_rows = index_arg(op, "n_rows", n_rows, batch, q);
   const auto floats = q.options().dtype(at::kFloat);
-  at::Tensor lse_float;
-  if (lse.has_value()) {
-    check_tensor(op, "lse", *lse, 3, q);
-    TORCH_CHECK(lse->size(0) == batch && lse->size(1) == heads && lse->size(2) == rows, op, ": lse must be (",
-                batch, ", ", heads, ", ", rows, "), got ", lse->sizes());
-    TORCH_CHECK(lse->is_floating_point(), op, ": lse must be floating point, got ", lse->scalar_type());
-    lse_float = lse->to(at::kFloat).contiguous();
-  } else {
-    lse_float = at::empty({batch, heads, rows}, floats);
-  }
+  const at::Tensor lse_float =
+      lse.has_value() ? lse_arg(op, *lse, {batch, heads, rows}, q) : at::empty({batch, heads, rows}, floats);
   at::Tensor out = at::empty({batch, heads, n_max}, floats);
   if (batch == 0 || heads == 0 || n_max == 0) return out;
 
@@ -49,7 +45,7 @@ at::Tensor attention_features_cuda(const at::Tensor& q, const at::Tensor& k_cach
         pointer<T>(k_cache), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         lse_float.data_ptr<float>(),
         index.source_start, index.source_end, index.kv_start, index.kv_len, index.n_rows,
-        float(scale), batch, heads, heads / k_cache.size(1), rows, dim, k_cache.size(2), n_max,
+        float(scale * double(kLog2e)), batch, heads, heads / k_cache.size(1), rows, dim, k_cache.size(2), n_max,
         out.data_ptr<float>(),
     };
     check_launch(op, attention_features<T>(p, !lse.has_value(), c10::cuda::getCurrentCUDAStream()));
@@ -57,4 +53,7 @@ at::Tensor attention_features_cuda(const at::Tensor& q, const at::Tensor& k_cach
   return out;
 }
 
+}  // namespace
 }  // namespace macs
+
+TORCH_LIBRARY_IMPL(macs_kernels, CUDA, m) { m.impl("attention_features", &macs::attention_features_cuda); }

@@ -1,53 +1,51 @@
-#include "decode_attention/kernel.cuh"
+// CUDA kernel of macs_kernels::decode_attention (the operator is defined in
+// macs_kernels/ops/decode_attention.py): the split-KV pass with V over one query row per sequence, giving
+// out and lse; with log_c, head pooling of its scores adds the layer's MACS term to log_c; with pooled,
+// it stores m' before the floor (pool/kernel.cuh). K is read once for all of it.
+#include <torch/library.h>
+
+#include <tuple>
+
 #include "launch_utils.h"
-#include "launchers.h"
 
 namespace macs {
+namespace {
 
 std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& kv_start,
     const at::Tensor& kv_len, double scale, const std::optional<at::Tensor>& log_c,
-    const std::optional<at::Tensor>& input_end, double alpha, std::string_view pooling, bool redistribute) {
+    const std::optional<at::Tensor>& input_end, double alpha, std::string_view pooling, bool redistribute,
+    const std::optional<at::Tensor>& pooled) {
   constexpr const char* op = "decode_attention";
-  const SplitShape shape(op, q, k_cache, &v_cache);
+  const SplitShape shape(op, q, 3, k_cache, &v_cache);
   const Index start = index_arg(op, "kv_start", kv_start, shape.batch, q);
   const Index end = index_arg(op, "kv_len", kv_len, shape.batch, q);
-  TORCH_CHECK(log_c.has_value() == input_end.has_value(), op,
-              ": log_c and input_end come together (input_end is the end of the input keys)");
-  // Without the MACS update there are no generated keys to track: input_end = kv_len.
+  TORCH_CHECK(!(log_c.has_value() && pooled.has_value()), op, ": give log_c or pooled, not both");
+  const std::optional<at::Tensor>& state = log_c.has_value() ? log_c : pooled;
+  const char* state_name = log_c.has_value() ? "log_c" : "pooled";
+  TORCH_CHECK(state.has_value() == input_end.has_value(), op,
+              ": input_end (the end of the input keys) comes with log_c or pooled, and only with them");
+  // Without MACS there are no generated keys to track: input_end = kv_len.
   Index inputs_end = end;
-  if (log_c.has_value()) {
-    check_log_c(op, *log_c, shape.batch, q);
+  PoolTail tail{nullptr, 0, float(alpha), pooling_arg(op, pooling), PoolEpilogue::kAddLogFloor, nullptr};
+  if (state.has_value()) {
+    check_state(op, state_name, *state, {shape.batch}, q);
     inputs_end = index_arg(op, "input_end", *input_end, shape.batch, q);
+    tail.out = state->data_ptr<float>();
+    tail.n_max = state->size(1);
+    if (pooled.has_value()) tail.epilogue = PoolEpilogue::kStore;
   }
-  const Pooling pool = pooling_arg(op, pooling);
   at::Tensor out = at::empty({shape.batch, shape.heads, shape.dim_v}, q.options());
-  const auto floats = q.options().dtype(at::kFloat);
-  at::Tensor lse = at::empty({shape.batch, shape.heads}, floats);
+  at::Tensor lse = at::empty({shape.batch, shape.heads}, q.options().dtype(at::kFloat));
   if (shape.batch == 0 || shape.heads == 0) return {out, lse};
+  if (tail.n_max == 0) tail.out = nullptr;
 
-  const c10::cuda::CUDAGuard guard(q.device());
-  const int64_t splits = shape.splits(q);
-  at::Tensor part_stats = at::empty({shape.batch, shape.heads, splits, 4}, floats);
-  at::Tensor part_acc = at::empty({shape.batch, shape.heads, splits, shape.dim_v}, floats);
-  at::Tensor scores, stats;
-  if (log_c.has_value()) {
-    scores = at::empty({shape.batch, shape.heads, shape.keys}, floats);
-    stats = at::empty({shape.batch, shape.heads, 2}, floats);
-  }
-  dispatch_float(op, q.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    const SplitParams<T> p = split_params<T>(shape, q, k_cache, &v_cache, start, inputs_end, end, scale, splits,
-                                             part_stats, &part_acc, log_c.has_value() ? &scores : nullptr);
-    float* stats_data = log_c.has_value() ? stats.data_ptr<float>() : nullptr;
-    const CombineParams<T> combine{part_stats.data_ptr<float>(), part_acc.data_ptr<float>(), shape.heads, splits,
-                                   shape.dim_v, nullptr, redistribute, stats_data, lse.data_ptr<float>(),
-                                   reinterpret_cast<T*>(out.data_ptr())};
-    const PoolTail tail{log_c.has_value() ? log_c->data_ptr<float>() : nullptr,
-                        log_c.has_value() ? log_c->size(1) : 0, float(alpha), pool, stats_data};
-    check_launch(op, decode_attention<T>(p, combine, tail, shape.vectorized, c10::cuda::getCurrentCUDAStream()));
-  });
+  SplitRun{op, shape, q, k_cache, &v_cache, start, inputs_end, end, scale, nullptr, redistribute, &out, &lse, tail}
+      .launch();
   return {out, lse};
 }
 
+}  // namespace
 }  // namespace macs
+
+TORCH_LIBRARY_IMPL(macs_kernels, CUDA, m) { m.impl("decode_attention", &macs::decode_attention_cuda); }

@@ -1,8 +1,12 @@
+// CUDA kernel of macs_kernels::macs_update_rows (the operator is defined in
+// macs_kernels/ops/macs_update_rows.py): each row's generated mass, then head pooling into log_c.
+#include <torch/library.h>
+
 #include "launch_utils.h"
-#include "launchers.h"
 #include "macs_update_rows/kernel.cuh"
 
 namespace macs {
+namespace {
 
 void macs_update_rows_cuda(const at::Tensor& rows, at::Tensor& log_c, const at::Tensor& input_start,
                            const at::Tensor& input_end, const at::Tensor& kv_len, double alpha,
@@ -11,7 +15,7 @@ void macs_update_rows_cuda(const at::Tensor& rows, at::Tensor& log_c, const at::
   check_tensor(op, "rows", rows, 3, rows);
   check_float(op, "rows", rows);
   const int64_t batch = rows.size(0), heads = rows.size(1), keys = rows.size(2);
-  check_log_c(op, log_c, batch, rows);
+  check_state(op, "log_c", log_c, {batch}, rows);
   const Index start = index_arg(op, "input_start", input_start, batch, rows);
   const Index inputs_end = index_arg(op, "input_end", input_end, batch, rows);
   const Index end = index_arg(op, "kv_len", kv_len, batch, rows);
@@ -29,4 +33,7 @@ void macs_update_rows_cuda(const at::Tensor& rows, at::Tensor& log_c, const at::
   });
 }
 
+}  // namespace
 }  // namespace macs
+
+TORCH_LIBRARY_IMPL(macs_kernels, CUDA, m) { m.impl("macs_update_rows", &macs::macs_update_rows_cuda); }

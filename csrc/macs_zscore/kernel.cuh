@@ -18,7 +18,7 @@ template <int THREADS>
 __global__ void __launch_bounds__(THREADS) zscore_kernel(ZscoreParams p) {
   __shared__ float scratch[32];
   const int64_t b = blockIdx.x;
-  const int64_t n = min(max(p.n_input[b], int64_t(0)), p.n_max);
+  const int64_t n = min(max(p.n_input(b), int64_t(0)), p.n_max);
   const float* row = p.log_c + b * p.n_max;
 
   float top = kNegInf;

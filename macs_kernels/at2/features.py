@@ -22,7 +22,9 @@ from ..tracing import TraceHook, attach
 
 
 class QueryCapture(TraceHook):
-    """Per layer: the last `rows` queries of each pass (appended), and the latest key and value tensors.
+    """Per layer: the last `rows` queries of each pass (appended), the latest key and value tensors, and the
+    softmax scale the layer used (its own `module.scaling`: GPT-2 divides by layer_idx + 1, Granite uses an
+    attention_multiplier, Gemma 3 query_pre_attn_scalar ** -0.5).
 
     rows=1 (default) is the generation mode. After the traced call, `kv_start` (B,) are the left pads and
     `kv_len` (B,) is the key after the last captured row.
@@ -35,6 +37,7 @@ class QueryCapture(TraceHook):
         self.queries: list[list[torch.Tensor]] = []
         self.keys: list[torch.Tensor | None] = []
         self.values: list[torch.Tensor | None] = []
+        self.scales: list[float | None] = []
         self.kv_start = self.kv_len = None
 
     def begin_pass(self, tracer, prefill: bool) -> None:
@@ -42,6 +45,7 @@ class QueryCapture(TraceHook):
             self.queries = [[] for _ in range(tracer.num_layers)]
             self.keys = [None] * tracer.num_layers
             self.values = [None] * tracer.num_layers
+            self.scales = [None] * tracer.num_layers
             self.kv_start = tracer.input_start
 
     def layer(self, tracer, layer_idx, query, key, value, output, scale) -> None:
@@ -50,6 +54,7 @@ class QueryCapture(TraceHook):
         self.queries[layer_idx].append(query[:, :, -self.rows:, :].contiguous())
         self.keys[layer_idx] = key
         self.values[layer_idx] = value
+        self.scales[layer_idx] = scale
 
     def end_pass(self, tracer) -> None:
         self.kv_len = tracer.kv_len
@@ -62,10 +67,11 @@ class QueryCapture(TraceHook):
     def layer_queries(self, layer: int) -> torch.Tensor:
         return torch.cat(self.queries[layer], dim=2)
 
-    def features(self, *, source_start, source_end, target_start=0, target_end=None, scale, backend=None,
+    def features(self, *, source_start, source_end, target_start=0, target_end=None, backend=None,
                  attention="softmax"):
         """(B, L, H, N_max) float32: per layer and head, the attention on keys [source_start, source_end)
-        (absolute cache slots, (B,) or int) averaged over the target rows [target_start, target_end[b]).
+        (absolute cache slots, (B,) or int) averaged over the target rows [target_start, target_end[b]),
+        each layer's rows with the scale it used.
 
         Row t is the query that predicts response token t (row 0: the prompt's last token).
         target_end: (B,) or int, default all captured rows (pass each item's own length for batches
@@ -92,13 +98,13 @@ class QueryCapture(TraceHook):
             if attention == "efficient":
                 layers.append(_efficient_features(
                     q, key, self.values[layer], source_start=source_start, source_end=source_end,
-                    kv_start=self.kv_start, kv_len=self.kv_len - total + stop, n_rows=n_rows, scale=scale,
-                    backend=backend,
+                    kv_start=self.kv_start, kv_len=self.kv_len - total + stop, n_rows=n_rows,
+                    scale=self.scales[layer], backend=backend,
                 ))
                 continue
             layers.append(attention_features(
                 q, key, source_start=source_start, source_end=source_end, kv_len=kv_len, kv_start=self.kv_start,
-                n_rows=n_rows, scale=scale, backend=backend,
+                n_rows=n_rows, scale=self.scales[layer], backend=backend,
             ))
         return torch.stack(layers, dim=1) / n_rows.view(-1, 1, 1, 1).float()
 
@@ -127,12 +133,6 @@ def _efficient_features(q, key, value, *, source_start, source_end, kv_start, kv
     return features * (offsets < counts.view(-1, 1))[:, None, :]
 
 
-def attention_scale(model) -> float:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return float(head_dim) ** -0.5
-
-
 @torch.no_grad()
 def forward_capture(model, prompt_ids: torch.Tensor, response_ids: torch.Tensor) -> QueryCapture:
     """One forward over prompt + response[:-1] (1-D id tensors); captures the R = len(response) target rows."""
@@ -150,7 +150,5 @@ def response_token_features(model, prompt_ids, response_ids, context_tokens, *, 
     """(L * H, n_context) float32: AT2 features of the context tokens [context_tokens) of the prompt for the
     whole response, averaged over its tokens (one forward)."""
     capture = forward_capture(model, prompt_ids, response_ids)
-    features = capture.features(
-        source_start=context_tokens[0], source_end=context_tokens[1], scale=attention_scale(model), backend=backend,
-    )
+    features = capture.features(source_start=context_tokens[0], source_end=context_tokens[1], backend=backend)
     return features[0].flatten(0, 1).cpu()

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..explanation import _eos_ids
+from .coefficients import model_record, model_shape, save_coefficients
 from .features import response_token_features
 
 N_MASKS = 32
@@ -201,3 +202,34 @@ def fit(examples, *, epochs: int = 100, lr: float = 1e-3, batch_size: int = 16, 
             os.replace(Path(checkpoint).with_suffix(".tmp"), checkpoint)
     theta = theta.detach()
     return theta / theta.abs().sum()
+
+
+# ---- both stages ----------------------------------------------------------------------------------
+def train_coefficients(model, tokenizer, samples, *, work, out=None, n_masks: int = 32, epochs: int = 100,
+                       lr: float = 1e-3, batch_size: int = 16, max_new_tokens: int = 32, seed: int = 0,
+                       progress: bool = True, model_name: str | None = None,
+                       data_name: str = "") -> tuple[torch.Tensor, dict]:
+    """Collect ablations for `samples` (QASample list) under WORK, fit theta, save it to `out` if given.
+
+    Resumable: collected examples and the fit checkpoint in WORK are reused. Returns (theta (L, H), metadata
+    of strings);
+    the metadata records the model (model_record; `model_name` overrides its name) and the data (`data_name`).
+    """
+    work = Path(work)
+    paths = collect(model, tokenizer, samples, work, n_masks=n_masks, max_new_tokens=max_new_tokens, seed=seed,
+                    progress=progress)
+    examples = load_examples(paths)
+    checkpoint = work / f"fit_e{epochs}_lr{lr}_b{batch_size}_n{len(examples)}.safetensors"
+    theta = fit(examples, epochs=epochs, lr=lr, batch_size=batch_size, seed=seed, checkpoint=checkpoint,
+                progress=progress).view(*model_shape(model))
+    record = model_record(model)
+    # Strings, as a coefficient file stores and returns them.
+    metadata = {name: str(value) for name, value in (record | {
+        "model": model_name or record["model"], "data": data_name,
+        "layers": theta.shape[0], "heads": theta.shape[1],
+        "examples": len(examples), "masks": n_masks, "epochs": epochs, "lr": lr, "sources": "token",
+        "samples": f"{samples[0].index}..{samples[-1].index}" if samples else "",
+    }).items()}
+    if out is not None:
+        save_coefficients(out, theta, metadata)
+    return theta, metadata

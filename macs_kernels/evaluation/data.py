@@ -1,6 +1,8 @@
 """Question-context-answer samples from a JSON file (flat list or SQuAD's nested form) or a `datasets` dataset.
 
 Unanswerable questions (SQuAD 2.0's is_impossible) are kept with no answers: the metrics skip and count them.
+A gold answer whose text is not at its answer_start moves to the nearest occurrence of its text; one whose
+text is nowhere in the context makes its sample refused (QASample.problem), counted in the report.
 """
 from __future__ import annotations
 
@@ -15,6 +17,10 @@ class QASample:
     """One question. answers: (text, answer_start) pairs, answer_start a character offset into context.
 
     index: position in the whole source (before --range/--n), so results can be traced back.
+    relocated: (answer number, given start) of each answer whose text was not at its given answer_start
+    and was moved to the nearest occurrence of its text in the context (its pair in `answers` holds the
+    new start). problem: why the sample cannot be scored (an answer text that does not occur in the
+    context at all), or None.
     """
 
     index: int
@@ -22,6 +28,8 @@ class QASample:
     context: str
     answers: tuple[tuple[str, int], ...]
     id: str | None = None
+    relocated: tuple[tuple[int, int], ...] = ()
+    problem: str | None = None
 
 
 def parse_range(text: str) -> tuple[int, int | None]:
@@ -107,9 +115,33 @@ def _sample(index: int, record: dict) -> QASample:
         raise ValueError(f"sample {index} has no {e.args[0]!r} field") from None
     if isinstance(answers, dict):  # the hub's SQuAD columns: {"text": [...], "answer_start": [...]}
         answers = [{"text": t, "answer_start": s} for t, s in zip(answers["text"], answers["answer_start"])]
-    pairs = tuple((str(a["text"]), int(a["answer_start"])) for a in answers)
-    for text, start in pairs:
-        if not 0 <= start <= len(context) - len(text):
-            raise ValueError(f"sample {index}: answer {text!r} starts at {start}, outside the context")
+    pairs, relocated, problems = [], [], []
+    for number, answer in enumerate(answers):
+        text, start = str(answer["text"]), int(answer["answer_start"])
+        found = locate_answer(context, text, start)
+        if found is None:
+            problems.append(f"answer {number} {text!r} (answer_start {start}) does not occur in the context")
+            found = start
+        elif found != start:
+            relocated.append((number, start))
+        pairs.append((text, found))
     sample_id = record.get("id")
-    return QASample(index, question, context, pairs, None if sample_id is None else str(sample_id))
+    return QASample(index, question, context, tuple(pairs), None if sample_id is None else str(sample_id),
+                    tuple(relocated), "; ".join(problems) or None)
+
+
+def locate_answer(context: str, text: str, start: int) -> int | None:
+    """Where gold answer `text` sits: `start` when the context holds it there, else the start of its
+    occurrence nearest to `start` (the earlier one on a tie), None when the context never contains it.
+
+    Scraped SQuAD-style data often carries offsets of another version of the context; labelling the tokens
+    at a wrong offset would score the wrong span without a word.
+    """
+    if 0 <= start <= len(context) - len(text) and context.startswith(text, start):
+        return start
+    occurrences = []
+    at = context.find(text)
+    while at >= 0 and text:
+        occurrences.append(at)
+        at = context.find(text, at + 1)
+    return min(occurrences, key=lambda p: (abs(p - start), p)) if occurrences else None

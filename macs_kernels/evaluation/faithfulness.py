@@ -117,8 +117,9 @@ def masked_variants(model, prompt_ids: torch.Tensor, generated_ids: torch.Tensor
             if k + 1 == regenerate_tokens or bool((lengths <= k + 1).all()):
                 break
             mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
-            logits = model(input_ids=token, attention_mask=mask, position_ids=torch.full((rows, 1), n + k, device=device),
-                           past_key_values=cache, use_cache=True).logits[:, -1]
+            positions = torch.full((rows, 1), n + k, device=device)
+            logits = model(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                           use_cache=True).logits[:, -1]
         tokens = torch.cat(tokens, dim=1)
         regenerations = [tokens[row:row + 1, :length] for row, length in enumerate(lengths.tolist())]
     return scores, regenerations

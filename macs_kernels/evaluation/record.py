@@ -4,13 +4,15 @@
 the last query's softmax rows over the N inputs (H, N) and, per head, the attention mass that fell on
 generated tokens (H,): exactly what MACS needs for any alpha, pooling and redistribution. With
 `efficient=True` it also keeps the efficient rows of the same query (macs_kernels.efficient) in the same
-form. `macs_from_record` then scores any configuration from the record without touching the model.
+form. `macs_from_record` then scores any configuration from the record with the float64 reference, without
+touching the model.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from .. import reference
 from ..config import MacsConfig
 from ..tracing import TraceHook, attach, check_model
 
@@ -112,18 +114,22 @@ def macs_from_record(record: dict, *, alpha: float = 0.8, pooling: str = "max", 
                      attention: str = "softmax") -> np.ndarray:
     """log c (steps, N) float64 of one MACS configuration, from a RowRecorder record.
 
-    Same arithmetic as reference.layer_log_term_reference summed over layers, vectorised over steps.
+    Each step is reference.macs_step_reference over the recorded layers: a layer's row is its N input
+    columns followed by one column holding the mass on generated tokens, which is all the reference reads
+    of them (their sum), so the record reproduces the full rows' log c.
     """
     MacsConfig(alpha=alpha, pooling=pooling, redistribute=redistribute, attention=attention)
     prefix = "efficient_" if attention == "efficient" else ""
     if prefix + "rows" not in record:
         raise ValueError(f"this record has no {attention} rows; record them with efficient=True")
-    rows = np.asarray(record[prefix + "rows"], dtype=np.float64)  # (steps, L, H, N)
-    if redistribute:
-        rows = rows + np.asarray(record[prefix + "mass"], dtype=np.float64)[..., None] / rows.shape[-1]
-    pooled = {"max": np.max, "mean": np.mean, "min": np.min}[pooling](rows, axis=2)
-    with np.errstate(divide="ignore"):
-        return np.log(alpha * np.maximum(pooled, 0.0) + (1.0 - alpha)).sum(axis=1)
+    rows = torch.from_numpy(np.asarray(record[prefix + "rows"], dtype=np.float64))  # (steps, L, H, N)
+    mass = torch.from_numpy(np.asarray(record[prefix + "mass"], dtype=np.float64))  # (steps, L, H)
+    n_input = rows.shape[-1]
+    keys = torch.cat([rows, mass.unsqueeze(-1)], dim=-1)
+    return torch.stack([
+        reference.macs_step_reference(step, n_input, alpha=alpha, pooling=pooling, redistribute=redistribute)[0]
+        for step in keys
+    ]).reshape(rows.shape[0], n_input).numpy()
 
 
 def attention_mean_from_record(record: dict) -> np.ndarray:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import subprocess
 from pathlib import Path
 
+from ..bench.common import source_commit
+from .methods import FAITHFULNESS_METRICS
 from .metrics import mean_ci, share_before_answer
-from .runner import FAITHFULNESS_METRICS, read_results
+from .store import SUMMARY_FORMAT, check_outputs, read_results, summary_paths
 
 # MACS paper, Llama-3.1-8B on stqa_350 (best-step AUC-PR).
 PAPER_AUC_PR = {
@@ -28,17 +29,9 @@ def _stats(values) -> dict:
     return {"mean": mean, "ci": None if math.isnan(low) else [low, high], "n": len(values)}
 
 
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip() or None
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def summarise(path) -> dict:
-    """The table of a results file (see the module docstring of runner for its lines)."""
-    lines = read_results(path)
+    """The table of a results file (see the module docstring of store for its lines)."""
+    lines = current_lines(read_results(path))
     run = lines.get(("run", None, None), {})
     samples = {k[1]: v for k, v in lines.items() if k[0] == "sample"}
     skipped = {k[1]: v for k, v in lines.items() if k[0] == "skipped"}
@@ -80,12 +73,13 @@ def summarise(path) -> dict:
     largest = max((len(parts["auc"]) for parts in methods.values()), default=0)
     subsets = {name: _on_subset(methods, name) for name in order if 0 < len(methods[name]["auc"]) < largest}
     return {
+        "format": SUMMARY_FORMAT,
         "model": run.get("model"),
         "dtype": run.get("dtype"),
         "data": run.get("data"),
         "max_new_tokens": run.get("max_new_tokens"),
         "date": datetime.date.today().isoformat(),
-        "commit": _commit(),
+        "commit": source_commit(short=True),
         "n": len(scored),
         "skipped": reasons,
         "unmatched_answers": {
@@ -93,11 +87,30 @@ def summarise(path) -> dict:
             "answers": sum(line["unmatched_answers"] for line in scored),
             "of_answers": sum(line["n_answers"] for line in scored),
         },
+        "relocated_answers": {
+            "answers": sum(line.get("relocated_answers", 0) for line in scored),
+            "samples": sum(line.get("relocated_answers", 0) > 0 for line in scored),
+        },
         "answer_not_generated": sum(line["answer_step"] is None for line in scored),
         "methods": table,
         "subsets": subsets,
         "claims": _claims(table),
     }
+
+
+def current_lines(lines: dict[tuple, dict]) -> dict[tuple, dict]:
+    """The lines of the latest run's samples, computed from their current content.
+
+    A results file can hold lines of earlier runs on other data or settings (kept, and reused when their
+    key matches); the latest run line lists its samples with their content keys, and only lines computed
+    from that content count. Files written before runs listed their samples count whole.
+    """
+    run = lines.get(("run", None, None), {})
+    if "samples" not in run:
+        return lines
+    keys = {index: key for index, key in run["samples"]}
+    return {k: line for k, line in lines.items()
+            if k[0] == "run" or (k[1] in keys and line.get("sample") == keys[k[1]])}
 
 
 def _on_subset(methods: dict, reference: str) -> dict:
@@ -182,10 +195,13 @@ def markdown(summary: dict) -> str:
             lines.append(f"| {name} | {row['n']} | {_fmt(row['auc_pr'])} | {_fmt(row[f'auc_pr_minus_{reference}'])} "
                          f"| {_fmt(row['auc_pr_aggregate'])} | {_fmt(row[f'auc_pr_aggregate_minus_{reference}'])} |")
     unmatched = summary["unmatched_answers"]
+    relocated = summary.get("relocated_answers", {"answers": 0, "samples": 0})
     lines += [
         "",
         f"Skipped: {summary['skipped'] or 'none'}. Gold answers mapping to no context token (scored 0): "
         f"{unmatched['answers']} of {unmatched['of_answers']} in {unmatched['samples']} samples. "
+        f"Gold answers not at their answer_start, moved to the nearest occurrence of their text: "
+        f"{relocated['answers']} in {relocated['samples']} samples. "
         f"Samples whose generation never contains a gold answer: {summary['answer_not_generated']}.",
         "",
         "Paper's claims on this run: " + ", ".join(f"{k} = {v}" for k, v in summary["claims"].items())
@@ -196,12 +212,10 @@ def markdown(summary: dict) -> str:
 
 def plot(path, out) -> None:
     """Box plots of the per-sample best-step AUC-PR of each method."""
-    import matplotlib
+    from ..bench.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    lines = read_results(path)
+    plt = pyplot()
+    lines = current_lines(read_results(path))
     data: dict[str, list] = {}
     for (kind, _, method), line in lines.items():
         if kind == "auc":
@@ -214,17 +228,20 @@ def plot(path, out) -> None:
     ax.set_ylabel("AUC-PR (best step) per sample")
     ax.set_ylim(0, 1)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=120, metadata={"Description": SUMMARY_FORMAT})  # marks the file as ours (store)
     plt.close(fig)
 
 
 def write_report(path) -> dict:
-    """Summarise the results file `path` (x.jsonl) into x.json, x.md and x.png; returns the summary."""
-    path = Path(path)
-    summary = summarise(path)
-    base = path.with_suffix("")
-    Path(f"{base}.json").write_text(json.dumps(summary, indent=1) + "\n")
-    Path(f"{base}.md").write_text(markdown(summary))
-    plot(path, f"{base}.png")
-    return summary
+    """Summarise the results stream `path` into its summary files (store.summary_paths); returns the summary.
 
+    Raises ValueError, before writing anything, when a summary path holds a file this tool did not write.
+    """
+    path = Path(path)
+    check_outputs(path, write_stream=False)
+    summary = summarise(path)
+    outputs = summary_paths(path)
+    outputs["json"].write_text(json.dumps(summary, indent=1) + "\n")
+    outputs["md"].write_text(markdown(summary))
+    plot(path, outputs["png"])
+    return summary

@@ -7,7 +7,8 @@
 
 Like inseq's own "attention" method this is a final-step method: one teacher-forced trace
 (`macs_kernels.trace_tensors`) of the whole generation gives every step. For each generated token the
-target attributions hold MACS's z-scores over the prompt tokens and NaN over earlier generated tokens
+target attributions hold MACS's scores over the prompt tokens, Explanation.step_scores's definition
+(z-scores of log c, `macs_kernels.explanation.log_zscores`), and NaN over earlier generated tokens
 (MACS spreads their attention over the prompt instead of scoring them). Load keyword arguments are
 MacsConfig fields. Needs a decoder-only model whose attention macs_kernels can trace (sdpa or eager).
 """
@@ -18,11 +19,12 @@ from inseq.attr.feat.feature_attribution import FeatureAttribution
 from inseq.data import FeatureAttributionStepOutput
 
 from ..config import MacsConfig
+from ..explanation import log_zscores
 from ..interop import trace_tensors
 
 
 class MacsAttribution(FeatureAttribution):
-    """MACS z-scores of the prompt tokens for every generated token."""
+    """MACS scores (z-scores of log c) of the prompt tokens for every generated token."""
 
     method_name = "macs"
 
@@ -52,6 +54,6 @@ class MacsAttribution(FeatureAttribution):
         for item in range(batch):
             pads = int((mask[item] == 0).sum())  # inseq pads decoder-only batches on the left
             traced = trace_tensors(model, ids[item, pads:prompt_end], ids[item, prompt_end:], **self.config)
-            for step, row in enumerate(traced.z_scores):
+            for step, row in enumerate(log_zscores(traced.log_c)):
                 scores[item, pads:prompt_end, prompt_end - 1 + step] = row
         return FeatureAttributionStepOutput(source_attributions=None, target_attributions=scores, step_scores={})

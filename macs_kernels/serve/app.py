@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..explanation import Explanation, _decode_tokens
+from ..explanation import Explanation, _decode_tokens, log_zscores
 from ..prompts import QA_TEMPLATE
 from ..viz import _unit
 from .engine import Engine, Job, RequestRejected, Step
@@ -78,7 +78,7 @@ class _Attribution:
         mean = self.log_c_sum / len(self.steps)
         return _finite({
             "step": len(self.steps) - 1, "token_id": step.token_id, "log_c": step.log_c.tolist(),
-            "scores": step.scores.tolist(), "heat": _unit(log_c[start:end]), "heat_mean": _unit(mean[start:end]),
+            "scores": log_zscores(step.log_c).tolist(), "heat": _unit(log_c[start:end]), "heat_mean": _unit(mean[start:end]),
         })
 
     def explanation(self, text: str) -> dict:
@@ -88,7 +88,6 @@ class _Attribution:
             input_ids=torch.tensor(self.prompt.ids), generated_ids=torch.tensor(generated, dtype=torch.long),
             input_tokens=_decode_tokens(self.tokenizer, self.prompt.ids),
             generated_tokens=_decode_tokens(self.tokenizer, generated),
-            step_scores=torch.stack([s.scores for s in self.steps]) if self.steps else torch.zeros(0, n),
             step_log_c=torch.stack([s.log_c for s in self.steps]) if self.steps else torch.zeros(0, n),
             config=self.config, text=text, source_span=self.prompt.source_span,
         )

@@ -31,11 +31,10 @@ class RequestRejected(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One generated token; log_c and scores (N,) float32 are its MACS row when attribution was asked for."""
+    """One generated token; log_c (N,) float32 is its MACS row when attribution was asked for."""
 
     token_id: int
     log_c: torch.Tensor | None = None
-    scores: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,9 +191,9 @@ class Engine:
                 tokens = output.generated_tokens
                 if len(tokens) == sent:
                     continue
-                rows = self.tracer.request_rows(request_id) if job.attribution is not None else None
+                log_c = self.tracer.request_rows(request_id)[0] if job.attribution is not None else None
                 for k in range(sent, len(tokens)):
-                    yield Step(tokens[k], *((rows[0][k], rows[1][k]) if rows is not None else ()))
+                    yield Step(tokens[k], log_c[k] if log_c is not None else None)
                 sent = len(tokens)
         finally:
             if not finished:
@@ -242,8 +241,8 @@ class Engine:
                 if not self.prompt_seen:  # generate() first pushes the prompt
                     self.prompt_seen = True
                     return
-                log_c, scores = self.tracer.rows(0)
-                emit(Step(int(value.reshape(-1)[0]), log_c[-1], scores[-1]))
+                log_c, _ = self.tracer.rows(0)
+                emit(Step(int(value.reshape(-1)[0]), log_c[-1]))
 
             def end(self):
                 pass

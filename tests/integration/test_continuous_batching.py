@@ -161,7 +161,8 @@ def test_per_request_configuration_in_one_batch(tiny):
             manager.stop(block=True)
         for request_id, prompt, config in zip(ids, prompts, configs):
             log_c, _ = tracer.request_rows(request_id)
-            log_ref, _ = eager_macs(tiny, torch.tensor(prompt), torch.tensor(outputs[request_id].generated_tokens), **config)
+            generated = torch.tensor(outputs[request_id].generated_tokens)
+            log_ref, _ = eager_macs(tiny, torch.tensor(prompt), generated, **config)
             finite = torch.isfinite(log_ref)
             assert torch.equal(torch.isfinite(log_c), finite)
             assert (log_c.double()[finite] - log_ref[finite]).abs().max() <= LOG_C_TOLERANCE

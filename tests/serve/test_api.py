@@ -104,7 +104,7 @@ def test_completions_with_and_without_attribution(client, lm):
     assert streamed == reference.text
 
 
-def test_concurrent_requests_each_get_their_own_answer(client, lm):
+def test_concurrent_requests_each_get_their_own_answer(server, client, lm):
     """Two clients at once, one with attribution and one without: each answer is the one it gets alone."""
     model, tokenizer = lm
     results = {}
@@ -118,6 +118,7 @@ def test_concurrent_requests_each_get_their_own_answer(client, lm):
         thread.start()
     for thread in threads:
         thread.join()
+    assert sorted(results) == [0, 2], server.log()
     for i in (0, 2):
         reference = explain(model, tokenizer, qa(i), max_new_tokens=3)
         assert results[i].choices[0].message.content == reference.text
@@ -209,7 +210,7 @@ def test_the_page_and_to_html_share_one_colouring(server):
     log_c = torch.tensor([[0.0, -1.0, -2.0]])
     page = Explanation(
         input_ids=torch.arange(3), generated_ids=torch.tensor([5]), input_tokens=["a", "b", "c"],
-        generated_tokens=["x"], step_scores=torch.zeros(1, 3), step_log_c=log_c, config={},
+        generated_tokens=["x"], step_log_c=log_c, config={},
     ).to_html()
     assert script in page and "macsHeatColour(w)" in page
     assert '<script src="/static/heatmap.js">' in httpx.get(server.url + "/").text

@@ -4,14 +4,17 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .common import add_model_arguments, check_model_argument, load_from_args
+
 
 def add_parser(subparsers) -> None:
-    from ..cli import add_model_arguments
-
     parser = subparsers.add_parser(
         "eval", help="evaluate attributions on QA data (AUC-PR, faithfulness, ablations)",
         description="One greedy generation per sample; every method and ablation is scored from its recorded "
-                    "rows. Results go to a resumable JSONL (--out), summarised into .json, .md and .png next to it.",
+                    "rows. Results go to a resumable JSONL (--out); its summary to .json, .md and .png beside it "
+                    "(X.jsonl -> X.json, X.md, X.png; any other name X.EXT -> X.summary.json, ...). Cached "
+                    "results are reused only when computed from the same content (model settings, prompt, gold "
+                    "answers, method); an existing file that this tool did not write is never overwritten.",
     )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--data", type=Path, help="QA JSON: a list of {question, context, answers} or SQuAD's nesting")
@@ -28,7 +31,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--faithfulness-from", type=int, default=0, metavar="INDEX",
                         help="masking curves start at this sample index (250 on stqa_350: AT2's held-out "
                              "questions, so that every method's curves come from the same samples)")
-    parser.add_argument("--out", type=Path, default=Path("eval_results.jsonl"), help="results JSONL (resumed if present)")
+    parser.add_argument("--out", type=Path, default=Path("eval_results.jsonl"),
+                        help="results JSONL (resumed if present)")
     parser.add_argument("--records", type=Path, default=None,
                         help="cache folder of the per-sample attention records (default: the macs_kernels cache)")
     parser.add_argument("--backend", default=None, choices=["torch", "triton", "cuda"])
@@ -36,41 +40,58 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--report-only", action="store_true", help="only summarise --out (a partial run too)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_model_arguments(parser)
-    parser.set_defaults(run=run_eval_command)
+    parser.set_defaults(run=run)
 
 
-def run_eval_command(args: argparse.Namespace) -> int:
-    from .report import markdown, write_report
+def run(args: argparse.Namespace) -> int:
+    from ..evaluation.report import markdown, write_report
+    from ..evaluation.store import check_outputs, summary_paths
 
+    data_file = args.data or (Path(args.hf_dataset) if args.hf_dataset and Path(args.hf_dataset).is_file() else None)
+    try:
+        check_outputs(args.out, protected=[data_file], write_stream=not args.report_only)
+    except ValueError as error:
+        raise SystemExit(f"eval: --out: {error}") from None
     if not args.report_only:
         _run(args)
     elif not args.out.is_file():
         raise SystemExit(f"no results file at {args.out}")
     summary = write_report(args.out)
     print(markdown(summary), end="")
-    base = args.out.with_suffix("")
-    print(f"wrote {base}.json, {base}.md, {base}.png")
+    print("wrote " + ", ".join(str(p) for p in summary_paths(args.out).values()))
     return 0
 
 
-def _run(args) -> None:
-    import torch
-
-    from ..cli import load_from_args
-    from ..models import DEFAULT_MODEL
-    from .data import load_qa, parse_range
-    from .runner import EvalSettings, parse_methods, run_eval
+def _run(args: argparse.Namespace) -> None:
+    from ..evaluation.data import load_qa, parse_range
+    from ..evaluation.methods import parse_methods
 
     if args.data is None and args.hf_dataset is None:
         raise SystemExit("give --data FILE or --hf-dataset NAME")
+    if args.data is not None and not args.data.is_file():
+        raise SystemExit(f"--data {args.data}: no such file")
     if args.max_new_tokens < 1 or args.faithfulness_n < 0 or args.faithfulness_from < 0:
         raise SystemExit("--max-new-tokens must be >= 1, --faithfulness-n and --faithfulness-from >= 0")
+    check_model_argument(args.model)
     try:
         methods = parse_methods(args.methods)
         samples = load_qa(args.data, hf_dataset=args.hf_dataset, split=args.split,
                           range=parse_range(args.range) if args.range else None, n=args.n)
     except ValueError as error:
         raise SystemExit(f"eval: {error}") from None
+    relocated = [s for s in samples if s.relocated]
+    if relocated:
+        print(f"eval: {sum(len(s.relocated) for s in relocated)} gold answers were not at their answer_start and "
+              f"moved to the nearest occurrence of their text (samples {', '.join(str(s.index) for s in relocated)})")
+    for sample in samples:
+        if sample.problem:
+            print(f"eval: sample {sample.index} refused: {sample.problem}")
+
+    import torch
+
+    from ..evaluation.runner import EvalSettings, run_eval
+    from ..models import DEFAULT_MODEL
+
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_from_args(args)
@@ -82,4 +103,4 @@ def _run(args) -> None:
     )
     print(f"eval: {len(samples)} samples, methods {', '.join(m.name for m in methods)}", flush=True)
     runner = run_eval(model, tokenizer, samples, methods, settings, args.out, progress=not args.no_progress)
-    print(f"eval: {runner.generations} generations this run", flush=True)
+    print(f"eval: {runner.counts.describe()}", flush=True)

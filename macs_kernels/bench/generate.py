@@ -1,6 +1,6 @@
 """`macs-kernels bench`: generation throughput and peak memory of plain generate, MACS and the eager
-output_attentions way of computing the same scores. Also the benchmarks' shared conventions (the
-machine/version columns, CSV writing) that benchmarks/bench_ops.py uses too.
+output_attentions way of computing the same scores. Results go to --out (default: the working directory),
+so it runs the same from an installed package as from a checkout.
 
 For each prompt length and batch size, every method generates the same number of new tokens (greedy,
 end-of-sequence suppressed) from the same random prompt:
@@ -36,14 +36,14 @@ import csv
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from .common import PACKAGE_DIR, device_stem, environment, pyplot, save_figure, write_csv
+
 CPU_LENGTHS = (256, 512, 1024, 2048)
 GPU_LENGTHS = (1024, 4096, 16384, 32768)
 QUICK_LENGTHS = (48, 96)
@@ -97,51 +97,6 @@ RATIOS = (("prefill", "prefill_tok_s"), ("decode", "decode_tok_s"), ("decode_cpu
           ("e2e", "e2e_tok_s"), ("mem", "peak_mem_bytes"))
 
 
-# ---- conventions shared by the benchmarks ----------------------------------------------------------
-def environment(device) -> dict:
-    """Machine, versions and commit columns of every benchmark CSV."""
-    import torch
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    versions = {}
-    for module in ("transformers", "triton"):
-        try:
-            versions[module] = __import__(module).__version__
-        except ImportError:
-            versions[module] = "absent"
-    device = torch.device(device)
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        cpuinfo = Path("/proc/cpuinfo")
-        models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                  if line.startswith("model name")] if cpuinfo.exists() else []
-        name = f"{models[0] if models else platform.processor() or platform.machine()} x{os.cpu_count()}"
-    return {"machine": platform.node(), "device": name, "python": platform.python_version(),
-            "torch": torch.__version__, **versions, "threads": torch.get_num_threads(), "commit": commit}
-
-
-def write_csv(rows: list[dict], path: Path, columns=None) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(columns or rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def device_stem(prefix: str, env: dict, device) -> str:
-    """results file stem: <prefix>_cpu or <prefix>_<gpu model>, e.g. generate_h100."""
-    import torch
-
-    if torch.device(device).type == "cpu":
-        return f"{prefix}_cpu"
-    return f"{prefix}_" + env["device"].split()[-1].lower().replace("-", "_")
-
-
 # ---- one measurement ----------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Spec:
@@ -164,7 +119,7 @@ def methods_for(device) -> list[str]:
 
     import torch
 
-    from .ops._dispatch import why_unavailable
+    from ..ops._dispatch import why_unavailable
 
     device = torch.device(device)
     methods = ["plain-sdpa"]
@@ -187,7 +142,7 @@ def load(spec: Spec):
     implementation = "eager" if spec.method in EAGER_METHODS else (
         "flash_attention_2" if spec.method == "plain-fa2" else "sdpa")
     if spec.config is None:
-        from .models import load_model
+        from ..models import load_model
 
         model, tokenizer = load_model(spec.model, dtype=dtype, device=spec.device, attn_implementation=implementation)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -226,7 +181,7 @@ def _scores_from_attentions(attentions, n_input: int, config) -> None:
     attention-based tools compute it."""
     import torch
 
-    from .ops import torch_backend
+    from ..ops import torch_backend
 
     batch = attentions[0][0].shape[0]
     index = lambda value: torch.full((batch,), value, dtype=torch.long, device=attentions[0][0].device)  # noqa: E731
@@ -247,8 +202,8 @@ def _generate(model, ids, spec: Spec, pad: int):
     import torch
     from transformers import StoppingCriteria, StoppingCriteriaList
 
-    from .config import MacsConfig
-    from .tracing import attach
+    from ..config import MacsConfig
+    from ..tracing import attach
 
     first_token = []
 
@@ -286,7 +241,7 @@ def _rerun_without_cache(model, ids, spec: Spec, pad: int):
     padding, so `pad` is unused)."""
     import torch
 
-    from .config import MacsConfig
+    from ..config import MacsConfig
 
     wall, cpu = [], []
     for _ in range(min(spec.new_tokens, RERUN_STEPS)):
@@ -398,8 +353,11 @@ def _measure_isolated(spec: Spec) -> dict:
 
 
 def _measure_in_fresh_process(spec: Spec, env: dict | None = None) -> dict:
-    command = [sys.executable, "-m", "macs_kernels.bench", "--worker", json.dumps(dataclasses.asdict(spec))]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, **(env or {})})
+    command = [sys.executable, "-m", "macs_kernels.bench.generate", "--worker", json.dumps(dataclasses.asdict(spec))]
+    # The worker imports this very package, wherever it lies (a checkout run as a script, or installed).
+    path = os.pathsep.join(filter(None, (str(PACKAGE_DIR.parent), os.environ.get("PYTHONPATH"))))
+    environment = {**os.environ, "PYTHONPATH": path, **(env or {})}
+    done = subprocess.run(command, capture_output=True, text=True, env=environment)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -429,7 +387,8 @@ def summarise(rows: list[dict]) -> list[dict]:
         medians[key] = {field: statistics.median(r[field] for r in group) for _, field in RATIOS}
         medians[key]["repeats"] = len(group)
     summary = []
-    for (method, batch, length), values in sorted(medians.items(), key=lambda item: (item[0][2], item[0][1], item[0][0])):
+    by_length_batch_method = sorted(medians.items(), key=lambda item: (item[0][2], item[0][1], item[0][0]))
+    for (method, batch, length), values in by_length_batch_method:
         first = cells[(method, batch, length)][0]
         row = {field: first[field] for field in SUMMARY_COLUMNS if field in first}
         row.update(values, peak_mem_bytes=int(values["peak_mem_bytes"]))
@@ -445,11 +404,7 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def plot(summary: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     batches = sorted({r["batch"] for r in summary})
     fields = (("decode_tok_s", "decode tokens/s"), ("decode_cpu_tok_s", "decode tokens per CPU-second"),
               ("prefill_tok_s", "prefill tokens/s"), ("e2e_tok_s", "end-to-end tokens/s"),
@@ -467,10 +422,9 @@ def plot(summary: list[dict], path: Path) -> None:
         ax.set_title(f"{label}, batch {batch}", fontsize=9)
         ax.legend(fontsize=7)
     first = summary[0]
-    fig.suptitle(f"{first['model']} {first['dtype']} on {first['device']}, {first['new_tokens']} new tokens", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    fig.suptitle(f"{first['model']} {first['dtype']} on {first['device']}, {first['new_tokens']} new tokens",
+                 fontsize=10)
+    save_figure(fig, path)
 
 
 def run(args) -> int:
@@ -492,7 +446,7 @@ def run(args) -> int:
     if model is None:
         from transformers import AutoConfig
 
-        from .models import default_model_path
+        from ..models import default_model_path
 
         source = ARCHITECTURES.get(config) if config else None
         max_positions = source["max_position_embeddings"] if source else AutoConfig.from_pretrained(
@@ -523,8 +477,9 @@ def run(args) -> int:
                        "isolated": isolate, **result}
                 rows.append({column: row.get(column, "") for column in COLUMNS})
                 write_csv(rows, args.out / f"{stem}.csv", COLUMNS)  # as it goes: a long run keeps what it measured
-                shown = (f"{result['prefill_tok_s']:9.1f} prefill tok/s {result['decode_tok_s']:8.2f} decode tok/s "
-                         f"{result['peak_mem_bytes'] / 2**30:6.2f} GiB" if result["status"] == "ok" else result["status"])
+                shown = result["status"] if result["status"] != "ok" else (
+                    f"{result['prefill_tok_s']:9.1f} prefill tok/s {result['decode_tok_s']:8.2f} decode tok/s "
+                    f"{result['peak_mem_bytes'] / 2**30:6.2f} GiB")
                 print(f"repeat {repeat} N={length:6d} B={batch} {method:18s} {shown}", flush=True)
     return write_summary(rows, args.out, stem)
 
@@ -569,12 +524,15 @@ def print_summary(summary: list[dict]) -> None:
         print("| " + " | ".join(cells) + " |")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, default_out: Path = Path(".")) -> None:
     parser.add_argument("--quick", action="store_true",
-                        help="seconds: a tiny random model (unless --model/--config), two short prompts, in one process")
-    parser.add_argument("--model", default=None, help="transformers model id or folder (default: SmolLM2-135M-Instruct)")
+                        help="seconds: a tiny random model (unless --model/--config), two short prompts, in one "
+                             "process")
+    parser.add_argument("--model", default=None,
+                        help="transformers model id or folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--config", default=None,
-                        help=f"random-initialised model of this shape: {', '.join(ARCHITECTURES)} or a config.json path")
+                        help=f"random-initialised model of this shape: {', '.join(ARCHITECTURES)} or a config.json "
+                             "path")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="default: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
@@ -588,13 +546,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch CPU threads (on a shared machine 1 avoids OpenMP spin contention)")
     parser.add_argument("--in-process", action="store_true",
                         help="on CPU, measure in this process (faster; peak RSS then carries earlier runs' heap)")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    where = "the working directory" if default_out == Path(".") else default_out
+    parser.add_argument("--out", type=Path, default=default_out, help=f"results folder (default: {where})")
     parser.add_argument("--name", default=None, help="file stem (default generate_cpu / generate_<gpu>)")
     parser.add_argument("--summarise", type=Path, default=None, metavar="CSV",
                         help="only summarise this run's CSV (e.g. of a run stopped midway) into _summary.csv and .png")
 
 
-def _finish_args(args) -> argparse.Namespace:
+def finish_args(args) -> argparse.Namespace:
     if args.new_tokens is None:
         args.new_tokens = 4 if args.quick else 64
     if args.quick:
@@ -604,21 +563,20 @@ def _finish_args(args) -> argparse.Namespace:
     return args
 
 
-def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("bench", help="throughput and peak memory: plain generate vs MACS vs output_attentions")
-    add_arguments(parser)
-    parser.set_defaults(run=lambda args: run(_finish_args(args)))
+def run_command(args: argparse.Namespace) -> int:
+    return run(finish_args(args))
 
 
-def main(argv=None) -> int:
+def main(argv=None, default_out: Path = Path(".")) -> int:
+    """The benchmark as a program (benchmarks/bench_generate.py passes its results folder as default_out)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
+    add_arguments(parser, default_out)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(measure(Spec(**json.loads(args.worker)))), flush=True)
         return 0
-    return run(_finish_args(args))
+    return run(finish_args(args))
 
 
 if __name__ == "__main__":

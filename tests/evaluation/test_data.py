@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 
 from macs_kernels.evaluation.data import QASample, load_qa, parse_range
+from tests.evaluation import stqa_350
 
 FLAT = [
     {"question": f"Q{i}?", "context": f"Context number {i}.", "answers": [{"text": "number", "answer_start": 8}]}
@@ -76,17 +77,42 @@ def test_datasets_local_json_and_saved_folder(tmp_path):
 def test_bad_input_is_reported(tmp_path):
     with pytest.raises(ValueError, match="exactly one"):
         load_qa()
-    broken = [{"question": "Q?", "context": "short", "answers": [{"text": "longer than it", "answer_start": 2}]}]
-    with pytest.raises(ValueError, match="outside the context"):
-        load_qa(_write(tmp_path, "broken.json", broken))
     with pytest.raises(ValueError, match="START:STOP"):
         parse_range("250")
 
 
+def test_answers_at_a_wrong_offset_move_to_the_nearest_occurrence_of_their_text(tmp_path):
+    context = "Paris is big. Rome is old. Paris is the capital. Nice is south."
+    records = [
+        # at 22 the context holds "old." : the nearest "Paris" is the one at 27, not the one at 0
+        {"question": "Q0", "context": context, "answers": [{"text": "Paris", "answer_start": 22}]},
+        {"question": "Q1", "context": context, "answers": [{"text": "Rome", "answer_start": 14},  # right
+                                                            {"text": "Nice", "answer_start": 500}]},  # outside
+        # 0 is nearer than 27
+        {"question": "Q2", "context": context, "answers": [{"text": "Paris", "answer_start": 13}]},
+    ]
+    samples = load_qa(_write(tmp_path, "offsets.json", records))
+    assert samples[0].answers == (("Paris", 27),) and samples[0].relocated == ((0, 22),)
+    assert samples[1].answers == (("Rome", 14), ("Nice", 49)) and samples[1].relocated == ((1, 500),)
+    assert samples[2].answers == (("Paris", 0),)
+    for sample in samples:
+        assert sample.problem is None
+        for text, start in sample.answers:
+            assert context[start:start + len(text)] == text
+
+
+def test_an_answer_missing_from_the_context_refuses_its_sample_only(tmp_path):
+    records = [
+        {"question": "Q?", "context": "short", "answers": [{"text": "longer than it", "answer_start": 2}]},
+        {"question": "Q?", "context": "a b c", "answers": [{"text": "b", "answer_start": 2}]},
+    ]
+    refused, kept = load_qa(_write(tmp_path, "broken.json", records))
+    assert refused.problem == "answer 0 'longer than it' (answer_start 2) does not occur in the context"
+    assert kept.problem is None and kept.relocated == ()
+
+
 def test_stqa_350_paper_split():
-    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "stqa_350.json"
-    if not path.is_file():
-        pytest.skip("stqa_350.json is not next to this checkout")
+    path = stqa_350()
     samples = load_qa(path, range=parse_range("250:350"))
     assert len(samples) == 100 and samples[0].index == 250
     assert all(s.answers for s in samples)

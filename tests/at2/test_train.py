@@ -1,13 +1,10 @@
 """AT2 training on a handful of questions of the default model; coefficient files."""
 from __future__ import annotations
 
-import pickle
-
 import pytest
 import torch
 
-from macs_kernels.at2 import AT2Attributor, load_coefficients, save_coefficients
-from macs_kernels.at2 import train
+from macs_kernels.at2 import load_coefficients, model_record, train, train_coefficients
 from macs_kernels.at2.train import collect, fit, load_examples, mean_loss, pearson_loss
 from macs_kernels.evaluation.data import QASample
 from tests.helpers import QUESTIONS, default_model
@@ -84,41 +81,13 @@ def test_fit_resumes_from_its_checkpoint(collected, tmp_path, monkeypatch):
     assert torch.allclose(resumed, straight, atol=1e-7)
 
 
-def test_coefficients_roundtrip_and_shape_check(model_and_tokenizer, tmp_path):
+def test_trained_coefficients_record_their_model(collected, model_and_tokenizer, tmp_path):
     model, tokenizer = model_and_tokenizer
-    theta = torch.rand(30, 9)
-    path = tmp_path / "c.safetensors"
-    AT2Attributor(model, tokenizer, theta).save(path)
-    assert torch.equal(AT2Attributor.load(path, model, tokenizer).theta, theta)
-    save_coefficients(path, torch.rand(12, 9))
-    with pytest.raises(ValueError, match="12 layers x 9 heads, but the model has 30 layers x 9 heads"):
-        AT2Attributor.load(path, model, tokenizer)
+    work, _ = collected
+    out = tmp_path / "theta.safetensors"
+    _, metadata = train_coefficients(model, tokenizer, SAMPLES, work=work, out=out, n_masks=4, epochs=2,
+                                     batch_size=2, max_new_tokens=4, progress=False, data_name="three")
+    assert metadata == load_coefficients(out, model)[1]
+    assert metadata["model"] == "SmolLM2-135M-Instruct" and metadata["data"] == "three"
+    assert metadata["attention_fingerprint"] == model_record(model)["attention_fingerprint"]
 
-
-def test_the_packaged_coefficients_are_trained_for_the_default_model(model_and_tokenizer):
-    from macs_kernels.at2 import DEFAULT_COEFFICIENTS, load_coefficients
-
-    model, tokenizer = model_and_tokenizer
-    theta, metadata = load_coefficients(DEFAULT_COEFFICIENTS, model)
-    assert theta.shape == (30, 9) and theta.abs().sum().item() == pytest.approx(1.0, abs=1e-5)
-    assert theta.std() > 0.1 * theta.abs().mean()  # trained: far from the uniform start
-    assert metadata["model"] == "SmolLM2-135M-Instruct" and metadata["data"] == "stqa_350.json"
-    assert metadata["samples"] == "0..249" and metadata["examples"] == "250"  # 250-349 stay held out
-    assert torch.equal(AT2Attributor(model, tokenizer).theta, theta)
-
-
-def test_loading_never_unpickles(tmp_path, monkeypatch):
-    pickled = tmp_path / "theta.pt"
-    torch.save({"theta": torch.rand(30, 9)}, pickled)
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("unpickling attempted")
-
-    for name in ("load", "loads", "Unpickler"):
-        monkeypatch.setattr(pickle, name, forbidden)
-    monkeypatch.setattr(torch, "load", forbidden)
-    with pytest.raises(ValueError, match="not a safetensors"):
-        load_coefficients(pickled)
-    good = tmp_path / "theta.safetensors"
-    save_coefficients(good, torch.ones(2, 3))
-    assert torch.equal(load_coefficients(good)[0], torch.ones(2, 3))

@@ -1,10 +1,10 @@
 import copy
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from macs_kernels.evaluation.alignment import align_context, align_qa, answer_step, encode_chat
+from tests.evaluation import stqa_350
 
 
 @pytest.fixture(scope="session")
@@ -118,10 +118,8 @@ def test_answer_step(tokenizer):
 def test_gold_answers_of_stqa_350_map_to_their_tokens(tokenizer):
     from macs_kernels.evaluation.data import load_qa
 
-    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "stqa_350.json"
-    if not path.is_file():
-        pytest.skip("stqa_350.json is not next to this checkout")
+    path = stqa_350()
     for sample in load_qa(path, n=25):
         alignment = align_qa(tokenizer, sample.question, sample.context)
-        for (text, start), labels in zip(sample.answers, alignment.answer_labels(sample.answers)):
+        for (text, _), labels in zip(sample.answers, alignment.answer_labels(sample.answers)):
             _assert_minimal_cover(tokenizer, alignment, labels, text)

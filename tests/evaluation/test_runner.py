@@ -1,18 +1,18 @@
 """The evaluation runner: recorded rows against explain() and the float64 references, rollout against an
 independent computation, and the `macs-kernels eval` command end to end (smoke run, report, resume)."""
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from macs_kernels import explain, reference
+from macs_kernels import explain, ops, reference
+from macs_kernels.evaluation.methods import MethodUnavailable, parse_method
 from macs_kernels.evaluation.record import attention_mean_from_record, generate_record, macs_from_record, rollout_rows
-from macs_kernels.evaluation.runner import MethodUnavailable, at2_from_record, parse_method
+from macs_kernels.evaluation.scoring import at2_from_record
+from tests.evaluation import stqa_350
 from tests.helpers import default_model, qa, tiny_llama
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "stqa_350.json"
 ABLATIONS = [
     {}, {"pooling": "mean"}, {"pooling": "min"}, {"alpha": 0.2}, {"alpha": 0.5}, {"alpha": 1.0},
     {"redistribute": False},
@@ -80,8 +80,15 @@ def test_macs_from_record_equals_the_layer_reference(config):
     for attention, rows in (("softmax", full), ("efficient", eff_full)):
         got = macs_from_record(record, attention=attention, **config)
         for k, step in enumerate(rows):
+            # The record keeps one mass column for the generated keys; the references see every key.
             want = sum(reference.layer_log_term_reference(torch.from_numpy(layer), 7, **config) for layer in step)
             np.testing.assert_allclose(got[k], want.numpy(), rtol=1e-12, atol=1e-12)
+            # And the torch backend, which shares no code with the reference, in float32.
+            backend = torch.zeros(1, 7)
+            for layer in step:
+                ops.macs_update_rows(torch.from_numpy(layer)[None].float(), backend, input_start=0, input_end=7,
+                                     kv_len=layer.shape[-1], backend="torch", **config)
+            np.testing.assert_allclose(got[k], backend[0].double().numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(attention_mean_from_record(record)[1], np.mean([r[:, :7] for r in full[1]], axis=(0, 1)))
     with pytest.raises(ValueError, match="no efficient rows"):
         macs_from_record({"rows": record["rows"], "mass": record["mass"]}, attention="efficient")
@@ -130,10 +137,9 @@ def test_method_names():
 def test_eval_command_smoke_report_and_resume(tmp_path, capsys):
     from macs_kernels.cli import main
 
-    if not DATA.is_file():
-        pytest.skip("stqa_350.json is not next to this checkout")
+    data = stqa_350()
     out, records = tmp_path / "eval.jsonl", tmp_path / "records"
-    command = ["eval", "--data", str(DATA), "--n", "3", "--max-new-tokens", "8", "--methods", "macs,random",
+    command = ["eval", "--data", str(data), "--n", "3", "--max-new-tokens", "8", "--methods", "macs,random",
                "--faithfulness-n", "1", "--out", str(out), "--records", str(records), "--no-progress",
                "--threads", "1"]
     threads = torch.get_num_threads()
@@ -143,7 +149,7 @@ def test_eval_command_smoke_report_and_resume(tmp_path, capsys):
         summary = json.loads(out.with_suffix(".json").read_text())
         assert out.with_suffix(".md").read_text().startswith("Model: SmolLM2-135M-Instruct")
         assert out.with_suffix(".png").stat().st_size > 0
-        assert "eval: 3 generations this run" in first
+        assert "eval: 3 generations this run, 0 taken from the record cache" in first
         assert {"model", "data", "n", "skipped", "methods"} <= set(summary)
         assert summary["n"] == 3 and summary["skipped"] == {}
         for name in ("macs", "random"):
@@ -163,6 +169,7 @@ def test_eval_command_smoke_report_and_resume(tmp_path, capsys):
         assert main(resumed + ["--faithfulness-from", "2"]) == 0
         second = capsys.readouterr().out
         assert "eval: 0 generations this run" in second
+        assert "AUC-PR lines: 3 scored, 6 reused; faithfulness curves: 2 computed, 0 reused" in second
         assert out.read_text().splitlines()[: len(lines)] == lines
         assert json.loads(out.with_suffix(".json").read_text())["methods"]["macs:pool=mean"]["n"] == 3
         curves = [line for line in map(json.loads, out.read_text().splitlines()) if line["kind"] == "faithfulness"]

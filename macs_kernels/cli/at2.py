@@ -4,10 +4,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .common import add_model_arguments, check_model_argument, check_output_files, load_from_args, write_outputs
+
 
 def add_parser(subparsers) -> None:
-    from ..cli import add_model_arguments
-
     parser = subparsers.add_parser("at2", help="AT2: train head coefficients against ablations")
     commands = parser.add_subparsers(required=True, dest="at2_command")
     train = commands.add_parser("train", help="collect ablations and fit AT2 coefficients (resumable)")
@@ -25,17 +25,25 @@ def add_parser(subparsers) -> None:
     train.set_defaults(run=run_train)
 
 
-def run_train(args) -> int:
+def run_train(args: argparse.Namespace) -> int:
+    from ..evaluation.data import load_qa, parse_range
+
+    check_output_files(out=args.out)
+    check_model_argument(args.model)
+    if not args.data.is_file():
+        raise SystemExit(f"--data {args.data}: no such file")
+    try:
+        samples = load_qa(args.data, range=parse_range(args.range))
+    except ValueError as error:
+        raise SystemExit(f"at2 train: {error}") from None
+
     import torch
 
-    from ..cli import load_from_args
-    from ..evaluation.data import load_qa, parse_range
+    from ..at2 import train_coefficients
     from ..models import DEFAULT_MODEL, cache_dir
-    from . import train_coefficients
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    samples = load_qa(args.data, range=parse_range(args.range))
     model, tokenizer = load_from_args(args)
     work = args.work or cache_dir() / "at2"
     theta, metadata = train_coefficients(model, tokenizer, samples, work=work, out=args.out, n_masks=args.masks,
@@ -52,13 +60,14 @@ def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coefficients", type=Path, default=None, help="AT2 coefficient file (default: packaged)")
 
 
-def run_explain_at2(args) -> int:
+def run_explain(args: argparse.Namespace) -> int:
     """explain --method at2: needs --question and --context; prints the ranked sources, writes JSON/HTML."""
-    from ..cli import load_from_args, write_outputs
-    from . import AT2Attributor
-
     if args.prompt is not None or not (args.question and args.context):
         raise SystemExit("--method at2 needs --question and --context (its sources are parts of the context)")
+    if args.coefficients is not None and not args.coefficients.is_file():
+        raise SystemExit(f"--coefficients {args.coefficients}: no such file")
+    from ..at2 import AT2Attributor
+
     model, tokenizer = load_from_args(args)
     try:
         attributor = AT2Attributor(model, tokenizer, args.coefficients)

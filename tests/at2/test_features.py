@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from macs_kernels import attach, ops, reference
-from macs_kernels.at2.features import QueryCapture, attention_scale, forward_capture
+from macs_kernels.at2.features import QueryCapture, forward_capture
 from macs_kernels.explanation import encode_prompts
-from tests.helpers import default_model, qa
+from tests.helpers import default_model, eager_attentions, qa
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
 # (B, H, H_kv, R, D, S): GQA 3:1 and 1:1, odd sizes, a row count above one row tile
@@ -117,17 +117,9 @@ def prompt_and_response(model_and_tokenizer):
     return prompt_ids, response_ids
 
 
-@torch.no_grad()
 def _eager_rows(model, prompt_ids, response_ids):
     """Per layer (H, R, S): eager output_attentions over prompt + response[:-1], the last R rows."""
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        ids = torch.cat([prompt_ids, response_ids[:-1]])[None]
-        attentions = model(ids, output_attentions=True).attentions
-    finally:
-        model.set_attn_implementation(previous)
-    return [a[0, :, -response_ids.numel():].double() for a in attentions]
+    return [a[:, -response_ids.numel():].double() for a in eager_attentions(model, prompt_ids, response_ids)]
 
 
 def test_one_forward_features_match_eager_output_attentions(model_and_tokenizer, prompt_and_response):
@@ -137,7 +129,7 @@ def test_one_forward_features_match_eager_output_attentions(model_and_tokenizer,
     capture = forward_capture(model, prompt_ids, response_ids)
     rows = _eager_rows(model, prompt_ids, response_ids)
     for start, end in ((40, 70), (0, prompt_ids.numel())):  # part of the context, the whole prompt
-        got = capture.features(source_start=start, source_end=end, scale=attention_scale(model))[0]
+        got = capture.features(source_start=start, source_end=end)[0]
         ref = torch.stack([layer[:, :, start:end].sum(1) / response_ids.numel() for layer in rows])
         assert relative_error(got, ref) <= RELATIVE_ERROR[torch.float32]
 
@@ -148,8 +140,8 @@ def test_efficient_features_match_svd_projection_of_eager_rows(model_and_tokeniz
     capture = forward_capture(model, prompt_ids, response_ids)
     rows = _eager_rows(model, prompt_ids, response_ids)
     start, end, n_rows = 40, 70, response_ids.numel()
-    got = capture.features(source_start=start, source_end=end, scale=attention_scale(model), attention="efficient")[0]
-    softmax = capture.features(source_start=start, source_end=end, scale=attention_scale(model))[0]
+    got = capture.features(source_start=start, source_end=end, attention="efficient")[0]
+    softmax = capture.features(source_start=start, source_end=end)[0]
     group = model.config.num_attention_heads // model.config.num_key_value_heads
     ref = torch.zeros_like(got, dtype=torch.float64)
     for layer, layer_rows in enumerate(rows):
@@ -175,16 +167,15 @@ def test_features_captured_during_generation_equal_one_forward(model_and_tokeniz
                              pad_token_id=tokenizer.pad_token_id)
     generated = out[:, ids.shape[1]:]
     pads = (mask == 0).sum(1)
-    scale = attention_scale(model)
     alone = [forward_capture(model, ids[b, pads[b]:], generated[b]) for b in range(2)]
     # Sources: the prompt's tokens from 20 on; targets: rows [1, 4), all rows, and ragged ends (n_rows).
     for start, end in ((1, 3), (0, 4), (0, torch.tensor([4, 2]))):
         batch = capture.features(source_start=pads + 20, source_end=torch.full_like(pads, ids.shape[1]),
-                                 target_start=start, target_end=end, scale=scale)
+                                 target_start=start, target_end=end)
         for b in range(2):
             n = ids.shape[1] - int(pads[b])
             stop = end if isinstance(end, int) else int(end[b])
-            ref = alone[b].features(source_start=20, source_end=n, target_start=start, target_end=stop, scale=scale)[0]
+            ref = alone[b].features(source_start=20, source_end=n, target_start=start, target_end=stop)[0]
             assert relative_error(batch[b, ..., :n - 20], ref) <= RELATIVE_ERROR[torch.float32]
 
 

@@ -1,0 +1,94 @@
+// Head pooling, the step every MACS op ends with: m'[i] = pool over heads of (p[h, start + i] + the
+// head's mass on generated keys / N), then either the layer's floor term added to log_c or m' stored.
+//
+// Pooling needs all H heads of a key, so it runs after the rows (or the split-KV pass's scores and their
+// per-row log-sum-exp) are complete: one thread per input key loops over the heads; consecutive threads
+// read consecutive keys of a head's row. Grid (ceil(N_max / kPoolThreads), R, B).
+#pragma once
+
+#include "split_kv/kernel.cuh"
+
+namespace macs {
+
+constexpr int kPoolThreads = 256;
+
+enum class PoolEpilogue : int {
+  kAddLogFloor = 0,  // out is log_c (B, N_max), R == 1: out[i] += log(alpha * max(m'[i], 0) + 1 - alpha)
+  kStore = 1,        // out is (B, R, N_max): out[i] = m'[i] for i < N, 0 after
+};
+
+template <typename Src>
+struct PoolParams {
+  const Src* values;  // rows (B, H, [R,] S), or float32 base-2 scores when FROM_SCORES
+  int64_t stride_b, stride_h, stride_r;
+  // (B, H, R, 2) per query row: the base-2 log-sum-exp that normalises its scores (unused for rows), and
+  // its attention mass on generated keys (0 without redistribution).
+  const float* stats;
+  float* out;  // contiguous, see PoolEpilogue
+  int64_t n_max, heads, rows, keys;
+  Index start, input_end, end;
+  float alpha;
+  Pooling pooling;
+  PoolEpilogue epilogue;
+};
+
+template <typename Src, bool FROM_SCORES>
+__global__ void __launch_bounds__(kPoolThreads) pool_kernel(PoolParams<Src> p) {
+  extern __shared__ float stats[];  // [heads][2] of this query row
+  const int64_t r = blockIdx.y, b = blockIdx.z;
+  for (int64_t i = threadIdx.x; i < 2 * p.heads; i += blockDim.x) {
+    stats[i] = p.stats[((b * p.heads + i / 2) * p.rows + r) * 2 + i % 2];
+  }
+  __syncthreads();
+
+  const KeyRange range(p.start, p.input_end, p.end, b, r, p.keys);
+  const int64_t n_input = range.input_end - range.start;
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  float* out = p.out + (b * p.rows + r) * p.n_max + i;
+  if (i >= p.n_max) return;
+  if (i >= n_input) {
+    if (p.epilogue == PoolEpilogue::kStore) *out = 0.0f;
+    return;
+  }
+
+  const Src* column = p.values + b * p.stride_b + r * p.stride_r + range.start + i;
+  float pooled = p.pooling == Pooling::kMax ? kNegInf : (p.pooling == Pooling::kMin ? kInf : 0.0f);
+  for (int64_t h = 0; h < p.heads; ++h) {
+    float value = to_float(column[h * p.stride_h]);
+    if (FROM_SCORES) value = exp2_diff(value, stats[2 * h]);
+    value += stats[2 * h + 1] / float(n_input);
+    pooled = p.pooling == Pooling::kMax ? fmaxf(pooled, value)
+             : p.pooling == Pooling::kMin ? fminf(pooled, value)
+                                          : pooled + value;
+  }
+  if (p.pooling == Pooling::kMean) pooled /= float(p.heads);
+  if (p.epilogue == PoolEpilogue::kStore) {
+    *out = pooled;
+  } else {
+    // Efficient-attention rows can pool below zero; clamping keeps the floor's log defined.
+    *out += logf(p.alpha * fmaxf(pooled, 0.0f) + (1.0f - p.alpha));
+  }
+}
+
+// Launches pool_kernel on `stream` (instantiated in kernel.cu for the rows' dtypes, and for float32
+// scores).
+template <typename Src, bool FROM_SCORES>
+cudaError_t pool_heads(const PoolParams<Src>& p, int64_t batch, cudaStream_t stream);
+
+// What follows a split-KV pass when the op pools its scores: `out` null for plain attention.
+struct PoolTail {
+  float* out;
+  int64_t n_max;
+  float alpha;
+  Pooling pooling;
+  PoolEpilogue epilogue;
+  float* stats;  // scratch (B, H, R, 2), filled by the combine pass
+};
+
+// The split-KV pass (split_kv/kernel.cuh), then head pooling of its scores into tail.out: decode_attention,
+// macs_update and macs_pool all run this one composition.
+template <typename T, bool WITH_V>
+cudaError_t split_kv_pool(const SplitParams<T>& p, const CombineParams<T>& combine, const PoolTail& tail,
+                          bool vectorized, cudaStream_t stream);
+
+}  // namespace macs

@@ -1,0 +1,33 @@
+// Torch-free definition and instantiations for every supported dtype, with and without V (plain nvcc
+// compiles this file alone). The only copy of the split-KV kernels.
+#include "split_kv/kernel.cuh"
+
+namespace macs {
+
+template <typename T, bool WITH_V>
+cudaError_t split_kv(const SplitParams<T>& p, const CombineParams<T>& combine, bool vectorized,
+                     cudaStream_t stream) {
+  const int64_t group = p.heads / p.kv_heads;
+  const size_t smem = split_smem_bytes(group, p.rows_per_block, p.dim, p.dim_v, WITH_V);
+  const int threads = split_threads(group * p.rows_per_block, WITH_V ? p.dim_v : 0);
+  const dim3 grid(unsigned(p.splits), unsigned(p.kv_heads * ceil_div(p.rows, p.rows_per_block)), unsigned(p.batch));
+  const auto kernel = vectorized ? split_kernel<T, kVec16<T>, WITH_V> : split_kernel<T, 1, WITH_V>;
+  if (smem > 48 * 1024) {
+    const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (error != cudaSuccess) return error;
+  }
+  kernel<<<grid, threads, smem, stream>>>(p);
+  const dim3 combine_grid(unsigned(combine.rows_per_item), unsigned(p.batch));
+  combine_kernel<T><<<combine_grid, kCombineThreads, 0, stream>>>(combine);
+  return cudaGetLastError();
+}
+
+#define MACS_INSTANTIATE_SPLIT_KV(T)                                                                           \
+  template cudaError_t split_kv<T, false>(const SplitParams<T>&, const CombineParams<T>&, bool, cudaStream_t); \
+  template cudaError_t split_kv<T, true>(const SplitParams<T>&, const CombineParams<T>&, bool, cudaStream_t);
+MACS_INSTANTIATE_SPLIT_KV(float)
+MACS_INSTANTIATE_SPLIT_KV(__half)
+MACS_INSTANTIATE_SPLIT_KV(__nv_bfloat16)
+#undef MACS_INSTANTIATE_SPLIT_KV
+
+}  // namespace macs

@@ -1,0 +1,253 @@
+// The split-KV pass (flash-decoding) that decode_attention, macs_update and macs_pool share.
+//
+// 1. split_kernel, grid (splits, H_kv * row_chunks, B): a block owns one KV head, a chunk of the query
+//    rows of sequence b (each row with every query head of that KV head: the block's "vectors") and one
+//    contiguous slice of the keys those rows attend. It stages tiles of K (and V) in shared memory with
+//    16-byte loads, so each key is read from memory once for all the block's vectors, and keeps an online
+//    softmax per vector (state.cuh): the partial state over its attended keys and over its generated
+//    keys, and the unnormalised partial output. With `scores`, it also writes the base-2 scores for head
+//    pooling (pool/kernel.cuh).
+// 2. combine_kernel, grid (H * R, B): merges the splits of each query row into out and lse, and the
+//    values head pooling needs: the normalising lse (given or computed) and the mass on generated keys.
+// Row (b, r) attends keys [start, end) of item b; [input_end, end) are its generated keys.
+#pragma once
+
+#include "split_kv/policy.cuh"
+#include "split_kv/state.cuh"
+
+namespace macs {
+
+template <typename T>
+struct SplitParams {
+  const T* q;  // (B, H, R, D)
+  int64_t q_sb, q_sh, q_sr;
+  const T* k;  // (B, H_kv, S, D)
+  int64_t k_sb, k_sh, k_ss;
+  const T* v;  // (B, H_kv, S, D_v), null without V
+  int64_t v_sb, v_sh, v_ss;
+  Index start, input_end, end;  // (B,) or (B, R)
+  float scale_log2;             // the softmax scale times log2(e)
+  int64_t batch, heads, kv_heads, rows, keys, dim, dim_v;
+  int64_t splits, rows_per_block;  // from split_policy
+  float* part_stats;  // (B, H, R, splits, 4): base-2 max and sum over attended keys, then over generated keys
+  float* part_acc;    // (B, H, R, splits, D_v): sum of 2^(score - split max) * v, null without V
+  float* scores;      // (B, H, R, S) base-2 scores of the attended keys, or null
+};
+
+// Stages keys [tile, tile + kTileKeys) of one head as floats, rows at `pitch`; keys at or past `stop`
+// become zeros (their weights are zero, and 0 * garbage could be NaN).
+template <typename T, int VEC>
+__device__ __forceinline__ void stage_tile(const T* __restrict__ base, int64_t key_stride, int64_t dim,
+                                           int64_t tile, int64_t stop, float* tile_s, int64_t pitch) {
+  // 32-bit index math: 64-bit division is emulated and would dominate this loop.
+  const int chunks = int(dim / VEC);
+  for (int c = threadIdx.x; c < kTileKeys * chunks; c += blockDim.x) {
+    const int j = c / chunks, d0 = (c % chunks) * VEC;
+    float values[VEC];
+    if (tile + j < stop) {
+      load_floats<T, VEC>(base + (tile + j) * key_stride + d0, values);
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) values[i] = 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) tile_s[j * pitch + d0 + i] = values[i];
+  }
+}
+
+template <typename T, int VEC, bool WITH_V>
+__global__ void __launch_bounds__(kMaxSplitThreads) split_kernel(SplitParams<T> p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int64_t split = blockIdx.x, b = blockIdx.z;
+  const int64_t row_chunks = ceil_div(p.rows, p.rows_per_block);
+  const int64_t kv_head = blockIdx.y / row_chunks, row0 = (blockIdx.y % row_chunks) * p.rows_per_block;
+  // Vector v of the block is query head head0 + v / block_rows at query row row0 + v % block_rows.
+  const int block_rows = int(min(p.rows_per_block, p.rows - row0));
+  const int group = int(p.heads / p.kv_heads), vectors = group * block_rows;
+  const int dim = int(p.dim), dim_v = int(p.dim_v), pitch = int(key_pitch(p.dim));
+  const int64_t head0 = kv_head * group;
+  const auto row_of = [&](int v) {  // the flat (b, h, r) index of vector v
+    return (b * p.heads + head0 + v / block_rows) * p.rows + row0 + v % block_rows;
+  };
+
+  int64_t* start_s = reinterpret_cast<int64_t*>(smem);  // [block_rows] each row's attended keys,
+  int64_t* input_end_s = start_s + block_rows;          // [block_rows] its first generated key,
+  int64_t* end_s = input_end_s + block_rows;            // [block_rows] and its end
+  float* q_s = reinterpret_cast<float*>(end_s + block_rows);  // [vectors][dim]
+  float* k_s = q_s + vectors * dim;                           // [kTileKeys][pitch]
+  float* v_s = k_s + kTileKeys * pitch;                       // [kTileKeys][dim_v] when WITH_V
+  float* p_s = v_s + (WITH_V ? kTileKeys * dim_v : 0);        // [vectors][kTileKeys]
+  float* m_s = p_s + vectors * kTileKeys;                     // [vectors] running max, attended keys
+  float* l_s = m_s + vectors;                                 // [vectors] running sum, attended keys
+  float* mg_s = l_s + vectors;                                // [vectors] running max, generated keys
+  float* lg_s = mg_s + vectors;                               // [vectors] running sum, generated keys
+  float* factor_s = lg_s + vectors;                           // [vectors] rescaling of the output this tile
+
+  for (int i = threadIdx.x; i < vectors * dim; i += blockDim.x) {
+    const int v = i / dim;
+    q_s[i] = to_float(p.q[b * p.q_sb + (head0 + v / block_rows) * p.q_sh + (row0 + v % block_rows) * p.q_sr +
+                          i % dim]);
+  }
+  for (int rr = threadIdx.x; rr < block_rows; rr += blockDim.x) {
+    const KeyRange range(p.start, p.input_end, p.end, b, row0 + rr, p.keys);
+    start_s[rr] = range.start;
+    input_end_s[rr] = range.input_end;
+    end_s[rr] = range.end;
+  }
+  for (int v = threadIdx.x; v < vectors; v += blockDim.x) {
+    m_s[v] = kNegInf;
+    l_s[v] = 0.0f;
+    mg_s[v] = kNegInf;
+    lg_s[v] = 0.0f;
+  }
+  __syncthreads();
+
+  // This split's share of the keys any of the block's rows attends, in whole tiles from the first.
+  int64_t first = p.keys, last = 0;
+  for (int rr = 0; rr < block_rows; ++rr) {
+    if (start_s[rr] < end_s[rr]) {
+      first = min(first, start_s[rr]);
+      last = max(last, end_s[rr]);
+    }
+  }
+  if (first > last) first = last;
+  const int64_t tiles_per_split = ceil_div(ceil_div(last - first, kTileKeys), p.splits);
+  const int64_t begin = first + split * tiles_per_split * kTileKeys;
+  const int64_t stop = min(last, begin + tiles_per_split * kTileKeys);
+
+  const T* k_head = p.k + b * p.k_sb + kv_head * p.k_sh;
+  const T* v_head = WITH_V ? p.v + b * p.v_sb + kv_head * p.v_sh : nullptr;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+
+  float acc[kMaxAccumulators];
+#pragma unroll
+  for (int a = 0; a < kMaxAccumulators; ++a) acc[a] = 0.0f;
+
+  for (int64_t tile = begin; tile < stop; tile += kTileKeys) {
+    __syncthreads();  // the previous tile's shared memory is no longer read
+    stage_tile<T, VEC>(k_head, p.k_ss, dim, tile, stop, k_s, pitch);
+    if (WITH_V) stage_tile<T, VEC>(v_head, p.v_ss, dim_v, tile, stop, v_s, dim_v);
+    __syncthreads();
+
+    // Scores of every vector against the tile's keys; a key outside a vector's row range scores -inf.
+    for (int pair = threadIdx.x; pair < vectors * kTileKeys; pair += blockDim.x) {
+      const int v = pair / kTileKeys, j = pair % kTileKeys, rr = v % block_rows;
+      const int64_t key = tile + j;
+      const bool attended = key < stop && key >= start_s[rr] && key < end_s[rr];
+      float score = kNegInf;
+      if (attended) {
+        const float* q_row = q_s + v * dim;
+        const float* k_row = k_s + j * pitch;
+        float dot = 0.0f;
+#pragma unroll 4
+        for (int d = 0; d < dim; ++d) dot = fmaf(q_row[d], k_row[d], dot);
+        score = dot * p.scale_log2;
+        if (p.scores != nullptr) p.scores[row_of(v) * p.keys + key] = score;
+      }
+      p_s[pair] = score;
+    }
+    __syncthreads();
+
+    // Online softmax per vector, one key per lane; p_s becomes 2^(score - running max).
+    for (int v = warp; v < vectors; v += warps) {
+      const float score = p_s[v * kTileKeys + lane];
+      const float old_m = m_s[v], old_mg = mg_s[v];
+      const float new_m = fmaxf(old_m, warp_max(score));
+      const float weight = exp2_diff(score, new_m);
+      const float factor = exp2_diff(old_m, new_m);
+      const float tile_sum = warp_sum(weight);
+      const float generated = tile + lane >= input_end_s[v % block_rows] ? score : kNegInf;
+      const float new_mg = fmaxf(old_mg, warp_max(generated));
+      const float generated_sum = warp_sum(exp2_diff(generated, new_mg));
+      p_s[v * kTileKeys + lane] = weight;
+      if (lane == 0) {
+        m_s[v] = new_m;
+        l_s[v] = l_s[v] * factor + tile_sum;
+        lg_s[v] = lg_s[v] * exp2_diff(old_mg, new_mg) + generated_sum;
+        mg_s[v] = new_mg;
+        factor_s[v] = factor;
+      }
+    }
+
+    if (WITH_V) {
+      __syncthreads();
+#pragma unroll
+      for (int a = 0; a < kMaxAccumulators; ++a) {
+        const int e = threadIdx.x + a * blockDim.x;
+        if (e < vectors * dim_v) {
+          const int v = e / dim_v, d = e % dim_v;
+          const float* weights = p_s + v * kTileKeys;
+          float sum = acc[a] * factor_s[v];
+#pragma unroll 8
+          for (int j = 0; j < kTileKeys; ++j) sum = fmaf(weights[j], v_s[j * dim_v + d], sum);
+          acc[a] = sum;
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  for (int v = threadIdx.x; v < vectors; v += blockDim.x) {
+    float* stats = p.part_stats + (row_of(v) * p.splits + split) * 4;
+    stats[0] = m_s[v];
+    stats[1] = l_s[v];
+    stats[2] = mg_s[v];
+    stats[3] = lg_s[v];
+  }
+  if (WITH_V) {
+#pragma unroll
+    for (int a = 0; a < kMaxAccumulators; ++a) {
+      const int e = threadIdx.x + a * blockDim.x;
+      if (e < vectors * dim_v) p.part_acc[(row_of(e / dim_v) * p.splits + split) * dim_v + e % dim_v] = acc[a];
+    }
+  }
+}
+
+template <typename T>
+struct CombineParams {
+  const float* part_stats;
+  const float* part_acc;  // null without V
+  int64_t rows_per_item, splits, dim_v;  // rows_per_item = H * R
+  const float* lse_in;  // (B, H, R) natural log, contiguous, or null: normalise with the computed lse
+  bool redistribute;
+  float* stats;    // (B, H, R, 2) for head pooling: base-2 normaliser, generated mass; or null
+  float* lse_out;  // (B, H, R) natural log, or null
+  T* out;          // (B, H, R, D_v) contiguous, or null
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams<T> p) {
+  const int64_t row = blockIdx.y * p.rows_per_item + blockIdx.x;
+  const float* part = p.part_stats + row * p.splits * 4;
+  SoftmaxState all, generated;
+  for (int64_t s = 0; s < p.splits; ++s) {
+    all.merge(part[4 * s], part[4 * s + 1]);
+    generated.merge(part[4 * s + 2], part[4 * s + 3]);
+  }
+  if (threadIdx.x == 0) {
+    if (p.lse_out != nullptr) p.lse_out[row] = all.lse();
+    if (p.stats != nullptr) {
+      const float norm = p.lse_in == nullptr ? all.lse2() : p.lse_in[row] * kLog2e;
+      p.stats[2 * row] = norm;
+      p.stats[2 * row + 1] = p.redistribute && generated.l > 0.0f ? generated.l * exp2_diff(generated.m, norm) : 0.0f;
+    }
+  }
+  if (p.out == nullptr) return;
+  const float inverse = all.l > 0.0f ? 1.0f / all.l : 0.0f;
+  for (int64_t d = threadIdx.x; d < p.dim_v; d += blockDim.x) {
+    float sum = 0.0f;
+    for (int64_t s = 0; s < p.splits; ++s) {
+      const float m = part[4 * s];
+      if (m != kNegInf) sum += exp2f(m - all.m) * p.part_acc[(row * p.splits + s) * p.dim_v + d];
+    }
+    p.out[row * p.dim_v + d] = from_float<T>(sum * inverse);
+  }
+}
+
+// Launches the split and combine passes on `stream` (defined and instantiated in kernel.cu).
+// `vectorized`: K (and V) rows start on 16-byte boundaries and D (and D_v) are multiples of 16 bytes.
+template <typename T, bool WITH_V>
+cudaError_t split_kv(const SplitParams<T>& p, const CombineParams<T>& combine, bool vectorized,
+                     cudaStream_t stream);
+
+}  // namespace macs

@@ -1,0 +1,35 @@
+"""The `macs-kernels` command: explain | eval | bench | at2.
+
+Each subcommand lives in its own module exposing `add_parser(subparsers)`; building the parser imports
+only those modules, which keep torch and transformers inside their run functions, so `--help` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# One line per subcommand module (anything with add_parser(subparsers) that imports no torch at import time).
+SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "macs_kernels.cli.explain",
+    "macs_kernels.cli.eval",
+    "macs_kernels.cli.bench",
+    "macs_kernels.cli.at2",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="macs-kernels", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(required=True, dest="command")
+    for name in SUBCOMMAND_MODULES:
+        importlib.import_module(name).add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

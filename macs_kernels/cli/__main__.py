@@ -1,0 +1,5 @@
+import sys
+
+from macs_kernels.cli import main
+
+sys.exit(main())

@@ -1,0 +1,109 @@
+"""The attribution methods an evaluation compares, by name: "macs" with its ablation options, the baselines, AT2."""
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import MacsConfig
+
+BASE_METHODS = ("macs", "at2", "attention-mean", "rollout", "random")
+FAITHFULNESS_METHODS = ("macs", "at2", "attention-mean", "random")
+# Faithfulness metrics: name in the results -> name in faithfulness_curves' output.
+FAITHFULNESS_METRICS = {"perplexity": "perplexity", "rouge_l": "rouge_l", "logit": "mean_logit"}
+# AT2's coefficients are trained on stqa_350's questions 0-249: it is scored on the others only.
+AT2_FIRST_EVAL_INDEX = 250
+_MACS_OPTIONS = {"alpha": "alpha", "pool": "pooling", "redistribute": "redistribute", "attention": "attention"}
+DEFAULT_METHODS = ("macs", "macs:pool=mean", "macs:pool=min", "macs:alpha=0.2", "macs:alpha=0.5", "macs:alpha=1.0",
+                   "macs:redistribute=off", "macs:attention=efficient", "at2", "attention-mean", "rollout", "random")
+
+
+class MethodUnavailable(ValueError):
+    """A method that is recognised but cannot run in this installation."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One attribution method. name is canonical: "macs" plus only its non-default options."""
+
+    name: str
+    kind: str
+    macs: MacsConfig | None = None
+
+    @property
+    def needs_record(self) -> bool:
+        return self.kind in ("macs", "attention-mean", "at2")
+
+    @property
+    def faithfulness(self) -> bool:
+        return self.name in FAITHFULNESS_METHODS
+
+    def scores_sample(self, index: int) -> bool:
+        """Whether this method is scored on sample `index` (AT2 not on the questions its coefficients saw)."""
+        return self.kind != "at2" or index >= AT2_FIRST_EVAL_INDEX
+
+
+def parse_method(text: str) -> Method:
+    """'macs', 'macs:pool=mean', 'macs:alpha=1:redistribute=off', 'attention-mean', 'rollout', 'random', 'at2'."""
+    kind, _, options = text.strip().partition(":")
+    if kind not in BASE_METHODS:
+        raise ValueError(f"unknown method {text!r}; choose from {BASE_METHODS} (macs takes :key=value options)")
+    if kind != "macs":
+        if options:
+            raise ValueError(f"method {kind!r} takes no options, got {text!r}")
+        if kind == "at2":
+            _check_at2()
+        return Method(kind, kind)
+    values = {}
+    for option in filter(None, options.split(":")):
+        key, eq, value = option.partition("=")
+        if not eq or key not in _MACS_OPTIONS:
+            raise ValueError(f"bad MACS option {option!r} in {text!r}; use {'|'.join(_MACS_OPTIONS)}=VALUE")
+        if key == "alpha":
+            try:
+                values["alpha"] = float(value)
+            except ValueError:
+                raise ValueError(f"alpha must be a number, got {value!r}") from None
+        elif key == "redistribute":
+            if value not in ("on", "off"):
+                raise ValueError(f"redistribute is on or off, got {value!r}")
+            values["redistribute"] = value == "on"
+        else:
+            values[_MACS_OPTIONS[key]] = value
+    config = MacsConfig(**values)
+    default = MacsConfig()
+    parts = []
+    if config.alpha != default.alpha:
+        parts.append(f"alpha={float(config.alpha)!r}")
+    if config.pooling != default.pooling:
+        parts.append(f"pool={config.pooling}")
+    if config.redistribute != default.redistribute:
+        parts.append(f"redistribute={'on' if config.redistribute else 'off'}")
+    if config.attention != default.attention:
+        parts.append(f"attention={config.attention}")
+    return Method(":".join(["macs", *parts]), "macs", config)
+
+
+def _check_at2() -> None:
+    from ..at2 import DEFAULT_COEFFICIENTS
+
+    if not DEFAULT_COEFFICIENTS.is_file():
+        raise MethodUnavailable(f"at2 is not available yet: no trained coefficients at {DEFAULT_COEFFICIENTS}")
+
+
+def default_methods() -> list[str]:
+    """Every method this installation can run: the paper's MACS ablations and the baselines."""
+    available = []
+    for name in DEFAULT_METHODS:
+        try:
+            parse_method(name)
+        except MethodUnavailable:
+            continue
+        available.append(name)
+    return available
+
+
+def parse_methods(text: str | None) -> list[Method]:
+    methods = [parse_method(t) for t in (text.split(",") if text else default_methods()) if t.strip()]
+    names = [m.name for m in methods]
+    if not methods or len(set(names)) != len(names):
+        raise ValueError(f"give one or more distinct methods, got {names}")
+    return methods

@@ -1,0 +1,44 @@
+"""A folder of recorded generations (float16 rows, float32 masses), one .npz per generation key.
+
+The key (runner.generation_key) covers everything a recording depends on: model, dtype, max_new_tokens and
+the prompt ids, plus RECORD_VERSION, so records are shared by every results file and data set that
+generates from the same prompt, and never confused across them.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+# Bump when RowRecorder's fields or their meaning change: older records are then recorded again.
+RECORD_VERSION = 2
+
+
+def records_dir(root: str | os.PathLike | None) -> Path:
+    if root is None:
+        from ..models import cache_dir
+
+        root = cache_dir() / "eval_records"
+    return Path(root)
+
+
+def save_record(folder: Path, key: str, record: dict, prompt_ids, generated_ids) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    arrays = {k: (v.astype(np.float16) if k.endswith("rows") else v) for k, v in record.items()}
+    tmp = folder / f".{key}.{os.getpid()}.npz"
+    with open(tmp, "wb") as f:
+        np.savez(f, prompt_ids=np.asarray(prompt_ids), generated_ids=np.asarray(generated_ids), **arrays)
+    tmp.rename(folder / f"{key}.npz")
+
+
+def load_record(folder: Path, key: str, prompt_ids) -> tuple[dict, np.ndarray] | None:
+    """(record, generated ids) stored under `key`, or None when missing or recorded from other prompt ids."""
+    path = folder / f"{key}.npz"
+    if not path.is_file():
+        return None
+    with np.load(path) as data:
+        if not np.array_equal(data["prompt_ids"], np.asarray(prompt_ids)):
+            return None
+        record = {k: data[k] for k in data.files if k not in ("prompt_ids", "generated_ids")}
+        return record, data["generated_ids"]

@@ -1,0 +1,126 @@
+"""The CUDA sources compile, with no GPU and no CUDA torch: a syntax or template error fails here, not on a GPU.
+
+Every torch-free csrc/<piece>/kernel.cu is compiled alone by plain nvcc (no torch include path: this also
+proves it torch-free), host code included, for sm_80 and sm_90 under the flags torch's extension build
+adds; each architecture's cubin must hold the piece's kernels for float, half and bfloat16, and no other
+piece's kernels (the split-KV pass and head pooling have one copy, which the ops compose). Each op's
+launcher csrc/<op>/launch.cu registers the CUDA kernel of the operator Python defines; the launchers are
+compiled against the torch headers of the installed (CPU) wheel in a slow test.
+"""
+import concurrent.futures
+import os
+import re
+import shutil
+import subprocess
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+ARCHES = ("sm_80", "sm_90")
+# What torch.utils.cpp_extension passes to nvcc: the kernels must not rely on implicit half conversions.
+TORCH_NVCC_FLAGS = [
+    "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-D__CUDA_NO_HALF2_OPERATORS__", "--expt-relaxed-constexpr",
+]
+DTYPES = {"float": "f", "half": "6__half", "bfloat16": "13__nv_bfloat16"}  # as mangled in template arguments
+# The operators macs_kernels/ops defines; each has csrc/<op>/launch.cu registering its CUDA kernel.
+OPS = ("attention_features", "decode_attention", "macs_pool", "macs_update", "macs_update_rows", "macs_zscore")
+# csrc/<piece>/kernel.cu -> the kernels only it holds; True: instantiated for every dtype.
+PIECES = {
+    "split_kv": {"split_kernel": True, "combine_kernel": True},
+    "pool": {"pool_kernel": True},
+    "macs_update_rows": {"generated_mass_kernel": True},
+    "macs_zscore": {"zscore_kernel": False},  # log_c is float32 whatever the model's dtype
+    "attention_features": {"features_kernel": True, "features_lse_kernel": True},
+}
+REGISTRATION = re.compile(r'TORCH_LIBRARY_IMPL\(macs_kernels, CUDA, m\) \{ m\.impl\("(\w+)", &macs::(\w+)\); \}')
+
+
+def _nvcc():
+    found = shutil.which("nvcc")
+    if found is None and os.environ.get("CUDA_HOME"):
+        candidate = Path(os.environ["CUDA_HOME"]) / "bin" / "nvcc"
+        found = str(candidate) if candidate.exists() else None
+    if found is None:
+        pytest.skip("nvcc is not installed (not on PATH, nor in $CUDA_HOME/bin): the CUDA sources cannot be compile-checked")
+    return found
+
+
+def _compile(command):
+    started = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    return result, time.perf_counter() - started
+
+
+def _kernels_in(cubin: bytes, names) -> set:
+    return {name for name in names if f"_ZN4macs{len(name)}{name}I".encode() in cubin}
+
+
+def test_each_op_is_registered_once_by_its_own_launcher_and_kernels_are_torch_free():
+    assert sorted(p.parent.name for p in CSRC.glob("*/launch.cu")) == sorted(OPS)
+    assert sorted(p.parent.name for p in CSRC.glob("*/kernel.cu")) == sorted(PIECES)
+    for op in OPS:
+        registrations = REGISTRATION.findall((CSRC / op / "launch.cu").read_text())
+        assert registrations == [(op, f"{op}_cuda")], f"{op}/launch.cu must register {op}_cuda for {op} only"
+    for source in CSRC.rglob("*"):
+        if source.is_file():
+            text = source.read_text()
+            assert not re.search(r"TORCH_LIBRARY\(|\bm\.def\(", text), f"{source}: schemas are defined in Python only"
+            if source.name not in ("launch.cu", "launch_utils.h"):  # the torch side
+                assert not re.search(r'#include\s*[<"](torch|ATen|c10)/', text), f"{source} includes torch"
+    assert "m.impl" not in (CSRC / "bindings.cpp").read_text()
+
+
+def test_kernels_compile_for_sm80_and_sm90_in_every_dtype_with_one_copy_each(tmp_path):
+    nvcc = _nvcc()
+    gencode = [f"-gencode=arch=compute_{arch[3:]},code={arch}" for arch in ARCHES]
+    jobs = {
+        piece: [nvcc, "-std=c++17", "-O3", "-c", *gencode, "--keep", f"--keep-dir={tmp_path / piece}", "-I",
+                str(CSRC), *TORCH_NVCC_FLAGS, "-o", str(tmp_path / piece / "kernel.o"), str(CSRC / piece / "kernel.cu")]
+        for piece in PIECES
+    }
+    for piece in PIECES:
+        (tmp_path / piece).mkdir()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        results = dict(zip(jobs, pool.map(_compile, jobs.values())))
+    print("nvcc times: " + ", ".join(f"{piece} {seconds:.1f}s" for piece, (_, seconds) in results.items()))
+    every_kernel = {kernel for kernels in PIECES.values() for kernel in kernels}
+    for piece, (result, _) in results.items():
+        assert result.returncode == 0, f"nvcc {piece}/kernel.cu failed:\n{result.stderr}"
+        for arch in ARCHES:
+            cubin = (tmp_path / piece / f"kernel.compute_{arch[3:]}.cubin").read_bytes()
+            assert _kernels_in(cubin, every_kernel) == set(PIECES[piece]), f"{piece}/{arch}: wrong kernels"
+            for kernel, every_dtype in PIECES[piece].items():
+                for dtype, mangled in DTYPES.items() if every_dtype else ():
+                    symbol = f"{len(kernel)}{kernel}I{mangled}".encode()
+                    assert symbol in cubin, f"{piece}/{arch}: {kernel} is not instantiated for {dtype}"
+
+
+@pytest.mark.slow
+def test_launchers_and_registrations_compile_against_the_torch_headers(tmp_path):
+    """One translation unit with every launch.cu (TORCH_LIBRARY_IMPL registrations included) and bindings.cpp,
+    compiled (not linked) with nvcc.
+
+    The CPU wheel ships the c10/ATen CUDA headers but not the generated c10/cuda/impl/cuda_cmake_macros.h,
+    which only sets export macros for a shared c10_cuda build: an empty stand-in is enough to compile.
+    """
+    nvcc = _nvcc()
+    torch = pytest.importorskip("torch")
+    from torch.utils.cpp_extension import include_paths
+
+    stub = tmp_path / "stub" / "c10" / "cuda" / "impl"
+    stub.mkdir(parents=True)
+    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
+    unity = tmp_path / "all_launchers.cu"
+    sources = [*sorted(CSRC.glob("*/launch.cu")), CSRC / "bindings.cpp"]
+    unity.write_text("".join(f'#include "{source}"\n' for source in sources))
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [str(CSRC), str(tmp_path / "stub"), *include_paths(), sysconfig.get_paths()["include"]]
+    command = [nvcc, "-std=c++20", "-O0", "-arch=sm_90", "-c", *TORCH_NVCC_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+               *(f"-I{path}" for path in includes), "-o", str(tmp_path / "all_launchers.o"), str(unity)]
+    result, seconds = _compile(command)
+    print(f"launchers + bindings: {seconds:.1f}s")
+    assert result.returncode == 0, f"nvcc failed on the launchers:\n{result.stderr[-6000:]}"

@@ -1,0 +1,126 @@
+"""macs_kernels._C registers a CUDA kernel for every operator macs_kernels/ops defines, and the launchers'
+own behaviour that the per-op backend grids do not reach: query rows spread over several blocks and key
+splits (macs_pool), the pooled mode of decode_attention, and argument errors naming the argument.
+
+Needs a CUDA device and the built extension; skips with the reason otherwise.
+"""
+import importlib
+
+import pytest
+import torch
+
+import macs_kernels.ops  # noqa: F401 - defines the operators whose CUDA kernels _C registers
+from macs_kernels import reference
+from tests.ops.test_cuda_build import OPS
+from tests.tolerances import RELATIVE_ERROR, relative_error
+
+
+def _why_skip():
+    if not torch.cuda.is_available():
+        return "no CUDA device: the CUDA kernels run on CUDA tensors only"
+    try:
+        importlib.import_module("macs_kernels._C")
+    except ImportError as error:
+        return f"macs_kernels._C is not built ({error})"
+    return None
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_why_skip() is not None, reason=str(_why_skip()))]
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_every_operator_has_a_cuda_kernel(op):
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"macs_kernels::{op}", "CUDA")
+
+
+def _verify_block(batch, kv_heads, group, rows, keys, dim, dtype):
+    """q (B, H, R, D) and per-row ranges as a verify pass of assisted decoding makes them: row r of item b
+    attends [start_b, base_b + r + 1), its inputs [start_b, input_end_b)."""
+    heads = kv_heads * group
+    # Views, as a model hands them over: a transposed query and a cache with spare capacity.
+    q = 2 * torch.randn(batch, rows, heads, dim, device="cuda").to(dtype).transpose(1, 2)
+    k_cache = torch.randn(batch, kv_heads, keys + 7, dim, device="cuda").to(dtype)[:, :, :keys]
+    start = torch.tensor([3 * b for b in range(batch)], device="cuda")
+    base = torch.tensor([keys - rows - 2 * b for b in range(batch)], device="cuda")
+    input_end = start + (base - start) // 2
+    kv_len = base.unsqueeze(1) + torch.arange(1, rows + 1, device="cuda")
+    return q, k_cache, start.unsqueeze(1).expand(batch, rows), input_end.unsqueeze(1).expand(batch, rows), kv_len
+
+
+@pytest.mark.parametrize(
+    "batch, kv_heads, group, rows, keys, dim, dtype",
+    [
+        (2, 2, 8, 11, 1023, 64, torch.float32),  # 8 rows per block: two row chunks, several key splits
+        (3, 3, 3, 5, 113, 66, torch.float16),  # rows not 16-byte aligned: element-wise loads
+        (1, 1, 64, 3, 300, 128, torch.bfloat16),  # 64 heads: one row per block, > 48 KB of shared memory
+    ],
+)
+@pytest.mark.parametrize("pooling", ["max", "mean", "min"])
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_macs_pool_over_row_chunks_and_splits(batch, kv_heads, group, rows, keys, dim, dtype, pooling, with_lse):
+    q, k_cache, start, input_end, kv_len = _verify_block(batch, kv_heads, group, rows, keys, dim, dtype)
+    scale = dim ** -0.5
+    expected = reference.macs_pool_reference(
+        q, k_cache, input_start=start, input_end=input_end, kv_len=kv_len, scale=scale, pooling=pooling
+    )
+    lse = None
+    if with_lse:
+        scores = torch.einsum("bhrd,bhsd->bhrs", q.double(), k_cache.double().repeat_interleave(group, 1)) * scale
+        attended = torch.arange(keys, device="cuda")
+        outside = (attended < start.unsqueeze(-1)) | (attended >= kv_len.unsqueeze(-1))
+        lse = torch.logsumexp(scores.masked_fill(outside.unsqueeze(1), float("-inf")), -1).float()
+    out = torch.full(expected.shape, float("nan"), device="cuda")  # every entry is written, zeros past N
+    torch.ops.macs_kernels.macs_pool(q, k_cache, out, start, input_end, kv_len, scale, pooling, True, lse)
+    assert relative_error(out, expected) < RELATIVE_ERROR[dtype]
+
+
+@pytest.mark.parametrize("redistribute", [True, False])
+def test_decode_attention_pooled_writes_macs_pool_and_the_same_output(redistribute):
+    batch, kv_heads, group, keys, dim = 3, 2, 4, 700, 64
+    q, k_cache, start, input_end, kv_len = _verify_block(batch, kv_heads, group, 1, keys, dim, torch.float32)
+    v_cache = torch.randn_like(k_cache)
+    scale = dim ** -0.5
+    expected = reference.macs_pool_reference(
+        q, k_cache, input_start=start, input_end=input_end, kv_len=kv_len, scale=scale, redistribute=redistribute
+    )[:, 0]
+    expected_out, expected_lse = reference.decode_attention_reference(
+        q[:, :, 0], k_cache, v_cache, kv_start=start[:, 0], kv_len=kv_len[:, 0], scale=scale
+    )
+    pooled = torch.full(expected.shape, float("nan"), device="cuda")
+    out, lse = torch.ops.macs_kernels.decode_attention(
+        q[:, :, 0], k_cache, v_cache, start[:, 0].contiguous(), kv_len[:, 0].contiguous(), scale, None,
+        input_end[:, 0].contiguous(), 0.8, "max", redistribute, pooled,
+    )
+    assert relative_error(pooled, expected) < RELATIVE_ERROR[torch.float32]
+    assert relative_error(out, expected_out) < RELATIVE_ERROR[torch.float32]
+    assert relative_error(lse, expected_lse) < RELATIVE_ERROR[torch.float32]
+
+
+def test_launcher_errors_name_the_argument():
+    q, k_cache, start, input_end, kv_len = _verify_block(2, 1, 2, 3, 50, 64, torch.float32)
+    out = torch.zeros(2, 3, 30, device="cuda")
+    macs_pool = torch.ops.macs_kernels.macs_pool
+    with pytest.raises(RuntimeError, match=r"macs_pool: out must be float32"):
+        macs_pool(q, k_cache, out.double(), start, input_end, kv_len, 0.1, "max", True, None)
+    with pytest.raises(RuntimeError, match=r"macs_pool: out must have shape \(2, 3, N_max\)"):
+        macs_pool(q, k_cache, out[:, :2], start, input_end, kv_len, 0.1, "max", True, None)
+    with pytest.raises(RuntimeError, match=r"macs_pool: input_start must have shape \(2, 3\)"):
+        macs_pool(q, k_cache, out, start[:, 0].contiguous(), input_end, kv_len, 0.1, "max", True, None)
+    with pytest.raises(RuntimeError, match=r"macs_pool: kv_len must be int64"):
+        macs_pool(q, k_cache, out, start, input_end, kv_len.int(), 0.1, "max", True, None)
+    with pytest.raises(RuntimeError, match=r"macs_pool: lse must have 3 dimensions"):
+        macs_pool(q, k_cache, out, start, input_end, kv_len, 0.1, "max", True, torch.zeros(2, 2, device="cuda"))
+    with pytest.raises(RuntimeError, match=r"macs_pool: pooling must be 'max', 'mean' or 'min'"):
+        macs_pool(q, k_cache, out, start, input_end, kv_len, 0.1, "median", True, None)
+    v_cache = torch.randn_like(k_cache)
+    state = torch.zeros(2, 30, device="cuda")
+    with pytest.raises(RuntimeError, match="decode_attention: give log_c or pooled, not both"):
+        torch.ops.macs_kernels.decode_attention(
+            q[:, :, 0], k_cache, v_cache, start[:, 0].contiguous(), kv_len[:, 0].contiguous(), 0.1, state,
+            input_end[:, 0].contiguous(), 0.8, "max", True, state.clone(),
+        )
+    with pytest.raises(RuntimeError, match="decode_attention: input_end"):
+        torch.ops.macs_kernels.decode_attention(
+            q[:, :, 0], k_cache, v_cache, start[:, 0].contiguous(), kv_len[:, 0].contiguous(), 0.1, None, None,
+            0.8, "max", True, state,
+        )

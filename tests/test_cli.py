@@ -1,0 +1,108 @@
+"""The `macs-kernels` command itself: --help without torch, and arguments refused before any model loads."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from macs_kernels.cli import SUBCOMMAND_MODULES, build_parser, main
+from tests.helpers import QUESTIONS
+
+HEAVY = ("torch", "transformers", "numpy", "triton")
+
+
+@pytest.mark.parametrize("argv", [["-m", "macs_kernels", "--help"], ["-m", "macs_kernels.cli", "eval", "--help"],
+                                  ["-m", "macs_kernels.cli", "at2", "train", "--help"]])
+def test_help_imports_neither_torch_nor_transformers(argv):
+    probe = ("import runpy, sys\n"
+             "sys.argv = ['macs-kernels', *sys.argv[1:]]\n"
+             "try:\n"
+             f"    runpy.run_module({argv[1]!r}, run_name='__main__')\n"
+             "except SystemExit:\n"
+             "    pass\n"
+             f"print([name for name in {HEAVY!r} if name in sys.modules])\n")
+    done = subprocess.run([sys.executable, "-c", probe, *argv[2:]], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "usage: macs-kernels" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_every_subcommand_module_registers_and_nothing_imports_back():
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    assert {"explain", "eval", "bench", "at2"} <= set(commands) and len(SUBCOMMAND_MODULES) == len(commands)
+    for module in ("macs_kernels.at2", "macs_kernels.evaluation", "macs_kernels.bench"):
+        # The library never imports its command line (the old at2/cli.py <-> cli.py cycle).
+        done = subprocess.run([sys.executable, "-c", f"import sys, {module}; print('macs_kernels.cli' in sys.modules)"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.stdout.strip() == "False", done.stderr
+
+
+def _explain(*extra):
+    question, context = QUESTIONS[0]
+    return ["explain", "--question", question, "--context", context, "--max-new-tokens", "3", *extra]
+
+
+@pytest.mark.parametrize("model", ["/nonexistent", "./no/such/folder", "~/no-such-model", "a/b/c"])
+def test_a_missing_model_folder_is_named_before_loading(model, capsys):
+    with pytest.raises(SystemExit, match=f"--model {model}: the folder does not exist"):
+        main(_explain("--model", model))
+    with pytest.raises(SystemExit, match="the folder does not exist"):
+        main(["eval", "--data", __file__, "--model", model, "--out", "/tmp/never-written.jsonl"])
+
+
+def test_a_file_given_as_model_folder_is_refused(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(SystemExit, match="is a file, not a model folder"):
+        main(_explain("--model", str(tmp_path / "weights.bin")))
+
+
+def test_step_and_output_files_are_checked_before_generation(tmp_path, monkeypatch):
+    def no_loading(args):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr("macs_kernels.cli.explain.load_from_args", no_loading)
+    refusals = [
+        (("--step", "3"), "--step 3 is out of range: at most 3 tokens"),
+        (("--step", "-4"), "--step -4 is out of range"),
+        (("--json", str(tmp_path / "missing" / "x.json")), "--json .*: the folder .* does not exist"),
+        (("--html", str(tmp_path)), "--html .*: is a folder"),
+        (("--json", str(tmp_path / "x"), "--html", str(tmp_path / "x")), "--json and --html name the same file"),
+        (("--alpha", "1.5"), "alpha must be in"),
+        (("--max-new-tokens", "0"), "--max-new-tokens must be at least 1"),
+    ]
+    for extra, match in refusals:
+        with pytest.raises(SystemExit, match=match):
+            main(_explain(*extra))
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_step_past_an_early_end_keeps_the_json(tmp_path):
+    """--step inside --max-new-tokens but past the end of a generation that stopped early: the JSON and HTML
+    are written, then the command says why it shows nothing."""
+    out, page = tmp_path / "e.json", tmp_path / "e.html"
+    question, context = QUESTIONS[0]
+    with pytest.raises(SystemExit, match="--step 40 is out of range: the generation stopped after"):
+        main(["explain", "--question", question, "--context", context, "--max-new-tokens", "64", "--step", "40",
+              "--json", str(out), "--html", str(page)])
+    data = json.loads(out.read_text())
+    assert 0 < len(data["generated_ids"]) <= 40 and page.read_text().lstrip().lower().startswith("<!doctype html")
+
+
+def test_a_subcommand_module_is_added_by_one_line(monkeypatch):
+    """What the serve package does: a module with add_parser(subparsers), named once in SUBCOMMAND_MODULES."""
+    import types
+
+    import macs_kernels.cli as cli
+
+    module = types.ModuleType("fake_serve")
+
+    def add_parser(subparsers):
+        parser = subparsers.add_parser("serve", help="serve explanations")
+        parser.add_argument("--port", type=int, default=8000)
+        parser.set_defaults(run=lambda args: args.port)
+
+    module.add_parser = add_parser
+    monkeypatch.setitem(sys.modules, "fake_serve", module)
+    monkeypatch.setattr(cli, "SUBCOMMAND_MODULES", (*cli.SUBCOMMAND_MODULES, "fake_serve"))
+    assert cli.main(["serve", "--port", "9"]) == 9

@@ -1,0 +1,191 @@
+"""User-facing scores rank as log c does (the paper's z-scores of c tie under the attention sink); top_k;
+the same definition in JSON; errors before generation for ids outside the vocabulary and for
+return_dict_in_generate."""
+import json
+
+import pytest
+import torch
+
+from macs_kernels import explain, reference
+from macs_kernels.evaluation.alignment import align_qa
+from macs_kernels.explanation import Explanation, log_zscores
+from tests.helpers import QUESTIONS, default_model, tiny_llama
+
+TOLERANCE = 1e-5
+# Differences in log c above this must show in the scores with the same sign.
+LOG_GAP = 1e-3
+
+
+def _explanation(log_c, source_span=None):
+    steps, n = log_c.shape
+    return Explanation(
+        input_ids=torch.arange(n), generated_ids=torch.arange(steps), input_tokens=[f"t{i}" for i in range(n)],
+        generated_tokens=[f"g{k}" for k in range(steps)], step_log_c=log_c, config={}, source_span=source_span,
+    )
+
+
+def _order_violations(log_c: torch.Tensor, scores: torch.Tensor) -> int:
+    """Pairs of tokens whose log c differ by more than LOG_GAP but whose scores do not order them alike."""
+    d_log = log_c.double()[:, None] - log_c.double()[None, :]
+    d_score = scores.double()[:, None] - scores.double()[None, :]
+    apart = d_log.abs() > LOG_GAP
+    return int((torch.sign(d_log[apart]) != torch.sign(d_score[apart])).sum())
+
+
+def _sink_row(n=60, seed=0):
+    """A prompt's log c as on a real model: the sink near 0, every other token near -35."""
+    generator = torch.Generator().manual_seed(seed)
+    row = -35.0 + 3.0 * torch.rand(n, generator=generator)
+    row[0] = -0.01
+    return row
+
+
+def test_log_zscores_match_the_reference_with_underflow_and_constant_rows():
+    log_c = torch.randn(4, 113) * 5 - 20
+    log_c[1, [3, 50]] = float("-inf")
+    log_c[2] = -7.0
+    log_c[3] = float("-inf")
+    got = log_zscores(log_c)
+    assert got.dtype == torch.float32 and got.shape == log_c.shape
+    ref = reference.log_zscore_reference(log_c)
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(got), finite) and (got[~finite] == float("-inf")).all()
+    assert (got.double()[finite] - ref[finite]).abs().max() <= TOLERANCE
+    assert not got[2].any()  # equal log c: all scores 0
+
+
+def test_scores_rank_as_log_c_where_the_paper_form_ties():
+    log_c = torch.stack([_sink_row(seed=k) for k in range(3)])
+    explanation = _explanation(log_c)
+    for k in range(3):
+        assert _order_violations(log_c[k], explanation.step_scores[k]) == 0
+        assert _order_violations(log_c[k], explanation.paper_step_scores[k]) > 100  # ties in float32
+    mean = log_c.mean(0)
+    assert _order_violations(mean, explanation.scores) == 0
+    assert _order_violations(mean, explanation.paper_scores) > 100
+    assert torch.allclose(explanation.paper_step_scores.double(),
+                          reference.macs_zscore_reference(log_c, torch.full((3,), 60)), atol=1e-5)
+
+
+def test_top_k_steps_spans_and_ties():
+    log_c = torch.tensor([[0.0, -3.0, -1.0, -2.0, float("-inf"), -1.0],
+                          [0.0, -1.0, -4.0, -2.0, -3.0, -5.0]])
+    explanation = _explanation(log_c, source_span=(1, 5))
+    # over steps: mean log c = [0, -2, -2.5, -2, -inf, -3]; ties keep prompt order
+    assert [i for i, _, _ in explanation.top_k(6)] == [0, 1, 3, 2, 5, 4]
+    best = explanation.top_k(2)
+    assert best[0][:2] == (0, "t0") and best[0][2] == pytest.approx(float(explanation.scores[0]))
+    assert [i for i, _, _ in explanation.top_k(2, step=0)] == [0, 2]
+    assert [i for i, _, _ in explanation.top_k(3, step=-1)] == [0, 1, 3]
+    assert [i for i, _, _ in explanation.top_k(10, span=True)] == [1, 3, 2, 4]  # all of the span, -inf last
+    assert explanation.top_k(10, span=True)[-1][2] == float("-inf")
+    assert [i for i, _, _ in explanation.top_k(1, step=1, span=(2, 6))] == [3]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda e: e.top_k(0), "k must be an integer >= 1"),
+    (lambda e: e.top_k(True), "k must be an integer >= 1"),
+    (lambda e: e.top_k(2, step=2), "step 2 is out of range: 2 tokens"),
+    (lambda e: e.top_k(2, step=-3), "step -3 is out of range"),
+    (lambda e: e.top_k(2, span=(3, 3)), r"span \[3, 3\) is not a non-empty range of the 6 prompt tokens"),
+    (lambda e: e.top_k(2, span=(0, 7)), r"span \[0, 7\)"),
+    (lambda e: e.top_k(2, span="context"), "span must be None, True or a"),
+    (lambda e: _explanation(e.step_log_c).top_k(2, span=True), "span=True needs a source_span"),
+])
+def test_bad_top_k_arguments_raise(call, message):
+    explanation = _explanation(torch.randn(2, 6), source_span=(1, 5))
+    with pytest.raises(ValueError, match=message):
+        call(explanation)
+
+
+def test_json_holds_both_forms_and_null_for_underflow():
+    log_c = torch.stack([_sink_row(8), _sink_row(8, seed=1)])
+    log_c[1, 3] = float("-inf")
+    explanation = _explanation(log_c)
+    text = explanation.to_json()
+    assert "Infinity" not in text and "NaN" not in text
+    data = json.loads(text)
+    assert data["step_scores"][1][3] is None and data["step_log_c"][1][3] is None and data["scores"][3] is None
+    finite = torch.isfinite(explanation.step_scores)
+    got = torch.tensor([[v if v is not None else float("-inf") for v in row] for row in data["step_scores"]])
+    assert torch.equal(got[finite], explanation.step_scores[finite])
+    assert torch.equal(torch.tensor(data["paper_step_scores"]), explanation.paper_step_scores)
+    assert "log consistency" in data["score_definition"]
+
+
+# ---- on the default model -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hamlet():
+    model, tokenizer = default_model()
+    question, context = QUESTIONS[0]
+    alignment = align_qa(tokenizer, question, context)
+    explanation = explain(model, tokenizer, input_ids=torch.tensor(alignment.input_ids), max_new_tokens=5,
+                          backend="torch")
+    explanation.source_span = alignment.context_tokens
+    return explanation
+
+
+def test_real_model_scores_are_distinct_and_rank_as_log_c(hamlet):
+    n = len(hamlet.input_ids)
+    mean = hamlet.step_log_c.mean(0)
+    assert torch.isfinite(mean).all()
+    distinct_log_c = torch.unique(torch.round(mean / LOG_GAP)).numel()
+    assert distinct_log_c > 0.9 * n
+    assert torch.unique(hamlet.scores).numel() >= distinct_log_c
+    assert _order_violations(mean, hamlet.scores) == 0
+    assert _order_violations(mean, hamlet.paper_scores) > 0  # what users got before: ties under the sink
+    for k in range(len(hamlet.generated_ids)):
+        assert _order_violations(hamlet.step_log_c[k], hamlet.step_scores[k]) == 0
+    ref = reference.log_zscore_reference(hamlet.step_log_c)
+    assert (hamlet.step_scores.double() - ref).abs().max() <= TOLERANCE
+
+
+def test_real_model_top_k_is_the_argsort_of_log_c(hamlet):
+    mean = hamlet.step_log_c.mean(0)
+    assert [i for i, _, _ in hamlet.top_k(10)] == torch.argsort(mean, descending=True)[:10].tolist()
+    for k in range(len(hamlet.generated_ids)):
+        want = torch.argsort(hamlet.step_log_c[k], descending=True)[:5].tolist()
+        assert [i for i, _, _ in hamlet.top_k(5, step=k)] == want
+    start, end = hamlet.source_span
+    in_context = [i for i, _, _ in hamlet.top_k(5, span=True)]
+    assert in_context == (start + torch.argsort(mean[start:end], descending=True)[:5]).tolist()
+    assert all(hamlet.input_tokens[i] == token for i, token, _ in hamlet.top_k(5, span=True))
+
+
+# ---- errors before generation -------------------------------------------------------------------------
+@pytest.fixture
+def no_generation(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("generation ran")
+
+    model, tokenizer = default_model()
+    monkeypatch.setattr(model, "generate", refuse)
+    return model, tokenizer
+
+
+@pytest.mark.parametrize("bad", [49152, -1], ids=["vocab", "negative"])
+def test_input_ids_outside_the_vocabulary_raise_before_generation(no_generation, bad):
+    model, tokenizer = no_generation
+    with pytest.raises(ValueError, match=rf"input_ids: 1 token id\(s\) outside the model's vocabulary \[0, 49152\): "
+                                         rf"{bad} \(prompt 0, position 2\)"):
+        explain(model, tokenizer, input_ids=torch.tensor([1, 5, bad, 7]), max_new_tokens=2)
+
+
+def test_a_tokenizer_of_another_model_is_named():
+    _, tokenizer = default_model()
+    with pytest.raises(ValueError, match=r"the tokenizer's ids \(is it the model's tokenizer\?\).*\[0, 97\)"):
+        explain(tiny_llama(), tokenizer, "Who wrote Hamlet?", max_new_tokens=2)
+
+
+def test_return_dict_in_generate_is_refused_before_generation(no_generation):
+    model, tokenizer = no_generation
+    with pytest.raises(ValueError, match="return_dict_in_generate=True is not supported"):
+        explain(model, tokenizer, "Who wrote Hamlet?", max_new_tokens=2, return_dict_in_generate=True)
+
+
+def test_a_generation_config_asking_for_a_dict_still_explains():
+    _, tokenizer = default_model()
+    model = tiny_llama()
+    model.generation_config.return_dict_in_generate = True
+    explanation = explain(model, tokenizer, input_ids=torch.tensor([1, 5, 9, 14, 20]), max_new_tokens=3)
+    assert isinstance(explanation, Explanation) and explanation.step_log_c.shape[1] == 5
