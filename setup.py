@@ -58,7 +58,7 @@ setup(
     description="Token attribution from attention (MACS, AT2, efficient attention) inside FlashAttention-style "
                 "inference",
     packages=find_packages(include=["macs_kernels", "macs_kernels.*"]),
-    package_data={"macs_kernels": ["data/*"]},
+    package_data={"macs_kernels": ["data/*"], "macs_kernels.serve": ["static/*"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
@@ -73,7 +73,9 @@ setup(
         "triton": ["triton>=3.1"],
         "gguf": ["gguf>=0.10", "accelerate"],
         "eval": ["datasets", "rouge-score", "scikit-learn"],
-        "test": ["pytest", "pytest-benchmark", "scikit-learn", "hypothesis", "ruff"],
+        "serve": ["fastapi>=0.110", "uvicorn>=0.29"],
+        "test": ["pytest", "pytest-benchmark", "scikit-learn", "hypothesis", "ruff", "openai>=1.0", "httpx",
+                 "selenium>=4.11"],
     },
     entry_points={"console_scripts": ["macs-kernels=macs_kernels.cli:main"]},
     ext_modules=ext_modules,

@@ -227,6 +227,7 @@ class ContinuousTracer:
         self._managers: list = []
         self._requests: dict[str, _Request] = {}
         self._pending: dict[str, MacsConfig] = {}
+        self._skipped: set[str] = set()
         self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._released: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._untracked_passes = 0
@@ -245,6 +246,11 @@ class ContinuousTracer:
             if running is not None and not running.finished():
                 raise RuntimeError(f"request {request_id!r} is already running; configure it before adding it")
             self._pending[request_id] = merged
+
+    def skip(self, request_id: str) -> None:
+        """No MACS work for this request (a server's request that did not ask for attribution), until release."""
+        with self._lock:
+            self._skipped.add(request_id)
 
     def request_rows(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(step_log_c, step_scores), each (steps, N) float32 on the CPU, steps = tokens generated so far;
@@ -267,6 +273,7 @@ class ContinuousTracer:
         """Free a finished or cancelled request's rows (a no-op for a request already released or never seen)."""
         with self._lock:
             self._pending.pop(request_id, None)
+            self._skipped.discard(request_id)
             self._drop(request_id, "released")
 
     def track(self, manager) -> None:
@@ -345,11 +352,14 @@ class ContinuousTracer:
             raise RuntimeError(
                 f"continuous batching pass with {len(batch)} requests but {len(cu_q) - 1} query segments"
             )
-        rows, starts, ends, records = [], [], [], []
+        rows, starts, ends, records, emitting = [], [], [], [], []
         with self._lock:
             self._retire_finished()
             for i, future in enumerate(batch):
                 if not future.has_new_token:  # a prefill chunk that does not end its prompt
+                    continue
+                emitting.append(cu_q[i + 1] - 1)
+                if future.state.request_id in self._skipped:
                     continue
                 record = self._request_for(future.state)
                 if cu_k[i + 1] - cu_k[i] < record.n_input:
@@ -361,13 +371,13 @@ class ContinuousTracer:
                 starts.append(cu_k[i])
                 ends.append(cu_k[i + 1])
                 records.append(record)
+        # The engine computes logits at exactly these rows; a mismatch means its packing changed under us.
+        if kwargs["logits_indices"][: len(emitting)].tolist() != emitting:
+            raise RuntimeError(
+                f"continuous batching pass: rows that emit a token {emitting} differ from the engine's logits_indices"
+            )
         if not records:
             return
-        # The engine computes logits at exactly these rows; a mismatch means its packing changed under us.
-        if kwargs["logits_indices"][: len(rows)].tolist() != rows:
-            raise RuntimeError(
-                f"continuous batching pass: rows that emit a token {rows} differ from the engine's logits_indices"
-            )
         segments = Segments(
             starts, [end - start for start, end in zip(starts, ends)], [r.n_input for r in records],
             [r.config.redistribute for r in records], device,

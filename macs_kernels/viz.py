@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import html
 import json
+from importlib import resources
 
 import torch
 
@@ -84,6 +85,7 @@ consistency does).</p>
 <h2>Answer</h2><div class="answer" id="answer"></div>
 <h2 id="caption">Prompt</h2><div class="prompt" id="prompt"></div>
 <script>
+{heatmap_js}
 const data = {data};
 const prompt = document.getElementById("prompt"), answer = document.getElementById("answer");
 const caption = document.getElementById("caption");
@@ -92,10 +94,14 @@ const cells = data.input_tokens.slice(data.span[0], data.span[1]).map(tok => {{
 function paint(k, label) {{
   const heat = k === null ? data.heat_mean : data.heat[k], z = k === null ? data.scores : data.step_scores[k];
   heat.forEach((w, i) => {{
+<<<<<<< HEAD
+    cells[i].style.background = macsHeatColour(w); cells[i].title = "z = " + z[data.span[0] + i].toFixed(3); }});
+=======
     const f = Math.round(255 * (1 - w));
     const score = z[data.span[0] + i];
     cells[i].style.background = `rgb(255,${{f}},${{f}})`;
     cells[i].title = "score = " + (score === null ? "-inf (underflow)" : score.toFixed(3)); }});
+>>>>>>> cb
   caption.textContent = "Prompt: " + label;
 }}
 let pinned = null;
@@ -131,4 +137,5 @@ def explanation_html(explanation, *, title: str = "MACS attribution") -> str:
     }
     # "</" inside a token would end the script element early.
     payload = json.dumps(data).replace("</", "<\\/")
-    return _PAGE.format(title=html.escape(title), data=payload)
+    heatmap_js = (resources.files("macs_kernels") / "data" / "heatmap.js").read_text()
+    return _PAGE.format(title=html.escape(title), data=payload, heatmap_js=heatmap_js)

@@ -1,0 +1,267 @@
+"""The server's engine: one transformers ContinuousBatchingManager serves every request; requests that ask for
+attribution also get their MACS rows, step by step.
+
+Attribution goes through `macs_kernels.continuous.attach_continuous`: MACS inside the continuous-batching
+engine, batched with everything else; requests without attribution are skipped by its tracer (no MACS work).
+What that tracer does not compute (attention="efficient") runs one request at a time through
+`macs_kernels.attach` + `generate()` while the batching loop is paused: correct rows, no batching for those.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import dataclasses
+import itertools
+import threading
+from collections.abc import AsyncIterator
+
+import torch
+
+from ..config import MacsConfig
+
+
+class RequestRejected(ValueError):
+    """A request the engine cannot serve, with the HTTP status and OpenAI error code to answer it with."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_value", status: int = 400):
+        super().__init__(message)
+        self.param, self.code, self.status = param, code, status
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One generated token; log_c (N,) float32 is its MACS row when attribution was asked for."""
+
+    token_id: int
+    log_c: torch.Tensor | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    input_ids: list[int]
+    max_new_tokens: int
+    attribution: MacsConfig | None = None
+
+
+class Engine:
+    """Owns the model, its continuous-batching manager and the continuous MACS tracer around it.
+
+    cache_tokens: KV-cache capacity in tokens (all requests together); a request's prompt plus its
+        max_tokens must fit, and within the model's context.
+    page_size, max_batch_tokens: the manager's paging and per-pass token budget.
+    """
+
+    def __init__(self, model, tokenizer, *, name: str, cache_tokens: int = 8192, page_size: int = 64,
+                 max_batch_tokens: int = 256, default_max_tokens: int = 256):
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+
+        from ..explanation import _eos_ids
+        from ..tracing import check_model
+
+        if cache_tokens < page_size or cache_tokens % page_size:
+            raise ValueError(f"cache_tokens ({cache_tokens}) must be a positive multiple of page_size ({page_size})")
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        check_model(model)
+        self.eos_ids = _eos_ids(model, tokenizer)  # where explain() stops, so answers agree
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.generation_config = GenerationConfig(
+            do_sample=False, max_new_tokens=default_max_tokens, eos_token_id=sorted(self.eos_ids), pad_token_id=pad,
+        )
+        # The MACS tracer runs inside the Python attention function: no flash decode path (block tables), no
+        # CUDA graphs or async batching (they replay passes without it).
+        self.cb_config = ContinuousBatchingConfig(
+            num_blocks=cache_tokens // page_size, page_size=page_size, max_batch_tokens=max_batch_tokens,
+            auto_switch_to_flash=False, use_cuda_graph=False, use_async_batching=False,
+        )
+        text_config = model.config.get_text_config()
+        self.context_tokens = min(int(getattr(text_config, "max_position_embeddings", cache_tokens)), cache_tokens)
+        self.default_max_tokens = default_max_tokens
+        self._ids = itertools.count()
+        self._serial_lock = threading.Lock()
+        self._stack = contextlib.ExitStack()
+        self.manager = None
+        self.tracer = None
+        self._streams = 0  # generations a client is still reading
+
+    # ---- life cycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        from ..continuous import attach_continuous
+
+        # Entered first: managers created inside attach_continuous are traced.
+        self.tracer = self._stack.enter_context(attach_continuous(self.model))
+        self.manager = self.model.init_continuous_batching(
+            generation_config=self.generation_config, continuous_batching_config=self.cb_config,
+        )
+        self.manager.start()
+
+    def stop(self) -> None:
+        """Lets the manager finish what it holds, then releases it (and the tracer, restoring the model)."""
+        if self.manager is not None:
+            self.manager.stop(block=True)
+            self.manager.destroy()
+            self.manager = None
+        self._stack.close()
+
+    def alive(self) -> bool:
+        return (
+            self.manager is not None and self.manager.is_running()
+            and self.manager.background_thread_status.fatal_error is None
+        )
+
+    def load(self) -> dict:
+        """{"active": requests the manager is prefilling or decoding, "waiting": queued in it, "streams":
+        generations still being read by a request handler}."""
+        processor = self.manager.batch_processor if self.manager is not None else None
+        scheduler = processor.scheduler if processor is not None else None
+        return {
+            "active": len(scheduler.active_requests) if scheduler else 0,
+            "waiting": len(scheduler.waiting_requests) if scheduler else 0,
+            "streams": self._streams,
+        }
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def job(self, input_ids: list[int], max_tokens: int | None, attribution: MacsConfig | None, *,
+            prompt_param: str = "messages") -> Job:
+        """The job for a prompt, or RequestRejected when it cannot fit the context and the cache.
+
+        prompt_param: the body field that holds the prompt, named in errors.
+        """
+        n = len(input_ids)
+        if n == 0:
+            raise RequestRejected("the prompt encodes to no tokens", param=prompt_param)
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if any(not 0 <= i < vocab for i in input_ids):
+            raise RequestRejected(f"token ids must lie in [0, {vocab})", param=prompt_param)
+        if n >= self.context_tokens:
+            raise RequestRejected(
+                f"the prompt has {n} tokens; this server's context holds {self.context_tokens} (prompt and "
+                "completion together)", param=prompt_param, code="context_length_exceeded",
+            )
+        room = self.context_tokens - n
+        if max_tokens is None:
+            max_tokens = min(self.default_max_tokens, room)
+        elif max_tokens > room:
+            raise RequestRejected(
+                f"max_tokens={max_tokens} does not fit: the prompt has {n} tokens and this server's context "
+                f"(model and KV cache) holds {self.context_tokens}, so at most {room} can be generated",
+                param="max_tokens", code="context_length_exceeded",
+            )
+        return Job(list(input_ids), max_tokens, attribution)
+
+    async def generate(self, job: Job) -> AsyncIterator[Step]:
+        """Steps of `job` as they are made; closing the iterator early cancels the request and frees it."""
+        if not self.alive():
+            raise RequestRejected("the generation engine is not running", code="engine_unavailable", status=503)
+        if job.attribution is not None and self.attribution_mode(job.attribution) == "serial":
+            stream = self._generate_serial(job)
+        else:
+            stream = self._generate_continuous(job)
+        self._streams += 1
+        try:
+            async with contextlib.aclosing(stream) as steps:
+                async for step in steps:
+                    yield step
+        finally:
+            self._streams -= 1
+
+    @staticmethod
+    def attribution_mode(config: MacsConfig) -> str:
+        """"continuous" (batched with other requests) or "serial" (alone, the batching loop paused)."""
+        return "continuous" if config.attention == "softmax" else "serial"
+
+    async def _generate_continuous(self, job: Job) -> AsyncIterator[Step]:
+        request_id = f"serve_{next(self._ids)}"
+        outputs: asyncio.Queue = asyncio.Queue()
+        manager = self.manager
+        if job.attribution is not None:
+            self.tracer.configure(request_id, **_request_config(job.attribution))
+        else:
+            self.tracer.skip(request_id)
+        manager.register_result_handler(request_id, outputs.put_nowait)
+        manager.add_request(job.input_ids, request_id=request_id, max_new_tokens=job.max_new_tokens,
+                            streaming=True, eos_token_id=sorted(self.eos_ids))
+        sent, finished = 0, False
+        try:
+            while not finished:
+                output = await outputs.get()
+                if output.error is not None:
+                    raise RuntimeError(f"generation failed: {output.error}")
+                finished = output.is_finished()
+                tokens = output.generated_tokens
+                if len(tokens) == sent:
+                    continue
+                log_c = self.tracer.request_rows(request_id)[0] if job.attribution is not None else None
+                for k in range(sent, len(tokens)):
+                    yield Step(tokens[k], log_c[k] if log_c is not None else None)
+                sent = len(tokens)
+        finally:
+            if not finished:
+                manager.cancel_request(request_id)
+                with manager.output_router._lock:  # the manager drops a handler only on a finished output
+                    manager.output_router.result_handlers.pop(request_id, None)
+            self.tracer.release(request_id)
+
+    async def _generate_serial(self, job: Job) -> AsyncIterator[Step]:
+        loop = asyncio.get_running_loop()
+        steps: asyncio.Queue = asyncio.Queue()
+        stop = threading.Event()
+        done = object()
+
+        def emit(item) -> None:
+            loop.call_soon_threadsafe(steps.put_nowait, item)
+
+        worker = threading.Thread(target=self._serial_worker, args=(job, emit, stop, done), daemon=True,
+                                  name="macs-serve-attribution")
+        worker.start()
+        try:
+            while (item := await steps.get()) is not done:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            await asyncio.to_thread(worker.join)
+
+    def _serial_worker(self, job: Job, emit, stop: threading.Event, done) -> None:
+        """Runs one attribution request with generate() while the batching loop is paused."""
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        from ..tracing import attach
+
+        class StopWhenAsked(StoppingCriteria):
+            def __call__(self, input_ids, scores, **_):
+                return torch.full((input_ids.shape[0],), stop.is_set(), dtype=torch.bool, device=input_ids.device)
+
+        class RowStreamer:
+            def __init__(self, tracer):
+                self.tracer, self.prompt_seen = tracer, False
+
+            def put(self, value):
+                if not self.prompt_seen:  # generate() first pushes the prompt
+                    self.prompt_seen = True
+                    return
+                log_c, _ = self.tracer.rows(0)
+                emit(Step(int(value.reshape(-1)[0]), log_c[-1]))
+
+            def end(self):
+                pass
+
+        try:
+            with self._serial_lock, self.manager.pause(), torch.inference_mode(), \
+                    attach(self.model, **_request_config(job.attribution)) as tracer:
+                device = next(self.model.parameters()).device
+                ids = torch.tensor([job.input_ids], device=device)
+                config = copy.deepcopy(self.generation_config)
+                config.max_new_tokens = job.max_new_tokens
+                self.model.generate(
+                    ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=RowStreamer(tracer),
+                    stopping_criteria=StoppingCriteriaList([StopWhenAsked()]),
+                )
+        except BaseException as error:  # noqa: BLE001 - handed to the request's coroutine
+            emit(error)
+        emit(done)
+
+
+def _request_config(config: MacsConfig) -> dict:
+    return {k: v for k, v in config.as_dict().items() if k in ("alpha", "pooling", "redistribute", "attention")}

@@ -1,0 +1,124 @@
+"""A real `macs-kernels serve` process on a free loopback port, one per test module."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi", reason="the server needs the serve extra: pip install -e .[serve]")
+pytest.importorskip("uvicorn", reason="the server needs the serve extra: pip install -e .[serve]")
+httpx = pytest.importorskip("httpx", reason="the server tests need httpx (the test extra)")
+
+TINY = "tiny-llama"  # the served name of the small random model the default-run tests use
+
+
+def tiny_chat_model(folder):
+    """A small random Llama (GQA 4:2, 2 layers) with the default model's tokenizer and chat template, saved
+    to `folder`: the server loads it in a second and answers in milliseconds, so the default run stays fast."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from macs_kernels.models import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        # Peaked attention: near-uniform rows make z-scores of nearly equal values, all float32 noise.
+        initializer_range=0.2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model, tokenizer
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Server:
+    """A server subprocess: `url`, `log()` (its output so far), `terminate()` (SIGTERM, then wait)."""
+
+    def __init__(self, *args: str, startup_s: float = 300):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.TemporaryFile("w+")
+        command = [sys.executable, "-m", "macs_kernels.serve", "--host", "127.0.0.1", "--port", str(self.port),
+                   "--threads", "1", "--cache-tokens", "4096", *args]
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        deadline = time.monotonic() + startup_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.process.kill()
+        raise TimeoutError(f"the server did not answer /health within {startup_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        self._log.seek(0)
+        return self._log.read()
+
+    def terminate(self, timeout: float = 120) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """(folder, model, tokenizer) of the tiny chat model, loaded back from its folder as the server loads it."""
+    from macs_kernels.models import load_model
+
+    folder = tmp_path_factory.mktemp("tiny_chat_model")
+    tiny_chat_model(folder)
+    model, tokenizer = load_model(str(folder))
+    return folder, model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    running = Server("--model", str(tiny_model[0]), "--served-name", TINY)
+    yield running
+    running.terminate()
+
+
+LOG_C_TOL = 1e-3
+
+
+def rows(values) -> torch.Tensor:
+    return torch.tensor([[float("-inf") if v is None else v for v in row] for row in values])
+
+
+def assert_matches(attribution: dict, reference, text: str):
+    """The server's attribution equals explain()'s: same ids and tokens, step_log_c within LOG_C_TOL."""
+    assert attribution["input_ids"] == reference.input_ids.tolist()
+    assert attribution["generated_ids"] == reference.generated_ids.tolist()
+    assert attribution["generated_tokens"] == reference.generated_tokens
+    assert text == reference.text
+    log_c = rows(attribution["step_log_c"])
+    assert log_c.shape == reference.step_log_c.shape
+    assert torch.allclose(log_c, reference.step_log_c, atol=LOG_C_TOL, rtol=0)
+    scores = torch.tensor(attribution["step_scores"])
+    assert torch.allclose(scores, reference.step_scores, atol=1e-3, rtol=0)

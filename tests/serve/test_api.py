@@ -1,0 +1,216 @@
+"""The server through the official openai client (streaming and not) and raw HTTP: answers and their MACS rows
+equal macs_kernels.explain() on the same prompt; bad input gets an OpenAI-style error and the right status."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from macs_kernels import explain
+from tests.helpers import qa
+
+from .conftest import TINY as MODEL
+from .conftest import assert_matches
+
+openai = pytest.importorskip("openai", reason="the server tests need the official openai client (the test extra)")
+
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture
+def lm(tiny_model):
+    return tiny_model[1], tiny_model[2]
+
+
+def test_health_and_models(server, client):
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["model"] == MODEL
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_with_attribution_equals_explain(client, lm):
+    response = client.chat.completions.create(
+        model=MODEL, messages=qa(0), max_tokens=4, extra_body={"attribution": True},
+    )
+    model, tokenizer = lm
+    reference = explain(model, tokenizer, qa(0), max_new_tokens=4)
+    attribution = response.model_extra["attribution"]
+    assert_matches(attribution, reference, response.choices[0].message.content)
+    assert attribution["config"]["alpha"] == 0.8 and attribution["config"]["pooling"] == "max"
+    assert attribution["config"]["engine"] == "continuous"
+    assert response.usage.prompt_tokens == len(reference.input_ids)
+    assert response.usage.completion_tokens == len(reference.generated_ids)
+
+
+def test_streamed_rows_equal_explain_with_request_options(client, lm):
+    options = {"alpha": 0.5, "pooling": "mean", "redistribute": False}
+    stream = client.chat.completions.create(
+        model=MODEL, messages=qa(1), max_tokens=4, stream=True, extra_body={"attribution": options},
+    )
+    chunks = list(stream)
+    header = chunks[0].model_extra["attribution"]
+    steps = [c.model_extra["attribution"] for c in chunks[1:] if c.model_extra.get("attribution")]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    model, tokenizer = lm
+    reference = explain(model, tokenizer, qa(1), max_new_tokens=4, **options)
+    assert [s["step"] for s in steps] == list(range(len(reference.generated_ids)))
+    assert header["config"] | options == header["config"]
+    assert_matches(
+        {"input_ids": header["input_ids"], "generated_ids": [s["token_id"] for s in steps],
+         "generated_tokens": [tokenizer.decode([s["token_id"]]) for s in steps],
+         "step_log_c": [s["log_c"] for s in steps], "step_scores": [s["scores"] for s in steps]},
+        reference, text,
+    )
+    assert chunks[-1].choices[0].finish_reason == reference_finish(reference)
+
+
+def test_efficient_attention_runs_alone_and_equals_explain(client, lm):
+    """The continuous tracer computes softmax rows only; efficient rows come from the serial path."""
+    response = client.chat.completions.create(
+        model=MODEL, messages=qa(2), max_tokens=3, extra_body={"attribution": {"attention": "efficient"}},
+    )
+    model, tokenizer = lm
+    reference = explain(model, tokenizer, qa(2), max_new_tokens=3, attention="efficient")
+    attribution = response.model_extra["attribution"]
+    assert attribution["config"]["engine"] == "serial" and attribution["config"]["attention"] == "efficient"
+    assert_matches(attribution, reference, response.choices[0].message.content)
+
+
+def reference_finish(reference) -> str:
+    return "stop" if reference.generated_ids[-1].item() == 2 else "length"
+
+
+def test_completions_with_and_without_attribution(client, lm):
+    model, tokenizer = lm
+    prompt = "The capital of France is"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"][0]
+    reference = explain(model, tokenizer, input_ids=ids, max_new_tokens=3)
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3)
+    assert plain.choices[0].text == reference.text
+    assert "attribution" not in (plain.model_extra or {})
+    attributed = client.completions.create(model=MODEL, prompt=ids.tolist(), max_tokens=3,
+                                           extra_body={"attribution": True})
+    assert_matches(attributed.model_extra["attribution"], reference, attributed.choices[0].text)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, stream=True))
+    assert streamed == reference.text
+
+
+def test_concurrent_requests_each_get_their_own_answer(server, client, lm):
+    """Two clients at once, one with attribution and one without: each answer is the one it gets alone."""
+    model, tokenizer = lm
+    results = {}
+
+    def ask(i, attribution):
+        results[i] = client.chat.completions.create(
+            model=MODEL, messages=qa(i), max_tokens=3, extra_body={"attribution": attribution})
+
+    threads = [threading.Thread(target=ask, args=(i, i == 2)) for i in (0, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(results) == [0, 2], server.log()
+    for i in (0, 2):
+        reference = explain(model, tokenizer, qa(i), max_new_tokens=3)
+        assert results[i].choices[0].message.content == reference.text
+    assert_matches(results[2].model_extra["attribution"], explain(model, tokenizer, qa(2), max_new_tokens=3),
+                    results[2].choices[0].message.content)
+
+
+def _chat(**fields):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} | fields
+
+
+LONG = "word " * 5000  # ~5000 tokens: beyond the test server's 4096-token cache
+
+
+@pytest.mark.parametrize("path, body, status, param, code", [
+    ("/v1/chat/completions", b"{not json", 400, None, "invalid_json"),
+    ("/v1/chat/completions", _chat(max_tokens="two"), 400, "max_tokens", "invalid_value"),
+    ("/v1/chat/completions", _chat(max_tokens=0), 400, "max_tokens", "invalid_value"),
+    ("/v1/chat/completions", _chat(max_tokens=4090), 400, "max_tokens", "context_length_exceeded"),
+    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": LONG}]), 400, "messages",
+     "context_length_exceeded"),
+    ("/v1/completions", {"model": MODEL, "prompt": LONG, "max_tokens": 1}, 400, "prompt",
+     "context_length_exceeded"),
+    ("/v1/chat/completions", _chat(model="gpt-4"), 404, "model", "model_not_found"),
+    ("/v1/chat/completions", _chat(messages="hi"), 400, "messages", "invalid_value"),
+    ("/v1/chat/completions", _chat(stream="yes"), 400, "stream", "invalid_value"),
+    ("/v1/chat/completions", _chat(attribution="yes"), 400, "attribution", "invalid_value"),
+    ("/v1/chat/completions", _chat(attribution={"alpha": 1.5}), 400, "attribution", "invalid_value"),
+    ("/v1/chat/completions", _chat(attribution={"alpha": "high"}), 400, "attribution.alpha", "invalid_value"),
+    ("/v1/chat/completions", _chat(attribution={"pooling": "avg"}), 400, "attribution.pooling", "invalid_value"),
+    ("/v1/chat/completions", _chat(attribution={"attention": "linear"}), 400, "attribution.attention",
+     "invalid_value"),
+    ("/v1/chat/completions", _chat(attribution={"redistribute": "no"}), 400, "attribution.redistribute",
+     "invalid_value"),
+    ("/v1/chat/completions", _chat(attribution={"source": "not in the prompt"}), 400, "attribution.source",
+     "invalid_value"),
+    ("/v1/chat/completions", _chat(attribution={"beta": 1}), 400, "attribution.beta", "invalid_value"),
+    ("/v1/chat/completions", _chat(temperature=0.7), 400, "temperature", "invalid_value"),
+    ("/v1/chat/completions", _chat(n=2), 400, "n", "invalid_value"),
+    ("/v1/chat/completions", _chat(frobnicate=1), 400, "frobnicate", "invalid_value"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 10 ** 9], "max_tokens": 1}, 400, "prompt", "invalid_value"),
+])
+def test_bad_input_gets_an_openai_error(server, path, body, status, param, code):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(server.url + path, content=content, headers={"Content-Type": "application/json"},
+                          timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["code"] == code and error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+def test_errors_through_the_openai_client(client):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-4", messages=qa(0), max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="pooling"):
+        client.chat.completions.create(model=MODEL, messages=qa(0), max_tokens=2, stream=True,
+                                       extra_body={"attribution": {"pooling": "avg"}})
+
+
+def test_a_client_leaving_mid_stream_frees_its_request(server, client):
+    body = _chat(max_tokens=400, stream=True, messages=qa(0), attribution=True)
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        tokens = []
+        for line in response.iter_lines():
+            if line.startswith("data: ") and '"step"' in line:
+                tokens.append(line)
+            if len(tokens) == 2:
+                break
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        health = httpx.get(server.url + "/health").json()
+        if health["requests"] == {"active": 0, "waiting": 0, "streams": 0}:
+            break
+        time.sleep(0.5)
+    assert health["requests"] == {"active": 0, "waiting": 0, "streams": 0}
+    # ... and the server goes on serving.
+    again = client.chat.completions.create(model=MODEL, messages=qa(0), max_tokens=2)
+    assert again.choices[0].message.content
+
+
+def test_the_page_and_to_html_share_one_colouring(server):
+    """The live page loads the very script Explanation.to_html() inlines to colour its heatmap."""
+    from macs_kernels.explanation import Explanation
+
+    script = httpx.get(server.url + "/static/heatmap.js").text
+    assert "function macsHeatColour" in script
+    log_c = torch.tensor([[0.0, -1.0, -2.0]])
+    page = Explanation(
+        input_ids=torch.arange(3), generated_ids=torch.tensor([5]), input_tokens=["a", "b", "c"],
+        generated_tokens=["x"], step_log_c=log_c, config={},
+    ).to_html()
+    assert script in page and "macsHeatColour(w)" in page
+    assert '<script src="/static/heatmap.js">' in httpx.get(server.url + "/").text
