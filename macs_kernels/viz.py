@@ -94,14 +94,9 @@ const cells = data.input_tokens.slice(data.span[0], data.span[1]).map(tok => {{
 function paint(k, label) {{
   const heat = k === null ? data.heat_mean : data.heat[k], z = k === null ? data.scores : data.step_scores[k];
   heat.forEach((w, i) => {{
-<<<<<<< HEAD
-    cells[i].style.background = macsHeatColour(w); cells[i].title = "z = " + z[data.span[0] + i].toFixed(3); }});
-=======
-    const f = Math.round(255 * (1 - w));
     const score = z[data.span[0] + i];
-    cells[i].style.background = `rgb(255,${{f}},${{f}})`;
+    cells[i].style.background = macsHeatColour(w);
     cells[i].title = "score = " + (score === null ? "-inf (underflow)" : score.toFixed(3)); }});
->>>>>>> cb
   caption.textContent = "Prompt: " + label;
 }}
 let pinned = null;

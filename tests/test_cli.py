@@ -95,14 +95,14 @@ def test_a_subcommand_module_is_added_by_one_line(monkeypatch):
 
     import macs_kernels.cli as cli
 
-    module = types.ModuleType("fake_serve")
+    module = types.ModuleType("fake_subcommand")
 
     def add_parser(subparsers):
-        parser = subparsers.add_parser("serve", help="serve explanations")
+        parser = subparsers.add_parser("fake", help="a subcommand added by one line")
         parser.add_argument("--port", type=int, default=8000)
         parser.set_defaults(run=lambda args: args.port)
 
     module.add_parser = add_parser
-    monkeypatch.setitem(sys.modules, "fake_serve", module)
-    monkeypatch.setattr(cli, "SUBCOMMAND_MODULES", (*cli.SUBCOMMAND_MODULES, "fake_serve"))
-    assert cli.main(["serve", "--port", "9"]) == 9
+    monkeypatch.setitem(sys.modules, "fake_subcommand", module)
+    monkeypatch.setattr(cli, "SUBCOMMAND_MODULES", (*cli.SUBCOMMAND_MODULES, "fake_subcommand"))
+    assert cli.main(["fake", "--port", "9"]) == 9

@@ -15,6 +15,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "macs_kernels.cli.eval",
     "macs_kernels.cli.bench",
     "macs_kernels.cli.at2",
+    "macs_kernels.serve.cli",
 )
 
 

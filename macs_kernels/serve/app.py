@@ -78,7 +78,8 @@ class _Attribution:
         mean = self.log_c_sum / len(self.steps)
         return _finite({
             "step": len(self.steps) - 1, "token_id": step.token_id, "log_c": step.log_c.tolist(),
-            "scores": log_zscores(step.log_c).tolist(), "heat": _unit(log_c[start:end]), "heat_mean": _unit(mean[start:end]),
+            "scores": log_zscores(step.log_c).tolist(), "heat": _unit(log_c[start:end]),
+            "heat_mean": _unit(mean[start:end]),
         })
 
     def explanation(self, text: str) -> dict:

@@ -17,11 +17,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="transformers model id or folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None,
+                        help="transformers model id or folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default=None, help="torch device, e.g. cuda (default: cpu)")
     parser.add_argument("--served-name", default=None,
-                        help="the model name clients send and /v1/models lists (default: --model, or the default model's name)")
+                        help="the model name clients send and /v1/models lists (default: --model, or the "
+                             "default model's name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--cache-tokens", type=int, default=8192,
@@ -44,8 +46,8 @@ def run_serve(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
-    engine = Engine(model, tokenizer, name=args.served_name or args.model or DEFAULT_MODEL, cache_tokens=args.cache_tokens,
-                    page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
+    engine = Engine(model, tokenizer, name=args.served_name or args.model or DEFAULT_MODEL,
+                    cache_tokens=args.cache_tokens, page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
                     default_max_tokens=args.default_max_tokens)
     # Uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight responses finish, then runs the
     # lifespan's shutdown, which drains and stops the engine.
