@@ -1,7 +1,7 @@
-"""Regenerates docs/serve_page.png: `macs-kernels serve` with the default model, the live page in headless
+"""Regenerates benchmarks/results/serve_page.png: `macs-kernels serve` with the default model, the live page in
 chromium, one QA question answered, the pointer on the answer's key token.
 
-    python docs/serve_screenshot.py    # needs the serve and test extras and a system chromium
+    python python/serve_screenshot.py    # needs the serve and test extras and a system chromium
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def main() -> int:
         tokens = browser.find_elements(By.CSS_SELECTOR, "#answer span[data-step]")
         key = next((t for t in tokens if "Gust" in t.text), tokens[len(tokens) // 2])
         ActionChains(browser).move_to_element(key).click().perform()
-        out = ROOT / "docs" / "serve_page.png"
+        out = ROOT / "benchmarks" / "results" / "serve_page.png"
         browser.save_screenshot(str(out))
         browser.quit()
         print(f"wrote {out}")
