@@ -37,8 +37,7 @@ def main() -> None:
                                        max_new_tokens=args.max_new_tokens)
     if dist.get_rank() == 0:
         print(f"{dist.get_world_size()} ranks; answer: {explanation.text!r}")
-        top = explanation.step_log_c.mean(0).topk(5).indices.tolist()
-        print("top prompt tokens (mean log c):", [explanation.input_tokens[i] for i in top])
+        print("top prompt tokens:", [(text, round(score, 2)) for _, text, score in explanation.top_k(5)])
     dist.destroy_process_group()
 
 

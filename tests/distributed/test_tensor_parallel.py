@@ -111,3 +111,15 @@ def test_heads_that_do_not_split_evenly_are_refused(tmp_path):
     refusals = [line for line in result.stdout.splitlines() if line.startswith("REFUSED:")]
     assert len(refusals) == 2
     assert all("do not split evenly over 2 tensor-parallel ranks" in line for line in refusals)
+
+
+@pytest.mark.slow
+def test_tp_explain_recipe_runs_under_torchrun(tmp_path):
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
+         str(ROOT / "python" / "tp_explain.py"), "--max-new-tokens", "3"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"{RANKS} ranks; answer:" in result.stdout and "top prompt tokens" in result.stdout
