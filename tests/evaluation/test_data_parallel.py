@@ -39,6 +39,7 @@ def comparable(line: dict) -> dict:
     return {k: v for k, v in line.items() if k not in ("time",)}
 
 
+@pytest.mark.slow
 def test_two_ranks_write_one_stream_equal_to_a_single_process(tmp_path, capsys):
     data = write_data(tmp_path / "qa.json", PAIRS, ANSWERS)
     assert main(eval_command(data, tmp_path / "single.jsonl", tmp_path / "records_single")) == 0
