@@ -230,18 +230,23 @@ def test_request_ids_reused_by_a_new_manager_start_new_rows(tiny):
             assert_rows_match_reference(tiny, prompt, outputs["req_0"], tracer.request_rows("req_0"))
 
 
-def test_leaving_attach_restores_model_and_registries(tiny):
-    gen = GenerationConfig(max_new_tokens=3, **GREEDY)
-    prompts = [list(range(1, 12)), [5, 6, 7]]
-    before = {
+def model_state(model) -> dict:
+    """What attaching may touch: transformers' registries, the model's implementation and attributes."""
+    return {
         "attention": dict(AttentionInterface._global_mapping),
         "attention_local": dict(ALL_ATTENTION_FUNCTIONS._local_mapping),
         "masks": dict(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping),
         "masks_local": dict(ALL_MASK_ATTENTION_FUNCTIONS._local_mapping),
-        "implementation": tiny.config._attn_implementation,
-        "attributes": dict(vars(tiny)),
-        "module_attributes": [dict(vars(module)) for module in tiny.modules()],
+        "implementation": model.config._attn_implementation,
+        "attributes": dict(vars(model)),
+        "module_attributes": [dict(vars(module)) for module in model.modules()],
     }
+
+
+def test_leaving_attach_restores_model_and_registries(tiny):
+    gen = GenerationConfig(max_new_tokens=3, **GREEDY)
+    prompts = [list(range(1, 12)), [5, 6, 7]]
+    before = model_state(tiny)
     plain = tiny.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb_config(8))
     with attach_continuous(tiny) as tracer:
         assert AttentionInterface._global_mapping["sdpa"] is not before["attention"]["sdpa"]
@@ -249,15 +254,7 @@ def test_leaving_attach_restores_model_and_registries(tiny):
         # Outside continuous batching the wrapper is the original implementation.
         ids = torch.tensor([prompts[0]])
         assert torch.equal(tiny(ids).logits, tiny(ids).logits)
-    after = {
-        "attention": dict(AttentionInterface._global_mapping),
-        "attention_local": dict(ALL_ATTENTION_FUNCTIONS._local_mapping),
-        "masks": dict(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping),
-        "masks_local": dict(ALL_MASK_ATTENTION_FUNCTIONS._local_mapping),
-        "implementation": tiny.config._attn_implementation,
-        "attributes": dict(vars(tiny)),
-        "module_attributes": [dict(vars(module)) for module in tiny.modules()],
-    }
+    after = model_state(tiny)
     assert after == before
     assert [o.generated_tokens for o in traced.values()] == [o.generated_tokens for o in plain.values()]
     assert all(tracer.request_rows(request_id)[0].shape[0] == 3 for request_id in traced)
@@ -352,17 +349,17 @@ def test_attach_hands_generate_batch_to_the_continuous_tracer_and_restores_the_m
     prompts = [list(range(1, 12)), [5, 6, 7, 8]]
     with macs_kernels.attach(tiny):  # registers the tracer's attention names, once per process
         pass
-    before = {"implementation": tiny.config._attn_implementation, "attributes": dict(vars(tiny)),
-              "attention": dict(AttentionInterface._global_mapping)}
+    before = model_state(tiny)
     with macs_kernels.attach(tiny) as tracer:
         outputs = tiny.generate_batch(prompts, generation_config=GenerationConfig(max_new_tokens=3, **GREEDY),
                                       continuous_batching_config=cb_config(8))
-        for prompt, (request_id, output) in zip(prompts, outputs.items()):
-            assert_rows_match_reference(tiny, prompt, output, tracer.request_rows(request_id))
+        rows = [tracer.request_rows(request_id) for request_id in outputs]
         with pytest.raises(RuntimeError, match="continuous batching"):
             tiny.generate(torch.tensor([prompts[0]]), max_new_tokens=2)
-    assert {"implementation": tiny.config._attn_implementation, "attributes": dict(vars(tiny)),
-            "attention": dict(AttentionInterface._global_mapping)} == before
+    assert model_state(tiny) == before
+    # The eager reference after the check: output_attentions makes transformers add hooks of its own.
+    for prompt, output, request_rows in zip(prompts, outputs.values(), rows):
+        assert_rows_match_reference(tiny, prompt, output, request_rows)
     with macs_kernels.attach(tiny) as tracer, pytest.raises(RuntimeError, match="no continuous batching"):
         tracer.request_rows("req_0")
 
