@@ -22,7 +22,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def eval_once(data: Path, n: int, ranks: int, folder: Path) -> float:
-    arguments = ["eval", "--data", str(data), "--n", str(n), "--faithfulness-n", "0", "--threads", "1",
+    # --range, not --n: torchrun's own parser would take --n as an abbreviation of its options.
+    arguments = ["eval", "--data", str(data), "--range", f"0:{n}", "--faithfulness-n", "0", "--threads", "1",
                  "--out", str(folder / "results.jsonl"), "--records", str(folder / "records"), "--no-progress"]
     launcher = [sys.executable, "-m", "macs_kernels"] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m",
