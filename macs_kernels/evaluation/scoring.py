@@ -63,7 +63,8 @@ def method_scores(method: Method, index: int, record, rollout, steps: int, n_inp
     """{"rank": (steps, n_context) scores to rank by, "aggregate": (n_context,), "paper_form": (steps, n_context)}.
 
     MACS ranks by log c (the z-score is monotone in c, and log c keeps apart what c = exp(log c) rounds
-    together); its aggregate row is the mean of the step z-scores, as Explanation.scores. "paper_form" is
+    together); its aggregate row is the mean of the paper's step z-scores (Explanation.paper_scores: the
+    recorded stqa_350 figures use it; Explanation.scores ranks by the mean log c instead). "paper_form" is
     the score as the paper computes it, whose ties are counted. response_steps: the steps before an
     end-of-sequence token (AT2's aggregate target; default all).
     """
