@@ -399,7 +399,8 @@ def grid(args, device, max_positions: int) -> list[tuple[int, int]]:
 
 def summarise(rows: list[dict]) -> list[dict]:
     """Medians per (mode, method, batch, length) and the ratios to plain-sdpa in the same mode and to
-    output-attentions, all in the same mode (so the output_attentions ratios are greedy only). Rows without a mode (CSVs written before modes existed) are greedy."""
+    output-attentions, all in the same mode (so the output_attentions ratios are greedy only). Rows without a
+    mode (CSVs written before modes existed) are greedy."""
     cells: dict[tuple, list[dict]] = {}
     for row in rows:
         if row["status"] == "ok":
@@ -497,9 +498,9 @@ def run(args) -> int:
                     model.set_attn_implementation("eager" if method in EAGER_METHODS else
                                                   "flash_attention_2" if method == "plain-fa2" else "sdpa")
                     result = measure(spec, model, pad)
-                row = {**env, "loadavg": os.getloadavg()[0], "model": model_name, "dtype": dtype, "mode": mode, "method": method,
-                       "batch": batch, "prompt_len": length, "new_tokens": args.new_tokens, "repeat": repeat,
-                       "isolated": isolate, **result}
+                row = {**env, "loadavg": os.getloadavg()[0], "model": model_name, "dtype": dtype, "mode": mode,
+                       "method": method, "batch": batch, "prompt_len": length, "new_tokens": args.new_tokens,
+                       "repeat": repeat, "isolated": isolate, **result}
                 rows.append({column: row.get(column, "") for column in COLUMNS})
                 write_csv(rows, args.out / f"{stem}.csv", COLUMNS)  # as it goes: a long run keeps what it measured
                 shown = result["status"] if result["status"] != "ok" else (
