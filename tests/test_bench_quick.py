@@ -114,9 +114,9 @@ def test_each_mode_reaches_generate_with_its_options_under_macs(mode, option, va
     assert implementation == "macs_kernels"  # generate ran with the tracer attached
 
 
-def test_medians_over_repeats():
-    base = {"machine": "m", "model": "x", "dtype": "float32", "batch": 1, "prompt_len": 8, "new_tokens": 4,
-            "status": "ok"}
+def test_medians_over_repeats(tmp_path):
+    base = {"machine": "m", "device": "d", "model": "x", "dtype": "float32", "batch": 1, "prompt_len": 8,
+            "new_tokens": 4, "status": "ok"}
     rows = [base | {"method": method, "prefill_tok_s": p, "decode_tok_s": d, "decode_cpu_tok_s": d,
                     "e2e_tok_s": d, "peak_mem_bytes": m}
             for method, p, d, m in [("plain-sdpa", 10, 4.0, 100), ("plain-sdpa", 30, 2.0, 300),
@@ -133,6 +133,8 @@ def test_medians_over_repeats():
     assert greedy["decode_vs_plain"] == 0.5 and greedy["mem_vs_plain"] == 1.1
     assert greedy["decode_vs_output_attentions"] == ""
     assert beams["decode_vs_plain"] == 0.9 and beams["mem_vs_plain"] == 1.01 and beams["repeats"] == 1
+    bench.plot(list(summary.values()), tmp_path / "modes.png")  # one prompt length: bars per mode
+    assert (tmp_path / "modes.png").stat().st_size > 0
 
 
 def test_cli_has_the_bench_subcommand():

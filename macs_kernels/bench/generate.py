@@ -436,8 +436,14 @@ def plot(summary: list[dict], path: Path) -> None:
               ("prefill_tok_s", "prefill tokens/s"), ("e2e_tok_s", "end-to-end tokens/s"),
               ("peak_mem_bytes", "peak memory (GiB)"))
     fig, axes = plt.subplots(len(batches), len(fields), figsize=(4.2 * len(fields), 3.2 * len(batches)), squeeze=False)
+    modes = [mode for mode in MODES if any(r["mode"] == mode for r in summary)]
+    one_length = len({r["prompt_len"] for r in summary}) == 1
     for (i, batch), (j, (field, label)) in ((a, b) for a in enumerate(batches) for b in enumerate(fields)):
         ax = axes[i][j]
+        if one_length and len(modes) > 1:  # a line per method would be a dot per method: bars per mode instead
+            _mode_bars(ax, [r for r in summary if r["batch"] == batch], modes, field)
+            ax.set_title(f"{label}, batch {batch}, {summary[0]['prompt_len']} prompt tokens", fontsize=9)
+            continue
         for mode, method in sorted({(r["mode"], r["method"]) for r in summary}):
             points = sorted((r["prompt_len"], r[field] / (2**30 if field == "peak_mem_bytes" else 1))
                             for r in summary if (r["mode"], r["method"]) == (mode, method) and r["batch"] == batch)
@@ -451,6 +457,18 @@ def plot(summary: list[dict], path: Path) -> None:
     fig.suptitle(f"{first['model']} {first['dtype']} on {first['device']}, {first['new_tokens']} new tokens",
                  fontsize=10)
     save_figure(fig, path)
+
+
+def _mode_bars(ax, summary: list[dict], modes: list[str], field: str) -> None:
+    methods = sorted({r["method"] for r in summary})
+    width = 0.8 / len(methods)
+    for k, method in enumerate(methods):
+        values = {r["mode"]: r[field] / (2**30 if field == "peak_mem_bytes" else 1)
+                  for r in summary if r["method"] == method}
+        ax.bar([x + k * width for x, mode in enumerate(modes) if mode in values],
+               [values[mode] for mode in modes if mode in values], width, label=method)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(modes))], modes)
+    ax.legend(fontsize=7)
 
 
 def run(args) -> int:
