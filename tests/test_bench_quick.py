@@ -1,5 +1,6 @@
 """The generation benchmark's --quick mode (what CI runs), its CSV schema, and `macs-kernels bench` run from
 an installed copy of the package, away from any checkout."""
+import argparse
 import csv
 import shutil
 import subprocess
@@ -26,13 +27,16 @@ def quick_run(tmp_path_factory):
     return out
 
 
-def test_quick_mode_writes_every_method_with_the_schema(quick_run):
+def test_quick_mode_writes_every_method_and_mode_with_the_schema(quick_run):
     columns, rows = read(quick_run / "quick.csv")
     assert tuple(columns) == bench.COLUMNS
-    assert {r["method"] for r in rows} == {"plain-sdpa", "macs-torch", "macs-torch-fused", *bench.EAGER_METHODS}
-    cells = {(int(r["prompt_len"]), int(r["batch"])) for r in rows}
-    assert cells == {(n, b) for n in bench.QUICK_LENGTHS for b in (1, 2)}
-    assert all(r["batch"] == "1" for r in rows if r["method"] in bench.EAGER_METHODS)
+    generating = ("plain-sdpa", "macs-torch", "macs-torch-fused")
+    # The output_attentions ways score greedy batch-1 rows only; assisted decoding takes one sequence.
+    expected = {("greedy", m, 1) for m in bench.EAGER_METHODS} | {
+        (mode, m, b) for m in generating for mode, batches in
+        (("greedy", (1, 2)), ("beam4", (1, 2)), ("prompt-lookup", (1,))) for b in batches}
+    for n in bench.QUICK_LENGTHS:
+        assert {(r["mode"], r["method"], int(r["batch"])) for r in rows if r["prompt_len"] == str(n)} == expected
     for r in rows:
         assert r["status"] == "ok", r["status"]
         assert r["commit"] and r["torch"] and r["transformers"] and r["device"]
@@ -59,38 +63,94 @@ def test_summary_has_medians_and_ratios(quick_run):
         assert int(s["repeats"]) == 1
         if s["method"] == "plain-sdpa":
             assert float(s["decode_vs_plain"]) == float(s["mem_vs_plain"]) == 1.0
-        if s["batch"] == "1":
-            plain = next(r for r in rows if r["method"] == "plain-sdpa" and r["batch"] == "1"
-                         and r["prompt_len"] == s["prompt_len"])
+        plain = next(r for r in rows if (r["mode"], r["method"], r["batch"], r["prompt_len"])
+                     == (s["mode"], "plain-sdpa", s["batch"], s["prompt_len"]))
+        assert float(s["decode_vs_plain"]) == pytest.approx(
+            float(s["decode_tok_s"]) / float(plain["decode_tok_s"]), abs=1e-3)
+        assert float(s["mem_vs_plain"]) == pytest.approx(
+            float(s["peak_mem_bytes"]) / float(plain["peak_mem_bytes"]), abs=1e-3)
+        if s["batch"] == "1" and s["mode"] == "greedy":
             oa = next(r for r in rows if r["method"] == bench.OUTPUT_ATTENTIONS and r["prompt_len"] == s["prompt_len"])
-            assert float(s["decode_vs_plain"]) == pytest.approx(
-                float(s["decode_tok_s"]) / float(plain["decode_tok_s"]), abs=1e-3)
             assert float(s["mem_vs_output_attentions"]) == pytest.approx(
                 float(s["peak_mem_bytes"]) / float(oa["peak_mem_bytes"]), abs=1e-3)
             rerun = next(r for r in rows if r["method"] == bench.RERUN and r["prompt_len"] == s["prompt_len"])
             assert float(s["e2e_vs_output_attentions_rerun"]) == pytest.approx(
                 float(s["e2e_tok_s"]) / float(rerun["e2e_tok_s"]), abs=1e-3)
-        else:  # no output_attentions runs at batch > 1
+        else:  # no output_attentions runs at batch > 1 or in other modes
             assert s["decode_vs_output_attentions"] == s["e2e_vs_output_attentions_rerun"] == ""
 
 
-def test_medians_over_repeats():
-    base = {"machine": "m", "model": "x", "dtype": "float32", "batch": 1, "prompt_len": 8, "new_tokens": 4,
-            "status": "ok"}
+def test_beam_and_prompt_lookup_rows_have_sane_ratios_to_plain_in_their_mode(quick_run):
+    _, summary = read(quick_run / "quick_summary.csv")
+    for mode in ("beam4", "prompt-lookup"):
+        rows = {(s["method"], s["batch"], s["prompt_len"]): s for s in summary if s["mode"] == mode}
+        for method in ("macs-torch", "macs-torch-fused"):
+            for n in bench.QUICK_LENGTHS:
+                s = rows[(method, "1", str(n))]
+                for column in ("decode_vs_plain", "decode_cpu_vs_plain", "e2e_vs_plain", "mem_vs_plain"):
+                    assert 0 < float(s[column]) < float("inf"), (mode, method, column)
+                # Same process, same weights, a few KB of score state: memory within 10% even on the tiny model.
+                assert float(s["mem_vs_plain"]) == pytest.approx(1.0, abs=0.1)
+
+
+@pytest.mark.parametrize("mode, option, value",
+                         [("beam4", "num_beams", 4), ("prompt-lookup", "prompt_lookup_num_tokens", 3)])
+def test_each_mode_reaches_generate_with_its_options_under_macs(mode, option, value):
+    spec = bench.Spec(None, "tiny", "float32", "cpu", "macs-torch", 1, 24, 5, 1, mode)
+    model, pad = bench.load(spec)
+    calls = []
+    generate = model.generate
+
+    def recording_generate(*args, **kwargs):
+        calls.append((kwargs, model.config._attn_implementation))
+        return generate(*args, **kwargs)
+
+    model.generate = recording_generate
+    result = bench.measure(spec, model, pad)
+    assert result["status"] == "ok" and result["decode_steps"] == 4
+    (warm_up, _), (timed, implementation) = calls
+    assert warm_up[option] == timed[option] == value
+    assert timed["do_sample"] is False and timed["min_new_tokens"] == timed["max_new_tokens"] == 5
+    assert implementation == "macs_kernels"  # generate ran with the tracer attached
+
+
+def test_medians_over_repeats(tmp_path):
+    base = {"machine": "m", "device": "d", "model": "x", "dtype": "float32", "batch": 1, "prompt_len": 8,
+            "new_tokens": 4, "status": "ok"}
     rows = [base | {"method": method, "prefill_tok_s": p, "decode_tok_s": d, "decode_cpu_tok_s": d,
                     "e2e_tok_s": d, "peak_mem_bytes": m}
             for method, p, d, m in [("plain-sdpa", 10, 4.0, 100), ("plain-sdpa", 30, 2.0, 300),
                                     ("plain-sdpa", 20, 3.0, 200), ("macs-torch", 10, 1.5, 220)]]
-    summary = {s["method"]: s for s in bench.summarise(rows)}
-    assert summary["plain-sdpa"]["decode_tok_s"] == 3.0 and summary["plain-sdpa"]["repeats"] == 3
-    assert summary["macs-torch"]["decode_vs_plain"] == 0.5
-    assert summary["macs-torch"]["mem_vs_plain"] == 1.1
-    assert summary["macs-torch"]["decode_vs_output_attentions"] == ""
+    # Rows of another mode are summarised apart and compared with plain in their own mode (rows without a
+    # mode, as in CSVs written before modes existed, are greedy).
+    rows += [base | {"mode": "beam4", "method": method, "prefill_tok_s": 5, "decode_tok_s": d, "decode_cpu_tok_s": d,
+                     "e2e_tok_s": d, "peak_mem_bytes": m}
+             for method, d, m in [("plain-sdpa", 1.0, 400), ("macs-torch", 0.9, 404)]]
+    summary = {(s["mode"], s["method"]): s for s in bench.summarise(rows)}
+    greedy, beams = summary[("greedy", "macs-torch")], summary[("beam4", "macs-torch")]
+    plain = summary[("greedy", "plain-sdpa")]
+    assert plain["decode_tok_s"] == 3.0 and plain["repeats"] == 3
+    assert greedy["decode_vs_plain"] == 0.5 and greedy["mem_vs_plain"] == 1.1
+    assert greedy["decode_vs_output_attentions"] == ""
+    assert beams["decode_vs_plain"] == 0.9 and beams["mem_vs_plain"] == 1.01 and beams["repeats"] == 1
+    bench.plot(list(summary.values()), tmp_path / "modes.png")  # one prompt length: bars per mode
+    assert (tmp_path / "modes.png").stat().st_size > 0
 
 
 def test_cli_has_the_bench_subcommand():
     args = build_parser().parse_args(["bench", "--quick", "--lengths", "32"])
     assert args.quick and args.lengths == [32] and callable(args.run)
+
+
+def test_modes_option():
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    parse = lambda *argv: bench.finish_args(parser.parse_args(list(argv))).modes  # noqa: E731
+    assert parse() == ["greedy"]  # today's figures stay comparable
+    assert parse("--quick") == list(bench.MODES)
+    assert parse("--modes", "greedy,beam4", "prompt-lookup") == ["greedy", "beam4", "prompt-lookup"]
+    with pytest.raises(SystemExit, match="--modes beam: choose from greedy, beam4, prompt-lookup"):
+        parse("--modes", "beam")
 
 
 def test_methods_never_include_the_triton_interpreter():

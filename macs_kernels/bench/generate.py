@@ -2,8 +2,8 @@
 output_attentions way of computing the same scores. Results go to --out (default: the working directory),
 so it runs the same from an installed package as from a checkout.
 
-For each prompt length and batch size, every method generates the same number of new tokens (greedy,
-end-of-sequence suppressed) from the same random prompt:
+For each prompt length, batch size and generation mode (--modes, default greedy), every method generates the
+same number of new tokens (end-of-sequence suppressed) from the same random prompt:
 
 - plain-sdpa (plain-fa2 where flash-attn is installed on a GPU): `model.generate`, no attribution;
 - macs-<backend>: the same generate inside `macs_kernels.attach` (every backend that runs natively on
@@ -16,6 +16,12 @@ end-of-sequence suppressed) from the same random prompt:
 - output-attentions-rerun (batch 1 only): the public MACS implementation's way: no KV cache, every step
   re-runs the whole sequence through eager attention with output_attentions=True and scores the last row
   of every layer. Each of its steps costs a full forward, so only its first RERUN_STEPS steps are timed.
+
+Generation modes: greedy; beam4 (num_beams=4, the best beam returned); prompt-lookup
+(prompt_lookup_num_tokens=3, greedy, batch 1 only as transformers requires). Each non-greedy mode is timed
+for plain and MACS, and its ratios are to plain-sdpa in the same mode (the output_attentions methods run
+greedy only). Tokens count per returned sequence: beam search's 4 beams per sequence are its cost, not
+extra tokens.
 
 Prefill tokens/s = B x N / (time to the first new token); decode tokens/s = B x (new - 1) / the rest
 (for the output-attentions methods the rest includes scoring). End-to-end tokens/s = B x new / (prefill +
@@ -52,6 +58,10 @@ OUTPUT_ATTENTIONS = "output-attentions"
 RERUN = "output-attentions-rerun"
 EAGER_METHODS = (OUTPUT_ATTENTIONS, RERUN)  # batch 1 only: their attentions alone take GBs per sequence
 RERUN_STEPS = 4
+GREEDY = "greedy"
+# generate kwargs of each mode (on top of greedy's: do_sample=False, EOS suppressed by min_new_tokens).
+MODES = {GREEDY: {}, "beam4": {"num_beams": 4}, "prompt-lookup": {"prompt_lookup_num_tokens": 3}}
+SINGLE_SEQUENCE_MODES = ("prompt-lookup",)  # transformers' assisted decoding takes batch 1 only
 
 # Shapes of real architectures for --config (no weights travel to a GPU machine; random weights cost
 # the same). A config.json path or folder works too.
@@ -80,12 +90,12 @@ ARCHITECTURES = {
 
 COLUMNS = (
     "machine", "device", "python", "torch", "transformers", "triton", "threads", "commit", "loadavg",
-    "model", "dtype", "method", "batch", "prompt_len", "new_tokens", "repeat", "status",
+    "model", "dtype", "mode", "method", "batch", "prompt_len", "new_tokens", "repeat", "status",
     "prefill_s", "decode_s", "decode_steps", "prefill_cpu_s", "decode_cpu_s", "prefill_tok_s", "decode_tok_s",
     "decode_cpu_tok_s", "e2e_tok_s", "peak_mem_bytes", "memory", "isolated",
 )
 SUMMARY_COLUMNS = (
-    "machine", "device", "torch", "transformers", "commit", "model", "dtype", "method", "batch", "prompt_len",
+    "machine", "device", "torch", "transformers", "commit", "model", "dtype", "mode", "method", "batch", "prompt_len",
     "new_tokens", "repeats", "prefill_tok_s", "decode_tok_s", "decode_cpu_tok_s", "e2e_tok_s", "peak_mem_bytes",
     "prefill_vs_plain", "decode_vs_plain", "decode_cpu_vs_plain", "e2e_vs_plain", "mem_vs_plain",
     "decode_vs_output_attentions", "decode_cpu_vs_output_attentions", "e2e_vs_output_attentions",
@@ -100,7 +110,7 @@ RATIOS = (("prefill", "prefill_tok_s"), ("decode", "decode_tok_s"), ("decode_cpu
 # ---- one measurement ----------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    """One (model, method, batch, prompt length) measurement; JSON-able so a fresh process can run it."""
+    """One (model, method, batch, prompt length, mode) measurement; JSON-able so a fresh process can run it."""
 
     model: str | None
     config: str | None
@@ -111,6 +121,7 @@ class Spec:
     prompt_len: int
     new_tokens: int
     threads: int | None = None
+    mode: str = GREEDY
 
 
 def methods_for(device) -> list[str]:
@@ -131,6 +142,14 @@ def methods_for(device) -> list[str]:
             methods.append(f"macs-{backend}")
     methods.append("macs-torch-fused")  # the torch backend computing decode attention itself
     return methods + list(EAGER_METHODS)
+
+
+def applies(method: str, mode: str, batch: int) -> bool:
+    """Whether a (method, mode, batch) cell is measured: the output_attentions ways score greedy batch-1 rows
+    only, assisted decoding takes one sequence."""
+    if method in EAGER_METHODS:
+        return mode == GREEDY and batch == 1
+    return batch == 1 or mode not in SINGLE_SEQUENCE_MODES
 
 
 def load(spec: Spec):
@@ -197,8 +216,8 @@ def _scores_from_attentions(attentions, n_input: int, config) -> None:
 
 
 def _generate(model, ids, spec: Spec, pad: int):
-    """((prefill, decode) wall seconds, (prefill, decode) process CPU seconds, decode steps) of one greedy
-    generate."""
+    """((prefill, decode) wall seconds, (prefill, decode) process CPU seconds, decode steps) of one generate
+    in spec.mode."""
     import torch
     from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -216,7 +235,7 @@ def _generate(model, ids, spec: Spec, pad: int):
 
     kwargs = dict(max_new_tokens=spec.new_tokens, min_new_tokens=spec.new_tokens, do_sample=False,
                   pad_token_id=pad, attention_mask=torch.ones_like(ids),
-                  stopping_criteria=StoppingCriteriaList([MarkFirstToken()]))
+                  stopping_criteria=StoppingCriteriaList([MarkFirstToken()]), **MODES[spec.mode])
     oa = spec.method == OUTPUT_ATTENTIONS
     if oa:
         kwargs.update(output_attentions=True, return_dict_in_generate=True)
@@ -231,9 +250,11 @@ def _generate(model, ids, spec: Spec, pad: int):
         _scores_from_attentions(output.attentions, ids.shape[1], MacsConfig())
     _synchronize(spec.device)
     end, end_cpu = time.perf_counter(), time.process_time()
+    # Counted, not assumed: assisted decoding accepts several tokens per pass and must still stop at `new`.
+    generated = (output.sequences if oa else output).shape[1] - ids.shape[1]
     del output
     return ((first_token[0] - start, end - first_token[0]), (first_token[1] - start_cpu, end_cpu - first_token[1]),
-            spec.new_tokens - 1)
+            generated - 1)
 
 
 def _rerun_without_cache(model, ids, spec: Spec, pad: int):
@@ -377,24 +398,29 @@ def grid(args, device, max_positions: int) -> list[tuple[int, int]]:
 
 
 def summarise(rows: list[dict]) -> list[dict]:
-    """Medians per (method, batch, length) and the ratios to plain-sdpa and to output-attentions."""
+    """Medians per (mode, method, batch, length) and the ratios to plain-sdpa in the same mode and to
+    output-attentions, all in the same mode (so the output_attentions ratios are greedy only). Rows without a
+    mode (CSVs written before modes existed) are greedy."""
     cells: dict[tuple, list[dict]] = {}
     for row in rows:
         if row["status"] == "ok":
-            cells.setdefault((row["method"], row["batch"], row["prompt_len"]), []).append(row)
+            mode = row.get("mode") or GREEDY
+            cells.setdefault((mode, row["method"], row["batch"], row["prompt_len"]), []).append(row)
     medians = {}
     for key, group in cells.items():
         medians[key] = {field: statistics.median(r[field] for r in group) for _, field in RATIOS}
         medians[key]["repeats"] = len(group)
     summary = []
-    by_length_batch_method = sorted(medians.items(), key=lambda item: (item[0][2], item[0][1], item[0][0]))
-    for (method, batch, length), values in by_length_batch_method:
-        first = cells[(method, batch, length)][0]
+    mode_order = {mode: i for i, mode in enumerate(MODES)}
+    by_length_batch_mode_method = sorted(
+        medians.items(), key=lambda item: (item[0][3], item[0][2], mode_order.get(item[0][0], len(MODES)), item[0][1]))
+    for (mode, method, batch, length), values in by_length_batch_mode_method:
+        first = cells[(mode, method, batch, length)][0]
         row = {field: first[field] for field in SUMMARY_COLUMNS if field in first}
-        row.update(values, peak_mem_bytes=int(values["peak_mem_bytes"]))
+        row.update(values, mode=mode, peak_mem_bytes=int(values["peak_mem_bytes"]))
         for name, reference in (("plain", "plain-sdpa"), ("output_attentions", OUTPUT_ATTENTIONS),
                                 ("output_attentions_rerun", RERUN)):
-            base = medians.get((reference, batch, length))
+            base = medians.get((mode, reference, batch, length))
             for short, field in RATIOS:
                 column = f"{short}_vs_{name}"
                 if column in SUMMARY_COLUMNS:
@@ -410,13 +436,19 @@ def plot(summary: list[dict], path: Path) -> None:
               ("prefill_tok_s", "prefill tokens/s"), ("e2e_tok_s", "end-to-end tokens/s"),
               ("peak_mem_bytes", "peak memory (GiB)"))
     fig, axes = plt.subplots(len(batches), len(fields), figsize=(4.2 * len(fields), 3.2 * len(batches)), squeeze=False)
+    modes = [mode for mode in MODES if any(r["mode"] == mode for r in summary)]
+    one_length = len({r["prompt_len"] for r in summary}) == 1
     for (i, batch), (j, (field, label)) in ((a, b) for a in enumerate(batches) for b in enumerate(fields)):
         ax = axes[i][j]
-        for method in sorted({r["method"] for r in summary}):
+        if one_length and len(modes) > 1:  # a line per method would be a dot per method: bars per mode instead
+            _mode_bars(ax, [r for r in summary if r["batch"] == batch], modes, field)
+            ax.set_title(f"{label}, batch {batch}, {summary[0]['prompt_len']} prompt tokens", fontsize=9)
+            continue
+        for mode, method in sorted({(r["mode"], r["method"]) for r in summary}):
             points = sorted((r["prompt_len"], r[field] / (2**30 if field == "peak_mem_bytes" else 1))
-                            for r in summary if r["method"] == method and r["batch"] == batch)
+                            for r in summary if (r["mode"], r["method"]) == (mode, method) and r["batch"] == batch)
             if points:
-                ax.plot(*zip(*points), marker="o", label=method)
+                ax.plot(*zip(*points), marker="o", label=method if mode == GREEDY else f"{method}, {mode}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt tokens")
         ax.set_title(f"{label}, batch {batch}", fontsize=9)
@@ -425,6 +457,18 @@ def plot(summary: list[dict], path: Path) -> None:
     fig.suptitle(f"{first['model']} {first['dtype']} on {first['device']}, {first['new_tokens']} new tokens",
                  fontsize=10)
     save_figure(fig, path)
+
+
+def _mode_bars(ax, summary: list[dict], modes: list[str], field: str) -> None:
+    methods = sorted({r["method"] for r in summary})
+    width = 0.8 / len(methods)
+    for k, method in enumerate(methods):
+        values = {r["mode"]: r[field] / (2**30 if field == "peak_mem_bytes" else 1)
+                  for r in summary if r["method"] == method}
+        ax.bar([x + k * width for x, mode in enumerate(modes) if mode in values],
+               [values[mode] for mode in modes if mode in values], width, label=method)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(modes))], modes)
+    ax.legend(fontsize=7)
 
 
 def run(args) -> int:
@@ -459,12 +503,12 @@ def run(args) -> int:
     stem = args.name or device_stem("generate", env, device) + ("_quick" if args.quick else "")
     cells = grid(args, device, max_positions)
     for repeat in range(args.repeats):
-        for length, batch in cells:
+        for (length, batch), mode in ((cell, mode) for cell in cells for mode in args.modes):
             rotated = methods[repeat % len(methods):] + methods[:repeat % len(methods)]
             for method in rotated:
-                if method in EAGER_METHODS and batch > 1:
+                if not applies(method, mode, batch):
                     continue
-                spec = dataclasses.replace(base, method=method, batch=batch, prompt_len=length)
+                spec = dataclasses.replace(base, method=method, batch=batch, prompt_len=length, mode=mode)
                 if isolate:
                     result = _measure_isolated(spec)
                 else:
@@ -472,15 +516,15 @@ def run(args) -> int:
                     model.set_attn_implementation("eager" if method in EAGER_METHODS else
                                                   "flash_attention_2" if method == "plain-fa2" else "sdpa")
                     result = measure(spec, model, pad)
-                row = {**env, "loadavg": os.getloadavg()[0], "model": model_name, "dtype": dtype, "method": method,
-                       "batch": batch, "prompt_len": length, "new_tokens": args.new_tokens, "repeat": repeat,
-                       "isolated": isolate, **result}
+                row = {**env, "loadavg": os.getloadavg()[0], "model": model_name, "dtype": dtype, "mode": mode,
+                       "method": method, "batch": batch, "prompt_len": length, "new_tokens": args.new_tokens,
+                       "repeat": repeat, "isolated": isolate, **result}
                 rows.append({column: row.get(column, "") for column in COLUMNS})
                 write_csv(rows, args.out / f"{stem}.csv", COLUMNS)  # as it goes: a long run keeps what it measured
                 shown = result["status"] if result["status"] != "ok" else (
                     f"{result['prefill_tok_s']:9.1f} prefill tok/s {result['decode_tok_s']:8.2f} decode tok/s "
                     f"{result['peak_mem_bytes'] / 2**30:6.2f} GiB")
-                print(f"repeat {repeat} N={length:6d} B={batch} {method:18s} {shown}", flush=True)
+                print(f"repeat {repeat} N={length:6d} B={batch} {mode:13s} {method:18s} {shown}", flush=True)
     return write_summary(rows, args.out, stem)
 
 
@@ -504,7 +548,7 @@ def summarise_csv(path: Path) -> int:
 
 
 SUMMARY_TABLE = (  # (header, summary column, format) of the printed table
-    ("N", "prompt_len", "{}"), ("B", "batch", "{}"), ("method", "method", "{}"),
+    ("N", "prompt_len", "{}"), ("B", "batch", "{}"), ("mode", "mode", "{}"), ("method", "method", "{}"),
     ("prefill tok/s", "prefill_tok_s", "{:.1f}"), ("decode tok/s", "decode_tok_s", "{:.2f}"),
     ("e2e tok/s", "e2e_tok_s", "{:.3f}"), ("peak GiB", "peak_mem_bytes", "{:.2f}"),
     ("decode vs plain", "decode_vs_plain", "{}"), ("decode (CPU) vs plain", "decode_cpu_vs_plain", "{}"),
@@ -517,7 +561,7 @@ SUMMARY_TABLE = (  # (header, summary column, format) of the printed table
 def print_summary(summary: list[dict]) -> None:
     """The summary as a markdown table (what the README quotes)."""
     print("| " + " | ".join(header for header, _, _ in SUMMARY_TABLE) + " |")
-    print("|" + "|".join("---" if column == "method" else "---:" for _, column, _ in SUMMARY_TABLE) + "|")
+    print("|" + "|".join("---" if column in ("mode", "method") else "---:" for _, column, _ in SUMMARY_TABLE) + "|")
     for r in summary:
         cells = [fmt.format(r[column] / 2**30 if column == "peak_mem_bytes" else r[column])
                  for _, column, fmt in SUMMARY_TABLE]
@@ -540,6 +584,9 @@ def add_arguments(parser: argparse.ArgumentParser, default_out: Path = Path(".")
                         help=f"prompt lengths (default CPU {CPU_LENGTHS}, GPU {GPU_LENGTHS})")
     parser.add_argument("--batches", type=int, nargs="+", default=None, help=f"batch sizes (default {BATCHES})")
     parser.add_argument("--methods", nargs="+", default=None, help="subset of the methods (default: all available)")
+    parser.add_argument("--modes", nargs="+", default=None,
+                        help=f"generation modes, space- or comma-separated: {', '.join(MODES)} (default greedy; "
+                             "--quick: all)")
     parser.add_argument("--new-tokens", type=int, default=None, help="new tokens per generate (default 64; --quick 4)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None,
@@ -560,6 +607,12 @@ def finish_args(args) -> argparse.Namespace:
         args.repeats = min(args.repeats, 1)
     if args.new_tokens < 2:
         raise SystemExit("--new-tokens must be at least 2 (prefill and decode are timed apart)")
+    if args.modes is None:
+        args.modes = list(MODES) if args.quick else [GREEDY]
+    else:
+        args.modes = [mode for value in args.modes for mode in value.split(",") if mode]
+    if not args.modes or set(args.modes) - set(MODES):
+        raise SystemExit(f"--modes {' '.join(args.modes)}: choose from {', '.join(MODES)}")
     return args
 
 
