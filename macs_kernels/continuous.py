@@ -149,16 +149,32 @@ class Segments:
             raise ValueError(f"every row needs 1 <= n_input <= its key count, got {n_input} for {lengths}")
         self.starts, self.lengths, self.n_input = list(starts), list(lengths), list(n_input)
         self.n_max, self.length_max = max(self.n_input), max(self.lengths)
+        self.device = device
         positions = torch.arange(self.length_max, device=device)
-        lengths_t = torch.tensor(self.lengths, device=device).view(-1, 1, 1)
-        n_input_t = torch.tensor(self.n_input, device=device).view(-1, 1, 1)
-        spread = torch.tensor(redistribute, dtype=torch.float32, device=device).view(-1, 1, 1) / n_input_t
-        # Weight of each key's probability in the spill every input receives: 1/N on generated keys.
-        self.spill_weight = ((positions >= n_input_t) & (positions < lengths_t)) * spread
+        lengths_t = torch.tensor(self.lengths, device=device).view(-1, 1)
+        n_input_t = torch.tensor(self.n_input, device=device).view(-1, 1)
+        spread = torch.tensor(redistribute, dtype=torch.float32, device=device).view(-1, 1) / n_input_t
+        # (R, L_max, 1): weight of each key's probability in the spill every input receives, 1/N on generated
+        # keys, so that one batched product sums a row's spill.
+        self.spill_weight = (((positions >= n_input_t) & (positions < lengths_t)) * spread).unsqueeze(-1)
         as_index = functools.partial(torch.tensor, dtype=torch.int64, device=device)
         self.input_start = as_index([self.starts])
         self.input_end = as_index([[s + n for s, n in zip(self.starts, self.n_input)]])
         self.kv_len = as_index([[s + length for s, length in zip(self.starts, self.lengths)]])
+        self._scores = None
+
+    def _score_buffer(self, kv_heads: int, group: int) -> tuple[torch.Tensor, list]:
+        """The (R, H_kv, G, L_max) float32 score buffer of the pass and each row's (H_kv, G, length) view.
+
+        Every layer writes the same per-row ranges, so the -inf padding past a row's length is written once
+        per pass, not per layer."""
+        if self._scores is None or self._scores[0].shape[1:3] != (kv_heads, group):
+            scores = torch.full(
+                (len(self.starts), kv_heads, group, self.length_max), float("-inf"), dtype=torch.float32,
+                device=self.device,
+            )
+            self._scores = scores, [scores[r, :, :, :length] for r, length in enumerate(self.lengths)]
+        return self._scores
 
     def probabilities(self, q, key, scale: float) -> torch.Tensor:
         """Softmax rows (R, H, L_max) float32 of q (H, R, D) over each row's own keys of key (H_kv, S, D),
@@ -166,20 +182,17 @@ class Segments:
         would cost R times more."""
         heads, rows, dim = q.shape
         kv_heads = key.shape[0]
-        grouped = q.transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, dim).float()
-        scores = torch.full(
-            (rows, kv_heads, heads // kv_heads, self.length_max), float("-inf"), dtype=torch.float32, device=q.device
-        )
+        grouped = (q.float() * scale).reshape(kv_heads, heads // kv_heads, rows, dim).permute(2, 0, 1, 3)
+        scores, row_scores = self._score_buffer(kv_heads, heads // kv_heads)
         for r, (start, length) in enumerate(zip(self.starts, self.lengths)):
-            own_keys = key[:, start : start + length].float()
-            scores[r, :, :, :length] = torch.matmul(grouped[r], own_keys.transpose(-1, -2))
-        scores = scores.view(rows, heads, self.length_max).mul_(scale)
-        return scores.sub_(torch.logsumexp(scores, dim=-1, keepdim=True)).exp_()
+            torch.bmm(grouped[r], key[:, start : start + length].float().transpose(-1, -2), out=row_scores[r])
+        return torch.softmax(scores.view(rows, heads, self.length_max), dim=-1)
 
     def spread_inputs(self, probabilities) -> torch.Tensor:
-        """(R, H, N_max): each input's probability plus the row's spill; entries past a row's N are not inputs."""
-        spill = (probabilities * self.spill_weight).sum(dim=-1, keepdim=True)
-        return probabilities[:, :, : self.n_max] + spill
+        """(R, H, N_max): each input's probability plus the row's spill, written over `probabilities`' input
+        columns; entries past a row's N are not inputs."""
+        spill = torch.bmm(probabilities, self.spill_weight)
+        return probabilities[:, :, : self.n_max].add_(spill)
 
 
 def macs_pool_packed(q, key, segments: Segments, *, scale, pooling="max") -> torch.Tensor:
@@ -207,7 +220,7 @@ class _Pass:
     rows: torch.Tensor  # (R,) query rows that emit a token
     records: list
     segments: Segments
-    groups: list  # (pooling, redistribute, row indices or None, alpha (R_g, 1))
+    groups: list  # (pooling, redistribute, row indices or None, alpha (R_g, 1), 1 - alpha (R_g, 1))
     log_c: torch.Tensor  # (R, N_max) float32
 
 
@@ -391,7 +404,7 @@ class ContinuousTracer:
         for (pooling, redistribute), members in by_config.items():
             alphas = torch.tensor([[records[r].config.alpha] for r in members], dtype=torch.float32, device=device)
             index = None if len(members) == len(records) else torch.tensor(members, device=device)
-            groups.append((pooling, redistribute, index, alphas))
+            groups.append((pooling, redistribute, index, alphas, 1.0 - alphas))
         self._pass = _Pass(
             rows=torch.tensor(rows, device=device), records=records, segments=segments, groups=groups,
             log_c=torch.zeros(len(records), segments.n_max, dtype=torch.float32, device=device),
@@ -414,17 +427,17 @@ class ContinuousTracer:
 
     def _add_layer(self, query, key, scale: float) -> None:
         step = self._pass
-        q_rows = query[:, :, step.rows, :]
+        q_rows = query.index_select(2, step.rows)
         inputs = None
         if self.backend == "torch":
             inputs = step.segments.spread_inputs(step.segments.probabilities(q_rows[0], key[0], scale))
-        for pooling, redistribute, index, alphas in step.groups:
+        for pooling, redistribute, index, alphas, keep in step.groups:
             if inputs is None:
                 pooled = self._kernel_pooled(q_rows, key, scale, pooling, redistribute, index)
             else:
                 pooled = POOL[pooling](inputs if index is None else inputs[index])
             # Entries past a row's N are never read: rows are cut to N.
-            term = pooled.clamp_min(0.0).mul_(alphas).add_(1.0 - alphas).log_()
+            term = pooled.clamp_min_(0.0).mul_(alphas).add_(keep).log_()
             if index is None:
                 step.log_c.add_(term)
             else:
