@@ -14,13 +14,15 @@ every request's rows. Runs alternate between the modes (off, on, on, off, ...), 
 throughput is generated tokens per second of wall time and per second of the process's CPU time (user +
 system, all threads: on a machine shared with other work, wall time measures the neighbours; run with
 --threads 1 so idle worker threads do not spin), peak memory the process's peak RSS during the call
-(Linux: /proc/self/clear_refs resets the peak after the model is loaded).
+(Linux: /proc/self/clear_refs resets the peak after the model is loaded). Each run also records the machine's
+1-minute load average before and after the call.
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -67,6 +69,7 @@ def _child(mode: str, requests: int, shortest: int, longest: int, new_tokens: in
         return model.generate_batch(prompts, generation_config=generation, continuous_batching_config=config)
 
     base = _rss_kib("VmRSS")
+    load_before = os.getloadavg()[0]
     Path("/proc/self/clear_refs").write_text("5")
     start, cpu_start = time.perf_counter(), time.process_time()
     if mode == "macs":
@@ -86,6 +89,7 @@ def _child(mode: str, requests: int, shortest: int, longest: int, new_tokens: in
         "seconds": seconds, "tokens_per_s": generated / seconds, "cpu_seconds": cpu_seconds,
         "tokens_per_cpu_s": generated / cpu_seconds, "peak_rss_mib": peak / 1024,
         "peak_above_model_mib": max(peak - base, 0) / 1024, "threads": torch.get_num_threads(),
+        "load_before": load_before, "load_after": os.getloadavg()[0],
     }
 
 
@@ -165,7 +169,8 @@ def main(argv=None) -> int:
         print(f"{mode:5s} {row['seconds']:8.1f} s {row['tokens_per_s']:7.2f} tok/s "
               f"{row['tokens_per_cpu_s']:7.2f} tok/CPU s "
               f"peak {row['peak_rss_mib']:8.1f} MiB "
-              f"(+{row['peak_above_model_mib']:.1f} above the loaded model)", flush=True)
+              f"(+{row['peak_above_model_mib']:.1f} above the loaded model) "
+              f"load {row['load_before']:.2f} -> {row['load_after']:.2f}", flush=True)
     summary = _summary(rows)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"continuous_cpu_{requests}x{shortest}-{longest}_{new_tokens}_threads{rows[0]['threads']}"

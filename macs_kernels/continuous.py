@@ -183,9 +183,10 @@ class Segments:
         heads, rows, dim = q.shape
         kv_heads = key.shape[0]
         grouped = (q.float() * scale).reshape(kv_heads, heads // kv_heads, rows, dim).permute(2, 0, 1, 3)
+        keys_t = key.transpose(-1, -2)
         scores, row_scores = self._score_buffer(kv_heads, heads // kv_heads)
         for r, (start, length) in enumerate(zip(self.starts, self.lengths)):
-            torch.bmm(grouped[r], key[:, start : start + length].float().transpose(-1, -2), out=row_scores[r])
+            torch.bmm(grouped[r], keys_t[:, :, start : start + length].float(), out=row_scores[r])
         return torch.softmax(scores.view(rows, heads, self.length_max), dim=-1)
 
     def spread_inputs(self, probabilities) -> torch.Tensor:
