@@ -124,6 +124,8 @@ def check_pages_in_use(block_table, kv_len, page_size, pages):
     """Every page that holds a key a row of item b attends (keys [0, max_r kv_len[b, r])) is a page of the
     cache, in [0, pages) (one host sync). Entries past an item's last page may be anything: transformers'
     tables hold -1 there."""
+    if kv_len.numel() == 0:
+        return
     needed = -(-kv_len.amax(dim=1) // page_size)
     in_use = torch.arange(block_table.shape[1], device=block_table.device) < needed[:, None]
     bad = (in_use & ((block_table < 0) | (block_table >= pages))).flatten()

@@ -144,9 +144,9 @@ def macs_pool_paged(
 ) -> None:
     """macs_pool over a paged cache: the pages the rows attend, gathered into one (B, H_kv, S, D) block
     (S = the longest row's kv_len), then macs_pool."""
-    keys = int(kv_len.max()) if kv_len.numel() else 1
-    macs_pool(q, gather_pages(k_pages, block_table, max(keys, 1)), out, input_start, input_end, kv_len, scale,
-              pooling, redistribute, lse)
+    keys = int(kv_len.max()) if kv_len.numel() else 0
+    macs_pool(q, gather_pages(k_pages, block_table, keys), out, input_start, input_end, kv_len, scale, pooling,
+              redistribute, lse)
 
 
 def _pool_rows(probabilities, out, input_start, input_end, kv_len, pooling, redistribute):
