@@ -504,7 +504,8 @@ def _check_manager(manager) -> None:
     if is_flash_attention_requested(requested_attention_implementation=implementation_name):
         raise NotImplementedError(
             f"the continuous batching manager runs {implementation_name!r}: its decode fast path hands the attention a "
-            "block table of the paged cache, which macs_kernels does not trace; use sdpa or eager and "
+            "block table of the paged cache; ops.macs_pool_paged scores such a cache, but the continuous tracer "
+            "does not follow flash passes yet (they run on CUDA only), so use sdpa or eager and "
             "ContinuousBatchingConfig(auto_switch_to_flash=False)"
         )
     cb_config = manager.continuous_batching_config

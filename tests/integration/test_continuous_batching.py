@@ -1,6 +1,8 @@
 """MACS under transformers continuous batching: packed passes, chunked prefill, shared prefixes, streaming
 readers; rows against explain() of each prompt alone and against the independent eager reference."""
+import re
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from macs_kernels import explain, reference
 from macs_kernels.continuous import (
     Segments,
+    _check_manager,
     attach_continuous,
     explain_continuous,
     macs_pool_packed,
@@ -278,6 +281,35 @@ def test_unsupported_modes_raise_before_generation(tiny):
     with pytest.raises(ValueError, match="prompts"):
         explain_continuous(tiny, None, [])
     assert tiny.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize(
+    ("attention", "options", "returned", "refusal"),
+    [
+        ("flash_attention_2", {}, 1, "macs_pool_paged scores such a cache"),
+        ("paged|flash_attention_2", {}, 1, "auto_switch_to_flash=False"),
+        ("sdpa", {"use_async_batching": True}, 1, "use_async_batching"),
+        ("sdpa", {"use_cuda_graph": True}, 1, "use_cuda_graph=False"),
+        ("sdpa", {}, 2, "num_return_sequences"),
+    ],
+)
+def test_managers_the_tracer_cannot_follow_are_refused(attention, options, returned, refusal):
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=8, max_batch_tokens=8, **options)
+    manager = SimpleNamespace(
+        model=SimpleNamespace(config=SimpleNamespace(_attn_implementation=attention)),
+        continuous_batching_config=config, num_return_sequences=returned,
+    )
+    with pytest.raises(NotImplementedError, match=re.escape(refusal)):
+        _check_manager(manager)
+
+
+def test_an_sdpa_manager_passes_the_checks():
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=8, max_batch_tokens=8, use_cuda_graph=False)
+    manager = SimpleNamespace(
+        model=SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa")),
+        continuous_batching_config=config, num_return_sequences=1,
+    )
+    _check_manager(manager)
 
 
 def test_manager_created_before_attach_needs_track(tiny):
