@@ -118,27 +118,49 @@ const T* pointer(const at::Tensor& t) {
   return reinterpret_cast<const T*>(t.data_ptr());
 }
 
-// q (B, H, D) or (B, H, R, D) against k_cache (B, H_kv, S, D) and v_cache (B, H_kv, S, D_v), checked for
-// the split-KV pass, with its tile policy for this GPU (which must fit the block in shared memory).
+// q (B, H, D) or (B, H, R, D) against k_cache (B, H_kv, S, D) and v_cache (B, H_kv, S, D_v), or against
+// pages k_cache (P, page_size, H_kv, D) and their block_table (B, pages) int32 (then S = pages * page_size
+// per item, and no V), checked for the split-KV pass, with its tile policy for this GPU (which must fit
+// the block in shared memory).
 struct SplitShape {
   int64_t batch, heads, kv_heads, rows, keys, dim, dim_v;
+  int64_t page_size = 0;  // 0: contiguous keys
   bool vectorized;
   SplitPolicy policy;
 
-  SplitShape(const char* op, const at::Tensor& q, int64_t q_dims, const at::Tensor& k, const at::Tensor* v) {
+  SplitShape(const char* op, const at::Tensor& q, int64_t q_dims, const at::Tensor& k, const at::Tensor* v,
+             const at::Tensor* block_table = nullptr) {
+    const char* k_name = block_table == nullptr ? "k_cache" : "k_pages";
     check_tensor(op, "q", q, q_dims, q);
-    check_tensor(op, "k_cache", k, 4, q);
+    check_tensor(op, k_name, k, 4, q);
     check_float(op, "q", q);
-    TORCH_CHECK(k.scalar_type() == q.scalar_type(), op, ": q and k_cache must share a dtype, got ",
+    TORCH_CHECK(k.scalar_type() == q.scalar_type(), op, ": q and ", k_name, " must share a dtype, got ",
                 q.scalar_type(), " and ", k.scalar_type());
     batch = q.size(0);
     heads = q.size(1);
     rows = q_dims == 4 ? q.size(2) : 1;
     dim = q.size(-1);
-    kv_heads = k.size(1);
-    keys = k.size(2);
-    TORCH_CHECK(k.size(0) == batch && k.size(3) == dim, op, ": k_cache must be (", batch, ", H_kv, S, ", dim,
-                "), got ", k.sizes());
+    if (block_table == nullptr) {
+      kv_heads = k.size(1);
+      keys = k.size(2);
+      TORCH_CHECK(k.size(0) == batch && k.size(3) == dim, op, ": k_cache must be (", batch, ", H_kv, S, ", dim,
+                  "), got ", k.sizes());
+    } else {
+      check_tensor(op, "block_table", *block_table, 2, q);
+      TORCH_CHECK(block_table->scalar_type() == at::kInt, op, ": block_table must be int32, got ",
+                  block_table->scalar_type());
+      TORCH_CHECK(block_table->size(0) == batch, op, ": block_table must be (", batch, ", pages), got ",
+                  block_table->sizes());
+      TORCH_CHECK(v == nullptr, op, ": the paged split-KV pass reads no V");
+      page_size = k.size(1);
+      kv_heads = k.size(2);
+      keys = block_table->size(1) * page_size;
+      TORCH_CHECK(page_size > 0 && k.size(3) == dim, op, ": k_pages must be (pages, page_size, H_kv, ", dim,
+                  "), got ", k.sizes());
+      TORCH_CHECK(keys < (int64_t(1) << 31) && k.size(0) > 0 && k.size(0) < (int64_t(1) << 31), op,
+                  ": need 1 <= page count < 2^31 and pages * page_size < 2^31, got k_pages ", k.sizes(),
+                  " and block_table ", block_table->sizes());
+    }
     TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, op, ": query heads (", heads,
                 ") must be a multiple of KV heads (", kv_heads, ")");
     vectorized = rows_aligned16(k);
@@ -182,6 +204,7 @@ struct SplitRun {
   at::Tensor* out;      // (B, H, [R,] D_v) in q's dtype, contiguous
   at::Tensor* lse_out;  // (B, H, [R]) float32, contiguous
   PoolTail pool;        // pool.out null: no pooling; pool.stats is allocated here
+  const at::Tensor* block_table = nullptr;  // (B, pages) int32 when k holds pages (shape.page_size > 0)
 
   void launch() {
     const SplitPolicy& policy = shape.policy;
@@ -199,14 +222,16 @@ struct SplitRun {
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     dispatch_float(op, q.scalar_type(), [&](auto tag) {
       using T = decltype(tag);
-      const bool four_dims = q.dim() == 4;
+      const bool four_dims = q.dim() == 4, paged = block_table != nullptr;
       const SplitParams<T> p{
           pointer<T>(q), q.stride(0), q.stride(1), four_dims ? q.stride(2) : 0,
-          pointer<T>(k), k.stride(0), k.stride(1), k.stride(2),
+          pointer<T>(k), k.stride(0), k.stride(paged ? 2 : 1), k.stride(paged ? 1 : 2),
           v == nullptr ? nullptr : pointer<T>(*v),
           v == nullptr ? 0 : v->stride(0),
           v == nullptr ? 0 : v->stride(1),
           v == nullptr ? 0 : v->stride(2),
+          paged ? block_table->data_ptr<int32_t>() : nullptr, paged ? block_table->stride(0) : 0, shape.page_size,
+          paged ? k.size(0) : 0,
           start, input_end, end, float(scale * double(kLog2e)),
           shape.batch, shape.heads, shape.kv_heads, shape.rows, shape.keys, shape.dim, shape.dim_v,
           policy.splits, policy.rows_per_block,

@@ -9,7 +9,8 @@
 //    pooling (pool/kernel.cuh).
 // 2. combine_kernel, grid (H * R, B): merges the splits of each query row into out and lse, and the
 //    values head pooling needs: the normalising lse (given or computed) and the mass on generated keys.
-// Row (b, r) attends keys [start, end) of item b; [input_end, end) are its generated keys.
+// Row (b, r) attends keys [start, end) of item b; [input_end, end) are its generated keys. The keys of
+// an item are contiguous (B, H_kv, S, D) or in pages (P, page_size, H_kv, D) found through a block table.
 #pragma once
 
 #include "split_kv/policy.cuh"
@@ -21,10 +22,12 @@ template <typename T>
 struct SplitParams {
   const T* q;  // (B, H, R, D)
   int64_t q_sb, q_sh, q_sr;
-  const T* k;  // (B, H_kv, S, D)
-  int64_t k_sb, k_sh, k_ss;
-  const T* v;  // (B, H_kv, S, D_v), null without V
+  const T* k;  // (B, H_kv, S, D), or pages (P, page_size, H_kv, D) with a block table
+  int64_t k_sb, k_sh, k_ss;  // item (or page), head and key (or slot) strides
+  const T* v;  // laid out like k with D_v, null without V
   int64_t v_sb, v_sh, v_ss;
+  const int32_t* block_table;  // (B, pages): key j of item b is in page table[b, j / page_size]; or null
+  int64_t table_stride, page_size, page_count;
   Index start, input_end, end;  // (B,) or (B, R)
   float scale_log2;             // the softmax scale times log2(e)
   int64_t batch, heads, kv_heads, rows, keys, dim, dim_v;
@@ -34,18 +37,37 @@ struct SplitParams {
   float* scores;      // (B, H, R, S) base-2 scores of the attended keys, or null
 };
 
+// Where the keys of one item and head live: key * key_stride from `head` in a contiguous cache; through
+// the item's row of the block table in a paged one.
+template <typename T>
+struct KeyRows {
+  const T* head;  // the item's head, or the head in page 0 when paged
+  int64_t key_stride, page_stride;
+  const int32_t* table;  // the item's block-table row, or null
+  int page_size, page_count;
+
+  __device__ __forceinline__ const T* operator()(int64_t key) const {
+    if (table == nullptr) return head + key * key_stride;
+    // 32-bit division: 64-bit division is emulated. Keys are < 2^31 (checked by the launcher). The public
+    // op validates the pages; clamping keeps a direct torch.ops call with a bad table in bounds.
+    const int k = int(key);
+    const int page = min(max(table[k / page_size], 0), page_count - 1);
+    return head + int64_t(page) * page_stride + int64_t(k % page_size) * key_stride;
+  }
+};
+
 // Stages keys [tile, tile + kTileKeys) of one head as floats, rows at `pitch`; keys at or past `stop`
-// become zeros (their weights are zero, and 0 * garbage could be NaN).
+// become zeros (their weights are zero, and 0 * garbage could be NaN) and read no block-table entry.
 template <typename T, int VEC>
-__device__ __forceinline__ void stage_tile(const T* __restrict__ base, int64_t key_stride, int64_t dim,
-                                           int64_t tile, int64_t stop, float* tile_s, int64_t pitch) {
+__device__ __forceinline__ void stage_tile(const KeyRows<T>& rows, int64_t dim, int64_t tile, int64_t stop,
+                                           float* tile_s, int64_t pitch) {
   // 32-bit index math: 64-bit division is emulated and would dominate this loop.
   const int chunks = int(dim / VEC);
   for (int c = threadIdx.x; c < kTileKeys * chunks; c += blockDim.x) {
     const int j = c / chunks, d0 = (c % chunks) * VEC;
     float values[VEC];
     if (tile + j < stop) {
-      load_floats<T, VEC>(base + (tile + j) * key_stride + d0, values);
+      load_floats<T, VEC>(rows(tile + j) + d0, values);
     } else {
 #pragma unroll
       for (int i = 0; i < VEC; ++i) values[i] = 0.0f;
@@ -115,8 +137,13 @@ __global__ void __launch_bounds__(kMaxSplitThreads) split_kernel(SplitParams<T> 
   const int64_t begin = first + split * tiles_per_split * kTileKeys;
   const int64_t stop = min(last, begin + tiles_per_split * kTileKeys);
 
-  const T* k_head = p.k + b * p.k_sb + kv_head * p.k_sh;
-  const T* v_head = WITH_V ? p.v + b * p.v_sb + kv_head * p.v_sh : nullptr;
+  const bool paged = p.block_table != nullptr;
+  const int32_t* table = paged ? p.block_table + b * p.table_stride : nullptr;
+  const int page_size = int(p.page_size), page_count = int(p.page_count);
+  const KeyRows<T> k_rows{p.k + (paged ? 0 : b * p.k_sb) + kv_head * p.k_sh, p.k_ss, p.k_sb, table, page_size,
+                          page_count};
+  const KeyRows<T> v_rows{WITH_V ? p.v + (paged ? 0 : b * p.v_sb) + kv_head * p.v_sh : nullptr, p.v_ss, p.v_sb,
+                          table, page_size, page_count};
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
 
   float acc[kMaxAccumulators];
@@ -125,8 +152,8 @@ __global__ void __launch_bounds__(kMaxSplitThreads) split_kernel(SplitParams<T> 
 
   for (int64_t tile = begin; tile < stop; tile += kTileKeys) {
     __syncthreads();  // the previous tile's shared memory is no longer read
-    stage_tile<T, VEC>(k_head, p.k_ss, dim, tile, stop, k_s, pitch);
-    if (WITH_V) stage_tile<T, VEC>(v_head, p.v_ss, dim_v, tile, stop, v_s, dim_v);
+    stage_tile<T, VEC>(k_rows, dim, tile, stop, k_s, pitch);
+    if (WITH_V) stage_tile<T, VEC>(v_rows, dim_v, tile, stop, v_s, dim_v);
     __syncthreads();
 
     // Scores of every vector against the tile's keys; a key outside a vector's row range scores -inf.

@@ -18,6 +18,7 @@ from .attention_features import attention_features
 from .decode_attention import decode_attention
 from .efficient_attention import efficient_attention
 from .macs_pool import macs_pool
+from .macs_pool_paged import macs_pool_paged
 from .macs_update import macs_update
 from .macs_update_rows import macs_update_rows
 from .macs_zscore import macs_zscore
@@ -30,6 +31,7 @@ __all__ = [
     "efficient_attention",
     "implementation",
     "macs_pool",
+    "macs_pool_paged",
     "macs_update",
     "macs_update_rows",
     "macs_zscore",

@@ -99,6 +99,45 @@ def check_q_k(q, k_cache, v_cache=None, *, q_dims=3):
             )
 
 
+def check_paged(q, k_pages, block_table):
+    """q (B, H, D) or (B, H, R, D) against a paged cache k_pages (P, page_size, H_kv, D) and its block
+    table (B, pages) of int32 or int64 page numbers."""
+    check_tensor("q", q, q.dim() if isinstance(q, torch.Tensor) and q.dim() in (3, 4) else 3)
+    check_tensor("k_pages", k_pages, 4)
+    check_tensor("block_table", block_table, 2, float_dtype=False)
+    batch, heads, dim = q.shape[0], q.shape[1], q.shape[-1]
+    if k_pages.shape[3] != dim or k_pages.shape[1] == 0:
+        raise ValueError(f"k_pages must be (pages, page_size >= 1, H_kv, {dim}) to match q {tuple(q.shape)}, "
+                         f"got {tuple(k_pages.shape)}")
+    if heads % k_pages.shape[2]:
+        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({k_pages.shape[2]})")
+    if block_table.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"block_table must be int32 or int64, got {block_table.dtype}")
+    if block_table.shape[0] != batch:
+        raise ValueError(f"block_table must be ({batch}, pages), got {tuple(block_table.shape)}")
+    for name, tensor in (("k_pages", k_pages), ("block_table", block_table)):
+        if tensor.device != q.device:
+            raise ValueError(f"q is on {q.device} but {name} is on {tensor.device}")
+
+
+def check_pages_in_use(block_table, kv_len, page_size, pages):
+    """Every page that holds a key a row of item b attends (keys [0, max_r kv_len[b, r])) is a page of the
+    cache, in [0, pages) (one host sync). Entries past an item's last page may be anything: transformers'
+    tables hold -1 there."""
+    if kv_len.numel() == 0:
+        return
+    needed = -(-kv_len.amax(dim=1) // page_size)
+    in_use = torch.arange(block_table.shape[1], device=block_table.device) < needed[:, None]
+    bad = (in_use & ((block_table < 0) | (block_table >= pages))).flatten()
+    first_bad = int(torch.where(bad.any(), bad.int().argmax(), -1))
+    if first_bad >= 0:
+        b, j = divmod(first_bad, block_table.shape[1])
+        raise ValueError(
+            f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page of k_pages (0 <= page < {pages}), "
+            f"but item {b} attends keys [{j * page_size}, {(j + 1) * page_size}) through it"
+        )
+
+
 def as_scale(scale: float) -> float:
     """The softmax scale as a float: a finite real number (a bool is refused)."""
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):

@@ -24,8 +24,8 @@ from ..config import BACKENDS
 
 NAMESPACE = "macs_kernels"
 OPS = (
-    "macs_update", "macs_update_rows", "macs_pool", "macs_zscore", "decode_attention", "attention_features",
-    "efficient_attention",
+    "macs_update", "macs_update_rows", "macs_pool", "macs_pool_paged", "macs_zscore", "decode_attention",
+    "attention_features", "efficient_attention",
 )
 # The ops a generation tracer calls per layer and step: what a backend must prove before it is chosen.
 TRACER_OPS = ("macs_pool", "macs_update_rows", "macs_zscore", "decode_attention")

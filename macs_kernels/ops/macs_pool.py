@@ -35,6 +35,18 @@ def macs_pool(
     """
     MacsConfig(pooling=pooling, redistribute=redistribute, backend=backend)
     check_q_k(q, k_cache, q_dims=q.dim() if isinstance(q, torch.Tensor) and q.dim() in (3, 4) else 3)
+    block, ranges, lse, out = row_arguments(q, k_cache.shape[2], input_start, input_end, kv_len, lse, out)
+    rows_out = out.view(block.shape[0], block.shape[2], out.shape[-1])
+    kernel(backend, q.device, "macs_pool")(
+        block, k_cache, rows_out, *ranges, as_scale(scale), pooling, bool(redistribute), lse
+    )
+    return out
+
+
+def row_arguments(q, keys, input_start, input_end, kv_len, lse, out):
+    """The checked arguments of a pooled-row op whose items hold `keys` key slots: q as a (B, H, R, D) block,
+    the three (B, R) ranges, lse as (B, H, R) or None, and `out` (given, checked, or allocated) in q's rank
+    minus one."""
     single_row = q.dim() == 3
     block = q.unsqueeze(2) if single_row else q
     batch, heads, rows, _ = block.shape
@@ -45,8 +57,7 @@ def macs_pool(
     expected_rank = 2 if single_row else 3
     if out is not None and (not isinstance(out, torch.Tensor) or out.dim() != expected_rank):
         raise ValueError(f"out must be a float32 tensor with {expected_rank} dimensions (q's rank minus one)")
-    check_ranges(*(index.flatten() for index in ranges), k_cache.shape[2], None if out is None else out.shape[-1],
-                 state="out")
+    check_ranges(*(index.flatten() for index in ranges), keys, None if out is None else out.shape[-1], state="out")
     n_max = int((ranges[1] - ranges[0]).max()) if out is None else out.shape[-1]
     if lse is not None:
         check_lse(lse, (batch, heads) if single_row else (batch, heads, rows), q.device)
@@ -57,7 +68,4 @@ def macs_pool(
     elif tuple(out.shape) != expected or out.dtype != torch.float32 or out.device != q.device \
             or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous float32 tensor of shape {expected} on {q.device}")
-    kernel(backend, q.device, "macs_pool")(
-        block, k_cache, out.view(batch, rows, n_max), *ranges, as_scale(scale), pooling, bool(redistribute), lse
-    )
-    return out
+    return block, ranges, lse, out

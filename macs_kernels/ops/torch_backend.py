@@ -126,6 +126,29 @@ def macs_pool(
     _pool_rows(probabilities, out, input_start, input_end, kv_len, pooling, redistribute)
 
 
+def gather_pages(k_pages: Tensor, block_table: Tensor, keys: int) -> Tensor:
+    """The first `keys` keys of each item from a paged cache: k_pages (P, page_size, H_kv, D) and block_table
+    (B, pages) (key j of item b in page block_table[b, j // page_size], slot j % page_size) -> (B, H_kv,
+    keys, D). Entries past an item's keys may be anything (-1 for unused): only the pages that hold one of
+    the first `keys` keys are read, and those of a shorter item are clamped into range (their keys are
+    never attended)."""
+    page_size = k_pages.shape[1]
+    used = block_table[:, : -(-keys // page_size)].long().clamp(0, k_pages.shape[0] - 1)
+    pages = k_pages[used]  # (B, pages, page_size, H_kv, D)
+    return pages.flatten(1, 2)[:, :keys].transpose(1, 2)
+
+
+def macs_pool_paged(
+    q: Tensor, k_pages: Tensor, block_table: Tensor, out: Tensor, input_start: Tensor, input_end: Tensor,
+    kv_len: Tensor, scale: float, pooling: str, redistribute: bool, lse: Tensor | None,
+) -> None:
+    """macs_pool over a paged cache: the pages the rows attend, gathered into one (B, H_kv, S, D) block
+    (S = the longest row's kv_len), then macs_pool."""
+    keys = int(kv_len.max()) if kv_len.numel() else 0
+    macs_pool(q, gather_pages(k_pages, block_table, keys), out, input_start, input_end, kv_len, scale, pooling,
+              redistribute, lse)
+
+
 def _pool_rows(probabilities, out, input_start, input_end, kv_len, pooling, redistribute):
     """m' of rows (B, H, [R,] S) over ranges (B, [R]) into out (B, [R,] N_max): the inputs' probabilities plus
     (when redistributing) the row's mass on generated keys / N, pooled over heads; 0 past each row's N."""

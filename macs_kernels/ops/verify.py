@@ -80,6 +80,18 @@ def _cases(op: str, device: torch.device, dtype: torch.dtype):
         out = torch.zeros(batch, rows, n_max, device=device)
         return [((block, k_cache, out, start[:, None].repeat(1, rows), end[:, None].repeat(1, rows), causal, scale,
                   "max", True, None), 2)]
+    if op == "macs_pool_paged":
+        # The same keys in pages of 16 slots, both items' pages interleaved in reverse order.
+        page_size = 16
+        pages_per_item = -(-keys // page_size)
+        padded = torch.nn.functional.pad(k_cache, (0, 0, 0, pages_per_item * page_size - keys))
+        k_pages = padded.transpose(1, 2).reshape(batch * pages_per_item, page_size, kv_heads, dim).flip(0)
+        block_table = (batch * pages_per_item - 1 - torch.arange(batch * pages_per_item, device=device)).view(
+            batch, pages_per_item).to(torch.int32)
+        causal = length[:, None] - rows + 1 + torch.arange(rows, device=device)
+        out = torch.zeros(batch, rows, n_max, device=device)
+        return [((block, k_pages, block_table, out, start[:, None].repeat(1, rows), end[:, None].repeat(1, rows),
+                  causal, scale, "max", True, None), 3)]
     if op == "attention_features":
         return [((block, k_cache, start, end, start, length, index(rows, 2), n_max, scale, None), None)]
     if op == "efficient_attention":

@@ -27,7 +27,10 @@ TORCH_NVCC_FLAGS = [
 ]
 DTYPES = {"float": "f", "half": "6__half", "bfloat16": "13__nv_bfloat16"}  # as mangled in template arguments
 # The operators macs_kernels/ops defines; each has csrc/<op>/launch.cu registering its CUDA kernel.
-OPS = ("attention_features", "decode_attention", "macs_pool", "macs_update", "macs_update_rows", "macs_zscore")
+OPS = (
+    "attention_features", "decode_attention", "macs_pool", "macs_pool_paged", "macs_update", "macs_update_rows",
+    "macs_zscore",
+)
 # csrc/<piece>/kernel.cu -> the kernels only it holds; True: instantiated for every dtype.
 PIECES = {
     "split_kv": {"split_kernel": True, "combine_kernel": True},

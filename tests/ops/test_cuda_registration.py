@@ -74,6 +74,39 @@ def test_macs_pool_over_row_chunks_and_splits(batch, kv_heads, group, rows, keys
     assert relative_error(out, expected) < RELATIVE_ERROR[dtype]
 
 
+def _paged(k_cache, page_size):
+    """k_cache (B, H_kv, S, D) in pages numbered in reverse (pages (P, page_size, H_kv, D) as strided views of a
+    larger cache, as transformers' page views are), with the int32 table."""
+    batch, kv_heads, keys, dim = k_cache.shape
+    per_item = -(-keys // page_size)
+    padded = torch.nn.functional.pad(k_cache, (0, 0, 0, per_item * page_size - keys))
+    pages = padded.transpose(1, 2).reshape(batch * per_item, page_size, kv_heads, dim).flip(0)
+    spare = torch.full((pages.shape[0] + 2, page_size, kv_heads, dim + 8), float("nan"), device="cuda",
+                       dtype=k_cache.dtype)
+    spare[1:-1, :, :, :dim] = pages
+    table = (batch * per_item - 1 - torch.arange(batch * per_item, device="cuda")).view(batch, per_item) + 1
+    return spare[:, :, :, :dim], table.int()
+
+
+@pytest.mark.parametrize(
+    "batch, kv_heads, group, rows, keys, dim, dtype, page_size",
+    [
+        (2, 2, 8, 11, 1023, 64, torch.float32, 16),  # row chunks and key splits across page borders
+        (3, 3, 3, 5, 113, 66, torch.float16, 7),  # element-wise loads, pages not a power of two
+        (1, 1, 64, 3, 300, 128, torch.bfloat16, 256),  # > 48 KB of shared memory, flash_attn's page size
+    ],
+)
+def test_macs_pool_paged_equals_macs_pool(batch, kv_heads, group, rows, keys, dim, dtype, page_size):
+    q, k_cache, start, input_end, kv_len = _verify_block(batch, kv_heads, group, rows, keys, dim, dtype)
+    k_pages, table = _paged(k_cache, page_size)
+    scale = dim ** -0.5
+    want = torch.zeros(batch, rows, int((input_end - start).max()), device="cuda")
+    got = torch.full_like(want, float("nan"))
+    torch.ops.macs_kernels.macs_pool(q, k_cache, want, start, input_end, kv_len, scale, "max", True, None)
+    torch.ops.macs_kernels.macs_pool_paged(q, k_pages, table, got, start, input_end, kv_len, scale, "max", True, None)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("redistribute", [True, False])
 def test_decode_attention_pooled_writes_macs_pool_and_the_same_output(redistribute):
     batch, kv_heads, group, keys, dim = 3, 2, 4, 700, 64
@@ -112,6 +145,14 @@ def test_launcher_errors_name_the_argument():
         macs_pool(q, k_cache, out, start, input_end, kv_len, 0.1, "max", True, torch.zeros(2, 2, device="cuda"))
     with pytest.raises(RuntimeError, match=r"macs_pool: pooling must be 'max', 'mean' or 'min'"):
         macs_pool(q, k_cache, out, start, input_end, kv_len, 0.1, "median", True, None)
+    k_pages, table = _paged(k_cache, 16)
+    paged = torch.ops.macs_kernels.macs_pool_paged
+    with pytest.raises(RuntimeError, match=r"macs_pool_paged: block_table must be int32"):
+        paged(q, k_pages, table.long(), out, start, input_end, kv_len, 0.1, "max", True, None)
+    with pytest.raises(RuntimeError, match=r"macs_pool_paged: block_table must be \(2, pages\)"):
+        paged(q, k_pages, table[:1], out, start, input_end, kv_len, 0.1, "max", True, None)
+    with pytest.raises(RuntimeError, match=r"macs_pool_paged: k_pages must be \(pages, page_size, H_kv, 64\)"):
+        paged(q, k_pages[..., :32], table, out, start, input_end, kv_len, 0.1, "max", True, None)
     v_cache = torch.randn_like(k_cache)
     state = torch.zeros(2, 30, device="cuda")
     with pytest.raises(RuntimeError, match="decode_attention: give log_c or pooled, not both"):

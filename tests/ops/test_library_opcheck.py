@@ -30,6 +30,9 @@ SCHEMAS = {
                         "Tensor(a11!)? pooled=None) -> (Tensor, Tensor)",
     "macs_pool": "(Tensor q, Tensor k_cache, Tensor(a2!) out, Tensor input_start, Tensor input_end, Tensor kv_len, "
                  "float scale, str pooling, bool redistribute, Tensor? lse) -> ()",
+    "macs_pool_paged": "(Tensor q, Tensor k_pages, Tensor block_table, Tensor(a3!) out, Tensor input_start, "
+                       "Tensor input_end, Tensor kv_len, float scale, str pooling, bool redistribute, Tensor? lse) "
+                       "-> ()",
     "efficient_attention": "(Tensor p, Tensor v_cache, Tensor kv_start, Tensor kv_len, bool causal, float rcond, "
                            "Tensor? gram=None) -> (Tensor, Tensor)",
 }
@@ -72,6 +75,17 @@ def _pool_args():
             0.3, "max", True, None)
 
 
+def _paged_args(pool_args=None):
+    """_pool_args's keys in pages of 4 slots, numbered in reverse; int32 table ending in -1 for item 1."""
+    q, k_cache, out, *rest = _pool_args() if pool_args is None else pool_args
+    pages_per_item = -(-KEYS // 4)
+    padded = torch.nn.functional.pad(k_cache, (0, 0, 0, pages_per_item * 4 - KEYS))
+    k_pages = padded.transpose(1, 2).reshape(BATCH * pages_per_item, 4, KV_HEADS, DIM).flip(0)
+    table = (BATCH * pages_per_item - 1 - torch.arange(BATCH * pages_per_item)).view(BATCH, pages_per_item)
+    table[1, -(-KV_LEN[1] // 4):] = -1
+    return (q, k_pages, table.int(), torch.zeros_like(out), *rest)
+
+
 def _features_args():
     start, end, length = _indices(INPUT_START, INPUT_END, KV_LEN)
     return (torch.randn(BATCH, HEADS, 3, DIM), torch.randn(BATCH, KV_HEADS, KEYS, DIM), start, end, start, length,
@@ -96,6 +110,7 @@ CASES = {
     "decode_attention/log_c": lambda: _decode_args("log_c"),
     "decode_attention/pooled": lambda: _decode_args("pooled"),
     "macs_pool": _pool_args,
+    "macs_pool_paged": _paged_args,
     "attention_features": _features_args,
     "efficient_attention": _efficient_args,
 }
@@ -149,12 +164,17 @@ def test_cpu_kernels_equal_references():
     z = ops.macs_zscore(log_c, counts)
     assert relative_error(z, reference.macs_zscore_reference(log_c, counts)) < RELATIVE_ERROR[torch.float32]
 
-    q, k_cache, out, start, end, length, scale, pooling, redistribute, _ = _pool_args()
+    pool_args = _pool_args()
+    q, k_cache, out, start, end, length, scale, pooling, redistribute, _ = pool_args
     ops.macs_pool(q, k_cache, out, start, end, length, scale, pooling, redistribute, None)
     expected = reference.macs_pool_reference(q, k_cache, input_start=start, input_end=end, kv_len=length, scale=scale,
                                              pooling=pooling, redistribute=redistribute)
     assert relative_error(out[..., : expected.shape[-1]], expected) < RELATIVE_ERROR[torch.float32]
     assert not out[..., expected.shape[-1]:].any()
+
+    q, k_pages, table, paged_out, *_ = _paged_args(pool_args)
+    ops.macs_pool_paged(q, k_pages, table, paged_out, start, end, length, scale, pooling, redistribute, None)
+    assert relative_error(paged_out[..., : expected.shape[-1]], expected) < RELATIVE_ERROR[torch.float32]
 
 
 def test_fake_kernels_under_torch_compile():

@@ -14,8 +14,8 @@ from tests.tolerances import RELATIVE_ERROR, relative_error
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-OPS = ("macs_update", "macs_update_rows", "macs_zscore", "decode_attention", "macs_pool", "attention_features",
-       "efficient_attention")
+OPS = ("macs_update", "macs_update_rows", "macs_zscore", "decode_attention", "macs_pool", "macs_pool_paged",
+       "attention_features", "efficient_attention")
 
 
 @st.composite
@@ -75,6 +75,20 @@ def valid_call(draw, op):
         start, end, length = draw(ragged_ranges(batch, keys, rows))
         return dict(q=block, k_cache=k_cache, input_start=start, input_end=end, kv_len=length, scale=dim ** -0.5,
                     **options), dtype
+    if op == "macs_pool_paged":
+        start, end, length = draw(ragged_ranges(batch, keys, rows))
+        page_size = draw(st.integers(1, 8))
+        per_item = -(-keys // page_size)
+        spare = draw(st.integers(0, 2))
+        order = torch.randperm(batch * per_item + spare, generator=torch.Generator().manual_seed(
+            draw(st.integers(0, 2**31 - 1))))
+        padded = torch.nn.functional.pad(k_cache, (0, 0, 0, per_item * page_size - keys))
+        k_pages = torch.randn(batch * per_item + spare, page_size, kv_heads, dim).to(dtype)
+        k_pages[order[:batch * per_item]] = padded.transpose(1, 2).reshape(-1, page_size, kv_heads, dim)
+        table = order[:batch * per_item].view(batch, per_item).to(draw(st.sampled_from((torch.int32, torch.int64))))
+        beyond = torch.arange(per_item) >= -(-length.amax(dim=1, keepdim=True) // page_size)
+        return dict(q=block, k_pages=k_pages, block_table=table.masked_fill(beyond, -1), input_start=start,
+                    input_end=end, kv_len=length, scale=dim ** -0.5, **options), dtype
     if op == "attention_features":
         kv_start = start
         n_rows = torch.tensor([draw(st.integers(0, min(rows, int(n - s)))) for s, n in zip(start, length)])
@@ -87,7 +101,7 @@ def valid_call(draw, op):
     raise ValueError(op)
 
 
-FLOAT_ARGUMENTS = {"q", "k_cache", "v_cache", "rows", "log_c", "p", "pooled"}
+FLOAT_ARGUMENTS = {"q", "k_cache", "k_pages", "v_cache", "rows", "log_c", "p", "pooled"}
 INDEX_ARGUMENTS = {"input_start", "input_end", "kv_len", "kv_start", "n_input", "source_start", "source_end",
                    "n_rows"}
 
@@ -109,6 +123,11 @@ def corruptions(call):
     keys = call.get("k_cache", call.get("v_cache", call.get("rows")))
     if keys is not None and "kv_len" in call:
         bad.append(("kv_len", call["kv_len"] * 0 + keys.shape[2] + 1))
+    if "block_table" in call:
+        table, pages = call["block_table"], call["k_pages"]
+        bad += [("block_table", table.double()), ("block_table", torch.cat([table, table[:1]])),
+                ("block_table", table * 0 + pages.shape[0]), ("kv_len", call["kv_len"] * 0 + table.shape[1] *
+                                                              pages.shape[1] + 1)]
     if "input_end" in call:  # no inputs
         bad.append(("input_end", call.get("input_start", call.get("kv_start")).clone()))
     for state in ("log_c", "pooled"):
@@ -156,6 +175,12 @@ def _reference(op, call):
     if op == "macs_pool":
         return [reference.macs_pool_reference(call["q"], call["k_cache"], scale=call["scale"], pooling=call["pooling"],
                                               redistribute=call["redistribute"], **ranges)]
+    if op == "macs_pool_paged":
+        # The item's keys laid out contiguously again, page by page as its table lists them.
+        table, k_pages = call["block_table"].cpu(), call["k_pages"]
+        k_cache = torch.stack([torch.cat([k_pages[page] for page in row.clamp_min(0).tolist()]) for row in table])
+        return [reference.macs_pool_reference(call["q"], k_cache.transpose(1, 2).to(DEVICE), scale=call["scale"],
+                                              pooling=call["pooling"], redistribute=call["redistribute"], **ranges)]
     if op == "attention_features":
         return [reference.attention_features_reference(**call)]
     return [reference.efficient_attention_reference(call["p"], call["v_cache"], kv_start=call["kv_start"],

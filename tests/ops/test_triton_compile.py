@@ -23,29 +23,46 @@ FEATURES_INDEX = {
     name: "i64" for name in ("source_start_ptr", "source_end_ptr", "start_ptr", "kv_len_ptr", "n_rows_ptr")
 }
 
-SPLIT_INDEX = {"start_ptr": "i64", "input_end_ptr": "i64", "kv_len_ptr": "i64"}
+SPLIT_INDEX = {"start_ptr": "i64", "input_end_ptr": "i64", "kv_len_ptr": "i64", "block_table_ptr": "i32"}
 
 # name -> (module, kernel, pointer element types, constexprs, options)
 VARIANTS = {
     "decode_bf16_gqa4_d128": (
         "split_kv", "_split_kv_kernel", {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16", **SPLIT_INDEX},
-        dict(D=128, BLOCK_D=128, GROUP=4, BLOCK_M=16, BLOCK_N=64, WITH_V=True, WITH_SCORES=True, DOT_F32=False),
+        dict(D=128, BLOCK_D=128, GROUP=4, BLOCK_M=16, BLOCK_N=64, WITH_V=True, WITH_SCORES=True, DOT_F32=False,
+             PAGE_SIZE=0),
         dict(num_warps=4, num_stages=3),
     ),
     "update_fp16_gqa3_d64": (
         "split_kv", "_split_kv_kernel", {"q_ptr": "fp16", "k_ptr": "fp16", "v_ptr": "fp16", **SPLIT_INDEX},
-        dict(D=64, BLOCK_D=64, GROUP=3, BLOCK_M=16, BLOCK_N=64, WITH_V=False, WITH_SCORES=True, DOT_F32=False),
+        dict(D=64, BLOCK_D=64, GROUP=3, BLOCK_M=16, BLOCK_N=64, WITH_V=False, WITH_SCORES=True, DOT_F32=False,
+             PAGE_SIZE=0),
         dict(num_warps=4, num_stages=3),
     ),
     # macs_pool of a verify block: 9 query heads per KV head x 5 rows = 45 rows in a 64-row tile.
     "pool_block_bf16_gqa9_d64": (
         "split_kv", "_split_kv_kernel", {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16", **SPLIT_INDEX},
-        dict(D=64, BLOCK_D=64, GROUP=9, BLOCK_M=64, BLOCK_N=64, WITH_V=False, WITH_SCORES=True, DOT_F32=False),
+        dict(D=64, BLOCK_D=64, GROUP=9, BLOCK_M=64, BLOCK_N=64, WITH_V=False, WITH_SCORES=True, DOT_F32=False,
+             PAGE_SIZE=0),
+        dict(num_warps=4, num_stages=3),
+    ),
+    # macs_pool_paged: keys gathered through the block table, transformers' page size and flash_attn's.
+    "pool_paged_bf16_gqa3_d64_page16": (
+        "split_kv", "_split_kv_kernel", {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16", **SPLIT_INDEX},
+        dict(D=64, BLOCK_D=64, GROUP=3, BLOCK_M=16, BLOCK_N=64, WITH_V=False, WITH_SCORES=True, DOT_F32=False,
+             PAGE_SIZE=16),
+        dict(num_warps=4, num_stages=3),
+    ),
+    "pool_paged_fp16_gqa9_d128_page256": (
+        "split_kv", "_split_kv_kernel", {"q_ptr": "fp16", "k_ptr": "fp16", "v_ptr": "fp16", **SPLIT_INDEX},
+        dict(D=128, BLOCK_D=128, GROUP=9, BLOCK_M=64, BLOCK_N=64, WITH_V=False, WITH_SCORES=True, DOT_F32=False,
+             PAGE_SIZE=256),
         dict(num_warps=4, num_stages=3),
     ),
     "decode_fp32_mha_d128": (
         "split_kv", "_split_kv_kernel", SPLIT_INDEX,
-        dict(D=128, BLOCK_D=128, GROUP=1, BLOCK_M=16, BLOCK_N=64, WITH_V=True, WITH_SCORES=False, DOT_F32=True),
+        dict(D=128, BLOCK_D=128, GROUP=1, BLOCK_M=16, BLOCK_N=64, WITH_V=True, WITH_SCORES=False, DOT_F32=True,
+             PAGE_SIZE=0),
         dict(num_warps=4, num_stages=3),
     ),
     "combine_bf16": (
@@ -144,7 +161,10 @@ def test_kernel_compiles(compiled, variant, arch):
 
 
 @pytest.mark.parametrize("arch", TARGETS)
-@pytest.mark.parametrize("variant", ["decode_bf16_gqa4_d128", "update_fp16_gqa3_d64", "pool_block_bf16_gqa9_d64"])
+@pytest.mark.parametrize("variant", [
+    "decode_bf16_gqa4_d128", "update_fp16_gqa3_d64", "pool_block_bf16_gqa9_d64", "pool_paged_bf16_gqa3_d64_page16",
+    "pool_paged_fp16_gqa9_d128_page256",
+])
 def test_split_pass_uses_tensor_cores_and_16_byte_loads(compiled, variant, arch):
     """The GQA group's scores come from one tensor-core product per K tile, fed by 128-bit loads."""
     ptx = compiled[f"{variant}@sm_{arch}"]["ptx"]

@@ -8,11 +8,12 @@ from .common import LAUNCHES
 from .decode_attention import decode_attention
 from .efficient_attention import efficient_attention
 from .macs_pool import macs_pool
+from .macs_pool_paged import macs_pool_paged
 from .macs_update import macs_update
 from .macs_update_rows import macs_update_rows
 from .macs_zscore import macs_zscore
 
 __all__ = [
-    "LAUNCHES", "attention_features", "decode_attention", "efficient_attention", "macs_pool", "macs_update",
-    "macs_update_rows", "macs_zscore",
+    "LAUNCHES", "attention_features", "decode_attention", "efficient_attention", "macs_pool", "macs_pool_paged",
+    "macs_update", "macs_update_rows", "macs_zscore",
 ]

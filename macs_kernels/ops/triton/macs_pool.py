@@ -6,10 +6,11 @@ from .pool import pool
 from .split_kv import split_kv_pass
 
 
-def macs_pool(q, k_cache, out, input_start, input_end, kv_len, scale, pooling, redistribute, lse):
-    """q (B, H, R, D), ranges (B, R) int64 contiguous, out (B, R, N_max) float32 written; lse (B, H, R) or None."""
+def macs_pool(q, k_cache, out, input_start, input_end, kv_len, scale, pooling, redistribute, lse, block_table=None):
+    """q (B, H, R, D), ranges (B, R) int64 contiguous, out (B, R, N_max) float32 written; lse (B, H, R) or None.
+    k_cache (B, H_kv, S, D), or (P, page_size, H_kv, D) pages read through block_table (B, pages) int32."""
     _, own_lse, lse_gen, scores = split_kv_pass(
-        q, k_cache, None, input_start, input_end, kv_len, scale, n_scores=out.shape[-1]
+        q, k_cache, None, input_start, input_end, kv_len, scale, n_scores=out.shape[-1], block_table=block_table
     )
     pool(scores, out, input_start, input_end, lse=own_lse if lse is None else lse, generated=lse_gen,
          pooling=pooling, redistribute=redistribute, into_log_c=False)

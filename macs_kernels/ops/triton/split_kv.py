@@ -21,14 +21,29 @@ from .common import MIN_SCORE, dot, dot_in_f32, head_block, launch, next_pow2, o
 
 
 @triton.jit
+def _key_slots(n, in_slice, b, block_table_ptr, stride_tb, PAGE_SIZE: tl.constexpr):
+    """Where keys n of item b live: (page, slot) of a paged cache through the block table (PAGE_SIZE > 0),
+    or (b, n) of a contiguous (B, H_kv, S, D) cache. Keys past the slice read no table entry: an item's
+    table may end in -1s."""
+    if PAGE_SIZE > 0:
+        page = tl.load(block_table_ptr + b * stride_tb + n // PAGE_SIZE, mask=in_slice, other=0).to(tl.int64)
+        slot = n % PAGE_SIZE
+    else:
+        page = tl.zeros_like(n).to(tl.int64) + b
+        slot = n
+    return page, slot
+
+
+@triton.jit
 def _split_kv_kernel(
-    q_ptr, k_ptr, v_ptr, start_ptr, input_end_ptr, kv_len_ptr,
+    q_ptr, k_ptr, v_ptr, start_ptr, input_end_ptr, kv_len_ptr, block_table_ptr,
     scores_ptr, m_ptr, l_ptr, l_gen_ptr, acc_ptr,
     scale, split_size, splits, kv_heads, rows,
     stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    stride_ib, stride_ir, stride_sb, stride_sh, stride_sr,
+    stride_ib, stride_ir, stride_tb, stride_sb, stride_sh, stride_sr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, WITH_V: tl.constexpr, WITH_SCORES: tl.constexpr, DOT_F32: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
 ):
     row_tiles = tl.cdiv(GROUP * rows, BLOCK_M)
     pid = tl.program_id(0)
@@ -54,8 +69,8 @@ def _split_kv_kernel(
     q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + r[:, None] * stride_qr + d[None, :],
                 mask=row_ok[:, None] & d_mask[None, :], other=0.0)
     q = operand(q, DOT_F32)
-    k_base = k_ptr + b * stride_kb + kv_head * stride_kh
-    v_base = v_ptr + b * stride_vb + kv_head * stride_vh
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
 
     m = tl.full([BLOCK_M], MIN_SCORE, tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -67,7 +82,9 @@ def _split_kv_kernel(
         # the dot).
         in_slice = n < hi
         kv_mask = in_slice[:, None] & d_mask[None, :]
-        k = operand(tl.load(k_base + n[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0), DOT_F32)
+        page, slot = _key_slots(n, in_slice, b, block_table_ptr, stride_tb, PAGE_SIZE)
+        k_rows = k_head + page * stride_kb + slot * stride_ks
+        k = operand(tl.load(k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0), DOT_F32)
         attended = in_slice[None, :] & (n[None, :] >= start[:, None]) & (n[None, :] < kv_len[:, None])
         s = tl.where(attended, dot(q, tl.trans(k), DOT_F32) * scale, float("-inf"))
         if WITH_SCORES:
@@ -80,7 +97,8 @@ def _split_kv_kernel(
         l = l * correction + tl.sum(p, 1)
         l_gen = l_gen * correction + tl.sum(tl.where(n[None, :] >= input_end[:, None], p, 0.0), 1)
         if WITH_V:
-            v = operand(tl.load(v_base + n[:, None] * stride_vs + d[None, :], mask=kv_mask, other=0.0), DOT_F32)
+            v_rows = v_head + page * stride_vb + slot * stride_vs
+            v = operand(tl.load(v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0), DOT_F32)
             acc = acc * correction[:, None] + dot(p.to(v.dtype), v, DOT_F32)
         m = m_new
 
@@ -118,15 +136,26 @@ def _split_kv_combine_kernel(
         tl.store(target + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores):
+def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block_table=None):
     """q (B, H, R, D) (any strides, unit last); ranges (B, R) int64 (a (B, 1) view may have stride 0 in R).
-    v_cache None skips out; n_scores > 0 also returns the input keys' scores.
+    v_cache None skips out; n_scores > 0 also returns the input keys' scores. With a block_table (B, pages)
+    int32 the caches are paged, (P, page_size, H_kv, D), and key j of item b is in page
+    block_table[b, j // page_size]; otherwise they are (B, H_kv, S, D).
 
     Returns (out (B, H, R, D) in q's dtype or None, lse (B, H, R) float32, lse_gen (B, H, R) float32 (-inf
     where no generated key), scores (B, H, R, n_scores) float32 or None).
     """
     batch, heads, rows, dim = q.shape
-    kv_heads, keys = k_cache.shape[1], k_cache.shape[2]
+    paged = block_table is not None
+    if paged:
+        page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+        keys = block_table.shape[1] * page_size
+        # (item or page, head, slot) strides, the order the kernel takes for either layout.
+        k_strides, v_strides = ((t.stride(0), t.stride(2), t.stride(1)) if t is not None else None
+                                for t in (k_cache, v_cache))
+    else:
+        page_size, kv_heads, keys = 0, k_cache.shape[1], k_cache.shape[2]
+        k_strides, v_strides = (t.stride()[:3] if t is not None else None for t in (k_cache, v_cache))
     group = heads // kv_heads
     with_v = v_cache is not None
     dot_f32 = dot_in_f32(q, k_cache, *((v_cache,) if with_v else ()))
@@ -139,13 +168,14 @@ def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores
     v = v_cache if with_v else k_cache
     launch(
         _split_kv_kernel, (batch * kv_heads * triton.cdiv(group * rows, tiles.block_m), tiles.splits),
-        q, k_cache, v, start, input_end, kv_len, scores, m, l, l_gen, acc,
+        q, k_cache, v, start, input_end, kv_len, block_table if paged else start, scores, m, l, l_gen, acc,
         scale, tiles.split_size, tiles.splits, kv_heads, rows,
-        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), start.stride(0), start.stride(1),
+        q.stride(0), q.stride(1), q.stride(2), *k_strides, *(v_strides if with_v else k_strides),
+        start.stride(0), start.stride(1), block_table.stride(0) if paged else 0,
         scores.stride(0), scores.stride(1), scores.stride(2),
         D=dim, BLOCK_D=block_d, GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        WITH_V=with_v, WITH_SCORES=bool(n_scores), DOT_F32=dot_f32, num_warps=4, num_stages=3,
+        WITH_V=with_v, WITH_SCORES=bool(n_scores), DOT_F32=dot_f32, PAGE_SIZE=page_size, num_warps=4,
+        num_stages=3,
     )
     out = torch.empty(batch, heads, rows, dim, device=q.device, dtype=q.dtype) if with_v else None
     lse, lse_gen = (torch.empty(batch, heads, rows, **f32) for _ in range(2))

@@ -1,0 +1,49 @@
+"""macs_pool_paged: macs_pool over a paged KV cache read through a block table, as serving engines keep it
+(transformers' continuous batching, vLLM, FlashInfer, flash_attn_with_kvcache's `block_table`)."""
+from __future__ import annotations
+
+import torch
+
+from ..config import MacsConfig
+from . import torch_backend
+from ._checks import IndexLike, as_scale, check_paged, check_pages_in_use
+from ._dispatch import NAMESPACE, kernel
+from .macs_pool import row_arguments
+
+# Writes `out` and returns nothing: the trivial fake kernel torch.library generates is the right one.
+operator = torch.library.custom_op(
+    f"{NAMESPACE}::macs_pool_paged", torch_backend.macs_pool_paged, mutates_args=("out",)
+)
+
+
+def macs_pool_paged(
+    q: torch.Tensor, k_pages: torch.Tensor, block_table: torch.Tensor, *, input_start: IndexLike,
+    input_end: IndexLike, kv_len: IndexLike, scale: float, pooling: str = "max", redistribute: bool = True,
+    lse: torch.Tensor | None = None, out: torch.Tensor | None = None, backend: str | None = None,
+) -> torch.Tensor:
+    """ops.macs_pool with the keys in pages: MACS's head-pooled row m' of each query row, before the floor.
+
+    q: (B, H, D) or (B, H, R, D), R rows per sequence.
+    k_pages: (P, page_size, H_kv, D), the layout of flash_attn_with_kvcache's paged cache and of
+        transformers' PagedAttentionCache page views (any strides but a unit last one).
+    block_table: (B, pages) int32 or int64: key j of item b lies in page block_table[b, j // page_size] at
+        slot j % page_size. Entries past an item's last attended page are never read (-1 is fine there).
+    input_start, input_end, kv_len, lse, out, pooling, redistribute: as in ops.macs_pool, with keys numbered
+        0 .. pages * page_size - 1 per item.
+    Returns float32 (B, N_max) or (B, R, N_max), equal to ops.macs_pool on the item's keys laid out
+    contiguously.
+    """
+    MacsConfig(pooling=pooling, redistribute=redistribute, backend=backend)
+    check_paged(q, k_pages, block_table)
+    page_size = k_pages.shape[1]
+    block, ranges, lse, out = row_arguments(
+        q, block_table.shape[1] * page_size, input_start, input_end, kv_len, lse, out
+    )
+    check_pages_in_use(block_table, ranges[2], page_size, k_pages.shape[0])
+    # Page numbers fit int32, the type paged-attention kernels take; int64 tables are converted once here.
+    block_table = block_table.to(torch.int32)
+    rows_out = out.view(block.shape[0], block.shape[2], out.shape[-1])
+    kernel(backend, q.device, "macs_pool_paged")(
+        block, k_pages, block_table, rows_out, *ranges, as_scale(scale), pooling, bool(redistribute), lse
+    )
+    return out
