@@ -269,14 +269,19 @@ class Tracer:
         dense = mask is None and rows == 1 and (q_len == 1 or q_len == keys) and self._pool_dense is not None
         if dense:
             n_input = self.n_input_list[0]
+            pool_dense, decode_dense = self._pool_dense, self._decode_dense
+            beams = self._generation.num_beams if self._generation is not None else 1
+            if beams > 1 and self.backend == "torch":
+                # generate repeats each prompt once per beam and beam search reorders only among a prompt's
+                # beams, so their input keys are copies: read them once per prompt, not once per beam.
+                pool_dense = functools.partial(_beam_pool_dense, beams=beams)
+                decode_dense = functools.partial(_beam_decode_dense, beams=beams)
 
             def pool(layer, q_rows, key):
-                self._pool_dense(q_rows[:, :, 0], key, pooled[layer, :, 0], n_input=n_input, scale=self._scale,
-                                 **options)
+                pool_dense(q_rows[:, :, 0], key, pooled[layer, :, 0], n_input=n_input, scale=self._scale, **options)
 
             def decode(layer, q, key, value):
-                return self._decode_dense(q, key, value, pooled[layer, :, 0], n_input=n_input, scale=self._scale,
-                                          **options)
+                return decode_dense(q, key, value, pooled[layer, :, 0], n_input=n_input, scale=self._scale, **options)
         else:
             def pool(layer, q_rows, key):
                 self._pool(q_rows, key, pooled[layer], scale=self._scale, lse=None, **ranges, **options)
@@ -512,6 +517,51 @@ def _optional_kernel(backend: str, op: str):
     """A backend's kernel for a special case that is not an op of its own (None where it has none)."""
     module = {"torch": "macs_kernels.ops.torch_backend", "triton": "macs_kernels.ops.triton"}.get(backend)
     return None if module is None else getattr(importlib.import_module(module), op, None)
+
+
+def _by_prompt(rows: torch.Tensor, beams: int, kv_heads: int) -> torch.Tensor:
+    """(B, H, X) -> (B / beams, H_kv, beams * H / H_kv, X): the rows of a prompt's beams that read one KV head,
+    side by side (a copy)."""
+    batch, heads, width = rows.shape
+    grouped = rows.view(batch // beams, beams, kv_heads, heads // kv_heads, width).transpose(1, 2)
+    return grouped.reshape(batch // beams, kv_heads, beams * heads // kv_heads, width)
+
+
+def _by_beam(rows: torch.Tensor, beams: int) -> torch.Tensor:
+    """`_by_prompt`'s layout back to one item per beam: (B / beams, beams, H_kv, H / H_kv, X) (a view)."""
+    prompts, kv_heads, beam_heads, width = rows.shape
+    return rows.view(prompts, kv_heads, beams, beam_heads // beams, width).transpose(1, 2)
+
+
+def _beam_softmax(q, k_cache, n_input: int, beams: int, scale: float) -> torch.Tensor:
+    """`macs_pool_dense`'s attention rows (B, H, S) float32 when each run of `beams` items shares its input
+    keys [0, n_input): those are read once per run (from its first item), the generated keys once per item."""
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    q = q.float() * scale
+    shared = torch.matmul(_by_prompt(q, beams, kv_heads), k_cache[::beams, :, :n_input].float().transpose(-1, -2))
+    own = torch.matmul(q.view(batch, kv_heads, heads // kv_heads, dim),
+                       k_cache[:, :, n_input:].float().transpose(-1, -2))
+    scores = torch.cat([_by_beam(shared, beams), own.unflatten(0, (-1, beams))], dim=-1)
+    return torch.softmax(scores.view(batch, heads, -1), dim=-1)
+
+
+def _beam_pool_dense(q, k_cache, out, *, n_input, scale, pooling, redistribute, beams):
+    """`macs_pool_dense` of beams that share their input keys (see `_beam_softmax`)."""
+    torch_backend._pool_dense_rows(_beam_softmax(q, k_cache, n_input, beams, scale), out, n_input, pooling,
+                                   redistribute)
+
+
+def _beam_decode_dense(q, k_cache, v_cache, pooled, *, n_input, scale, pooling, redistribute, beams):
+    """`decode_attention_dense` of beams that share their input keys and values: both read once per prompt."""
+    rows = _beam_softmax(q, k_cache, n_input, beams, scale)
+    torch_backend._pool_dense_rows(rows, pooled, n_input, pooling, redistribute)
+    batch, heads, _ = rows.shape
+    kv_heads = v_cache.shape[1]
+    shared = torch.matmul(_by_prompt(rows[..., :n_input], beams, kv_heads), v_cache[::beams, :, :n_input].float())
+    own = torch.matmul(rows[..., n_input:].view(batch, kv_heads, heads // kv_heads, -1),
+                       v_cache[:, :, n_input:].float())
+    return (_by_beam(shared, beams) + own.unflatten(0, (-1, beams))).reshape(batch, heads, -1).to(q.dtype)
 
 
 def _pool_from_log_term(out: torch.Tensor, add_log_term) -> None:

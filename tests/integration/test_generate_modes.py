@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import DynamicCache, StaticCache
 
-from macs_kernels import attach, explain, stream, trace_tensors
+from macs_kernels import attach, explain, stream, trace_tensors, tracing
 from tests.helpers import default_model, eager_macs, qa, tiny_llama
 from tests.integration.test_integration_efficient import _efficient_reference as efficient_reference
 
@@ -40,11 +40,11 @@ def assert_teacher_forced(model, prompt_ids, generated_ids, step_log_c):
     assert (step_log_c - traced.log_c).abs().max() <= LOG_TOLERANCE
 
 
-def traced_sequences(model, ids, mask, *, eos=None, max_new_tokens=6, **generate_kwargs):
+def traced_sequences(model, ids, mask, *, eos=None, max_new_tokens=6, fused_decode=None, **generate_kwargs):
     """generate inside attach(): per returned sequence (prompt ids, generated ids up to its EOS, step_log_c)."""
     if eos is not None:
         generate_kwargs["eos_token_id"] = eos
-    with torch.no_grad(), attach(model, backend="torch") as tracer:
+    with torch.no_grad(), attach(model, backend="torch", fused_decode=fused_decode) as tracer:
         out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=0,
                              **generate_kwargs)
     per_prompt = out.shape[0] // ids.shape[0]
@@ -92,6 +92,28 @@ def test_beams_ending_at_different_steps(gqa_model):
     assert len(set(lengths)) > 1 and any(generated[-1] == eos for _, generated, _ in sequences), lengths
     for prompt_ids, generated_ids, log_c in sequences:
         assert_teacher_forced(gqa_model, prompt_ids, generated_ids, log_c)
+
+
+@pytest.mark.parametrize("fused_decode", [False, True], ids=["exact", "fused"])
+def test_unpadded_beams_sharing_their_input_keys_equal_teacher_forced(fused_decode, monkeypatch):
+    # Unpadded prompts take the dense path, where a prompt's beams read one copy of their input keys: two
+    # prompts of 3 beams, 2 KV heads, so a mix-up of prompts, beams or KV heads changes the rows.
+    model = tiny_llama(heads=6, kv_heads=2)
+    kernel = tracing._beam_decode_dense if fused_decode else tracing._beam_pool_dense
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["beams"])
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(tracing, kernel.__name__, counted)
+    prompts = torch.stack([PROMPTS[1], torch.tensor([4, 8, 15, 16, 23, 42, 2, 11])])
+    sequences, _ = traced_sequences(model, prompts, torch.ones_like(prompts), fused_decode=fused_decode,
+                                    num_beams=3, num_return_sequences=2)
+    assert calls and set(calls) == {3}
+    assert len(sequences) == 4
+    for prompt_ids, generated_ids, log_c in sequences:
+        assert_teacher_forced(model, prompt_ids, generated_ids, log_c)
 
 
 def test_static_cache_rows_equal_the_dynamic_cache_run(gqa_model):
