@@ -93,7 +93,8 @@ def _ints(values, batch=None) -> list[int]:
 
 
 def _row_ranges(batch, input_start, input_end, kv_len):
-    return zip(range(batch), _ints(input_start), _ints(input_end), _ints(kv_len))
+    """(b, start, end, length) per item; an int range holds for every item (zip would stop after the first)."""
+    return zip(range(batch), *(_ints(values, batch) for values in (input_start, input_end, kv_len)))
 
 
 def macs_update_rows_reference(

@@ -201,6 +201,7 @@ class Tracer:
         self._flat = None
         self.input_start = self.input_end = self.kv_len = self.n_input = None
         self.n_input_list: list[int] | None = None
+        self._unpadded = False  # every item's inputs are keys [0, N) with one N (set per sequence)
         self._row_map = None
         self._valid = None
         self._beam_indices = None
@@ -267,7 +268,22 @@ class Tracer:
         options = dict(pooling=config.pooling, redistribute=config.redistribute)
         # Every slot [0, S) attended by one row: an unpadded dynamic cache (the mask was dropped).
         dense = mask is None and rows == 1 and (q_len == 1 or q_len == keys) and self._pool_dense is not None
-        if dense:
+        # A verify pass of an unpadded batch whose rows attend every slot causally (one host sync per pass).
+        causal_block = self._pool_dense is not None and rows > 1 and self._unpadded and bool(
+            (kv_len == torch.arange(keys - rows + 1, keys + 1, device=kv_len.device)).all()
+        )
+        # Decode closures take the pass's scored queries (B, H, R, D) and return the attention output
+        # (B, R, H, D), as the wrapped implementation would.
+        if causal_block:
+            n_input = self.n_input_list[0]
+
+            def pool(layer, q_rows, key):
+                self._pool_dense(q_rows, key, pooled[layer], n_input=n_input, scale=self._scale, **options)
+
+            def decode(layer, q, key, value):
+                return self._decode_dense(q, key, value, pooled[layer], n_input=n_input, scale=self._scale,
+                                          **options).transpose(1, 2)
+        elif dense:
             n_input = self.n_input_list[0]
             pool_dense, decode_dense = self._pool_dense, self._decode_dense
             beams = self._generation.num_beams if self._generation is not None else 1
@@ -281,19 +297,20 @@ class Tracer:
                 pool_dense(q_rows[:, :, 0], key, pooled[layer, :, 0], n_input=n_input, scale=self._scale, **options)
 
             def decode(layer, q, key, value):
-                return decode_dense(q, key, value, pooled[layer, :, 0], n_input=n_input, scale=self._scale, **options)
+                return decode_dense(q[:, :, 0], key, value, pooled[layer, :, 0], n_input=n_input, scale=self._scale,
+                                    **options).unsqueeze(1)
         else:
             def pool(layer, q_rows, key):
                 self._pool(q_rows, key, pooled[layer], scale=self._scale, lse=None, **ranges, **options)
 
             def decode(layer, q, key, value):
                 out, _ = self._decode(
-                    q, key, value, kv_start=self.input_start, kv_len=self.kv_len, scale=self._scale, log_c=None,
-                    pooled=pooled[layer, :, 0], input_end=self.input_end, alpha=config.alpha, **options,
+                    q[:, :, 0], key, value, kv_start=self.input_start, kv_len=self.kv_len, scale=self._scale,
+                    log_c=None, pooled=pooled[layer, :, 0], input_end=self.input_end, alpha=config.alpha, **options,
                 )
-                return out
+                return out.unsqueeze(1)
 
-        fused = self._fused and not self.prefill and q_len == 1 and self._gram is None
+        fused = self._fused and not self.prefill and (q_len == 1 or causal_block) and self._gram is None
         self._plan = _PassPlan(rows, step, pooled, pool, decode if fused else None)
         if self._gram is not None:
             self._gram_slots = self._new_gram_slots(mask, batch, keys, key.device)
@@ -331,6 +348,7 @@ class Tracer:
         self.input_start, self.input_end = start, end
         self.n_input = end - start
         self.n_input_list = self.n_input.tolist()
+        self._unpadded = len(set(self.n_input_list)) == 1 and not bool(start.any())
         n_max = max(self.n_input_list)
         self._valid = (torch.arange(n_max, device=start.device) < self.n_input[:, None])[:, None, :]
         self._row_map = torch.full((batch, 0), -1, dtype=torch.int64, device=start.device)
@@ -419,7 +437,7 @@ class Tracer:
         plan = self._plan
         fused = plan.decode is not None and not kwargs.get("output_attentions", False) and not module.training
         if fused:
-            result = (plan.decode(layer, query[:, :, -1, :], key, value).unsqueeze(1), None)
+            result = (plan.decode(layer, query, key, value), None)
         else:
             result = inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
             if self._gram is not None:

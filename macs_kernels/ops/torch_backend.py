@@ -69,33 +69,56 @@ def _log_floor(inputs, alpha, pooling):
 
 
 def macs_pool_dense(q, k_cache, out, *, n_input, scale, pooling, redistribute):
-    """`macs_pool` of one query row per item (q (B, H, D), out (B, N_max)) when every key slot [0, S) is
-    attended and keys [0, n_input) are every item's inputs (an unpadded batch with a growing cache). n_input
-    is a Python int, so there is no mask, no gather and no host sync: about a third of the general path's
-    kernel launches, which is what a decode step pays per layer on a CPU."""
-    _pool_dense_rows(torch.softmax(grouped_scores(q, k_cache, scale), dim=-1), out, n_input, pooling, redistribute)
+    """`macs_pool` when keys [0, n_input) are every item's inputs (an unpadded batch with a growing cache) and
+    the rows attend every slot causally: one row per item (q (B, H, D), out (B, N_max)) attends [0, S); a block
+    of R rows (q (B, H, R, D), out (B, R, N_max), an assisted-decoding verify pass) has row r attend
+    [0, S - R + 1 + r). n_input is a Python int, so there is no gather and no host sync: about a third of the
+    general path's kernel launches, which is what a decode step pays per layer on a CPU."""
+    _pool_dense_rows(_dense_rows(q, k_cache, scale), out, n_input, pooling, redistribute)
+
+
+def _dense_rows(q, k_cache, scale):
+    """Softmax rows (B, H, [R,] S) float32 of `macs_pool_dense`'s causal ranges."""
+    scores = grouped_scores(q, k_cache, scale) if q.dim() == 3 else _causal_block_scores(q, k_cache, scale)
+    return torch.softmax(scores, dim=-1)
+
+
+def _block_scores(q, k_cache, scale):
+    """q (B, H, R, D) . k (B, H_kv, S, D) -> float32 scores (B, H, R, S); query head h reads KV head h // G."""
+    batch, heads, rows, dim = q.shape
+    kv_heads, keys = k_cache.shape[1], k_cache.shape[2]
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads * rows, dim).float()
+    return torch.matmul(grouped, k_cache.float().transpose(-1, -2)).view(batch, heads, rows, keys).mul_(scale)
+
+
+def _causal_block_scores(q, k_cache, scale):
+    """`_block_scores`, -inf past row r's causal range [0, S - R + 1 + r)."""
+    rows, keys = q.shape[2], k_cache.shape[2]
+    scores = _block_scores(q, k_cache, scale)
+    ends = torch.arange(keys - rows + 1, keys + 1, device=q.device)
+    return scores.masked_fill_(torch.arange(keys, device=q.device) >= ends[:, None], float("-inf"))
 
 
 def _pool_dense_rows(rows, out, n_input, pooling, redistribute):
-    inputs = rows[:, :, :n_input]
+    """Rows (B, H, [R,] S) of keys whose first n_input are the inputs -> m' into out (B, [R,] N_max)."""
+    inputs = rows[..., :n_input]
     if redistribute and rows.shape[-1] > n_input:
-        inputs = inputs + rows[:, :, n_input:].sum(dim=-1, keepdim=True).div_(n_input)
-    out[:, :n_input].copy_(_POOL[pooling](inputs))
-    out[:, n_input:].zero_()
+        inputs = inputs + rows[..., n_input:].sum(dim=-1, keepdim=True).div_(n_input)
+    out[..., :n_input].copy_(_POOL[pooling](inputs))
+    out[..., n_input:].zero_()
 
 
 def grouped_output(probabilities, v_cache, dtype):
-    """p (B, H, S) . v (B, H_kv, S, D) -> (B, H, D) in `dtype`, the query heads of a group sharing V."""
-    batch, heads, keys = probabilities.shape
-    kv_heads = v_cache.shape[1]
-    out = torch.matmul(probabilities.view(batch, kv_heads, heads // kv_heads, keys), v_cache.float())
-    return out.reshape(batch, heads, -1).to(dtype)
+    """p (B, H, [R,] S) . v (B, H_kv, S, D) -> (B, H, [R,] D) in `dtype`, the query heads of a group sharing V."""
+    batch, kv_heads, keys = probabilities.shape[0], v_cache.shape[1], probabilities.shape[-1]
+    out = torch.matmul(probabilities.reshape(batch, kv_heads, -1, keys), v_cache.float())
+    return out.reshape(*probabilities.shape[:-1], -1).to(dtype)
 
 
 def decode_attention_dense(q, k_cache, v_cache, pooled, *, n_input, scale, pooling, redistribute):
-    """`decode_attention` writing `macs_pool_dense`'s m' into pooled (B, N_max) under its conditions: K is
-    read once."""
-    rows = torch.softmax(grouped_scores(q, k_cache, scale), dim=-1)
+    """`decode_attention` writing `macs_pool_dense`'s m' into pooled under its conditions, one row per item
+    (q (B, H, D) -> (B, H, D)) or a causal block (q (B, H, R, D) -> (B, H, R, D)): K is read once."""
+    rows = _dense_rows(q, k_cache, scale)
     _pool_dense_rows(rows, pooled, n_input, pooling, redistribute)
     return grouped_output(rows, v_cache, q.dtype)
 
@@ -114,11 +137,8 @@ def macs_pool(
     pooling: str, redistribute: bool, lse: Tensor | None,
 ) -> None:
     """q (B, H, R, D), ranges (B, R), out (B, R, N_max): see ops.macs_pool."""
-    batch, heads, rows, dim = q.shape
-    kv_heads, keys = k_cache.shape[1], k_cache.shape[2]
-    grouped = q.reshape(batch, kv_heads, heads // kv_heads * rows, dim).float()
-    scores = torch.matmul(grouped, k_cache.float().transpose(-1, -2)).view(batch, heads, rows, keys).mul_(scale)
-    positions = torch.arange(keys, device=q.device)
+    scores = _block_scores(q, k_cache, scale)
+    positions = torch.arange(k_cache.shape[2], device=q.device)
     outside = (positions < input_start.unsqueeze(-1)) | (positions >= kv_len.unsqueeze(-1))
     scores.masked_fill_(outside.unsqueeze(1), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1) if lse is None else lse.float()

@@ -135,18 +135,36 @@ def _repetitive_prompt(model):
     return torch.cat([base[0], continuation, base[0]])[None]
 
 
+@pytest.mark.parametrize("fused_decode", [False, True], ids=["exact", "fused"])
 @pytest.mark.parametrize("assistant", ["prompt_lookup", "second_model", "itself"])
-def test_assisted_decoding_scores_every_verified_row(gqa_model, assistant):
+def test_assisted_decoding_scores_every_verified_row(gqa_model, assistant, fused_decode, monkeypatch):
+    from macs_kernels.ops import torch_backend
+
+    # Verify passes of an unpadded prompt take the torch path's causal block (no gathers; fused: the block's
+    # attention output too, without sdpa); the rows and tokens below prove it exact.
+    op = "decode_attention_dense" if fused_decode else "macs_pool_dense"
+    kernel, block_calls = getattr(torch_backend, op), []
+
+    def counting(q, *args, **kwargs):
+        block_calls.append(q.dim() == 4)
+        return kernel(q, *args, **kwargs)
+
+    monkeypatch.setattr(torch_backend, op, counting)
     ids = _repetitive_prompt(gqa_model)
     kwargs = {
         "prompt_lookup": dict(prompt_lookup_num_tokens=3),
         "second_model": dict(assistant_model=tiny_llama(heads=3, kv_heads=1, seed=1)),
         "itself": dict(assistant_model=gqa_model),
     }[assistant]
-    sequences, tracer = traced_sequences(gqa_model, ids, torch.ones_like(ids), max_new_tokens=10, **kwargs)
+    sequences, tracer = traced_sequences(gqa_model, ids, torch.ones_like(ids), max_new_tokens=10,
+                                         fused_decode=fused_decode, **kwargs)
     assert max(p["rows"] for p in tracer.passes) > 1, "no verify pass scored several candidates"
+    assert any(block_calls)
     (prompt_ids, generated_ids, log_c), = sequences
-    assert len(generated_ids) == 10
+    with torch.no_grad():
+        plain = gqa_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, pad_token_id=0,
+                                   **kwargs)
+    assert generated_ids.tolist() == plain[0, ids.shape[1]:].tolist()
     assert_teacher_forced(gqa_model, prompt_ids, generated_ids, log_c)
 
 

@@ -153,3 +153,43 @@ def test_decode_attention_pooled_mode_equals_macs_pool(case, backend):
     with pytest.raises(ValueError, match="log_c or pooled"):
         ops.decode_attention(q, k, v, pooled=pooled, log_c=torch.zeros(2, n_max, device=DEVICE), input_end=input_end,
                              **options)
+
+
+DENSE_CASES = pairwise({
+    "heads": ((3, 1), (9, 3), (4, 4)), "pooling": POOLINGS, "redistribute": (True, False), "rows": (1, 2, 4),
+    "shape": ((41, 16), (113, 64)), "batch": (1, 3),
+})
+
+
+@pytest.mark.parametrize("case", DENSE_CASES, ids=case_ids(DENSE_CASES))
+def test_torch_dense_rows_equal_the_reference_over_every_causal_slot(case):
+    """The torch tracer's launch-light paths for unpadded batches (inputs [0, N), row r of R attends
+    [0, S - R + 1 + r); R = 1 as (B, H, D)), pooled rows and the fused attention output, against the float64
+    references with those ranges."""
+    from macs_kernels.ops import torch_backend
+
+    (heads, kv_heads), rows, (keys, dim), batch = case["heads"], case["rows"], case["shape"], case["batch"]
+    generator = torch.Generator().manual_seed(keys + rows + heads)
+    q = torch.randn(batch, heads, rows, dim, generator=generator)
+    k = torch.randn(batch, kv_heads, keys, dim, generator=generator)
+    v = torch.randn(batch, kv_heads, keys, dim, generator=generator)
+    n_input = keys - rows - 5
+    kv_len = (keys - rows + 1 + torch.arange(rows)).expand(batch, rows)
+    options = dict(scale=dim ** -0.5, pooling=case["pooling"], redistribute=case["redistribute"])
+    want = reference.macs_pool_reference(q, k, input_start=torch.zeros_like(kv_len),
+                                         input_end=torch.full_like(kv_len, n_input), kv_len=kv_len, **options)
+    want_out = torch.stack([
+        reference.decode_attention_reference(q[:, :, r], k, v, kv_start=0, kv_len=int(kv_len[0, r]),
+                                             scale=options["scale"])[0] for r in range(rows)
+    ], dim=2)
+    block = (lambda x: x[:, :, 0]) if rows == 1 else (lambda x: x)
+    for fused in (False, True):
+        got = torch.full((batch, rows, n_input + 2), float("nan"))  # columns past N are zeroed
+        pooled = got[:, 0] if rows == 1 else got
+        if fused:
+            out = torch_backend.decode_attention_dense(block(q), k, v, pooled, n_input=n_input, **options)
+            assert relative_error(out, block(want_out)) <= RELATIVE_ERROR[torch.float32]
+        else:
+            torch_backend.macs_pool_dense(block(q), k, pooled, n_input=n_input, **options)
+        assert relative_error(got[..., :n_input], want) <= RELATIVE_ERROR[torch.float32]
+        assert bool((got[..., n_input:] == 0).all())
