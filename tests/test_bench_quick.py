@@ -210,3 +210,18 @@ def test_no_commit_is_taken_from_a_repository_that_merely_encloses_the_package(t
     package.mkdir(parents=True)
     monkeypatch.setattr(common, "PACKAGE_DIR", package)
     assert common.source_commit() is None  # the editable install's pip record names a folder, not a commit
+
+
+def test_paired_ratio_divides_within_each_repeat():
+    """Plain and MACS measured side by side in each repeat while the machine's speed drifts: the paired median
+    is MACS's 0.9x, the ratio of medians (20 / 20) hides it."""
+    def row(method, repeat, tokens_per_cpu_s):
+        values = dict.fromkeys((field for _, field in bench.RATIOS), 1.0)
+        return {**values, "status": "ok", "mode": "greedy", "method": method, "batch": 1, "prompt_len": 64,
+                "repeat": repeat, "decode_cpu_tok_s": tokens_per_cpu_s}
+
+    rows = [row("plain-sdpa", i, v) for i, v in enumerate((10.0, 30.0, 20.0))]
+    rows += [row("macs-torch", i, v) for i, v in enumerate((9.0, 27.0, 20.0))]
+    macs = next(s for s in bench.summarise(rows) if s["method"] == "macs-torch")
+    assert macs["decode_cpu_vs_plain"] == 1.0
+    assert macs["decode_cpu_vs_plain_paired"] == 0.9

@@ -97,8 +97,8 @@ COLUMNS = (
 SUMMARY_COLUMNS = (
     "machine", "device", "torch", "transformers", "commit", "model", "dtype", "mode", "method", "batch", "prompt_len",
     "new_tokens", "repeats", "prefill_tok_s", "decode_tok_s", "decode_cpu_tok_s", "e2e_tok_s", "peak_mem_bytes",
-    "prefill_vs_plain", "decode_vs_plain", "decode_cpu_vs_plain", "e2e_vs_plain", "mem_vs_plain",
-    "decode_vs_output_attentions", "decode_cpu_vs_output_attentions", "e2e_vs_output_attentions",
+    "prefill_vs_plain", "decode_vs_plain", "decode_cpu_vs_plain", "decode_cpu_vs_plain_paired", "e2e_vs_plain",
+    "mem_vs_plain", "decode_vs_output_attentions", "decode_cpu_vs_output_attentions", "e2e_vs_output_attentions",
     "mem_vs_output_attentions", "decode_vs_output_attentions_rerun", "e2e_vs_output_attentions_rerun",
     "mem_vs_output_attentions_rerun",
 )
@@ -425,8 +425,22 @@ def summarise(rows: list[dict]) -> list[dict]:
                 column = f"{short}_vs_{name}"
                 if column in SUMMARY_COLUMNS:
                     row[column] = round(values[field] / base[field], 3) if base else ""
+        row["decode_cpu_vs_plain_paired"] = _paired_ratio(
+            cells[(mode, method, batch, length)], cells.get((mode, "plain-sdpa", batch, length), []),
+            "decode_cpu_tok_s",
+        )
         summary.append(row)
     return summary
+
+
+def _paired_ratio(group: list[dict], plain: list[dict], field: str):
+    """Median over repeats of `field` over plain's in the same repeat ("" without a pair). Repeats interleave
+    the methods, so a pair shares the machine's speed of the moment; a ratio of medians does not, and on a
+    machine whose speed drifts between repeats it mixes fast and slow moments."""
+    plain_by_repeat = {r.get("repeat"): r[field] for r in plain}
+    ratios = [r[field] / plain_by_repeat[r.get("repeat")] for r in group
+              if r.get("repeat") is not None and plain_by_repeat.get(r.get("repeat"))]
+    return round(statistics.median(ratios), 3) if ratios else ""
 
 
 def plot(summary: list[dict], path: Path) -> None:
@@ -552,6 +566,7 @@ SUMMARY_TABLE = (  # (header, summary column, format) of the printed table
     ("prefill tok/s", "prefill_tok_s", "{:.1f}"), ("decode tok/s", "decode_tok_s", "{:.2f}"),
     ("e2e tok/s", "e2e_tok_s", "{:.3f}"), ("peak GiB", "peak_mem_bytes", "{:.2f}"),
     ("decode vs plain", "decode_vs_plain", "{}"), ("decode (CPU) vs plain", "decode_cpu_vs_plain", "{}"),
+    ("paired", "decode_cpu_vs_plain_paired", "{}"),
     ("mem vs plain", "mem_vs_plain", "{}"), ("e2e vs OA", "e2e_vs_output_attentions", "{}"),
     ("mem vs OA", "mem_vs_output_attentions", "{}"), ("e2e vs OA rerun", "e2e_vs_output_attentions_rerun", "{}"),
     ("mem vs OA rerun", "mem_vs_output_attentions_rerun", "{}"),
