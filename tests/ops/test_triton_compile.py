@@ -25,46 +25,28 @@ FEATURES_INDEX = {
 
 SPLIT_INDEX = {"start_ptr": "i64", "input_end_ptr": "i64", "kv_len_ptr": "i64", "block_table_ptr": "i32"}
 
+
+def _split_kv(dtype, *, D, GROUP, BLOCK_M, WITH_V=False, WITH_SCORES=True, DOT_F32=False, PAGE_SIZE=0):
+    """A `_split_kv_kernel` variant: q, k and v in `dtype`, one tile over the head dimension."""
+    return (
+        "split_kv", "_split_kv_kernel", {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, **SPLIT_INDEX},
+        dict(D=D, BLOCK_D=D, GROUP=GROUP, BLOCK_M=BLOCK_M, BLOCK_N=64, WITH_V=WITH_V, WITH_SCORES=WITH_SCORES,
+             DOT_F32=DOT_F32, PAGE_SIZE=PAGE_SIZE),
+        dict(num_warps=4, num_stages=3),
+    )
+
+
 # name -> (module, kernel, pointer element types, constexprs, options)
 VARIANTS = {
-    "decode_bf16_gqa4_d128": (
-        "split_kv", "_split_kv_kernel", {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16", **SPLIT_INDEX},
-        dict(D=128, BLOCK_D=128, GROUP=4, BLOCK_M=16, BLOCK_N=64, WITH_V=True, WITH_SCORES=True, DOT_F32=False,
-             PAGE_SIZE=0),
-        dict(num_warps=4, num_stages=3),
-    ),
-    "update_fp16_gqa3_d64": (
-        "split_kv", "_split_kv_kernel", {"q_ptr": "fp16", "k_ptr": "fp16", "v_ptr": "fp16", **SPLIT_INDEX},
-        dict(D=64, BLOCK_D=64, GROUP=3, BLOCK_M=16, BLOCK_N=64, WITH_V=False, WITH_SCORES=True, DOT_F32=False,
-             PAGE_SIZE=0),
-        dict(num_warps=4, num_stages=3),
-    ),
+    "decode_bf16_gqa4_d128": _split_kv("bf16", D=128, GROUP=4, BLOCK_M=16, WITH_V=True),
+    "update_fp16_gqa3_d64": _split_kv("fp16", D=64, GROUP=3, BLOCK_M=16),
     # macs_pool of a verify block: 9 query heads per KV head x 5 rows = 45 rows in a 64-row tile.
-    "pool_block_bf16_gqa9_d64": (
-        "split_kv", "_split_kv_kernel", {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16", **SPLIT_INDEX},
-        dict(D=64, BLOCK_D=64, GROUP=9, BLOCK_M=64, BLOCK_N=64, WITH_V=False, WITH_SCORES=True, DOT_F32=False,
-             PAGE_SIZE=0),
-        dict(num_warps=4, num_stages=3),
-    ),
+    "pool_block_bf16_gqa9_d64": _split_kv("bf16", D=64, GROUP=9, BLOCK_M=64),
     # macs_pool_paged: keys gathered through the block table, transformers' page size and flash_attn's.
-    "pool_paged_bf16_gqa3_d64_page16": (
-        "split_kv", "_split_kv_kernel", {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16", **SPLIT_INDEX},
-        dict(D=64, BLOCK_D=64, GROUP=3, BLOCK_M=16, BLOCK_N=64, WITH_V=False, WITH_SCORES=True, DOT_F32=False,
-             PAGE_SIZE=16),
-        dict(num_warps=4, num_stages=3),
-    ),
-    "pool_paged_fp16_gqa9_d128_page256": (
-        "split_kv", "_split_kv_kernel", {"q_ptr": "fp16", "k_ptr": "fp16", "v_ptr": "fp16", **SPLIT_INDEX},
-        dict(D=128, BLOCK_D=128, GROUP=9, BLOCK_M=64, BLOCK_N=64, WITH_V=False, WITH_SCORES=True, DOT_F32=False,
-             PAGE_SIZE=256),
-        dict(num_warps=4, num_stages=3),
-    ),
-    "decode_fp32_mha_d128": (
-        "split_kv", "_split_kv_kernel", SPLIT_INDEX,
-        dict(D=128, BLOCK_D=128, GROUP=1, BLOCK_M=16, BLOCK_N=64, WITH_V=True, WITH_SCORES=False, DOT_F32=True,
-             PAGE_SIZE=0),
-        dict(num_warps=4, num_stages=3),
-    ),
+    "pool_paged_bf16_gqa3_d64_page16": _split_kv("bf16", D=64, GROUP=3, BLOCK_M=16, PAGE_SIZE=16),
+    "pool_paged_fp16_gqa9_d128_page256": _split_kv("fp16", D=128, GROUP=9, BLOCK_M=64, PAGE_SIZE=256),
+    "decode_fp32_mha_d128": _split_kv("fp32", D=128, GROUP=1, BLOCK_M=16, WITH_V=True, WITH_SCORES=False,
+                                      DOT_F32=True),
     "combine_bf16": (
         "split_kv", "_split_kv_combine_kernel", {"out_ptr": "bf16"},
         dict(D=128, BLOCK_D=128, SPLITS_PAD=64, WITH_V=True), dict(num_warps=4),
