@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+# Pooling over heads (dim 1); `out=` lets a caller write the pooled row in place.
 _POOL = {
-    "max": lambda x: x.amax(dim=1),
-    "mean": lambda x: x.mean(dim=1),
-    "min": lambda x: x.amin(dim=1),
+    "max": lambda x, **out: torch.amax(x, dim=1, **out),
+    "mean": lambda x, **out: torch.mean(x, dim=1, **out),
+    "min": lambda x, **out: torch.amin(x, dim=1, **out),
 }
 
 
@@ -26,9 +27,10 @@ def grouped_scores(q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> torc
     """q (B, H, D) . k (B, H_kv, S, D) -> float32 scores (B, H, S); query head h reads KV head h // G."""
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
-    q_grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim).float()
+    # Scaling the queries, not the scores: D values per row instead of S.
+    q_grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim).float().mul(scale)
     scores = torch.matmul(q_grouped, k_cache.float().transpose(-1, -2))
-    return scores.reshape(batch, heads, -1).mul_(scale)
+    return scores.reshape(batch, heads, -1)
 
 
 def attended_softmax(scores, kv_start, kv_len, lse=None):
@@ -87,8 +89,8 @@ def _block_scores(q, k_cache, scale):
     """q (B, H, R, D) . k (B, H_kv, S, D) -> float32 scores (B, H, R, S); query head h reads KV head h // G."""
     batch, heads, rows, dim = q.shape
     kv_heads, keys = k_cache.shape[1], k_cache.shape[2]
-    grouped = q.reshape(batch, kv_heads, heads // kv_heads * rows, dim).float()
-    return torch.matmul(grouped, k_cache.float().transpose(-1, -2)).view(batch, heads, rows, keys).mul_(scale)
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads * rows, dim).float().mul(scale)
+    return torch.matmul(grouped, k_cache.float().transpose(-1, -2)).view(batch, heads, rows, keys)
 
 
 def _causal_block_scores(q, k_cache, scale):
@@ -101,11 +103,14 @@ def _causal_block_scores(q, k_cache, scale):
 
 def _pool_dense_rows(rows, out, n_input, pooling, redistribute):
     """Rows (B, H, [R,] S) of keys whose first n_input are the inputs -> m' into out (B, [R,] N_max)."""
+    # A decode step pays per kernel launch on a CPU: the spread (add's alpha) and the pooling (out=) are one
+    # kernel each.
     inputs = rows[..., :n_input]
     if redistribute and rows.shape[-1] > n_input:
-        inputs = inputs + rows[..., n_input:].sum(dim=-1, keepdim=True).div_(n_input)
-    out[..., :n_input].copy_(_POOL[pooling](inputs))
-    out[..., n_input:].zero_()
+        inputs = torch.add(inputs, rows[..., n_input:].sum(dim=-1, keepdim=True), alpha=1.0 / n_input)
+    _POOL[pooling](inputs, out=out[..., :n_input])
+    if out.shape[-1] > n_input:
+        out[..., n_input:].zero_()
 
 
 def grouped_output(probabilities, v_cache, dtype):
