@@ -2,6 +2,7 @@
 an installed copy of the package, away from any checkout."""
 import argparse
 import csv
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -157,12 +158,25 @@ def test_methods_never_include_the_triton_interpreter():
     assert bench.methods_for("cpu") == ["plain-sdpa", "macs-torch", "macs-torch-fused", *bench.EAGER_METHODS]
 
 
-def test_isolated_measurement_times_and_measures_memory_in_two_fresh_processes():
+def test_peak_memory_comes_from_a_fresh_process_with_fixed_malloc_thresholds():
     spec = bench.Spec(None, "tiny", "float32", "cpu", "macs-torch", 1, 32, 4, 1)
-    result = bench._measure_isolated(spec)
-    assert result["status"] == "ok", result["status"]
+    result = bench._fresh_process_memory(spec)
     assert result["memory"] == "rss_peak_fixed_mmap_threshold"
-    assert result["decode_steps"] == 3 and result["peak_mem_bytes"] > 0 and result["decode_tok_s"] > 0
+    # The weights and the interpreter are in it: a fresh process's peak RSS is tens of MB at least.
+    assert result["peak_mem_bytes"] > 20 * 2**20
+    failed = bench._fresh_process_memory(dataclasses.replace(spec, config="no-such-config.json"))
+    assert failed["status"].startswith("failed (exit ")
+
+
+def test_a_cpu_run_times_in_process_and_takes_memory_from_fresh_processes(tmp_path):
+    argv = ["--config", "tiny", "--lengths", "16", "--batches", "1", "--methods", "plain-sdpa", "macs-torch",
+            "--new-tokens", "3", "--repeats", "1", "--threads", "1", "--out", str(tmp_path), "--name", "cpu"]
+    assert bench.main(argv) == 0
+    _, rows = read(tmp_path / "cpu.csv")
+    assert [r["method"] for r in rows] == ["plain-sdpa", "macs-torch"]
+    assert all(r["status"] == "ok" and r["isolated"] == "True" for r in rows)
+    assert all(r["memory"] == "rss_peak_fixed_mmap_threshold" and int(r["peak_mem_bytes"]) > 20 * 2**20 for r in rows)
+    assert all(int(r["decode_steps"]) == 2 and float(r["decode_cpu_tok_s"]) > 0 for r in rows)
 
 
 def test_a_stopped_runs_csv_is_summarised_as_the_run_itself_would(quick_run, tmp_path):

@@ -27,12 +27,14 @@ Prefill tokens/s = B x N / (time to the first new token); decode tokens/s = B x 
 (for the output-attentions methods the rest includes scoring). End-to-end tokens/s = B x new / (prefill +
 decode time), the decode time of output-attentions-rerun extrapolated from its timed steps. The same with
 the process's CPU time instead of wall time (decode_cpu_tok_s) is what to compare on a shared,
-oversubscribed machine. Peak memory: CUDA max_memory_allocated on a GPU; on the CPU the peak RSS of a
-fresh process per measurement (the weights included, the same for every method), taken in a second fresh
-process with fixed glibc malloc thresholds (MALLOC_ENV: without them the peak varies by up to 15% between
-repeats of the same method, with them decode is ~30% slower, so the timings come from a process with the
-default allocator). Repeats are interleaved (every method of a cell, in rotated order, before the next
-repeat) and summarised by medians.
+oversubscribed machine. Timings come from the benchmark's own process (the model loaded once), every
+method of a cell back to back: a shared machine's speed drifts by up to 2x between fresh processes, so only
+neighbouring runs compare. Peak memory: CUDA max_memory_allocated on a GPU; on the CPU the peak RSS of a
+fresh process per measurement (the weights included, the same for every method) run with fixed glibc malloc
+thresholds (MALLOC_ENV: without them the peak varies by up to 15% between repeats of the same method; with
+them decode is ~30% slower, so that process's timings are not used). Repeats are interleaved (every method
+of a cell, in rotated order, before the next repeat) and summarised by medians; decode_cpu_vs_plain_paired
+is the median over repeats of the ratio to plain in the same repeat.
 """
 from __future__ import annotations
 
@@ -358,19 +360,17 @@ def measure(spec: Spec, model=None, pad=None) -> dict:
 # stay resident after they are freed: the peak RSS then depends on allocation history (up to 15% apart between
 # repeats of one method at batch 8). A fixed threshold returns every large block to the OS when it is freed,
 # so the peak RSS follows the live memory (repeats within 0.01%), but the page faults cost ~30% of decode
-# throughput: peak memory is measured in a second fresh process with it, timings in one without.
+# throughput: peak memory is measured in a fresh process with it, timings in the benchmark's own process.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 
 
-def _measure_isolated(spec: Spec) -> dict:
-    """Timings from a fresh process with the default allocator, peak memory from one with MALLOC_ENV."""
-    result = _measure_in_fresh_process(spec)
-    if result["status"] == "ok":
-        memory = _measure_in_fresh_process(spec, MALLOC_ENV)
-        if memory["status"] != "ok":
-            return memory
-        result.update(peak_mem_bytes=memory["peak_mem_bytes"], memory=f"{memory['memory']}_fixed_mmap_threshold")
-    return result
+def _fresh_process_memory(spec: Spec) -> dict:
+    """Peak memory of one measurement in a fresh process with MALLOC_ENV (its timings are discarded: the page
+    faults slow it down)."""
+    memory = _measure_in_fresh_process(spec, MALLOC_ENV)
+    if memory["status"] != "ok":
+        return {"status": memory["status"]}
+    return {"peak_mem_bytes": memory["peak_mem_bytes"], "memory": f"{memory['memory']}_fixed_mmap_threshold"}
 
 
 def _measure_in_fresh_process(spec: Spec, env: dict | None = None) -> dict:
@@ -499,18 +499,11 @@ def run(args) -> int:
     methods = args.methods or methods_for(device)
     base = Spec(args.model, config, dtype, str(device), methods[0], 1, 1, args.new_tokens, args.threads)
     # On a GPU the peak is reset per measurement; on a CPU only a fresh process gives a clean peak RSS.
-    isolate = device.type == "cpu" and not args.quick and not args.in_process
-    model, pad = (None, None) if isolate else load(base)
-    if model is None:
-        from transformers import AutoConfig
-
-        from ..models import default_model_path
-
-        source = ARCHITECTURES.get(config) if config else None
-        max_positions = source["max_position_embeddings"] if source else AutoConfig.from_pretrained(
-            config or args.model or default_model_path()).get_text_config().max_position_embeddings
-    else:
-        max_positions = model.config.get_text_config().max_position_embeddings
+    # Timings come from this process, every method of a repeat back to back: this machine's speed drifts by up
+    # to 2x between fresh processes, so only neighbouring runs in one process compare.
+    isolate_memory = device.type == "cpu" and not args.quick and not args.in_process
+    model, pad = load(base)
+    max_positions = model.config.get_text_config().max_position_embeddings
     env = environment(device)
     model_name = f"random {config}" if config else (args.model or "SmolLM2-135M-Instruct")
     rows = []
@@ -523,16 +516,15 @@ def run(args) -> int:
                 if not applies(method, mode, batch):
                     continue
                 spec = dataclasses.replace(base, method=method, batch=batch, prompt_len=length, mode=mode)
-                if isolate:
-                    result = _measure_isolated(spec)
-                else:
-                    # In one process the eager way needs its own attention implementation.
-                    model.set_attn_implementation("eager" if method in EAGER_METHODS else
-                                                  "flash_attention_2" if method == "plain-fa2" else "sdpa")
-                    result = measure(spec, model, pad)
+                # In one process the eager way needs its own attention implementation.
+                model.set_attn_implementation("eager" if method in EAGER_METHODS else
+                                              "flash_attention_2" if method == "plain-fa2" else "sdpa")
+                result = measure(spec, model, pad)
+                if isolate_memory and result["status"] == "ok":
+                    result.update(_fresh_process_memory(spec))
                 row = {**env, "loadavg": os.getloadavg()[0], "model": model_name, "dtype": dtype, "mode": mode,
                        "method": method, "batch": batch, "prompt_len": length, "new_tokens": args.new_tokens,
-                       "repeat": repeat, "isolated": isolate, **result}
+                       "repeat": repeat, "isolated": isolate_memory, **result}
                 rows.append({column: row.get(column, "") for column in COLUMNS})
                 write_csv(rows, args.out / f"{stem}.csv", COLUMNS)  # as it goes: a long run keeps what it measured
                 shown = result["status"] if result["status"] != "ok" else (
@@ -607,7 +599,8 @@ def add_arguments(parser: argparse.ArgumentParser, default_out: Path = Path(".")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (on a shared machine 1 avoids OpenMP spin contention)")
     parser.add_argument("--in-process", action="store_true",
-                        help="on CPU, measure in this process (faster; peak RSS then carries earlier runs' heap)")
+                        help="on CPU, measure peak memory in this process too (faster; peak RSS then carries earlier "
+                             "runs' heap)")
     where = "the working directory" if default_out == Path(".") else default_out
     parser.add_argument("--out", type=Path, default=default_out, help=f"results folder (default: {where})")
     parser.add_argument("--name", default=None, help="file stem (default generate_cpu / generate_<gpu>)")
