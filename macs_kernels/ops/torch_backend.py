@@ -97,8 +97,10 @@ def _causal_block_scores(q, k_cache, scale):
     """`_block_scores`, -inf past row r's causal range [0, S - R + 1 + r)."""
     rows, keys = q.shape[2], k_cache.shape[2]
     scores = _block_scores(q, k_cache, scale)
-    ends = torch.arange(keys - rows + 1, keys + 1, device=q.device)
-    return scores.masked_fill_(torch.arange(keys, device=q.device) >= ends[:, None], float("-inf"))
+    # Only the last R - 1 keys lie past some row's range: mask that (R, R - 1) corner, not all S columns.
+    past_range = torch.ones(rows, rows - 1, dtype=torch.bool, device=q.device).triu_()
+    scores[..., keys - rows + 1:].masked_fill_(past_range, float("-inf"))
+    return scores
 
 
 def _pool_dense_rows(rows, out, n_input, pooling, redistribute):
