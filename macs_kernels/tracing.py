@@ -274,16 +274,7 @@ class Tracer:
         )
         # Decode closures take the pass's scored queries (B, H, R, D) and return the attention output
         # (B, R, H, D), as the wrapped implementation would.
-        if causal_block:
-            n_input = self.n_input_list[0]
-
-            def pool(layer, q_rows, key):
-                self._pool_dense(q_rows, key, pooled[layer], n_input=n_input, scale=self._scale, **options)
-
-            def decode(layer, q, key, value):
-                return self._decode_dense(q, key, value, pooled[layer], n_input=n_input, scale=self._scale,
-                                          **options).transpose(1, 2)
-        elif dense:
+        if dense or causal_block:  # one row is a causal block of R = 1
             n_input = self.n_input_list[0]
             pool_dense, decode_dense = self._pool_dense, self._decode_dense
             beams = self._generation.num_beams if self._generation is not None else 1
@@ -294,11 +285,11 @@ class Tracer:
                 decode_dense = functools.partial(_beam_decode_dense, beams=beams)
 
             def pool(layer, q_rows, key):
-                pool_dense(q_rows[:, :, 0], key, pooled[layer, :, 0], n_input=n_input, scale=self._scale, **options)
+                pool_dense(q_rows, key, pooled[layer], n_input=n_input, scale=self._scale, **options)
 
             def decode(layer, q, key, value):
-                return decode_dense(q[:, :, 0], key, value, pooled[layer, :, 0], n_input=n_input, scale=self._scale,
-                                    **options).unsqueeze(1)
+                return decode_dense(q, key, value, pooled[layer], n_input=n_input, scale=self._scale,
+                                    **options).transpose(1, 2)
         else:
             def pool(layer, q_rows, key):
                 self._pool(q_rows, key, pooled[layer], scale=self._scale, lse=None, **ranges, **options)
@@ -565,21 +556,23 @@ def _beam_softmax(q, k_cache, n_input: int, beams: int, scale: float) -> torch.T
 
 
 def _beam_pool_dense(q, k_cache, out, *, n_input, scale, pooling, redistribute, beams):
-    """`macs_pool_dense` of beams that share their input keys (see `_beam_softmax`)."""
-    torch_backend._pool_dense_rows(_beam_softmax(q, k_cache, n_input, beams, scale), out, n_input, pooling,
-                                   redistribute)
+    """`macs_pool_dense` of one row per beam (q (B, H, 1, D), out (B, 1, N_max)) whose beams share their input
+    keys (see `_beam_softmax`)."""
+    torch_backend._pool_dense_rows(_beam_softmax(q[:, :, 0], k_cache, n_input, beams, scale), out[:, 0], n_input,
+                                   pooling, redistribute)
 
 
 def _beam_decode_dense(q, k_cache, v_cache, pooled, *, n_input, scale, pooling, redistribute, beams):
-    """`decode_attention_dense` of beams that share their input keys and values: both read once per prompt."""
-    rows = _beam_softmax(q, k_cache, n_input, beams, scale)
-    torch_backend._pool_dense_rows(rows, pooled, n_input, pooling, redistribute)
+    """`decode_attention_dense` of one row per beam (q (B, H, 1, D) -> (B, H, 1, D)) whose beams share their
+    input keys and values: both read once per prompt."""
+    rows = _beam_softmax(q[:, :, 0], k_cache, n_input, beams, scale)
+    torch_backend._pool_dense_rows(rows, pooled[:, 0], n_input, pooling, redistribute)
     batch, heads, _ = rows.shape
     kv_heads = v_cache.shape[1]
     shared = torch.matmul(_by_prompt(rows[..., :n_input], beams, kv_heads), v_cache[::beams, :, :n_input].float())
     own = torch.matmul(rows[..., n_input:].view(batch, kv_heads, heads // kv_heads, -1),
                        v_cache[:, :, n_input:].float())
-    return (_by_beam(shared, beams) + own.unflatten(0, (-1, beams))).reshape(batch, heads, -1).to(q.dtype)
+    return (_by_beam(shared, beams) + own.unflatten(0, (-1, beams))).reshape(batch, heads, 1, -1).to(q.dtype)
 
 
 def _pool_from_log_term(out: torch.Tensor, add_log_term) -> None:

@@ -97,9 +97,9 @@ def _causal_block_scores(q, k_cache, scale):
     """`_block_scores`, -inf past row r's causal range [0, S - R + 1 + r)."""
     rows, keys = q.shape[2], k_cache.shape[2]
     scores = _block_scores(q, k_cache, scale)
-    # Only the last R - 1 keys lie past some row's range: mask that (R, R - 1) corner, not all S columns.
-    past_range = torch.ones(rows, rows - 1, dtype=torch.bool, device=q.device).triu_()
-    scores[..., keys - rows + 1:].masked_fill_(past_range, float("-inf"))
+    if rows > 1:  # only the last R - 1 keys lie past some row's range: mask that (R, R - 1) corner
+        past_range = torch.ones(rows, rows - 1, dtype=torch.bool, device=q.device).triu_()
+        scores[..., keys - rows + 1:].masked_fill_(past_range, float("-inf"))
     return scores
 
 
