@@ -13,9 +13,9 @@ cache and `generate` say:
   scores its last query; later passes score every query (one on a decode step, K+1 on a verify pass of
   assisted decoding). Row k of a sequence is the query at key slot input_end - 1 + k, so a row computed
   again after `past_key_values.crop()` replaces the rejected one;
-- per layer, the backend writes m' (MACS's head-pooled row before the floor) of the scored rows into the
-  pass's (L, B, R, N_max) buffer; after the last layer `combine_layers` takes the floor and the log and
-  sums over layers, once per pass (the one place a tensor-parallel run reduces over ranks);
+- per layer, the core's `DenseRows` (macs_kernels.core) picks the backend's kernel and writes m' (MACS's
+  head-pooled row before the floor) of the scored rows; after the last layer it reduces over a tensor-parallel
+  group, takes the floor and the log and sums over layers, once per pass;
 - events that reorder rows act on the records: beam search's `reorder_cache(beam_idx)` permutes them, and
   the returned beams' rows are rebuilt from generate's `beam_indices`.
 
@@ -29,16 +29,16 @@ import bisect
 import contextlib
 import dataclasses
 import functools
-import importlib
 import sys
 import threading
 
 import torch
 
 from .config import MacsConfig
-from .distributed import HeadShards, head_shards, reduce_pooled
+from .core import NAN_MESSAGE, DenseRows, Kernels, paper_zscores
+from .distributed import HeadShards, head_shards
 from .ops import torch_backend
-from .ops._dispatch import implementation, resolve_backend
+from .ops._dispatch import resolve_backend
 
 # Registered names must contain neither "flash" nor "sdpa": transformers treats those specially.
 WRAPPED_NAMES = {"sdpa": "macs_kernels", "eager": "macs_kernels_eager", "flash_attention_2": "macs_kernels_fa2"}
@@ -55,16 +55,6 @@ class TraceHook:
 
     def end_pass(self, tracer: Tracer) -> None:
         pass
-
-
-def combine_layers(pooled: torch.Tensor, alpha: float, valid: torch.Tensor) -> torch.Tensor:
-    """log c of a pass: sum over layers of log(alpha * clamp(m', 0) + 1 - alpha).
-
-    pooled: (L, B, R, N_max) float32 m' per layer; valid: (B, 1, N_max) bool, the item's inputs. Returns
-    (B, R, N_max) float32, 0 past each item's inputs.
-    """
-    log_c = pooled.clamp_min(0.0).mul_(alpha).add_(1.0 - alpha).log_().sum(dim=0)
-    return log_c.masked_fill_(~valid, 0.0)
 
 
 # ---- generation modes -----------------------------------------------------------------------------
@@ -147,13 +137,13 @@ def check_generate(model, generate_kwargs: dict, *, attention: str = "softmax") 
 # ---- the tracer -----------------------------------------------------------------------------------
 @dataclasses.dataclass
 class _PassPlan:
-    """One forward pass: the scored query rows (the last `rows` of the pass) and how each layer scores them."""
+    """One forward pass: the scored query rows (the last `rows` of the pass), their steps, and the core's
+    accumulator that scores them per layer (`fused`: decode computes the attention output too)."""
 
     rows: int
     step: torch.Tensor  # (B, R): the row's index k in its sequence
-    pooled: torch.Tensor  # (L, B, R, N_max) float32 m'
-    pool: object  # (layer, q_rows (B, H, R, D), key) -> writes pooled[layer]
-    decode: object | None  # (layer, q (B, H, D), key, value) -> attention output; writes pooled[layer]
+    scorer: DenseRows
+    fused: bool
 
 
 class Tracer:
@@ -175,13 +165,7 @@ class Tracer:
         self.hooks = list(hooks)
         self.keep_pooled = keep_pooled
         self.backend = resolve_backend(config.backend, device)
-        self._pool = implementation(self.backend, "macs_pool")
-        self._decode = implementation(self.backend, "decode_attention")
-        # Kernels for passes where one row attends every slot (no mask, no gather), where a backend has them.
-        self._pool_dense = _optional_kernel(self.backend, "macs_pool_dense")
-        self._decode_dense = _optional_kernel(self.backend, "decode_attention_dense")
-        self._pool_rows = implementation(self.backend, "macs_update_rows")
-        self._macs_zscore = implementation(self.backend, "macs_zscore")
+        self.kernels = Kernels.of(self.backend)
         self._fused = config.fused_decode if config.fused_decode is not None else self.backend != "torch"
         # Efficient rows have torch and Triton kernels; with cuda named, the best of those runs them.
         self._efficient_backend = config.backend if config.backend in ("torch", "triton") else None
@@ -203,7 +187,6 @@ class Tracer:
         self.n_input_list: list[int] | None = None
         self._unpadded = False  # every item's inputs are keys [0, N) with one N (set per sequence)
         self._row_map = None
-        self._valid = None
         self._beam_indices = None
         self._returned = None
         self._plan = None
@@ -258,51 +241,22 @@ class Tracer:
         self.kv_len = kv_len[:, -1]
         step = kv_len - self.input_end[:, None]
         self._grow_row_map(keys)
-        n_max = self._valid.shape[-1]
-        pooled = torch.empty(self.num_layers, batch, rows, n_max, dtype=torch.float32, device=key.device)
-        ranges = dict(
-            input_start=self.input_start[:, None].expand(batch, rows),
-            input_end=self.input_end[:, None].expand(batch, rows), kv_len=kv_len,
-        )
         config = self.config
-        options = dict(pooling=config.pooling, redistribute=config.redistribute)
         # Every slot [0, S) attended by one row: an unpadded dynamic cache (the mask was dropped).
-        dense = mask is None and rows == 1 and (q_len == 1 or q_len == keys) and self._pool_dense is not None
+        dense = mask is None and rows == 1 and (q_len == 1 or q_len == keys)
         # A verify pass of an unpadded batch whose rows attend every slot causally (one host sync per pass).
-        causal_block = self._pool_dense is not None and rows > 1 and self._unpadded and bool(
+        causal_block = rows > 1 and self._unpadded and bool(
             (kv_len == torch.arange(keys - rows + 1, keys + 1, device=kv_len.device)).all()
         )
-        # Decode closures take the pass's scored queries (B, H, R, D) and return the attention output
-        # (B, R, H, D), as the wrapped implementation would.
-        if dense or causal_block:  # one row is a causal block of R = 1
-            n_input = self.n_input_list[0]
-            pool_dense, decode_dense = self._pool_dense, self._decode_dense
-            beams = self._generation.num_beams if self._generation is not None else 1
-            if beams > 1 and self.backend == "torch":
-                # generate repeats each prompt once per beam and beam search reorders only among a prompt's
-                # beams, so their input keys are copies: read them once per prompt, not once per beam.
-                pool_dense = functools.partial(_beam_pool_dense, beams=beams)
-                decode_dense = functools.partial(_beam_decode_dense, beams=beams)
-
-            def pool(layer, q_rows, key):
-                pool_dense(q_rows, key, pooled[layer], n_input=n_input, scale=self._scale, **options)
-
-            def decode(layer, q, key, value):
-                return decode_dense(q, key, value, pooled[layer], n_input=n_input, scale=self._scale,
-                                    **options).transpose(1, 2)
-        else:
-            def pool(layer, q_rows, key):
-                self._pool(q_rows, key, pooled[layer], scale=self._scale, lse=None, **ranges, **options)
-
-            def decode(layer, q, key, value):
-                out, _ = self._decode(
-                    q[:, :, 0], key, value, kv_start=self.input_start, kv_len=self.kv_len, scale=self._scale,
-                    log_c=None, pooled=pooled[layer, :, 0], input_end=self.input_end, alpha=config.alpha, **options,
-                )
-                return out.unsqueeze(1)
-
-        fused = self._fused and not self.prefill and (q_len == 1 or causal_block) and self._gram is None
-        self._plan = _PassPlan(rows, step, pooled, pool, decode if fused else None)
+        has_dense = self.kernels.pool_dense is not None
+        scorer = DenseRows(
+            self.kernels, self.num_layers, input_start=self.input_start, input_end=self.input_end, kv_len=kv_len,
+            n_max=max(self.n_input_list), pooling=config.pooling, redistribute=config.redistribute,
+            alpha=config.alpha, n_dense=self.n_input_list[0] if has_dense and (dense or causal_block) else None,
+            beams=self._generation.num_beams if self._generation is not None else 1, shards=self.shards,
+        )
+        fused = self._fused and not self.prefill and (q_len == 1 or (causal_block and has_dense)) and self._gram is None
+        self._plan = _PassPlan(rows, step, scorer, fused)
         if self._gram is not None:
             self._gram_slots = self._new_gram_slots(mask, batch, keys, key.device)
         for hook in self.hooks:
@@ -340,8 +294,6 @@ class Tracer:
         self.n_input = end - start
         self.n_input_list = self.n_input.tolist()
         self._unpadded = len(set(self.n_input_list)) == 1 and not bool(start.any())
-        n_max = max(self.n_input_list)
-        self._valid = (torch.arange(n_max, device=start.device) < self.n_input[:, None])[:, None, :]
         self._row_map = torch.full((batch, 0), -1, dtype=torch.int64, device=start.device)
 
     def _grow_row_map(self, keys: int) -> None:
@@ -370,22 +322,18 @@ class Tracer:
 
     def _end_pass(self) -> None:
         plan = self._plan
-        reduce_pooled(plan.pooled, self.shards, self.config.pooling)
-        log_c = combine_layers(plan.pooled, self.config.alpha, self._valid)
-        # A NaN anywhere in an attention row reaches the state; -inf (underflow at alpha = 1) is legitimate.
-        if bool(torch.isnan(log_c).any()):
-            raise FloatingPointError(
-                "NaN in an attention row during generation: the model produced non-finite attention; "
-                "no scores were computed for this step"
-            )
+        log_c, broken = plan.scorer.finish()
+        # The caller of a generate or forward call waits for it: a NaN row fails that call at once.
+        if bool(broken.any()):
+            raise FloatingPointError(NAN_MESSAGE)
         batch, rows, n_max = log_c.shape
         flat = log_c.view(batch * rows, n_max)
-        scores = self._macs_zscore(flat, self.n_input.repeat_interleave(rows))
         ids = self._stored + torch.arange(batch * rows, device=flat.device).view(batch, rows)
         self._row_map.scatter_(1, plan.step, ids)
-        record = {"log_c": flat, "scores": scores, "rows": rows}
+        record = {"log_c": flat, "rows": rows}
         if self.keep_pooled:
-            record["pooled"] = plan.pooled.permute(1, 2, 0, 3).reshape(batch * rows, self.num_layers, n_max)
+            pooled = plan.scorer.pooled
+            record["pooled"] = pooled.permute(1, 2, 0, 3).reshape(batch * rows, self.num_layers, n_max)
         self._bases.append(self._stored)
         self._stored += batch * rows
         self.passes.append(record)
@@ -407,10 +355,7 @@ class Tracer:
             self.softmax_rows(query_last, key, scale), value, self._gram.gram(layer), self.input_start,
             self.kv_len, backend=self._efficient_backend,
         )
-        _pool_from_log_term(self._plan.pooled[layer, :, 0], lambda log_term: self._pool_rows(
-            rows, log_term, input_start=self.input_start, input_end=self.input_end, kv_len=self.kv_len,
-            alpha=1.0, pooling=self.config.pooling, redistribute=self.config.redistribute,
-        ))
+        self._plan.scorer.pool_rows(layer, rows)
 
     def attention(self, module, query, key, value, attention_mask, inner, scaling=None, dropout=0.0, **kwargs):
         if threading.get_ident() != self.owner:
@@ -424,17 +369,15 @@ class Tracer:
         if layer == 0:
             self._begin_pass(query, key, value, attention_mask)
         scale = float(scaling if scaling is not None else getattr(module, "scaling", query.shape[-1] ** -0.5))
-        self._scale = scale
         plan = self._plan
-        fused = plan.decode is not None and not kwargs.get("output_attentions", False) and not module.training
-        if fused:
-            result = (plan.decode(layer, query, key, value), None)
+        if plan.fused and not kwargs.get("output_attentions", False) and not module.training:
+            result = (plan.scorer.decode(layer, query, key, value, scale), None)
         else:
             result = inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
             if self._gram is not None:
                 self._efficient_pool(layer, query[:, :, -1, :], key, value, scale)
             else:
-                plan.pool(layer, query[:, :, -plan.rows:, :], key)
+                plan.scorer.pool(layer, query[:, :, -plan.rows:, :], key, scale)
         for hook in self.hooks:
             hook.layer(self, layer, query, key, value, result[0], scale)
         if layer == self.num_layers - 1:
@@ -444,7 +387,7 @@ class Tracer:
     # ---- results ----------------------------------------------------------------------------------
     def _stacked(self) -> dict[str, torch.Tensor]:
         if self._flat is None:
-            names = ["log_c", "scores"] + (["pooled"] if self.keep_pooled else [])
+            names = ["log_c"] + (["pooled"] if self.keep_pooled else [])
             self._flat = {name: torch.cat([p[name] for p in self.passes]) for name in names}
         return self._flat
 
@@ -491,7 +434,8 @@ class Tracer:
         self._continuous().release(request_id)
 
     def rows(self, item: int, steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(step_log_c, step_scores) of sequence `item`: (steps, N_item) float32 tensors on the CPU.
+        """(step_log_c, the paper's z-scores of c per step) of sequence `item`: (steps, N_item) float32 tensors
+        on the CPU (rank with step_log_c; Explanation's step_scores are z-scores of log c).
 
         Default steps: every generated token (generate) or every scored row (plain forwards)."""
         ids, batch_row = self._row_ids(item)
@@ -500,8 +444,8 @@ class Tracer:
                 raise ValueError(f"sequence {item} has {ids.numel()} rows, fewer than the {steps} asked for")
             ids = ids[:steps]
         n = self.n_input_list[batch_row]
-        flat = self._stacked()
-        return flat["log_c"][ids, :n].cpu(), flat["scores"][ids, :n].cpu()
+        log_c = self._stacked()["log_c"][ids, :n].cpu()
+        return log_c, paper_zscores(log_c)
 
     def pooled_rows(self, item: int, steps: int | None = None) -> torch.Tensor:
         """(steps, L, N_item) float32 m' per layer of sequence `item` (needs keep_pooled=True)."""
@@ -512,74 +456,16 @@ class Tracer:
         return self._stacked()["pooled"][ids, :, : self.n_input_list[batch_row]].cpu()
 
     def row(self, item: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log_c, scores) (N_item,) of row `step` of batch row `item` while generating (one host sync)."""
+        """(log_c, the paper's z-scores of c) (N_item,) of row `step` of batch row `item` while generating (one
+        host sync)."""
         global_id = int(self._row_map[item, step])
         if global_id < 0:
             raise IndexError(f"row {step} of sequence {item} was not computed")
         index = bisect.bisect_right(self._bases, global_id) - 1
         record, offset = self.passes[index], global_id - self._bases[index]
         n = self.n_input_list[item]
-        return record["log_c"][offset, :n].cpu(), record["scores"][offset, :n].cpu()
-
-
-def _optional_kernel(backend: str, op: str):
-    """A backend's kernel for a special case that is not an op of its own (None where it has none)."""
-    module = {"torch": "macs_kernels.ops.torch_backend", "triton": "macs_kernels.ops.triton"}.get(backend)
-    return None if module is None else getattr(importlib.import_module(module), op, None)
-
-
-def _by_prompt(rows: torch.Tensor, beams: int, kv_heads: int) -> torch.Tensor:
-    """(B, H, X) -> (B / beams, H_kv, beams * H / H_kv, X): the rows of a prompt's beams that read one KV head,
-    side by side (a copy)."""
-    batch, heads, width = rows.shape
-    grouped = rows.view(batch // beams, beams, kv_heads, heads // kv_heads, width).transpose(1, 2)
-    return grouped.reshape(batch // beams, kv_heads, beams * heads // kv_heads, width)
-
-
-def _by_beam(rows: torch.Tensor, beams: int) -> torch.Tensor:
-    """`_by_prompt`'s layout back to one item per beam: (B / beams, beams, H_kv, H / H_kv, X) (a view)."""
-    prompts, kv_heads, beam_heads, width = rows.shape
-    return rows.view(prompts, kv_heads, beams, beam_heads // beams, width).transpose(1, 2)
-
-
-def _beam_softmax(q, k_cache, n_input: int, beams: int, scale: float) -> torch.Tensor:
-    """`macs_pool_dense`'s attention rows (B, H, S) float32 when each run of `beams` items shares its input
-    keys [0, n_input): those are read once per run (from its first item), the generated keys once per item."""
-    batch, heads, dim = q.shape
-    kv_heads = k_cache.shape[1]
-    q = q.float() * scale
-    shared = torch.matmul(_by_prompt(q, beams, kv_heads), k_cache[::beams, :, :n_input].float().transpose(-1, -2))
-    own = torch.matmul(q.view(batch, kv_heads, heads // kv_heads, dim),
-                       k_cache[:, :, n_input:].float().transpose(-1, -2))
-    scores = torch.cat([_by_beam(shared, beams), own.unflatten(0, (-1, beams))], dim=-1)
-    return torch.softmax(scores.view(batch, heads, -1), dim=-1)
-
-
-def _beam_pool_dense(q, k_cache, out, *, n_input, scale, pooling, redistribute, beams):
-    """`macs_pool_dense` of one row per beam (q (B, H, 1, D), out (B, 1, N_max)) whose beams share their input
-    keys (see `_beam_softmax`)."""
-    torch_backend._pool_dense_rows(_beam_softmax(q[:, :, 0], k_cache, n_input, beams, scale), out[:, 0], n_input,
-                                   pooling, redistribute)
-
-
-def _beam_decode_dense(q, k_cache, v_cache, pooled, *, n_input, scale, pooling, redistribute, beams):
-    """`decode_attention_dense` of one row per beam (q (B, H, 1, D) -> (B, H, 1, D)) whose beams share their
-    input keys and values: both read once per prompt."""
-    rows = _beam_softmax(q[:, :, 0], k_cache, n_input, beams, scale)
-    torch_backend._pool_dense_rows(rows, pooled[:, 0], n_input, pooling, redistribute)
-    batch, heads, _ = rows.shape
-    kv_heads = v_cache.shape[1]
-    shared = torch.matmul(_by_prompt(rows[..., :n_input], beams, kv_heads), v_cache[::beams, :, :n_input].float())
-    own = torch.matmul(rows[..., n_input:].view(batch, kv_heads, heads // kv_heads, -1),
-                       v_cache[:, :, n_input:].float())
-    return (_by_beam(shared, beams) + own.unflatten(0, (-1, beams))).reshape(batch, heads, 1, -1).to(q.dtype)
-
-
-def _pool_from_log_term(out: torch.Tensor, add_log_term) -> None:
-    """m' from a kernel that adds log(m') (its alpha = 1 term) to a zeroed state: exp of that state."""
-    out.zero_()
-    add_log_term(out)
-    out.exp_()
+        log_c = record["log_c"][offset, :n].cpu()
+        return log_c, paper_zscores(log_c)
 
 
 def _last_row_attended(mask, batch: int, keys: int, device) -> torch.Tensor:

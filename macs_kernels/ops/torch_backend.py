@@ -59,13 +59,14 @@ def macs_update_rows(
         generated = (positions >= _column(input_end)) & (positions < _column(kv_len))
         spill = (rows * generated[:, None, :]).sum(dim=-1, keepdim=True)
         inputs = inputs + spill / n_input.view(-1, 1, 1)
-    term = _log_floor(inputs, alpha, pooling)
+    term = log_floor(_POOL[pooling](inputs), alpha)
     log_c.add_(term.masked_fill_(offsets >= _column(n_input), 0.0))
 
 
-def _log_floor(inputs, alpha, pooling):
-    """log(alpha * pool_heads(inputs) + 1 - alpha), (B, H, N) -> (B, N)."""
-    pooled = _POOL[pooling](inputs)
+def log_floor(pooled, alpha):
+    """MACS's floor and log, log(alpha * m' + 1 - alpha), in place on pooled m' (any shape); alpha a float or a
+    tensor that broadcasts (one alpha per row). The one torch form of the formula: every engine's rows and
+    this backend's update ops take it from here."""
     # Efficient-attention rows can pool below zero; clamping keeps the floor's log defined.
     return pooled.clamp_min_(0.0).mul_(alpha).add_(1.0 - alpha).log_()
 

@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from macs_kernels import attach, explain, stream, trace_tensors, tracing
+from macs_kernels.ops import torch_beams
 from tests.helpers import default_model, eager_macs, qa, tiny_llama
 from tests.integration.test_integration_efficient import _efficient_reference as efficient_reference
 
@@ -99,14 +100,14 @@ def test_unpadded_beams_sharing_their_input_keys_equal_teacher_forced(fused_deco
     # Unpadded prompts take the dense path, where a prompt's beams read one copy of their input keys: two
     # prompts of 3 beams, 2 KV heads, so a mix-up of prompts, beams or KV heads changes the rows.
     model = tiny_llama(heads=6, kv_heads=2)
-    kernel = tracing._beam_decode_dense if fused_decode else tracing._beam_pool_dense
+    kernel = torch_beams.beam_decode_dense if fused_decode else torch_beams.beam_pool_dense
     calls = []
 
     def counted(*args, **kwargs):
         calls.append(kwargs["beams"])
         return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(tracing, kernel.__name__, counted)
+    monkeypatch.setattr(torch_beams, kernel.__name__, counted)
     prompts = torch.stack([PROMPTS[1], torch.tensor([4, 8, 15, 16, 23, 42, 2, 11])])
     sequences, _ = traced_sequences(model, prompts, torch.ones_like(prompts), fused_decode=fused_decode,
                                     num_beams=3, num_return_sequences=2)

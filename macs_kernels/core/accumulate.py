@@ -1,0 +1,218 @@
+"""One forward pass's MACS rows: the op that scores each layer, the head-pooling reduction over a tensor-parallel
+group, the floor and log, the combine over layers, the NaN check. Engines say where each scored row's keys
+are (a batch-major cache with per-row ranges, or a packed key tensor with per-row segments) and call `pool`
+(or `decode`, which also returns the attention output from the same probabilities) once per layer; they
+hold no formula of their own.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+
+import torch
+
+from ..distributed import HeadShards, reduce_pooled
+from ..ops import torch_beams
+from ..ops._dispatch import implementation
+from ..ops.torch_backend import _POOL, log_floor
+from ..ops.torch_packed import Segments
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """A backend's per-layer kernels: the general ones (ops), and special cases where the backend has them."""
+
+    backend: str
+    pool: object  # ops.macs_pool's kernel
+    decode: object  # ops.decode_attention's kernel
+    update_rows: object  # ops.macs_update_rows's kernel
+    pool_dense: object | None  # rows that attend every slot causally: no mask, no gather
+    decode_dense: object | None
+
+    @staticmethod
+    def of(backend: str) -> Kernels:
+        module = {"torch": "macs_kernels.ops.torch_backend", "triton": "macs_kernels.ops.triton"}.get(backend)
+        special = None if module is None else importlib.import_module(module)
+        return Kernels(
+            backend, implementation(backend, "macs_pool"), implementation(backend, "decode_attention"),
+            implementation(backend, "macs_update_rows"), getattr(special, "macs_pool_dense", None),
+            getattr(special, "decode_attention_dense", None),
+        )
+
+
+class PassRows:
+    """The pooled rows m' (before the floor) of one pass, (L, *shape, N_max) float32, and their combine.
+
+    shards: the tensor-parallel split of the heads (each rank pools its own heads; `finish` reduces them
+    in one collective per pass), or None.
+    """
+
+    def __init__(self, num_layers: int, shape: tuple[int, ...], n_max: int, device, shards: HeadShards | None):
+        self.pooled = torch.empty(num_layers, *shape, n_max, dtype=torch.float32, device=device)
+        self.shards = shards
+
+    def finish(self, alpha, pooling, n_input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log c (*shape, N_max) float32, 0 past each row's N; which rows hold a NaN, (*shape) bool).
+
+        alpha: a float, or one per row (*shape); pooling: a name, or one per row (a flat list) when rows
+        of one pass pool differently; n_input: (*shape) or broadcastable, each row's N.
+        """
+        pooled = self.pooled
+        if self.shards is not None:
+            if isinstance(pooling, str):
+                reduce_pooled(pooled, self.shards, pooling)
+            else:
+                flat = pooled.view(pooled.shape[0], -1, pooled.shape[-1])
+                for name in sorted(set(pooling)):
+                    index = torch.tensor([r for r, p in enumerate(pooling) if p == name], device=pooled.device)
+                    flat.index_copy_(1, index, reduce_pooled(flat.index_select(1, index), self.shards, name))
+        if isinstance(alpha, torch.Tensor):
+            alpha = alpha.unsqueeze(-1)
+        # Entries past a row's N may hold anything (even NaN from unwritten memory): they are masked after.
+        log_c = log_floor(pooled, alpha).sum(dim=0)
+        valid = torch.arange(log_c.shape[-1], device=log_c.device) < n_input.unsqueeze(-1)
+        log_c.masked_fill_(~valid, 0.0)
+        return log_c, torch.isnan(log_c).any(dim=-1)
+
+
+class DenseRows(PassRows):
+    """Rows of a batch-major pass (transformers' generate): the scored queries are the last R of each item's
+    query block; row (b, r) attends keys [input_start[b], kv_len[b, r]) of the (B, H_kv, S, D) cache, the
+    first N_b = input_end[b] - input_start[b] of them its inputs.
+
+    n_dense: set when every item's inputs are keys [0, n_dense) and its rows attend every slot causally
+    (an unpadded batch with a growing cache): the backend's dense kernels then run without masks or gathers.
+    beams: with n_dense, each run of `beams` items shares its input keys (beam search); the torch kernels
+    read them once per run.
+    """
+
+    def __init__(self, kernels: Kernels, num_layers: int, *, input_start, input_end, kv_len, n_max: int,
+                 pooling: str, redistribute: bool, alpha: float, n_dense: int | None = None, beams: int = 1,
+                 shards: HeadShards | None = None):
+        batch, rows = kv_len.shape
+        super().__init__(num_layers, (batch, rows), n_max, kv_len.device, shards)
+        self.kernels, self.alpha, self.n_dense = kernels, alpha, n_dense
+        self.options = dict(pooling=pooling, redistribute=redistribute)
+        self.input_start, self.input_end, self.kv_len = input_start, input_end, kv_len
+        self.pool_dense, self.decode_dense = kernels.pool_dense, kernels.decode_dense
+        if n_dense is not None and beams > 1 and kernels.backend == "torch":
+            self.pool_dense = functools.partial(torch_beams.beam_pool_dense, beams=beams)
+            self.decode_dense = functools.partial(torch_beams.beam_decode_dense, beams=beams)
+
+    def pool(self, layer: int, q_rows: torch.Tensor, key: torch.Tensor, scale: float) -> None:
+        """m' of the scored rows q_rows (B, H, R, D) into this pass's layer `layer`."""
+        if self.n_dense is not None:
+            self.pool_dense(q_rows, key, self.pooled[layer], n_input=self.n_dense, scale=scale, **self.options)
+            return
+        rows = q_rows.shape[2]
+        self.kernels.pool(
+            q_rows, key, self.pooled[layer], scale=scale, lse=None, **self.options,
+            input_start=self.input_start[:, None].expand(-1, rows), input_end=self.input_end[:, None].expand(-1, rows),
+            kv_len=self.kv_len,
+        )
+
+    def decode(self, layer: int, q: torch.Tensor, key, value, scale: float) -> torch.Tensor:
+        """The attention output (B, R, H, D) of the scored queries q (B, H, R, D) (every query of a decode or
+        verify pass), computed from the probabilities whose m' goes into layer `layer`: one read of K."""
+        if self.n_dense is not None:
+            return self.decode_dense(q, key, value, self.pooled[layer], n_input=self.n_dense, scale=scale,
+                                     **self.options).transpose(1, 2)
+        out, _ = self.kernels.decode(
+            q[:, :, 0], key, value, kv_start=self.input_start, kv_len=self.kv_len[:, -1], scale=scale, log_c=None,
+            pooled=self.pooled[layer, :, 0], input_end=self.input_end, alpha=self.alpha, **self.options,
+        )
+        return out.unsqueeze(1)
+
+    def pool_rows(self, layer: int, rows: torch.Tensor) -> None:
+        """m' from given attention rows (B, H, S) of the last query (efficient attention's projected rows):
+        the backend's row update at alpha = 1 adds log m' to a zeroed row, whose exp is m'."""
+        out = self.pooled[layer, :, 0]
+        out.zero_()
+        self.kernels.update_rows(rows, out, input_start=self.input_start, input_end=self.input_end,
+                                 kv_len=self.kv_len[:, -1], alpha=1.0, **self.options)
+        out.exp_()
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().finish(self.alpha, self.options["pooling"], (self.input_end - self.input_start)[:, None])
+
+
+class PackedRows(PassRows):
+    """Rows of a packed pass (continuous batching, vLLM's layout): scored row r is query row `rows[r]` of the
+    pass's (1, H, T, D) query and attends its own keys `segments` of the packed (1, H_kv, S, D) key tensor.
+
+    configs: each row's MacsConfig (alpha, pooling, redistribute, attention differ per request).
+    """
+
+    def __init__(self, kernels: Kernels, num_layers: int, rows: torch.Tensor, segments: Segments, configs: list,
+                 shards: HeadShards | None = None):
+        super().__init__(num_layers, (len(configs),), segments.n_max, rows.device, shards)
+        self.kernels, self.rows, self.segments, self.configs = kernels, rows, segments, configs
+        device = rows.device
+        self.alpha = torch.tensor([c.alpha for c in configs], dtype=torch.float32, device=device)
+        self.poolings = [c.pooling for c in configs]
+        self.n_input = torch.tensor(segments.n_input, device=device)
+        # The torch form spreads per row; a kernel takes one redistribute flag, so its rows split by it too.
+        grouped: dict[tuple, list[int]] = {}
+        for r, config in enumerate(configs):
+            flag = None if kernels.backend == "torch" else config.redistribute
+            grouped.setdefault((config.pooling, flag), []).append(r)
+        self.groups = [
+            (pooling, flag, None if len(members) == len(configs) else torch.tensor(members, device=device))
+            for (pooling, flag), members in grouped.items()
+        ]
+
+    def pool(self, layer: int, query: torch.Tensor, key: torch.Tensor, scale: float) -> None:
+        """m' of the scored rows of this layer's packed query (1, H, T, D) over key (1, H_kv, S, D)."""
+        q_rows = query.index_select(2, self.rows)
+        if self.kernels.backend == "torch":
+            self._pool_probabilities(layer, self.segments.probabilities(q_rows[0], key[0], scale))
+            return
+        segments, out = self.segments, self.pooled[layer]
+        for pooling, redistribute, index in self.groups:
+            ranges = (segments.input_start, segments.input_end, segments.kv_len)
+            block = q_rows
+            if index is not None:
+                block = q_rows[:, :, index, :]
+                ranges = tuple(bound[:, index] for bound in ranges)
+            pooled = torch.empty(1, block.shape[2], segments.n_max, dtype=torch.float32, device=out.device)
+            self.kernels.pool(block, key, pooled, input_start=ranges[0], input_end=ranges[1], kv_len=ranges[2],
+                              scale=scale, pooling=pooling, redistribute=redistribute, lse=None)
+            self._write(out, index, pooled[0])
+
+    def decode(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """The attention output (1, T, H, D) of a pass whose every query row is scored (a decode pass of
+        traced requests), from the probabilities whose m' goes into layer `layer`: one read of K."""
+        probabilities = self.segments.probabilities(query[0], key[0], scale)
+        out = self.segments.outputs(probabilities, value[0])
+        self._pool_probabilities(layer, probabilities)
+        return out.unsqueeze(0).to(query.dtype)
+
+    def pool_rows(self, layer: int, row: int, attention: torch.Tensor) -> None:
+        """m' of scored row `row` from a given attention row (H, length) over its own keys (efficient
+        attention's projected row)."""
+        n, config = self.segments.n_input[row], self.configs[row]
+        inputs = attention[:, :n]
+        if config.redistribute and attention.shape[-1] > n:
+            inputs = inputs + attention[:, n:].sum(dim=-1, keepdim=True) / n
+        self.pooled[layer, row, :n] = _POOL[config.pooling](inputs[None])[0]
+
+    def _pool_probabilities(self, layer: int, probabilities: torch.Tensor) -> None:
+        inputs = self.segments.spread_inputs(probabilities)
+        out = self.pooled[layer]
+        for pooling, _, index in self.groups:
+            if index is None:
+                _POOL[pooling](inputs, out=out)
+            else:
+                self._write(out, index, _POOL[pooling](inputs[index]))
+
+    @staticmethod
+    def _write(out: torch.Tensor, index: torch.Tensor | None, pooled: torch.Tensor) -> None:
+        if index is None:
+            out.copy_(pooled)
+        else:
+            out.index_copy_(0, index, pooled)
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().finish(self.alpha, self.poolings, self.n_input)

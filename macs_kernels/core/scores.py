@@ -1,0 +1,48 @@
+"""The score definitions, each written once: what every engine's rows (log c) become for a user."""
+from __future__ import annotations
+
+import torch
+
+from ..ops import torch_backend
+
+SCORE_DEFINITION = (
+    "step_scores[k]: z-scores over the prompt tokens of step k's log consistency log c (rank-faithful to "
+    "step_log_c); scores: z-scores of the mean over steps of log c; -inf (null in JSON) is an underflowed "
+    "token. paper_step_scores / paper_scores: the paper's z-scores of c = exp(log c) and their mean over "
+    "steps, which tie for every token but the attention sink."
+)
+
+
+def log_zscores(log_c: torch.Tensor) -> torch.Tensor:
+    """The scores users rank by: z-scores of log c along the last dimension, float32 (computed in float64).
+
+    An affine map of log c, so they rank tokens exactly as log c does. The paper's z-scores of c = exp(log c)
+    do not: the attention sink has c ~ 1 and every other token c ~ 1e-15, so all non-sink tokens share one
+    z-score to 7 digits. Population standard deviation over the finite entries; a row whose finite entries
+    are all equal scores 0; -inf (attention underflow at alpha = 1) stays -inf, below everything.
+    """
+    values = log_c.double()
+    finite = torch.isfinite(values)
+    count = finite.sum(dim=-1, keepdim=True).clamp_min(1)
+    mean = torch.where(finite, values, 0.0).sum(dim=-1, keepdim=True) / count
+    centred = torch.where(finite, values - mean, 0.0)
+    std = torch.sqrt(centred.square().sum(dim=-1, keepdim=True) / count)
+    z = torch.where(std > 0, centred / std, 0.0)
+    return torch.where(finite, z, values).float()
+
+
+def paper_zscores(log_c: torch.Tensor) -> torch.Tensor:
+    """The paper's z-scores of c = exp(log c), per row of `log_c` (steps, N), float32 (steps, N).
+
+    Computed from log c only when asked for: no engine pays for them per pass."""
+    if log_c.dim() == 1:
+        return paper_zscores(log_c[None])[0]
+    steps, n = log_c.shape
+    return torch_backend.macs_zscore(log_c.float(), torch.full((steps,), n, device=log_c.device))
+
+
+def json_values(values: torch.Tensor, digits: int | None = None) -> list:
+    """Nested lists of `values` (rounded to `digits` when given) with -inf as None: JSON has no infinities."""
+    if values.dim() > 1:
+        return [json_values(row, digits) for row in values]
+    return [None if v == float("-inf") else v if digits is None else round(v, digits) for v in values.tolist()]

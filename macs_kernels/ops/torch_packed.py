@@ -1,0 +1,103 @@
+"""The torch form of MACS rows over a packed key tensor (continuous batching's layout, B = 1): every request's
+keys back to back, each query row scored against its own request's keys only."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..config import MacsConfig
+from .torch_backend import _POOL
+
+
+class Segments:
+    """Key ranges of R query rows over a packed key tensor, and the constants every layer of a pass shares.
+
+    Row r attends keys [starts[r], starts[r] + lengths[r]); the first n_input[r] of them are its inputs,
+    the rest generated tokens (their attention is spread over the inputs where redistribute[r]).
+    """
+
+    def __init__(self, starts, lengths, n_input, redistribute, device):
+        if not (len(starts) == len(lengths) == len(n_input) == len(redistribute)) or not starts:
+            raise ValueError("starts, lengths, n_input and redistribute must be equally long and not empty")
+        if any(n < 1 or n > length for n, length in zip(n_input, lengths)):
+            raise ValueError(f"every row needs 1 <= n_input <= its key count, got {n_input} for {lengths}")
+        self.starts, self.lengths, self.n_input = list(starts), list(lengths), list(n_input)
+        self.n_max, self.length_max = max(self.n_input), max(self.lengths)
+        self.device = device
+        positions = torch.arange(self.length_max, device=device)
+        lengths_t = torch.tensor(self.lengths, device=device).view(-1, 1)
+        n_input_t = torch.tensor(self.n_input, device=device).view(-1, 1)
+        spread = torch.tensor(redistribute, dtype=torch.float32, device=device).view(-1, 1) / n_input_t
+        # (R, L_max, 1): weight of each key's probability in the spill every input receives, 1/N on generated
+        # keys, so that one batched product sums a row's spill.
+        self.spill_weight = (((positions >= n_input_t) & (positions < lengths_t)) * spread).unsqueeze(-1)
+        as_index = functools.partial(torch.tensor, dtype=torch.int64, device=device)
+        self.input_start = as_index([self.starts])
+        self.input_end = as_index([[s + n for s, n in zip(self.starts, self.n_input)]])
+        self.kv_len = as_index([[s + length for s, length in zip(self.starts, self.lengths)]])
+        self._scores = None
+
+    def _score_buffer(self, kv_heads: int, group: int) -> tuple[torch.Tensor, list]:
+        """The (R, H_kv, G, L_max) float32 score buffer of the pass and each row's (H_kv, G, length) view.
+
+        Every layer writes the same per-row ranges, so the -inf padding past a row's length is written once
+        per pass, not per layer."""
+        if self._scores is None or self._scores[0].shape[1:3] != (kv_heads, group):
+            scores = torch.full(
+                (len(self.starts), kv_heads, group, self.length_max), float("-inf"), dtype=torch.float32,
+                device=self.device,
+            )
+            self._scores = scores, [scores[r, :, :, :length] for r, length in enumerate(self.lengths)]
+        return self._scores
+
+    def probabilities(self, q, key, scale: float) -> torch.Tensor:
+        """Softmax rows (R, H, L_max) float32 of q (H, R, D) over each row's own keys of key (H_kv, S, D),
+        zeros past a row's length. One product per row over its own keys: R x S for the whole packed tensor
+        would cost R times more."""
+        heads, rows, dim = q.shape
+        kv_heads = key.shape[0]
+        grouped = (q.float() * scale).reshape(kv_heads, heads // kv_heads, rows, dim).permute(2, 0, 1, 3)
+        keys_t = key.transpose(-1, -2)
+        scores, row_scores = self._score_buffer(kv_heads, heads // kv_heads)
+        for r, (start, length) in enumerate(zip(self.starts, self.lengths)):
+            torch.bmm(grouped[r], keys_t[:, :, start : start + length].float(), out=row_scores[r])
+        return torch.softmax(scores.view(rows, heads, self.length_max), dim=-1)
+
+    def outputs(self, probabilities, value) -> torch.Tensor:
+        """Attention outputs (R, H, D) float32 of softmax rows (R, H, L_max) over each row's own values of
+        value (H_kv, S, D): what the engine's attention returns for these query rows. Call it before
+        `spread_inputs`, which writes over the rows."""
+        rows, heads, _ = probabilities.shape
+        kv_heads, _, dim = value.shape
+        grouped = probabilities.view(rows, kv_heads, heads // kv_heads, self.length_max)
+        out = torch.empty(rows, kv_heads, heads // kv_heads, dim, dtype=torch.float32, device=value.device)
+        for r, (start, length) in enumerate(zip(self.starts, self.lengths)):
+            torch.bmm(grouped[r, :, :, :length], value[:, start : start + length].float(), out=out[r])
+        return out.view(rows, heads, dim)
+
+    def spread_inputs(self, probabilities) -> torch.Tensor:
+        """(R, H, N_max): each input's probability plus the row's spill, written over `probabilities`' input
+        columns; entries past a row's N are not inputs."""
+        spill = torch.bmm(probabilities, self.spill_weight)
+        return probabilities[:, :, : self.n_max].add_(spill)
+
+
+def macs_pool_packed(q, key, segments: Segments, *, scale, pooling="max") -> torch.Tensor:
+    """MACS's head-pooled rows m' (before the floor) of R query rows over a packed key tensor: the torch form
+    of `ops.macs_pool` with per-row ranges (B = 1), computing each row against its own keys only.
+
+    q: (H, R, D), one row per request; key: (H_kv, S, D), the requests' keys back to back (continuous
+    batching's layout); segments: each row's key range, input count and redistribution.
+    Returns float32 (R, N_max); entries past a row's N are unspecified.
+    """
+    MacsConfig(pooling=pooling)
+    if q.dim() != 3 or key.dim() != 3 or q.shape[0] % key.shape[0] or q.shape[2] != key.shape[2]:
+        raise ValueError(f"q (H, R, D) and key (H_kv, S, D) with H a multiple of H_kv, got {tuple(q.shape)}, "
+                         f"{tuple(key.shape)}")
+    ends = [start + length for start, length in zip(segments.starts, segments.lengths)]
+    if q.shape[1] != len(segments.starts) or max(ends) > key.shape[1]:
+        raise ValueError("segments must give one key range per query row, inside the key tensor")
+    return _POOL[pooling](segments.spread_inputs(segments.probabilities(q, key, float(scale))))
+
+
