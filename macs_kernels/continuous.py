@@ -7,12 +7,13 @@ pages, shared prefix pages included). A request's prefill may be split into chun
 only the pass that ends it emits a token. So per pass the tracer
 
 1. reads which requests are in the batch, in packing order, from the manager that prepared it;
-2. scores only the query rows that produce a token (the last row of a finished prefill, every decode row):
-   row r of request i attends keys [cu_k[i], cu_k[i+1]), whose first N (the whole prompt) are its inputs;
-3. per layer, computes MACS's pooled row m' (before the floor) of each scored row over its own keys
-   (`ops.macs_pool` with per-row ranges on the GPU backends, `macs_pool_packed` on torch) and adds
-   log(alpha * clamp(m', 0) + 1 - alpha) to a (rows, N_max) float32 state;
-4. after the last layer, appends each row of log c to its request's record (scores are its z-scores).
+2. plans only the query rows that produce a token (the last row of a finished prefill, every decode row):
+   row r of request i attends keys [cu_k[i], cu_k[i+1]), whose first N (the whole prompt) are its inputs,
+   and produces its step k = (keys - N);
+3. hands them to the core's `PackedRows`, which scores each layer (`ops.macs_pool` with per-row ranges on
+   the GPU backends, `macs_pool_packed`'s torch form on torch), reduces over a tensor-parallel group and
+   takes the floor, the log and the sum over layers once per pass;
+4. stores each row under (request id, step) in the core's `RowStore`.
 
 transformers accepts only "sdpa", "paged|eager" and flash names in continuous batching, so `attach_continuous`
 wraps the registered functions under those names (restored on exit): the wrapper computes exactly what the
@@ -20,9 +21,7 @@ original does, and traces only modules of an attached model called with a paged 
 """
 from __future__ import annotations
 
-import collections
 import contextlib
-import copy
 import dataclasses
 import functools
 import threading
@@ -30,11 +29,15 @@ import threading
 import torch
 
 from .config import MacsConfig
-from .ops._dispatch import implementation, resolve_backend
-from .ops.torch_backend import _POOL as POOL
-from .tracing import check_model
+from .core import Kernels, PackedRows, RowStore, log_zscores
+from .distributed import head_shards
+from .efficient import GramState, efficient_rows
+from .hf_models import check_model
+from .ops import torch_backend
+from .ops._dispatch import resolve_backend
+from .ops.torch_packed import Segments, macs_pool_packed
 
-__all__ = ["ContinuousTracer", "Segments", "attach_continuous", "explain_continuous", "macs_pool_packed"]
+__all__ = ["ContinuousTracer", "Segments", "attach_continuous", "macs_pool_packed"]
 
 # The names continuous batching accepts that run on any device; flash names need CUDA and hand the attention
 # function a block table on decode steps instead of packed keys.
@@ -110,140 +113,51 @@ def _uninstall() -> None:
 
 
 # ---- per-request state ----------------------------------------------------------------------------
-@dataclasses.dataclass
-class _Request:
-    n_input: int
-    config: MacsConfig
-    state: object  # the engine's RequestState (replaced when the engine re-queues the request)
-    log_c: list = dataclasses.field(default_factory=list)
-    error: str | None = None
-
-    def generated(self) -> int:
-        """Tokens the engine has accepted so far (a re-queued request carries earlier ones in its prompt)."""
-        state = self.state
-        return len(state.initial_tokens) - self.n_input + len(state.generated_tokens)
-
-    def finished(self) -> bool:
-        from transformers.generation.continuous_batching.requests import RequestStatus
-
-        return self.state.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
-
-
 def _prompt_length(state) -> int:
     # A request the engine soft-reset is re-queued with its generated tokens appended to its prompt.
     return getattr(state, "_true_initial_tokens", 0) or len(state.initial_tokens)
 
 
-# ---- the per-layer op over packed keys -------------------------------------------------------------
-class Segments:
-    """Key ranges of R query rows over a packed key tensor, and the constants every layer of a pass shares.
+def _finished(state) -> bool:
+    from transformers.generation.continuous_batching.requests import RequestStatus
 
-    Row r attends keys [starts[r], starts[r] + lengths[r]); the first n_input[r] of them are its inputs,
-    the rest generated tokens (their attention is spread over the inputs where redistribute[r]).
-    """
-
-    def __init__(self, starts, lengths, n_input, redistribute, device):
-        if not (len(starts) == len(lengths) == len(n_input) == len(redistribute)) or not starts:
-            raise ValueError("starts, lengths, n_input and redistribute must be equally long and not empty")
-        if any(n < 1 or n > length for n, length in zip(n_input, lengths)):
-            raise ValueError(f"every row needs 1 <= n_input <= its key count, got {n_input} for {lengths}")
-        self.starts, self.lengths, self.n_input = list(starts), list(lengths), list(n_input)
-        self.n_max, self.length_max = max(self.n_input), max(self.lengths)
-        self.device = device
-        positions = torch.arange(self.length_max, device=device)
-        lengths_t = torch.tensor(self.lengths, device=device).view(-1, 1)
-        n_input_t = torch.tensor(self.n_input, device=device).view(-1, 1)
-        spread = torch.tensor(redistribute, dtype=torch.float32, device=device).view(-1, 1) / n_input_t
-        # (R, L_max, 1): weight of each key's probability in the spill every input receives, 1/N on generated
-        # keys, so that one batched product sums a row's spill.
-        self.spill_weight = (((positions >= n_input_t) & (positions < lengths_t)) * spread).unsqueeze(-1)
-        as_index = functools.partial(torch.tensor, dtype=torch.int64, device=device)
-        self.input_start = as_index([self.starts])
-        self.input_end = as_index([[s + n for s, n in zip(self.starts, self.n_input)]])
-        self.kv_len = as_index([[s + length for s, length in zip(self.starts, self.lengths)]])
-        self._scores = None
-
-    def _score_buffer(self, kv_heads: int, group: int) -> tuple[torch.Tensor, list]:
-        """The (R, H_kv, G, L_max) float32 score buffer of the pass and each row's (H_kv, G, length) view.
-
-        Every layer writes the same per-row ranges, so the -inf padding past a row's length is written once
-        per pass, not per layer."""
-        if self._scores is None or self._scores[0].shape[1:3] != (kv_heads, group):
-            scores = torch.full(
-                (len(self.starts), kv_heads, group, self.length_max), float("-inf"), dtype=torch.float32,
-                device=self.device,
-            )
-            self._scores = scores, [scores[r, :, :, :length] for r, length in enumerate(self.lengths)]
-        return self._scores
-
-    def probabilities(self, q, key, scale: float) -> torch.Tensor:
-        """Softmax rows (R, H, L_max) float32 of q (H, R, D) over each row's own keys of key (H_kv, S, D),
-        zeros past a row's length. One product per row over its own keys: R x S for the whole packed tensor
-        would cost R times more."""
-        heads, rows, dim = q.shape
-        kv_heads = key.shape[0]
-        grouped = (q.float() * scale).reshape(kv_heads, heads // kv_heads, rows, dim).permute(2, 0, 1, 3)
-        keys_t = key.transpose(-1, -2)
-        scores, row_scores = self._score_buffer(kv_heads, heads // kv_heads)
-        for r, (start, length) in enumerate(zip(self.starts, self.lengths)):
-            torch.bmm(grouped[r], keys_t[:, :, start : start + length].float(), out=row_scores[r])
-        return torch.softmax(scores.view(rows, heads, self.length_max), dim=-1)
-
-    def spread_inputs(self, probabilities) -> torch.Tensor:
-        """(R, H, N_max): each input's probability plus the row's spill, written over `probabilities`' input
-        columns; entries past a row's N are not inputs."""
-        spill = torch.bmm(probabilities, self.spill_weight)
-        return probabilities[:, :, : self.n_max].add_(spill)
-
-
-def macs_pool_packed(q, key, segments: Segments, *, scale, pooling="max") -> torch.Tensor:
-    """MACS's head-pooled rows m' (before the floor) of R query rows over a packed key tensor: the torch form
-    of `ops.macs_pool` with per-row ranges (B = 1), computing each row against its own keys only.
-
-    q: (H, R, D), one row per request; key: (H_kv, S, D), the requests' keys back to back (continuous
-    batching's layout); segments: each row's key range, input count and redistribution.
-    Returns float32 (R, N_max); entries past a row's N are unspecified.
-    """
-    MacsConfig(pooling=pooling)
-    if q.dim() != 3 or key.dim() != 3 or q.shape[0] % key.shape[0] or q.shape[2] != key.shape[2]:
-        raise ValueError(f"q (H, R, D) and key (H_kv, S, D) with H a multiple of H_kv, got {tuple(q.shape)}, "
-                         f"{tuple(key.shape)}")
-    ends = [start + length for start, length in zip(segments.starts, segments.lengths)]
-    if q.shape[1] != len(segments.starts) or max(ends) > key.shape[1]:
-        raise ValueError("segments must give one key range per query row, inside the key tensor")
-    return POOL[pooling](segments.spread_inputs(segments.probabilities(q, key, float(scale))))
+    return state.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
 
 
 @dataclasses.dataclass
 class _Pass:
-    """The scored rows of one forward pass: which query rows, whose records, their key ranges."""
+    """The scored rows of one forward pass: the core's accumulator over them, and what each row is."""
 
-    rows: torch.Tensor  # (R,) query rows that emit a token
-    records: list
-    segments: Segments
-    groups: list  # (pooling, redistribute, row indices or None, alpha (R_g, 1), 1 - alpha (R_g, 1))
-    log_c: torch.Tensor  # (R, N_max) float32
+    scorer: PackedRows
+    keys: list  # (request id, step) per scored row
+    efficient: list  # (row, request id) of rows whose config asks for efficient attention
+    fused: bool  # every query row is scored: the attention output comes from the same probabilities
 
 
 class ContinuousTracer:
     """MACS rows of the requests that a continuous-batching engine runs on one model, keyed by request id.
 
-    Thread-safe: the engine's loop appends rows in its own thread while others read them.
+    An adapter: it reads which requests a pass packs (the manager's batch, cu_seq_lens) into the core's
+    `PackedRows` and stores each row under (request id, step) in a `RowStore`, so a request that the engine
+    offloads and re-queues under its id keeps its rows and its options. Thread-safe: the engine's loop
+    appends rows in its own thread while others read them.
     """
 
-    def __init__(self, config: MacsConfig, num_layers: int, device: torch.device, keep_finished: int = 256):
+    def __init__(self, config: MacsConfig, num_layers: int, device: torch.device, keep_finished: int = 256,
+                 shards=None):
         self.config = config
         self.num_layers = num_layers
         self.backend = resolve_backend(config.backend, device, "macs_pool")
-        self._macs_pool = implementation(self.backend, "macs_pool")
+        self.kernels = Kernels.of(self.backend)
+        self.shards = shards
+        self.store = RowStore(keep_finished)
         self.keep_finished = keep_finished
         self._lock = threading.Lock()
         self._managers: list = []
-        self._requests: dict[str, _Request] = {}
-        self._pending: dict[str, MacsConfig] = {}
+        self._configs: dict[str, MacsConfig] = {}  # per-request options given before the request starts
         self._skipped: set[str] = set()
-        self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._released: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._running: dict[str, tuple] = {}  # request id -> (its RequestState, the scheduler that runs it)
+        self._grams: dict[str, GramState] = {}  # efficient attention: each request's Gram state per layer
         self._untracked_passes = 0
         self._pass: _Pass | None = None
 
@@ -254,12 +168,10 @@ class ContinuousTracer:
         if unknown:
             raise ValueError(f"configure() takes {_PER_REQUEST_FIELDS} per request, not {sorted(unknown)}")
         merged = dataclasses.replace(self.config, **config)
-        _check_supported(merged)
         with self._lock:
-            running = self._requests.get(request_id)
-            if running is not None and not running.finished():
+            if request_id in self._running:
                 raise RuntimeError(f"request {request_id!r} is already running; configure it before adding it")
-            self._pending[request_id] = merged
+            self._configs[request_id] = merged
 
     def skip(self, request_id: str) -> None:
         """No MACS work for this request (a server's request that did not ask for attribution), until release."""
@@ -269,26 +181,28 @@ class ContinuousTracer:
     def request_rows(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(step_log_c, step_scores), each (steps, N) float32 on the CPU, steps = tokens generated so far;
         step_scores are Explanation's: the z-scores of each row's log c (`log_zscores`)."""
-        from .explanation import log_zscores
-
-        with self._lock:
-            record = self._record(request_id)
-            steps = min(len(record.log_c), record.generated())
-            rows = record.log_c[:steps]
-        log_c = torch.stack(rows) if rows else torch.zeros(0, record.n_input, dtype=torch.float32)
+        log_c = self._rows(lambda: self.store.rows(request_id), request_id)
         return log_c, log_zscores(log_c)
+
+    def read_rows(self, request_id: str, cursor: int = 0, stop: int | None = None) -> tuple[torch.Tensor, int]:
+        """(step_log_c rows [cursor, stop), the new cursor); stop defaults to every row so far. A streaming
+        reader's O(1) per token."""
+        return self._rows(lambda: self.store.read(request_id, cursor, stop), request_id)
 
     def request_input_count(self, request_id: str) -> int:
         """N: the number of prompt tokens of the request (its inputs)."""
-        with self._lock:
-            return self._record(request_id).n_input
+        return self._rows(lambda: self.store.n_input(request_id), request_id)
 
     def release(self, request_id: str) -> None:
         """Free a finished or cancelled request's rows (a no-op for a request already released or never seen)."""
         with self._lock:
-            self._pending.pop(request_id, None)
-            self._skipped.discard(request_id)
-            self._drop(request_id, "released")
+            self._configs.pop(request_id, None)
+            self._grams.pop(request_id, None)
+            if request_id in self._running:  # cancelled while the engine runs it: no more work for it
+                self._skipped.add(request_id)
+            else:
+                self._skipped.discard(request_id)
+        self.store.release(request_id)
 
     def track(self, manager) -> None:
         """Trace the passes of `manager` (one created before attach_continuous; those created inside it are
@@ -298,67 +212,64 @@ class ContinuousTracer:
             if all(known is not manager for known in self._managers):
                 self._managers.append(manager)
 
-    # ---- bookkeeping (callers hold the lock) --------------------------------------------------------
-    def _record(self, request_id: str) -> _Request:
-        record = self._requests.get(request_id)
-        if record is None:
-            if request_id in self._released:
-                raise KeyError(f"request {request_id!r} was {self._released[request_id]}; its rows are gone")
-            hint = (
-                f" ({self._untracked_passes} forward passes came from a manager this tracer does not know: pass "
-                "it to tracer.track(manager) or create it inside attach_continuous)"
-                if self._untracked_passes else ""
-            )
-            raise KeyError(f"no MACS rows for request {request_id!r}: no pass has produced a token for it yet{hint}")
-        if record.error is not None:
-            raise FloatingPointError(record.error)
-        return record
-
-    def _drop(self, request_id: str, why: str) -> None:
-        if self._requests.pop(request_id, None) is not None:
-            self._released[request_id] = why
-            while len(self._released) > 4 * self.keep_finished + 64:
-                self._released.popitem(last=False)
-        self._finished.pop(request_id, None)
-
-    def _retire_finished(self) -> None:
-        """Keep the rows of at most `keep_finished` finished requests that nobody released (oldest go first)."""
-        for request_id, record in self._requests.items():
-            if request_id not in self._finished and record.finished():
-                self._finished[request_id] = None
-        while len(self._finished) > self.keep_finished:
-            oldest = next(iter(self._finished))
-            self._drop(oldest, f"dropped: more than keep_finished={self.keep_finished} finished requests were kept")
-
-    def _request_for(self, state) -> _Request:
-        record = self._requests.get(state.request_id)
-        # A finished request's id can come back as a new request (a fresh manager numbers from req_0 again).
-        if record is None or (record.state is not state and record.finished()):
-            self._finished.pop(state.request_id, None)
-            config = self._pending.pop(state.request_id, self.config)
-            record = _Request(n_input=_prompt_length(state), config=config, state=state)
-            self._requests[state.request_id] = record
-        record.state = state
-        return record
+    def _rows(self, read, request_id):
+        try:
+            return read()
+        except KeyError as error:
+            if self._untracked_passes and "no pass" in str(error):
+                raise KeyError(
+                    f"{error.args[0]} ({self._untracked_passes} forward passes came from a manager this tracer does "
+                    "not know: pass it to tracer.track(manager) or create it inside attach_continuous)"
+                ) from None
+            raise
 
     # ---- one forward pass -----------------------------------------------------------------------------
     def _batch(self, cache):
-        """The requests of the pass being run on `cache`, in packing order, or None for an unknown engine."""
+        """(the requests of the pass being run on `cache` in packing order, their scheduler), or None for a
+        manager this tracer does not know."""
         with self._lock:
             managers = list(self._managers)
         for manager in managers:
             processor = manager.batch_processor
             if processor is not None and processor.cache is cache:
-                return processor.inputs_and_outputs.requests_in_batch
+                return processor.inputs_and_outputs.requests_in_batch, processor.scheduler
         return None
+
+    def _retire_finished(self) -> None:
+        """Tell the store which requests the engine finished. A request the engine offloaded and re-queued
+        under its id is not finished: its old state is, but the scheduler holds a new one."""
+        for request_id, (state, scheduler) in list(self._running.items()):
+            if not _finished(state):
+                continue
+            live = scheduler.waiting_requests.get(request_id) or scheduler.active_requests.get(request_id)
+            if live is not None and live is not state and not _finished(live):
+                self._running[request_id] = (live, scheduler)
+                continue
+            del self._running[request_id]
+            self._grams.pop(request_id, None)
+            if request_id in self._skipped:  # released while it ran
+                self._skipped.discard(request_id)
+            else:
+                self.store.finish(request_id)
+
+    def _start(self, state, scheduler, n_input: int, step: int) -> None:
+        """A request the tracer has not seen run yet, or whose state the engine replaced (a restart)."""
+        request_id = state.request_id
+        if step == 0:
+            self.store.open(request_id, n_input, self._configs.pop(request_id, self.config))
+            self._grams.pop(request_id, None)
+        else:
+            self.store.open(request_id, n_input, step=step)
+        self._running[request_id] = (state, scheduler)
 
     def _begin_pass(self, cache, kwargs, device) -> None:
         self._pass = None
-        batch = self._batch(cache)
-        if batch is None:
+        found = self._batch(cache)
+        if found is None:
             with self._lock:
                 self._untracked_passes += 1
             return
+        batch, scheduler = found
         cu_q = kwargs["cu_seq_lens_q"].tolist()
         cu_k_by_type = kwargs["cu_seq_lens_k"]
         cu_k = (cu_k_by_type["full_attention"] if isinstance(cu_k_by_type, dict) else cu_k_by_type).tolist()
@@ -366,114 +277,96 @@ class ContinuousTracer:
             raise RuntimeError(
                 f"continuous batching pass with {len(batch)} requests but {len(cu_q) - 1} query segments"
             )
-        rows, starts, ends, records, emitting = [], [], [], [], []
+        rows, starts, ends, n_inputs, configs, keys, emitting = [], [], [], [], [], [], []
         with self._lock:
             self._retire_finished()
             for i, future in enumerate(batch):
                 if not future.has_new_token:  # a prefill chunk that does not end its prompt
                     continue
                 emitting.append(cu_q[i + 1] - 1)
-                if future.state.request_id in self._skipped:
+                state = future.state
+                request_id = state.request_id
+                if request_id in self._skipped:
                     continue
-                record = self._request_for(future.state)
-                if cu_k[i + 1] - cu_k[i] < record.n_input:
+                n_input = _prompt_length(state)
+                step = len(state.initial_tokens) - n_input + len(state.generated_tokens)
+                known = self._running.get(request_id)
+                if known is None or known[0] is not state:
+                    self._start(state, scheduler, n_input, step)
+                if cu_k[i + 1] - cu_k[i] != n_input + step:
                     raise RuntimeError(
-                        f"request {future.state.request_id!r} emits a token after {cu_k[i + 1] - cu_k[i]} keys but "
-                        f"has {record.n_input} prompt tokens"
+                        f"request {request_id!r} emits token {step} after {cu_k[i + 1] - cu_k[i]} keys; its "
+                        f"{n_input} prompt tokens and {step} generated ones make {n_input + step}"
                     )
                 rows.append(cu_q[i + 1] - 1)
                 starts.append(cu_k[i])
                 ends.append(cu_k[i + 1])
-                records.append(record)
+                n_inputs.append(n_input)
+                configs.append(self.store.config(request_id))
+                keys.append((request_id, step))
         # The engine computes logits at exactly these rows; a mismatch means its packing changed under us.
         if kwargs["logits_indices"][: len(emitting)].tolist() != emitting:
             raise RuntimeError(
                 f"continuous batching pass: rows that emit a token {emitting} differ from the engine's logits_indices"
             )
-        if not records:
+        if not rows:
             return
-        segments = Segments(
-            starts, [end - start for start, end in zip(starts, ends)], [r.n_input for r in records],
-            [r.config.redistribute for r in records], device,
-        )
-        # The torch form takes per-row redistribution, so only pooling splits its rows into groups.
-        by_config = collections.defaultdict(list)
-        for r, record in enumerate(records):
-            redistribute = None if self.backend == "torch" else record.config.redistribute
-            by_config[(record.config.pooling, redistribute)].append(r)
-        groups = []
-        for (pooling, redistribute), members in by_config.items():
-            alphas = torch.tensor([[records[r].config.alpha] for r in members], dtype=torch.float32, device=device)
-            index = None if len(members) == len(records) else torch.tensor(members, device=device)
-            groups.append((pooling, redistribute, index, alphas, 1.0 - alphas))
-        self._pass = _Pass(
-            rows=torch.tensor(rows, device=device), records=records, segments=segments, groups=groups,
-            log_c=torch.zeros(len(records), segments.n_max, dtype=torch.float32, device=device),
-        )
+        segments = Segments(starts, [end - start for start, end in zip(starts, ends)], n_inputs,
+                            [c.redistribute for c in configs], device)
+        efficient = [(r, key) for r, ((key, _), c) in enumerate(zip(keys, configs)) if c.attention == "efficient"]
+        scorer = PackedRows(self.kernels, self.num_layers, torch.tensor(rows, device=device), segments, configs,
+                            self.shards)
+        fused = bool(self.config.fused_decode) and not efficient and rows == list(range(cu_q[-1]))
+        self._pass = _Pass(scorer, keys, efficient, fused)
 
-    def _kernel_pooled(self, q_rows, key, scale, pooling, redistribute, index) -> torch.Tensor:
-        """m' (R_g, N_max) of the rows `index` (all when None) from the backend's macs_pool kernel, which reads
-        only each row's own key range of the packed tensor."""
-        segments = self._pass.segments
-        ranges = (segments.input_start, segments.input_end, segments.kv_len)
-        if index is not None:
-            q_rows = q_rows[:, :, index, :]
-            ranges = tuple(bound[:, index] for bound in ranges)
-        pooled = torch.empty(1, q_rows.shape[2], segments.n_max, dtype=torch.float32, device=q_rows.device)
-        self._macs_pool(
-            q_rows, key, pooled, input_start=ranges[0], input_end=ranges[1], kv_len=ranges[2], scale=scale,
-            pooling=pooling, redistribute=redistribute, lse=None,
-        )
-        return pooled[0]
-
-    def _add_layer(self, query, key, scale: float) -> None:
+    def _efficient_rows(self, layer: int, query, key, value, scale: float) -> None:
+        """Efficient rows of the pass's efficient requests, after adding their new values to their Gram state."""
         step = self._pass
-        q_rows = query.index_select(2, step.rows)
-        inputs = None
-        if self.backend == "torch":
-            inputs = step.segments.spread_inputs(step.segments.probabilities(q_rows[0], key[0], scale))
-        for pooling, redistribute, index, alphas, keep in step.groups:
-            if inputs is None:
-                pooled = self._kernel_pooled(q_rows, key, scale, pooling, redistribute, index)
-            else:
-                pooled = POOL[pooling](inputs if index is None else inputs[index])
-            # Entries past a row's N are never read: rows are cut to N.
-            term = pooled.clamp_min_(0.0).mul_(alphas).add_(keep).log_()
-            if index is None:
-                step.log_c.add_(term)
-            else:
-                step.log_c.index_add_(0, index, term)
+        segments = step.scorer.segments
+        for row, request_id in step.efficient:
+            start, length = segments.starts[row], segments.lengths[row]
+            gram = self._grams.setdefault(request_id, GramState(self.num_layers))
+            seen = int(gram.tokens(layer)[0]) if gram.started(layer) else 0
+            values = value[:, :, start : start + length]
+            fresh = values[:, :, seen:]
+            gram.append(layer, fresh, torch.ones(1, fresh.shape[2], dtype=torch.bool, device=fresh.device))
+            q_row = query[:, :, int(step.scorer.rows[row])]
+            softmax = torch.softmax(torch_backend.grouped_scores(q_row, key[:, :, start : start + length], scale),
+                                    dim=-1)
+            rows, _ = efficient_rows(softmax, values, gram.gram(layer), 0, length)
+            step.scorer.pool_rows(layer, row, rows[0])
 
     def _end_pass(self) -> None:
         step, self._pass = self._pass, None
-        log_c = step.log_c.cpu()
-        broken = torch.isnan(log_c).any(dim=1).tolist()
-        with self._lock:
-            for r, record in enumerate(step.records):
-                n = record.n_input
-                if broken[r]:
-                    record.error = (
-                        "NaN in an attention row during generation: the model produced non-finite attention; "
-                        "no scores were computed for this step"
-                    )
-                record.log_c.append(log_c[r, :n].clone())
+        log_c, broken = step.scorer.finish()
+        log_c, broken = log_c.cpu(), broken.tolist()
+        # One request's non-finite attention fails that request (its reads raise), not the engine.
+        self.store.put((key, index, None if broken[r] else log_c[r]) for r, (key, index) in enumerate(step.keys))
 
     def attention(self, module, query, key, value, attention_mask, inner, **kwargs):
         """One layer of a packed pass: the paged cache's update, the wrapped implementation on the keys it
-        read (its output untouched), and this layer's MACS term for the rows that emit a token."""
+        read (its output untouched) or, in a fused pass, the output from the probabilities MACS scores, and
+        this layer's MACS term for the rows that emit a token."""
         layer = module.layer_idx
         cache = kwargs.pop("cache")
         updated = dict(kwargs)
         key, value = cache.update(key_states=key, value_states=value, layer_idx=layer, kwargs=updated)
-        # sdpa updates the cache only when it is given one; paged|eager always asks it for the keys.
-        stand_in = _ReadCache(key, value) if inner is _originals.get("paged|eager") else None
-        result = inner(module, query, key, value, attention_mask, cache=stand_in, **updated)
         if layer == 0:
             self._begin_pass(cache, kwargs, key.device)
-        if self._pass is not None:
-            scale = kwargs.get("scaling")
-            scale = float(scale if scale is not None else getattr(module, "scaling", query.shape[-1] ** -0.5))
-            self._add_layer(query, key, scale)
+        step = self._pass
+        scale = kwargs.get("scaling")
+        scale = float(scale if scale is not None else getattr(module, "scaling", query.shape[-1] ** -0.5))
+        if step is not None and step.fused:
+            result = (step.scorer.decode(layer, query, key, value, scale), None)
+        else:
+            # sdpa updates the cache only when it is given one; paged|eager always asks it for the keys.
+            stand_in = _ReadCache(key, value) if inner is _originals.get("paged|eager") else None
+            result = inner(module, query, key, value, attention_mask, cache=stand_in, **updated)
+            if step is not None:
+                step.scorer.pool(layer, query, key, scale)
+        if step is not None:
+            if step.efficient:
+                self._efficient_rows(layer, query, key, value, scale)
             if layer == self.num_layers - 1:
                 self._end_pass()
         return result
@@ -485,18 +378,6 @@ class ContinuousTracer:
 
 
 # ---- checks -----------------------------------------------------------------------------------------
-def _check_supported(config: MacsConfig) -> None:
-    if config.attention != "softmax":
-        raise NotImplementedError(
-            f"attention={config.attention!r} is not supported under continuous batching (softmax rows only)"
-        )
-    if config.fused_decode:
-        raise NotImplementedError(
-            "fused_decode=True is not supported under continuous batching: the engine's own attention computes "
-            "the output"
-        )
-
-
 def _check_manager(manager) -> None:
     from transformers.utils.generic import is_flash_attention_requested
 
@@ -543,7 +424,6 @@ def attach_continuous(model, *, manager=None, keep_finished: int = 256, **config
     implementation and transformers' registries are as they were.
     """
     macs_config = MacsConfig(**config)
-    _check_supported(macs_config)
     if isinstance(keep_finished, bool) or not isinstance(keep_finished, int) or keep_finished < 0:
         raise ValueError(f"keep_finished must be an int >= 0, got {keep_finished!r}")
     modules = check_model(model)
@@ -554,7 +434,8 @@ def attach_continuous(model, *, manager=None, keep_finished: int = 256, **config
         )
     if any(hasattr(module, _TRACER_ATTRIBUTE) for module in modules.values()):
         raise RuntimeError("a macs_kernels continuous tracer is already attached to this model")
-    tracer = ContinuousTracer(macs_config, len(modules), next(model.parameters()).device, keep_finished)
+    tracer = ContinuousTracer(macs_config, len(modules), next(model.parameters()).device, keep_finished,
+                              shards=head_shards(model, modules))
     for known in (manager, getattr(model, "_cached_continuous_batching_manager", None)):
         if known is not None:
             tracer.track(known)
@@ -587,74 +468,3 @@ def attach_continuous(model, *, manager=None, keep_finished: int = 256, **config
             delattr(module, _TRACER_ATTRIBUTE)
         _uninstall()
         tracer._close()
-
-
-def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuous_batching_config=None, **config):
-    """Run `prompts` through `model.generate_batch` (greedy) and explain each with MACS.
-
-    prompts: a list of prompts (strings, wrapped in the chat template when the tokenizer has one, or lists of
-        chat messages). Returns one Explanation per prompt, in prompt order, whose rows equal explain() of
-        that prompt alone. continuous_batching_config: a transformers ContinuousBatchingConfig (page size,
-        token budget, ...); flash attention, CUDA graphs and async batching stay off unless asked for (then
-        they are refused: they bypass the traced attention). Without `num_blocks` in it, the paged cache
-        holds exactly these prompts and their new tokens (sized from free memory, its allocation would dominate).
-    """
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    from .explanation import Explanation, encode_prompts
-
-    macs_config = MacsConfig(**config)
-    _check_supported(macs_config)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError("prompts must be a non-empty list of prompts")
-    check_model(model)
-    vocab_size = model.get_input_embeddings().num_embeddings
-    inputs = [encode_prompts(tokenizer, prompt, vocab_size=vocab_size)[0][0].tolist() for prompt in prompts]
-    if continuous_batching_config is None:
-        continuous_batching_config = ContinuousBatchingConfig()
-    elif not isinstance(continuous_batching_config, ContinuousBatchingConfig):
-        raise TypeError("continuous_batching_config must be a transformers ContinuousBatchingConfig")
-    # Flash, CUDA graphs and async batching bypass the traced attention; left to the engine they could be on.
-    continuous_batching_config = dataclasses.replace(
-        continuous_batching_config, auto_switch_to_flash=False,
-        use_cuda_graph=continuous_batching_config.use_cuda_graph or False,
-        use_async_batching=continuous_batching_config.use_async_batching or False,
-    )
-    if continuous_batching_config.num_blocks is None:
-        page = continuous_batching_config.page_size
-        continuous_batching_config.num_blocks = sum(-(-(len(ids) + max_new_tokens) // page) for ids in inputs) + 1
-    # explain() generates with the model's own generation config, greedy: so does this.
-    generation_config = copy.deepcopy(model.generation_config)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    generation_config.update(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-    if generation_config.eos_token_id is None:
-        generation_config.eos_token_id = tokenizer.eos_token_id
-    with attach_continuous(model, **macs_config.as_dict()) as tracer:
-        outputs = model.generate_batch(
-            inputs, generation_config=generation_config, continuous_batching_config=continuous_batching_config,
-        )
-        if len(outputs) != len(inputs):
-            raise RuntimeError(f"generate_batch returned {len(outputs)} results for {len(inputs)} prompts")
-        explanations = []
-        for prompt_ids, (request_id, output) in zip(inputs, outputs.items()):
-            if output.error is not None:
-                raise RuntimeError(f"request {request_id} failed in generate_batch: {output.error}")
-            log_c, _ = tracer.request_rows(request_id)
-            tracer.release(request_id)
-            generated = list(output.generated_tokens)
-            if list(output.prompt_ids) != prompt_ids or log_c.shape[0] != len(generated):
-                raise RuntimeError(
-                    f"request {request_id}: {log_c.shape[0]} MACS rows for {len(generated)} generated tokens"
-                )
-            explanations.append(Explanation(
-                input_ids=torch.tensor(prompt_ids),
-                generated_ids=torch.tensor(generated, dtype=torch.long),
-                input_tokens=[tokenizer.decode([i]) for i in prompt_ids],
-                generated_tokens=[tokenizer.decode([i]) for i in generated],
-                step_log_c=log_c,
-                config=macs_config.as_dict() | {"backend": tracer.backend},
-                text=tokenizer.decode(generated, skip_special_tokens=True),
-            ))
-    return explanations

@@ -69,6 +69,10 @@ class GramState:
                 self._grams[layer] = gram.index_select(0, rows.to(gram.device))
                 self._tokens[layer] = self._tokens[layer].index_select(0, rows.to(gram.device))
 
+    def started(self, layer_idx: int) -> bool:
+        """Whether anything was appended to layer `layer_idx` yet."""
+        return self._grams[layer_idx] is not None
+
     def gram(self, layer_idx: int) -> torch.Tensor:
         """(B, H_kv, D+1, D+1) float64 Gram matrix of layer `layer_idx` (the state's own tensor)."""
         if self._grams[layer_idx] is None:

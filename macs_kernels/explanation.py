@@ -1,6 +1,7 @@
 """explain(), stream() and Explanation: one line from a model and a prompt to per-token attributions."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import queue
@@ -9,40 +10,11 @@ import threading
 import torch
 
 from .config import MacsConfig
-from .tracing import attach, check_generate, check_model
+from .core import SCORE_DEFINITION, json_values, log_zscores, paper_zscores
+from .hf_models import check_model
+from .tracing import attach, check_generate
 
-
-def log_zscores(log_c: torch.Tensor) -> torch.Tensor:
-    """The scores users rank by: z-scores of log c along the last dimension, float32 (computed in float64).
-
-    An affine map of log c, so they rank tokens exactly as log c does. The paper's z-scores of c = exp(log c)
-    do not: the attention sink has c ~ 1 and every other token c ~ 1e-15, so all non-sink tokens share one
-    z-score to 7 digits. Population standard deviation over the finite entries; a row whose finite entries
-    are all equal scores 0; -inf (attention underflow at alpha = 1) stays -inf, below everything.
-    """
-    values = log_c.double()
-    finite = torch.isfinite(values)
-    count = finite.sum(dim=-1, keepdim=True).clamp_min(1)
-    mean = torch.where(finite, values, 0.0).sum(dim=-1, keepdim=True) / count
-    centred = torch.where(finite, values - mean, 0.0)
-    std = torch.sqrt(centred.square().sum(dim=-1, keepdim=True) / count)
-    z = torch.where(std > 0, centred / std, 0.0)
-    return torch.where(finite, z, values).float()
-
-
-SCORE_DEFINITION = (
-    "step_scores[k]: z-scores over the prompt tokens of step k's log consistency log c (rank-faithful to "
-    "step_log_c); scores: z-scores of the mean over steps of log c; -inf (null in JSON) is an underflowed "
-    "token. paper_step_scores / paper_scores: the paper's z-scores of c = exp(log c) and their mean over "
-    "steps, which tie for every token but the attention sink."
-)
-
-
-def json_values(values: torch.Tensor, digits: int | None = None) -> list:
-    """Nested lists of `values` (rounded to `digits` when given) with -inf as None: JSON has no infinities."""
-    if values.dim() > 1:
-        return [json_values(row, digits) for row in values]
-    return [None if v == float("-inf") else v if digits is None else round(v, digits) for v in values.tolist()]
+__all__ = ["SCORE_DEFINITION", "Explanation", "explain", "explain_continuous", "json_values", "log_zscores", "stream"]
 
 
 @dataclasses.dataclass
@@ -81,10 +53,7 @@ class Explanation:
 
     @property
     def paper_step_scores(self) -> torch.Tensor:
-        from .ops import torch_backend
-
-        steps, n = self.step_log_c.shape
-        return torch_backend.macs_zscore(self.step_log_c.float(), torch.full((steps,), n))
+        return paper_zscores(self.step_log_c)
 
     @property
     def paper_scores(self) -> torch.Tensor:
@@ -332,8 +301,6 @@ def explain(model, tokenizer, prompt=None, *, input_ids=None, max_new_tokens=64,
 
 
 def _explain_continuous(model, tokenizer, prompt, input_ids, max_new_tokens, generate_kwargs, config):
-    from .continuous import explain_continuous
-
     engine = {key: generate_kwargs.pop(key) for key in ("continuous_batching_config",) if key in generate_kwargs}
     if generate_kwargs:
         raise ValueError(f"continuous_batching=True generates greedily with the engine's own settings; "
@@ -416,3 +383,73 @@ def stream(model, tokenizer, prompt=None, *, input_ids=None, max_new_tokens=64, 
         worker.join()
     if failure:
         raise failure[0]
+
+
+def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuous_batching_config=None, **config):
+    """Run `prompts` through `model.generate_batch` (greedy) and explain each with MACS.
+
+    prompts: a list of prompts (strings, wrapped in the chat template when the tokenizer has one, or lists of
+        chat messages). Returns one Explanation per prompt, in prompt order, whose rows equal explain() of
+        that prompt alone. continuous_batching_config: a transformers ContinuousBatchingConfig (page size,
+        token budget, ...); flash attention, CUDA graphs and async batching stay off unless asked for (then
+        they are refused: they bypass the traced attention). Without `num_blocks` in it, the paged cache
+        holds exactly these prompts and their new tokens (sized from free memory, its allocation would dominate).
+    """
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from .continuous import attach_continuous
+
+    macs_config = MacsConfig(**config)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of prompts")
+    check_model(model)
+    vocab_size = model.get_input_embeddings().num_embeddings
+    inputs = [encode_prompts(tokenizer, prompt, vocab_size=vocab_size)[0][0].tolist() for prompt in prompts]
+    if continuous_batching_config is None:
+        continuous_batching_config = ContinuousBatchingConfig()
+    elif not isinstance(continuous_batching_config, ContinuousBatchingConfig):
+        raise TypeError("continuous_batching_config must be a transformers ContinuousBatchingConfig")
+    # Flash, CUDA graphs and async batching bypass the traced attention; left to the engine they could be on.
+    continuous_batching_config = dataclasses.replace(
+        continuous_batching_config, auto_switch_to_flash=False,
+        use_cuda_graph=continuous_batching_config.use_cuda_graph or False,
+        use_async_batching=continuous_batching_config.use_async_batching or False,
+    )
+    if continuous_batching_config.num_blocks is None:
+        page = continuous_batching_config.page_size
+        continuous_batching_config.num_blocks = sum(-(-(len(ids) + max_new_tokens) // page) for ids in inputs) + 1
+    # explain() generates with the model's own generation config, greedy: so does this.
+    generation_config = copy.deepcopy(model.generation_config)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    generation_config.update(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    if generation_config.eos_token_id is None:
+        generation_config.eos_token_id = tokenizer.eos_token_id
+    with attach_continuous(model, **macs_config.as_dict()) as tracer:
+        outputs = model.generate_batch(
+            inputs, generation_config=generation_config, continuous_batching_config=continuous_batching_config,
+        )
+        if len(outputs) != len(inputs):
+            raise RuntimeError(f"generate_batch returned {len(outputs)} results for {len(inputs)} prompts")
+        explanations = []
+        for prompt_ids, (request_id, output) in zip(inputs, outputs.items()):
+            if output.error is not None:
+                raise RuntimeError(f"request {request_id} failed in generate_batch: {output.error}")
+            log_c, _ = tracer.request_rows(request_id)
+            tracer.release(request_id)
+            generated = list(output.generated_tokens)
+            if list(output.prompt_ids) != prompt_ids or log_c.shape[0] != len(generated):
+                raise RuntimeError(
+                    f"request {request_id}: {log_c.shape[0]} MACS rows for {len(generated)} generated tokens"
+                )
+            explanations.append(Explanation(
+                input_ids=torch.tensor(prompt_ids),
+                generated_ids=torch.tensor(generated, dtype=torch.long),
+                input_tokens=[tokenizer.decode([i]) for i in prompt_ids],
+                generated_tokens=[tokenizer.decode([i]) for i in generated],
+                step_log_c=log_c,
+                config=macs_config.as_dict() | {"backend": tracer.backend},
+                text=tokenizer.decode(generated, skip_special_tokens=True),
+            ))
+    return explanations

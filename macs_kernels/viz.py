@@ -11,7 +11,7 @@ from importlib import resources
 
 import torch
 
-from .explanation import json_values
+from .core import json_values
 
 
 def _unit(values: torch.Tensor) -> list[float]:

@@ -46,19 +46,24 @@ class RowStore:
         self._gone: collections.OrderedDict[object, str] = collections.OrderedDict()
 
     # ---- writers (the engine's side) --------------------------------------------------------------------
-    def open(self, key, n_input: int, config=None) -> bool:
-        """Start `key`'s rows (True), or keep the ones it has (False): a restarted sequence keeps its rows, its
-        config and its input count. A finished key opened again starts over (engines reuse ids)."""
+    def open(self, key, n_input: int, config=None, step: int = 0) -> None:
+        """Make `key` ready for row `step`. At step 0 a new sequence starts (a key seen before starts over:
+        engines reuse ids); at step > 0 a restarted sequence resumes with the rows, input count and config it
+        had, which must reach that step."""
         with self.lock:
             record = self._sequences.get(key)
-            if record is not None and not record.finished:
-                if record.n_input != n_input:
-                    raise RuntimeError(f"sequence {key!r} restarted with {n_input} inputs; it had {record.n_input}")
-                return False
-            self._drop(key, "")
-            self._gone.pop(key, None)
-            self._sequences[key] = _Sequence(n_input, config, torch.empty(8, n_input, dtype=torch.float32))
-            return True
+            if step == 0:
+                self._drop(key, "")
+                self._gone.pop(key, None)
+                self._sequences[key] = _Sequence(n_input, config, torch.empty(8, n_input, dtype=torch.float32))
+                return
+            if record is None or record.n_input != n_input or record.count < step:
+                held = "none" if record is None else f"{record.count} rows of {record.n_input} inputs"
+                raise RuntimeError(
+                    f"sequence {key!r} resumes at step {step} with {n_input} inputs, but the store holds {held}"
+                )
+            record.finished = False
+            self._finished.pop(key, None)
 
     def config(self, key):
         with self.lock:
@@ -121,11 +126,15 @@ class RowStore:
             stop = record.count if stop is None else min(stop, record.count)
             return record.data[start:max(start, stop)].clone()
 
-    def read(self, key, cursor: int) -> tuple[torch.Tensor, int]:
-        """(the rows written since `cursor`, the new cursor): a streaming reader's O(1)-per-token read."""
+    def read(self, key, cursor: int, stop: int | None = None) -> tuple[torch.Tensor, int]:
+        """(rows [cursor, stop), the new cursor); stop defaults to every row written so far, and a row not
+        written yet is an error. A streaming reader's O(1)-per-token read."""
         with self.lock:
             record = self._get(key)
-            return record.data[cursor:record.count].clone(), max(cursor, record.count)
+            stop = record.count if stop is None else stop
+            if stop > record.count:
+                raise RuntimeError(f"sequence {key!r} has {record.count} rows; {stop} were asked for")
+            return record.data[cursor:stop].clone(), max(cursor, stop)
 
     # ---- bookkeeping (callers hold the lock) ----------------------------------------------------------
     def _get(self, key, check: bool = True) -> _Sequence:
@@ -133,7 +142,7 @@ class RowStore:
         if record is None:
             if key in self._gone:
                 raise KeyError(f"sequence {key!r} was {self._gone[key]}; its rows are gone")
-            raise KeyError(f"no rows for sequence {key!r}: no pass has produced a token for it yet")
+            raise KeyError(f"no MACS rows for sequence {key!r}: no pass has produced a token for it yet")
         if check and record.error is not None:
             raise FloatingPointError(record.error)
         return record

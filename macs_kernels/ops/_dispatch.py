@@ -1,103 +1,22 @@
-"""Backends: which can run an op on a device, the function that runs it there, and the choice.
-
-- "torch": the functions of torch_backend.py (and torch_features.py, torch_efficient.py), called directly;
-  they are also each operator's default kernel.
-- "triton": the launchers of ops/triton/, called directly (a `register_kernel` per device type could not
-  coexist with the extension's CUDA kernels).
-- "cuda": `torch.ops.macs_kernels.<op>` once the compiled extension macs_kernels._C has registered its CUDA
-  kernel for the operator.
-
-Optional backends are imported only here and only when asked for, so `import macs_kernels` needs neither
-triton nor the compiled extension. Every implementation takes the validated positional arguments of its
-operator (keywords by the same names work too).
-"""
+"""The choice of backend for an op on a device (see _backends for what each backend is): a named backend, or
+the best available one whose self-check against the torch path passes (verify)."""
 from __future__ import annotations
 
-import functools
-import importlib
-import os
 from collections.abc import Callable
 
 import torch
 
-from ..config import BACKENDS
-
-NAMESPACE = "macs_kernels"
-OPS = (
-    "macs_update", "macs_update_rows", "macs_pool", "macs_pool_paged", "macs_zscore", "decode_attention",
-    "attention_features", "efficient_attention",
+from ._backends import (  # noqa: F401 - the dispatch API, re-exported
+    NAMESPACE,
+    OPS,
+    TRACER_OPS,
+    BackendUnavailable,
+    candidates,
+    implementation,
+    triton_interpreted,
+    why_unavailable,
 )
-# The ops a generation tracer calls per layer and step: what a backend must prove before it is chosen.
-TRACER_OPS = ("macs_pool", "macs_update_rows", "macs_zscore", "decode_attention")
-_TORCH_MODULES = {"attention_features": "torch_features", "efficient_attention": "torch_efficient"}
-
-
-class BackendUnavailable(RuntimeError):
-    """A backend asked for by name cannot run on these tensors."""
-
-
-def triton_interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-@functools.cache
-def _import_error(module: str) -> str | None:
-    try:
-        importlib.import_module(module)
-    except Exception as error:  # noqa: BLE001 - any failure means the backend is absent
-        return f"{type(error).__name__}: {error}"
-    return None
-
-
-def _check_op(op: str | None) -> None:
-    if op is not None and op not in OPS:
-        raise ValueError(f"unknown op {op!r}; choose one of {OPS}")
-
-
-def why_unavailable(backend: str, device: torch.device | str, op: str | None = None) -> str | None:
-    """None when `backend` can run `op` (any op when None) on `device`, else the reason in words."""
-    _check_op(op)
-    device = torch.device(device)
-    if backend == "torch":
-        return None
-    if backend == "triton":
-        if device.type != "cuda" and not triton_interpreted():
-            return "the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for the interpreter)"
-        error = _import_error("macs_kernels.ops.triton")
-        return None if error is None else f"triton could not be imported ({error})"
-    if backend == "cuda":
-        if device.type != "cuda":
-            return "the cuda backend needs CUDA tensors"
-        error = _import_error(f"{NAMESPACE}._C")
-        if error is not None:
-            return (
-                f"the compiled extension {NAMESPACE}._C is absent ({error}); install on a machine with CUDA "
-                "torch and nvcc (pip install --no-build-isolation -e ., without MACS_KERNELS_SKIP_CUDA_BUILD=1)"
-            )
-        importlib.import_module("macs_kernels.ops")  # defines the operators
-        if op is not None and not torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{op}", "CUDA"):
-            return f"{NAMESPACE}._C registers no CUDA kernel for {op}"
-        return None
-    raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS} or None")
-
-
-def implementation(backend: str, op: str) -> Callable:
-    """The function that computes `op` on `backend` (arguments already validated)."""
-    _check_op(op)
-    if backend == "torch":
-        return getattr(importlib.import_module(f"macs_kernels.ops.{_TORCH_MODULES.get(op, 'torch_backend')}"), op)
-    if backend == "triton":
-        return getattr(importlib.import_module("macs_kernels.ops.triton"), op)
-    if backend == "cuda":
-        importlib.import_module(f"{NAMESPACE}._C")
-        return getattr(getattr(torch.ops, NAMESPACE), op)
-    raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS} or None")
-
-
-def candidates(device: torch.device) -> tuple[str, ...]:
-    """Backends the automatic choice tries on `device`, best first; never the Triton interpreter (it is for
-    tests, and thousands of times slower)."""
-    return ("cuda", "triton", "torch") if torch.device(device).type == "cuda" else ("torch",)
+from .verify import verified_backend
 
 
 def resolve_backend(backend: str | None, device: torch.device | str, op: str | None = None) -> str:
@@ -107,8 +26,6 @@ def resolve_backend(backend: str | None, device: torch.device | str, op: str | N
     torch path runs once per process and device and warns when it disagrees. None: the best available
     backend whose self-check passes (see verify.verified_backend).
     """
-    from .verify import verified_backend
-
     return verified_backend(backend, device, ops=TRACER_OPS if op is None else (op,))
 
 

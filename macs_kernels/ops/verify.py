@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from ._dispatch import TRACER_OPS, BackendUnavailable, candidates, implementation, why_unavailable
+from ._backends import TRACER_OPS, BackendUnavailable, candidates, implementation, why_unavailable
 
 # Relative difference (max |backend - torch| / max |torch|) allowed per input dtype: float32 paths differ
 # by summation order only; bfloat16 paths may round p to bfloat16 before p @ V (tensor cores).

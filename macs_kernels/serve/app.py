@@ -58,7 +58,7 @@ class _Attribution:
     def __init__(self, tokenizer, prompt: _Prompt, options: AttributionOptions):
         self.tokenizer, self.prompt = tokenizer, prompt
         config = options.macs_config()
-        self.config = config.as_dict() | {"engine": Engine.attribution_mode(config)}
+        self.config = config.as_dict() | {"engine": "continuous"}
         self.span = prompt.source_span or (0, len(prompt.ids))
         self.log_c_sum = None
         self.steps: list[Step] = []

@@ -2,18 +2,16 @@
 attribution also get their MACS rows, step by step.
 
 Attribution goes through `macs_kernels.continuous.attach_continuous`: MACS inside the continuous-batching
-engine, batched with everything else; requests without attribution are skipped by its tracer (no MACS work).
-What that tracer does not compute (attention="efficient") runs one request at a time through
-`macs_kernels.attach` + `generate()` while the batching loop is paused: correct rows, no batching for those.
+engine, batched with everything else, each request with its own options (efficient attention included);
+requests without attribution are skipped by its tracer (no MACS work). A request's stream reads only the rows
+of its new tokens: O(1) per token.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import dataclasses
 import itertools
-import threading
 from collections.abc import AsyncIterator
 
 import torch
@@ -78,7 +76,6 @@ class Engine:
         self.context_tokens = min(int(getattr(text_config, "max_position_embeddings", cache_tokens)), cache_tokens)
         self.default_max_tokens = default_max_tokens
         self._ids = itertools.count()
-        self._serial_lock = threading.Lock()
         self._stack = contextlib.ExitStack()
         self.manager = None
         self.tracer = None
@@ -153,24 +150,6 @@ class Engine:
         """Steps of `job` as they are made; closing the iterator early cancels the request and frees it."""
         if not self.alive():
             raise RequestRejected("the generation engine is not running", code="engine_unavailable", status=503)
-        if job.attribution is not None and self.attribution_mode(job.attribution) == "serial":
-            stream = self._generate_serial(job)
-        else:
-            stream = self._generate_continuous(job)
-        self._streams += 1
-        try:
-            async with contextlib.aclosing(stream) as steps:
-                async for step in steps:
-                    yield step
-        finally:
-            self._streams -= 1
-
-    @staticmethod
-    def attribution_mode(config: MacsConfig) -> str:
-        """"continuous" (batched with other requests) or "serial" (alone, the batching loop paused)."""
-        return "continuous" if config.attention == "softmax" else "serial"
-
-    async def _generate_continuous(self, job: Job) -> AsyncIterator[Step]:
         request_id = f"serve_{next(self._ids)}"
         outputs: asyncio.Queue = asyncio.Queue()
         manager = self.manager
@@ -181,6 +160,7 @@ class Engine:
         manager.register_result_handler(request_id, outputs.put_nowait)
         manager.add_request(job.input_ids, request_id=request_id, max_new_tokens=job.max_new_tokens,
                             streaming=True, eos_token_id=sorted(self.eos_ids))
+        self._streams += 1
         sent, finished = 0, False
         try:
             while not finished:
@@ -191,76 +171,19 @@ class Engine:
                 tokens = output.generated_tokens
                 if len(tokens) == sent:
                     continue
-                log_c = self.tracer.request_rows(request_id)[0] if job.attribution is not None else None
+                rows = None
+                if job.attribution is not None:
+                    rows, _ = self.tracer.read_rows(request_id, sent, len(tokens))
                 for k in range(sent, len(tokens)):
-                    yield Step(tokens[k], log_c[k] if log_c is not None else None)
+                    yield Step(tokens[k], None if rows is None else rows[k - sent])
                 sent = len(tokens)
         finally:
+            self._streams -= 1
             if not finished:
                 manager.cancel_request(request_id)
                 with manager.output_router._lock:  # the manager drops a handler only on a finished output
                     manager.output_router.result_handlers.pop(request_id, None)
             self.tracer.release(request_id)
-
-    async def _generate_serial(self, job: Job) -> AsyncIterator[Step]:
-        loop = asyncio.get_running_loop()
-        steps: asyncio.Queue = asyncio.Queue()
-        stop = threading.Event()
-        done = object()
-
-        def emit(item) -> None:
-            loop.call_soon_threadsafe(steps.put_nowait, item)
-
-        worker = threading.Thread(target=self._serial_worker, args=(job, emit, stop, done), daemon=True,
-                                  name="macs-serve-attribution")
-        worker.start()
-        try:
-            while (item := await steps.get()) is not done:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            stop.set()
-            await asyncio.to_thread(worker.join)
-
-    def _serial_worker(self, job: Job, emit, stop: threading.Event, done) -> None:
-        """Runs one attribution request with generate() while the batching loop is paused."""
-        from transformers import StoppingCriteria, StoppingCriteriaList
-
-        from ..tracing import attach
-
-        class StopWhenAsked(StoppingCriteria):
-            def __call__(self, input_ids, scores, **_):
-                return torch.full((input_ids.shape[0],), stop.is_set(), dtype=torch.bool, device=input_ids.device)
-
-        class RowStreamer:
-            def __init__(self, tracer):
-                self.tracer, self.prompt_seen = tracer, False
-
-            def put(self, value):
-                if not self.prompt_seen:  # generate() first pushes the prompt
-                    self.prompt_seen = True
-                    return
-                log_c, _ = self.tracer.rows(0)
-                emit(Step(int(value.reshape(-1)[0]), log_c[-1]))
-
-            def end(self):
-                pass
-
-        try:
-            with self._serial_lock, self.manager.pause(), torch.inference_mode(), \
-                    attach(self.model, **_request_config(job.attribution)) as tracer:
-                device = next(self.model.parameters()).device
-                ids = torch.tensor([job.input_ids], device=device)
-                config = copy.deepcopy(self.generation_config)
-                config.max_new_tokens = job.max_new_tokens
-                self.model.generate(
-                    ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=RowStreamer(tracer),
-                    stopping_criteria=StoppingCriteriaList([StopWhenAsked()]),
-                )
-        except BaseException as error:  # noqa: BLE001 - handed to the request's coroutine
-            emit(error)
-        emit(done)
 
 
 def _request_config(config: MacsConfig) -> dict:

@@ -16,9 +16,9 @@ from macs_kernels.continuous import (
     Segments,
     _check_manager,
     attach_continuous,
-    explain_continuous,
     macs_pool_packed,
 )
+from macs_kernels.explanation import explain_continuous
 from tests.helpers import default_model, eager_macs, qa, tiny_llama
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
@@ -264,8 +264,6 @@ def test_leaving_attach_restores_model_and_registries(tiny):
 
 
 def test_unsupported_modes_raise_before_generation(tiny):
-    with pytest.raises(NotImplementedError, match="efficient"), attach_continuous(tiny, attention="efficient"):
-        pass
     with pytest.raises(ValueError, match="alpha"), attach_continuous(tiny, alpha=0.0):
         pass
     gen = GenerationConfig(max_new_tokens=2, num_return_sequences=2, do_sample=True, eos_token_id=-1, pad_token_id=0)
@@ -274,8 +272,6 @@ def test_unsupported_modes_raise_before_generation(tiny):
     with attach_continuous(tiny) as tracer:
         with pytest.raises(ValueError, match="per request"):
             tracer.configure("r", backend="torch")
-        with pytest.raises(NotImplementedError, match="efficient"):
-            tracer.configure("r", attention="efficient")
         with pytest.raises(KeyError, match="no MACS rows"):
             tracer.request_rows("never-added")
     with pytest.raises(ValueError, match="prompts"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import DynamicCache, StaticCache
 
-from macs_kernels import attach, explain, stream, trace_tensors, tracing
+from macs_kernels import attach, explain, stream, trace_tensors
 from macs_kernels.ops import torch_beams
 from tests.helpers import default_model, eager_macs, qa, tiny_llama
 from tests.integration.test_integration_efficient import _efficient_reference as efficient_reference

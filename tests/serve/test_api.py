@@ -72,15 +72,15 @@ def test_streamed_rows_equal_explain_with_request_options(client, lm):
     assert chunks[-1].choices[0].finish_reason == reference_finish(reference)
 
 
-def test_efficient_attention_runs_alone_and_equals_explain(client, lm):
-    """The continuous tracer computes softmax rows only; efficient rows come from the serial path."""
+def test_efficient_attention_runs_in_the_batch_and_equals_explain(client, lm):
+    """Efficient rows are computed inside the continuous batch, like every other request's."""
     response = client.chat.completions.create(
         model=MODEL, messages=qa(2), max_tokens=3, extra_body={"attribution": {"attention": "efficient"}},
     )
     model, tokenizer = lm
     reference = explain(model, tokenizer, qa(2), max_new_tokens=3, attention="efficient")
     attribution = response.model_extra["attribution"]
-    assert attribution["config"]["engine"] == "serial" and attribution["config"]["attention"] == "efficient"
+    assert attribution["config"]["engine"] == "continuous" and attribution["config"]["attention"] == "efficient"
     assert_matches(attribution, reference, response.choices[0].message.content)
 
 

@@ -1,0 +1,203 @@
+"""The attribution core: the row store every engine writes, the pass accumulator's floor, log and NaN check,
+and the package's layering (no import cycle; each layer imports only the layers below it)."""
+import ast
+import math
+import pathlib
+import threading
+
+import pytest
+import torch
+
+from macs_kernels.core import NAN_MESSAGE, PassRows, RowStore, log_zscores, paper_zscores
+from macs_kernels.ops import torch_backend
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "macs_kernels"
+
+
+def test_rows_are_keyed_by_step_and_a_restart_resumes_them():
+    store = RowStore()
+    store.open("a", 3, config="options")
+    store.put([("a", 0, torch.tensor([1.0, 2.0, 3.0, 99.0])), ("a", 1, torch.tensor([4.0, 5.0, 6.0]))])
+    store.finish("a")  # the engine finished the old state of a request it re-queues
+    store.open("a", 3, step=2)
+    store.put([("a", 2, torch.tensor([7.0, 8.0, 9.0]))])
+    assert torch.equal(store.rows("a"), torch.arange(1.0, 10.0).view(3, 3))
+    assert store.config("a") == "options"
+    store.put([("a", 1, torch.tensor([0.0, 0.0, 0.0]))])  # a row computed again replaces the earlier one
+    assert store.rows("a")[1].tolist() == [0.0, 0.0, 0.0] and store.count("a") == 3
+    with pytest.raises(RuntimeError, match="resumes at step 5"):
+        store.open("a", 3, step=5)
+    with pytest.raises(RuntimeError, match="row 4 arrived before row 3"):
+        store.put([("a", 4, torch.zeros(3))])
+    store.open("a", 2)  # an id reused for a new sequence starts over
+    assert store.rows("a").shape == (0, 2)
+
+
+def test_a_cursor_reads_only_new_rows_while_rows_grow_past_their_first_allocation():
+    store = RowStore()
+    store.open("s", 2)
+    cursor, seen = 0, []
+    for step in range(20):
+        store.put([("s", step, torch.full((2,), float(step)))])
+        new, cursor = store.read("s", cursor)
+        assert new.shape == (1, 2) and cursor == step + 1
+        seen.append(new)
+    assert torch.equal(torch.cat(seen), store.rows("s"))
+    assert store.read("s", cursor)[0].shape == (0, 2)
+
+
+def test_finished_sequences_are_bounded_and_released_ones_say_so():
+    store = RowStore(keep_finished=2)
+    for key in "abc":
+        store.open(key, 1)
+        store.put([(key, 0, torch.zeros(1))])
+        store.finish(key)
+    with pytest.raises(KeyError, match="keep_finished=2"):
+        store.rows("a")
+    assert store.rows("c").shape == (1, 1)
+    store.release("c")
+    with pytest.raises(KeyError, match="released"):
+        store.rows("c")
+    with pytest.raises(KeyError, match="no MACS rows"):
+        store.rows("never")
+    with pytest.raises(ValueError, match="keep_finished"):
+        RowStore(keep_finished=-1)
+
+
+def test_a_nan_row_fails_its_sequence_only():
+    store = RowStore()
+    for key in ("bad", "good"):
+        store.open(key, 2)
+    store.put([("bad", 0, None), ("good", 0, torch.ones(2))])
+    with pytest.raises(FloatingPointError, match="NaN in an attention row"):
+        store.rows("bad")
+    assert store.rows("good").tolist() == [[1.0, 1.0]]
+
+
+def test_concurrent_writer_and_readers_see_whole_rows():
+    store = RowStore()
+    store.open("t", 64)
+    done = threading.Event()
+    problems = []
+
+    def read():
+        cursor = 0
+        while not done.is_set() or cursor < 200:
+            new, cursor = store.read("t", cursor)
+            problems.extend(row for row in new if not bool((row == row[0]).all()))
+
+    readers = [threading.Thread(target=read) for _ in range(3)]
+    for reader in readers:
+        reader.start()
+    for step in range(200):
+        store.put([("t", step, torch.full((64,), float(step)))])
+    done.set()
+    for reader in readers:
+        reader.join()
+    assert not problems
+
+
+def test_pass_rows_floor_log_and_combine_once_with_per_row_alpha():
+    generator = torch.Generator().manual_seed(0)
+    rows = PassRows(num_layers=3, shape=(2,), n_max=4, device="cpu", shards=None)
+    rows.pooled.copy_(torch.rand(3, 2, 4, generator=generator))
+    expected = rows.pooled.clone()
+    alpha = torch.tensor([0.8, 0.5])
+    log_c, broken = rows.finish(alpha, ["max", "mean"], torch.tensor([4, 3]))
+    for r, a in enumerate(alpha.tolist()):
+        want = torch.log(a * expected[:, r] + 1 - a).sum(dim=0)
+        want[3 if r == 1 else 4:] = 0.0
+        torch.testing.assert_close(log_c[r], want)
+    assert not broken.any()
+    rows.pooled.fill_(0.5)
+    rows.pooled[1, 0, 2] = float("nan")
+    rows.pooled[1, 1, 3] = float("nan")  # past row 1's N: not a row of it
+    _, broken = rows.finish(0.8, "max", torch.tensor([4, 3]))
+    assert broken.tolist() == [True, False]
+
+
+def test_one_floor_formula_clamps_negative_efficient_rows():
+    pooled = torch.tensor([-0.25, 0.0, 0.5, 1.0])
+    torch.testing.assert_close(torch_backend.log_floor(pooled.clone(), 0.8),
+                               torch.log(torch.tensor([0.2, 0.2, 0.6, 1.0])))
+    assert "NaN in an attention row" in NAN_MESSAGE
+
+
+def test_score_definitions():
+    log_c = torch.tensor([[0.0, -30.0, -31.0, float("-inf")], [-1.0, -1.0, -1.0, -1.0]])
+    z = log_zscores(log_c)
+    finite = log_c[0, :3].double()
+    want = (finite - finite.mean()) / finite.std(unbiased=False)
+    torch.testing.assert_close(z[0, :3], want.float())
+    assert z[0, 3] == float("-inf") and z[1].tolist() == [0.0] * 4
+    paper = paper_zscores(log_c[:1, :3])
+    c = torch.exp(finite - finite.max())
+    torch.testing.assert_close(paper[0], ((c - c.mean()) / c.std(unbiased=False)).float())
+    assert math.isclose(float(paper_zscores(log_c[0, :3])[0]), float(paper[0, 0]))
+
+
+# ---- layering ---------------------------------------------------------------------------------------
+LAYERS = {  # a module may import its own layer and the layers after it in this list, never one before
+    "apps": ("serve", "cli", "evaluation", "at2", "bench", "integrations", "interop", "parallel", "__main__"),
+    "api": ("explanation", "viz", "prompts", "models"),
+    "engines": ("tracing", "continuous", "hf_models", "efficient"),
+    "core": ("core",),
+    "ops": ("ops", "distributed", "reference", "config"),
+}
+
+
+def _imports() -> dict[str, set[str]]:
+    """Every package module's imports of other package modules, module-level and function-level alike."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                target = ".".join(base[: len(base) - node.level + 1] + [node.module or ""]).strip(".") \
+                    if node.level else node.module
+                subs = {f"{target}.{alias.name}" for alias in node.names} & modules.keys()
+                found |= subs if len(subs) == len(node.names) else {target} | subs
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+        graph[name] = {target for target in found if target in modules and target != name}
+    return graph
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1] if "." in module else "__init__"
+    for rank, members in enumerate(LAYERS.values()):
+        if top in members:
+            return rank
+    return -1  # the package's __init__: a lazy facade over everything
+
+
+def test_the_package_has_no_import_cycle():
+    graph, state, cycles = _imports(), {}, []
+
+    def visit(module, path):
+        state[module] = "open"
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                cycles.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    wrong = [
+        f"{module} ({list(LAYERS)[_layer(module)]}) imports {target} ({list(LAYERS)[_layer(target)]})"
+        for module, targets in _imports().items() for target in targets
+        if _layer(module) >= 0 and _layer(target) >= 0 and _layer(target) < _layer(module)
+    ]
+    assert not wrong
