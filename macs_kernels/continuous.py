@@ -29,7 +29,7 @@ import threading
 import torch
 
 from .config import MacsConfig
-from .core import Kernels, PackedRows, RowStore, log_zscores
+from .core import Kernels, PackedRows, RowStore, log_zscores, support
 from .distributed import head_shards
 from .efficient import GramState, efficient_rows
 from .hf_models import check_model
@@ -43,7 +43,7 @@ __all__ = ["ContinuousTracer", "Segments", "attach_continuous", "macs_pool_packe
 # function a block table on decode steps instead of packed keys.
 WRAPPED_NAMES = ("sdpa", "paged|eager")
 _TRACER_ATTRIBUTE = "_macs_continuous_tracer"
-_PER_REQUEST_FIELDS = ("alpha", "pooling", "redistribute", "attention")
+_PER_REQUEST_FIELDS = ("alpha", "pooling", "redistribute", "attention", "fused_decode")
 
 
 # ---- the registry wrapper -------------------------------------------------------------------------
@@ -316,7 +316,8 @@ class ContinuousTracer:
         efficient = [(r, key) for r, ((key, _), c) in enumerate(zip(keys, configs)) if c.attention == "efficient"]
         scorer = PackedRows(self.kernels, self.num_layers, torch.tensor(rows, device=device), segments, configs,
                             self.shards)
-        fused = bool(self.config.fused_decode) and not efficient and rows == list(range(cu_q[-1]))
+        # Fused when every query row of the pass is scored and every request asked for it.
+        fused = all(c.fused_decode for c in configs) and not efficient and rows == list(range(cu_q[-1]))
         self._pass = _Pass(scorer, keys, efficient, fused)
 
     def _efficient_rows(self, layer: int, query, key, value, scale: float) -> None:
@@ -398,9 +399,7 @@ def _check_manager(manager) -> None:
             "function that computes MACS; set use_cuda_graph=False and no compile configs"
         )
     if manager.num_return_sequences > 1:
-        raise NotImplementedError(
-            "num_return_sequences > 1 (forked requests) is not supported by the continuous tracer"
-        )
+        support.check("continuous", "exact", "several")
 
 
 def _restore_attention(manager) -> None:

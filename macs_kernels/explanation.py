@@ -10,7 +10,7 @@ import threading
 import torch
 
 from .config import MacsConfig
-from .core import SCORE_DEFINITION, json_values, log_zscores, paper_zscores
+from .core import SCORE_DEFINITION, json_values, log_zscores, paper_zscores, support
 from .hf_models import check_model
 from .tracing import attach, check_generate
 
@@ -300,10 +300,26 @@ def explain(model, tokenizer, prompt=None, *, input_ids=None, max_new_tokens=64,
     return explanations if batched or plan.num_return_sequences > 1 else explanations[0]
 
 
+# generate options that continuous batching follows, and those that select a layout it cannot (support table).
+_CONTINUOUS_SAMPLING = ("do_sample", "temperature", "top_k", "top_p")
+_CONTINUOUS_LAYOUTS = {
+    "num_beams": ("beams", lambda value: value > 1),
+    "num_return_sequences": ("several", lambda value: value > 1),
+    "assistant_model": ("assisted", lambda value: value is not None),
+    "prompt_lookup_num_tokens": ("assisted", lambda value: value is not None),
+    "cache_implementation": ("static_cache", lambda value: value == "static"),
+}
+
+
 def _explain_continuous(model, tokenizer, prompt, input_ids, max_new_tokens, generate_kwargs, config):
-    engine = {key: generate_kwargs.pop(key) for key in ("continuous_batching_config",) if key in generate_kwargs}
+    method = support.method_of(MacsConfig(**config))
+    for option, (layout, selects) in _CONTINUOUS_LAYOUTS.items():
+        if option in generate_kwargs and selects(generate_kwargs[option]):
+            support.check("continuous", method, layout)
+    engine = {key: generate_kwargs.pop(key) for key in ("continuous_batching_config", *_CONTINUOUS_SAMPLING)
+              if key in generate_kwargs}
     if generate_kwargs:
-        raise ValueError(f"continuous_batching=True generates greedily with the engine's own settings; "
+        raise ValueError(f"continuous_batching=True takes {_CONTINUOUS_SAMPLING} and continuous_batching_config; "
                          f"{sorted(generate_kwargs)} cannot be passed with it")
     if input_ids is not None or prompt is None:
         raise ValueError("continuous_batching=True takes prompt= (a string, chat messages or a list of them), "
@@ -385,8 +401,10 @@ def stream(model, tokenizer, prompt=None, *, input_ids=None, max_new_tokens=64, 
         raise failure[0]
 
 
-def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuous_batching_config=None, **config):
-    """Run `prompts` through `model.generate_batch` (greedy) and explain each with MACS.
+def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuous_batching_config=None,
+                       do_sample=False, temperature=None, top_k=None, top_p=None, **config):
+    """Run `prompts` through `model.generate_batch` (greedy unless do_sample=True with temperature, top_k,
+    top_p) and explain each with MACS (`explain(..., continuous_batching=True)` is the documented way in).
 
     prompts: a list of prompts (strings, wrapped in the chat template when the tokenizer has one, or lists of
         chat messages). Returns one Explanation per prompt, in prompt order, whose rows equal explain() of
@@ -423,7 +441,9 @@ def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuo
     # explain() generates with the model's own generation config, greedy: so does this.
     generation_config = copy.deepcopy(model.generation_config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    generation_config.update(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    sampling = {name: value for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p))
+                if value is not None}
+    generation_config.update(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad, **sampling)
     if generation_config.eos_token_id is None:
         generation_config.eos_token_id = tokenizer.eos_token_id
     with attach_continuous(model, **macs_config.as_dict()) as tracer:

@@ -35,7 +35,7 @@ import threading
 import torch
 
 from .config import MacsConfig
-from .core import NAN_MESSAGE, DenseRows, Kernels, paper_zscores
+from .core import NAN_MESSAGE, DenseRows, Kernels, paper_zscores, support
 from .distributed import HeadShards, head_shards
 from .hf_models import check_model
 from .ops import torch_backend
@@ -99,7 +99,10 @@ def check_generate(model, generate_kwargs: dict, *, attention: str = "softmax") 
     if mode not in SUPPORTED_MODES:
         option = _MODE_OPTIONS.get(mode, f"the options that select {mode}")
         raise NotImplementedError(f"{option} is not supported by macs_kernels; supported modes: {SUPPORTED_MODES}")
-    for option in ("use_mtp", "assistant_early_exit", "prefill_chunk_size"):
+    method = "efficient" if attention == "efficient" else "exact"
+    if getattr(config, "prefill_chunk_size", None):
+        support.check("generate", method, "chunked_prefill")
+    for option in ("use_mtp", "assistant_early_exit"):
         if getattr(config, option, None):
             raise NotImplementedError(
                 f"{option} is not supported by macs_kernels: it changes which passes see which keys"
@@ -122,11 +125,8 @@ def check_generate(model, generate_kwargs: dict, *, attention: str = "softmax") 
             "a static cache on an accelerator makes generate torch.compile the forward, which the tracer does not "
             "support: pass disable_compile=True"
         )
-    if attention == "efficient" and mode == "assisted_generation":
-        raise NotImplementedError(
-            "attention='efficient' with assisted decoding (assistant_model / prompt_lookup_num_tokens) is not "
-            "supported: the Gram state cannot drop rejected candidates"
-        )
+    if mode == "assisted_generation":
+        support.check("generate", method, "assisted")
     beams = config.num_beams or 1
     return GenerationPlan(mode, config.num_return_sequences or 1, beams, static)
 

@@ -187,4 +187,5 @@ class Engine:
 
 
 def _request_config(config: MacsConfig) -> dict:
-    return {k: v for k, v in config.as_dict().items() if k in ("alpha", "pooling", "redistribute", "attention")}
+    return {k: v for k, v in config.as_dict().items()
+            if k in ("alpha", "pooling", "redistribute", "attention", "fused_decode")}

@@ -25,6 +25,7 @@ class AttributionOptions(BaseModel):
     pooling: Literal[POOLINGS] = "max"  # type: ignore[valid-type]
     redistribute: StrictBool = True
     attention: Literal[ATTENTIONS] = "softmax"  # type: ignore[valid-type]
+    fused_decode: StrictBool = False
     source: StrictStr | None = None
 
     @field_validator("alpha", mode="before")
@@ -36,7 +37,7 @@ class AttributionOptions(BaseModel):
 
     def macs_config(self) -> MacsConfig:
         return MacsConfig(alpha=float(self.alpha), pooling=self.pooling, redistribute=self.redistribute,
-                          attention=self.attention)
+                          attention=self.attention, fused_decode=self.fused_decode)
 
     @model_validator(mode="after")
     def _valid(self):
@@ -72,7 +73,7 @@ class _Request(BaseModel):
             return None
         if not isinstance(value, dict):
             raise ValueError("attribution must be true, false or an object of options "
-                             "(alpha, pooling, redistribute, attention, source)")
+                             "(alpha, pooling, redistribute, attention, fused_decode, source)")
         return value
 
     @field_validator("max_tokens")

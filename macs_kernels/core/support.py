@@ -1,0 +1,71 @@
+"""What every engine can follow, as one table: a combination of engine, method and layout either yields rows
+that equal the teacher-forced eager reference (the conformance suite checks each) or is refused before any
+work by `check`, with one message naming the options.
+"""
+from __future__ import annotations
+
+ENGINES = ("generate", "continuous", "server")
+METHODS = {  # method -> the option that selects it
+    "exact": "softmax rows",
+    "fused": "fused_decode=True",
+    "efficient": "attention='efficient'",
+    "at2": "AT2 features",
+}
+LAYOUTS = {  # layout -> the options that select it
+    "greedy": "greedy decoding",
+    "sampling": "sampling (do_sample=True)",
+    "several": "several sequences per prompt (num_return_sequences > 1)",
+    "beams": "beam search (num_beams > 1)",
+    "assisted": "assisted decoding (assistant_model / prompt_lookup_num_tokens)",
+    "static_cache": "a static cache (cache_implementation='static')",
+    "left_padded": "a left-padded batch",
+    "chunked_prefill": "chunked prefill",
+    "shared_prefix": "shared prefixes",
+    "cache_pressure": "cache pressure (requests offloaded and restarted)",
+    "tensor_parallel": "tensor parallelism",
+}
+
+# (engine, method or "*", layout or "*") -> why it is refused. Everything else is supported.
+UNSUPPORTED = {
+    ("generate", "efficient", "assisted"): "the Gram state of efficient attention cannot drop rejected candidates",
+    ("generate", "*", "chunked_prefill"): "generate's prefill_chunk_size changes which passes see which keys",
+    ("continuous", "*", "beams"): "transformers' continuous batching has no beam search",
+    ("continuous", "*", "assisted"): "transformers' continuous batching has no assisted decoding",
+    ("continuous", "*", "static_cache"): "continuous batching runs on its own paged cache",
+    ("continuous", "*", "several"): "forked requests (num_return_sequences > 1) share prompt blocks the tracer "
+                                    "does not follow yet",
+    ("continuous", "at2", "*"): "AT2 features are collected by the generate tracer only; use explain() or "
+                                "macs_kernels.trace_tensors(..., at2=True)",
+    ("server", "*", "beams"): "the server decodes without beam search",
+    ("server", "*", "assisted"): "the server decodes without assisted decoding",
+    ("server", "*", "static_cache"): "the server runs continuous batching on its own paged cache",
+    ("server", "at2", "*"): "the server returns MACS rows; AT2 features come from explain()",
+}
+
+
+def unsupported(engine: str, method: str, layout: str) -> str | None:
+    """Why `method` with `layout` cannot run on `engine`, or None when it can."""
+    if engine not in ENGINES or method not in METHODS or layout not in LAYOUTS:
+        raise ValueError(f"unknown combination {engine!r}, {method!r}, {layout!r}; engines {ENGINES}, methods "
+                         f"{tuple(METHODS)}, layouts {tuple(LAYOUTS)}")
+    for key in ((engine, method, layout), (engine, "*", layout), (engine, method, "*")):
+        if key in UNSUPPORTED:
+            return UNSUPPORTED[key]
+    return None
+
+
+def check(engine: str, method: str, layout: str) -> None:
+    """Raise NotImplementedError, naming the options, when `method` with `layout` cannot run on `engine`."""
+    reason = unsupported(engine, method, layout)
+    if reason is not None:
+        raise NotImplementedError(
+            f"{METHODS[method]} with {LAYOUTS[layout]} is not supported under macs_kernels' {engine} engine: "
+            f"{reason}"
+        )
+
+
+def method_of(config) -> str:
+    """The method a MacsConfig selects (AT2 features are asked for separately)."""
+    if config.attention == "efficient":
+        return "efficient"
+    return "fused" if config.fused_decode else "exact"

@@ -1,0 +1,38 @@
+"""The conformance suite's model (a small random Llama with the default model's tokenizer and chat template)
+and its server process."""
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import eager_macs
+from tests.serve.conftest import TINY, Server, tiny_chat_model
+
+__all__ = ["TINY", "eager_log_c"]
+
+
+def eager_log_c(model, prompt_ids, generated_ids):
+    return eager_macs(model, prompt_ids, generated_ids)[0]
+
+
+@pytest.fixture(scope="session")
+def chat_model_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("conformance_model")
+    tiny_chat_model(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def chat_model(chat_model_folder):
+    from macs_kernels.models import load_model
+
+    return load_model(str(chat_model_folder))
+
+
+@pytest.fixture(scope="module")
+def conformance_server(chat_model_folder):
+    # A 16-token pass budget chunks every prefill; 128 cache tokens hold two ~60-token requests, so four
+    # concurrent ones make the engine offload and restart requests.
+    running = Server("--model", str(chat_model_folder), "--served-name", TINY, "--max-batch-tokens", "16",
+                     "--cache-tokens", "128", "--page-size", "4")
+    yield running
+    running.terminate()
