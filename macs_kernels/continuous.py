@@ -169,7 +169,7 @@ class ContinuousTracer:
             raise ValueError(f"configure() takes {_PER_REQUEST_FIELDS} per request, not {sorted(unknown)}")
         merged = dataclasses.replace(self.config, **config)
         with self._lock:
-            if request_id in self._running:
+            if self._runs(request_id):
                 raise RuntimeError(f"request {request_id!r} is already running; configure it before adding it")
             self._configs[request_id] = merged
 
@@ -198,9 +198,10 @@ class ContinuousTracer:
         with self._lock:
             self._configs.pop(request_id, None)
             self._grams.pop(request_id, None)
-            if request_id in self._running:  # cancelled while the engine runs it: no more work for it
+            if self._runs(request_id):  # cancelled while the engine runs it: no more work for it
                 self._skipped.add(request_id)
             else:
+                self._running.pop(request_id, None)
                 self._skipped.discard(request_id)
         self.store.release(request_id)
 
@@ -234,6 +235,11 @@ class ContinuousTracer:
             if processor is not None and processor.cache is cache:
                 return processor.inputs_and_outputs.requests_in_batch, processor.scheduler
         return None
+
+    def _runs(self, request_id: str) -> bool:
+        """Whether the engine is running `request_id` as far as the tracer has seen (callers hold the lock)."""
+        known = self._running.get(request_id)
+        return known is not None and not _finished(known[0])
 
     def _retire_finished(self) -> None:
         """Tell the store which requests the engine finished. A request the engine offloaded and re-queued
@@ -292,6 +298,9 @@ class ContinuousTracer:
                 step = len(state.initial_tokens) - n_input + len(state.generated_tokens)
                 known = self._running.get(request_id)
                 if known is None or known[0] is not state:
+                    if step > 0 and request_id not in self.store:  # released while the engine restarted it
+                        self._skipped.add(request_id)
+                        continue
                     self._start(state, scheduler, n_input, step)
                 if cu_k[i + 1] - cu_k[i] != n_input + step:
                     raise RuntimeError(

@@ -118,8 +118,9 @@ def test_pass_rows_floor_log_and_combine_once_with_per_row_alpha():
 
 def test_one_floor_formula_clamps_negative_efficient_rows():
     pooled = torch.tensor([-0.25, 0.0, 0.5, 1.0])
-    torch.testing.assert_close(torch_backend.log_floor(pooled.clone(), 0.8),
+    torch.testing.assert_close(torch_backend.log_floor(pooled, 0.8),
                                torch.log(torch.tensor([0.2, 0.2, 0.6, 1.0])))
+    assert pooled.tolist() == [-0.25, 0.0, 0.5, 1.0]  # the rows before the floor are kept (keep_pooled)
     assert "NaN in an attention row" in NAN_MESSAGE
 
 

@@ -1,13 +1,24 @@
-"""`macs-kernels bench`: generation throughput and peak memory (the benchmark itself: macs_kernels.bench)."""
+"""`macs-kernels bench`: generation throughput and peak memory (the benchmark itself: macs_kernels.bench), or
+with --serving the cost of attribution in a continuous-batching server (macs_kernels.bench.serving)."""
 from __future__ import annotations
 
-from ..bench import generate
+from ..bench import generate, serving
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "bench", help="throughput and peak memory: plain generate vs MACS vs output_attentions",
+        "bench", help="throughput and peak memory: plain generate vs MACS vs output_attentions (--serving: "
+                      "continuous batching with and without attribution)",
         description=generate.__doc__.split("\n\n")[0],
     )
     generate.add_arguments(parser)
-    parser.set_defaults(run=generate.run_command)
+    serving.add_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    if args.serving:
+        if args.repeats < 1:
+            raise SystemExit("--repeats must be at least 1")
+        return serving.run(args)
+    return generate.run_command(args)

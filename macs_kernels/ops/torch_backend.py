@@ -64,11 +64,11 @@ def macs_update_rows(
 
 
 def log_floor(pooled, alpha):
-    """MACS's floor and log, log(alpha * m' + 1 - alpha), in place on pooled m' (any shape); alpha a float or a
-    tensor that broadcasts (one alpha per row). The one torch form of the formula: every engine's rows and
-    this backend's update ops take it from here."""
+    """MACS's floor and log, log(alpha * m' + 1 - alpha), of pooled m' (any shape; a new tensor, pooled is kept:
+    callers keep the rows before the floor); alpha a float or a tensor that broadcasts (one alpha per row).
+    The one torch form of the formula: every engine's rows and this backend's update ops take it from here."""
     # Efficient-attention rows can pool below zero; clamping keeps the floor's log defined.
-    return pooled.clamp_min_(0.0).mul_(alpha).add_(1.0 - alpha).log_()
+    return pooled.clamp_min(0.0).mul_(alpha).add_(1.0 - alpha).log_()
 
 
 def macs_pool_dense(q, k_cache, out, *, n_input, scale, pooling, redistribute):

@@ -154,3 +154,32 @@ def test_rows_equal_the_teacher_forced_reference_or_are_refused(engine, method, 
         finite = torch.isfinite(reference)
         assert torch.equal(torch.isfinite(log_c), finite)
         assert (log_c.double()[finite] - reference[finite]).abs().max() <= LOG_C_TOLERANCE
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_equal_the_reference(chat_model, chat_model_folder, tmp_path):
+    """Two ranks, each with 2 of the 4 query heads and 1 of the 2 KV heads: head pooling is reduced across the
+    group by the core, in generate and in continuous batching alike."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+               str(root / "tests" / "conformance" / "tp_worker.py"), str(chat_model_folder), str(tmp_path)]
+    result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    model, _ = chat_model
+    assert set(ranks[0]) == {f"{engine}-{method}" for engine in ("generate", "continuous") for method in METHODS}
+    for name, sequences in ranks[0].items():
+        assert len(sequences) == len(PROMPTS["three"])
+        for (prompt_ids, generated_ids, log_c), other in zip(sequences, ranks[1][name]):
+            torch.testing.assert_close(other[2], log_c, rtol=0, atol=1e-5, msg=f"rank 1 differs in {name}")
+            if name.endswith("efficient"):
+                reference, _ = efficient_reference(model, prompt_ids, generated_ids)
+            else:
+                reference = eager_log_c(model, prompt_ids, generated_ids)
+            assert (log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE, name

@@ -1,0 +1,37 @@
+"""Run under torchrun by test_conformance.py's tensor-parallel case: the conformance model split over the ranks
+(tp_plan="auto", gloo), every engine that runs in-process and every method on a left-padded batch of prompts;
+each rank saves what it returned to OUT/rank<r>.pt.
+
+argv: MODEL_FOLDER OUT
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from macs_kernels import explain
+from macs_kernels.models import load_tokenizer
+from tests.conformance.test_conformance import METHODS, NEW_TOKENS, PROMPTS
+
+
+def main(folder: str, out: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(folder)
+    saved = {}
+    for engine, options in (("generate", {}), ("continuous", {"continuous_batching": True})):
+        for method, config in METHODS.items():
+            result = explain(model, tokenizer, PROMPTS["three"], max_new_tokens=NEW_TOKENS, backend="torch",
+                             **config, **options)
+            saved[f"{engine}-{method}"] = [(e.input_ids, e.generated_ids, e.step_log_c) for e in result]
+    torch.save(saved, out / f"rank{dist.get_rank()}.pt")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
