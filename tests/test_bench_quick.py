@@ -239,3 +239,25 @@ def test_paired_ratio_divides_within_each_repeat():
     macs = next(s for s in bench.summarise(rows) if s["method"] == "macs-torch")
     assert macs["decode_cpu_vs_plain"] == 1.0
     assert macs["decode_cpu_vs_plain_paired"] == 0.9
+
+
+def test_serving_quick_mode_streams_every_token_and_pairs_throughput(tmp_path):
+    args = build_parser().parse_args(["bench", "--serving", "--quick", "--repeats", "1", "--out", str(tmp_path),
+                                      "--name", "serving"])
+    assert args.run(args) == 0
+    _, rows = read(tmp_path / "serving.csv")
+    stream = [r for r in rows if r["kind"] == "stream"]
+    # Every token of the streamed request but the first (timed from the one before) with its own row read.
+    assert [int(r["step"]) for r in stream] == list(range(1, 96))
+    assert all(float(r["read_s"]) > 0 and float(r["token_s"]) > 0 for r in stream)
+    runs = [r for r in rows if r["kind"] == "throughput"]
+    assert [r["attribution"] for r in runs] == ["False", "True", "True", "False"]
+    for r in runs:  # end of sequence suppressed: every request makes all its tokens
+        assert int(r["generated"]) == 8 * 4
+        assert float(r["tok_s"]) == pytest.approx(int(r["generated"]) / float(r["wall_s"]), rel=1e-6)
+    _, (summary,) = read(tmp_path / "serving_summary.csv")
+    on = sorted(float(r["cpu_tok_s"]) for r in runs if r["attribution"] == "True")
+    off = sorted(float(r["cpu_tok_s"]) for r in runs if r["attribution"] == "False")
+    assert float(summary["throughput_on_vs_off_paired_cpu"]) == pytest.approx(sum(on) / sum(off), rel=1e-6)
+    assert 0 < float(summary["read_ratio_late_vs_64"]) < 100
+    assert (tmp_path / "serving.png").stat().st_size > 0

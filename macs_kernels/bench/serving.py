@@ -106,6 +106,7 @@ def run(args) -> int:
         raise SystemExit(f"--long-tokens must exceed {EARLY_STEP + 16} (the early window is around token 64)")
     low, high = (16, 48) if args.quick else args.prompt_lens
     new_tokens = 4 if args.quick else args.new_tokens or 32
+    repeats = 1 if args.quick else args.repeats
     vocab = model.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(0)
 
@@ -123,7 +124,7 @@ def run(args) -> int:
             rows.append({"kind": "stream", "attribution": True, "step": record["step"],
                          "token_s": record["arrived"] - previous["arrived"], "read_s": record["read_s"]})
         order = [False, True, True, False]
-        for repeat in range(args.repeats):
+        for repeat in range(repeats):
             for attribution in order if repeat % 2 == 0 else order[::-1]:
                 load_before = os.getloadavg()[0]
                 cpu, wall = time.process_time(), time.perf_counter()

@@ -404,5 +404,6 @@ def test_explain_with_continuous_batching_returns_one_explanation_per_prompt(mod
         assert (explanation.step_log_c.double() - log_ref).abs().max() <= LOG_C_TOLERANCE
     single = macs_kernels.explain(model, tokenizer, prompts[0], max_new_tokens=3, continuous_batching=True)
     assert torch.equal(single.generated_ids, explanations[0].generated_ids)
-    with pytest.raises(ValueError, match="do_sample"):
-        macs_kernels.explain(model, tokenizer, prompts, continuous_batching=True, do_sample=True)
+    # Sampling is followed (the conformance suite); options the engine's config does not carry are refused.
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        macs_kernels.explain(model, tokenizer, prompts, continuous_batching=True, repetition_penalty=1.2)
