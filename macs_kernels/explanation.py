@@ -238,6 +238,12 @@ def _eos_ids(model, tokenizer) -> set[int]:
 def _generate_kwargs(model, tokenizer, max_new_tokens, generate_kwargs) -> dict:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if generate_kwargs.get("tokenizer", tokenizer) is not tokenizer:
+        raise ValueError(
+            "tokenizer= is another tokenizer than explain's own (its second argument): generate would read stop "
+            "strings with one and the explanation decode with the other; drop tokenizer= (generate gets explain's "
+            "own when it needs one) or pass the same object"
+        )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False, "pad_token_id": pad}
     kwargs.update(generate_kwargs)
@@ -284,21 +290,24 @@ def _prepare(model, tokenizer, prompt, input_ids, max_new_tokens, config_kwargs,
     # A model whose generation config asks for a dict would make generate return one.
     kwargs["return_dict_in_generate"] = False
     plan = check_generate(model, kwargs, attention=config.attention)
+    if plan.stop_strings:
+        kwargs["tokenizer"] = tokenizer
     device = next(model.parameters()).device
     return config, ids.to(device), mask.to(device), batched, kwargs, plan
 
 
 @torch.inference_mode()
-def explain(model, tokenizer, prompt=None, *, input_ids=None, max_new_tokens=64, alpha=0.8, pooling="max",
+def explain(model, tokenizer, /, prompt=None, *, input_ids=None, max_new_tokens=64, alpha=0.8, pooling="max",
             redistribute=True, attention="softmax", backend=None, fused_decode=None, **generate_kwargs):
     """Generate from `prompt` and explain every generated token with MACS.
 
     prompt: a string (wrapped in the chat template when the tokenizer has one), a list of chat messages,
         or a list of either (one left-padded batch).
     input_ids: (N,) or (1, N) token ids used as the prompt as they are (instead of `prompt`).
-    generate_kwargs: passed to `model.generate` (greedy decoding unless they say otherwise). Supported
-        modes: greedy, sampling, beam search (num_beams, length_penalty, early_stopping), several returned
-        sequences (num_return_sequences), static caches (cache_implementation="static" or a StaticCache),
+    generate_kwargs: passed to `model.generate` (greedy decoding unless they say otherwise); stop_strings=
+        hands generate this `tokenizer` (a tokenizer= among them must be the same object). Supported modes:
+        greedy, sampling, beam search (num_beams, length_penalty, early_stopping), several returned sequences
+        (num_return_sequences), static caches (cache_implementation="static" or a StaticCache),
         assisted decoding (assistant_model=, prompt_lookup_num_tokens=), and a continued conversation:
         past_key_values=<the cache of the earlier turns> with input_ids = every token of all turns, whose
         inputs are then every token before the new generation. Other modes raise before generating.
@@ -367,7 +376,7 @@ class _StepStreamer:
         self.sink.put(None)
 
 
-def stream(model, tokenizer, prompt=None, *, input_ids=None, max_new_tokens=64, alpha=0.8, pooling="max",
+def stream(model, tokenizer, /, prompt=None, *, input_ids=None, max_new_tokens=64, alpha=0.8, pooling="max",
            redistribute=True, attention="softmax", backend=None, fused_decode=None, **generate_kwargs):
     """Like explain() for one prompt and one sequence, but yields (token_id, scores (N,)) as each token is
     made: the row Explanation.step_scores would hold for that step. Beam search and num_return_sequences > 1

@@ -91,6 +91,7 @@ class GenerationPlan:
     num_return_sequences: int
     num_beams: int
     static_cache: bool
+    stop_strings: bool  # generate stops sequences at stop strings, which it needs `tokenizer=` to read
 
 
 def _compiled(function) -> bool:
@@ -141,7 +142,7 @@ def check_generate(model, generate_kwargs: dict, *, attention: str = "softmax") 
             "supported: the Gram state cannot drop rejected candidates"
         )
     beams = config.num_beams or 1
-    return GenerationPlan(mode, config.num_return_sequences or 1, beams, static)
+    return GenerationPlan(mode, config.num_return_sequences or 1, beams, static, config.stop_strings is not None)
 
 
 # ---- the tracer -----------------------------------------------------------------------------------

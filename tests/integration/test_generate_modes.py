@@ -409,3 +409,21 @@ def test_default_model_continued_conversation(real):
     explanation = explain(model, tokenizer, input_ids=both_turns, max_new_tokens=5, past_key_values=cache)
     assert torch.equal(explanation.input_ids, both_turns[0])
     _assert_explanations(model, explanation)
+
+
+# ---- stop strings: a sequence ends where generate stopped it -------------------------------------------
+def test_default_model_stop_strings_end_the_explanation_at_the_stop_string(real):
+    from macs_kernels.models import load_tokenizer
+
+    model, tokenizer = real
+    prompt = "Count from one to ten."  # greedy: "1. 1\n2. 2\n..."
+    # generate needs the tokenizer for stop strings: explain passes its own, and accepts the same one again.
+    for extra in ({}, {"tokenizer": tokenizer}):
+        explanation = explain(model, tokenizer, prompt, max_new_tokens=8, stop_strings=["."], **extra)
+        assert explanation.generated_tokens == ["1", "."]
+        _assert_explanations(model, explanation)
+    streamed = list(stream(model, tokenizer, prompt, max_new_tokens=8, stop_strings=["."]))
+    assert [token for token, _ in streamed] == explanation.generated_ids.tolist()
+    with pytest.raises(ValueError, match="tokenizer= is another tokenizer than explain's own"):
+        explain(model, tokenizer, prompt, max_new_tokens=8, stop_strings=["."], tokenizer=load_tokenizer())
+
