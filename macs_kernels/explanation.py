@@ -246,6 +246,11 @@ def _generate_kwargs(model, tokenizer, max_new_tokens, generate_kwargs) -> dict:
         )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False, "pad_token_id": pad}
+    # A sequence ends where generate stops it; the tokenizer's end-of-sequence token stops it too (as in the
+    # serve engine and the at2 and evaluation responses), unless the caller's generation config says otherwise.
+    eos = _eos_ids(model, tokenizer)
+    if eos and "generation_config" not in generate_kwargs:
+        kwargs["eos_token_id"] = sorted(eos)
     kwargs.update(generate_kwargs)
     return kwargs
 
@@ -254,25 +259,27 @@ def _decode_tokens(tokenizer, ids) -> list[str]:
     return [tokenizer.decode([i]) for i in ids]
 
 
-def _explanations(tracer, tokenizer, ids, mask, generated, eos, config) -> list[Explanation]:
+def _explanations(tracer, tokenizer, ids, mask, generated, config) -> list[Explanation]:
     """One Explanation per returned sequence, in generate's order (prompt-major: sequence i continues
-    prompt i // k with k sequences per prompt)."""
+    prompt i // k with k sequences per prompt). A sequence's tokens are its tracer rows': they end where
+    generate stopped it (its end-of-sequence token or a stop string's last token, included), never on the
+    pads generate appends while other sequences go on."""
     per_prompt = generated.shape[0] // ids.shape[0]
     result = []
     for i in range(generated.shape[0]):
         b = i // per_prompt
-        tokens = generated[i].tolist()
-        steps = next((k + 1 for k, t in enumerate(tokens) if t in eos), len(tokens))
-        log_c, _ = tracer.rows(i, steps)
+        log_c, _ = tracer.rows(i)
+        steps = len(log_c)
+        tokens = generated[i, :steps].tolist()
         prompt_ids = ids[b][mask[b].bool()]
         result.append(Explanation(
             input_ids=prompt_ids.cpu(),
             generated_ids=generated[i, :steps].cpu(),
             input_tokens=_decode_tokens(tokenizer, prompt_ids.tolist()),
-            generated_tokens=_decode_tokens(tokenizer, tokens[:steps]),
+            generated_tokens=_decode_tokens(tokenizer, tokens),
             step_log_c=log_c,
             config=config.as_dict() | {"backend": tracer.backend},
-            text=tokenizer.decode(tokens[:steps], skip_special_tokens=True),
+            text=tokenizer.decode(tokens, skip_special_tokens=True),
         ))
     return result
 
@@ -312,8 +319,9 @@ def explain(model, tokenizer, /, prompt=None, *, input_ids=None, max_new_tokens=
         past_key_values=<the cache of the earlier turns> with input_ids = every token of all turns, whose
         inputs are then every token before the new generation. Other modes raise before generating.
     Returns one Explanation, or a list when there are several prompts or num_return_sequences > 1 (P
-    prompts with k sequences each: P * k, prompt-major, in generate's order). Each sequence's rows stop at
-    its own end-of-sequence token (included).
+    prompts with k sequences each: P * k, prompt-major, in generate's order). Each sequence ends where
+    generate stopped it: at its end-of-sequence token or the last token of a stop string (included), or
+    after max_new_tokens; the pads generate appends while other sequences go on are not part of it.
     fused_decode: see MacsConfig (None: the backend's default; True on the torch backend reads the key
     cache once per decode step, computing the attention output itself).
     continuous_batching=True: run the prompts through transformers' continuous-batching engine
@@ -336,7 +344,7 @@ def explain(model, tokenizer, /, prompt=None, *, input_ids=None, max_new_tokens=
         output = model.generate(ids, attention_mask=mask, **kwargs)
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
     generated = sequences[:, ids.shape[1]:]
-    explanations = _explanations(tracer, tokenizer, ids, mask, generated, _eos_ids(model, tokenizer), config)
+    explanations = _explanations(tracer, tokenizer, ids, mask, generated, config)
     return explanations if batched or plan.num_return_sequences > 1 else explanations[0]
 
 

@@ -17,7 +17,10 @@ cache and `generate` say:
   pass's (L, B, R, N_max) buffer; after the last layer `combine_layers` takes the floor and the log and
   sums over layers, once per pass (the one place a tensor-parallel run reduces over ranks);
 - events that reorder rows act on the records: beam search's `reorder_cache(beam_idx)` permutes them, and
-  the returned beams' rows are rebuilt from generate's `beam_indices`.
+  the returned beams' rows are rebuilt from generate's `beam_indices`;
+- a sequence ends where generate's stopping criteria (end-of-sequence, stop strings, the caller's) finished
+  it: the tracer sees their per-row verdicts (beam search: the returned beams' `beam_indices`), so the pads
+  generate appends to finished rows of a batch get no rows.
 
 Generation modes the tracer is tested on are allowed by name; anything else raises before generation,
 naming the option (`check_generate`). Per-layer extensions (AT2 query capture, row recording for
@@ -205,6 +208,10 @@ class Tracer:
         self._unpadded = False  # every item's inputs are keys [0, N) with one N (set per sequence)
         self._row_map = None
         self._valid = None
+        # Per batch row of a greedy, sampling or assisted generate: how many tokens it had generated when the
+        # stopping criteria finished it (-1 while it runs). generate then appends pads (or, without an
+        # end-of-sequence criterion, whatever it samples) until every row is done.
+        self._stops = None
         self._beam_indices = None
         self._returned = None
         self._plan = None
@@ -228,6 +235,13 @@ class Tracer:
         self._beam_indices = beam_indices if self._generation.num_beams > 1 else None
         self._returned = (sequences.shape[0], sequences.shape[1] - prompt_length)
         self._generation = None
+
+    def record_stops(self, is_done: torch.Tensor, length: int) -> None:
+        """generate's stopping criteria returned `is_done` (B,) with `length` tokens per row (prompt included):
+        a row's sequence ends the first time it is done."""
+        if self._stops is None:
+            self._stops = torch.full(is_done.shape, -1, dtype=torch.int64, device=is_done.device)
+        self._stops = torch.where(is_done & (self._stops < 0), length - self._prompt_length, self._stops)
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         """Beam search moved the cache's rows: row j now continues the sequence of row beam_idx[j]."""
@@ -470,7 +484,8 @@ class Tracer:
         row = self._row_map[item]
         written = int((row >= 0).long().cumprod(0).sum())
         steps = written if self._returned is None else min(written, self._returned[1])
-        return row[:steps], item
+        stop = -1 if self._stops is None else int(self._stops[item])
+        return row[:steps if stop < 0 else min(steps, stop)], item
 
     # ---- continuous batching (after generate_batch / init_continuous_batching ran in the attach block) ----
     def _continuous(self):
@@ -494,7 +509,8 @@ class Tracer:
     def rows(self, item: int, steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(step_log_c, step_scores) of sequence `item`: (steps, N_item) float32 tensors on the CPU.
 
-        Default steps: every generated token (generate) or every scored row (plain forwards)."""
+        Default steps: every token of the sequence (generate: up to where its stopping criteria finished it,
+        not the pads generate appends while other rows go on) or every scored row (plain forwards)."""
         ids, batch_row = self._row_ids(item)
         if steps is not None:
             if steps > ids.numel():
@@ -776,6 +792,29 @@ def _continuous_entry(model, tracer: Tracer, name: str, saved: dict, previous: s
     return functools.wraps(getattr(model, name))(enter)
 
 
+def _traced_stopping_criteria(tracer: Tracer, get_criteria):
+    """`model._get_stopping_criteria` while attached: the criteria of a traced generate also tell the tracer
+    which rows they finished (`Tracer.record_stops`). Beam search calls its criteria on candidate beams; the
+    returned beams' lengths come from beam_indices instead."""
+    from transformers import StoppingCriteriaList
+
+    class ObservedCriteria(StoppingCriteriaList):
+        def __call__(self, input_ids, scores, **kwargs):
+            is_done = super().__call__(input_ids, scores, **kwargs)
+            tracer.record_stops(is_done, input_ids.shape[-1])
+            return is_done
+
+    @functools.wraps(get_criteria)
+    def criteria(*args, **kwargs):
+        found = get_criteria(*args, **kwargs)
+        generation = tracer._generation
+        if tracer._suspended or generation is None or generation.num_beams > 1:
+            return found
+        return ObservedCriteria(found)
+
+    return criteria
+
+
 def _traced_reorder(tracer: Tracer, reorder):
     def reorder_cache(cache, beam_idx):
         if not tracer._suspended:
@@ -809,12 +848,13 @@ def attach(model, *, hooks=(), keep_pooled=False, **config):
         tracer = Tracer(macs_config, len(modules), device, hooks, keep_pooled=keep_pooled,
                         shards=head_shards(model, modules))
         _register()
-        wrapped = ("generate", "_reorder_cache", *_CONTINUOUS_ENTRIES)
+        wrapped = ("generate", "_reorder_cache", "_get_stopping_criteria", *_CONTINUOUS_ENTRIES)
         saved = {name: model.__dict__[name] for name in wrapped if name in model.__dict__}
         for module in modules.values():
             module._macs_tracer = tracer
         model.generate = _traced_generate(model, tracer, model.generate)
         model._reorder_cache = _traced_reorder(tracer, getattr(model, "_reorder_cache", None))
+        model._get_stopping_criteria = _traced_stopping_criteria(tracer, model._get_stopping_criteria)
         continuous = contextlib.ExitStack()
         for name in _CONTINUOUS_ENTRIES:
             setattr(model, name, _continuous_entry(model, tracer, name, saved, previous, continuous))
