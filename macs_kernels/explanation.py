@@ -207,8 +207,19 @@ def _eos_ids(model, tokenizer) -> set[int]:
 def _generate_kwargs(model, tokenizer, max_new_tokens, generate_kwargs) -> dict:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if generate_kwargs.get("tokenizer", tokenizer) is not tokenizer:
+        raise ValueError(
+            "tokenizer= is another tokenizer than explain's own (its second argument): generate would read stop "
+            "strings with one and the explanation decode with the other; drop tokenizer= (generate gets explain's "
+            "own when it needs one) or pass the same object"
+        )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False, "pad_token_id": pad}
+    # A sequence ends where generate stops it; the tokenizer's end-of-sequence token stops it too (as in the
+    # serve engine and the at2 and evaluation responses), unless the caller's generation config says otherwise.
+    eos = _eos_ids(model, tokenizer)
+    if eos and "generation_config" not in generate_kwargs:
+        kwargs["eos_token_id"] = sorted(eos)
     kwargs.update(generate_kwargs)
     return kwargs
 
@@ -217,25 +228,27 @@ def _decode_tokens(tokenizer, ids) -> list[str]:
     return [tokenizer.decode([i]) for i in ids]
 
 
-def _explanations(tracer, tokenizer, ids, mask, generated, eos, config) -> list[Explanation]:
+def _explanations(tracer, tokenizer, ids, mask, generated, config) -> list[Explanation]:
     """One Explanation per returned sequence, in generate's order (prompt-major: sequence i continues
-    prompt i // k with k sequences per prompt)."""
+    prompt i // k with k sequences per prompt). A sequence's tokens are its tracer rows': they end where
+    generate stopped it (its end-of-sequence token or a stop string's last token, included), never on the
+    pads generate appends while other sequences go on."""
     per_prompt = generated.shape[0] // ids.shape[0]
     result = []
     for i in range(generated.shape[0]):
         b = i // per_prompt
-        tokens = generated[i].tolist()
-        steps = next((k + 1 for k, t in enumerate(tokens) if t in eos), len(tokens))
-        log_c, _ = tracer.rows(i, steps)
+        log_c, _ = tracer.rows(i)
+        steps = len(log_c)
+        tokens = generated[i, :steps].tolist()
         prompt_ids = ids[b][mask[b].bool()]
         result.append(Explanation(
             input_ids=prompt_ids.cpu(),
             generated_ids=generated[i, :steps].cpu(),
             input_tokens=_decode_tokens(tokenizer, prompt_ids.tolist()),
-            generated_tokens=_decode_tokens(tokenizer, tokens[:steps]),
+            generated_tokens=_decode_tokens(tokenizer, tokens),
             step_log_c=log_c,
             config=config.as_dict() | {"backend": tracer.backend},
-            text=tokenizer.decode(tokens[:steps], skip_special_tokens=True),
+            text=tokenizer.decode(tokens, skip_special_tokens=True),
         ))
     return result
 
@@ -253,27 +266,31 @@ def _prepare(model, tokenizer, prompt, input_ids, max_new_tokens, config_kwargs,
     # A model whose generation config asks for a dict would make generate return one.
     kwargs["return_dict_in_generate"] = False
     plan = check_generate(model, kwargs, attention=config.attention)
+    if plan.stop_strings:
+        kwargs["tokenizer"] = tokenizer
     device = next(model.parameters()).device
     return config, ids.to(device), mask.to(device), batched, kwargs, plan
 
 
 @torch.inference_mode()
-def explain(model, tokenizer, prompt=None, *, input_ids=None, max_new_tokens=64, alpha=0.8, pooling="max",
+def explain(model, tokenizer, /, prompt=None, *, input_ids=None, max_new_tokens=64, alpha=0.8, pooling="max",
             redistribute=True, attention="softmax", backend=None, fused_decode=None, **generate_kwargs):
     """Generate from `prompt` and explain every generated token with MACS.
 
     prompt: a string (wrapped in the chat template when the tokenizer has one), a list of chat messages,
         or a list of either (one left-padded batch).
     input_ids: (N,) or (1, N) token ids used as the prompt as they are (instead of `prompt`).
-    generate_kwargs: passed to `model.generate` (greedy decoding unless they say otherwise). Supported
-        modes: greedy, sampling, beam search (num_beams, length_penalty, early_stopping), several returned
-        sequences (num_return_sequences), static caches (cache_implementation="static" or a StaticCache),
+    generate_kwargs: passed to `model.generate` (greedy decoding unless they say otherwise); stop_strings=
+        hands generate this `tokenizer` (a tokenizer= among them must be the same object). Supported modes:
+        greedy, sampling, beam search (num_beams, length_penalty, early_stopping), several returned sequences
+        (num_return_sequences), static caches (cache_implementation="static" or a StaticCache),
         assisted decoding (assistant_model=, prompt_lookup_num_tokens=), and a continued conversation:
         past_key_values=<the cache of the earlier turns> with input_ids = every token of all turns, whose
         inputs are then every token before the new generation. Other modes raise before generating.
     Returns one Explanation, or a list when there are several prompts or num_return_sequences > 1 (P
-    prompts with k sequences each: P * k, prompt-major, in generate's order). Each sequence's rows stop at
-    its own end-of-sequence token (included).
+    prompts with k sequences each: P * k, prompt-major, in generate's order). Each sequence ends where
+    generate stopped it: at its end-of-sequence token or the last token of a stop string (included), or
+    after max_new_tokens; the pads generate appends while other sequences go on are not part of it.
     fused_decode: see MacsConfig (None: the backend's default; True on the torch backend reads the key
     cache once per decode step, computing the attention output itself).
     continuous_batching=True: run the prompts through transformers' continuous-batching engine
@@ -296,7 +313,7 @@ def explain(model, tokenizer, prompt=None, *, input_ids=None, max_new_tokens=64,
         output = model.generate(ids, attention_mask=mask, **kwargs)
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
     generated = sequences[:, ids.shape[1]:]
-    explanations = _explanations(tracer, tokenizer, ids, mask, generated, _eos_ids(model, tokenizer), config)
+    explanations = _explanations(tracer, tokenizer, ids, mask, generated, config)
     return explanations if batched or plan.num_return_sequences > 1 else explanations[0]
 
 
@@ -350,7 +367,7 @@ class _StepStreamer:
         self.sink.put(None)
 
 
-def stream(model, tokenizer, prompt=None, *, input_ids=None, max_new_tokens=64, alpha=0.8, pooling="max",
+def stream(model, tokenizer, /, prompt=None, *, input_ids=None, max_new_tokens=64, alpha=0.8, pooling="max",
            redistribute=True, attention="softmax", backend=None, fused_decode=None, **generate_kwargs):
     """Like explain() for one prompt and one sequence, but yields (token_id, scores (N,)) as each token is
     made: the row Explanation.step_scores would hold for that step. Beam search and num_return_sequences > 1

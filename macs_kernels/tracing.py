@@ -17,7 +17,10 @@ cache and `generate` say:
   head-pooled row before the floor) of the scored rows; after the last layer it reduces over a tensor-parallel
   group, takes the floor and the log and sums over layers, once per pass;
 - events that reorder rows act on the records: beam search's `reorder_cache(beam_idx)` permutes them, and
-  the returned beams' rows are rebuilt from generate's `beam_indices`.
+  the returned beams' rows are rebuilt from generate's `beam_indices`;
+- a sequence ends where generate's stopping criteria (end-of-sequence, stop strings, the caller's) finished
+  it: the tracer sees their per-row verdicts (beam search: the returned beams' `beam_indices`), so the pads
+  generate appends to finished rows of a batch get no rows.
 
 Generation modes the tracer is tested on are allowed by name; anything else raises before generation,
 naming the option (`check_generate`). Per-layer extensions (AT2 query capture, row recording for
@@ -82,6 +85,7 @@ class GenerationPlan:
     num_return_sequences: int
     num_beams: int
     static_cache: bool
+    stop_strings: bool  # generate stops sequences at stop strings, which it needs `tokenizer=` to read
 
 
 def check_generate(model, generate_kwargs: dict, *, attention: str = "softmax") -> GenerationPlan:
@@ -128,7 +132,7 @@ def check_generate(model, generate_kwargs: dict, *, attention: str = "softmax") 
     if mode == "assisted_generation":
         support.check("generate", method, "assisted")
     beams = config.num_beams or 1
-    return GenerationPlan(mode, config.num_return_sequences or 1, beams, static)
+    return GenerationPlan(mode, config.num_return_sequences or 1, beams, static, config.stop_strings is not None)
 
 
 # ---- the tracer -----------------------------------------------------------------------------------
@@ -184,6 +188,10 @@ class Tracer:
         self.n_input_list: list[int] | None = None
         self._unpadded = False  # every item's inputs are keys [0, N) with one N (set per sequence)
         self._row_map = None
+        # Per batch row of a greedy, sampling or assisted generate: how many tokens it had generated when the
+        # stopping criteria finished it (-1 while it runs). generate then appends pads (or, without an
+        # end-of-sequence criterion, whatever it samples) until every row is done.
+        self._stops = None
         self._beam_indices = None
         self._returned = None
         self._plan = None
@@ -207,6 +215,13 @@ class Tracer:
         self._beam_indices = beam_indices if self._generation.num_beams > 1 else None
         self._returned = (sequences.shape[0], sequences.shape[1] - prompt_length)
         self._generation = None
+
+    def record_stops(self, is_done: torch.Tensor, length: int) -> None:
+        """generate's stopping criteria returned `is_done` (B,) with `length` tokens per row (prompt included):
+        a row's sequence ends the first time it is done."""
+        if self._stops is None:
+            self._stops = torch.full(is_done.shape, -1, dtype=torch.int64, device=is_done.device)
+        self._stops = torch.where(is_done & (self._stops < 0), length - self._prompt_length, self._stops)
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         """Beam search moved the cache's rows: row j now continues the sequence of row beam_idx[j]."""
@@ -409,7 +424,8 @@ class Tracer:
         row = self._row_map[item]
         written = int((row >= 0).long().cumprod(0).sum())
         steps = written if self._returned is None else min(written, self._returned[1])
-        return row[:steps], item
+        stop = -1 if self._stops is None else int(self._stops[item])
+        return row[:steps if stop < 0 else min(steps, stop)], item
 
     # ---- continuous batching (after generate_batch / init_continuous_batching ran in the attach block) ----
     def _continuous(self):
@@ -434,7 +450,8 @@ class Tracer:
         """(step_log_c, the paper's z-scores of c per step) of sequence `item`: (steps, N_item) float32 tensors
         on the CPU (rank with step_log_c; Explanation's step_scores are z-scores of log c).
 
-        Default steps: every generated token (generate) or every scored row (plain forwards)."""
+        Default steps: every token of the sequence (generate: up to where its stopping criteria finished it,
+        not the pads generate appends while other rows go on) or every scored row (plain forwards)."""
         ids, batch_row = self._row_ids(item)
         if steps is not None:
             if steps > ids.numel():
@@ -615,6 +632,29 @@ def _continuous_entry(model, tracer: Tracer, name: str, saved: dict, previous: s
     return functools.wraps(getattr(model, name))(enter)
 
 
+def _traced_stopping_criteria(tracer: Tracer, get_criteria):
+    """`model._get_stopping_criteria` while attached: the criteria of a traced generate also tell the tracer
+    which rows they finished (`Tracer.record_stops`). Beam search calls its criteria on candidate beams; the
+    returned beams' lengths come from beam_indices instead."""
+    from transformers import StoppingCriteriaList
+
+    class ObservedCriteria(StoppingCriteriaList):
+        def __call__(self, input_ids, scores, **kwargs):
+            is_done = super().__call__(input_ids, scores, **kwargs)
+            tracer.record_stops(is_done, input_ids.shape[-1])
+            return is_done
+
+    @functools.wraps(get_criteria)
+    def criteria(*args, **kwargs):
+        found = get_criteria(*args, **kwargs)
+        generation = tracer._generation
+        if tracer._suspended or generation is None or generation.num_beams > 1:
+            return found
+        return ObservedCriteria(found)
+
+    return criteria
+
+
 def _traced_reorder(tracer: Tracer, reorder):
     def reorder_cache(cache, beam_idx):
         if not tracer._suspended:
@@ -648,12 +688,13 @@ def attach(model, *, hooks=(), keep_pooled=False, **config):
         tracer = Tracer(macs_config, len(modules), device, hooks, keep_pooled=keep_pooled,
                         shards=head_shards(model, modules))
         _register()
-        wrapped = ("generate", "_reorder_cache", *_CONTINUOUS_ENTRIES)
+        wrapped = ("generate", "_reorder_cache", "_get_stopping_criteria", *_CONTINUOUS_ENTRIES)
         saved = {name: model.__dict__[name] for name in wrapped if name in model.__dict__}
         for module in modules.values():
             module._macs_tracer = tracer
         model.generate = _traced_generate(model, tracer, model.generate)
         model._reorder_cache = _traced_reorder(tracer, getattr(model, "_reorder_cache", None))
+        model._get_stopping_criteria = _traced_stopping_criteria(tracer, model._get_stopping_criteria)
         continuous = contextlib.ExitStack()
         for name in _CONTINUOUS_ENTRIES:
             setattr(model, name, _continuous_entry(model, tracer, name, saved, previous, continuous))

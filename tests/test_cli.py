@@ -76,6 +76,32 @@ def test_step_and_output_files_are_checked_before_generation(tmp_path, monkeypat
             main(_explain(*extra))
 
 
+def test_an_empty_prompt_question_or_context_is_refused_before_loading(monkeypatch):
+    def no_loading(args):
+        raise AssertionError("the model was loaded before the prompt was checked")
+
+    monkeypatch.setattr("macs_kernels.cli.explain.load_from_args", no_loading)
+    monkeypatch.setattr("macs_kernels.cli.at2.load_from_args", no_loading)
+    question, context = QUESTIONS[0]
+    refusals = [
+        (["--prompt", "   "], "--prompt is empty"),
+        (["--prompt", ""], "--prompt is empty"),
+        (["--question", " \t", "--context", context], "--question is empty"),
+        (["--question", question, "--context", "\n"], "--context is empty"),
+        (["--question", "  ", "--context", context, "--method", "at2"], "--question is empty"),
+    ]
+    for argv, match in refusals:
+        with pytest.raises(SystemExit, match=match):
+            main(["explain", *argv, "--max-new-tokens", "3"])
+
+
+def test_an_empty_prompt_exits_with_one_line_and_no_traceback():
+    done = subprocess.run([sys.executable, "-m", "macs_kernels", "explain", "--prompt", "   "], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == ["--prompt is empty (only whitespace)"]
+
+
 @pytest.mark.usefixtures("one_torch_thread")
 def test_a_step_past_an_early_end_keeps_the_json(tmp_path):
     """--step inside --max-new-tokens but past the end of a generation that stopped early: the JSON and HTML

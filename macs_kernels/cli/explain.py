@@ -39,6 +39,10 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.step is not None and not -args.max_new_tokens <= args.step < args.max_new_tokens:
         raise SystemExit(f"--step {args.step} is out of range: at most {args.max_new_tokens} tokens are generated "
                          f"(--max-new-tokens), so steps are {-args.max_new_tokens}..{args.max_new_tokens - 1}")
+    for option in ("prompt", "question", "context"):
+        text = getattr(args, option)
+        if text is not None and not text.strip():
+            raise SystemExit(f"--{option} is empty (only whitespace)")
     check_output_files(json=args.json, html=args.html)
     check_model_argument(args.model)
 

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from transformers import DynamicCache, StaticCache
+from transformers import DynamicCache, StaticCache, StoppingCriteria, StoppingCriteriaList
 
 from macs_kernels import attach, explain, stream, trace_tensors
 from macs_kernels.ops import torch_beams
@@ -410,3 +410,99 @@ def test_default_model_continued_conversation(real):
     explanation = explain(model, tokenizer, input_ids=both_turns, max_new_tokens=5, past_key_values=cache)
     assert torch.equal(explanation.input_ids, both_turns[0])
     _assert_explanations(model, explanation)
+
+
+# ---- stop strings: a sequence ends where generate stopped it -------------------------------------------
+def test_default_model_stop_strings_end_the_explanation_at_the_stop_string(real):
+    from macs_kernels.models import load_tokenizer
+
+    model, tokenizer = real
+    prompt = "Count from one to ten."  # greedy: "1. 1\n2. 2\n..."
+    # generate needs the tokenizer for stop strings: explain passes its own, and accepts the same one again.
+    for extra in ({}, {"tokenizer": tokenizer}):
+        explanation = explain(model, tokenizer, prompt, max_new_tokens=8, stop_strings=["."], **extra)
+        assert explanation.generated_tokens == ["1", "."]
+        _assert_explanations(model, explanation)
+    streamed = list(stream(model, tokenizer, prompt, max_new_tokens=8, stop_strings=["."]))
+    assert [token for token, _ in streamed] == explanation.generated_ids.tolist()
+    with pytest.raises(ValueError, match="tokenizer= is another tokenizer than explain's own"):
+        explain(model, tokenizer, prompt, max_new_tokens=8, stop_strings=["."], tokenizer=load_tokenizer())
+
+
+
+class _StopRowZeroAfter(StoppingCriteria):
+    """A caller's own stopping criterion: finishes batch row 0 once it has generated `steps` tokens."""
+
+    def __init__(self, prompt_length: int, steps: int):
+        self.prompt_length, self.steps = prompt_length, steps
+
+    def __call__(self, input_ids, scores, **kwargs):
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        done[0] = input_ids.shape[1] - self.prompt_length >= self.steps
+        return done
+
+
+@pytest.mark.parametrize("eos", [EOS, None], ids=["pads-follow", "no-eos-criterion"])
+def test_a_row_finished_by_a_stopping_criterion_has_only_its_own_rows(eos):
+    # generate fills a finished row with pads (pad 0 is not EOS) or, without an end-of-sequence criterion,
+    # with whatever it picks while the other rows go on: neither belongs to the sequence.
+    model = tiny_llama(heads=3, kv_heads=1)
+    model.generation_config.eos_token_id = eos
+    criteria = StoppingCriteriaList([_StopRowZeroAfter(PROMPTS.shape[1], 2)])
+    with torch.no_grad(), attach(model, backend="torch") as tracer:
+        out = model.generate(PROMPTS, attention_mask=MASK, max_new_tokens=6, pad_token_id=0, do_sample=False,
+                             stopping_criteria=criteria)
+    generated = out[:, PROMPTS.shape[1]:]
+    assert generated.shape[1] == 6 and bool((generated[0, 2:] == 0).all()) == (eos is not None)
+    for b, steps in enumerate([2, 6, 6]):
+        log_c, _ = tracer.rows(b)
+        assert_teacher_forced(model, PROMPTS[b][MASK[b].bool()], generated[b, :steps], log_c)
+
+
+STOPS = ["1.", "Red"]
+
+
+def _first_stop(tokenizer, generated_ids: list[int], eos: int) -> int:
+    """How many tokens a sequence keeps: up to its first end-of-sequence token or the first token whose text
+    completes a stop string (both kept), else all of them."""
+    for k in range(1, len(generated_ids) + 1):
+        text = tokenizer.decode(generated_ids[:k])
+        if generated_ids[k - 1] == eos or any(text.endswith(stop) for stop in STOPS):
+            return k
+    return len(generated_ids)
+
+
+@pytest.mark.parametrize("pad,generate_kwargs", [
+    ("<|im_end|>", {}),
+    ("<|endoftext|>", {}),
+    ("<|endoftext|>", dict(do_sample=True, num_return_sequences=2)),
+    # Without a length penalty beam search returns the short hypotheses that end at a stop string.
+    ("<|endoftext|>", dict(num_beams=2, num_return_sequences=2, length_penalty=0.0)),
+], ids=["pad-is-eos-greedy", "greedy", "sample-k2", "beams-k2"])
+def test_default_model_batch_sequences_end_where_generate_stopped_them(real, pad, generate_kwargs):
+    from macs_kernels.models import load_tokenizer
+
+    model, _ = real
+    tokenizer = load_tokenizer()
+    tokenizer.pad_token = pad  # <|endoftext|> (id 0) is not the end-of-sequence token <|im_end|> (id 2)
+    eos = tokenizer.eos_token_id
+    # Greedy: the first ends at "1." after 2 tokens, the second at "Red" after 8, the third at EOS after 14;
+    # generate pads the finished ones while the others go on.
+    prompts = ["Count from one to ten.", "Name a primary colour.", qa(1)]
+    torch.manual_seed(3)
+    result = explain(model, tokenizer, prompts, max_new_tokens=16, stop_strings=STOPS, backend="torch",
+                     **generate_kwargs)
+    assert len(result) == 3 * generate_kwargs.get("num_return_sequences", 1)
+    lengths = [len(item.generated_ids) for item in result]
+    for item in result:
+        ids = item.generated_ids.tolist()
+        assert len(ids) == _first_stop(tokenizer, ids, eos), ids
+        assert tokenizer.pad_token_id not in ids or tokenizer.pad_token_id == eos
+    if not generate_kwargs:
+        assert lengths == [2, 8, 14] and result[2].generated_ids[-1] == eos
+    if "num_beams" in generate_kwargs:  # a returned beam ended at a stop string before the longest one
+        assert any(n < max(lengths) and item.generated_ids[-1] != eos for n, item in zip(lengths, result))
+    for item in result:  # the eager reference alone: trace_tensors would add a forward per token
+        reference, _ = eager_macs(model, item.input_ids, item.generated_ids)
+        assert item.step_log_c.shape == reference.shape == (len(item.generated_ids), len(item.input_ids))
+        assert (item.step_log_c.double() - reference).abs().max() <= LOG_TOLERANCE
