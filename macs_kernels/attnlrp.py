@@ -161,7 +161,8 @@ def _check_ids(input_ids, generated_ids) -> tuple[torch.Tensor, torch.Tensor]:
         if ids.ndim != 1 or ids.numel() == 0 or ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be a non-empty 1-D integer tensor, got shape {tuple(ids.shape)} "
                              f"and dtype {ids.dtype}")
-    return input_ids.long(), generated_ids.long()
+    # clone(): ids made under torch.inference_mode (generate's output) cannot enter an autograd graph.
+    return input_ids.long().clone(), generated_ids.long().clone()
 
 
 def attribution(model, input_ids, generated_ids, *, variant: str = "attnlrp") -> Attribution:
@@ -172,6 +173,8 @@ def attribution(model, input_ids, generated_ids, *, variant: str = "attnlrp") ->
     from that step's target logit; relevance = (input embeddings * gradient).sum(-1). The model's parameters
     get no .grad.
     """
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError("AttnLRP needs gradients: call it outside torch.inference_mode()")
     input_ids, generated_ids = _check_ids(input_ids, generated_ids)
     n, steps = len(input_ids), len(generated_ids)
     device = next(model.parameters()).device

@@ -160,6 +160,11 @@ def test_bad_input_is_refused_by_name():
         attnlrp.relevance(model, prompt, generated[None])
     with pytest.raises(ValueError, match="input_ids"):
         attnlrp.relevance(model, prompt.float(), generated)
+    with torch.inference_mode():
+        made_in_inference_mode = generated.clone()
+        with pytest.raises(RuntimeError, match="inference_mode"):
+            attnlrp.relevance(model, prompt, generated)
+    assert attnlrp.relevance(model, prompt, made_in_inference_mode).shape == (len(generated), len(prompt))
     with pytest.raises(ValueError, match="variant"):
         attnlrp.relevance(model, prompt, generated, variant="lrp")
     model.train()
