@@ -33,11 +33,11 @@ KWARG = "atman_factors"
 _names = itertools.count()
 
 
-def _suppressed_attention(calls: list):
+def _suppressed_attention(calls: set):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, atman_factors=None,
                   **kwargs):
         """query (B, H, S_q, D); key, value (B, H_kv, S_kv, D); atman_factors (B, S_kv): per-key factor."""
-        calls.append(module.layer_idx)
+        calls.add(module.layer_idx)
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
         s_q, s_kv = query.shape[2], key.shape[2]
@@ -70,14 +70,14 @@ def suppression(model):
 
     The attention function and its mask function (transformers' sdpa_mask, so that attention stays causal
     and padded) are registered under a fresh name for this block only; the model's own attention
-    implementation is restored and both names unregistered on exit. Yields the list of layer indices the
+    implementation is restored and both names unregistered on exit. Yields the set of layer indices the
     function was called for (to check that the model's attention goes through it).
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     name = f"macs_atman_{next(_names)}"
-    calls: list[int] = []
+    calls: set[int] = set()
     previous = model.config._attn_implementation
     AttentionInterface.register(name, _suppressed_attention(calls))
     AttentionMaskInterface.register(name, sdpa_mask)
@@ -152,7 +152,7 @@ def relevance(model, input_ids, generated_ids, *, factor: float = FACTOR, thresh
 
     with suppression(model) as calls:
         clean = model(ids[None], use_cache=True, logits_to_keep=steps, **{KWARG: torch.ones(1, length, device=device)})
-        if sorted(set(calls)) != list(range(model.config.num_hidden_layers)):
+        if calls != set(range(model.config.num_hidden_layers)):
             raise ValueError(f"{type(model).__name__}'s attention does not go through transformers' "
                              "AttentionInterface in every layer: AtMan cannot suppress tokens in it")
         clean_ce = cross_entropy(clean.logits)[0]
