@@ -131,6 +131,21 @@ def test_cp_lrp_conserves_the_target_logit_and_attnlrp_reports_its_own_figure():
     assert torch.allclose(lrp.target_logits, plain, atol=1e-6)
 
 
+@pytest.mark.parametrize("architecture", ["Mistral", "Qwen2"])
+def test_other_llama_like_architectures_conserve_under_cp_lrp(architecture):
+    import transformers
+
+    config = getattr(transformers, f"{architecture}Config")(
+        vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, initializer_range=0.2)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{architecture}ForCausalLM")(config).eval()
+    prompt, generated = _ids(3, n=10, steps=3)
+    # Qwen2's q/k/v biases start at zero, so nothing absorbs relevance here either.
+    cp = attnlrp.attribution(model, prompt, generated, variant="cp-lrp")
+    assert torch.allclose(cp.relevance.sum(-1), cp.target_logits, rtol=1e-4, atol=1e-5)
+
+
 def test_nothing_stays_patched_and_the_model_keeps_its_gradients():
     import transformers.models.llama.modeling_llama as llama
     from transformers import AttentionInterface
