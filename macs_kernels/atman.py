@@ -9,8 +9,8 @@ conceptual_suppression.py, logit_parsing.py), in every layer and head:
   shift-invariant). The authors take the minimum over the whole row, future keys included; over the visible
   keys only, a token's suppression cannot reach the positions before it (causality, which the tests check).
 - conceptual suppression: every other position j of the input (prompt and generated prefix) whose input
-  embedding has cosine similarity >= threshold (0.7, the paper's value and the one in the authors' evaluation
-  script; their Explainer's default is 0.6) with token i's is suppressed too, by (1 - f)(1 - cos) + f.
+  embedding has cosine similarity >= threshold (0.7, the value of the authors' evaluation script; their
+  Explainer's default is 0.6) with token i's is suppressed too, by (1 - f)(1 - cos) + f.
 - relevance of token i for generated token k = CE_k(suppressed) - CE_k(clean), CE_k = -log p(token k | its
   teacher-forced prefix). The authors' logit_parsing returns clean - suppressed; the sign here makes
   "suppressing it hurts the answer" positive, which is what a ranking of important tokens wants.
@@ -114,7 +114,7 @@ def _check(input_ids, generated_ids, factor, threshold, batch_size):
             raise ValueError(f"{name} must be a non-empty 1-D integer tensor, got shape {tuple(ids.shape)} "
                              f"and dtype {ids.dtype}")
     if not factor > 0:
-        raise ValueError(f"factor must be positive (0.1 suppresses, the paper's value), got {factor}")
+        raise ValueError(f"factor must be positive (the authors' default 0.1 suppresses), got {factor}")
     if threshold is not None and not 0 <= threshold <= 1:
         raise ValueError(f"threshold must be in [0, 1] or None (no conceptual suppression), got {threshold}")
     if batch_size < 1:
