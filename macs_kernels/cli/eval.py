@@ -23,8 +23,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--range", help="START:STOP positions of the samples to use, e.g. 250:350")
     parser.add_argument("--n", type=int, help="take the first N samples (of --range when given)")
     parser.add_argument("--methods", help="comma-separated: macs, macs:pool=mean|min, macs:alpha=A, "
-                        "macs:redistribute=off, macs:attention=efficient, at2, attention-mean, rollout, random "
-                        "(default: all available)")
+                        "macs:redistribute=off, macs:attention=efficient, at2, attention-mean, rollout, random, "
+                        "attnlrp, atman (default: all available except attnlrp and atman)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--faithfulness-n", type=int, default=100,
                         help="masking curves on the first K samples (0: none)")

@@ -5,13 +5,17 @@ import dataclasses
 
 from ..config import MacsConfig
 
-BASE_METHODS = ("macs", "at2", "attention-mean", "rollout", "random")
+BASE_METHODS = ("macs", "at2", "attention-mean", "rollout", "random", "attnlrp", "atman")
+# Methods computed from the model after the generation (not from the recorded attention rows).
+MODEL_METHODS = ("rollout", "attnlrp", "atman")
 FAITHFULNESS_METHODS = ("macs", "at2", "attention-mean", "random")
 # Faithfulness metrics: name in the results -> name in faithfulness_curves' output.
 FAITHFULNESS_METRICS = {"perplexity": "perplexity", "rouge_l": "rouge_l", "logit": "mean_logit"}
 # AT2's coefficients are trained on stqa_350's questions 0-249: it is scored on the others only.
 AT2_FIRST_EVAL_INDEX = 250
 _MACS_OPTIONS = {"alpha": "alpha", "pool": "pooling", "redistribute": "redistribute", "attention": "attention"}
+# attnlrp (a backward pass per step) and atman (a forward per context token) are opt-in: they would multiply
+# the cost of a default run.
 DEFAULT_METHODS = ("macs", "macs:pool=mean", "macs:pool=min", "macs:alpha=0.2", "macs:alpha=0.5", "macs:alpha=1.0",
                    "macs:redistribute=off", "macs:attention=efficient", "at2", "attention-mean", "rollout", "random")
 
@@ -42,7 +46,8 @@ class Method:
 
 
 def parse_method(text: str) -> Method:
-    """'macs', 'macs:pool=mean', 'macs:alpha=1:redistribute=off', 'attention-mean', 'rollout', 'random', 'at2'."""
+    """'macs', 'macs:pool=mean', 'macs:alpha=1:redistribute=off', 'attention-mean', 'rollout', 'random', 'at2',
+    'attnlrp', 'atman'."""
     kind, _, options = text.strip().partition(":")
     if kind not in BASE_METHODS:
         raise ValueError(f"unknown method {text!r}; choose from {BASE_METHODS} (macs takes :key=value options)")

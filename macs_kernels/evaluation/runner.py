@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..parallel import SINGLE_PROCESS, Shard
-from .methods import FAITHFULNESS_METRICS, Method
+from .methods import FAITHFULNESS_METRICS, MODEL_METHODS, Method
 from .record_cache import RECORD_VERSION, load_record, records_dir, save_record
 from .scoring import RANDOM_SEED, method_identity, method_scores, score_auc
 from .store import RESULTS_FORMAT, Results, content_key, ids_digest
@@ -72,14 +72,15 @@ class Counts:
 
 
 class _Sample:
-    """One sample's generation: alignment, ids and (lazily) its record and rollout rows."""
+    """One sample's generation: alignment, ids and (lazily) its record and the rows of the model methods."""
 
     def __init__(self, runner: Runner, sample, alignment, line: dict | None):
         self.runner, self.sample, self.alignment = runner, sample, alignment
         self.prompt_ids = torch.tensor(alignment.input_ids)
         self.generation_key = generation_key(runner.settings, alignment.input_ids)
         self.line = line
-        self._record = self._rollout = None
+        self._record = None
+        self._model_rows: dict[str, np.ndarray] = {}
         self.generated_ids = None if line is None else torch.tensor(line["generated_ids"])
 
     def generate(self) -> None:
@@ -108,12 +109,27 @@ class _Sample:
             self.generate()
         return self._record
 
-    def rollout(self) -> np.ndarray:
-        if self._rollout is None:
-            from .record import rollout_rows
+    def model_rows(self, kind: str) -> np.ndarray:
+        """(steps, N) float64 scores of a method computed from the model (MODEL_METHODS), teacher-forced on this
+        sample's generation."""
+        if kind not in self._model_rows:
+            model, prompt, generated = self.runner.model, self.prompt_ids, self.generated_ids
+            if kind == "rollout":
+                from .record import rollout_rows
 
-            self._rollout = rollout_rows(self.runner.model, self.prompt_ids, self.generated_ids)
-        return self._rollout
+                rows = rollout_rows(model, prompt, generated)
+            elif kind == "attnlrp":
+                from .. import attnlrp
+
+                rows = attnlrp.relevance(model, prompt, generated).double().numpy()
+            else:
+                from .. import atman
+
+                # Only the context is ranked: the other prompt tokens are not suppressed (NaN).
+                rows = atman.relevance(model, prompt, generated, tokens=range(*self.alignment.context_tokens))
+                rows = rows.double().numpy()
+            self._model_rows[kind] = rows
+        return self._model_rows[kind]
 
 
 class Runner:
@@ -232,7 +248,7 @@ class Runner:
         ended = line["generated_ids"][-1] in _eos_ids(self.model, self.tokenizer)
         return method_scores(
             method, item.sample.index, item.record() if method.needs_record else None,
-            item.rollout() if method.kind == "rollout" else None, line["steps"], line["n_input"],
+            item.model_rows(method.kind) if method.kind in MODEL_METHODS else None, line["steps"], line["n_input"],
             tuple(line["context_tokens"]), max(line["steps"] - ended, 1),
         )
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .. import reference
-from .methods import Method, MethodUnavailable
+from .methods import MODEL_METHODS, Method, MethodUnavailable
 from .metrics import auc_pr_sample, count_ties, paper_form_zscores
 
 SCORING_VERSION = 1
@@ -58,7 +58,7 @@ def record_log_c(record: dict, method: Method) -> np.ndarray:
                             attention=config.attention)
 
 
-def method_scores(method: Method, index: int, record, rollout, steps: int, n_input: int, context,
+def method_scores(method: Method, index: int, record, model_rows, steps: int, n_input: int, context,
                   response_steps: int | None = None) -> dict:
     """{"rank": (steps, n_context) scores to rank by, "aggregate": (n_context,), "paper_form": (steps, n_context)}.
 
@@ -66,7 +66,8 @@ def method_scores(method: Method, index: int, record, rollout, steps: int, n_inp
     together); its aggregate row is the mean of the paper's step z-scores (Explanation.paper_scores: the
     recorded stqa_350 figures use it; Explanation.scores ranks by the mean log c instead). "paper_form" is
     the score as the paper computes it, whose ties are counted. response_steps: the steps before an
-    end-of-sequence token (AT2's aggregate target; default all).
+    end-of-sequence token (AT2's aggregate target; default all). model_rows: the (steps, N) scores of a method
+    computed from the model (rollout, attnlrp, atman; see MODEL_METHODS), else None.
     """
     response_steps = steps if response_steps is None else response_steps
     start, stop = context
@@ -84,8 +85,8 @@ def method_scores(method: Method, index: int, record, rollout, steps: int, n_inp
         per_step, aggregate = at2_from_record(record, at2_coefficients()[0], response_steps)
         return {"rank": per_step[:, start:stop], "aggregate": aggregate[start:stop],
                 "paper_form": per_step[:, start:stop].astype(np.float32)}
-    elif method.kind == "rollout":
-        full = rollout
+    elif method.kind in MODEL_METHODS:
+        full = model_rows
     elif method.kind == "random":
         full = np.random.default_rng([RANDOM_SEED, index, 0]).random((steps, n_input))
     else:
