@@ -44,6 +44,7 @@ __all__ = ["ContinuousTracer", "Segments", "attach_continuous", "macs_pool_packe
 WRAPPED_NAMES = ("sdpa", "paged|eager")
 _TRACER_ATTRIBUTE = "_macs_continuous_tracer"
 _PER_REQUEST_FIELDS = ("alpha", "pooling", "redistribute", "attention", "fused_decode")
+AT2_FEATURES = "at2_features"
 
 
 # ---- the registry wrapper -------------------------------------------------------------------------
@@ -162,16 +163,19 @@ class ContinuousTracer:
         self._pass: _Pass | None = None
 
     # ---- public API ---------------------------------------------------------------------------------
-    def configure(self, request_id: str, **config) -> None:
-        """Per-request alpha, pooling, redistribute or attention, given before the request is added."""
+    def configure(self, request_id: str, *, at2_features: bool = False, **config) -> None:
+        """Per-request alpha, pooling, redistribute, attention or fused_decode, given before the request is
+        added. at2_features: also keep AT2's features of its softmax rows (`at2_features(request_id)`)."""
         unknown = set(config) - set(_PER_REQUEST_FIELDS)
         if unknown:
             raise ValueError(f"configure() takes {_PER_REQUEST_FIELDS} per request, not {sorted(unknown)}")
         merged = dataclasses.replace(self.config, **config)
+        if at2_features and self.shards is not None:
+            support.check("continuous", "at2", "tensor_parallel")
         with self._lock:
             if self._runs(request_id):
                 raise RuntimeError(f"request {request_id!r} is already running; configure it before adding it")
-            self._configs[request_id] = merged
+            self._configs[request_id] = (merged, bool(at2_features))
 
     def skip(self, request_id: str) -> None:
         """No MACS work for this request (a server's request that did not ask for attribution), until release."""
@@ -188,6 +192,12 @@ class ContinuousTracer:
         """(step_log_c rows [cursor, stop), the new cursor); stop defaults to every row so far. A streaming
         reader's O(1) per token."""
         return self._rows(lambda: self.store.read(request_id, cursor, stop), request_id)
+
+    def at2_features(self, request_id: str) -> torch.Tensor:
+        """(L, H, N) float32: per layer and query head, the softmax attention of the request's scored rows on
+        each prompt token, averaged over its generated tokens so far (AT2's features before the sum over a
+        source's tokens; configure(request_id, at2_features=True) asks for them)."""
+        return self._rows(lambda: self.store.mean(request_id, AT2_FEATURES), request_id)
 
     def request_input_count(self, request_id: str) -> int:
         """N: the number of prompt tokens of the request (its inputs)."""
@@ -262,7 +272,7 @@ class ContinuousTracer:
         """A request the tracer has not seen run yet, or whose state the engine replaced (a restart)."""
         request_id = state.request_id
         if step == 0:
-            self.store.open(request_id, n_input, self._configs.pop(request_id, self.config))
+            self.store.open(request_id, n_input, self._configs.pop(request_id, (self.config, False)))
             self._grams.pop(request_id, None)
         else:
             self.store.open(request_id, n_input, step=step)
@@ -283,7 +293,7 @@ class ContinuousTracer:
             raise RuntimeError(
                 f"continuous batching pass with {len(batch)} requests but {len(cu_q) - 1} query segments"
             )
-        rows, starts, ends, n_inputs, configs, keys, emitting = [], [], [], [], [], [], []
+        rows, starts, ends, n_inputs, configs, keys, kept, emitting = [], [], [], [], [], [], [], []
         with self._lock:
             self._retire_finished()
             for i, future in enumerate(batch):
@@ -311,7 +321,10 @@ class ContinuousTracer:
                 starts.append(cu_k[i])
                 ends.append(cu_k[i + 1])
                 n_inputs.append(n_input)
-                configs.append(self.store.config(request_id))
+                config, at2 = self.store.config(request_id)
+                configs.append(config)
+                if at2:
+                    kept.append(len(keys))
                 keys.append((request_id, step))
         # The engine computes logits at exactly these rows; a mismatch means its packing changed under us.
         if kwargs["logits_indices"][: len(emitting)].tolist() != emitting:
@@ -324,7 +337,7 @@ class ContinuousTracer:
                             [c.redistribute for c in configs], device)
         efficient = [(r, key) for r, ((key, _), c) in enumerate(zip(keys, configs)) if c.attention == "efficient"]
         scorer = PackedRows(self.kernels, self.num_layers, torch.tensor(rows, device=device), segments, configs,
-                            self.shards)
+                            self.shards, keep=torch.tensor(kept, device=device) if kept else None)
         # Fused when every query row of the pass is scored and every request asked for it.
         fused = all(c.fused_decode for c in configs) and not efficient and rows == list(range(cu_q[-1]))
         self._pass = _Pass(scorer, keys, efficient, fused)
@@ -352,6 +365,10 @@ class ContinuousTracer:
         log_c, broken = log_c.cpu(), broken.tolist()
         # One request's non-finite attention fails that request (its reads raise), not the engine.
         self.store.put((key, index, None if broken[r] else log_c[r]) for r, (key, index) in enumerate(step.keys))
+        if step.scorer.keep is not None:
+            kept = step.scorer.kept.cpu()
+            for j, r in enumerate(step.scorer.keep.tolist()):
+                self.store.add(step.keys[r][0], AT2_FEATURES, kept[:, j, :, : step.scorer.segments.n_input[r]])
 
     def attention(self, module, query, key, value, attention_mask, inner, **kwargs):
         """One layer of a packed pass: the paged cache's update, the wrapped implementation on the keys it
@@ -407,6 +424,8 @@ def _check_manager(manager) -> None:
             "CUDA graphs and torch.compile in continuous batching replay the forward without the Python attention "
             "function that computes MACS; set use_cuda_graph=False and no compile configs"
         )
+    if (getattr(getattr(manager, "generation_config", None), "num_beams", None) or 1) > 1:
+        support.check("continuous", "exact", "beams")
     if manager.num_return_sequences > 1:
         support.check("continuous", "exact", "several")
 

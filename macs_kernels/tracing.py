@@ -49,7 +49,11 @@ WRAPPED_NAMES = {"sdpa": "macs_kernels", "eager": "macs_kernels_eager", "flash_a
 
 
 class TraceHook:
-    """Per-layer extension point: subclasses see each pass and each layer's tensors."""
+    """Per-layer extension point: subclasses see each pass and each layer's tensors. `method` names the
+    support table's method a hook computes (None: it follows any layout), so generation layouts it cannot
+    follow are refused before generate starts."""
+
+    method: str | None = None
 
     def begin_pass(self, tracer: Tracer, prefill: bool) -> None:
         pass
@@ -592,6 +596,11 @@ def _traced_generate(model, tracer: Tracer, generate):
                 "generate without input_ids (inputs_embeds) is not supported: the tracer needs the prompt's token slots"
             )
         plan = check_generate(model, kwargs, attention=tracer.config.attention)
+        layouts = [layout for layout, applies in (("beams", plan.num_beams > 1),
+                                                  ("assisted", plan.mode == "assisted_generation")) if applies]
+        for hook in tracer.hooks:
+            for layout in layouts if hook.method is not None else ():
+                support.check("generate", hook.method, layout)
         wants_dict = kwargs.get("return_dict_in_generate", False)
         if plan.num_beams > 1:
             kwargs["return_dict_in_generate"] = True  # the returned beams' ancestry: beam_indices

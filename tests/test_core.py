@@ -64,6 +64,19 @@ def test_finished_sequences_are_bounded_and_released_ones_say_so():
         RowStore(keep_finished=-1)
 
 
+def test_running_sums_average_over_steps_and_go_with_the_rows():
+    store = RowStore()
+    store.open("f", 2)
+    for step in range(3):
+        store.add("f", "at2", torch.full((2, 3), float(step)))
+    torch.testing.assert_close(store.mean("f", "at2"), torch.full((2, 3), 1.0))
+    with pytest.raises(KeyError, match="no other"):
+        store.mean("f", "other")
+    store.release("f")
+    with pytest.raises(KeyError, match="released"):
+        store.mean("f", "at2")
+
+
 def test_a_nan_row_fails_its_sequence_only():
     store = RowStore()
     for key in ("bad", "good"):
@@ -140,7 +153,7 @@ def test_score_definitions():
 # ---- layering ---------------------------------------------------------------------------------------
 LAYERS = {  # a module may import its own layer and the layers after it in this list, never one before
     "apps": ("serve", "cli", "evaluation", "at2", "bench", "integrations", "interop", "parallel", "__main__"),
-    "api": ("explanation", "viz", "prompts", "models"),
+    "api": ("explanation", "viz", "prompts", "models", "attnlrp", "atman"),
     "engines": ("tracing", "continuous", "hf_models", "efficient"),
     "core": ("core",),
     "ops": ("ops", "distributed", "reference", "config"),

@@ -31,6 +31,8 @@ class QueryCapture(TraceHook):
     `kv_len` (B,) is the key after the last captured row.
     """
 
+    method = "at2"
+
     def __init__(self, rows: int = 1):
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")

@@ -142,12 +142,15 @@ class PackedRows(PassRows):
     pass's (1, H, T, D) query and attends its own keys `segments` of the packed (1, H_kv, S, D) key tensor.
 
     configs: each row's MacsConfig (alpha, pooling, redistribute, attention differ per request).
+    keep: scored rows whose per-head softmax rows are kept per layer in `kept` (L, len(keep), H, L_max)
+        (AT2's features), or None.
     """
 
     def __init__(self, kernels: Kernels, num_layers: int, rows: torch.Tensor, segments: Segments, configs: list,
-                 shards: HeadShards | None = None):
+                 shards: HeadShards | None = None, keep: torch.Tensor | None = None):
         super().__init__(num_layers, (len(configs),), segments.n_max, rows.device, shards)
         self.kernels, self.rows, self.segments, self.configs = kernels, rows, segments, configs
+        self.keep, self.kept = keep, None
         device = rows.device
         self.alpha = torch.tensor([c.alpha for c in configs], dtype=torch.float32, device=device)
         self.poolings = [c.pooling for c in configs]
@@ -165,9 +168,12 @@ class PackedRows(PassRows):
     def pool(self, layer: int, query: torch.Tensor, key: torch.Tensor, scale: float) -> None:
         """m' of the scored rows of this layer's packed query (1, H, T, D) over key (1, H_kv, S, D)."""
         q_rows = query.index_select(2, self.rows)
-        if self.kernels.backend == "torch":
-            self._pool_probabilities(layer, self.segments.probabilities(q_rows[0], key[0], scale))
-            return
+        if self.kernels.backend == "torch" or self.keep is not None:
+            probabilities = self.segments.probabilities(q_rows[0], key[0], scale)
+            self._keep(layer, probabilities)
+            if self.kernels.backend == "torch":
+                self._pool_probabilities(layer, probabilities)
+                return
         segments, out = self.segments, self.pooled[layer]
         for pooling, redistribute, index in self.groups:
             ranges = (segments.input_start, segments.input_end, segments.kv_len)
@@ -186,6 +192,7 @@ class PackedRows(PassRows):
         traced requests), from the probabilities whose m' goes into layer `layer`: one read of K."""
         probabilities = self.segments.probabilities(query[0], key[0], scale)
         out = self.segments.outputs(probabilities, value[0])
+        self._keep(layer, probabilities)
         self._pool_probabilities(layer, probabilities)
         return out.unsqueeze(0).to(query.dtype)
 
@@ -197,6 +204,14 @@ class PackedRows(PassRows):
         if config.redistribute and attention.shape[-1] > n:
             inputs = inputs + attention[:, n:].sum(dim=-1, keepdim=True) / n
         self.pooled[layer, row, :n] = _POOL[config.pooling](inputs[None])[0]
+
+    def _keep(self, layer: int, probabilities: torch.Tensor) -> None:
+        if self.keep is None:
+            return
+        if self.kept is None:
+            self.kept = torch.empty(self.pooled.shape[0], len(self.keep), *probabilities.shape[1:],
+                                    dtype=torch.float32, device=probabilities.device)
+        torch.index_select(probabilities, 0, self.keep, out=self.kept[layer])
 
     def _pool_probabilities(self, layer: int, probabilities: torch.Tensor) -> None:
         inputs = self.segments.spread_inputs(probabilities)

@@ -28,6 +28,7 @@ class _Sequence:
     count: int = 0
     error: str | None = None
     finished: bool = False
+    sums: dict = dataclasses.field(default_factory=dict)  # name -> (running sum over steps, steps added)
 
 
 class RowStore:
@@ -86,6 +87,23 @@ class RowStore:
                     record.data = grown
                 record.data[step] = row[: record.n_input]
                 record.count = max(record.count, step + 1)
+
+    def add(self, key, name: str, value: torch.Tensor) -> None:
+        """Add one step's `value` to `key`'s running sum `name` (per-sequence features reduced over steps, such
+        as AT2's, kept and freed with the rows)."""
+        with self.lock:
+            record = self._get(key, check=False)
+            total, steps = record.sums.get(name, (None, 0))
+            record.sums[name] = (value.clone() if total is None else total.add_(value), steps + 1)
+
+    def mean(self, key, name: str) -> torch.Tensor:
+        """The mean over steps of `key`'s running sum `name` (a copy)."""
+        with self.lock:
+            record = self._get(key)
+            if name not in record.sums:
+                raise KeyError(f"sequence {key!r} has no {name}: it was not asked for, or no step produced any")
+            total, steps = record.sums[name]
+            return total / steps
 
     def finish(self, key) -> None:
         """`key` will get no more rows; it is kept (up to keep_finished) until released."""

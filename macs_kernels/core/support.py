@@ -34,8 +34,10 @@ UNSUPPORTED = {
     ("continuous", "*", "static_cache"): "continuous batching runs on its own paged cache",
     ("continuous", "*", "several"): "forked requests (num_return_sequences > 1) share prompt blocks the tracer "
                                     "does not follow yet",
-    ("continuous", "at2", "*"): "AT2 features are collected by the generate tracer only; use explain() or "
-                                "macs_kernels.trace_tensors(..., at2=True)",
+    ("continuous", "at2", "tensor_parallel"): "each rank holds its own heads' features; gathering them in the "
+                                              "engine's loop is not implemented",
+    ("generate", "at2", "beams"): "the captured queries do not follow beam search's reorders",
+    ("generate", "at2", "assisted"): "the captured queries do not drop rejected candidates",
     ("server", "*", "beams"): "the server decodes without beam search",
     ("server", "*", "assisted"): "the server decodes without assisted decoding",
     ("server", "*", "static_cache"): "the server runs continuous batching on its own paged cache",
@@ -43,25 +45,39 @@ UNSUPPORTED = {
 }
 
 
-def unsupported(engine: str, method: str, layout: str) -> str | None:
-    """Why `method` with `layout` cannot run on `engine`, or None when it can."""
+def _rule(engine: str, method: str, layout: str):
     if engine not in ENGINES or method not in METHODS or layout not in LAYOUTS:
         raise ValueError(f"unknown combination {engine!r}, {method!r}, {layout!r}; engines {ENGINES}, methods "
                          f"{tuple(METHODS)}, layouts {tuple(LAYOUTS)}")
     for key in ((engine, method, layout), (engine, "*", layout), (engine, method, "*")):
         if key in UNSUPPORTED:
-            return UNSUPPORTED[key]
+            return key
     return None
+
+
+def unsupported(engine: str, method: str, layout: str) -> str | None:
+    """Why `method` with `layout` cannot run on `engine`, or None when it can."""
+    key = _rule(engine, method, layout)
+    return None if key is None else UNSUPPORTED[key]
+
+
+def message(engine: str, method: str, layout: str) -> str | None:
+    """The refusal of `method` with `layout` on `engine` (naming only the options its rule names), or None."""
+    key = _rule(engine, method, layout)
+    if key is None:
+        return None
+    _, rule_method, rule_layout = key
+    what = " with ".join(part for part in (
+        METHODS[method] if rule_method != "*" else None, LAYOUTS[layout] if rule_layout != "*" else None,
+    ) if part)
+    return f"{what} is not supported under macs_kernels' {engine} engine: {UNSUPPORTED[key]}"
 
 
 def check(engine: str, method: str, layout: str) -> None:
     """Raise NotImplementedError, naming the options, when `method` with `layout` cannot run on `engine`."""
-    reason = unsupported(engine, method, layout)
-    if reason is not None:
-        raise NotImplementedError(
-            f"{METHODS[method]} with {LAYOUTS[layout]} is not supported under macs_kernels' {engine} engine: "
-            f"{reason}"
-        )
+    refusal = message(engine, method, layout)
+    if refusal is not None:
+        raise NotImplementedError(refusal)
 
 
 def method_of(config) -> str:

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 from ..config import ATTENTIONS, POOLINGS, MacsConfig
+from ..core import support
 
 
 class AttributionOptions(BaseModel):
@@ -26,6 +27,7 @@ class AttributionOptions(BaseModel):
     redistribute: StrictBool = True
     attention: Literal[ATTENTIONS] = "softmax"  # type: ignore[valid-type]
     fused_decode: StrictBool = False
+    method: Literal["macs", "at2"] = "macs"
     source: StrictStr | None = None
 
     @field_validator("alpha", mode="before")
@@ -42,6 +44,11 @@ class AttributionOptions(BaseModel):
     @model_validator(mode="after")
     def _valid(self):
         self.macs_config()  # one set of rules for every entry point; its ValueError names the field
+        if self.method != "macs":
+            try:
+                support.check("server", self.method, "greedy")
+            except NotImplementedError as refusal:
+                raise ValueError(str(refusal)) from None
         return self
 
 
@@ -73,7 +80,7 @@ class _Request(BaseModel):
             return None
         if not isinstance(value, dict):
             raise ValueError("attribution must be true, false or an object of options "
-                             "(alpha, pooling, redistribute, attention, fused_decode, source)")
+                             "(alpha, pooling, redistribute, attention, fused_decode, method, source)")
         return value
 
     @field_validator("max_tokens")

@@ -3,15 +3,24 @@ and its server process."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from tests.helpers import eager_macs
+from tests.helpers import eager_attentions, eager_macs
 from tests.serve.conftest import TINY, Server, tiny_chat_model
 
-__all__ = ["TINY", "eager_log_c"]
+__all__ = ["TINY", "eager_at2_features", "eager_log_c"]
 
 
 def eager_log_c(model, prompt_ids, generated_ids):
     return eager_macs(model, prompt_ids, generated_ids)[0]
+
+
+def eager_at2_features(model, prompt_ids, generated_ids, steps: int):
+    """(L, H, N) float64: each head's eager attention on the N prompt tokens, averaged over the `steps` query
+    rows that made the generated tokens (row k: the query at position N - 1 + k)."""
+    n = len(prompt_ids)
+    attentions = eager_attentions(model, prompt_ids, generated_ids[:steps])
+    return torch.stack([layer[:, n - 1 : n - 1 + steps, :n].double().mean(dim=1) for layer in attentions])
 
 
 @pytest.fixture(scope="session")

@@ -20,9 +20,10 @@ from macs_kernels import explain
 from macs_kernels.core import support
 from tests.integration.test_integration_efficient import _efficient_reference as efficient_reference
 
-from .conftest import TINY, eager_log_c
+from .conftest import TINY, eager_at2_features, eager_log_c
 
 LOG_C_TOLERANCE = 1e-3
+FEATURE_TOLERANCE = 1e-5  # attention probabilities in float32
 NEW_TOKENS = 5
 SHARED = "Hamlet is a tragedy written by William Shakespeare around 1600. It is set in Denmark, at Elsinore. "
 PROMPTS = {
@@ -42,11 +43,21 @@ LAYOUTS = {
     "chunked_prefill": ("three", {}),
     "cache_pressure": ("pressure", {}),
 }
-METHODS = {
+METHODS = {  # MACS methods: explain()'s options
     "exact": {"fused_decode": False},
     "fused": {"fused_decode": True},
     "efficient": {"attention": "efficient"},
 }
+AT2 = "at2"  # AT2's features (L, H, N): the mean over generated tokens of each head's attention on each input
+
+
+def _cb_config(layout: str) -> ContinuousBatchingConfig:
+    engine = {"page_size": 16, "max_batch_tokens": 256, "num_blocks": 64}
+    if layout == "chunked_prefill":
+        engine["max_batch_tokens"] = 16
+    if layout == "cache_pressure":
+        engine.update(page_size=4, num_blocks=20, max_batch_tokens=32)  # 80 cache tokens, 4 requests of ~60
+    return ContinuousBatchingConfig(**engine)
 
 
 def _sequences(result) -> list[tuple]:
@@ -61,11 +72,35 @@ def generate_engine(model, tokenizer, _server):
             pytest.skip("generate has no paged cache to put under pressure")
         if layout == "chunked_prefill":
             options = {"prefill_chunk_size": 8}
+        if method == AT2:
+            return _generate_at2(model, tokenizer, PROMPTS[prompts], options)
         prompt = PROMPTS[prompts] if len(PROMPTS[prompts]) > 1 else PROMPTS[prompts][0]
         return _sequences(explain(model, tokenizer, prompt, max_new_tokens=NEW_TOKENS, backend="torch",
                                   **METHODS[method], **options))
 
     return run
+
+
+def _generate_at2(model, tokenizer, prompts, options):
+    """AT2's features of generate: queries captured in the pass (QueryCapture), keys from the cache."""
+    from macs_kernels import attach
+    from macs_kernels.at2.features import QueryCapture
+    from macs_kernels.explanation import encode_prompts
+
+    ids, mask, _ = encode_prompts(tokenizer, prompts)
+    capture = QueryCapture()
+    with torch.no_grad(), attach(model, hooks=[capture], backend="torch") as tracer:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                             pad_token_id=tokenizer.pad_token_id, **options)
+    steps = torch.tensor([tracer.rows(i)[0].shape[0] for i in range(tracer.sequences())])
+    features = capture.features(source_start=tracer.input_start, source_end=tracer.input_end, target_end=steps)
+    sequences = []
+    for i, length in enumerate(steps.tolist()):
+        row = i // (len(steps) // len(prompts))
+        prompt_ids = ids[row][mask[row].bool()]
+        generated = out[i, ids.shape[1] : ids.shape[1] + length]
+        sequences.append((prompt_ids, generated, features[i, :, :, : len(prompt_ids)], length))
+    return sequences
 
 
 offload_requests = OffloadingManager.offload_requests
@@ -74,11 +109,6 @@ offload_requests = OffloadingManager.offload_requests
 def continuous_engine(model, tokenizer, _server):
     def run(method, layout):
         prompts, options = LAYOUTS[layout]
-        engine = {"page_size": 16, "max_batch_tokens": 256, "num_blocks": 64}
-        if layout == "chunked_prefill":
-            engine["max_batch_tokens"] = 16
-        if layout == "cache_pressure":
-            engine.update(page_size=4, num_blocks=20, max_batch_tokens=32)  # 80 cache tokens, 4 requests of ~60
         offloaded = []
 
         def offload(manager):
@@ -86,14 +116,38 @@ def continuous_engine(model, tokenizer, _server):
             return offloaded[-1]
 
         with mock.patch.object(OffloadingManager, "offload_requests", offload):
-            result = explain(model, tokenizer, PROMPTS[prompts], max_new_tokens=NEW_TOKENS, backend="torch",
-                             continuous_batching=True, continuous_batching_config=ContinuousBatchingConfig(**engine),
-                             **METHODS[method], **options)
+            if method == AT2:
+                result = _continuous_at2(model, tokenizer, PROMPTS[prompts], options, _cb_config(layout))
+            else:
+                result = _sequences(explain(
+                    model, tokenizer, PROMPTS[prompts], max_new_tokens=NEW_TOKENS, backend="torch",
+                    continuous_batching=True, continuous_batching_config=_cb_config(layout), **METHODS[method],
+                    **options,
+                ))
         if layout == "cache_pressure":
             assert any(offloaded), "the cache was not small enough to make the engine offload requests"
-        return _sequences(result)
+        return result
 
     return run
+
+
+def _continuous_at2(model, tokenizer, prompts, options, cb_config):
+    """AT2's features under continuous batching: configure(request, at2_features=True), read per request."""
+    from transformers import GenerationConfig
+
+    from macs_kernels.continuous import attach_continuous
+    from macs_kernels.explanation import encode_prompts
+
+    inputs = [encode_prompts(tokenizer, prompt)[0][0].tolist() for prompt in prompts]
+    generation = GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id, **{"do_sample": False} | options)
+    with attach_continuous(model, backend="torch") as tracer:
+        for i in range(len(inputs)):
+            tracer.configure(f"req_{i}", at2_features=True)
+        outputs = model.generate_batch(inputs, generation_config=generation, continuous_batching_config=cb_config)
+        return [(torch.tensor(output.prompt_ids), torch.tensor(output.generated_tokens),
+                 tracer.at2_features(request_id), len(output.generated_tokens))
+                for request_id, output in outputs.items()]
 
 
 def server_engine(_model, _tokenizer, server):
@@ -105,12 +159,14 @@ def server_engine(_model, _tokenizer, server):
         prompts, options = LAYOUTS[layout]
         if options:
             pytest.skip("the server's sampling options are issue 27's (not in this suite yet)")
-        attribution = {key: value for key, value in METHODS[method].items()}
+        attribution = {"method": AT2} if method == AT2 else dict(METHODS[method])
 
         def ask(text):
             body = {"model": TINY, "messages": [{"role": "user", "content": text}], "max_tokens": NEW_TOKENS,
                     "attribution": attribution}
             response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300)
+            if response.status_code == 400 and "is not supported under" in response.text:
+                raise NotImplementedError(response.json()["error"]["message"])
             assert response.status_code == 200, response.text
             return response.json()["attribution"]
 
@@ -129,22 +185,28 @@ ENGINES = {"generate": generate_engine, "continuous": continuous_engine, "server
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("method", [*METHODS, AT2])
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_rows_equal_the_teacher_forced_reference_or_are_refused(engine, method, layout, chat_model, request):
     model, tokenizer = chat_model
     server = request.getfixturevalue("conformance_server") if engine == "server" else None
     run = ENGINES[engine](model, tokenizer, server)
-    reason = support.unsupported(engine, method, layout)
+    refusal = support.message(engine, method, layout)
     torch.manual_seed(0)
-    if reason is not None:
-        with pytest.raises(NotImplementedError) as refusal:
+    if refusal is not None:
+        with pytest.raises(NotImplementedError) as refused:
             run(method, layout)
-        assert str(refusal.value).endswith(reason) and support.LAYOUTS[layout] in str(refusal.value)
+        assert refusal in str(refused.value)
         return
     sequences = run(method, layout)
     expected = len(PROMPTS[LAYOUTS[layout][0]]) * LAYOUTS[layout][1].get("num_return_sequences", 1)
     assert len(sequences) == expected
+    if method == AT2:
+        for prompt_ids, generated_ids, features, steps in sequences:
+            assert steps > 0 and features.shape[-1] == len(prompt_ids)
+            reference = eager_at2_features(model, prompt_ids, generated_ids, steps)
+            assert (features.double() - reference).abs().max() <= FEATURE_TOLERANCE
+        return
     for prompt_ids, generated_ids, log_c in sequences:
         assert log_c.shape == (len(generated_ids), len(prompt_ids)) and len(generated_ids) > 0
         if method == "efficient":
