@@ -155,7 +155,7 @@ class ContinuousTracer:
         self.keep_finished = keep_finished
         self._lock = threading.Lock()
         self._managers: list = []
-        self._configs: dict[str, MacsConfig] = {}  # per-request options given before the request starts
+        self._configs: dict[str, tuple] = {}  # request id -> (MacsConfig, AT2 features?) given before it starts
         self._skipped: set[str] = set()
         self._running: dict[str, tuple] = {}  # request id -> (its RequestState, the scheduler that runs it)
         self._grams: dict[str, GramState] = {}  # efficient attention: each request's Gram state per layer
