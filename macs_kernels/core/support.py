@@ -41,7 +41,6 @@ UNSUPPORTED = {
     ("server", "*", "beams"): "the server decodes without beam search",
     ("server", "*", "assisted"): "the server decodes without assisted decoding",
     ("server", "*", "static_cache"): "the server runs continuous batching on its own paged cache",
-    ("server", "at2", "*"): "the server returns MACS rows; AT2 features come from explain()",
 }
 
 

@@ -58,10 +58,11 @@ class _Attribution:
     def __init__(self, tokenizer, prompt: _Prompt, options: AttributionOptions):
         self.tokenizer, self.prompt = tokenizer, prompt
         config = options.macs_config()
-        self.config = config.as_dict() | {"engine": "continuous"}
+        self.config = config.as_dict() | {"engine": "continuous", "method": options.method}
         self.span = prompt.source_span or (0, len(prompt.ids))
         self.log_c_sum = None
         self.steps: list[Step] = []
+        self.at2_scores = None
 
     def header(self) -> dict:
         return {
@@ -76,11 +77,15 @@ class _Attribution:
         self.log_c_sum = log_c if self.log_c_sum is None else self.log_c_sum + log_c
         start, end = self.span
         mean = self.log_c_sum / len(self.steps)
-        return _finite({
+        payload = {
             "step": len(self.steps) - 1, "token_id": step.token_id, "log_c": step.log_c.tolist(),
             "scores": log_zscores(step.log_c).tolist(), "heat": _unit(log_c[start:end]),
             "heat_mean": _unit(mean[start:end]),
-        })
+        }
+        if step.at2_scores is not None:
+            self.at2_scores = step.at2_scores.tolist()
+            payload["at2_scores"] = self.at2_scores
+        return _finite(payload)
 
     def explanation(self, text: str) -> dict:
         generated = [s.token_id for s in self.steps]
@@ -92,7 +97,8 @@ class _Attribution:
             step_log_c=torch.stack([s.log_c for s in self.steps]) if self.steps else torch.zeros(0, n),
             config=self.config, text=text, source_span=self.prompt.source_span,
         )
-        return _finite(explanation.as_dict())
+        extra = {} if self.at2_scores is None else {"at2_scores": self.at2_scores}
+        return _finite(explanation.as_dict() | extra)
 
 
 class _Text:
@@ -202,7 +208,8 @@ def create_app(engine: Engine) -> FastAPI:
     async def run(body, prompt: _Prompt, options, chat: bool):
         check_model(body.model)
         job: Job = engine.job(prompt.ids, body.max_tokens, options.macs_config() if options else None,
-                              prompt_param="messages" if chat else "prompt")
+                              prompt_param="messages" if chat else "prompt",
+                              at2=options is not None and options.method == "at2")
         attribution = _Attribution(tokenizer, prompt, options) if options else None
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": engine.name}

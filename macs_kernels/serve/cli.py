@@ -33,6 +33,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--default-max-tokens", type=int, default=256,
                         help="max_tokens of a request that does not give one")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--at2-coefficients", default=None, metavar="PATH",
+                        help="AT2 coefficients for attribution.method='at2' (default: the packaged ones, when they "
+                             "were trained for the served model; else that method is refused)")
 
 
 def run_serve(args) -> int:
@@ -48,7 +51,7 @@ def run_serve(args) -> int:
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     engine = Engine(model, tokenizer, name=args.served_name or args.model or DEFAULT_MODEL,
                     cache_tokens=args.cache_tokens, page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
-                    default_max_tokens=args.default_max_tokens)
+                    default_max_tokens=args.default_max_tokens, at2_coefficients=args.at2_coefficients)
     # Uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight responses finish, then runs the
     # lifespan's shutdown, which drains and stops the engine.
     uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="info")

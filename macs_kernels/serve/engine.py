@@ -29,10 +29,12 @@ class RequestRejected(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One generated token; log_c (N,) float32 is its MACS row when attribution was asked for."""
+    """One generated token; log_c (N,) float32 is its MACS row when attribution was asked for; at2_scores (N,)
+    float32, on the last token of an AT2 request, each prompt token's AT2 score for the whole response."""
 
     token_id: int
     log_c: torch.Tensor | None = None
+    at2_scores: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,7 @@ class Job:
     input_ids: list[int]
     max_new_tokens: int
     attribution: MacsConfig | None = None
+    at2: bool = False
 
 
 class Engine:
@@ -48,10 +51,12 @@ class Engine:
     cache_tokens: KV-cache capacity in tokens (all requests together); a request's prompt plus its
         max_tokens must fit, and within the model's context.
     page_size, max_batch_tokens: the manager's paging and per-pass token budget.
+    at2_coefficients: AT2's (layers, heads) coefficients file for attribution.method='at2'; None takes the
+        packaged ones when they were trained for this model (else AT2 requests are refused).
     """
 
     def __init__(self, model, tokenizer, *, name: str, cache_tokens: int = 8192, page_size: int = 64,
-                 max_batch_tokens: int = 256, default_max_tokens: int = 256):
+                 max_batch_tokens: int = 256, default_max_tokens: int = 256, at2_coefficients=None):
         from transformers import ContinuousBatchingConfig, GenerationConfig
 
         from ..explanation import _eos_ids
@@ -75,6 +80,7 @@ class Engine:
         text_config = model.config.get_text_config()
         self.context_tokens = min(int(getattr(text_config, "max_position_embeddings", cache_tokens)), cache_tokens)
         self.default_max_tokens = default_max_tokens
+        self.at2_theta = _at2_theta(model, at2_coefficients)
         self._ids = itertools.count()
         self._stack = contextlib.ExitStack()
         self.manager = None
@@ -119,7 +125,7 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------------
     def job(self, input_ids: list[int], max_tokens: int | None, attribution: MacsConfig | None, *,
-            prompt_param: str = "messages") -> Job:
+            prompt_param: str = "messages", at2: bool = False) -> Job:
         """The job for a prompt, or RequestRejected when it cannot fit the context and the cache.
 
         prompt_param: the body field that holds the prompt, named in errors.
@@ -144,7 +150,12 @@ class Engine:
                 f"(model and KV cache) holds {self.context_tokens}, so at most {room} can be generated",
                 param="max_tokens", code="context_length_exceeded",
             )
-        return Job(list(input_ids), max_tokens, attribution)
+        if at2 and self.at2_theta is None:
+            raise RequestRejected(
+                "attribution.method='at2' needs AT2 coefficients trained for this server's model; start it with "
+                "--at2-coefficients (train them with `macs-kernels at2 train`)", param="attribution.method",
+            )
+        return Job(list(input_ids), max_tokens, attribution, at2)
 
     async def generate(self, job: Job) -> AsyncIterator[Step]:
         """Steps of `job` as they are made; closing the iterator early cancels the request and frees it."""
@@ -154,7 +165,7 @@ class Engine:
         outputs: asyncio.Queue = asyncio.Queue()
         manager = self.manager
         if job.attribution is not None:
-            self.tracer.configure(request_id, **_request_config(job.attribution))
+            self.tracer.configure(request_id, at2_features=job.at2, **_request_config(job.attribution))
         else:
             self.tracer.skip(request_id)
         manager.register_result_handler(request_id, outputs.put_nowait)
@@ -171,11 +182,15 @@ class Engine:
                 tokens = output.generated_tokens
                 if len(tokens) == sent:
                     continue
-                rows = None
+                rows = at2_scores = None
                 if job.attribution is not None:
                     rows, _ = self.tracer.read_rows(request_id, sent, len(tokens))
+                if finished and job.at2:
+                    # AT2's score of a prompt token: its features weighted by the (layer, head) coefficients.
+                    at2_scores = torch.einsum("lh,lhn->n", self.at2_theta, self.tracer.at2_features(request_id))
                 for k in range(sent, len(tokens)):
-                    yield Step(tokens[k], None if rows is None else rows[k - sent])
+                    last = k == len(tokens) - 1
+                    yield Step(tokens[k], None if rows is None else rows[k - sent], at2_scores if last else None)
                 sent = len(tokens)
         finally:
             self._streams -= 1
@@ -189,3 +204,19 @@ class Engine:
 def _request_config(config: MacsConfig) -> dict:
     return {k: v for k, v in config.as_dict().items()
             if k in ("alpha", "pooling", "redistribute", "attention", "fused_decode")}
+
+
+def _at2_theta(model, path) -> torch.Tensor | None:
+    """The (layers, heads) AT2 coefficients for `model`: from `path` (which must fit the model), else the packaged
+    ones when they were trained for it, else None."""
+    from ..at2.coefficients import DEFAULT_COEFFICIENTS, load_coefficients, model_shape, record_mismatch
+
+    theta, metadata = load_coefficients(path or DEFAULT_COEFFICIENTS)
+    mismatch = record_mismatch(metadata, model)
+    if tuple(theta.shape) != model_shape(model):
+        mismatch = f"theta is {tuple(theta.shape)}, the model has {model_shape(model)} (layers, heads)"
+    if mismatch is None:
+        return theta.float()
+    if path is not None:
+        raise ValueError(f"--at2-coefficients {path} were not trained for this model: {mismatch}")
+    return None

@@ -10,7 +10,6 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 from ..config import ATTENTIONS, POOLINGS, MacsConfig
-from ..core import support
 
 
 class AttributionOptions(BaseModel):
@@ -44,11 +43,6 @@ class AttributionOptions(BaseModel):
     @model_validator(mode="after")
     def _valid(self):
         self.macs_config()  # one set of rules for every entry point; its ValueError names the field
-        if self.method != "macs":
-            try:
-                support.check("server", self.method, "greedy")
-            except NotImplementedError as refusal:
-                raise ValueError(str(refusal)) from None
         return self
 
 

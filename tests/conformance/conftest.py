@@ -37,11 +37,23 @@ def chat_model(chat_model_folder):
     return load_model(str(chat_model_folder))
 
 
+@pytest.fixture(scope="session")
+def at2_theta(chat_model, tmp_path_factory):
+    """(path, theta): random AT2 coefficients recorded for the conformance model, for the server's AT2 scores."""
+    from macs_kernels.at2.coefficients import model_record, model_shape, save_coefficients
+
+    model, _ = chat_model
+    theta = torch.randn(*model_shape(model), generator=torch.Generator().manual_seed(5))
+    path = tmp_path_factory.mktemp("at2") / "theta.safetensors"
+    save_coefficients(path, theta, model_record(model))
+    return path, theta
+
+
 @pytest.fixture(scope="module")
-def conformance_server(chat_model_folder):
+def conformance_server(chat_model_folder, at2_theta):
     # A 16-token pass budget chunks every prefill; 128 cache tokens hold two ~60-token requests, so four
     # concurrent ones make the engine offload and restart requests.
     running = Server("--model", str(chat_model_folder), "--served-name", TINY, "--max-batch-tokens", "16",
-                     "--cache-tokens", "128", "--page-size", "4")
+                     "--cache-tokens", "128", "--page-size", "4", "--at2-coefficients", str(at2_theta[0]))
     yield running
     running.terminate()

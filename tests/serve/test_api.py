@@ -171,6 +171,14 @@ def test_bad_input_gets_an_openai_error(server, path, body, status, param, code)
     assert error["type"] == "invalid_request_error"
 
 
+def test_at2_without_coefficients_for_the_model_is_refused_naming_the_option(client):
+    # The packaged coefficients belong to the default model, not to this server's small random one.
+    with pytest.raises(openai.BadRequestError, match="--at2-coefficients") as refused:
+        client.chat.completions.create(model=MODEL, messages=qa(0), max_tokens=2,
+                                       extra_body={"attribution": {"method": "at2"}})
+    assert refused.value.body["param"] == "attribution.method"
+
+
 def test_errors_through_the_openai_client(client):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-4", messages=qa(0), max_tokens=2)
