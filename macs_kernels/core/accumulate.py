@@ -2,7 +2,7 @@
 group, the floor and log, the combine over layers, the NaN check. Engines say where each scored row's keys
 are (a batch-major cache with per-row ranges, or a packed key tensor with per-row segments) and call `pool`
 (or `decode`, which also returns the attention output from the same probabilities) once per layer; they
-hold no formula of their own.
+hold no formula of their own. A paged cache read through a block table (vLLM's) takes `PagedRows`.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ..distributed import HeadShards, reduce_pooled
 from ..ops import torch_beams
 from ..ops._dispatch import implementation
 from ..ops.torch_backend import _POOL, log_floor
-from ..ops.torch_packed import Segments
+from ..ops.torch_packed import Pages, Segments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,3 +216,32 @@ class PackedRows(PassRows):
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
         return super().finish(self.alpha, self.poolings, self.n_input)
+
+
+class PagedRows(PackedRows):
+    """Rows of a pass over a paged KV cache (vLLM's layout): scored row r is query row `rows[r]` of the pass's
+    (T, H, D) query and attends the first `lengths[r]` keys of its request, read through its block-table row
+    `block_table[r]`; the first n_input[r] of them are its inputs.
+
+    configs: each row's MacsConfig. Every layer gathers only the pages the rows attend and scores them in one
+    batched product: no loop over requests.
+    """
+
+    def __init__(self, kernels: Kernels, num_layers: int, rows: torch.Tensor, block_table: torch.Tensor,
+                 lengths: list, n_input: list, page_size: int, configs: list, shards: HeadShards | None = None):
+        if kernels.backend != "torch":
+            raise NotImplementedError(
+                f"PagedRows runs the torch form only; the {kernels.backend!r} backend's paged op is not wired here"
+            )
+        segments = Segments([0] * len(lengths), lengths, n_input, [c.redistribute for c in configs], rows.device)
+        super().__init__(kernels, num_layers, rows, segments, configs, shards)
+        self.pages = Pages(block_table, lengths, page_size)
+
+    def pool(self, layer: int, query: torch.Tensor, k_pages: torch.Tensor, scale: float) -> None:
+        """m' of the scored rows of this layer's packed query (T, H, D) over the paged keys k_pages
+        (P, page_size, H_kv, D), any strides."""
+        probabilities = self.pages.probabilities(query.index_select(0, self.rows), k_pages, scale)
+        self._pool_probabilities(layer, probabilities[..., : self.segments.length_max])
+
+    def decode(self, *args, **kwargs):
+        raise NotImplementedError("PagedRows scores rows only: the engine's own attention computes the outputs")
