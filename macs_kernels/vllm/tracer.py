@@ -146,6 +146,7 @@ class VllmTracer:
         extra = getattr(state.sampling_params, "extra_args", None) or {}
         config = None
         if OPTION in extra and extra[OPTION] is not False:
+            self._external[request_id.rsplit("-", 1)[0]] = request_id
             try:
                 config = parse_options(extra[OPTION])
             except (TypeError, ValueError, NotImplementedError) as error:
@@ -195,8 +196,6 @@ class VllmTracer:
                         continue
                     self.store.open(key, n_input, config, step=step)
                     self._running.add(key)
-                    if step == 0:
-                        self._external[key.rsplit("-", 1)[0]] = key
                 rows.append(ends[i] - 1)
                 lengths.append(seq_lens[i])
                 n_inputs.append(n_input)
