@@ -139,7 +139,8 @@ def test_score_definitions():
 
 # ---- layering ---------------------------------------------------------------------------------------
 LAYERS = {  # a module may import its own layer and the layers after it in this list, never one before
-    "apps": ("serve", "cli", "evaluation", "at2", "bench", "integrations", "interop", "parallel", "__main__"),
+    # vllm: an engine adapter (its tracer feeds the core) packaged with its plugin, worker extension and explain()
+    "apps": ("serve", "cli", "evaluation", "at2", "bench", "integrations", "interop", "parallel", "vllm", "__main__"),
     "api": ("explanation", "viz", "prompts", "models"),
     "engines": ("tracing", "continuous", "hf_models", "efficient"),
     "core": ("core",),

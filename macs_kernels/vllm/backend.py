@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from . import worker
+from . import tracer as tracing
 
 
 class MacsCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -13,7 +13,7 @@ class MacsCPUAttentionImpl(CPUAttentionBackendImpl):
                 output_block_scale=None):
         result = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                  output_block_scale)
-        tracer = worker.TRACER
+        tracer = tracing.ACTIVE
         if tracer is not None and attn_metadata is not None:
             tracer.layer(self, layer, query, kv_cache, attn_metadata)
         return result

@@ -25,6 +25,7 @@ from ..core import Kernels, PagedRows, RowStore, support
 
 OPTION = "attribution"  # the key of SamplingParams.extra_args that asks for attribution
 OPTIONS = ("alpha", "pooling", "redistribute", "attention")
+ACTIVE: VllmTracer | None = None  # this worker process's tracer, once the worker extension attached it
 
 
 def parse_options(options) -> MacsConfig:

@@ -4,10 +4,9 @@ that the attention backend of this process feeds."""
 from __future__ import annotations
 
 from ..core import support
-from .tracer import VllmTracer
+from . import tracer as tracing
 
 WORKER_EXTENSION = "macs_kernels.vllm.worker.AttributionWorker"
-TRACER: VllmTracer | None = None  # this worker process's tracer, once attached
 
 
 def attention_layers(vllm_config) -> dict:
@@ -62,28 +61,30 @@ class AttributionWorker:
 
     def macs_attach(self, keep_finished: int = 256) -> int:
         """Start following this worker's passes (once; later calls keep the tracer); returns the layer count."""
-        global TRACER
-        if TRACER is None or TRACER.runner is not self.model_runner:
-            TRACER = VllmTracer(self.model_runner, attention_layers(self.vllm_config), keep_finished)
-        return TRACER.num_layers
+        active = tracing.ACTIVE
+        if active is None or active.runner is not self.model_runner:
+            active = tracing.VllmTracer(self.model_runner, attention_layers(self.vllm_config), keep_finished)
+            tracing.ACTIVE = active
+        return active.num_layers
 
     def macs_rows(self, request_ids: list, release: bool = False) -> dict:
         """Each request's rows, by the id it was asked by (external or worker-side):
         {"n_input": N, "steps": steps, "log_c": float32 bytes of (steps, N)} or {"error": why}."""
-        if TRACER is None:
+        active = tracing.ACTIVE
+        if active is None:
             raise RuntimeError("macs_kernels is not attached to this engine: call macs_kernels.vllm.attach(llm)")
         found = {}
         for request_id in request_ids:
             try:
-                log_c, n_input = TRACER.rows(request_id)
+                log_c, n_input = active.rows(request_id)
                 found[request_id] = {"n_input": n_input, "steps": log_c.shape[0], "log_c": log_c.numpy().tobytes()}
             except (KeyError, ValueError, FloatingPointError, RuntimeError) as error:
                 found[request_id] = {"error": f"{type(error).__name__}: {error}"}
             if release:
-                TRACER.release(request_id)
+                active.release(request_id)
         return found
 
     def macs_release(self, request_ids: list) -> None:
-        if TRACER is not None:
+        if tracing.ACTIVE is not None:
             for request_id in request_ids:
-                TRACER.release(request_id)
+                tracing.ACTIVE.release(request_id)
