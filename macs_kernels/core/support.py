@@ -24,6 +24,7 @@ LAYOUTS = {  # layout -> the options that select it
     "cache_pressure": "cache pressure (requests offloaded and restarted)",
     "tensor_parallel": "tensor parallelism",
     "sliding_window": "sliding-window attention layers",
+    "speculative": "speculative decoding (speculative_config)",
 }
 
 # (engine, method or "*", layout or "*") -> why it is refused. Everything else is supported.
@@ -44,7 +45,7 @@ UNSUPPORTED = {
     ("vllm", "efficient", "*"): "the vLLM backend scores softmax rows; efficient attention needs a Gram state per "
                                 "request and layer that it does not keep",
     ("vllm", "at2", "*"): "the vLLM backend returns MACS rows; AT2 features come from explain()",
-    ("vllm", "*", "assisted"): "speculative decoding verifies several draft tokens per pass and rejects some; the "
+    ("vllm", "*", "speculative"): "speculative decoding verifies several draft tokens per pass and rejects some; the "
                                "backend scores one row per request and pass",
     ("vllm", "*", "tensor_parallel"): "the backend does not reduce head pooling over vLLM's tensor-parallel group "
                                       "yet",

@@ -21,7 +21,7 @@ def attention_layers(vllm_config) -> dict:
     from .backend import MacsCPUAttentionImpl
 
     if vllm_config.speculative_config is not None:
-        support.check("vllm", "exact", "assisted")
+        support.check("vllm", "exact", "speculative")
     parallel = vllm_config.parallel_config
     if parallel.tensor_parallel_size > 1:
         support.check("vllm", "exact", "tensor_parallel")

@@ -80,3 +80,36 @@ def test_the_multiprocessing_engine(tiny_path, tiny_reference, monkeypatch):
     finally:
         shut_down(llm)
     largest_difference(tiny_reference, explanations)
+
+
+def _refused_at_attach(path, match, **options):
+    llm = make_llm(path, **options)
+    try:
+        with pytest.raises(NotImplementedError, match=match):
+            macs_vllm.attach(llm)
+    finally:
+        shut_down(llm)
+
+
+def test_a_sliding_window_model_is_refused_before_work(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from macs_kernels.models import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=64,
+                           max_position_embeddings=4096)
+    MistralForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    _refused_at_attach(str(tmp_path), "sliding-window attention layers")
+
+
+def test_a_quantised_kv_cache_is_refused_before_work(tiny_path):
+    _refused_at_attach(tiny_path, "kv_cache_dtype='fp8'", kv_cache_dtype="fp8")
+
+
+def test_speculative_decoding_is_refused_before_work(tiny_path):
+    _refused_at_attach(tiny_path, r"speculative decoding \(speculative_config\) is not supported under macs_kernels' "
+                                  "vllm engine", speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                                     "prompt_lookup_max": 3, "prompt_lookup_min": 2})
