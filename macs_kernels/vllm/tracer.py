@@ -132,8 +132,6 @@ class VllmTracer:
         key = self.worker_id(request_id)
         with self._lock:
             self._errors.pop(key, None)
-            for external in [external for external, known in self._external.items() if known == key]:
-                del self._external[external]
             if key in self._running:  # still running: no more work for it
                 self._released.add(key)
         self.store.release(key)
@@ -148,10 +146,15 @@ class VllmTracer:
         config = None
         if OPTION in extra and extra[OPTION] is not False:
             self._external[request_id.rsplit("-", 1)[0]] = request_id
+            # Kept past release, so a late read says the rows were released; bounded like the store's record.
+            if len(self._external) > 4 * self.store.keep_finished + 64:
+                del self._external[next(iter(self._external))]
             try:
                 config = parse_options(extra[OPTION])
             except (TypeError, ValueError, NotImplementedError) as error:
                 self._errors[request_id] = str(error)
+                if len(self._errors) > self.store.keep_finished:  # never read: the oldest go, like finished rows
+                    del self._errors[next(iter(self._errors))]
         self._configs[request_id] = config
         return config
 

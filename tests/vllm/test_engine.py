@@ -107,6 +107,16 @@ def test_requests_without_attribution_are_untouched(llm, tiny_path):
     assert [list(o.outputs[0].token_ids) for o in mixed] == plain
 
 
+def test_released_rows_are_gone_and_say_so(llm):
+    macs_vllm.attach(llm)
+    asked = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, extra_args=macs_vllm.attribution())
+    output = llm.generate(token_prompts([25]), asked)[0]
+    assert macs_vllm.rows(llm, [output.request_id])[output.request_id].shape == (4, 25)
+    macs_vllm.release(llm, [output.request_id])
+    with pytest.raises(LookupError, match="released"):
+        macs_vllm.rows(llm, [output.request_id])
+
+
 def test_refusals_name_the_option(llm):
     with pytest.raises(ValueError, match="'beta'"):
         macs_vllm.explain(llm, ["hi"], greedy(2), beta=1)
