@@ -22,6 +22,7 @@ import torch
 
 from ..config import MacsConfig
 from ..core import Kernels, PagedRows, RowStore, support
+from ..distributed import HeadShards
 
 OPTION = "attribution"  # the key of SamplingParams.extra_args that asks for attribution
 OPTIONS = ("alpha", "pooling", "redistribute", "attention")
@@ -93,11 +94,14 @@ class VllmTracer:
     """MACS rows of one vLLM worker's requests, keyed by worker-side request id (`<external id>-<8 chars>`).
 
     runner: the worker's model runner (its input batch and request states); layers: the model's attention
-    layers by name, in forward order. Thread-safe for readers (collective_rpc) while the engine runs passes.
+    layers by name, in forward order; shards: vLLM's tensor-parallel split of the heads (every rank plans the
+    same rows from the same scheduler output, so the core's one reduction per pass pairs up across ranks).
+    Thread-safe for readers (collective_rpc) while the engine runs passes.
     """
 
-    def __init__(self, runner, layers: dict, keep_finished: int = 256):
+    def __init__(self, runner, layers: dict, keep_finished: int = 256, shards: HeadShards | None = None):
         self.runner = runner
+        self.shards = shards
         self.layers = {name: index for index, name in enumerate(layers)}
         self.num_layers = len(layers)
         self.kernels = Kernels.of("torch")
@@ -210,7 +214,7 @@ class VllmTracer:
             return
         block_table = metadata.block_table.index_select(0, torch.tensor(index))
         scorer = PagedRows(self.kernels, self.num_layers, torch.tensor(rows), block_table, lengths, n_inputs,
-                           page_size, planned)
+                           page_size, planned, self.shards)
         self._pass = _Pass(scorer, keys)
 
     def layer(self, impl, layer, query: torch.Tensor, kv_cache: torch.Tensor, metadata) -> None:

