@@ -11,7 +11,7 @@ backend in place. Build the engine with the worker extension, then either call `
     outputs = llm.generate(prompts, SamplingParams(extra_args={"attribution": {"pooling": "max"}}))
     log_c = macs_kernels.vllm.rows(llm, [outputs[0].request_id])[outputs[0].request_id]
 
-Requests without `extra_args["attribution"]` cost one dictionary look-up per pass. Importing this module
+Requests without `extra_args["attribution"]` cost one dictionary look-up each per pass. Importing this module
 does not import vLLM.
 """
 from __future__ import annotations
