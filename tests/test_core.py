@@ -1,5 +1,6 @@
 """The attribution core: the row store every engine writes, the pass accumulator's floor, log and NaN check,
-and the package's layering (no import cycle; each layer imports only the layers below it)."""
+paged rows over vLLM's and FLASH_ATTN's KV layouts, and the package's layering (no import cycle; each layer
+imports only the layers below it)."""
 import ast
 import math
 import pathlib
@@ -8,8 +9,11 @@ import threading
 import pytest
 import torch
 
-from macs_kernels.core import NAN_MESSAGE, PassRows, RowStore, log_zscores, paper_zscores
-from macs_kernels.ops import torch_backend
+from macs_kernels.config import MacsConfig
+from macs_kernels.core import NAN_MESSAGE, Kernels, PagedRows, PassRows, RowStore, log_zscores, paper_zscores
+from macs_kernels.ops import macs_pool, torch_backend
+from macs_kernels.ops.torch_backend import log_floor
+from macs_kernels.vllm.tracer import key_pages
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "macs_kernels"
 
@@ -152,7 +156,8 @@ def test_score_definitions():
 
 # ---- layering ---------------------------------------------------------------------------------------
 LAYERS = {  # a module may import its own layer and the layers after it in this list, never one before
-    "apps": ("serve", "cli", "evaluation", "at2", "bench", "integrations", "interop", "parallel", "__main__"),
+    # vllm: an engine adapter (its tracer feeds the core) packaged with its plugin, worker extension and explain()
+    "apps": ("serve", "cli", "evaluation", "at2", "bench", "integrations", "interop", "parallel", "vllm", "__main__"),
     "api": ("explanation", "viz", "prompts", "models", "attnlrp", "atman"),
     "engines": ("tracing", "continuous", "hf_models", "efficient"),
     "core": ("core",),
@@ -215,3 +220,61 @@ def test_each_layer_imports_only_the_layers_below_it():
         if _layer(module) >= 0 and _layer(target) >= 0 and _layer(target) < _layer(module)
     ]
     assert not wrong
+
+
+# ---- paged rows (the vLLM adapter's plan) --------------------------------------------------------------
+def _paged(keys_per_row, page_size, pages_total, layout):
+    """A paged cache holding each row's keys (H_kv, L, D) in shuffled pages, in `layout`, and its block table."""
+    kv_heads, dim = keys_per_row[0].shape[0], keys_per_row[0].shape[2]
+    order = torch.randperm(pages_total)
+    pages = torch.zeros(pages_total, page_size, kv_heads, dim)
+    width = max(-(-k.shape[1] // page_size) for k in keys_per_row)
+    table = torch.full((len(keys_per_row), width + 1), -1, dtype=torch.int32)
+    used = 0
+    for r, keys in enumerate(keys_per_row):
+        for j in range(-(-keys.shape[1] // page_size)):
+            chunk = keys[:, j * page_size:(j + 1) * page_size].transpose(0, 1)
+            pages[order[used], : chunk.shape[0]] = chunk
+            table[r, j] = order[used]
+            used += 1
+    if layout == "vllm_cpu":  # [P, H_kv, page, 2D] with key blocks transposed
+        cache = torch.zeros(pages_total, kv_heads, page_size, 2 * dim)
+        flat = cache.view(pages_total, kv_heads, 2 * page_size * dim)
+        flat[:, :, : page_size * dim] = pages.permute(0, 2, 3, 1).reshape(pages_total, kv_heads, -1)
+        return key_pages(cache, True), table
+    # FLASH_ATTN's [2, P, page, H_kv, D]: keys are its first half, unit stride in D
+    cache = torch.stack([pages, torch.randn_like(pages)])
+    return cache[0], table
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("layout", ["vllm_cpu", "flash_attn"])
+def test_paged_rows_equal_the_dense_op_per_row(layout, backend):
+    """PagedRows (the vLLM adapter's row plan) on vLLM's CPU cache layout and on FLASH_ATTN's GPU layout, per-row
+    options in one pass, against ops.macs_pool on each row's keys laid out contiguously."""
+    if backend == "triton" and layout == "vllm_cpu":
+        pytest.skip("the GPU backends read pages with a unit stride in D; vLLM's CPU keys are stored transposed")
+    if backend == "triton":
+        pytest.importorskip("triton")
+    heads, kv_heads, dim, page_size = 6, 2, 32, 32
+    lengths, n_input = [40, 97, 64, 130], [30, 60, 64, 100]
+    configs = [MacsConfig(), MacsConfig(pooling="mean", alpha=0.5), MacsConfig(redistribute=False),
+               MacsConfig(pooling="min", alpha=1.0)]
+    keys = [torch.randn(kv_heads, length, dim) for length in lengths]
+    k_pages, table = _paged(keys, page_size, 24, layout)
+    query = torch.randn(11, heads, dim)
+    rows = torch.tensor([2, 5, 7, 10])
+    scorer = PagedRows(Kernels.of(backend), 2, rows, table, lengths, n_input, page_size, configs)
+    layer_queries = [query, query * 0.5]
+    for layer, q in enumerate(layer_queries):
+        scorer.pool(layer, q, k_pages, 0.3)
+    log_c, broken = scorer.finish()
+    assert not broken.any()
+    for r, (config, length, n) in enumerate(zip(configs, lengths, n_input)):
+        expected = torch.zeros(n)
+        for q in layer_queries:
+            pooled = macs_pool(q[rows[r]][None], keys[r][None], input_start=0, input_end=n, kv_len=length, scale=0.3,
+                               pooling=config.pooling, redistribute=config.redistribute, backend="torch")
+            expected += log_floor(pooled[0], config.alpha)
+        torch.testing.assert_close(log_c[r, :n], expected, rtol=1e-5, atol=1e-5)
+        assert (log_c[r, n:] == 0).all()

@@ -1,8 +1,9 @@
-"""`macs-kernels bench`: generation throughput and peak memory (the benchmark itself: macs_kernels.bench), or
-with --serving the cost of attribution in a continuous-batching server (macs_kernels.bench.serving)."""
+"""`macs-kernels bench`: generation throughput and peak memory (the benchmark itself: macs_kernels.bench), with
+--serving the cost of attribution in a continuous-batching server (macs_kernels.bench.serving), or with --vllm
+in vLLM (macs_kernels.bench.vllm_engine)."""
 from __future__ import annotations
 
-from ..bench import generate, serving
+from ..bench import generate, serving, vllm_engine
 
 
 def add_parser(subparsers) -> None:
@@ -13,10 +14,13 @@ def add_parser(subparsers) -> None:
     )
     generate.add_arguments(parser)
     serving.add_arguments(parser)
+    vllm_engine.add_arguments(parser)
     parser.set_defaults(run=run)
 
 
 def run(args) -> int:
+    if args.vllm:
+        return vllm_engine.run(args)
     if args.serving:
         if args.repeats < 1:
             raise SystemExit("--repeats must be at least 1")

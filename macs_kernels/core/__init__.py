@@ -1,14 +1,14 @@
 """The attribution core that every engine feeds: per-pass accumulation (op choice, tensor-parallel head
 pooling, floor and log, combine over layers, NaN check), per-sequence row storage keyed by (sequence, step),
 and the score definitions. It knows nothing of transformers, vLLM or HTTP; engines (`tracing` for generate,
-`continuous` for continuous batching) translate their metadata into its row plans.
+`continuous` for continuous batching, `vllm` for vLLM) translate their metadata into its row plans.
 """
 from . import support
-from .accumulate import DenseRows, Kernels, PackedRows, PassRows
+from .accumulate import DenseRows, Kernels, PackedRows, PagedRows, PassRows
 from .rows import NAN_MESSAGE, RowStore
 from .scores import SCORE_DEFINITION, json_values, log_zscores, paper_zscores
 
 __all__ = [
-    "NAN_MESSAGE", "SCORE_DEFINITION", "DenseRows", "Kernels", "PackedRows", "PassRows", "RowStore", "json_values",
-    "log_zscores", "paper_zscores", "support",
+    "NAN_MESSAGE", "SCORE_DEFINITION", "DenseRows", "Kernels", "PackedRows", "PagedRows", "PassRows", "RowStore",
+    "json_values", "log_zscores", "paper_zscores", "support",
 ]

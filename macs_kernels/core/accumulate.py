@@ -2,7 +2,7 @@
 group, the floor and log, the combine over layers, the NaN check. Engines say where each scored row's keys
 are (a batch-major cache with per-row ranges, or a packed key tensor with per-row segments) and call `pool`
 (or `decode`, which also returns the attention output from the same probabilities) once per layer; they
-hold no formula of their own.
+hold no formula of their own. A paged cache read through a block table (vLLM's) takes `PagedRows`.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ..distributed import HeadShards, reduce_pooled
 from ..ops import torch_beams
 from ..ops._dispatch import implementation
 from ..ops.torch_backend import _POOL, log_floor
-from ..ops.torch_packed import Segments
+from ..ops.torch_packed import Pages, Segments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +29,7 @@ class Kernels:
     update_rows: object  # ops.macs_update_rows's kernel
     pool_dense: object | None  # rows that attend every slot causally: no mask, no gather
     decode_dense: object | None
+    pool_paged: object  # ops.macs_pool_paged's kernel
 
     @staticmethod
     def of(backend: str) -> Kernels:
@@ -37,7 +38,7 @@ class Kernels:
         return Kernels(
             backend, implementation(backend, "macs_pool"), implementation(backend, "decode_attention"),
             implementation(backend, "macs_update_rows"), getattr(special, "macs_pool_dense", None),
-            getattr(special, "decode_attention_dense", None),
+            getattr(special, "decode_attention_dense", None), implementation(backend, "macs_pool_paged"),
         )
 
 
@@ -231,3 +232,50 @@ class PackedRows(PassRows):
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
         return super().finish(self.alpha, self.poolings, self.n_input)
+
+
+class PagedRows(PackedRows):
+    """Rows of a pass over a paged KV cache (vLLM's layout): scored row r is query row `rows[r]` of the pass's
+    (T, H, D) query and attends the first `lengths[r]` keys of its request, read through its block-table row
+    `block_table[r]`; the first n_input[r] of them are its inputs.
+
+    configs: each row's MacsConfig. On torch every layer gathers only the pages the rows attend and scores them
+    in one batched product; the GPU backends' paged op reads the pages in place (one launch per option group).
+    No loop over requests either way.
+    """
+
+    def __init__(self, kernels: Kernels, num_layers: int, rows: torch.Tensor, block_table: torch.Tensor,
+                 lengths: list, n_input: list, page_size: int, configs: list, shards: HeadShards | None = None):
+        segments = Segments([0] * len(lengths), lengths, n_input, [c.redistribute for c in configs], rows.device)
+        super().__init__(kernels, num_layers, rows, segments, configs, shards)
+        if kernels.backend == "torch":
+            self.pages = Pages(block_table, lengths, page_size)
+            return
+        # The paged op's (B, 1) ranges and int32 table per option group, built once per pass.
+        table = block_table.to(torch.int32)
+        ends = torch.tensor([n_input, lengths], dtype=torch.int64, device=rows.device).T.unsqueeze(-1)
+        self.paged_groups = []
+        for pooling, redistribute, index in self.groups:
+            bounds = ends if index is None else ends.index_select(0, index)
+            self.paged_groups.append((
+                pooling, redistribute, index, table if index is None else table.index_select(0, index),
+                (torch.zeros_like(bounds[:, 0]), bounds[:, 0].contiguous(), bounds[:, 1].contiguous()),
+            ))
+
+    def pool(self, layer: int, query: torch.Tensor, k_pages: torch.Tensor, scale: float) -> None:
+        """m' of the scored rows of this layer's packed query (T, H, D) over the paged keys k_pages
+        (P, page_size, H_kv, D): any strides on torch, a unit stride in D on the other backends."""
+        q_rows = query.index_select(0, self.rows)
+        if self.kernels.backend == "torch":
+            probabilities = self.pages.probabilities(q_rows, k_pages, scale)
+            self._pool_probabilities(layer, probabilities[..., : self.segments.length_max])
+            return
+        for pooling, redistribute, index, table, ranges in self.paged_groups:
+            block = q_rows if index is None else q_rows.index_select(0, index)
+            pooled = torch.empty(block.shape[0], 1, self.segments.n_max, dtype=torch.float32, device=block.device)
+            self.kernels.pool_paged(block.unsqueeze(2), k_pages, table, pooled, *ranges, scale, pooling,
+                                    redistribute, None)
+            self._write(self.pooled[layer], index, pooled[:, 0])
+
+    def decode(self, *args, **kwargs):
+        raise NotImplementedError("PagedRows scores rows only: the engine's own attention computes the outputs")

@@ -4,7 +4,7 @@ work by `check`, with one message naming the options.
 """
 from __future__ import annotations
 
-ENGINES = ("generate", "continuous", "server")
+ENGINES = ("generate", "continuous", "server", "vllm")
 METHODS = {  # method -> the option that selects it
     "exact": "softmax rows",
     "fused": "fused_decode=True",
@@ -23,6 +23,8 @@ LAYOUTS = {  # layout -> the options that select it
     "shared_prefix": "shared prefixes",
     "cache_pressure": "cache pressure (requests offloaded and restarted)",
     "tensor_parallel": "tensor parallelism",
+    "sliding_window": "sliding-window attention layers",
+    "speculative": "speculative decoding (speculative_config)",
 }
 
 # (engine, method or "*", layout or "*") -> why it is refused. Everything else is supported.
@@ -41,6 +43,12 @@ UNSUPPORTED = {
     ("server", "*", "beams"): "the server decodes without beam search",
     ("server", "*", "assisted"): "the server decodes without assisted decoding",
     ("server", "*", "static_cache"): "the server runs continuous batching on its own paged cache",
+    ("vllm", "efficient", "*"): "the vLLM backend scores softmax rows; efficient attention needs a Gram state per "
+                                "request and layer that it does not keep",
+    ("vllm", "at2", "*"): "the vLLM backend returns MACS rows; AT2 features come from explain()",
+    ("vllm", "*", "speculative"): "speculative decoding verifies several draft tokens per pass and rejects some; the "
+                               "backend scores one row per request and pass",
+    ("vllm", "*", "sliding_window"): "a sliding-window layer attends only its window, not every input",
 }
 
 

@@ -101,3 +101,47 @@ def macs_pool_packed(q, key, segments: Segments, *, scale, pooling="max") -> tor
     return _POOL[pooling](segments.spread_inputs(segments.probabilities(q, key, float(scale))))
 
 
+
+
+class Pages:
+    """Where R query rows' keys lie in a paged cache (serving engines' layout): row r attends the first
+    lengths[r] keys of its item, key j in page block_table[r, j // page_size] at slot j % page_size.
+
+    Built once per pass from the rows' block-table rows; every layer then gathers only the pages the rows
+    attend (no padding to the longest row) and scores them in one batched product.
+    """
+
+    def __init__(self, block_table: torch.Tensor, lengths, page_size: int):
+        if block_table.dim() != 2 or block_table.shape[0] != len(lengths) or not lengths:
+            raise ValueError(f"block_table must be (R, pages) with R = {len(lengths)} rows, got "
+                             f"{tuple(block_table.shape)}")
+        device = block_table.device
+        self.page_size, self.rows = page_size, len(lengths)
+        counts = [-(-length // page_size) for length in lengths]
+        if max(counts) > block_table.shape[1]:
+            raise ValueError(f"a row attends {max(lengths)} keys but block_table holds {block_table.shape[1]} pages "
+                             f"of {page_size}")
+        self.pages_max = max(counts)
+        owner = torch.repeat_interleave(torch.arange(self.rows, device=device), torch.tensor(counts, device=device))
+        column = torch.cat([torch.arange(count, device=device) for count in counts])
+        self.owner, self.column = owner, column
+        self.pages = block_table[owner, column].long()
+        positions = torch.arange(self.pages_max * page_size, device=device)
+        # (R, 1, L) keys past a row's length (its last page's tail, and the pages it does not have)
+        self.outside = (positions >= torch.tensor(lengths, device=device).view(-1, 1)).unsqueeze(1)
+
+    def probabilities(self, q, k_pages, scale: float) -> torch.Tensor:
+        """Softmax rows (R, H, pages_max * page_size) float32 of q (R, H, D) over each row's own keys of
+        k_pages (P, page_size, H_kv, D), any strides; zeros past a row's length."""
+        rows, heads, dim = q.shape
+        kv_heads = k_pages.shape[2]
+        group = heads // kv_heads
+        # (pages, H_kv, D, page_size): the matmul's right operand; free for a page-transposed cache (vLLM's
+        # CPU layout), one copy of the attended pages otherwise.
+        keys = k_pages.permute(0, 2, 3, 1).index_select(0, self.pages).float()
+        grouped = (q.float() * scale).view(rows, kv_heads, group, dim).index_select(0, self.owner)
+        page_scores = torch.matmul(grouped, keys).view(len(self.pages), heads, self.page_size)
+        scores = torch.empty(rows, heads, self.pages_max, self.page_size, dtype=torch.float32, device=q.device)
+        scores[self.owner, :, self.column] = page_scores
+        scores = scores.view(rows, heads, -1).masked_fill_(self.outside, float("-inf"))
+        return torch.softmax(scores, dim=-1)

@@ -1,0 +1,244 @@
+"""The vLLM adapter over the attribution core: it turns each forward pass's attention metadata into the core's
+row plan (`PagedRows`) and stores the rows in a `RowStore`, keyed by (request id, step).
+
+Per pass (at the model's first attention layer) the tracer reads which requests the pass runs, in batch
+order, from the model runner (`input_batch.req_ids`, the same order as the metadata's query_start_loc,
+seq_lens and block_table rows) and plans one scored row per request that asked for attribution and gets a
+token from this pass: the last query of a prefill's final chunk (chunks that end before the prompt does are
+skipped: the runner discards their sample) or the single decode query. Its keys are the request's first
+seq_len keys in vLLM's paged KV cache, shared prefix blocks included; its step is seq_len - N. A request that
+vLLM preempts and recomputes replays prompt + output as one prefill whose last query is the step it resumes
+at: the store resumes the rows it had. Every layer then scores all planned rows at once (`PagedRows.pool`);
+the last layer takes the floor, the log and the sum over layers in the core and stores the rows.
+
+Nothing here has a formula of its own.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import torch
+
+from ..config import MacsConfig
+from ..core import Kernels, PagedRows, RowStore, support
+from ..distributed import HeadShards
+
+OPTION = "attribution"  # the key of SamplingParams.extra_args that asks for attribution
+OPTIONS = ("alpha", "pooling", "redistribute", "attention")
+ACTIVE: VllmTracer | None = None  # this worker process's tracer, once the worker extension attached it
+
+
+def parse_options(options) -> MacsConfig:
+    """The MacsConfig of a request's `extra_args["attribution"]` (a dict of OPTIONS; {} or True: the paper's
+    defaults). Raises naming the option vLLM's integration cannot take."""
+    if options is True:
+        options = {}
+    if not isinstance(options, dict):
+        raise TypeError(f"extra_args[{OPTION!r}] must be a dict of {OPTIONS} (or True), got {options!r}")
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown attribution option(s) {unknown}: vLLM requests take {OPTIONS}")
+    config = MacsConfig(**options)
+    support.check("vllm", support.method_of(config), "greedy")
+    return config
+
+
+def key_pages(kv_cache: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """vLLM's CPU cache [num_blocks, H_kv, block_size, 2 * D] (each (block, head) holds its block_size keys,
+    then its values) as the keys' (num_blocks, block_size, H_kv, D) view, no copy. The backend stores a key
+    block transposed ([D, block_size]) for its `vec` ISAs and plain otherwise (`probe_layout` says which)."""
+    blocks, kv_heads, block_size, twice = kv_cache.shape
+    dim = twice // 2
+    keys = kv_cache.view(blocks, kv_heads, 2 * block_size * dim)[:, :, : block_size * dim]
+    if transposed:
+        return keys.unflatten(2, (dim, block_size)).permute(0, 3, 1, 2)
+    return keys.unflatten(2, (block_size, dim)).permute(0, 2, 1, 3)
+
+
+def probe_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> bool:
+    """Whether the CPU backend's cache writer stores key blocks transposed for this ISA, found by writing known
+    keys with the backend's own writer (`cpu_attn_reshape_and_cache`) and reading them back through
+    `key_pages`. Raises for a packing that is neither plain nor transposed (AMX's bf16 pairs)."""
+    from vllm import _custom_ops as ops
+
+    cache = torch.zeros(2, 1, block_size, 2 * head_size, dtype=dtype)
+    halves = cache.view(2, 1, 2 * block_size, head_size).chunk(2, dim=2)
+    slots = torch.arange(block_size, 2 * block_size)  # block 1: a block other than the first
+    # Slot and dimension indices (mod 256, exact in every float type) identify where each key element went.
+    codes = [torch.arange(block_size).view(-1, 1, 1).expand(-1, 1, head_size),
+             torch.arange(head_size).view(1, 1, -1).expand(block_size, 1, -1)]
+    for transposed in (True, False):
+        found = True
+        for code in codes:
+            written = (code % 256).to(dtype).contiguous()
+            cache.zero_()
+            ops.cpu_attn_reshape_and_cache(written, written, halves[0], halves[1], slots, isa, k_scale=1.0,
+                                           v_scale=1.0, kv_cache_dtype="auto")
+            found = found and torch.equal(key_pages(cache, transposed)[1, :, 0], written[:, 0])
+        if found:
+            return transposed
+    raise NotImplementedError(
+        f"vLLM's CPU attention ISA {isa!r} packs {dtype} key blocks in a layout macs_kernels cannot read; "
+        "run the model in float32"
+    )
+
+
+@dataclasses.dataclass
+class _Pass:
+    scorer: PagedRows
+    keys: list  # (request id, step) per scored row
+
+
+class VllmTracer:
+    """MACS rows of one vLLM worker's requests, keyed by worker-side request id (`<external id>-<8 chars>`).
+
+    runner: the worker's model runner (its input batch and request states); layers: the model's attention
+    layers by name, in forward order; shards: vLLM's tensor-parallel split of the heads (every rank plans the
+    same rows from the same scheduler output, so the core's one reduction per pass pairs up across ranks).
+    Thread-safe for readers (collective_rpc) while the engine runs passes.
+    """
+
+    def __init__(self, runner, layers: dict, keep_finished: int = 256, shards: HeadShards | None = None):
+        self.runner = runner
+        self.shards = shards
+        self.layers = {name: index for index, name in enumerate(layers)}
+        self.num_layers = len(layers)
+        self.kernels = Kernels.of("torch")
+        self.store = RowStore(keep_finished)
+        self._lock = threading.Lock()
+        self._configs: dict[str, MacsConfig | None] = {}  # None: the request did not ask
+        self._errors: dict[str, str] = {}  # requests whose options were refused
+        self._running: set[str] = set()  # requests with rows open in the store
+        self._external: dict[str, str] = {}  # external id -> the worker-side id of its latest request
+        self._released: set[str] = set()
+        self._transposed: dict[tuple, bool] = {}
+        self._pass: _Pass | None = None
+
+    # ---- readers (collective_rpc) -------------------------------------------------------------------
+    def worker_id(self, request_id: str) -> str:
+        """The worker-side id of `request_id`, given as either."""
+        with self._lock:
+            if request_id in self._errors or request_id in self.store:
+                return request_id
+            return self._external.get(request_id, request_id)
+
+    def rows(self, request_id: str) -> tuple[torch.Tensor, int]:
+        """(log c (steps, N) float32, N) of a request (external or worker-side id)."""
+        key = self.worker_id(request_id)
+        with self._lock:
+            error = self._errors.get(key)
+        if error is not None:
+            raise ValueError(f"request {request_id!r}: {error}")
+        return self.store.rows(key), self.store.n_input(key)
+
+    def release(self, request_id: str) -> None:
+        key = self.worker_id(request_id)
+        with self._lock:
+            self._errors.pop(key, None)
+            if key in self._running:  # still running: no more work for it
+                self._released.add(key)
+        self.store.release(key)
+
+    # ---- one forward pass -----------------------------------------------------------------------------
+    def _config(self, request_id: str, state) -> MacsConfig | None:
+        """The request's options (parsed once); a refused option records an error for the reader, never a
+        failed engine."""
+        if request_id in self._configs:
+            return self._configs[request_id]
+        extra = getattr(state.sampling_params, "extra_args", None) or {}
+        config = None
+        if OPTION in extra and extra[OPTION] is not False:
+            self._external[request_id.rsplit("-", 1)[0]] = request_id
+            # Kept past release, so a late read says the rows were released; bounded like the store's record.
+            if len(self._external) > 4 * self.store.keep_finished + 64:
+                del self._external[next(iter(self._external))]
+            try:
+                config = parse_options(extra[OPTION])
+            except (TypeError, ValueError, NotImplementedError) as error:
+                self._errors[request_id] = str(error)
+                if len(self._errors) > self.store.keep_finished:  # never read: the oldest go, like finished rows
+                    del self._errors[next(iter(self._errors))]
+        self._configs[request_id] = config
+        return config
+
+    def _retire(self) -> None:
+        """Requests the runner no longer holds are finished (a preempted request keeps its state there)."""
+        requests = self.runner.requests
+        for key in [key for key in self._configs if key not in requests]:
+            del self._configs[key]
+            if key in self._running:
+                self._running.discard(key)
+                if key in self._released:
+                    self._released.discard(key)
+                else:
+                    self.store.finish(key)
+
+    def _begin_pass(self, metadata, page_size: int) -> None:
+        self._pass = None
+        runner = self.runner
+        request_ids = runner.input_batch.req_ids
+        with self._lock:
+            self._retire()
+            configs = [self._config(key, runner.requests[key]) for key in request_ids]
+            if all(config is None for config in configs):
+                return
+            if len(request_ids) + 1 != metadata.query_start_loc.shape[0]:
+                raise RuntimeError(
+                    f"vLLM pass with {metadata.query_start_loc.shape[0] - 1} query segments but "
+                    f"{len(request_ids)} requests in the runner's batch: macs_kernels cannot tell whose rows these are"
+                )
+            # The runner's own record of which requests this pass gives no token (chunks that end before the
+            # prompt); its logits rows are sampled and thrown away.
+            discarded = runner.discard_request_mask.np[: len(request_ids)].tolist()
+            seq_lens = metadata.seq_lens.tolist()
+            ends = metadata.query_start_loc[1:].tolist()
+            rows, lengths, n_inputs, planned, keys, index = [], [], [], [], [], []
+            for i, (key, config) in enumerate(zip(request_ids, configs)):
+                if config is None or discarded[i] or key in self._released:
+                    continue
+                n_input = runner.requests[key].num_prompt_tokens
+                step = seq_lens[i] - n_input
+                if key not in self._running:
+                    if step > 0 and key not in self.store:  # released while vLLM preempted it
+                        continue
+                    self.store.open(key, n_input, config, step=step)
+                    self._running.add(key)
+                rows.append(ends[i] - 1)
+                lengths.append(seq_lens[i])
+                n_inputs.append(n_input)
+                planned.append(config)
+                keys.append((key, step))
+                index.append(i)
+        if not rows:
+            return
+        block_table = metadata.block_table.index_select(0, torch.tensor(index))
+        scorer = PagedRows(self.kernels, self.num_layers, torch.tensor(rows), block_table, lengths, n_inputs,
+                           page_size, planned, self.shards)
+        self._pass = _Pass(scorer, keys)
+
+    def layer(self, impl, layer, query: torch.Tensor, kv_cache: torch.Tensor, metadata) -> None:
+        """This layer's MACS term for the pass's scored rows, after vLLM's own attention wrote its output (and
+        the cache holds this pass's keys)."""
+        index = self.layers.get(layer.layer_name)
+        if index is None:
+            return
+        if index == 0:
+            self._begin_pass(metadata, kv_cache.shape[2])
+        step = self._pass
+        if step is None:
+            return
+        layout = (layer.isa, kv_cache.dtype, kv_cache.shape[2], impl.head_size)
+        if layout not in self._transposed:
+            self._transposed[layout] = probe_layout(*layout)
+        pages = key_pages(kv_cache, self._transposed[layout])
+        step.scorer.pool(index, query, pages, impl.scale)
+        if index == self.num_layers - 1:
+            self._end_pass()
+
+    def _end_pass(self) -> None:
+        step, self._pass = self._pass, None
+        log_c, broken = step.scorer.finish()
+        broken = broken.tolist()
+        # One request's non-finite attention fails that request (its reads raise), not the engine.
+        self.store.put((key, index, None if broken[r] else log_c[r]) for r, (key, index) in enumerate(step.keys))

