@@ -108,9 +108,9 @@ def test_heads_that_do_not_split_evenly_are_refused(tmp_path):
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    refusals = [line for line in result.stdout.splitlines() if line.startswith("REFUSED:")]
-    assert len(refusals) == 2
-    assert all("do not split evenly over 2 tensor-parallel ranks" in line for line in refusals)
+    # Both ranks print to one pipe: their lines can interleave, so count the messages, not the lines.
+    assert result.stdout.count("REFUSED:") == 2
+    assert result.stdout.count("do not split evenly over 2 tensor-parallel ranks") == 2
 
 
 @pytest.mark.slow
