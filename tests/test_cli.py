@@ -1,4 +1,5 @@
 """The `macs-kernels` command itself: --help without torch, and arguments refused before any model loads."""
+import argparse
 import json
 import subprocess
 import sys
@@ -132,3 +133,16 @@ def test_a_subcommand_module_is_added_by_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "fake_subcommand", module)
     monkeypatch.setattr(cli, "SUBCOMMAND_MODULES", (*cli.SUBCOMMAND_MODULES, "fake_subcommand"))
     assert cli.main(["fake", "--port", "9"]) == 9
+
+
+def test_help_names_every_subcommand_and_each_option_default():
+    parser = build_parser()
+    names = [module.rsplit(".", 2)[-2 if module.endswith(".cli") else -1] for module in SUBCOMMAND_MODULES]
+    assert parser.description.endswith(" | ".join(names) + ".")
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    explain = " ".join(subcommands["explain"].format_help().split())
+    assert "--alpha ALPHA default: 0.8" in explain and "--max-new-tokens MAX_NEW_TOKENS default: 64" in explain
+    serve = " ".join(subcommands["serve"].format_help().split())
+    assert "--port PORT default: 8000" in serve
+    assert serve.count("default: float32") == 1  # a second --help does not repeat it
+    assert " ".join(subcommands["serve"].format_help().split()) == serve

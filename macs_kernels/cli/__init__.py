@@ -1,4 +1,4 @@
-"""The `macs-kernels` command: explain | eval | bench | at2.
+"""The `macs-kernels` command: explain | eval | bench | at2 | serve.
 
 Each subcommand lives in its own module exposing `add_parser(subparsers)`; building the parser imports
 only those modules, which keep torch and transformers inside their run functions, so `--help` stays fast.
@@ -19,9 +19,22 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """A subcommand's parser: its --help shows each option's default where it says something (not None, False,
+    or already in the option's help)."""
+
+    def format_help(self) -> str:
+        for action in self._actions:
+            text = action.help or ""
+            if (action.option_strings and action.help is not argparse.SUPPRESS and "default" not in text.lower()
+                    and not any(action.default is quiet for quiet in (None, False, argparse.SUPPRESS))):
+                action.help = f"{text} (default: %(default)s)" if text else "default: %(default)s"
+        return super().format_help()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="macs-kernels", description=__doc__.splitlines()[0])
-    subparsers = parser.add_subparsers(required=True, dest="command")
+    subparsers = parser.add_subparsers(required=True, dest="command", parser_class=_Parser)
     for name in SUBCOMMAND_MODULES:
         importlib.import_module(name).add_parser(subparsers)
     return parser
