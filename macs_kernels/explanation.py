@@ -9,6 +9,7 @@ import threading
 
 import torch
 
+from .alignment import user_span
 from .config import MacsConfig
 from .core import SCORE_DEFINITION, json_values, log_zscores, paper_zscores, support
 from .hf_models import check_model
@@ -31,7 +32,8 @@ class Explanation:
     paper_step_scores, paper_scores: the paper's z-scores of c = exp(log c) per step and their mean over
         steps (what step_scores and scores were before; kept for comparison with the paper).
     source_span: optional [start, end) token range of the prompt that the caller treats as the source
-        (for example the context inside a QA prompt); `top_k(span=True)` ranks inside it.
+        (for example the context inside a QA prompt); `top_k(span=True)` ranks inside it and the views show
+        it. explain() sets it to the last user message's text of a chat prompt (None for input_ids).
     """
 
     input_ids: torch.Tensor
@@ -228,11 +230,11 @@ def _decode_tokens(tokenizer, ids) -> list[str]:
     return [tokenizer.decode([i]) for i in ids]
 
 
-def _explanations(tracer, tokenizer, ids, mask, generated, config) -> list[Explanation]:
+def _explanations(tracer, tokenizer, ids, mask, generated, config, spans) -> list[Explanation]:
     """One Explanation per returned sequence, in generate's order (prompt-major: sequence i continues
     prompt i // k with k sequences per prompt). A sequence's tokens are its tracer rows': they end where
     generate stopped it (its end-of-sequence token or a stop string's last token, included), never on the
-    pads generate appends while other sequences go on."""
+    pads generate appends while other sequences go on. spans: each prompt's source span (or None)."""
     per_prompt = generated.shape[0] // ids.shape[0]
     result = []
     for i in range(generated.shape[0]):
@@ -249,8 +251,16 @@ def _explanations(tracer, tokenizer, ids, mask, generated, config) -> list[Expla
             step_log_c=log_c,
             config=config.as_dict() | {"backend": tracer.backend},
             text=tokenizer.decode(tokens, skip_special_tokens=True),
+            source_span=spans[b],
         ))
     return result
+
+
+def _user_spans(tokenizer, prompt, input_ids, batched) -> list:
+    """Each prompt's default source span: the user's own text of a chat prompt (None for token ids)."""
+    if input_ids is not None:
+        return [None]
+    return [user_span(tokenizer, p) for p in (prompt if batched else [prompt])]
 
 
 def _prepare(model, tokenizer, prompt, input_ids, max_new_tokens, config_kwargs, generate_kwargs):
@@ -313,7 +323,8 @@ def explain(model, tokenizer, /, prompt=None, *, input_ids=None, max_new_tokens=
         output = model.generate(ids, attention_mask=mask, **kwargs)
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
     generated = sequences[:, ids.shape[1]:]
-    explanations = _explanations(tracer, tokenizer, ids, mask, generated, config)
+    explanations = _explanations(tracer, tokenizer, ids, mask, generated, config,
+                                 _user_spans(tokenizer, prompt, input_ids, batched))
     return explanations if batched or plan.num_return_sequences > 1 else explanations[0]
 
 
@@ -470,7 +481,7 @@ def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuo
         if len(outputs) != len(inputs):
             raise RuntimeError(f"generate_batch returned {len(outputs)} results for {len(inputs)} prompts")
         explanations = []
-        for prompt_ids, (request_id, output) in zip(inputs, outputs.items()):
+        for prompt, prompt_ids, (request_id, output) in zip(prompts, inputs, outputs.items()):
             if output.error is not None:
                 raise RuntimeError(f"request {request_id} failed in generate_batch: {output.error}")
             log_c, _ = tracer.request_rows(request_id)
@@ -488,5 +499,6 @@ def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuo
                 step_log_c=log_c,
                 config=macs_config.as_dict() | {"backend": tracer.backend},
                 text=tokenizer.decode(generated, skip_special_tokens=True),
+                source_span=user_span(tokenizer, prompt),
             ))
     return explanations

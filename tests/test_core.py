@@ -81,6 +81,18 @@ def test_running_sums_average_over_steps_and_go_with_the_rows():
         store.mean("f", "at2")
 
 
+def test_rows_of_a_sequence_released_mid_pass_are_discarded_but_unknown_keys_raise():
+    store = RowStore()
+    store.open("c", 2)
+    store.release("c")  # a client left while the engine was in the middle of the pass that scores "c"
+    store.put([("c", 0, torch.ones(2))])
+    store.add("c", "at2", torch.ones(2))
+    with pytest.raises(KeyError, match="released"):
+        store.rows("c")
+    with pytest.raises(KeyError, match="no MACS rows"):
+        store.put([("never", 0, torch.ones(2))])
+
+
 def test_a_nan_row_fails_its_sequence_only():
     store = RowStore()
     for key in ("bad", "good"):
@@ -158,7 +170,7 @@ def test_score_definitions():
 LAYERS = {  # a module may import its own layer and the layers after it in this list, never one before
     # vllm: an engine adapter (its tracer feeds the core) packaged with its plugin, worker extension and explain()
     "apps": ("serve", "cli", "evaluation", "at2", "bench", "integrations", "interop", "parallel", "vllm", "__main__"),
-    "api": ("explanation", "viz", "prompts", "models", "attnlrp", "atman"),
+    "api": ("explanation", "viz", "prompts", "models", "alignment", "attnlrp", "atman"),
     "engines": ("tracing", "continuous", "hf_models", "efficient"),
     "core": ("core",),
     "ops": ("ops", "distributed", "reference", "config"),

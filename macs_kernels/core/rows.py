@@ -72,9 +72,12 @@ class RowStore:
 
     def put(self, items) -> None:
         """Write rows: items are (key, step, row) with row (>= N,) float32 on the CPU (its first N are kept), or
-        (key, step, None) for a row that holds a NaN (the sequence fails: reading it raises)."""
+        (key, step, None) for a row that holds a NaN (the sequence fails: reading it raises). Rows of a key
+        released or dropped meanwhile are discarded: an engine finishes the pass it was in."""
         with self.lock:
             for key, step, row in items:
+                if key in self._gone:  # released while the engine was computing this row (a cancelled request)
+                    continue
                 record = self._get(key, check=False)
                 if row is None:
                     record.error = f"{NAN_MESSAGE} (step {step})"
@@ -92,6 +95,8 @@ class RowStore:
         """Add one step's `value` to `key`'s running sum `name` (per-sequence features reduced over steps, such
         as AT2's, kept and freed with the rows)."""
         with self.lock:
+            if key in self._gone:
+                return
             record = self._get(key, check=False)
             total, steps = record.sums.get(name, (None, 0))
             record.sums[name] = (value.clone() if total is None else total.add_(value), steps + 1)

@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..alignment import align_context, user_span
 from ..explanation import Explanation, _decode_tokens, log_zscores
 from ..prompts import QA_TEMPLATE
 from ..viz import _unit
@@ -186,8 +187,8 @@ def create_app(engine: Engine) -> FastAPI:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         if options is None or options.source is None:
-            return _Prompt(ids)
-        from ..evaluation.alignment import align_context
+            # A free prompt's heatmap is the user's own text, not the template's special tokens.
+            return _Prompt(ids, user_span(tokenizer, messages))
 
         try:
             alignment = align_context(tokenizer, messages, options.source)
