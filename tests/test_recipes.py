@@ -41,11 +41,10 @@ def test_batch_explain_writes_one_result_per_prompt(tmp_path):
         assert 1 <= steps <= 3
         assert len(result["step_scores"]) == steps
         assert all(len(row) == len(result["input_ids"]) for row in result["step_scores"])
-        if "question" in record:
-            start, stop = result["source_span"]
-            assert 0 < start < stop <= len(result["input_ids"])
-        else:
-            assert result["source_span"] is None
+        start, stop = result["source_span"]
+        assert 0 < start < stop <= len(result["input_ids"])
+        if "prompt" in record:  # a free prompt's span is the user's own text
+            assert "".join(result["input_tokens"][start:stop]).strip() == record["prompt"]
 
 
 def test_batch_explain_data_parallel_resumes_with_every_prompt_once(tmp_path):
