@@ -370,7 +370,7 @@ class _StepStreamer:
             return
         # Assisted decoding pushes every token a verify pass accepted at once.
         for token in value.reshape(-1).tolist():
-            log_c, _ = self.tracer.row(0, self.step)
+            log_c = self.tracer.row_log_c(0, self.step)
             self.sink.put((int(token), log_zscores(log_c)))
             self.step += 1
 

@@ -476,14 +476,17 @@ class Tracer:
     def row(self, item: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(log_c, the paper's z-scores of c) (N_item,) of row `step` of batch row `item` while generating (one
         host sync)."""
+        log_c = self.row_log_c(item, step)
+        return log_c, paper_zscores(log_c)
+
+    def row_log_c(self, item: int, step: int) -> torch.Tensor:
+        """log c (N_item,) of row `step` of batch row `item` while generating: a streaming reader's O(1) read."""
         global_id = int(self._row_map[item, step])
         if global_id < 0:
             raise IndexError(f"row {step} of sequence {item} was not computed")
         index = bisect.bisect_right(self._bases, global_id) - 1
         record, offset = self.passes[index], global_id - self._bases[index]
-        n = self.n_input_list[item]
-        log_c = record["log_c"][offset, :n].cpu()
-        return log_c, paper_zscores(log_c)
+        return record["log_c"][offset, : self.n_input_list[item]].cpu()
 
 
 def _last_row_attended(mask, batch: int, keys: int, device) -> torch.Tensor:
