@@ -336,6 +336,7 @@ _CONTINUOUS_LAYOUTS = {
     "assistant_model": ("assisted", lambda value: value is not None),
     "prompt_lookup_num_tokens": ("assisted", lambda value: value is not None),
     "cache_implementation": ("static_cache", lambda value: value == "static"),
+    "stop_strings": ("stop_strings", lambda value: value is not None),
 }
 
 

@@ -96,11 +96,11 @@ class RequestSampler:
             self._draws.pop(request_id, None)
 
     def __call__(self, _input_ids, scores: torch.Tensor) -> torch.Tensor:
-        """scores (rows, V): row r belongs to the r-th request of the pass that emits a token (the order in which
-        the engine lays out logits_indices)."""
+        """scores (rows, V), a row per request of the pass: row r < E belongs to the r-th of the E requests that
+        emit a token (the engine lays out logits_indices so); the rows after them are not used."""
         batch = self._manager.batch_processor.inputs_and_outputs.requests_in_batch
         emitting = [future.state.request_id for future in batch if future.has_new_token]
-        if len(emitting) != scores.shape[0]:
+        if len(emitting) > scores.shape[0]:
             raise RuntimeError(f"{scores.shape[0]} logits rows for {len(emitting)} requests that emit a token")
         with self._lock:
             draws = [(row, self._draws.get(request_id)) for row, request_id in enumerate(emitting)]
