@@ -254,13 +254,20 @@ class ChatCompletionRequest(_Request):
 
     _check_chat_unhonoured = field_validator(*_CHAT_ONLY, mode="before")(_unhonoured)
 
-    @model_validator(mode="after")
-    def _one_limit(self):
-        if self.max_completion_tokens is not None:
-            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
-                raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
-            if self.max_completion_tokens < 1:
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_limit(cls, value, info: ValidationInfo):
+        if value is not None:
+            if value < 1:
                 raise ValueError("max_completion_tokens must be at least 1")
+            given = info.data.get("max_tokens")
+            if given is not None and given != value:
+                raise ValueError(f"max_tokens={given} and max_completion_tokens={value} disagree; send one of them")
+        return value
+
+    @model_validator(mode="after")
+    def _limit(self):
+        if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return self
 
@@ -273,9 +280,10 @@ class CompletionRequest(_Request):
 
     _check_completion_unhonoured = field_validator(*_COMPLETIONS_ONLY, mode="before")(_unhonoured)
 
-    @model_validator(mode="after")
-    def _best_of(self):
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of={self.best_of} is not supported by this server (it returns every choice it "
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value, info: ValidationInfo):
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError(f"best_of={value} is not supported by this server (it returns every choice it "
                              "generates); omit it or send best_of = n")
-        return self
+        return value
