@@ -85,6 +85,15 @@ _CHAT_ONLY = ("top_logprobs", "tools", "tool_choice", "functions", "function_cal
 _COMPLETIONS_ONLY = ("suffix", "echo")
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_CHOICES = 128  # OpenAI's limit on n
+_RANGES = {  # field -> (its test, the values it takes)
+    "max_tokens": (lambda v: v >= 1, "at least 1"),
+    "max_completion_tokens": (lambda v: v >= 1, "at least 1"),
+    "n": (lambda v: 1 <= v <= MAX_CHOICES, f"in [1, {MAX_CHOICES}]"),
+    "temperature": (lambda v: 0 <= v <= 2, "in [0, 2]"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "top_k": (lambda v: v >= 1, "at least 1"),
+    "seed": (lambda v: 0 <= v < 2**63, "in [0, 2**63)"),
+}
 
 
 def _unhonoured(value, info: ValidationInfo):
@@ -129,46 +138,12 @@ class _Request(BaseModel):
                              "(alpha, pooling, redistribute, attention, fused_decode, method, source)")
         return value
 
-    @field_validator("max_tokens")
+    @field_validator(*_RANGES, check_fields=False)
     @classmethod
-    def _positive(cls, value):
-        if value is not None and value < 1:
-            raise ValueError("max_tokens must be at least 1")
-        return value
-
-    @field_validator("n")
-    @classmethod
-    def _choices(cls, value):
-        if not 1 <= value <= MAX_CHOICES:
-            raise ValueError(f"n must lie in [1, {MAX_CHOICES}]")
-        return value
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, value):
-        if value is not None and not 0 <= value <= 2:
-            raise ValueError("temperature must lie in [0, 2]")
-        return value
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, value):
-        if value is not None and not 0 < value <= 1:
-            raise ValueError("top_p must lie in (0, 1]")
-        return value
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, value):
-        if value is not None and value < 1:
-            raise ValueError("top_k must be at least 1")
-        return value
-
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, value):
-        if value is not None and not 0 <= value < 2**63:
-            raise ValueError("seed must lie in [0, 2**63)")
+    def _in_range(cls, value, info: ValidationInfo):
+        valid, allowed = _RANGES[info.field_name]
+        if value is not None and not valid(value):
+            raise ValueError(f"{info.field_name} must be {allowed}")
         return value
 
     @field_validator("stop")
@@ -258,8 +233,6 @@ class ChatCompletionRequest(_Request):
     @classmethod
     def _one_limit(cls, value, info: ValidationInfo):
         if value is not None:
-            if value < 1:
-                raise ValueError("max_completion_tokens must be at least 1")
             given = info.data.get("max_tokens")
             if given is not None and given != value:
                 raise ValueError(f"max_tokens={given} and max_completion_tokens={value} disagree; send one of them")

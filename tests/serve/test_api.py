@@ -19,16 +19,6 @@ from .conftest import assert_matches
 openai = pytest.importorskip("openai", reason="the server tests need the official openai client (the test extra)")
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture
-def lm(tiny_model):
-    return tiny_model[1], tiny_model[2]
-
-
 def test_health_and_models(server, client):
     health = httpx.get(server.url + "/health").json()
     assert health["status"] == "ok" and health["model"] == MODEL

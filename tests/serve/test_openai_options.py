@@ -20,16 +20,6 @@ openai = pytest.importorskip("openai", reason="the server tests need the officia
 SAMPLED = {"temperature": 1.0, "top_p": 0.9, "seed": 7}
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture
-def lm(tiny_model):
-    return tiny_model[1], tiny_model[2]
-
-
 def _tokens(choice) -> list[int]:
     return choice.model_extra["attribution"]["generated_ids"]
 
