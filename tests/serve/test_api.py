@@ -176,8 +176,9 @@ def test_errors_through_the_openai_client(client):
                                        extra_body={"attribution": {"pooling": "avg"}})
 
 
-def test_a_client_leaving_mid_stream_frees_its_request(server, client):
-    body = _chat(max_tokens=400, stream=True, messages=qa(0), attribution=True)
+@pytest.mark.parametrize("fields", [{}, {"n": 2, "temperature": 1.0, "stop": "never in it"}], ids=["one", "two"])
+def test_a_client_leaving_mid_stream_frees_its_request(server, client, fields):
+    body = _chat(max_tokens=400, stream=True, messages=qa(0), attribution=True) | fields
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
         tokens = []
