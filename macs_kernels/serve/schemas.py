@@ -138,6 +138,13 @@ class _Request(BaseModel):
                              "(alpha, pooling, redistribute, attention, fused_decode, method, source)")
         return value
 
+    @field_validator("stream_options")
+    @classmethod
+    def _streamed(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("stream", False):
+            raise ValueError("stream_options is only allowed with stream: true")
+        return value
+
     @field_validator(*_RANGES, check_fields=False)
     @classmethod
     def _in_range(cls, value, info: ValidationInfo):

@@ -168,6 +168,7 @@ def _chat(**fields):
     ("/v1/chat/completions", _chat(frequency_penalty=1), "frequency_penalty", "not supported"),
     ("/v1/chat/completions", _chat(logit_bias={"1": 5}), "logit_bias", "not supported"),
     ("/v1/chat/completions", _chat(user="me"), "user", "not supported"),
+    ("/v1/chat/completions", _chat(stream_options={"include_usage": True}), "stream_options", "stream: true"),
     ("/v1/chat/completions", _chat(stream=True, stream_options={"include_obfuscation": True}),
      "stream_options.include_obfuscation", "False"),
     ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [
@@ -198,7 +199,7 @@ def test_the_values_that_ask_for_nothing_are_accepted(client):
     response = client.chat.completions.create(
         model=MODEL, messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}],
         max_tokens=2, logprobs=False, presence_penalty=0, frequency_penalty=0.0, logit_bias={},
-        response_format={"type": "text"}, store=False, stream_options=None,
+        response_format={"type": "text"}, store=False,
     )
     assert response.choices[0].finish_reason in ("stop", "length")
     with pytest.raises(openai.BadRequestError, match="tools"):
