@@ -260,6 +260,31 @@ def test_rows_equal_the_teacher_forced_reference_or_are_refused(engine, method, 
         assert (log_c.double()[finite] - reference[finite]).abs().max() <= LOG_C_TOLERANCE
 
 
+def test_server_seeded_sampling_under_cache_pressure_draws_what_each_request_draws_alone(conformance_server,
+                                                                                         chat_model):
+    """Four seeded sampling requests at once on the server's small cache (conftest: every prefill chunked, room
+    for two of them) get the tokens each gets alone, with rows equal to the teacher-forced reference."""
+    import httpx
+
+    model, _ = chat_model
+
+    def ask(i):
+        body = {"model": TINY, "messages": [{"role": "user", "content": PROMPTS["pressure"][i]}],
+                "max_tokens": NEW_TOKENS, "temperature": 1.0, "seed": 100 + i, "attribution": True}
+        response = httpx.post(conformance_server.url + "/v1/chat/completions", json=body, timeout=300)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["attribution"]
+
+    alone = [ask(i) for i in range(len(PROMPTS["pressure"]))]
+    with concurrent.futures.ThreadPoolExecutor(len(alone)) as pool:
+        together = list(pool.map(ask, range(len(alone))))
+    assert [a["generated_ids"] for a in together] == [a["generated_ids"] for a in alone]
+    for answer in together:
+        log_c = torch.tensor([[float("-inf") if v is None else v for v in row] for row in answer["step_log_c"]])
+        reference = eager_log_c(model, torch.tensor(answer["input_ids"]), torch.tensor(answer["generated_ids"]))
+        assert (log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE
+
+
 @pytest.mark.slow
 def test_tensor_parallel_ranks_equal_the_reference(chat_model, chat_model_folder, tmp_path):
     """Two ranks, each with 2 of the 4 query heads and 1 of the 2 KV heads: head pooling is reduced across the
