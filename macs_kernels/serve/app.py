@@ -173,7 +173,8 @@ class _Choice:
         released, position = [], len(self.content)
         while self.held:
             step, piece = self.held[0]
-            if position >= until and (cut or piece) or not cut and position + len(piece) > until:
+            # At a stop, a token that begins at or after it is not returned; else one that ends past `until` waits.
+            if position >= until if cut else position + len(piece) > until:
                 break
             piece = piece[: max(0, until - position)]
             self.held.pop(0)
