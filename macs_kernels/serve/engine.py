@@ -4,7 +4,8 @@ attribution also get their MACS rows, step by step.
 Attribution goes through `macs_kernels.continuous.attach_continuous`: MACS inside the continuous-batching
 engine, batched with everything else, each request with its own options (efficient attention included);
 requests without attribution are skipped by its tracer (no MACS work). A request's stream reads only the rows
-of its new tokens: O(1) per token.
+of its new tokens: O(1) per token. Each request also samples with its own temperature, top-k, top-p and
+random generator (`sampling.RequestSampler`, the manager's one logits processor), or decodes greedily.
 """
 from __future__ import annotations
 
