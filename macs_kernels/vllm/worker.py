@@ -71,14 +71,15 @@ def head_shards(vllm_config) -> HeadShards | None:
 class AttributionWorker:
     """Methods vLLM adds to its worker class; call them with `LLM.collective_rpc("macs_...")`."""
 
-    def macs_attach(self, keep_finished: int = 256) -> int:
-        """Start following this worker's passes (once; later calls keep the tracer); returns the layer count."""
+    def macs_attach(self, keep_finished: int = 256) -> str:
+        """Start following this worker's passes (once; later calls keep the tracer); returns the backend that
+        reads its paged cache (numba's in place, or torch's gather)."""
         active = tracing.ACTIVE
         if active is None or active.runner is not self.model_runner:
             active = tracing.VllmTracer(self.model_runner, attention_layers(self.vllm_config), keep_finished,
                                         head_shards(self.vllm_config))
             tracing.ACTIVE = active
-        return active.num_layers
+        return active.kernels.paged_backend
 
     def macs_rows(self, request_ids: list, release: bool = False) -> dict:
         """Each request's rows, by the id it was asked by (external or worker-side):
