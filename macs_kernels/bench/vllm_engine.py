@@ -7,7 +7,7 @@
     macs-kernels bench --vllm-report          # summary and plot again from the CSVs (any environment)
 
 One engine (vLLM's default multiprocessing engine, eager, float32, prefix caching off so that every run
-prefills its prompts) serves every run, after one warm-up run of the whole workload. The prompts are those
+prefills its prompts) serves every run, after one warm-up run of the whole workload per mode. The prompts are those
 of `macs-kernels bench --serving`'s throughput runs (random token ids, seed 0, lengths spread evenly over the
 range): greedy, end of sequence ignored, all requests submitted at once. "off" runs them as plain requests,
 "on" with SamplingParams.extra_args["attribution"] (and reads every request's rows back through
@@ -81,7 +81,12 @@ def run(args) -> int:
     for repeat in range(repeats):
         modes = args.vllm_modes if repeat % 2 == 0 else args.vllm_modes[::-1]
         order += [(repeat, mode) for mode in modes]
-    llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
+    for mode in args.vllm_modes:  # warm-up: the paged kernel's first call compiles its types (numba)
+        extra = macs_vllm.attribution() if mode == "on" else None
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True, extra_args=extra),
+                               use_tqdm=False)
+        if mode == "on":
+            macs_vllm.release(llm, [o.request_id for o in outputs])
     out = args.out / f"{STEM}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
     new_file = not out.exists()

@@ -16,12 +16,11 @@ does not import vLLM.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..config import MacsConfig
 from .tracer import OPTION, OPTIONS, parse_options
-from .worker import WORKER_EXTENSION
+from .worker import WORKER_EXTENSION, decode_rows
 
 __all__ = ["OPTION", "OPTIONS", "WORKER_EXTENSION", "attach", "attribution", "explain", "release", "request_key",
            "rows"]
@@ -65,8 +64,7 @@ def rows(llm, request_ids, release: bool = False) -> dict[str, torch.Tensor]:
         entry = found[request_id]
         if "error" in entry:
             raise LookupError(f"no MACS rows for request {request_id!r}: {entry['error']}")
-        shape = (entry["steps"], entry["n_input"])
-        result[request_id] = torch.from_numpy(np.frombuffer(entry["log_c"], dtype=np.float32).reshape(shape).copy())
+        result[request_id] = decode_rows(entry)
     return result
 
 

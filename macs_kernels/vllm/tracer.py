@@ -16,6 +16,7 @@ Nothing here has a formula of its own.
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 
 import torch
@@ -32,7 +33,13 @@ ACTIVE: VllmTracer | None = None  # this worker process's tracer, once the worke
 
 def parse_options(options) -> MacsConfig:
     """The MacsConfig of a request's `extra_args["attribution"]` (a dict of OPTIONS; {} or True: the paper's
-    defaults). Raises naming the option vLLM's integration cannot take."""
+    defaults; or that dict as JSON text, how `vllm serve`'s vllm_xargs carry it). Raises naming the option vLLM's
+    integration cannot take."""
+    if isinstance(options, str):
+        try:
+            options = json.loads(options)
+        except ValueError:
+            raise ValueError(f"extra_args[{OPTION!r}] is text but not JSON: {options!r}") from None
     if options is True:
         options = {}
     if not isinstance(options, dict):
@@ -126,14 +133,15 @@ class VllmTracer:
                 return request_id
             return self._external.get(request_id, request_id)
 
-    def rows(self, request_id: str) -> tuple[torch.Tensor, int]:
-        """(log c (steps, N) float32, N) of a request (external or worker-side id)."""
+    def rows(self, request_id: str, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, int]:
+        """(log c (steps, N) float32 of steps [start, stop) (stop: every step so far), N) of a request (external
+        or worker-side id)."""
         key = self.worker_id(request_id)
         with self._lock:
             error = self._errors.get(key)
         if error is not None:
             raise ValueError(f"request {request_id!r}: {error}")
-        return self.store.rows(key), self.store.n_input(key)
+        return self.store.rows(key, start, stop), self.store.n_input(key)
 
     def release(self, request_id: str) -> None:
         key = self.worker_id(request_id)

@@ -3,6 +3,9 @@
 that the attention backend of this process feeds."""
 from __future__ import annotations
 
+import numpy as np
+import torch
+
 from ..core import support
 from ..distributed import HeadShards
 from . import tracer as tracing
@@ -68,6 +71,12 @@ def head_shards(vllm_config) -> HeadShards | None:
                       model.get_num_attention_heads(vllm_config.parallel_config) * size, model.get_total_num_kv_heads())
 
 
+def decode_rows(entry: dict) -> torch.Tensor:
+    """A `macs_rows` entry's rows as (steps, N) float32."""
+    shape = (entry["steps"], entry["n_input"])
+    return torch.from_numpy(np.frombuffer(entry["log_c"], dtype=np.float32).reshape(shape).copy())
+
+
 class AttributionWorker:
     """Methods vLLM adds to its worker class; call them with `LLM.collective_rpc("macs_...")`."""
 
@@ -81,16 +90,16 @@ class AttributionWorker:
             tracing.ACTIVE = active
         return active.kernels.paged_backend
 
-    def macs_rows(self, request_ids: list, release: bool = False) -> dict:
-        """Each request's rows, by the id it was asked by (external or worker-side):
-        {"n_input": N, "steps": steps, "log_c": float32 bytes of (steps, N)} or {"error": why}."""
+    def macs_rows(self, request_ids: list, release: bool = False, start: int = 0, stop: int | None = None) -> dict:
+        """Each request's rows [start, stop) (stop: every row so far), by the id it was asked by (external or
+        worker-side): {"n_input": N, "steps": steps, "log_c": float32 bytes of (steps, N)} or {"error": why}."""
         active = tracing.ACTIVE
         if active is None:
             raise RuntimeError("macs_kernels is not attached to this engine: call macs_kernels.vllm.attach(llm)")
         found = {}
         for request_id in request_ids:
             try:
-                log_c, n_input = active.rows(request_id)
+                log_c, n_input = active.rows(request_id, start, stop)
                 found[request_id] = {"n_input": n_input, "steps": log_c.shape[0], "log_c": log_c.numpy().tobytes()}
             except (KeyError, ValueError, FloatingPointError, RuntimeError) as error:
                 found[request_id] = {"error": f"{type(error).__name__}: {error}"}

@@ -1,0 +1,156 @@
+"""vLLM's OpenAI server with the plugin (`python -m vllm.entrypoints.openai.api_server`, what `vllm serve` runs)
+returns attributions on /v1/chat/completions in macs-kernels serve's shape, read with the official openai
+client; rows equal the teacher-forced eager reference."""
+import pytest
+
+pytest.importorskip("vllm")
+openai = pytest.importorskip("openai")
+
+import json  # noqa: E402
+import os  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import urllib.error  # noqa: E402
+import urllib.request  # noqa: E402
+from importlib.metadata import entry_points  # noqa: E402
+
+import torch  # noqa: E402
+
+from macs_kernels.vllm import WORKER_EXTENSION  # noqa: E402
+from tests.helpers import eager_macs  # noqa: E402
+
+from .conftest import TOLERANCE  # noqa: E402
+
+QUESTION = [{"role": "user", "content": "Which river flows through Paris, and what is the city's oldest bridge?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_path, tmp_path_factory):
+    if not any(entry.name == "macs_kernels" for entry in entry_points(group="vllm.endpoint_plugins")):
+        pytest.skip("the vllm.endpoint_plugins entry point is not installed: pip install -e . in vLLM's environment")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    path = tmp_path_factory.mktemp("server") / "vllm.log"
+    log = path.open("w")
+    # The engine core in its own process, as `vllm serve` runs it; a 1 GiB KV cache.
+    environment = os.environ | {"VLLM_PLUGINS": "macs_kernels", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                                "VLLM_CPU_KVCACHE_SPACE": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_path, "--port", str(port),
+         "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "--worker-extension-cls",
+         WORKER_EXTENSION], env=environment, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=2)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert process.poll() is None and time.monotonic() < deadline, open(log.name).read()[-4000:]
+                time.sleep(1)
+        yield base, path
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server, tiny_path):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="none"), tiny_path
+
+
+def check_rows(model, attribution: dict, generated: list[int]) -> float:
+    """max |d log c| of the response's rows against the teacher-forced eager trace of its own tokens."""
+    input_ids = torch.tensor(attribution["input_ids"])
+    reference, _ = eager_macs(model, input_ids, torch.tensor(generated), **{
+        name: attribution["config"][name] for name in ("alpha", "pooling", "redistribute")})
+    rows = torch.tensor(attribution["step_log_c"] if "step_log_c" in attribution else attribution["rows"])
+    assert rows.shape == reference.shape
+    worst = (rows - reference).abs().max().item()
+    assert worst <= TOLERANCE
+    return worst
+
+
+def test_a_response_carries_its_attribution(client, tiny_reference):
+    openai_client, model = client
+    response = openai_client.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=8, temperature=0, extra_body={"attribution": {"alpha": 0.6}})
+    attribution = response.model_extra["attribution"]
+    assert attribution["generated_ids"] and len(attribution["generated_ids"]) == response.usage.completion_tokens
+    assert attribution["config"]["engine"] == "vllm" and attribution["config"]["alpha"] == 0.6
+    assert attribution["text"] == response.choices[0].message.content
+    # The source span is the user's own text (macs-kernels serve's default), inside the templated prompt.
+    start, end = attribution["source_span"]
+    assert 0 < start < end < len(attribution["input_ids"])
+    # Token ids were asked of vLLM for the rows, not by this client: they are not in the response.
+    assert "prompt_token_ids" not in response.model_extra or response.model_extra["prompt_token_ids"] is None
+    check_rows(tiny_reference, attribution, attribution["generated_ids"])
+    # A request without attribution is vLLM's own response.
+    plain = openai_client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, temperature=0)
+    assert "attribution" not in (plain.model_extra or {})
+    assert plain.choices[0].message.content == response.choices[0].message.content
+
+
+def test_a_stream_carries_the_header_then_one_row_per_token(client, tiny_reference):
+    openai_client, model = client
+    stream = openai_client.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=10, temperature=0, stream=True,
+        extra_body={"attribution": {"pooling": "mean"}})
+    chunks = [chunk.model_extra.get("attribution") for chunk in stream]
+    header, steps = chunks[0], [chunk for chunk in chunks[1:] if chunk is not None]
+    assert set(header) == {"input_ids", "input_tokens", "source_span", "config"}
+    assert header["config"]["pooling"] == "mean"
+    assert [step["step"] for step in steps] == list(range(10))
+    assert set(steps[0]) >= {"step", "token_id", "log_c", "scores", "heat", "heat_mean"}
+    check_rows(tiny_reference, header | {"rows": [step["log_c"] for step in steps]},
+               [step["token_id"] for step in steps])
+
+
+def test_an_unknown_or_refused_option_is_a_400_naming_it(client):
+    openai_client, model = client
+    for options, named in (({"beta": 1}, "'beta'"), ({"attention": "efficient"}, "attention='efficient'"),
+                           ({"method": "at2"}, "AT2"), ({"pooling": "median"}, "attribution.pooling")):
+        with pytest.raises(openai.BadRequestError, match=named) as error:
+            openai_client.chat.completions.create(model=model, messages=QUESTION, max_tokens=3,
+                                                  extra_body={"attribution": options})
+        assert error.value.status_code == 400
+
+
+def _metric(base: str, name: str) -> float:
+    metrics = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(name + "{"))
+
+
+def test_a_disconnecting_client_frees_its_rows(client, server):
+    openai_client, model = client
+    base, _ = server
+    generated = _metric(base, "vllm:generation_tokens_total")
+    stream = openai_client.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=1900, temperature=0, stream=True, extra_body={"attribution": True})
+    for index, chunk in enumerate(stream):  # noqa: B007 - the last chunk read names the request
+        if index == 3:
+            break
+    # Mid-stream the rows are there...
+    rows = json.loads(urllib.request.urlopen(f"{base}/v1/attribution/{chunk.id}", timeout=10).read())["log_c"]
+    assert len(rows) >= 3
+    stream.close()
+    # ...and once the client has gone, vLLM aborts the request and its rows are freed.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(f"{base}/v1/attribution/{chunk.id}", timeout=10)
+        except urllib.error.HTTPError as error:
+            assert error.code == 404
+            assert "released" in json.loads(error.read())["error"]["message"]
+            break
+        assert time.monotonic() < deadline, "the rows of a disconnected stream were not freed"
+        time.sleep(0.5)
+    while _metric(base, "vllm:num_requests_running") > 0:
+        assert time.monotonic() < deadline, "vLLM did not stop the disconnected request"
+        time.sleep(0.5)
+    assert _metric(base, "vllm:generation_tokens_total") - generated < 1000  # aborted, not run to its 1900 tokens
