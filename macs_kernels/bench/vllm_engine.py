@@ -143,10 +143,6 @@ def summarise(rows: list[dict], serving: list[dict]) -> dict:
     summary["on_vs_off_tokens_per_s_paired"] = _paired(runs, "tokens_per_s")
     summary["on_vs_off_tokens_per_cpu_s_paired"] = _paired(runs, "tokens_per_cpu_s")
     summary["on_vs_off_rss"] = _paired(runs, "engine_rss_mib")
-    plain = [row for row in rows if row["plugin"] == "none"]
-    if plain:
-        summary["plugin_off_vs_not_loaded_tokens_per_cpu_s"] = summary["tokens_per_cpu_s_off"] / statistics.median(
-            float(row["tokens_per_cpu_s"]) for row in plain)
     served = [row for row in serving if row["kind"] == "throughput" and row["attribution"] == "True"]
     if served:
         summary["serve_on_tokens_per_s"] = statistics.median(float(row["tok_s"]) for row in served)

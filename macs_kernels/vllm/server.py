@@ -203,21 +203,28 @@ class AttributionEndpoints:
                         chunk["attribution"] = attribution.header()
                     choices = chunk.get("choices") or [{}]
                     tokens = choices[0].get("token_ids") or []
+                    rows = []
                     if tokens and attribution is not None:
                         entry = (await self._rows([request_id], start=cursor, stop=cursor + len(tokens)))[request_id]
                         if "error" in entry:
                             out.append("data: " + json.dumps(error_body(f"attribution failed: {entry['error']}",
                                                                         500)))
                             break
-                        steps = [attribution.step(Step(t, row)) for t, row in zip(tokens, decode_rows(entry))]
+                        rows = [attribution.step(Step(t, row)) for t, row in zip(tokens, decode_rows(entry))]
                         cursor += len(tokens)
-                        # One token per chunk (vLLM's default stream interval): its row, as macs-kernels serve
-                        # sends it; several: a list of them.
-                        chunk["attribution"] = steps[0] if len(steps) == 1 else steps
                     if not client_ids:
                         chunk.pop("prompt_token_ids", None)
                         for choice in chunk.get("choices") or []:
                             choice.pop("token_ids", None)
+                    # vLLM merges the tokens of a stream that fell behind into one chunk; macs-kernels serve
+                    # sends one row per chunk: each earlier token gets a chunk of its own (no text), and the
+                    # merged chunk (its text, its finish reason) carries the last token's row.
+                    for row in rows[:-1]:
+                        extra = {key: chunk[key] for key in ("id", "object", "created", "model") if key in chunk}
+                        extra["choices"] = [{"index": 0, "delta": {}, "finish_reason": None}]
+                        out.append("data: " + json.dumps(extra | {"attribution": row}))
+                    if rows:
+                        chunk["attribution"] = rows[-1]
                     out.append("data: " + json.dumps(chunk))
                 yield "\n\n".join(out)
         finally:

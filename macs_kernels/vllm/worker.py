@@ -20,10 +20,14 @@ def attention_layers(vllm_config) -> dict:
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
     from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.platforms import current_platform
     from vllm.v1.attention.backend import AttentionType
 
-    from .backend import MacsCPUAttentionImpl
+    from .backend import MacsAttention
 
+    if current_platform.is_cuda() and not vllm_config.model_config.enforce_eager:
+        raise NotImplementedError("CUDA graphs capture the attention layers, and macs_kernels plans each pass's rows "
+                                  "on the host: build the LLM with enforce_eager=True")
     if vllm_config.speculative_config is not None:
         support.check("vllm", "exact", "speculative")
     parallel = vllm_config.parallel_config
@@ -42,9 +46,9 @@ def attention_layers(vllm_config) -> dict:
         )
     for name, layer in layers.items():
         impl = layer.impl
-        if not isinstance(impl, MacsCPUAttentionImpl):
+        if not isinstance(impl, MacsAttention):
             raise NotImplementedError(
-                f"layer {name} runs {type(impl).__name__}, not macs_kernels' CPU attention backend: is the "
+                f"layer {name} runs {type(impl).__name__}, not a macs_kernels attention backend: is the "
                 "vllm.general_plugins entry point installed (pip install -e . in vLLM's environment)?"
             )
         if impl.attn_type != AttentionType.DECODER:

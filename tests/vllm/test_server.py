@@ -154,3 +154,53 @@ def test_a_disconnecting_client_frees_its_rows(client, server):
         assert time.monotonic() < deadline, "vLLM did not stop the disconnected request"
         time.sleep(0.5)
     assert _metric(base, "vllm:generation_tokens_total") - generated < 1000  # aborted, not run to its 1900 tokens
+
+
+def test_a_chunk_of_several_tokens_becomes_one_row_per_chunk():
+    """vLLM merges the tokens of a stream that fell behind into one chunk: each token still gets a chunk with its
+    own row, in order, and the text and finish reason stay on the merged chunk."""
+    import asyncio
+
+    from macs_kernels.models import load_tokenizer
+    from macs_kernels.vllm.server import AttributionEndpoints, options_of
+    from macs_kernels.vllm.worker import decode_rows
+
+    rows = torch.arange(5 * 4, dtype=torch.float32).view(5, 4).neg()
+    asked = []
+
+    class Endpoints(AttributionEndpoints):
+        async def _rows(self, request_ids, release=False, start=0, stop=None):
+            asked.append((start, stop))
+            part = rows[start:stop]
+            return {request_ids[0]: {"steps": part.shape[0], "n_input": 4, "log_c": part.numpy().tobytes()}}
+
+        async def _release(self, request_id):
+            asked.append("released")
+
+    endpoints = Endpoints()
+    endpoints.tokenizer, endpoints.backend = load_tokenizer(), "numba"
+
+    def event(choice, **extra):
+        return "data: " + json.dumps({"id": "chatcmpl-1", "object": "chat.completion.chunk", "choices": [choice]}
+                                     | extra) + "\n\n"
+
+    async def vllm_stream():
+        yield event({"index": 0, "delta": {"role": "assistant", "content": ""}}, prompt_token_ids=[5, 6, 7, 8])
+        yield event({"index": 0, "delta": {"content": "a"}, "token_ids": [11]})
+        yield event({"index": 0, "delta": {"content": "bcd"}, "token_ids": [12, 13, 14]})
+        yield event({"index": 0, "delta": {"content": "e"}, "token_ids": [15], "finish_reason": "length"})
+        yield "data: [DONE]\n\n"
+
+    async def run():
+        return [piece async for piece in endpoints._stream(vllm_stream(), options_of(True), None, False)]
+
+    events = [json.loads(e[6:]) for piece in asyncio.run(run()) for e in piece.split("\n\n") if e.startswith("data: {")]
+    assert set(events[0]["attribution"]) == {"input_ids", "input_tokens", "source_span", "config"}
+    steps = [e["attribution"] for e in events[1:]]
+    assert [s["step"] for s in steps] == [0, 1, 2, 3, 4] and [s["token_id"] for s in steps] == [11, 12, 13, 14, 15]
+    assert torch.equal(torch.tensor([s["log_c"] for s in steps]), decode_rows(
+        {"steps": 5, "n_input": 4, "log_c": rows.numpy().tobytes()}))
+    assert [e["choices"][0]["delta"].get("content") for e in events[1:]] == ["a", None, None, "bcd", "e"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("token_ids" not in e["choices"][0] and "prompt_token_ids" not in e for e in events)
+    assert asked == [(0, 1), (1, 4), (4, 5), "released"]
