@@ -22,6 +22,7 @@ reads a request's rows until then (404 naming why once they are gone).
 from __future__ import annotations
 
 import json
+import uuid
 
 import anyio
 from fastapi import Request
@@ -161,13 +162,23 @@ class AttributionEndpoints:
         client_ids = bool(body.get("return_token_ids"))
         xargs = dict(body.get("vllm_xargs") or {})
         xargs[OPTION] = json.dumps(vllm_options(options))
-        body |= {"vllm_xargs": xargs, "return_token_ids": True}
+        # The id vLLM will give the request (its X-Request-Id header wins over the body's), known up front so
+        # that a request whose client leaves before the response still has its rows freed.
+        base = raw_request.headers.get("X-Request-Id") or body.get("request_id") or uuid.uuid4().hex
+        body |= {"vllm_xargs": xargs, "return_token_ids": True, "request_id": base}
+        request_id = f"chatcmpl-{base}"
         try:
             request = ChatCompletionRequest.model_validate(body)
         except ValidationError as error:
             return JSONResponse(error_body(str(error), 400), status_code=400)
-        response = await original(request, raw_request)
-        if getattr(response, "status_code", 200) != 200:
+        response = None
+        try:
+            response = await original(request, raw_request)
+        finally:
+            if response is None or getattr(response, "status_code", 200) != 200:  # disconnected, failed
+                with anyio.CancelScope(shield=True):
+                    await self._release(request_id)
+        if response is None or response.status_code != 200:  # None: vLLM's answer to a client that left
             return response
         if hasattr(response, "body_iterator"):
             events = self._stream(response.body_iterator, options, span, client_ids)
@@ -175,8 +186,7 @@ class AttributionEndpoints:
         data = json.loads(response.body)
         choice = data["choices"][0]
         attribution = self._attribution(data["prompt_token_ids"], span, options)
-        rows = await self._rows([data["id"]], release=True)
-        entry = rows[data["id"]]
+        entry = (await self._rows([request_id], release=True))[request_id]
         if "error" in entry:
             return JSONResponse(error_body(f"attribution failed: {entry['error']}", 500), status_code=500)
         for token_id, row in zip(choice["token_ids"], decode_rows(entry)):

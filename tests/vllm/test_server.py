@@ -156,6 +156,24 @@ def test_a_disconnecting_client_frees_its_rows(client, server):
     assert _metric(base, "vllm:generation_tokens_total") - generated < 1000  # aborted, not run to its 1900 tokens
 
 
+def test_a_client_that_leaves_before_a_whole_response_frees_its_rows(client, server):
+    openai_client, model = client
+    base, _ = server
+    with pytest.raises(openai.APITimeoutError):
+        openai_client.with_options(timeout=2.0, max_retries=0).chat.completions.create(
+            model=model, messages=QUESTION, max_tokens=1900, temperature=0, extra_body={"attribution": True},
+            extra_headers={"X-Request-Id": "leaves-early"})
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(f"{base}/v1/attribution/chatcmpl-leaves-early", timeout=10)
+        except urllib.error.HTTPError as error:
+            if "released" in json.loads(error.read())["error"]["message"]:
+                break
+        assert time.monotonic() < deadline, "the rows of a request whose client left were not freed"
+        time.sleep(0.5)
+
+
 def test_a_chunk_of_several_tokens_becomes_one_row_per_chunk():
     """vLLM merges the tokens of a stream that fell behind into one chunk: each token still gets a chunk with its
     own row, in order, and the text and finish reason stay on the merged chunk."""
