@@ -48,17 +48,17 @@ def _finite(value):
     return value
 
 
-class _Prompt:
+class PromptSpan:
     """A request's prompt ids, with the source span (token range) its attribution colours."""
 
     def __init__(self, ids: list[int], source_span: tuple[int, int] | None = None):
         self.ids, self.source_span = ids, source_span
 
 
-class _Attribution:
+class AttributionPayloads:
     """Builds a request's attribution payloads from its steps: one per streamed token, and the whole object."""
 
-    def __init__(self, tokenizer, prompt: _Prompt, options: AttributionOptions):
+    def __init__(self, tokenizer, prompt: PromptSpan, options: AttributionOptions):
         self.tokenizer, self.prompt = tokenizer, prompt
         config = options.macs_config()
         self.config = config.as_dict() | {"engine": "continuous", "method": options.method}
@@ -135,7 +135,7 @@ class _Choice:
     still be the start of a stop string, its tokens are held back, so a stream never sends what a stop
     string takes back."""
 
-    def __init__(self, tokenizer, index: int, stops: list[str], attribution: _Attribution | None):
+    def __init__(self, tokenizer, index: int, stops: list[str], attribution: AttributionPayloads | None):
         self.index, self.stops, self.attribution = index, stops, attribution
         self.text = _Text(tokenizer)
         self.held: list[tuple[Step, str]] = []
@@ -241,7 +241,7 @@ def create_app(engine: Engine) -> FastAPI:
             raise RequestRejected(f"the model {name!r} does not exist; this server serves {engine.name!r}",
                                   param="model", code="model_not_found", status=404)
 
-    def chat_prompt(body: ChatCompletionRequest, options: AttributionOptions | None) -> _Prompt:
+    def chat_prompt(body: ChatCompletionRequest, options: AttributionOptions | None) -> PromptSpan:
         if not getattr(tokenizer, "chat_template", None):
             raise RequestRejected("this model has no chat template; use /v1/completions", param="messages")
         messages = [m.as_template() for m in body.messages]
@@ -249,25 +249,25 @@ def create_app(engine: Engine) -> FastAPI:
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         if options is None or options.source is None:
             # A free prompt's heatmap is the user's own text, not the template's special tokens.
-            return _Prompt(ids, user_span(tokenizer, messages))
+            return PromptSpan(ids, user_span(tokenizer, messages))
 
         try:
             alignment = align_context(tokenizer, messages, options.source)
         except ValueError as error:
             raise RequestRejected(f"attribution.source: {error}", param="attribution.source") from None
-        return _Prompt(ids, alignment.context_tokens)
+        return PromptSpan(ids, alignment.context_tokens)
 
-    def completion_prompt(body: CompletionRequest, options: AttributionOptions | None) -> _Prompt:
+    def completion_prompt(body: CompletionRequest, options: AttributionOptions | None) -> PromptSpan:
         if options is not None and options.source is not None:
             raise RequestRejected("attribution.source is supported on /v1/chat/completions only",
                                   param="attribution.source")
         if isinstance(body.prompt, str):
             if not body.prompt:
                 raise RequestRejected("the prompt is empty", param="prompt")
-            return _Prompt(list(tokenizer(body.prompt)["input_ids"]))
-        return _Prompt(list(body.prompt))
+            return PromptSpan(list(tokenizer(body.prompt)["input_ids"]))
+        return PromptSpan(list(body.prompt))
 
-    async def run(body, prompt: _Prompt, options, chat: bool):
+    async def run(body, prompt: PromptSpan, options, chat: bool):
         check_model(body.model)
         at2 = options is not None and options.method == "at2"
         stops = body.stop_strings()
@@ -278,7 +278,7 @@ def create_app(engine: Engine) -> FastAPI:
                        prompt_param="messages" if chat else "prompt", at2=at2, sampling=sampling)
             for sampling in body.sampling()
         ]
-        choices = [_Choice(tokenizer, i, stops, _Attribution(tokenizer, prompt, options) if options else None)
+        choices = [_Choice(tokenizer, i, stops, AttributionPayloads(tokenizer, prompt, options) if options else None)
                    for i in range(len(jobs))]
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": engine.name}

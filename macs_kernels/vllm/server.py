@@ -11,7 +11,7 @@ request without `"attribution"` to vLLM's own handler untouched. A request with 
 - goes to vLLM's handler with the options in `vllm_xargs` (they reach the workers as
   SamplingParams.extra_args["attribution"], as JSON text: vllm_xargs carries flat values only) and with
   `return_token_ids` (the token ids the rows belong to; removed again unless the client asked for them);
-- gets macs-kernels serve's fields back: non-streaming, the response's `attribution` (Explanation.as_dict());
+- gets macs-kernels serve's fields back: non-streaming, the choice's `attribution` (Explanation.as_dict());
   streaming, the first chunk's `attribution` header (input ids and tokens, source span, config) and on each
   token's chunk that token's row (`step`, `token_id`, `log_c`, `scores`, `heat`, `heat_mean`).
 
@@ -32,7 +32,7 @@ from pydantic import ValidationError
 
 from ..alignment import align_context, user_span
 from ..core import support
-from ..serve.app import _Attribution, _Prompt, error_body
+from ..serve.app import AttributionPayloads, PromptSpan, error_body
 from ..serve.engine import Step
 from ..serve.schemas import AttributionOptions
 from .tracer import OPTION, OPTIONS, parse_options
@@ -191,7 +191,7 @@ class AttributionEndpoints:
             return JSONResponse(error_body(f"attribution failed: {entry['error']}", 500), status_code=500)
         for token_id, row in zip(choice["token_ids"], decode_rows(entry)):
             attribution.step(Step(token_id, row))
-        data["attribution"] = attribution.explanation(choice["message"].get("content") or "")
+        choice["attribution"] = attribution.explanation(choice["message"].get("content") or "")
         if not client_ids:
             data.pop("prompt_token_ids", None)
             choice.pop("token_ids", None)
@@ -248,8 +248,8 @@ class AttributionEndpoints:
                     await self._release(request_id)
 
     # ---- the workers ---------------------------------------------------------------------------------------
-    def _attribution(self, prompt_ids, span, options) -> _Attribution:
-        attribution = _Attribution(self.tokenizer, _Prompt(list(prompt_ids), span), options)
+    def _attribution(self, prompt_ids, span, options) -> AttributionPayloads:
+        attribution = AttributionPayloads(self.tokenizer, PromptSpan(list(prompt_ids), span), options)
         attribution.config |= {"engine": "vllm", "backend": self.backend}
         return attribution
 
