@@ -13,10 +13,11 @@ import importlib
 import torch
 
 from ..distributed import HeadShards, reduce_pooled
-from ..ops import torch_beams
+from ..ops import torch_backend, torch_beams
 from ..ops._dispatch import implementation
 from ..ops.torch_backend import _POOL, log_floor
 from ..ops.torch_packed import Pages, Segments
+from ..ops.variant import PLAIN, Variant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +102,17 @@ class DenseRows(PassRows):
             self.pool_dense = functools.partial(torch_beams.beam_pool_dense, beams=beams)
             self.decode_dense = functools.partial(torch_beams.beam_decode_dense, beams=beams)
 
-    def pool(self, layer: int, q_rows: torch.Tensor, key: torch.Tensor, scale: float) -> None:
-        """m' of the scored rows q_rows (B, H, R, D) into this pass's layer `layer`."""
+    def pool(self, layer: int, q_rows: torch.Tensor, key: torch.Tensor, scale: float,
+             variant: Variant = PLAIN) -> None:
+        """m' of the scored rows q_rows (B, H, R, D) into this pass's layer `layer`; `variant`: the layer's own
+        attention (window, softcap, sinks; torch backend)."""
+        if not variant.plain:
+            rows = q_rows.shape[2]
+            torch_backend.macs_pool_variant(
+                q_rows, key, self.pooled[layer], self.input_start[:, None].expand(-1, rows),
+                self.input_end[:, None].expand(-1, rows), self.kv_len, scale, **self.options, **variant.kwargs(),
+            )
+            return
         if self.n_dense is not None:
             self.pool_dense(q_rows, key, self.pooled[layer], n_input=self.n_dense, scale=scale, **self.options)
             return
@@ -113,9 +123,15 @@ class DenseRows(PassRows):
             kv_len=self.kv_len,
         )
 
-    def decode(self, layer: int, q: torch.Tensor, key, value, scale: float) -> torch.Tensor:
+    def decode(self, layer: int, q: torch.Tensor, key, value, scale: float, variant: Variant = PLAIN) -> torch.Tensor:
         """The attention output (B, R, H, D) of the scored queries q (B, H, R, D) (every query of a decode or
         verify pass), computed from the probabilities whose m' goes into layer `layer`: one read of K."""
+        if not variant.plain:
+            out, _ = torch_backend.decode_attention_variant(
+                q[:, :, 0], key, value, self.input_start, self.kv_len[:, -1], scale, self.input_end,
+                pooled=self.pooled[layer, :, 0], **self.options, **variant.kwargs(),
+            )
+            return out.unsqueeze(1)
         if self.n_dense is not None:
             return self.decode_dense(q, key, value, self.pooled[layer], n_input=self.n_dense, scale=scale,
                                      **self.options).transpose(1, 2)

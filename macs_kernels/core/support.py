@@ -24,6 +24,8 @@ LAYOUTS = {  # layout -> the options that select it
     "cache_pressure": "cache pressure (requests offloaded and restarted)",
     "tensor_parallel": "tensor parallelism",
     "sliding_window": "sliding-window attention layers",
+    "softcap": "attention logit softcapping (attn_logit_softcapping)",
+    "sinks": "attention sinks (per-head sink logits)",
     "speculative": "speculative decoding (speculative_config)",
 }
 
@@ -49,6 +51,21 @@ UNSUPPORTED = {
     ("vllm", "*", "speculative"): "speculative decoding verifies several draft tokens per pass and rejects some; the "
                                "backend scores one row per request and pass",
     ("vllm", "*", "sliding_window"): "a sliding-window layer attends only its window, not every input",
+    ("vllm", "*", "softcap"): "the vLLM backend scores plain softmax rows",
+    ("vllm", "*", "sinks"): "the vLLM backend scores plain softmax rows",
+    ("generate", "efficient", "sliding_window"): "the Gram state of efficient attention spans every value, not a "
+                                                 "window",
+    ("generate", "efficient", "softcap"): "efficient rows are built from plain softmax rows",
+    ("generate", "efficient", "sinks"): "efficient rows are built from plain softmax rows",
+    ("continuous", "efficient", "sliding_window"): "the Gram state of efficient attention spans every value, not a "
+                                                   "window",
+    ("continuous", "efficient", "softcap"): "efficient rows are built from plain softmax rows",
+    ("continuous", "efficient", "sinks"): "efficient rows are built from plain softmax rows",
+    ("continuous", "at2", "sliding_window"): "the kept rows of a sliding-window layer are over its window's keys, "
+                                             "not the prompt's",
+    ("generate", "at2", "sliding_window"): "the captured queries are scored against the full cache, not a window",
+    ("generate", "at2", "softcap"): "the captured queries are scored with plain softmax",
+    ("generate", "at2", "sinks"): "the captured queries are scored with plain softmax",
 }
 
 
@@ -92,3 +109,17 @@ def method_of(config) -> str:
     if config.attention == "efficient":
         return "efficient"
     return "fused" if config.fused_decode else "exact"
+
+
+def variant_backend(variants, named: str | None, resolved: str) -> str:
+    """The backend that scores a model whose layers have attention variants (layouts such as "sliding_window"):
+    only the torch kernels take a window, a softcap and sinks, so an automatic choice falls back to torch and
+    a named other backend is refused before work."""
+    if not variants or resolved == "torch":
+        return resolved
+    if named is not None:
+        raise NotImplementedError(
+            f"backend={named!r} has no kernels for {', '.join(LAYOUTS[v] for v in variants)} yet; use backend='torch' "
+            "or leave backend unset"
+        )
+    return "torch"
