@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .core import support
+from .ops.variant import Variant
 
 
 def _compiled(function) -> bool:
@@ -50,7 +51,8 @@ def attention_variants(model) -> tuple[str, ...]:
         sliding = any("sliding" in str(kind) for kind in layer_types)
     else:  # transformers' caches treat every layer as sliding then (Mistral)
         sliding = bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True)
-    sinks = any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in _attention_modules(model).values())
+    modules = _attention_modules(model).values()
+    sinks = any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in modules)
     return tuple(name for name, present in (
         ("sliding_window", sliding), ("softcap", bool(getattr(config, "attn_logit_softcapping", None))),
         ("sinks", sinks),
@@ -66,3 +68,10 @@ def check_variants(model, engine: str, method: str) -> tuple[str, ...]:
         if refusal is not None:
             raise NotImplementedError(f"{model.config.model_type}: {refusal}")
     return found
+
+
+def layer_variant(kwargs: dict, key_offset: int) -> Variant:
+    """The layer's attention variant from what the model hands its attention function: `sliding_window`,
+    `softcap` (Gemma 2) and `s_aux` (gpt-oss's sinks); its keys start at token key_offset."""
+    return Variant(window=kwargs.get("sliding_window"), key_offset=key_offset, softcap=kwargs.get("softcap"),
+                   sinks=kwargs.get("s_aux"))

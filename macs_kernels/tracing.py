@@ -40,10 +40,9 @@ import torch
 from .config import MacsConfig
 from .core import NAN_MESSAGE, DenseRows, Kernels, paper_zscores, support
 from .distributed import HeadShards, head_shards
-from .hf_models import check_model, check_variants
+from .hf_models import check_model, check_variants, layer_variant
 from .ops import torch_backend
 from .ops._dispatch import resolve_backend
-from .ops.variant import Variant
 
 # Registered names must contain neither "flash" nor "sdpa": transformers treats those specially.
 WRAPPED_NAMES = {"sdpa": "macs_kernels", "eager": "macs_kernels_eager", "flash_attention_2": "macs_kernels_fa2"}
@@ -289,8 +288,8 @@ class Tracer:
             alpha=config.alpha, n_dense=self.n_input_list[0] if has_dense and (dense or causal_block) else None,
             beams=self._generation.num_beams if self._generation is not None else 1, shards=self.shards,
         )
-        fused = self._fused and not self.prefill and (q_len == 1 or (causal_block and has_dense and not self.windowed)) \
-            and self._gram is None
+        verify_block = causal_block and has_dense and not self.windowed
+        fused = self._fused and not self.prefill and (q_len == 1 or verify_block) and self._gram is None
         self._plan = _PassPlan(rows, step, scorer, fused)
         if self._gram is not None:
             self._gram_slots = self._new_gram_slots(mask, batch, keys, key.device)
@@ -316,7 +315,8 @@ class Tracer:
         # mask there are no pads.
         bad = end <= start
         if mask is not None:
-            counts = (_any_row_attended if self.windowed else _last_row_attended)(mask, batch, keys, start.device).sum(-1)
+            attended = _any_row_attended if self.windowed else _last_row_attended
+            counts = attended(mask, batch, keys, start.device).sum(-1)
             ends_at_query = (last_end == q_len) | (last_end == keys) | self._static
             bad = bad | (last_end - start != counts) | ~ends_at_query
         if bool(bad.any()):
@@ -523,13 +523,6 @@ def _any_row_attended(mask, batch: int, keys: int, device) -> torch.Tensor:
     if mask is None or mask.dim() == 2:
         return _last_row_attended(mask, batch, keys, device)
     return _attended(mask[:, 0]).any(dim=1).expand(batch, keys)
-
-
-def layer_variant(kwargs: dict, key_offset: int) -> Variant:
-    """The layer's attention variant from what the model hands its attention function: `sliding_window`,
-    `softcap` (Gemma 2) and `s_aux` (gpt-oss's sinks); its keys start at token key_offset."""
-    return Variant(window=kwargs.get("sliding_window"), key_offset=key_offset, softcap=kwargs.get("softcap"),
-                   sinks=kwargs.get("s_aux"))
 
 
 def _attended(mask_rows: torch.Tensor) -> torch.Tensor:

@@ -182,14 +182,19 @@ class PackedRows(PassRows):
             for (pooling, flag), members in grouped.items()
         ]
 
-    def pool(self, layer: int, query: torch.Tensor, key: torch.Tensor, scale: float) -> None:
-        """m' of the scored rows of this layer's packed query (1, H, T, D) over key (1, H_kv, S, D)."""
+    def pool(self, layer: int, query: torch.Tensor, key: torch.Tensor, scale: float, variant: Variant = PLAIN,
+             segments: Segments | None = None) -> None:
+        """m' of the scored rows of this layer's packed query (1, H, T, D) over key (1, H_kv, S, D).
+
+        variant, segments: a layer whose attention is a variant (torch backend): its softcap and sinks, and
+        where its rows' keys lie when that differs from the pass's segments (a sliding-window layer's cache)."""
         q_rows = query.index_select(2, self.rows)
+        segments = self.segments if segments is None else segments
         if self.kernels.backend == "torch" or self.keep is not None:
-            probabilities = self.segments.probabilities(q_rows[0], key[0], scale)
+            probabilities = segments.probabilities(q_rows[0], key[0], scale, variant.softcap, variant.sinks)
             self._keep(layer, probabilities)
             if self.kernels.backend == "torch":
-                self._pool_probabilities(layer, probabilities)
+                self._pool_probabilities(layer, probabilities, segments)
                 return
         segments, out = self.segments, self.pooled[layer]
         for pooling, redistribute, index in self.groups:
@@ -204,13 +209,15 @@ class PackedRows(PassRows):
             self._write(out, index, pooled[0])
 
     def decode(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scale: float) -> torch.Tensor:
+               scale: float, variant: Variant = PLAIN, segments: Segments | None = None) -> torch.Tensor:
         """The attention output (1, T, H, D) of a pass whose every query row is scored (a decode pass of
-        traced requests), from the probabilities whose m' goes into layer `layer`: one read of K."""
-        probabilities = self.segments.probabilities(query[0], key[0], scale)
-        out = self.segments.outputs(probabilities, value[0])
+        traced requests), from the probabilities whose m' goes into layer `layer`: one read of K (variant,
+        segments: as in `pool`)."""
+        segments = self.segments if segments is None else segments
+        probabilities = segments.probabilities(query[0], key[0], scale, variant.softcap, variant.sinks)
+        out = segments.outputs(probabilities, value[0])
         self._keep(layer, probabilities)
-        self._pool_probabilities(layer, probabilities)
+        self._pool_probabilities(layer, probabilities, segments)
         return out.unsqueeze(0).to(query.dtype)
 
     def pool_rows(self, layer: int, row: int, attention: torch.Tensor) -> None:
@@ -230,8 +237,8 @@ class PackedRows(PassRows):
                                     dtype=torch.float32, device=probabilities.device)
         torch.index_select(probabilities, 0, self.keep, out=self.kept[layer])
 
-    def _pool_probabilities(self, layer: int, probabilities: torch.Tensor) -> None:
-        inputs = self.segments.spread_inputs(probabilities)
+    def _pool_probabilities(self, layer: int, probabilities: torch.Tensor, segments: Segments | None = None) -> None:
+        inputs = (self.segments if segments is None else segments).spread_inputs(probabilities)
         out = self.pooled[layer]
         for pooling, _, index in self.groups:
             if index is None:
