@@ -159,7 +159,8 @@ class PackedRows(PassRows):
     pass's (1, H, T, D) query and attends its own keys `segments` of the packed (1, H_kv, S, D) key tensor.
 
     configs: each row's MacsConfig (alpha, pooling, redistribute, attention differ per request).
-    keep: scored rows whose per-head softmax rows are kept per layer in `kept` (L, len(keep), H, L_max)
+    keep: scored rows whose per-head softmax rows on their inputs are kept per layer in `kept` (L, len(keep), H,
+        N_max)
         (AT2's features), or None.
     """
 
@@ -192,7 +193,7 @@ class PackedRows(PassRows):
         segments = self.segments if segments is None else segments
         if self.kernels.backend == "torch" or self.keep is not None:
             probabilities = segments.probabilities(q_rows[0], key[0], scale, variant.softcap, variant.sinks)
-            self._keep(layer, probabilities)
+            self._keep(layer, probabilities, segments)
             if self.kernels.backend == "torch":
                 self._pool_probabilities(layer, probabilities, segments)
                 return
@@ -216,7 +217,7 @@ class PackedRows(PassRows):
         segments = self.segments if segments is None else segments
         probabilities = segments.probabilities(query[0], key[0], scale, variant.softcap, variant.sinks)
         out = segments.outputs(probabilities, value[0])
-        self._keep(layer, probabilities)
+        self._keep(layer, probabilities, segments)
         self._pool_probabilities(layer, probabilities, segments)
         return out.unsqueeze(0).to(query.dtype)
 
@@ -229,13 +230,14 @@ class PackedRows(PassRows):
             inputs = inputs + attention[:, n:].sum(dim=-1, keepdim=True) / n
         self.pooled[layer, row, :n] = _POOL[config.pooling](inputs[None])[0]
 
-    def _keep(self, layer: int, probabilities: torch.Tensor) -> None:
+    def _keep(self, layer: int, probabilities: torch.Tensor, segments: Segments) -> None:
         if self.keep is None:
             return
+        inputs = segments.input_rows(probabilities)
         if self.kept is None:
-            self.kept = torch.empty(self.pooled.shape[0], len(self.keep), *probabilities.shape[1:],
-                                    dtype=torch.float32, device=probabilities.device)
-        torch.index_select(probabilities, 0, self.keep, out=self.kept[layer])
+            self.kept = torch.empty(self.pooled.shape[0], len(self.keep), *inputs.shape[1:],
+                                    dtype=torch.float32, device=inputs.device)
+        torch.index_select(inputs, 0, self.keep, out=self.kept[layer])
 
     def _pool_probabilities(self, layer: int, probabilities: torch.Tensor, segments: Segments | None = None) -> None:
         inputs = (self.segments if segments is None else segments).spread_inputs(probabilities)

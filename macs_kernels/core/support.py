@@ -59,10 +59,9 @@ UNSUPPORTED = {
     ("generate", "efficient", "sinks"): "efficient rows are built from plain softmax rows",
     ("continuous", "efficient", "sliding_window"): "the Gram state of efficient attention spans every value, not a "
                                                    "window",
-    ("continuous", "efficient", "softcap"): "efficient rows are built from plain softmax rows",
+    ("continuous", "*", "softcap"): "transformers' continuous-batching attention (paged|eager, sdpa) drops the "
+                                    "cap, so the engine does not compute the model's attention",
     ("continuous", "efficient", "sinks"): "efficient rows are built from plain softmax rows",
-    ("continuous", "at2", "sliding_window"): "the kept rows of a sliding-window layer are over its window's keys, "
-                                             "not the prompt's",
     ("generate", "at2", "sliding_window"): "the captured queries are scored against the full cache, not a window",
     ("generate", "at2", "softcap"): "the captured queries are scored with plain softmax",
     ("generate", "at2", "sinks"): "the captured queries are scored with plain softmax",

@@ -99,15 +99,19 @@ class Segments:
             torch.bmm(grouped[r, :, :, :length], value[:, start : start + length].float(), out=out[r])
         return out.view(rows, heads, dim)
 
+    def input_rows(self, probabilities) -> torch.Tensor:
+        """(R, H, N_max): each input token's probability (a view of `probabilities` when the keys are the
+        tokens; inputs that slid out of a window's cache get 0); entries past a row's N are not inputs."""
+        if self.input_keys is None:
+            return probabilities[:, :, : self.n_max]
+        keys, dropped = self.input_keys
+        return probabilities.gather(-1, keys.expand(-1, probabilities.shape[1], -1)).masked_fill_(dropped, 0.0)
+
     def spread_inputs(self, probabilities) -> torch.Tensor:
         """(R, H, N_max): each input's probability plus the row's spill, written over `probabilities`' input
         columns; entries past a row's N are not inputs."""
         spill = torch.bmm(probabilities, self.spill_weight)
-        if self.input_keys is None:
-            return probabilities[:, :, : self.n_max].add_(spill)
-        keys, dropped = self.input_keys
-        inputs = probabilities.gather(-1, keys.expand(-1, probabilities.shape[1], -1)).masked_fill_(dropped, 0.0)
-        return inputs.add_(spill)
+        return self.input_rows(probabilities).add_(spill)
 
 
 def macs_pool_packed(q, key, segments: Segments, *, scale, pooling="max") -> torch.Tensor:

@@ -1,0 +1,67 @@
+"""The conformance suite on models whose attention is a variant (sliding windows, logit softcapping, attention
+sinks): random models of Gemma 2, Gemma 3, Mistral, Qwen2 (use_sliding_window) and gpt-oss configurations, every
+engine x method x layout either equal to the teacher-forced eager `output_attentions` reference or refused
+before work with the support table's message (naming the model type)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from macs_kernels.core import support
+from macs_kernels.hf_models import attention_variants
+
+from .conftest import VARIANT_MODELS, WINDOW, eager_at2_features, eager_log_c
+from .test_conformance import (
+    AT2,
+    FEATURE_TOLERANCE,
+    LAYOUTS,
+    LOG_C_TOLERANCE,
+    METHODS,
+    PROMPTS,
+    continuous_engine,
+    generate_engine,
+)
+
+ENGINES = {"generate": generate_engine, "continuous": continuous_engine}
+# The default run: every model and engine, exact and fused rows and AT2, on the layouts that move keys the most;
+# the rest of the grid is slow.
+FAST = {("exact", "greedy"), ("fused", "left_padded"), ("exact", "beams"), ("exact", "chunked_prefill"),
+        (AT2, "greedy"), ("efficient", "greedy")}
+CASES = [
+    pytest.param(model, engine, method, layout,
+                 marks=() if (method, layout) in FAST else pytest.mark.slow, id=f"{model}-{engine}-{method}-{layout}")
+    for model in VARIANT_MODELS for engine in ENGINES for method in [*METHODS, AT2] for layout in LAYOUTS
+]
+
+
+def _refusals(model, engine: str, method: str, layout: str) -> list[str]:
+    """The support table's refusals that apply (the variant's and the layout's: either may come first)."""
+    found = [support.message(engine, method, variant) for variant in attention_variants(model)]
+    return [message for message in [*found, support.message(engine, method, layout)] if message is not None]
+
+
+@pytest.mark.parametrize(("name", "engine", "method", "layout"), CASES)
+def test_variant_rows_equal_the_teacher_forced_reference_or_are_refused(name, engine, method, layout, variant_models):
+    model, tokenizer = variant_models(name)
+    run = ENGINES[engine](model, tokenizer, None)
+    refusals = _refusals(model, engine, method, layout)
+    torch.manual_seed(0)
+    if refusals:
+        with pytest.raises(NotImplementedError) as refused:
+            run(method, layout)
+        assert any(refusal in str(refused.value) for refusal in refusals), str(refused.value)
+        return
+    sequences = run(method, layout)
+    expected = len(PROMPTS[LAYOUTS[layout][0]]) * LAYOUTS[layout][1].get("num_return_sequences", 1)
+    assert len(sequences) == expected
+    if method == AT2:
+        for prompt_ids, generated_ids, features, steps in sequences:
+            reference = eager_at2_features(model, prompt_ids, generated_ids, steps)
+            assert (features.double() - reference).abs().max() <= FEATURE_TOLERANCE * max(1.0, reference.abs().max())
+        return
+    for prompt_ids, generated_ids, log_c in sequences:
+        assert len(prompt_ids) > WINDOW + 4  # the window bites: the last query cannot see the first inputs
+        assert log_c.shape == (len(generated_ids), len(prompt_ids)) and len(generated_ids) > 0
+        reference = eager_log_c(model, prompt_ids, generated_ids)
+        assert torch.isfinite(reference).all()
+        assert (log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE
