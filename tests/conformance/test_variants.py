@@ -42,6 +42,8 @@ def _refusals(model, engine: str, method: str, layout: str) -> list[str]:
 
 @pytest.mark.parametrize(("name", "engine", "method", "layout"), CASES)
 def test_variant_rows_equal_the_teacher_forced_reference_or_are_refused(name, engine, method, layout, variant_models):
+    if layout == "cache_pressure" and name == "mistral":
+        pytest.skip("every layer a window: a request's cache never outgrows the window, so nothing is offloaded")
     model, tokenizer = variant_models(name)
     run = ENGINES[engine](model, tokenizer, None)
     refusals = _refusals(model, engine, method, layout)
