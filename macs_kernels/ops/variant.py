@@ -47,9 +47,19 @@ class Variant:
         """The keyword arguments of the torch variant kernels."""
         return {"window": self.window, "key_offset": self.key_offset, "softcap": self.softcap, "sinks": self.sinks}
 
-    def check_heads(self, heads: int) -> None:
-        if self.sinks is not None and self.sinks.shape[0] != heads:
-            raise ValueError(f"sinks must hold one logit per query head ({heads}), got {tuple(self.sinks.shape)}")
+    def check(self, heads: int, input_start: torch.Tensor, kv_len: torch.Tensor, keys: int) -> int:
+        """Check against an op's arguments (ranges in token positions, `keys` cache slots); returns the token
+        count the cache covers (key_offset + keys): what kv_len may reach. One host sync."""
+        if self.sinks is not None and (self.sinks.shape[0] != heads or self.sinks.device != input_start.device):
+            raise ValueError(f"sinks must hold one logit per query head ({heads}) on {input_start.device}, got "
+                             f"{tuple(self.sinks.shape)} on {self.sinks.device}")
+        if not isinstance(self.key_offset, int) or self.key_offset < 0:
+            raise ValueError(f"an op's key_offset must be an int >= 0, got {self.key_offset!r}")
+        attend = input_start if self.window is None else torch.maximum(input_start, kv_len - self.window)
+        if bool((attend < self.key_offset).any()):
+            raise ValueError(f"a row attends tokens before key_offset={self.key_offset}, which the cache does not "
+                             "hold (a sliding-window cache keeps the window's tokens only)")
+        return self.key_offset + keys
 
 
 PLAIN = Variant()

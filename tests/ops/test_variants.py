@@ -96,3 +96,28 @@ def test_variant_arguments_are_checked():
     with pytest.raises(ValueError, match="sinks must be a"):
         Variant(sinks=torch.zeros(2, 2))
     assert Variant().plain and not Variant(key_offset=3).plain
+
+
+def test_public_ops_take_a_variant_on_torch_and_refuse_it_elsewhere():
+    from macs_kernels import ops
+
+    q, k, v, ranges, sinks = _case(5, True, seed=3)
+    variant = Variant(window=5, key_offset=17, softcap=3.0, sinks=sinks)
+    expected, expected_out = reference.variant_pool_reference(
+        q, k, v, input_start=ranges[0], input_end=ranges[1], kv_len=ranges[2], scale=0.25, window=5, softcap=3.0,
+        sinks=sinks,
+    )
+    out = ops.macs_pool(q, k[:, :, 17:], input_start=ranges[0], input_end=ranges[1], kv_len=ranges[2], scale=0.25,
+                        variant=variant, backend="torch")
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-6)
+    pooled = torch.empty(2, 11)
+    attention, _ = ops.decode_attention(q[:, :, 1], k[:, :, 17:], v[:, :, 17:], kv_start=ranges[0][:, 1],
+                                        kv_len=ranges[2][:, 1], input_end=ranges[1][:, 1], scale=0.25, pooled=pooled,
+                                        variant=variant, backend="torch")
+    torch.testing.assert_close(attention.double(), expected_out[:, 1], rtol=0, atol=2e-5)
+    with pytest.raises(ValueError, match="before key_offset=19"):
+        ops.macs_pool(q, k[:, :, 19:], input_start=ranges[0], input_end=ranges[1], kv_len=ranges[2], scale=0.25,
+                      variant=Variant(window=5, key_offset=19), backend="torch")
+    with pytest.raises(ValueError, match="one logit per query head"):
+        ops.macs_pool(q, k, input_start=ranges[0], input_end=ranges[1], kv_len=ranges[2], scale=0.25,
+                      variant=Variant(sinks=torch.zeros(3)), backend="torch")
