@@ -13,7 +13,7 @@ import importlib
 import torch
 
 from ..distributed import HeadShards, reduce_pooled
-from ..ops import torch_backend, torch_beams
+from ..ops import torch_beams
 from ..ops._dispatch import implementation
 from ..ops.torch_backend import _POOL, log_floor
 from ..ops.torch_packed import Pages, Segments
@@ -31,6 +31,8 @@ class Kernels:
     pool_dense: object | None  # rows that attend every slot causally: no mask, no gather
     decode_dense: object | None
     pool_paged: object  # ops.macs_pool_paged's kernel
+    pool_variant: object | None  # macs_pool and decode_attention of a layer with an attention variant (ops.Variant)
+    decode_variant: object | None
 
     @staticmethod
     def of(backend: str) -> Kernels:
@@ -40,6 +42,7 @@ class Kernels:
             backend, implementation(backend, "macs_pool"), implementation(backend, "decode_attention"),
             implementation(backend, "macs_update_rows"), getattr(special, "macs_pool_dense", None),
             getattr(special, "decode_attention_dense", None), implementation(backend, "macs_pool_paged"),
+            getattr(special, "macs_pool_variant", None), getattr(special, "decode_attention_variant", None),
         )
 
 
@@ -108,7 +111,7 @@ class DenseRows(PassRows):
         attention (window, softcap, sinks; torch backend)."""
         if not variant.plain:
             rows = q_rows.shape[2]
-            torch_backend.macs_pool_variant(
+            self.kernels.pool_variant(
                 q_rows, key, self.pooled[layer], self.input_start[:, None].expand(-1, rows),
                 self.input_end[:, None].expand(-1, rows), self.kv_len, scale, **self.options, **variant.kwargs(),
             )
@@ -127,7 +130,7 @@ class DenseRows(PassRows):
         """The attention output (B, R, H, D) of the scored queries q (B, H, R, D) (every query of a decode or
         verify pass), computed from the probabilities whose m' goes into layer `layer`: one read of K."""
         if not variant.plain:
-            out, _ = torch_backend.decode_attention_variant(
+            out, _ = self.kernels.decode_variant(
                 q[:, :, 0], key, value, self.input_start, self.kv_len[:, -1], scale, self.input_end,
                 pooled=self.pooled[layer, :, 0], **self.options, **variant.kwargs(),
             )
@@ -187,7 +190,7 @@ class PackedRows(PassRows):
              segments: Segments | None = None) -> None:
         """m' of the scored rows of this layer's packed query (1, H, T, D) over key (1, H_kv, S, D).
 
-        variant, segments: a layer whose attention is a variant (torch backend): its softcap and sinks, and
+        variant, segments: a layer whose attention is a variant: its softcap and sinks, and
         where its rows' keys lie when that differs from the pass's segments (a sliding-window layer's cache)."""
         q_rows = query.index_select(2, self.rows)
         segments = self.segments if segments is None else segments
@@ -197,16 +200,23 @@ class PackedRows(PassRows):
             if self.kernels.backend == "torch":
                 self._pool_probabilities(layer, probabilities, segments)
                 return
-        segments, out = self.segments, self.pooled[layer]
+        out = self.pooled[layer]
+        # A variant layer's rows go by token positions, each over its own keys of the packed tensor (key_offset).
+        varied = not (variant.plain and segments.window is None and segments.input_keys is None)
         for pooling, redistribute, index in self.groups:
-            ranges = (segments.input_start, segments.input_end, segments.kv_len)
+            ranges = segments.token_ranges if varied else (segments.input_start, segments.input_end, segments.kv_len)
             block = q_rows
             if index is not None:
                 block = q_rows[:, :, index, :]
                 ranges = tuple(bound[:, index] for bound in ranges)
             pooled = torch.empty(1, block.shape[2], segments.n_max, dtype=torch.float32, device=out.device)
-            self.kernels.pool(block, key, pooled, input_start=ranges[0], input_end=ranges[1], kv_len=ranges[2],
-                              scale=scale, pooling=pooling, redistribute=redistribute, lse=None)
+            if varied:
+                self.kernels.pool_variant(block, key, pooled, *ranges[:3], scale, pooling, redistribute,
+                                          key_offset=ranges[3], window=segments.window, softcap=variant.softcap,
+                                          sinks=variant.sinks)
+            else:
+                self.kernels.pool(block, key, pooled, input_start=ranges[0], input_end=ranges[1], kv_len=ranges[2],
+                                  scale=scale, pooling=pooling, redistribute=redistribute, lse=None)
             self._write(out, index, pooled[0])
 
     def decode(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -112,13 +112,16 @@ def method_of(config) -> str:
 
 def variant_backend(variants, named: str | None, resolved: str) -> str:
     """The backend that scores a model whose layers have attention variants (layouts such as "sliding_window"):
-    only the torch kernels take a window, a softcap and sinks, so an automatic choice falls back to torch and
-    a named other backend is refused before work."""
-    if not variants or resolved == "torch":
+    the torch and Triton kernels take a window, a softcap and sinks (VARIANT_BACKENDS), so an automatic choice
+    of another falls back to torch and a named other backend is refused before work."""
+    if not variants or resolved in VARIANT_BACKENDS:
         return resolved
     if named is not None:
         raise NotImplementedError(
-            f"backend={named!r} has no kernels for {', '.join(LAYOUTS[v] for v in variants)} yet; use backend='torch' "
-            "or leave backend unset"
+            f"backend={named!r} has no kernels for {', '.join(LAYOUTS[v] for v in variants)} yet; use one of "
+            f"{VARIANT_BACKENDS} or leave backend unset"
         )
     return "torch"
+
+
+VARIANT_BACKENDS = ("torch", "triton")

@@ -49,6 +49,13 @@ class Segments:
         self.input_start = as_index([self.starts])
         self.input_end = as_index([[s + n for s, n in zip(self.starts, self.n_input)]])
         self.kv_len = as_index([[s + length for s, length in zip(self.starts, self.lengths)]])
+        # The rows in token positions (inputs [0, N), tokens [0, offset + length)) and the token each row's key
+        # slot 0 would hold: the ranges of the variant kernels (ops.Variant).
+        self.token_ranges = (
+            torch.zeros_like(self.input_start), as_index([self.n_input]),
+            as_index([[o + length for o, length in zip(offsets, self.lengths)]]),
+            as_index([[o - s for o, s in zip(offsets, self.starts)]]),
+        )
         self._scores = None
 
     def _score_buffer(self, kv_heads: int, group: int) -> tuple[torch.Tensor, list]:

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from macs_kernels import reference
-from macs_kernels.ops import torch_backend
+from macs_kernels.core import Kernels
+from macs_kernels.ops import why_unavailable
 from macs_kernels.ops.torch_packed import Segments
 from macs_kernels.ops.variant import Variant
+from tests.ops.cases import DEVICE
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 VARIANTS = {  # name -> (window, softcap, sinks?)
@@ -34,11 +36,19 @@ def _case(window, sinks, seed):
     return q, k, v, (input_start, input_end, kv_len), sink
 
 
+BACKENDS = [pytest.param(name, marks=pytest.mark.skip(reason=why_unavailable(name, DEVICE))
+                         if why_unavailable(name, DEVICE) else ()) for name in ("torch", "triton")]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("pooling", ["max", "mean"])
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_pool_and_decode_of_a_variant_layer_equal_the_reference(name, pooling):
+def test_pool_and_decode_of_a_variant_layer_equal_the_reference(name, pooling, backend):
     window, softcap, with_sinks = VARIANTS[name]
+    kernels = Kernels.of(backend)
     q, k, v, ranges, sinks = _case(window, with_sinks, seed=len(name))
+    q, k, v, sinks = (None if t is None else t.to(DEVICE) for t in (q, k, v, sinks))
+    ranges = tuple(bound.to(DEVICE) for bound in ranges)
     expected, expected_out = reference.variant_pool_reference(
         q, k, v, input_start=ranges[0], input_end=ranges[1], kv_len=ranges[2], scale=0.25, window=window,
         softcap=softcap, sinks=sinks, pooling=pooling,
@@ -46,20 +56,20 @@ def test_pool_and_decode_of_a_variant_layer_equal_the_reference(name, pooling):
     # A sliding-window cache holds only the last tokens: drop the first ones the window no longer needs.
     offset = 23 - window - 1 if window is not None else 0
     variant = Variant(window=window, key_offset=offset, softcap=softcap, sinks=sinks)
-    out = torch.empty(2, 2, 11)
-    torch_backend.macs_pool_variant(q, k[:, :, offset:], out, *ranges, 0.25, pooling, True, **variant.kwargs())
-    torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-6)
+    out = torch.empty(2, 2, 11, device=DEVICE)
+    kernels.pool_variant(q, k[:, :, offset:], out, *ranges, 0.25, pooling, True, **variant.kwargs())
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=0, atol=2e-6)
     if window is not None:  # the window bites: the first inputs are seen through the spread only
         assert not torch.allclose(expected, reference.variant_pool_reference(
             q, k, v, input_start=ranges[0], input_end=ranges[1], kv_len=ranges[2], scale=0.25, softcap=softcap,
             sinks=sinks, pooling=pooling)[0])
-    pooled = torch.empty(2, 11)
-    attention, _ = torch_backend.decode_attention_variant(
+    pooled = torch.empty(2, 11, device=DEVICE)
+    attention, _ = kernels.decode_variant(
         q[:, :, 1], k[:, :, offset:], v[:, :, offset:], ranges[0][:, 1], ranges[2][:, 1], 0.25, ranges[1][:, 1],
         pooling, True, pooled, **variant.kwargs(),
     )
-    torch.testing.assert_close(pooled.double(), expected[:, 1], rtol=0, atol=2e-6)
-    torch.testing.assert_close(attention.double(), expected_out[:, 1], rtol=0, atol=2e-5)
+    torch.testing.assert_close(pooled.cpu().double(), expected[:, 1], rtol=0, atol=2e-6)
+    torch.testing.assert_close(attention.cpu().double(), expected_out[:, 1], rtol=0, atol=2e-5)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
