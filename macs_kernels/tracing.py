@@ -43,6 +43,7 @@ from .distributed import HeadShards, head_shards
 from .hf_models import check_model, check_variants, layer_variant
 from .ops import torch_backend
 from .ops._dispatch import resolve_backend
+from .ops.variant import PLAIN
 
 # Registered names must contain neither "flash" nor "sdpa": transformers treats those specially.
 WRAPPED_NAMES = {"sdpa": "macs_kernels", "eager": "macs_kernels_eager", "flash_attention_2": "macs_kernels_fa2"}
@@ -166,6 +167,7 @@ class Tracer:
         # slots of a full layer), and each layer's keys start at the token `_tokens - its key count`.
         self.windowed = "sliding_window" in variants
         self._tokens = 0
+        self.variant = PLAIN  # the attention variant of the layer in progress (hooks read it)
         # Under tensor parallelism this rank pools its own heads; a pass's rows are reduced over the group.
         self.shards = shards
         # Set when the attach block hands over to continuous batching (macs_kernels.continuous).
@@ -377,9 +379,16 @@ class Tracer:
             hook.end_pass(self)
 
     def softmax_rows(self, query_last: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:
-        """The last query's softmax rows (B, H, S) over the attended keys (zeros elsewhere), float32."""
+        """The last query's softmax rows (B, H, S) over the attended keys (zeros elsewhere), float32, of the layer
+        in progress: with its variant (`variant`), over token positions (a window layer's rows padded with zeros
+        for the tokens its cache dropped)."""
+        variant = self.variant
         scores = torch_backend.grouped_scores(query_last, key, scale)
-        return torch_backend.attended_softmax(scores, self.input_start, self.kv_len)[0]
+        attend, _, _, length = torch_backend.window_ranges(self.input_start, self.input_end, self.kv_len,
+                                                           variant.key_offset, variant.window)
+        rows, _ = torch_backend.attended_softmax(scores, attend, length, softcap=variant.softcap,
+                                                 sinks=variant.sinks)
+        return torch.nn.functional.pad(rows, (variant.key_offset, 0)) if variant.key_offset else rows
 
     def _efficient_pool(self, layer: int, query_last, key, value, scale: float) -> None:
         """m' of the last query's efficient rows, after adding this pass's values to the Gram state."""
@@ -405,7 +414,7 @@ class Tracer:
             self._begin_pass(query, key, value, attention_mask)
         scale = float(scaling if scaling is not None else getattr(module, "scaling", query.shape[-1] ** -0.5))
         plan = self._plan
-        variant = layer_variant(kwargs, self._tokens - key.shape[2])
+        variant = self.variant = layer_variant(kwargs, self._tokens - key.shape[2])
         if plan.fused and not kwargs.get("output_attentions", False) and not module.training:
             result = (plan.scorer.decode(layer, query, key, value, scale, variant), None)
         else:
