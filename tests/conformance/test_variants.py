@@ -9,6 +9,7 @@ import torch
 
 from macs_kernels.core import support
 from macs_kernels.hf_models import attention_variants
+from tests.helpers import eager_macs
 
 from .conftest import VARIANT_MODELS, WINDOW, eager_at2_features, eager_log_c
 from .test_conformance import (
@@ -23,13 +24,15 @@ from .test_conformance import (
 )
 
 ENGINES = {"generate": generate_engine, "continuous": continuous_engine}
-# The default run: every model and engine, exact and fused rows and AT2, on the layouts that move keys the most;
-# the rest of the grid is slow.
-FAST = {("exact", "greedy"), ("fused", "left_padded"), ("exact", "beams"), ("exact", "chunked_prefill"),
-        (AT2, "greedy"), ("efficient", "greedy")}
+# The default run: every model on the layout that moves keys the most (a left-padded batch, fused decode), and the
+# window, softcap and sink models in more layouts and methods; the rest of the grid is slow.
+FAST = {("fused", "left_padded")}
+FAST_MORE = {"gemma2", "gemma3", "gpt_oss"}, {("exact", "greedy"), ("exact", "beams"), ("exact", "chunked_prefill"),
+                                             (AT2, "greedy"), ("efficient", "greedy")}
 CASES = [
-    pytest.param(model, engine, method, layout,
-                 marks=() if (method, layout) in FAST else pytest.mark.slow, id=f"{model}-{engine}-{method}-{layout}")
+    pytest.param(model, engine, method, layout, id=f"{model}-{engine}-{method}-{layout}",
+                 marks=() if (method, layout) in FAST or (model in FAST_MORE[0] and (method, layout) in FAST_MORE[1])
+                 else pytest.mark.slow)
     for model in VARIANT_MODELS for engine in ENGINES for method in [*METHODS, AT2] for layout in LAYOUTS
 ]
 
@@ -67,3 +70,50 @@ def test_variant_rows_equal_the_teacher_forced_reference_or_are_refused(name, en
         reference = eager_log_c(model, prompt_ids, generated_ids)
         assert torch.isfinite(reference).all()
         assert (log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "gpt_oss"])
+def test_evaluation_record_of_a_variant_model_equals_the_reference(name, variant_models):
+    """The evaluation's recorded rows (every configuration scored from one generation) of window, softcap and sink
+    layers are in token positions: any MACS configuration from the record equals the eager reference."""
+    from macs_kernels.evaluation.record import generate_record, macs_from_record
+    from macs_kernels.explanation import encode_prompts
+
+    model, tokenizer = variant_models(name)
+    prompt_ids = encode_prompts(tokenizer, PROMPTS["one"][0])[0][0]
+    record, generated, step_log_c = generate_record(model, tokenizer, prompt_ids, max_new_tokens=4, backend="torch")
+    reference = eager_log_c(model, prompt_ids, generated)
+    assert (step_log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE
+    assert (torch.from_numpy(macs_from_record(record)) - reference).abs().max() <= LOG_C_TOLERANCE
+    mean_half = eager_macs(model, prompt_ids, generated, pooling="mean", alpha=0.5)[0]
+    assert (torch.from_numpy(macs_from_record(record, pooling="mean", alpha=0.5)) - mean_half).abs().max() \
+        <= LOG_C_TOLERANCE
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize(("name", "method"), [
+    ("gemma3", "exact"), ("gpt_oss", "fused"),
+    pytest.param("mistral", "exact", marks=pytest.mark.slow), pytest.param("qwen2", "fused", marks=pytest.mark.slow),
+    pytest.param("gemma2", "fused", marks=pytest.mark.slow),
+])
+def test_variant_rows_on_the_triton_kernels_equal_the_reference(name, method, engine, variant_models):
+    """The Triton kernels (the interpreter here) take the window, the softcap and the sinks too."""
+    from macs_kernels import explain
+    from macs_kernels.ops import why_unavailable
+
+    from .test_conformance import NEW_TOKENS
+
+    if why_unavailable("triton", "cpu") is not None:
+        pytest.skip(why_unavailable("triton", "cpu"))
+    model, tokenizer = variant_models(name)
+    options = {"continuous_batching": True} if engine == "continuous" else {}
+    refusals = _refusals(model, engine, method, "left_padded")
+    if refusals:
+        with pytest.raises(NotImplementedError):
+            explain(model, tokenizer, PROMPTS["three"][:2], max_new_tokens=NEW_TOKENS, backend="triton",
+                    **METHODS[method], **options)
+        return
+    for item in explain(model, tokenizer, PROMPTS["three"][:2], max_new_tokens=NEW_TOKENS, backend="triton",
+                        **METHODS[method], **options):
+        reference = eager_log_c(model, item.input_ids, item.generated_ids)
+        assert (item.step_log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE
