@@ -51,21 +51,25 @@ UNSUPPORTED = {
     ("vllm", "*", "speculative"): "speculative decoding verifies several draft tokens per pass and rejects some; the "
                                "backend scores one row per request and pass",
     ("vllm", "*", "sliding_window"): "a sliding-window layer attends only its window, not every input",
-    ("vllm", "*", "softcap"): "the vLLM backend scores plain softmax rows",
-    ("vllm", "*", "sinks"): "the vLLM backend scores plain softmax rows",
-    ("generate", "efficient", "sliding_window"): "the Gram state of efficient attention spans every value, not a "
-                                                 "window",
-    ("generate", "efficient", "softcap"): "efficient rows are built from plain softmax rows",
-    ("generate", "efficient", "sinks"): "efficient rows are built from plain softmax rows",
-    ("continuous", "efficient", "sliding_window"): "the Gram state of efficient attention spans every value, not a "
-                                                   "window",
-    ("continuous", "*", "softcap"): "transformers' continuous-batching attention (paged|eager, sdpa) drops the "
-                                    "cap, so the engine does not compute the model's attention",
-    ("continuous", "efficient", "sinks"): "efficient rows are built from plain softmax rows",
-    ("generate", "at2", "sliding_window"): "the captured queries are scored against the full cache, not a window",
-    ("generate", "at2", "softcap"): "the captured queries are scored with plain softmax",
-    ("generate", "at2", "sinks"): "the captured queries are scored with plain softmax",
 }
+
+# Attention variants (model properties the table treats as layouts): what each engine cannot follow.
+_PLAIN_ROWS = "scores plain softmax rows"
+UNSUPPORTED |= {("vllm", "*", variant): f"the vLLM backend {_PLAIN_ROWS}" for variant in ("softcap", "sinks")}
+UNSUPPORTED |= {
+    (engine, "efficient", variant): "the Gram state of efficient attention spans every value, not a window"
+    if variant == "sliding_window" else f"efficient attention {_PLAIN_ROWS}"
+    for engine in ("generate", "continuous") for variant in ("sliding_window", "softcap", "sinks")
+}
+UNSUPPORTED |= {
+    ("generate", "at2", variant): "the captured queries are scored against the full cache, not a window"
+    if variant == "sliding_window" else f"AT2's query capture {_PLAIN_ROWS}" for variant in ("sliding_window",
+                                                                                           "softcap", "sinks")
+}
+UNSUPPORTED[("continuous", "*", "softcap")] = (
+    "transformers' continuous-batching attention (paged|eager, sdpa) drops the cap, so the engine does not "
+    "compute the model's attention"
+)
 
 
 def _rule(engine: str, method: str, layout: str):

@@ -8,17 +8,18 @@ import pytest
 import torch
 
 from macs_kernels.core import support
+from macs_kernels.explanation import encode_prompts
 from macs_kernels.hf_models import attention_variants
 from tests.helpers import eager_macs
 
-from .conftest import VARIANT_MODELS, WINDOW, eager_at2_features, eager_log_c
+from .conftest import VARIANT_MODELS, WINDOW, eager_log_c
 from .test_conformance import (
     AT2,
-    FEATURE_TOLERANCE,
     LAYOUTS,
     LOG_C_TOLERANCE,
     METHODS,
     PROMPTS,
+    check_rows_or_refusal,
     continuous_engine,
     generate_engine,
 )
@@ -40,36 +41,19 @@ CASES = [
 def _refusals(model, engine: str, method: str, layout: str) -> list[str]:
     """The support table's refusals that apply (the variant's and the layout's: either may come first)."""
     found = [support.message(engine, method, variant) for variant in attention_variants(model)]
-    return [message for message in [*found, support.message(engine, method, layout)] if message is not None]
+    return [*found, support.message(engine, method, layout)]
 
 
 @pytest.mark.parametrize(("name", "engine", "method", "layout"), CASES)
-def test_variant_rows_equal_the_teacher_forced_reference_or_are_refused(name, engine, method, layout, variant_models):
+def test_variant_rows_equal_the_teacher_forced_reference_or_are_refused(name, engine, method, layout, variant_models,
+                                                                         request):
     if layout == "cache_pressure" and name == "mistral":
         pytest.skip("every layer a window: a request's cache never outgrows the window, so nothing is offloaded")
     model, tokenizer = variant_models(name)
     run = ENGINES[engine](model, tokenizer, None)
-    refusals = _refusals(model, engine, method, layout)
-    torch.manual_seed(0)
-    if refusals:
-        with pytest.raises(NotImplementedError) as refused:
-            run(method, layout)
-        assert any(refusal in str(refused.value) for refusal in refusals), str(refused.value)
-        return
-    sequences = run(method, layout)
-    expected = len(PROMPTS[LAYOUTS[layout][0]]) * LAYOUTS[layout][1].get("num_return_sequences", 1)
-    assert len(sequences) == expected
-    if method == AT2:
-        for prompt_ids, generated_ids, features, steps in sequences:
-            reference = eager_at2_features(model, prompt_ids, generated_ids, steps)
-            assert (features.double() - reference).abs().max() <= FEATURE_TOLERANCE * max(1.0, reference.abs().max())
-        return
-    for prompt_ids, generated_ids, log_c in sequences:
-        assert len(prompt_ids) > WINDOW + 4  # the window bites: the last query cannot see the first inputs
-        assert log_c.shape == (len(generated_ids), len(prompt_ids)) and len(generated_ids) > 0
-        reference = eager_log_c(model, prompt_ids, generated_ids)
-        assert torch.isfinite(reference).all()
-        assert (log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE
+    # Every prompt is longer than the window: the last query of a window layer cannot see the first inputs.
+    assert all(encode_prompts(tokenizer, p)[0].shape[1] > WINDOW + 4 for p in PROMPTS[LAYOUTS[layout][0]])
+    check_rows_or_refusal(model, run, method, layout, _refusals(model, engine, method, layout), request)
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "gpt_oss"])
@@ -77,7 +61,6 @@ def test_evaluation_record_of_a_variant_model_equals_the_reference(name, variant
     """The evaluation's recorded rows (every configuration scored from one generation) of window, softcap and sink
     layers are in token positions: any MACS configuration from the record equals the eager reference."""
     from macs_kernels.evaluation.record import generate_record, macs_from_record
-    from macs_kernels.explanation import encode_prompts
 
     model, tokenizer = variant_models(name)
     prompt_ids = encode_prompts(tokenizer, PROMPTS["one"][0])[0][0]
@@ -107,8 +90,7 @@ def test_variant_rows_on_the_triton_kernels_equal_the_reference(name, method, en
         pytest.skip(why_unavailable("triton", "cpu"))
     model, tokenizer = variant_models(name)
     options = {"continuous_batching": True} if engine == "continuous" else {}
-    refusals = _refusals(model, engine, method, "left_padded")
-    if refusals:
+    if any(_refusals(model, engine, method, "left_padded")):
         with pytest.raises(NotImplementedError):
             explain(model, tokenizer, PROMPTS["three"][:2], max_new_tokens=NEW_TOKENS, backend="triton",
                     **METHODS[method], **options)
