@@ -61,11 +61,6 @@ UNSUPPORTED |= {
     if variant == "sliding_window" else f"efficient attention {_PLAIN_ROWS}"
     for engine in ("generate", "continuous") for variant in ("sliding_window", "softcap", "sinks")
 }
-UNSUPPORTED |= {
-    ("generate", "at2", variant): "the captured queries are scored against the full cache, not a window"
-    if variant == "sliding_window" else f"AT2's query capture {_PLAIN_ROWS}" for variant in ("sliding_window",
-                                                                                           "softcap", "sinks")
-}
 UNSUPPORTED[("continuous", "*", "softcap")] = (
     "transformers' continuous-batching attention (paged|eager, sdpa) drops the cap, so the engine does not "
     "compute the model's attention"
