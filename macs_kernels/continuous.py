@@ -375,8 +375,9 @@ class ContinuousTracer:
             )
         return found
 
-    def _efficient_rows(self, layer: int, query, key, value, scale: float) -> None:
-        """Efficient rows of the pass's efficient requests, after adding their new values to their Gram state."""
+    def _efficient_rows(self, layer: int, query, key, value, scale: float, variant) -> None:
+        """Efficient rows of the pass's efficient requests, after adding their new values to their Gram state
+        (from the layer's own softmax rows: softcap and sinks included)."""
         step = self._pass
         segments = step.scorer.segments
         for row, request_id in step.efficient:
@@ -387,8 +388,10 @@ class ContinuousTracer:
             fresh = values[:, :, seen:]
             gram.append(layer, fresh, torch.ones(1, fresh.shape[2], dtype=torch.bool, device=fresh.device))
             q_row = query[:, :, int(step.scorer.rows[row])]
-            softmax = torch.softmax(torch_backend.grouped_scores(q_row, key[:, :, start : start + length], scale),
-                                    dim=-1)
+            scores = torch_backend.grouped_scores(q_row, key[:, :, start : start + length], scale)
+            bounds = torch.tensor([0, length], device=scores.device)
+            softmax, _ = torch_backend.attended_softmax(scores, bounds[:1], bounds[1:], softcap=variant.softcap,
+                                                        sinks=variant.sinks)
             rows, _ = efficient_rows(softmax, values, gram.gram(layer), 0, length)
             step.scorer.pool_rows(layer, row, rows[0])
 
@@ -428,7 +431,7 @@ class ContinuousTracer:
                 step.scorer.pool(layer, query, key, scale, variant, segments)
         if step is not None:
             if step.efficient:
-                self._efficient_rows(layer, query, key, value, scale)
+                self._efficient_rows(layer, query, key, value, scale, variant)
             if layer == self.num_layers - 1:
                 self._end_pass()
         return result

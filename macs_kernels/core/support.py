@@ -57,9 +57,8 @@ UNSUPPORTED = {
 _PLAIN_ROWS = "scores plain softmax rows"
 UNSUPPORTED |= {("vllm", "*", variant): f"the vLLM backend {_PLAIN_ROWS}" for variant in ("softcap", "sinks")}
 UNSUPPORTED |= {
-    (engine, "efficient", variant): "the Gram state of efficient attention spans every value, not a window"
-    if variant == "sliding_window" else f"efficient attention {_PLAIN_ROWS}"
-    for engine in ("generate", "continuous") for variant in ("sliding_window", "softcap", "sinks")
+    (engine, "efficient", "sliding_window"): "the Gram state of efficient attention spans every value, not a window"
+    for engine in ("generate", "continuous")
 }
 UNSUPPORTED[("continuous", "*", "softcap")] = (
     "transformers' continuous-batching attention (paged|eager, sdpa) drops the cap, so the engine does not "

@@ -71,6 +71,13 @@ VARIANT_MODELS = {  # name -> (config class, its options, attention implementati
     "gpt_oss": ("GptOssConfig", {"sliding_window": WINDOW, "num_local_experts": 2, "num_experts_per_tok": 1,
                                  "layer_types": ["sliding_attention", "full_attention"]}, "eager"),
 }
+# Softcapping and sinks alone (every layer a full one): what efficient attention follows.
+FULL_VARIANT_MODELS = {
+    "gemma2_full": ("Gemma2Config", {"attn_logit_softcapping": 5.0, "layer_types": ["full_attention"] * 2},
+                    "eager"),
+    "gpt_oss_full": ("GptOssConfig", {"num_local_experts": 2, "num_experts_per_tok": 1,
+                                      "layer_types": ["full_attention"] * 2}, "eager"),
+}
 
 
 def variant_model(name: str):
@@ -81,7 +88,7 @@ def variant_model(name: str):
     from macs_kernels.models import load_tokenizer
 
     tokenizer = load_tokenizer()
-    config_class, options, implementation = VARIANT_MODELS[name]
+    config_class, options, implementation = (VARIANT_MODELS | FULL_VARIANT_MODELS)[name]
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

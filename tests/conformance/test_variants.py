@@ -12,7 +12,7 @@ from macs_kernels.explanation import encode_prompts
 from macs_kernels.hf_models import attention_variants
 from tests.helpers import eager_macs
 
-from .conftest import VARIANT_MODELS, WINDOW, eager_log_c
+from .conftest import FULL_VARIANT_MODELS, VARIANT_MODELS, WINDOW, eager_log_c
 from .test_conformance import (
     AT2,
     LAYOUTS,
@@ -99,3 +99,13 @@ def test_variant_rows_on_the_triton_kernels_equal_the_reference(name, method, en
                         **METHODS[method], **options):
         reference = eager_log_c(model, item.input_ids, item.generated_ids)
         assert (item.step_log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("name", list(FULL_VARIANT_MODELS))
+def test_efficient_rows_of_softcap_and_sink_layers_equal_the_reference(name, engine, variant_models, request):
+    """Efficient attention projects the layer's own softmax rows (capped logits, sink mass left out): equal to
+    the eager rows projected by ops.efficient_attention; its Gram state cannot follow a window (refused)."""
+    model, tokenizer = variant_models(name)
+    check_rows_or_refusal(model, ENGINES[engine](model, tokenizer, None), "efficient", "left_padded",
+                          _refusals(model, engine, "efficient", "left_padded"), request)
