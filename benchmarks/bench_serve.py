@@ -88,8 +88,8 @@ def check(body: dict, reference, attribution: bool) -> bool:
     if body["choices"][0]["message"]["content"] != reference.text:
         return False
     if not attribution:
-        return "attribution" not in body
-    rows = body["attribution"]["step_log_c"]
+        return "attribution" not in body["choices"][0]
+    rows = body["choices"][0]["attribution"]["step_log_c"]
     log_c = torch.tensor([[float("-inf") if v is None else v for v in row] for row in rows])
     return log_c.shape == reference.step_log_c.shape and bool(
         torch.allclose(log_c, reference.step_log_c, atol=LOG_C_TOL, rtol=0))

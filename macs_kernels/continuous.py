@@ -466,6 +466,8 @@ def _check_manager(manager) -> None:
         support.check("continuous", "exact", "beams")
     if manager.num_return_sequences > 1:
         support.check("continuous", "exact", "several")
+    if getattr(getattr(manager, "generation_config", None), "stop_strings", None):
+        support.check("continuous", "exact", "stop_strings")
 
 
 def _restore_attention(manager) -> None:

@@ -337,6 +337,7 @@ _CONTINUOUS_LAYOUTS = {
     "assistant_model": ("assisted", lambda value: value is not None),
     "prompt_lookup_num_tokens": ("assisted", lambda value: value is not None),
     "cache_implementation": ("static_cache", lambda value: value == "static"),
+    "stop_strings": ("stop_strings", lambda value: value is not None),
 }
 
 
@@ -409,11 +410,12 @@ def stream(model, tokenizer, /, prompt=None, *, input_ids=None, max_new_tokens=6
             def __call__(self, input_ids, scores, **_):
                 return torch.full((input_ids.shape[0],), stop.is_set(), dtype=torch.bool, device=input_ids.device)
 
+        # The caller's own criteria stop the sequence too, alongside the consumer leaving.
+        criteria = StoppingCriteriaList([*(kwargs.pop("stopping_criteria", None) or []), StopWhenAsked()])
         try:
             with torch.inference_mode(), attach(model, **config.as_dict()) as tracer:
                 streamer = _StepStreamer(tracer, sink)
-                model.generate(ids, attention_mask=mask, streamer=streamer,
-                               stopping_criteria=StoppingCriteriaList([StopWhenAsked()]), **kwargs)
+                model.generate(ids, attention_mask=mask, streamer=streamer, stopping_criteria=criteria, **kwargs)
         except BaseException as error:  # noqa: BLE001 - re-raised in the consumer's thread
             failure.append(error)
             sink.put(None)

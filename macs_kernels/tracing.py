@@ -111,6 +111,11 @@ def check_generate(model, generate_kwargs: dict, *, attention: str = "softmax") 
     method = "efficient" if attention == "efficient" else "exact"
     if getattr(config, "prefill_chunk_size", None):
         support.check("generate", method, "chunked_prefill")
+    if getattr(config, "token_healing", False):
+        raise NotImplementedError(
+            "token_healing is not supported by macs_kernels: generate rewrites the prompt's last tokens, so the "
+            "inputs it attends are not the prompt's"
+        )
     for option in ("use_mtp", "assistant_early_exit"):
         if getattr(config, option, None):
             raise NotImplementedError(

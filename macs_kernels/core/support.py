@@ -27,6 +27,7 @@ LAYOUTS = {  # layout -> the options that select it
     "softcap": "attention logit softcapping (attn_logit_softcapping)",
     "sinks": "attention sinks (per-head sink logits)",
     "speculative": "speculative decoding (speculative_config)",
+    "stop_strings": "stop strings (stop_strings= / the server's stop)",
 }
 
 # (engine, method or "*", layout or "*") -> why it is refused. Everything else is supported.
@@ -38,6 +39,8 @@ UNSUPPORTED = {
     ("continuous", "*", "static_cache"): "continuous batching runs on its own paged cache",
     ("continuous", "*", "several"): "forked requests (num_return_sequences > 1) share prompt blocks the tracer "
                                     "does not follow yet",
+    ("continuous", "*", "stop_strings"): "transformers' continuous batching has no stop strings (it would ignore "
+                                         "them; the server cuts its requests' text itself)",
     ("continuous", "at2", "tensor_parallel"): "each rank holds its own heads' features; gathering them in the "
                                               "engine's loop is not implemented",
     ("generate", "at2", "beams"): "the captured queries do not follow beam search's reorders",
@@ -45,6 +48,8 @@ UNSUPPORTED = {
     ("server", "*", "beams"): "the server decodes without beam search",
     ("server", "*", "assisted"): "the server decodes without assisted decoding",
     ("server", "*", "static_cache"): "the server runs continuous batching on its own paged cache",
+    ("server", "at2", "stop_strings"): "AT2's features are averaged over every generated token, the stop string's "
+                                       "included",
     ("vllm", "efficient", "*"): "the vLLM backend scores softmax rows; efficient attention needs a Gram state per "
                                 "request and layer that it does not keep",
     ("vllm", "at2", "*"): "the vLLM backend returns MACS rows; AT2 features come from explain()",

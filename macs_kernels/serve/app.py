@@ -2,6 +2,7 @@
 batching engine, MACS attribution per request, OpenAI-style error bodies, and the live attribution page."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
@@ -16,6 +17,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..alignment import align_context, user_span
+from ..core import support
 from ..explanation import Explanation, _decode_tokens, log_zscores
 from ..prompts import QA_TEMPLATE
 from ..viz import _unit
@@ -125,6 +127,65 @@ class _Text:
         return piece
 
 
+class _Choice:
+    """One choice's returned text and tokens as its steps arrive: the text ends before the first stop string
+    (OpenAI's rule), and the tokens returned are those whose text begins before it, each with its row; a token
+    that holds the answer's last characters and the start of the stop string is returned with its row (its
+    piece cut at the stop), the tokens wholly inside or after the stop string are not. While the text could
+    still be the start of a stop string, its tokens are held back, so a stream never sends what a stop
+    string takes back."""
+
+    def __init__(self, tokenizer, index: int, stops: list[str], attribution: _Attribution | None):
+        self.index, self.stops, self.attribution = index, stops, attribution
+        self.text = _Text(tokenizer)
+        self.held: list[tuple[Step, str]] = []
+        self.content = ""
+        self.reason: str | None = None  # "stop" once a stop string ended the choice
+        self.generated = 0  # every token generated, the stop string's included (the usage)
+
+    def add(self, step: Step) -> list[tuple[Step, str]]:
+        """The steps this one releases, each with its piece of the returned text."""
+        self.generated += 1
+        self.held.append((step, self.text.add(step.token_id)))
+        if not self.stops:
+            return self._release(len(self.text.sent))
+        text = self.text.sent
+        longest = max(map(len, self.stops))
+        start = max(0, len(self.content) - longest + 1)
+        found = [p for p in (text.find(stop, start) for stop in self.stops) if p >= 0]
+        if found:
+            self.reason = "stop"
+            return self._release(min(found), cut=True)
+        # Hold back the longest tail of the text that begins a stop string.
+        tail = max((k for stop in self.stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+        return self._release(len(text) - tail)
+
+    def end(self) -> tuple[list[tuple[Step, str]], str]:
+        """At the end of generation without a stop string: the steps still held, and the text no token has
+        claimed yet (the bytes of an unfinished character)."""
+        released = self._release(len(self.text.sent))
+        rest = self.text.rest()
+        self.content += rest
+        return released, rest
+
+    def _release(self, until: int, cut: bool = False) -> list[tuple[Step, str]]:
+        """Release the held steps whose text begins before `until` (and, unless cut, ends by it)."""
+        released, position = [], len(self.content)
+        while self.held:
+            step, piece = self.held[0]
+            # At a stop, a token that begins at or after it is not returned; else one that ends past `until` waits.
+            if position >= until if cut else position + len(piece) > until:
+                break
+            piece = piece[: max(0, until - position)]
+            self.held.pop(0)
+            released.append((step, piece))
+            position += len(piece)
+            self.content += piece
+        if cut:
+            self.held.clear()
+        return released
+
+
 def create_app(engine: Engine) -> FastAPI:
     """The application around a (not yet started) engine; its lifespan starts and drains it."""
 
@@ -183,7 +244,7 @@ def create_app(engine: Engine) -> FastAPI:
     def chat_prompt(body: ChatCompletionRequest, options: AttributionOptions | None) -> _Prompt:
         if not getattr(tokenizer, "chat_template", None):
             raise RequestRejected("this model has no chat template; use /v1/completions", param="messages")
-        messages = [m.model_dump() for m in body.messages]
+        messages = [m.as_template() for m in body.messages]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         if options is None or options.source is None:
@@ -208,68 +269,89 @@ def create_app(engine: Engine) -> FastAPI:
 
     async def run(body, prompt: _Prompt, options, chat: bool):
         check_model(body.model)
-        job: Job = engine.job(prompt.ids, body.max_tokens, options.macs_config() if options else None,
-                              prompt_param="messages" if chat else "prompt",
-                              at2=options is not None and options.method == "at2")
-        attribution = _Attribution(tokenizer, prompt, options) if options else None
+        at2 = options is not None and options.method == "at2"
+        stops = body.stop_strings()
+        if at2 and stops:
+            raise RequestRejected(support.message("server", "at2", "stop_strings"), param="stop")
+        jobs: list[Job] = [
+            engine.job(prompt.ids, body.max_tokens, options.macs_config() if options else None,
+                       prompt_param="messages" if chat else "prompt", at2=at2, sampling=sampling)
+            for sampling in body.sampling()
+        ]
+        choices = [_Choice(tokenizer, i, stops, _Attribution(tokenizer, prompt, options) if options else None)
+                   for i in range(len(jobs))]
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": engine.name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_events(job, attribution, meta, chat, include_usage),
+            return StreamingResponse(_events(jobs, choices, meta, chat, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        text = _Text(tokenizer)
-        async with contextlib.aclosing(engine.generate(job)) as steps:
-            async for step in steps:
-                text.add(step.token_id)
-                if attribution is not None:
-                    attribution.step(step)
-        content = text.full()
-        reason = _finish_reason(text.ids, engine)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": reason}
-                  if chat else {"index": 0, "text": content, "finish_reason": reason, "logprobs": None})
-        response = meta | {"object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                           "usage": _usage(len(prompt.ids), len(text.ids))}
-        if attribution is not None:
-            response["attribution"] = attribution.explanation(content)
+
+        async def collect(job: Job, choice: _Choice) -> None:
+            async for released, _ in _released(job, choice):
+                if choice.attribution is not None:
+                    for step, _piece in released:
+                        choice.attribution.step(step)
+
+        await _gather(collect(job, choice) for job, choice in zip(jobs, choices))
+        response = meta | {"object": "chat.completion" if chat else "text_completion",
+                           "choices": [_whole(choice, chat) for choice in choices],
+                           "usage": _usage(len(prompt.ids), sum(c.generated for c in choices))}
         return JSONResponse(response)
 
-    async def _events(job: Job, attribution, meta: dict, chat: bool, include_usage: bool):
+    async def _released(job: Job, choice: _Choice):
+        """(steps released with their pieces, the text no token claimed) as the choice's generation goes on;
+        the last item ends it. A stop string cancels the generation at once."""
+        last = None
+        async with contextlib.aclosing(engine.generate(job)) as steps:
+            async for step in steps:
+                last = step.token_id
+                yield choice.add(step), ""
+                if choice.reason is not None:
+                    return
+        released, rest = choice.end()
+        choice.reason = "stop" if last in engine.eos_ids else "length"
+        yield released, rest
+
+    async def _events(jobs: list[Job], choices: list[_Choice], meta: dict, chat: bool, include_usage: bool):
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(piece: str | None, reason=None, extra=None) -> str:
+        def chunk(index: int, piece: str | None, reason=None, extra=None) -> str:
             if chat:
                 delta = {} if piece is None else {"content": piece}
-                choice = {"index": 0, "delta": delta, "finish_reason": reason}
+                choice = {"index": index, "delta": delta, "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}
+                choice = {"index": index, "text": piece or "", "finish_reason": reason, "logprobs": None}
             return "data: " + json.dumps(meta | {"object": kind, "choices": [choice]} | (extra or {})) + "\n\n"
 
-        text = _Text(tokenizer)
-        if chat:
-            first = {"role": "assistant", "content": ""}
-            header = {"attribution": attribution.header()} if attribution else {}
-            yield "data: " + json.dumps(meta | {"object": kind, "choices": [
-                {"index": 0, "delta": first, "finish_reason": None}]} | header) + "\n\n"
-        elif attribution is not None:
-            yield chunk("", extra={"attribution": attribution.header()})
-        try:
-            async with contextlib.aclosing(engine.generate(job)) as steps:
-                async for step in steps:
-                    piece = text.add(step.token_id)
+        async def one(job: Job, choice: _Choice):
+            attribution = choice.attribution
+            header = {"attribution": attribution.header()} if attribution else None
+            if chat:
+                yield "data: " + json.dumps(meta | {"object": kind, "choices": [
+                    {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                ]} | (header or {})) + "\n\n"
+            elif header is not None:
+                yield chunk(choice.index, "", extra=header)
+            async for released, rest in _released(job, choice):
+                for step, piece in released:
                     extra = {"attribution": attribution.step(step)} if attribution else None
-                    yield chunk(piece, extra=extra)
+                    yield chunk(choice.index, piece, extra=extra)
+                if choice.reason is not None:
+                    yield chunk(choice.index, rest or None, reason=choice.reason)
+
+        try:
+            async for event in _merged([one(job, choice) for job, choice in zip(jobs, choices)]):
+                yield event
         except RequestRejected as error:
             yield "data: " + json.dumps(error_body(str(error), error.status, code=error.code)) + "\n\n"
             return
         except Exception as error:  # noqa: BLE001 - the stream has begun: report in-band, then close
             yield "data: " + json.dumps(error_body(f"generation failed: {error}", 500)) + "\n\n"
             return
-        rest = text.rest()
-        yield chunk(rest or None, reason=_finish_reason(text.ids, engine))
         if include_usage:
-            yield "data: " + json.dumps(meta | {"object": kind, "choices": [],
-                                                "usage": _usage(len(job.input_ids), len(text.ids))}) + "\n\n"
+            usage = _usage(len(jobs[0].input_ids), sum(c.generated for c in choices))
+            yield "data: " + json.dumps(meta | {"object": kind, "choices": [], "usage": usage}) + "\n\n"
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/chat/completions")
@@ -311,8 +393,61 @@ def _where(error: dict) -> str:
     return ".".join(str(p) for p in error.get("loc", ()) if p != "body" and not str(p).startswith("function-"))
 
 
-def _finish_reason(ids: list[int], engine: Engine) -> str:
-    return "stop" if ids and ids[-1] in engine.eos_ids else "length"
+def _whole(choice: _Choice, chat: bool) -> dict:
+    """A finished choice of a whole (not streamed) response, with its attribution."""
+    if chat:
+        body = {"index": choice.index, "message": {"role": "assistant", "content": choice.content},
+                "finish_reason": choice.reason}
+    else:
+        body = {"index": choice.index, "text": choice.content, "finish_reason": choice.reason, "logprobs": None}
+    if choice.attribution is not None:
+        body["attribution"] = choice.attribution.explanation(choice.content)
+    return body
+
+
+async def _gather(coroutines) -> None:
+    """Run the coroutines together; the first failure cancels the others (and so their requests)."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+_END = object()
+
+
+async def _merged(streams):
+    """The items of several async iterators as they come; the first failure ends all of them (and is raised),
+    as does the consumer leaving early."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(stream):
+        try:
+            async for item in stream:
+                await queue.put((item, None))
+        except Exception as error:  # noqa: BLE001 - handed to the consumer
+            await queue.put((_END, error))
+            return
+        await queue.put((_END, None))
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is _END:
+                running -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _usage(prompt: int, completion: int) -> dict:

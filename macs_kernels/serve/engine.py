@@ -4,7 +4,8 @@ attribution also get their MACS rows, step by step.
 Attribution goes through `macs_kernels.continuous.attach_continuous`: MACS inside the continuous-batching
 engine, batched with everything else, each request with its own options (efficient attention included);
 requests without attribution are skipped by its tracer (no MACS work). A request's stream reads only the rows
-of its new tokens: O(1) per token.
+of its new tokens: O(1) per token. Each request also samples with its own temperature, top-k, top-p and
+random generator (`sampling.RequestSampler`, the manager's one logits processor), or decodes greedily.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from collections.abc import AsyncIterator
 import torch
 
 from ..config import MacsConfig
+from .sampling import RequestSampler, Sampling
 
 
 class RequestRejected(ValueError):
@@ -43,6 +45,7 @@ class Job:
     max_new_tokens: int
     attribution: MacsConfig | None = None
     at2: bool = False
+    sampling: Sampling = Sampling()
 
 
 class Engine:
@@ -85,6 +88,7 @@ class Engine:
         self._stack = contextlib.ExitStack()
         self.manager = None
         self.tracer = None
+        self.sampler = RequestSampler()
         self._streams = 0  # generations a client is still reading
 
     # ---- life cycle -------------------------------------------------------------------------------
@@ -96,6 +100,7 @@ class Engine:
         self.manager = self.model.init_continuous_batching(
             generation_config=self.generation_config, continuous_batching_config=self.cb_config,
         )
+        self.sampler.install(self.manager)
         self.manager.start()
 
     def stop(self) -> None:
@@ -125,7 +130,7 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------------
     def job(self, input_ids: list[int], max_tokens: int | None, attribution: MacsConfig | None, *,
-            prompt_param: str = "messages", at2: bool = False) -> Job:
+            prompt_param: str = "messages", at2: bool = False, sampling: Sampling | None = None) -> Job:
         """The job for a prompt, or RequestRejected when it cannot fit the context and the cache.
 
         prompt_param: the body field that holds the prompt, named in errors.
@@ -155,7 +160,7 @@ class Engine:
                 "attribution.method='at2' needs AT2 coefficients trained for this server's model; start it with "
                 "--at2-coefficients (train them with `macs-kernels at2 train`)", param="attribution.method",
             )
-        return Job(list(input_ids), max_tokens, attribution, at2)
+        return Job(list(input_ids), max_tokens, attribution, at2, sampling or Sampling())
 
     async def generate(self, job: Job) -> AsyncIterator[Step]:
         """Steps of `job` as they are made; closing the iterator early cancels the request and frees it."""
@@ -168,6 +173,7 @@ class Engine:
             self.tracer.configure(request_id, at2_features=job.at2, **_request_config(job.attribution))
         else:
             self.tracer.skip(request_id)
+        self.sampler.configure(request_id, job.sampling)
         manager.register_result_handler(request_id, outputs.put_nowait)
         manager.add_request(job.input_ids, request_id=request_id, max_new_tokens=job.max_new_tokens,
                             streaming=True, eos_token_id=sorted(self.eos_ids))
@@ -199,6 +205,7 @@ class Engine:
                 with manager.output_router._lock:  # the manager drops a handler only on a finished output
                     manager.output_router.result_handlers.pop(request_id, None)
             self.tracer.release(request_id)
+            self.sampler.release(request_id)
 
 
 def _request_config(config: MacsConfig) -> dict:

@@ -32,12 +32,14 @@ PROMPTS = {
     "shared": [SHARED * 2 + "Who wrote it?", SHARED * 2 + "Where is it set?"],
     "pressure": [SHARED + "Who wrote it?", SHARED + "When?", SHARED + "Where is it set?", SHARED + "Why?"],
 }
+STOP = "stop_strings"  # the layout's options stand for _stop_strings(): a string greedy decoding meets
 # layout -> (prompts, generate options). Sampling layouts seed torch first.
 LAYOUTS = {
     "greedy": ("one", {}),
     "sampling": ("one", {"do_sample": True, "temperature": 1.0, "top_k": 20}),
     "several": ("one", {"do_sample": True, "num_return_sequences": 2}),
     "beams": ("one", {"num_beams": 2, "num_return_sequences": 2}),
+    STOP: ("one", {STOP: None}),
     "left_padded": ("three", {}),
     "shared_prefix": ("shared", {}),
     "chunked_prefill": ("three", {}),
@@ -49,6 +51,23 @@ METHODS = {  # MACS methods: explain()'s options
     "efficient": {"attention": "efficient"},
 }
 AT2 = "at2"  # AT2's features (L, H, N): the mean over generated tokens of each head's attention on each input
+
+
+def _stop_strings(model, tokenizer) -> list[str]:
+    """The text of the third token greedy decoding makes from PROMPTS["one"] (met there first): generate stops
+    after that token; the server returns the two tokens before it."""
+    greedy = explain(model, tokenizer, PROMPTS["one"][0], max_new_tokens=3, backend="torch")
+    stop = tokenizer.decode(greedy.generated_ids[2:3])
+    assert stop.strip() and greedy.text.index(stop) == len(tokenizer.decode(greedy.generated_ids[:2])), greedy.text
+    return [stop]
+
+
+def _options(model, tokenizer, layout: str) -> dict:
+    """The layout's generate options, its stop strings resolved."""
+    options = dict(LAYOUTS[layout][1])
+    if STOP in options:
+        options[STOP] = _stop_strings(model, tokenizer)
+    return options
 
 
 def _cb_config(layout: str) -> ContinuousBatchingConfig:
@@ -67,7 +86,9 @@ def _sequences(result) -> list[tuple]:
 
 def generate_engine(model, tokenizer, _server):
     def run(method, layout):
-        prompts, options = LAYOUTS[layout]
+        prompts, options = LAYOUTS[layout][0], _options(model, tokenizer, layout)
+        if STOP in options:
+            options["tokenizer"] = tokenizer
         if layout == "cache_pressure":
             pytest.skip("generate has no paged cache to put under pressure")
         if layout == "chunked_prefill":
@@ -108,7 +129,7 @@ offload_requests = OffloadingManager.offload_requests
 
 def continuous_engine(model, tokenizer, _server):
     def run(method, layout):
-        prompts, options = LAYOUTS[layout]
+        prompts, options = LAYOUTS[layout][0], _options(model, tokenizer, layout)
         offloaded = []
 
         def offload(manager):
@@ -150,28 +171,39 @@ def _continuous_at2(model, tokenizer, prompts, options, cb_config):
                 for request_id, output in outputs.items()]
 
 
-def server_engine(_model, _tokenizer, server):
+def server_engine(model, tokenizer, server):
     """The server runs with a 16-token pass budget and 128 cache tokens (conftest): every prefill is chunked,
-    and concurrent requests put its cache under pressure."""
+    and concurrent requests put its cache under pressure. Sampling layouts send temperature (and top_k) with a
+    seed, several sequences n = 2, stop strings the server's `stop`; every choice is checked."""
     import httpx
 
     def run(method, layout):
-        prompts, options = LAYOUTS[layout]
-        if options:
-            pytest.skip("the server's sampling options are issue 27's (not in this suite yet)")
+        prompts, options = LAYOUTS[layout][0], _options(model, tokenizer, layout)
+        if "num_beams" in options:
+            pytest.skip("OpenAI's API has no beam search option")
+        if options.pop("do_sample", False):
+            options |= {"seed": 0, "temperature": options.get("temperature", 1.0)}
+        if "num_return_sequences" in options:
+            options["n"] = options.pop("num_return_sequences")
+        if STOP in options:
+            options["stop"] = options.pop(STOP)
         attribution = {"method": AT2} if method == AT2 else dict(METHODS[method])
 
         def ask(text):
             body = {"model": TINY, "messages": [{"role": "user", "content": text}], "max_tokens": NEW_TOKENS,
-                    "attribution": attribution}
+                    "attribution": attribution} | options
             response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300)
             if response.status_code == 400 and "is not supported under" in response.text:
                 raise NotImplementedError(response.json()["error"]["message"])
             assert response.status_code == 200, response.text
-            return response.json()["attribution"]
+            choices = response.json()["choices"]
+            assert [c["index"] for c in choices] == list(range(options.get("n", 1)))
+            if "stop" in options:
+                assert all(c["finish_reason"] == "stop" for c in choices), choices
+            return [c["attribution"] for c in choices]
 
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS[prompts])) as pool:
-            answers = list(pool.map(ask, PROMPTS[prompts]))
+            answers = [a for choices in pool.map(ask, PROMPTS[prompts]) for a in choices]
         if method == AT2:  # the server answers AT2's scores: the features weighted by the coefficients
             return [(torch.tensor(a["input_ids"]), torch.tensor(a["generated_ids"]), torch.tensor(a["at2_scores"]),
                      len(a["generated_ids"])) for a in answers]
@@ -194,10 +226,10 @@ def test_rows_equal_the_teacher_forced_reference_or_are_refused(engine, method, 
     model, tokenizer = chat_model
     server = request.getfixturevalue("conformance_server") if engine == "server" else None
     run = ENGINES[engine](model, tokenizer, server)
-    check_rows_or_refusal(model, run, method, layout, [support.message(engine, method, layout)], request)
+    check_rows_or_refusal(model, run, engine, method, layout, [support.message(engine, method, layout)], request)
 
 
-def check_rows_or_refusal(model, run, method: str, layout: str, refusals: list, request) -> None:
+def check_rows_or_refusal(model, run, engine: str, method: str, layout: str, refusals: list, request) -> None:
     """run(method, layout) raises one of the `refusals` (None entries ignored), or returns rows (or AT2 features)
     equal to the teacher-forced eager reference of each returned sequence."""
     refusals = [refusal for refusal in refusals if refusal is not None]
@@ -210,6 +242,10 @@ def check_rows_or_refusal(model, run, method: str, layout: str, refusals: list, 
     sequences = run(method, layout)
     expected = len(PROMPTS[LAYOUTS[layout][0]]) * LAYOUTS[layout][1].get("num_return_sequences", 1)
     assert len(sequences) == expected
+    if layout == STOP:  # the stop string ended every sequence early (its tokens are the engine's to keep or not)
+        assert all(len(sequence[1]) < NEW_TOKENS for sequence in sequences)
+    if layout in ("sampling", "several") and engine == "server":  # a seed: the same answers on a second run
+        assert [s[1].tolist() for s in run(method, layout)] == [s[1].tolist() for s in sequences]
     if method == AT2:
         for prompt_ids, generated_ids, features, steps in sequences:
             assert steps > 0 and features.shape[-1] == len(prompt_ids)
@@ -228,6 +264,31 @@ def check_rows_or_refusal(model, run, method: str, layout: str, refusals: list, 
         finite = torch.isfinite(reference)
         assert torch.equal(torch.isfinite(log_c), finite)
         assert (log_c.double()[finite] - reference[finite]).abs().max() <= LOG_C_TOLERANCE
+
+
+def test_server_seeded_sampling_under_cache_pressure_draws_what_each_request_draws_alone(conformance_server,
+                                                                                         chat_model):
+    """Four seeded sampling requests at once on the server's small cache (conftest: every prefill chunked, room
+    for two of them) get the tokens each gets alone, with rows equal to the teacher-forced reference."""
+    import httpx
+
+    model, _ = chat_model
+
+    def ask(i):
+        body = {"model": TINY, "messages": [{"role": "user", "content": PROMPTS["pressure"][i]}],
+                "max_tokens": NEW_TOKENS, "temperature": 1.0, "seed": 100 + i, "attribution": True}
+        response = httpx.post(conformance_server.url + "/v1/chat/completions", json=body, timeout=300)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["attribution"]
+
+    alone = [ask(i) for i in range(len(PROMPTS["pressure"]))]
+    with concurrent.futures.ThreadPoolExecutor(len(alone)) as pool:
+        together = list(pool.map(ask, range(len(alone))))
+    assert [a["generated_ids"] for a in together] == [a["generated_ids"] for a in alone]
+    for answer in together:
+        log_c = torch.tensor([[float("-inf") if v is None else v for v in row] for row in answer["step_log_c"]])
+        reference = eager_log_c(model, torch.tensor(answer["input_ids"]), torch.tensor(answer["generated_ids"]))
+        assert (log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE
 
 
 @pytest.mark.slow

@@ -53,7 +53,7 @@ def test_variant_rows_equal_the_teacher_forced_reference_or_are_refused(name, en
     run = ENGINES[engine](model, tokenizer, None)
     # Every prompt is longer than the window: the last query of a window layer cannot see the first inputs.
     assert all(encode_prompts(tokenizer, p)[0].shape[1] > WINDOW + 4 for p in PROMPTS[LAYOUTS[layout][0]])
-    check_rows_or_refusal(model, run, method, layout, _refusals(model, engine, method, layout), request)
+    check_rows_or_refusal(model, run, engine, method, layout, _refusals(model, engine, method, layout), request)
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "gpt_oss"])
@@ -107,5 +107,5 @@ def test_efficient_rows_of_softcap_and_sink_layers_equal_the_reference(name, eng
     """Efficient attention projects the layer's own softmax rows (capped logits, sink mass left out): equal to
     the eager rows projected by ops.efficient_attention; its Gram state cannot follow a window (refused)."""
     model, tokenizer = variant_models(name)
-    check_rows_or_refusal(model, ENGINES[engine](model, tokenizer, None), "efficient", "left_padded",
+    check_rows_or_refusal(model, ENGINES[engine](model, tokenizer, None), engine, "efficient", "left_padded",
                           _refusals(model, engine, "efficient", "left_padded"), request)

@@ -227,8 +227,9 @@ def _count_forwards(model):
     (dict(cache_implementation="offloaded"), "cache_implementation"),
     (dict(prefill_chunk_size=4), "prefill_chunk_size"),
     (dict(assistant_early_exit=1), "assistant_early_exit"),
+    (dict(token_healing=True), "token_healing"),
 ], ids=["contrastive", "dola", "constrained", "group-beams", "custom", "offloaded-cache", "chunked-prefill",
-        "early-exit"])
+        "early-exit", "token-healing"])
 def test_unsupported_modes_are_refused_before_generation(gqa_model, generate_kwargs, option):
     calls, handle = _count_forwards(gqa_model)
     try:
@@ -478,6 +479,16 @@ def test_a_row_finished_by_a_stopping_criterion_has_only_its_own_rows(eos):
     for b, steps in enumerate([2, 6, 6]):
         log_c, _ = tracer.rows(b)
         assert_teacher_forced(model, PROMPTS[b][MASK[b].bool()], generated[b, :steps], log_c)
+
+
+def test_stream_keeps_the_callers_stopping_criteria():
+    """stream() adds its own criterion (the consumer leaving) to the caller's instead of colliding with it."""
+    model = tiny_llama(heads=3, kv_heads=1)
+    criteria = StoppingCriteriaList([_StopRowZeroAfter(PROMPTS.shape[1], 2)])
+    explanation = explain(model, IdTokenizer(), input_ids=PROMPTS[1], max_new_tokens=6, stopping_criteria=criteria)
+    streamed = list(stream(model, IdTokenizer(), input_ids=PROMPTS[1], max_new_tokens=6, stopping_criteria=criteria))
+    assert [token for token, _ in streamed] == explanation.generated_ids.tolist() and len(streamed) == 2
+    assert torch.allclose(torch.stack([z for _, z in streamed]), explanation.step_scores)
 
 
 STOPS = ["1.", "Red"]

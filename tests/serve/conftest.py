@@ -104,6 +104,18 @@ def server(tiny_model):
     running.terminate()
 
 
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client of the module's server."""
+    openai = pytest.importorskip("openai", reason="the server tests need the official openai client (the test extra)")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture
+def lm(tiny_model):
+    return tiny_model[1], tiny_model[2]
+
+
 LOG_C_TOL = 1e-3
 
 

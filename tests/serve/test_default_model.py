@@ -40,7 +40,7 @@ def test_batched_requests_with_attribution_equal_explain(client):
         else:
             response = client.chat.completions.create(
                 model=DEFAULT_MODEL, messages=qa(i), max_tokens=MAX_TOKENS, extra_body={"attribution": True})
-            answers[i] = (response.choices[0].message.content, response.model_extra["attribution"])
+            answers[i] = (response.choices[0].message.content, response.choices[0].model_extra["attribution"])
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
     for thread in threads:

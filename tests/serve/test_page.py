@@ -70,7 +70,7 @@ def test_page_streams_the_answer_and_follows_the_pointer(server, browser, tmp_pa
     answer = browser.find_element(By.ID, "answer")
     assert answer.get_attribute("textContent") == api["choices"][0]["message"]["content"]
 
-    attribution = api["attribution"]
+    attribution = api["choices"][0]["attribution"]
     start, end = attribution["source_span"]
     log_c = rows(attribution["step_log_c"])
     tokens = answer.find_elements(By.CSS_SELECTOR, "span[data-step]")
