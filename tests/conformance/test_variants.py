@@ -19,6 +19,7 @@ from .test_conformance import (
     LOG_C_TOLERANCE,
     METHODS,
     PROMPTS,
+    STOP,
     check_rows_or_refusal,
     continuous_engine,
     generate_engine,
@@ -35,6 +36,9 @@ CASES = [
                  marks=() if (method, layout) in FAST or (model in FAST_MORE[0] and (method, layout) in FAST_MORE[1])
                  else pytest.mark.slow)
     for model in VARIANT_MODELS for engine in ENGINES for method in [*METHODS, AT2] for layout in LAYOUTS
+    # Where a sequence stops is the stopping criteria's, not attention's; and a random model's greedy text
+    # need not hold the distinct token the stop-strings layout stops at.
+    if layout != STOP
 ]
 
 
