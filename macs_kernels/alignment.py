@@ -50,7 +50,7 @@ def encode_chat(tokenizer, messages, *, add_generation_prompt: bool = True) -> t
     """(templated text, ids, offsets) of chat messages; raises if the ids differ from apply_chat_template's.
     Without a chat template (a base model) the text is `prompts.plain_prompt`, with the tokenizer's own special
     tokens (BOS)."""
-    if not getattr(tokenizer, "chat_template", None):
+    if hasattr(tokenizer, "chat_template") and not tokenizer.chat_template:
         from .prompts import plain_prompt
 
         text = plain_prompt(messages, add_generation_prompt)

@@ -352,10 +352,11 @@ def test_two_threads_explaining_on_one_model_both_get_their_own_rows(gqa_model):
 
 def test_attention_variants_refused_where_they_cannot_be_followed():
     """Softcapping under continuous batching (transformers' paged attention drops the cap), assisted decoding and
-    a cache passed in with sliding windows, a GPU backend named for a variant: refused before work, naming them."""
+    a cache passed in with sliding windows, the CUDA backend named for a variant: refused before work, naming them."""
     from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
 
     from macs_kernels.continuous import attach_continuous
+    from macs_kernels.core import support
 
     config = Gemma2Config(vocab_size=50, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, attn_logit_softcapping=5.0,
@@ -364,9 +365,11 @@ def test_attention_variants_refused_where_they_cannot_be_followed():
     with pytest.raises(NotImplementedError, match="gemma2: attention logit softcapping .* continuous engine"):
         with attach_continuous(gemma):
             pass
-    with pytest.raises(NotImplementedError, match="backend='triton' has no kernels for attention logit softcapping"):
-        with attach(gemma, backend="triton"):
-            pass
+    # The CUDA kernels take no variant: named, it is refused; chosen automatically, the torch kernels run instead.
+    with pytest.raises(NotImplementedError, match="backend='cuda' has no kernels for attention logit softcapping"):
+        support.variant_backend(("softcap",), "cuda", "cuda")
+    assert support.variant_backend(("softcap",), None, "cuda") == "torch"
+    assert support.variant_backend(("sinks",), "triton", "triton") == "triton"
     mistral = MistralForCausalLM(MistralConfig(
         vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, sliding_window=4, pad_token_id=0,
