@@ -494,7 +494,8 @@ def attach_continuous(model, *, manager=None, keep_finished: int = 256, **config
     if isinstance(keep_finished, bool) or not isinstance(keep_finished, int) or keep_finished < 0:
         raise ValueError(f"keep_finished must be an int >= 0, got {keep_finished!r}")
     modules = check_model(model)
-    variants = check_variants(model, "continuous", support.method_of(macs_config))
+    shards = head_shards(model, modules)
+    variants = check_variants(model, "continuous", support.method_of(macs_config), shards)
     current = model.config._attn_implementation
     if current not in ("sdpa", "eager", "paged|eager"):
         raise NotImplementedError(
@@ -503,7 +504,7 @@ def attach_continuous(model, *, manager=None, keep_finished: int = 256, **config
     if any(hasattr(module, _TRACER_ATTRIBUTE) for module in modules.values()):
         raise RuntimeError("a macs_kernels continuous tracer is already attached to this model")
     tracer = ContinuousTracer(macs_config, len(modules), next(model.parameters()).device, keep_finished,
-                              shards=head_shards(model, modules), variants=variants)
+                              shards=shards, variants=variants)
     for known in (manager, getattr(model, "_cached_continuous_batching_manager", None)):
         if known is not None:
             tracer.track(known)

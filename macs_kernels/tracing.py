@@ -737,7 +737,8 @@ def attach(model, *, hooks=(), keep_pooled=False, **config):
     """
     macs_config = MacsConfig(**config)
     modules = check_model(model)
-    variants = check_variants(model, "generate", support.method_of(macs_config))
+    shards = head_shards(model, modules)
+    variants = check_variants(model, "generate", support.method_of(macs_config), shards)
     for hook in hooks:
         if hook.method is not None:
             check_variants(model, "generate", hook.method)
@@ -748,8 +749,8 @@ def attach(model, *, hooks=(), keep_pooled=False, **config):
         if previous not in WRAPPED_NAMES:
             raise ValueError(f"cannot wrap attention implementation {previous!r}; use one of {list(WRAPPED_NAMES)}")
         device = next(model.parameters()).device
-        tracer = Tracer(macs_config, len(modules), device, hooks, keep_pooled=keep_pooled,
-                        shards=head_shards(model, modules), variants=variants)
+        tracer = Tracer(macs_config, len(modules), device, hooks, keep_pooled=keep_pooled, shards=shards,
+                        variants=variants)
         _register()
         wrapped = ("generate", "_reorder_cache", "_get_stopping_criteria", *_CONTINUOUS_ENTRIES)
         saved = {name: model.__dict__[name] for name in wrapped if name in model.__dict__}

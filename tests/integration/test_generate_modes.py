@@ -365,6 +365,17 @@ def test_attention_variants_refused_where_they_cannot_be_followed():
     with pytest.raises(NotImplementedError, match="gemma2: attention logit softcapping .* continuous engine"):
         with attach_continuous(gemma):
             pass
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from macs_kernels.hf_models import check_variants
+
+    gpt_oss = GptOssForCausalLM(GptOssConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
+    ))
+    assert check_variants(gpt_oss, "generate", "exact") == ("sliding_window", "sinks")
+    with pytest.raises(NotImplementedError, match="gpt_oss: attention sinks under tensor parallelism"):
+        check_variants(gpt_oss, "generate", "exact", shards=object())
     # The CUDA kernels take no variant: named, it is refused; chosen automatically, the torch kernels run instead.
     with pytest.raises(NotImplementedError, match="backend='cuda' has no kernels for attention logit softcapping"):
         support.variant_backend(("softcap",), "cuda", "cuda")
