@@ -33,7 +33,7 @@ from .core import Kernels, PackedRows, RowStore, log_zscores, support
 from .distributed import head_shards
 from .efficient import GramState, efficient_rows
 from .hf_models import check_model, check_variants, layer_variant
-from .ops import torch_backend
+from .ops import efficient_attention, torch_backend
 from .ops._dispatch import resolve_backend
 from .ops.torch_packed import Segments, macs_pool_packed
 
@@ -375,23 +375,30 @@ class ContinuousTracer:
             )
         return found
 
-    def _efficient_rows(self, layer: int, query, key, value, scale: float, variant) -> None:
+    def _efficient_rows(self, layer: int, query, key, value, scale: float, variant, segments) -> None:
         """Efficient rows of the pass's efficient requests, after adding their new values to their Gram state
-        (from the layer's own softmax rows: softcap and sinks included)."""
+        (from the layer's own softmax rows: softcap and sinks included). A window layer's row projects onto its
+        window's values, whose Gram matrix is recomputed (the layer's cache holds the window only)."""
         step = self._pass
-        segments = step.scorer.segments
+        segments = step.scorer.segments if segments is None else segments
         for row, request_id in step.efficient:
             start, length = segments.starts[row], segments.lengths[row]
-            gram = self._grams.setdefault(request_id, GramState(self.num_layers))
-            seen = int(gram.tokens(layer)[0]) if gram.started(layer) else 0
             values = value[:, :, start : start + length]
-            fresh = values[:, :, seen:]
-            gram.append(layer, fresh, torch.ones(1, fresh.shape[2], dtype=torch.bool, device=fresh.device))
             q_row = query[:, :, int(step.scorer.rows[row])]
             scores = torch_backend.grouped_scores(q_row, key[:, :, start : start + length], scale)
-            bounds = torch.tensor([0, length], device=scores.device)
+            first = 0 if variant.window is None else max(0, length - variant.window)
+            bounds = torch.tensor([first, length], device=scores.device)
             softmax, _ = torch_backend.attended_softmax(scores, bounds[:1], bounds[1:], softcap=variant.softcap,
                                                         sinks=variant.sinks)
+            if variant.window is not None:
+                rows, _ = efficient_attention(softmax[:, :, None], values, kv_start=first, kv_len=length)
+                offset = segments.offsets[row]
+                step.scorer.pool_rows(layer, row, torch.nn.functional.pad(rows[0, :, 0], (offset, 0)))
+                continue
+            gram = self._grams.setdefault(request_id, GramState(self.num_layers))
+            seen = int(gram.tokens(layer)[0]) if gram.started(layer) else 0
+            fresh = values[:, :, seen:]
+            gram.append(layer, fresh, torch.ones(1, fresh.shape[2], dtype=torch.bool, device=fresh.device))
             rows, _ = efficient_rows(softmax, values, gram.gram(layer), 0, length)
             step.scorer.pool_rows(layer, row, rows[0])
 
@@ -431,7 +438,7 @@ class ContinuousTracer:
                 step.scorer.pool(layer, query, key, scale, variant, segments)
         if step is not None:
             if step.efficient:
-                self._efficient_rows(layer, query, key, value, scale, variant)
+                self._efficient_rows(layer, query, key, value, scale, variant, segments)
             if layer == self.num_layers - 1:
                 self._end_pass()
         return result

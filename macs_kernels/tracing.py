@@ -351,7 +351,8 @@ class Tracer:
         it anywhere)."""
         if self.prefill:
             slots = torch.arange(keys, device=device)
-            return _last_row_attended(mask, batch, keys, device) & (slots < self.kv_len[:, None])
+            attended = _any_row_attended if self.windowed else _last_row_attended
+            return attended(mask, batch, keys, device) & (slots < self.kv_len[:, None])
         return self.kv_len - 1
 
     def _gram_values(self, value):
@@ -387,18 +388,36 @@ class Tracer:
         """The last query's softmax rows (B, H, S) over the attended keys (zeros elsewhere), float32, of the layer
         in progress: with its variant (`variant`), over token positions (a window layer's rows padded with zeros
         for the tokens its cache dropped)."""
+        rows, _, _ = self._layer_softmax(query_last, key, scale)
+        return self._in_tokens(rows)
+
+    def _layer_softmax(self, query_last, key, scale):
+        """(rows (B, H, S) over the layer's own key slots, their attended [start, end) slots (B,) each)."""
         variant = self.variant
         scores = torch_backend.grouped_scores(query_last, key, scale)
         attend, _, _, length = torch_backend.window_ranges(self.input_start, self.input_end, self.kv_len,
                                                            variant.key_offset, variant.window)
         rows, _ = torch_backend.attended_softmax(scores, attend, length, softcap=variant.softcap,
                                                  sinks=variant.sinks)
-        return torch.nn.functional.pad(rows, (variant.key_offset, 0)) if variant.key_offset else rows
+        return rows, attend, length
+
+    def _in_tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        offset = self.variant.key_offset
+        return torch.nn.functional.pad(rows, (offset, 0)) if offset else rows
 
     def _efficient_pool(self, layer: int, query_last, key, value, scale: float) -> None:
-        """m' of the last query's efficient rows, after adding this pass's values to the Gram state."""
+        """m' of the last query's efficient rows, after adding this pass's values to the Gram state. A window
+        layer's row projects onto its window's values (the keys it attends): their Gram matrix is recomputed
+        from the layer's cache, which holds the window only."""
         from .efficient import efficient_rows
+        from .ops import efficient_attention
 
+        if self.variant.window is not None:
+            rows, attend, length = self._layer_softmax(query_last, key, scale)
+            projected, _ = efficient_attention(rows[:, :, None], value, kv_start=attend, kv_len=length,
+                                               backend=self._efficient_backend)
+            self._plan.scorer.pool_rows(layer, self._in_tokens(projected[:, :, 0]))
+            return
         self._gram.append(layer, *self._gram_values(value))
         rows, _ = efficient_rows(
             self.softmax_rows(query_last, key, scale), value, self._gram.gram(layer), self.input_start,

@@ -61,10 +61,6 @@ UNSUPPORTED = {
 # Attention variants (model properties the table treats as layouts): what each engine cannot follow.
 _PLAIN_ROWS = "scores plain softmax rows"
 UNSUPPORTED |= {("vllm", "*", variant): f"the vLLM backend {_PLAIN_ROWS}" for variant in ("softcap", "sinks")}
-UNSUPPORTED |= {
-    (engine, "efficient", "sliding_window"): "the Gram state of efficient attention spans every value, not a window"
-    for engine in ("generate", "continuous")
-}
 UNSUPPORTED[("continuous", "*", "softcap")] = (
     "transformers' continuous-batching attention (paged|eager, sdpa) drops the cap, so the engine does not "
     "compute the model's attention"

@@ -71,6 +71,13 @@ VARIANT_MODELS = {  # name -> (config class, its options, attention implementati
     "gpt_oss": ("GptOssConfig", {"sliding_window": WINDOW, "num_local_experts": 2, "num_experts_per_tok": 1,
                                  "layer_types": ["sliding_attention", "full_attention"]}, "eager"),
 }
+# Efficient rows of a window layer project onto its window's values: with head_dim 4, a window of 8 keys holds
+# more than D + 1 of them, so the projection is not the identity.
+EFFICIENT_WINDOW_MODELS = {
+    "gemma3_d4": ("Gemma3TextConfig", {"sliding_window": WINDOW, "head_dim": 4,
+                                       "layer_types": ["sliding_attention", "full_attention"]}, "sdpa"),
+    "mistral_d4": ("MistralConfig", {"sliding_window": WINDOW, "head_dim": 4}, "sdpa"),
+}
 # Softcapping and sinks alone (every layer a full one): what efficient attention follows.
 FULL_VARIANT_MODELS = {
     "gemma2_full": ("Gemma2Config", {"attn_logit_softcapping": 5.0, "layer_types": ["full_attention"] * 2},
@@ -88,13 +95,13 @@ def variant_model(name: str):
     from macs_kernels.models import load_tokenizer
 
     tokenizer = load_tokenizer()
-    config_class, options, implementation = (VARIANT_MODELS | FULL_VARIANT_MODELS)[name]
+    config_class, options, implementation = (VARIANT_MODELS | FULL_VARIANT_MODELS | EFFICIENT_WINDOW_MODELS)[name]
     torch.manual_seed(0)
-    config = getattr(transformers, config_class)(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
-        pad_token_id=2, initializer_range=0.2, **options,
-    )
+    config = getattr(transformers, config_class)(**{
+        "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "initializer_range": 0.2, **options,
+    })
     model = AutoModelForCausalLM.from_config(config, attn_implementation=implementation).eval()
     for module in model.modules():  # gpt-oss initialises its sinks to 0; random ones make them matter
         if isinstance(getattr(module, "sinks", None), torch.Tensor):

@@ -12,7 +12,7 @@ from macs_kernels.explanation import encode_prompts
 from macs_kernels.hf_models import attention_variants
 from tests.helpers import eager_macs
 
-from .conftest import FULL_VARIANT_MODELS, VARIANT_MODELS, WINDOW, eager_log_c
+from .conftest import EFFICIENT_WINDOW_MODELS, FULL_VARIANT_MODELS, VARIANT_MODELS, WINDOW, eager_log_c
 from .test_conformance import (
     AT2,
     LAYOUTS,
@@ -57,7 +57,8 @@ def test_variant_rows_equal_the_teacher_forced_reference_or_are_refused(name, en
     run = ENGINES[engine](model, tokenizer, None)
     # Every prompt is longer than the window: the last query of a window layer cannot see the first inputs.
     assert all(encode_prompts(tokenizer, p)[0].shape[1] > WINDOW + 4 for p in PROMPTS[LAYOUTS[layout][0]])
-    check_rows_or_refusal(model, run, engine, method, layout, _refusals(model, engine, method, layout), request)
+    check_rows_or_refusal(model, run, engine, method, layout, _refusals(model, engine, method, layout), request,
+                          efficient=_window_efficient_reference)
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "gpt_oss"])
@@ -113,3 +114,53 @@ def test_efficient_rows_of_softcap_and_sink_layers_equal_the_reference(name, eng
     model, tokenizer = variant_models(name)
     check_rows_or_refusal(model, ENGINES[engine](model, tokenizer, None), engine, "efficient", "left_padded",
                           _refusals(model, engine, "efficient", "left_padded"), request)
+
+
+def _window_efficient_reference(model, prompt_ids, generated_ids):
+    """Step log c (steps, N) float64 of efficient rows, independently: eager rows over every token (a cache that
+    keeps every layer's values), each projected onto the values of the keys its layer attends (a window layer:
+    its last `sliding_window` tokens) by reference.efficient_row_reference."""
+    from transformers import DynamicCache
+
+    from macs_kernels import reference
+
+    config = model.config
+    previous = config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        full = torch.cat([prompt_ids, generated_ids])[None, :-1]
+        out = model(full, output_attentions=True, use_cache=True, past_key_values=DynamicCache())
+    finally:
+        model.set_attn_implementation(previous)
+    kinds = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    n, heads = len(prompt_ids), config.num_attention_heads
+    group = heads // config.num_key_value_heads
+    steps = []
+    for k in range(len(generated_ids)):
+        query = n - 1 + k
+        layers = []
+        for layer, attention in enumerate(out.attentions):
+            first = max(0, query - config.sliding_window + 1) if kinds[layer] == "sliding_attention" else 0
+            values = out.past_key_values.layers[layer].values[0]
+            rows = torch.zeros(heads, query + 1, dtype=torch.float64)
+            for h in range(heads):
+                rows[h, first:] = reference.efficient_row_reference(attention[0, h, query, first : query + 1],
+                                                                    values[h // group, first : query + 1])
+            layers.append(rows)
+        steps.append(reference.macs_step_reference(layers, n)[0])
+    return torch.stack(steps)
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("name", list(EFFICIENT_WINDOW_MODELS))
+def test_efficient_rows_of_window_layers_project_onto_the_window(name, engine, variant_models):
+    """A window layer's efficient row is its softmax row projected onto the values of the keys it attends (its
+    window); full layers keep their Gram state over every value."""
+    model, tokenizer = variant_models(name)
+    sequences = ENGINES[engine](model, tokenizer, None)("efficient", "left_padded")
+    assert len(sequences) == len(PROMPTS["three"])
+    for prompt_ids, generated_ids, log_c in sequences:
+        reference = _window_efficient_reference(model, prompt_ids, generated_ids)
+        assert (log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE
+        # The projection matters here: the softmax rows' log c differs.
+        assert (eager_log_c(model, prompt_ids, generated_ids) - reference).abs().max() > 10 * LOG_C_TOLERANCE
