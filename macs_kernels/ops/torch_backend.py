@@ -173,7 +173,7 @@ def macs_pool_variant(q, k_cache, out, input_start, input_end, kv_len, scale, po
     scores = _block_scores(q, k_cache, scale)
     attend, start, end, length = window_ranges(input_start, input_end, kv_len, key_offset, window)
     probabilities, _ = attended_softmax(scores, attend, length, lse, softcap=softcap, sinks=sinks)
-    _pool_rows(probabilities, out, start, end, length, pooling, redistribute)
+    _pool_rows(probabilities, out, start, end, length, pooling, redistribute, windowed=window is not None)
 
 
 def gather_pages(k_pages: Tensor, block_table: Tensor, keys: int) -> Tensor:
@@ -199,19 +199,21 @@ def macs_pool_paged(
               redistribute, lse)
 
 
-def _pool_rows(probabilities, out, input_start, input_end, kv_len, pooling, redistribute):
+def _pool_rows(probabilities, out, input_start, input_end, kv_len, pooling, redistribute, windowed=False):
     """m' of rows (B, H, [R,] S) over ranges (B, [R]) into out (B, [R,] N_max): the inputs' probabilities plus
-    (when redistributing) the row's mass on generated keys / N, pooled over heads; 0 past each row's N."""
+    (when redistributing) the row's mass on generated keys / N, pooled over heads; 0 past each row's N.
+    windowed: input slots may lie before slot 0 (a sliding-window cache dropped those tokens): they get 0."""
     keys, n_max = probabilities.shape[-1], out.shape[-1]
     heads_dim = 1
     start, end, length = (index.unsqueeze(-1) for index in (input_start, input_end, kv_len))
     offsets = torch.arange(n_max, device=out.device)
     n_input = end - start
     input_keys = start + offsets
-    # A sliding-window layer's cache may no longer hold the first inputs (slots before 0): they get 0.
-    dropped = (input_keys < 0).unsqueeze(heads_dim)
-    input_keys = input_keys.clamp(0, keys - 1).unsqueeze(heads_dim)
-    inputs = probabilities.gather(-1, input_keys.expand(*probabilities.shape[:-1], n_max)).masked_fill_(dropped, 0.0)
+    dropped = (input_keys < 0).unsqueeze(heads_dim) if windowed else None
+    input_keys = input_keys.clamp(0 if windowed else None, keys - 1).unsqueeze(heads_dim)
+    inputs = probabilities.gather(-1, input_keys.expand(*probabilities.shape[:-1], n_max))
+    if windowed:
+        inputs.masked_fill_(dropped, 0.0)
     if redistribute:
         positions = torch.arange(keys, device=out.device)
         generated = ((positions >= end) & (positions < length)).unsqueeze(heads_dim)
@@ -256,6 +258,6 @@ def decode_attention_variant(q, k_cache, v_cache, kv_start, kv_len, scale, input
     attend, start, end, length = window_ranges(kv_start, end, kv_len, key_offset, window)
     probabilities, lse = attended_softmax(scores, attend, length, softcap=softcap, sinks=sinks)
     if pooled is not None:
-        _pool_rows(probabilities, pooled, start, end, length, pooling, redistribute)
+        _pool_rows(probabilities, pooled, start, end, length, pooling, redistribute, windowed=window is not None)
     return grouped_output(probabilities, v_cache, q.dtype), lse
 
