@@ -405,18 +405,25 @@ class Tracer:
         offset = self.variant.key_offset
         return torch.nn.functional.pad(rows, (offset, 0)) if offset else rows
 
+    def window_efficient_rows(self, query_last, key, value, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(efficient rows (B, H, S) in token positions, residual (B, H)) of the last query of the window layer in
+        progress: its softmax row projected onto its window's values (the layer's cache holds the window only,
+        so their Gram matrix is recomputed, O(W D^2))."""
+        from .ops import efficient_attention
+
+        rows, attend, length = self._layer_softmax(query_last, key, scale)
+        projected, residual = efficient_attention(rows[:, :, None], value, kv_start=attend, kv_len=length,
+                                                  backend=self._efficient_backend)
+        return self._in_tokens(projected[:, :, 0]), residual[:, :, 0]
+
     def _efficient_pool(self, layer: int, query_last, key, value, scale: float) -> None:
         """m' of the last query's efficient rows, after adding this pass's values to the Gram state. A window
         layer's row projects onto its window's values (the keys it attends): their Gram matrix is recomputed
         from the layer's cache, which holds the window only."""
         from .efficient import efficient_rows
-        from .ops import efficient_attention
 
         if self.variant.window is not None:
-            rows, attend, length = self._layer_softmax(query_last, key, scale)
-            projected, _ = efficient_attention(rows[:, :, None], value, kv_start=attend, kv_len=length,
-                                               backend=self._efficient_backend)
-            self._plan.scorer.pool_rows(layer, self._in_tokens(projected[:, :, 0]))
+            self._plan.scorer.pool_rows(layer, self.window_efficient_rows(query_last, key, value, scale)[0])
             return
         self._gram.append(layer, *self._gram_values(value))
         rows, _ = efficient_rows(

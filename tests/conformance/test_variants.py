@@ -61,7 +61,7 @@ def test_variant_rows_equal_the_teacher_forced_reference_or_are_refused(name, en
                           efficient=_window_efficient_reference)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "gpt_oss", "mistral_d4"])
 def test_evaluation_record_of_a_variant_model_equals_the_reference(name, variant_models):
     """The evaluation's recorded rows (every configuration scored from one generation) of window, softcap and sink
     layers are in token positions: any MACS configuration from the record equals the eager reference."""
@@ -69,10 +69,13 @@ def test_evaluation_record_of_a_variant_model_equals_the_reference(name, variant
 
     model, tokenizer = variant_models(name)
     prompt_ids = encode_prompts(tokenizer, PROMPTS["one"][0])[0][0]
-    record, generated, step_log_c = generate_record(model, tokenizer, prompt_ids, max_new_tokens=4, backend="torch")
+    record, generated, step_log_c = generate_record(model, tokenizer, prompt_ids, max_new_tokens=4, backend="torch",
+                                                    efficient=True)
     reference = eager_log_c(model, prompt_ids, generated)
     assert (step_log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE
     assert (torch.from_numpy(macs_from_record(record)) - reference).abs().max() <= LOG_C_TOLERANCE
+    efficient = torch.from_numpy(macs_from_record(record, attention="efficient"))
+    assert (efficient - _window_efficient_reference(model, prompt_ids, generated)).abs().max() <= LOG_C_TOLERANCE
     mean_half = eager_macs(model, prompt_ids, generated, pooling="mean", alpha=0.5)[0]
     assert (torch.from_numpy(macs_from_record(record, pooling="mean", alpha=0.5)) - mean_half).abs().max() \
         <= LOG_C_TOLERANCE
