@@ -12,7 +12,7 @@ from macs_kernels.explanation import encode_prompts
 from macs_kernels.hf_models import attention_variants
 from tests.helpers import eager_macs
 
-from .conftest import EFFICIENT_WINDOW_MODELS, FULL_VARIANT_MODELS, VARIANT_MODELS, WINDOW, eager_log_c
+from .conftest import VARIANT_MODELS, WINDOW, eager_log_c
 from .test_conformance import (
     AT2,
     LAYOUTS,
@@ -61,7 +61,7 @@ def test_variant_rows_equal_the_teacher_forced_reference_or_are_refused(name, en
                           efficient=_window_efficient_reference)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "gpt_oss", "mistral_d4"])
+@pytest.mark.parametrize("name", [pytest.param("gemma2", marks=pytest.mark.slow), "gpt_oss", "mistral_d4"])
 def test_evaluation_record_of_a_variant_model_equals_the_reference(name, variant_models):
     """The evaluation's recorded rows (every configuration scored from one generation) of window, softcap and sink
     layers are in token positions: any MACS configuration from the record equals the eager reference."""
@@ -83,7 +83,7 @@ def test_evaluation_record_of_a_variant_model_equals_the_reference(name, variant
 
 @pytest.mark.parametrize("engine", list(ENGINES))
 @pytest.mark.parametrize(("name", "method"), [
-    ("gemma3", "exact"), ("gpt_oss", "fused"),
+    ("gpt_oss", "fused"), pytest.param("gemma3", "exact", marks=pytest.mark.slow),
     pytest.param("mistral", "exact", marks=pytest.mark.slow), pytest.param("qwen2", "fused", marks=pytest.mark.slow),
     pytest.param("gemma2", "fused", marks=pytest.mark.slow),
 ])
@@ -109,8 +109,11 @@ def test_variant_rows_on_the_triton_kernels_equal_the_reference(name, method, en
         assert (item.step_log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE
 
 
-@pytest.mark.parametrize("engine", list(ENGINES))
-@pytest.mark.parametrize("name", list(FULL_VARIANT_MODELS))
+@pytest.mark.parametrize(("name", "engine"), [
+    ("gemma2_full", "generate"), ("gpt_oss_full", "continuous"),
+    pytest.param("gemma2_full", "continuous", marks=pytest.mark.slow),
+    pytest.param("gpt_oss_full", "generate", marks=pytest.mark.slow),
+])
 def test_efficient_rows_of_softcap_and_sink_layers_equal_the_reference(name, engine, variant_models, request):
     """Efficient attention projects the layer's own softmax rows (capped logits, sink mass left out): equal to
     the eager rows projected by ops.efficient_attention; its Gram state cannot follow a window (refused)."""
@@ -154,8 +157,11 @@ def _window_efficient_reference(model, prompt_ids, generated_ids):
     return torch.stack(steps)
 
 
-@pytest.mark.parametrize("engine", list(ENGINES))
-@pytest.mark.parametrize("name", list(EFFICIENT_WINDOW_MODELS))
+@pytest.mark.parametrize(("name", "engine"), [
+    ("mistral_d4", "generate"), ("gemma3_d4", "continuous"),
+    pytest.param("mistral_d4", "continuous", marks=pytest.mark.slow),
+    pytest.param("gemma3_d4", "generate", marks=pytest.mark.slow),
+])
 def test_efficient_rows_of_window_layers_project_onto_the_window(name, engine, variant_models):
     """A window layer's efficient row is its softmax row projected onto the values of the keys it attends (its
     window); full layers keep their Gram state over every value."""
