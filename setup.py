@@ -85,6 +85,8 @@ setup(
         # vLLM loads these in its front end, engine core and every worker: the attribution backend is
         # registered before any engine picks its attention backend.
         "vllm.general_plugins": ["macs_kernels = macs_kernels.vllm.plugin:register"],
+        # `vllm serve`'s attribution route (opt-in, as vLLM wants routes: VLLM_PLUGINS=macs_kernels).
+        "vllm.endpoint_plugins": ["macs_kernels = macs_kernels.vllm.server:AttributionEndpoints"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

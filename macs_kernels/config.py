@@ -5,7 +5,7 @@ import dataclasses
 
 POOLINGS = ("max", "mean", "min")
 ATTENTIONS = ("softmax", "efficient")
-BACKENDS = ("torch", "triton", "cuda")
+BACKENDS = ("torch", "triton", "cuda", "numba")
 
 
 @dataclasses.dataclass(frozen=True)

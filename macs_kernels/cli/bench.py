@@ -19,7 +19,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    if args.vllm:
+    if args.vllm or args.vllm_report:
         return vllm_engine.run(args)
     if args.serving:
         if args.repeats < 1:

@@ -31,18 +31,21 @@ class Kernels:
     pool_dense: object | None  # rows that attend every slot causally: no mask, no gather
     decode_dense: object | None
     pool_paged: object  # ops.macs_pool_paged's kernel
+    paged_backend: str  # pool_paged's backend: on CPUs a paged cache is read in place by numba's
     pool_variant: object | None  # macs_pool and decode_attention of a layer with an attention variant (ops.Variant)
     decode_variant: object | None
 
     @staticmethod
-    def of(backend: str) -> Kernels:
+    def of(backend: str, paged: str | None = None) -> Kernels:
+        """`backend`'s kernels, the paged op's from `paged` (default: `backend`)."""
         module = {"torch": "macs_kernels.ops.torch_backend", "triton": "macs_kernels.ops.triton"}.get(backend)
         special = None if module is None else importlib.import_module(module)
         return Kernels(
             backend, implementation(backend, "macs_pool"), implementation(backend, "decode_attention"),
             implementation(backend, "macs_update_rows"), getattr(special, "macs_pool_dense", None),
-            getattr(special, "decode_attention_dense", None), implementation(backend, "macs_pool_paged"),
-            getattr(special, "macs_pool_variant", None), getattr(special, "decode_attention_variant", None),
+            getattr(special, "decode_attention_dense", None), implementation(paged or backend, "macs_pool_paged"),
+            paged or backend, getattr(special, "macs_pool_variant", None),
+            getattr(special, "decode_attention_variant", None),
         )
 
 
@@ -179,12 +182,16 @@ class PackedRows(PassRows):
         # The torch form spreads per row; a kernel takes one redistribute flag, so its rows split by it too.
         grouped: dict[tuple, list[int]] = {}
         for r, config in enumerate(configs):
-            flag = None if kernels.backend == "torch" else config.redistribute
+            flag = None if self._torch_form(kernels) else config.redistribute
             grouped.setdefault((config.pooling, flag), []).append(r)
         self.groups = [
             (pooling, flag, None if len(members) == len(configs) else torch.tensor(members, device=device))
             for (pooling, flag), members in grouped.items()
         ]
+
+    @staticmethod
+    def _torch_form(kernels: Kernels) -> bool:
+        return kernels.backend == "torch"
 
     def pool(self, layer: int, query: torch.Tensor, key: torch.Tensor, scale: float, variant: Variant = PLAIN,
              segments: Segments | None = None) -> None:
@@ -275,15 +282,15 @@ class PagedRows(PackedRows):
     `block_table[r]`; the first n_input[r] of them are its inputs.
 
     configs: each row's MacsConfig. On torch every layer gathers only the pages the rows attend and scores them
-    in one batched product; the GPU backends' paged op reads the pages in place (one launch per option group).
-    No loop over requests either way.
+    in one batched product; the other backends' paged op (numba's on CPUs, Triton's and CUDA's on GPUs) reads
+    the pages in place, one call per option group. No loop over requests either way.
     """
 
     def __init__(self, kernels: Kernels, num_layers: int, rows: torch.Tensor, block_table: torch.Tensor,
                  lengths: list, n_input: list, page_size: int, configs: list, shards: HeadShards | None = None):
         segments = Segments([0] * len(lengths), lengths, n_input, [c.redistribute for c in configs], rows.device)
         super().__init__(kernels, num_layers, rows, segments, configs, shards)
-        if kernels.backend == "torch":
+        if self._torch_form(kernels):
             self.pages = Pages(block_table, lengths, page_size)
             return
         # The paged op's (B, 1) ranges and int32 table per option group, built once per pass.
@@ -301,16 +308,24 @@ class PagedRows(PackedRows):
         """m' of the scored rows of this layer's packed query (T, H, D) over the paged keys k_pages
         (P, page_size, H_kv, D): any strides on torch, a unit stride in D on the other backends."""
         q_rows = query.index_select(0, self.rows)
-        if self.kernels.backend == "torch":
+        if self._torch_form(self.kernels):
             probabilities = self.pages.probabilities(q_rows, k_pages, scale)
             self._pool_probabilities(layer, probabilities[..., : self.segments.length_max])
             return
         for pooling, redistribute, index, table, ranges in self.paged_groups:
-            block = q_rows if index is None else q_rows.index_select(0, index)
+            if index is None:  # one option group: straight into the pass's rows
+                self.kernels.pool_paged(q_rows.unsqueeze(2), k_pages, table, self.pooled[layer].unsqueeze(1),
+                                        *ranges, scale, pooling, redistribute, None)
+                continue
+            block = q_rows.index_select(0, index)
             pooled = torch.empty(block.shape[0], 1, self.segments.n_max, dtype=torch.float32, device=block.device)
             self.kernels.pool_paged(block.unsqueeze(2), k_pages, table, pooled, *ranges, scale, pooling,
                                     redistribute, None)
             self._write(self.pooled[layer], index, pooled[:, 0])
+
+    @staticmethod
+    def _torch_form(kernels: Kernels) -> bool:
+        return kernels.paged_backend == "torch"
 
     def decode(self, *args, **kwargs):
         raise NotImplementedError("PagedRows scores rows only: the engine's own attention computes the outputs")

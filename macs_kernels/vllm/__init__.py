@@ -16,22 +16,22 @@ does not import vLLM.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..config import MacsConfig
 from .tracer import OPTION, OPTIONS, parse_options
-from .worker import WORKER_EXTENSION
+from .worker import WORKER_EXTENSION, decode_rows
 
 __all__ = ["OPTION", "OPTIONS", "WORKER_EXTENSION", "attach", "attribution", "explain", "release", "request_key",
            "rows"]
 
 
-def attach(llm, keep_finished: int = 256) -> None:
-    """Make `llm`'s workers record rows for the requests that ask for them (idempotent). Raises, naming it, for
-    an engine the integration cannot follow, or one built without the worker extension."""
+def attach(llm, keep_finished: int = 256) -> str:
+    """Make `llm`'s workers record rows for the requests that ask for them (idempotent); returns the backend
+    that reads the paged KV cache ("numba": in place; "torch": a gather per layer). Raises, naming it, for an
+    engine the integration cannot follow, or one built without the worker extension."""
     try:
-        llm.collective_rpc("macs_attach", args=(keep_finished,))
+        return llm.collective_rpc("macs_attach", args=(keep_finished,))[0]
     except Exception as error:  # the in-process engine raises NotImplementedError, the others wrap it
         if "'macs_attach' is not implemented" not in str(error):
             raise
@@ -64,8 +64,7 @@ def rows(llm, request_ids, release: bool = False) -> dict[str, torch.Tensor]:
         entry = found[request_id]
         if "error" in entry:
             raise LookupError(f"no MACS rows for request {request_id!r}: {entry['error']}")
-        shape = (entry["steps"], entry["n_input"])
-        result[request_id] = torch.from_numpy(np.frombuffer(entry["log_c"], dtype=np.float32).reshape(shape).copy())
+        result[request_id] = decode_rows(entry)
     return result
 
 
@@ -89,7 +88,7 @@ def explain(llm, prompts, sampling_params=None, **config) -> list:
 
     extra = attribution(**config)
     macs_config = MacsConfig(**config).as_dict()
-    attach(llm)
+    backend = attach(llm)
     if sampling_params is None:
         sampling_params = llm.get_default_sampling_params()
     single = isinstance(sampling_params, SamplingParams)
@@ -122,6 +121,6 @@ def explain(llm, prompts, sampling_params=None, **config) -> list:
                 input_ids=torch.tensor(prompt_ids), generated_ids=torch.tensor(generated),
                 input_tokens=[tokenizer.decode([i]) for i in prompt_ids],
                 generated_tokens=[tokenizer.decode([i]) for i in generated],
-                step_log_c=log_c, config=macs_config | {"backend": "torch", "engine": "vllm"}, text=sequence.text,
+                step_log_c=log_c, config=macs_config | {"backend": backend, "engine": "vllm"}, text=sequence.text,
             ))
     return explanations

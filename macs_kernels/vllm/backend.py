@@ -1,14 +1,19 @@
-"""vLLM's CPU attention backend with MACS rows: the same backend (its name stays CPU_ATTN, its metadata
-builder and cache layout are vLLM's), whose forward runs vLLM's own attention, output untouched, then hands
-the layer to the worker's tracer when one is attached."""
+"""vLLM attention backends with MACS rows: each is vLLM's own backend (its name, metadata builder and cache
+layout stay vLLM's) whose forward runs vLLM's attention, output untouched, then hands the layer to the worker's
+tracer when one is attached. The backends differ only in where a layer's keys lie in its KV cache
+(`macs_key_pages`): CPU_ATTN's blocks are packed per ISA (probed once per layout), FLASH_ATTN's are plain
+(`macs_kernels.vllm.flash`)."""
 from __future__ import annotations
 
+import torch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from . import tracer as tracing
 
 
-class MacsCPUAttentionImpl(CPUAttentionBackendImpl):
+class MacsAttention:
+    """The forward every MACS backend shares; a subclass says where its cache keeps the keys."""
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         result = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
@@ -17,6 +22,20 @@ class MacsCPUAttentionImpl(CPUAttentionBackendImpl):
         if tracer is not None and attn_metadata is not None:
             tracer.layer(self, layer, query, kv_cache, attn_metadata)
         return result
+
+    def macs_key_pages(self, layer, kv_cache: torch.Tensor) -> torch.Tensor:
+        """This layer's keys as (num_blocks, block_size, H_kv, D), a view of `kv_cache`."""
+        raise NotImplementedError
+
+
+class MacsCPUAttentionImpl(MacsAttention, CPUAttentionBackendImpl):
+    _transposed: dict = {}  # (ISA, dtype, block size, head size) -> whether key blocks are stored [D, block]
+
+    def macs_key_pages(self, layer, kv_cache):
+        layout = (layer.isa, kv_cache.dtype, kv_cache.shape[2], self.head_size)
+        if layout not in self._transposed:
+            self._transposed[layout] = tracing.probe_layout(*layout)
+        return tracing.key_pages(kv_cache, self._transposed[layout])
 
 
 class MacsCPUAttentionBackend(CPUAttentionBackend):

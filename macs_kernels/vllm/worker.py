@@ -3,6 +3,9 @@
 that the attention backend of this process feeds."""
 from __future__ import annotations
 
+import numpy as np
+import torch
+
 from ..core import support
 from ..distributed import HeadShards
 from . import tracer as tracing
@@ -17,10 +20,14 @@ def attention_layers(vllm_config) -> dict:
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
     from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.platforms import current_platform
     from vllm.v1.attention.backend import AttentionType
 
-    from .backend import MacsCPUAttentionImpl
+    from .backend import MacsAttention
 
+    if current_platform.is_cuda() and not vllm_config.model_config.enforce_eager:
+        raise NotImplementedError("CUDA graphs capture the attention layers, and macs_kernels plans each pass's rows "
+                                  "on the host: build the LLM with enforce_eager=True")
     if vllm_config.speculative_config is not None:
         support.check("vllm", "exact", "speculative")
     parallel = vllm_config.parallel_config
@@ -39,9 +46,9 @@ def attention_layers(vllm_config) -> dict:
         )
     for name, layer in layers.items():
         impl = layer.impl
-        if not isinstance(impl, MacsCPUAttentionImpl):
+        if not isinstance(impl, MacsAttention):
             raise NotImplementedError(
-                f"layer {name} runs {type(impl).__name__}, not macs_kernels' CPU attention backend: is the "
+                f"layer {name} runs {type(impl).__name__}, not a macs_kernels attention backend: is the "
                 "vllm.general_plugins entry point installed (pip install -e . in vLLM's environment)?"
             )
         if impl.attn_type != AttentionType.DECODER:
@@ -68,28 +75,35 @@ def head_shards(vllm_config) -> HeadShards | None:
                       model.get_num_attention_heads(vllm_config.parallel_config) * size, model.get_total_num_kv_heads())
 
 
+def decode_rows(entry: dict) -> torch.Tensor:
+    """A `macs_rows` entry's rows as (steps, N) float32."""
+    shape = (entry["steps"], entry["n_input"])
+    return torch.from_numpy(np.frombuffer(entry["log_c"], dtype=np.float32).reshape(shape).copy())
+
+
 class AttributionWorker:
     """Methods vLLM adds to its worker class; call them with `LLM.collective_rpc("macs_...")`."""
 
-    def macs_attach(self, keep_finished: int = 256) -> int:
-        """Start following this worker's passes (once; later calls keep the tracer); returns the layer count."""
+    def macs_attach(self, keep_finished: int = 256) -> str:
+        """Start following this worker's passes (once; later calls keep the tracer); returns the backend that
+        reads its paged cache (numba's in place, or torch's gather)."""
         active = tracing.ACTIVE
         if active is None or active.runner is not self.model_runner:
             active = tracing.VllmTracer(self.model_runner, attention_layers(self.vllm_config), keep_finished,
                                         head_shards(self.vllm_config))
             tracing.ACTIVE = active
-        return active.num_layers
+        return active.kernels.paged_backend
 
-    def macs_rows(self, request_ids: list, release: bool = False) -> dict:
-        """Each request's rows, by the id it was asked by (external or worker-side):
-        {"n_input": N, "steps": steps, "log_c": float32 bytes of (steps, N)} or {"error": why}."""
+    def macs_rows(self, request_ids: list, release: bool = False, start: int = 0, stop: int | None = None) -> dict:
+        """Each request's rows [start, stop) (stop: every row so far), by the id it was asked by (external or
+        worker-side): {"n_input": N, "steps": steps, "log_c": float32 bytes of (steps, N)} or {"error": why}."""
         active = tracing.ACTIVE
         if active is None:
             raise RuntimeError("macs_kernels is not attached to this engine: call macs_kernels.vllm.attach(llm)")
         found = {}
         for request_id in request_ids:
             try:
-                log_c, n_input = active.rows(request_id)
+                log_c, n_input = active.rows(request_id, start, stop)
                 found[request_id] = {"n_input": n_input, "steps": log_c.shape[0], "log_c": log_c.numpy().tobytes()}
             except (KeyError, ValueError, FloatingPointError, RuntimeError) as error:
                 found[request_id] = {"error": f"{type(error).__name__}: {error}"}

@@ -87,6 +87,7 @@ def test_streamed_choices_equal_the_whole_answers(client):
         assert torch.allclose(rows([s["log_c"] for s in steps]), rows(attribution["step_log_c"]), atol=1e-6)
         assert mine[-1].choices[0].finish_reason == choice.finish_reason
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1])  # null until the last
 
 
 def _stop_cases(tokenizer, reference):

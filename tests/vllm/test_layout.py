@@ -35,3 +35,85 @@ def test_a_packing_the_adapter_cannot_read_is_refused():
         pytest.skip("the AMX packing exists only on CPUs with AMX tiles")
     with pytest.raises(NotImplementedError, match="'amx' packs torch.bfloat16 key blocks"):
         probe_layout("amx", torch.bfloat16, 32, 64)
+
+
+# ---- FLASH_ATTN (GPUs): its cache layout read on the CPU, and the backend chosen by name --------------------
+def _flash_cache(keys, slots, blocks, block_size, order):
+    """vLLM 0.32's FLASH_ATTN cache of one layer, logical (num_blocks, H_kv, block_size, 2 * D) with each slot's
+    key then value on the last axis, stored in the physical axis order `order` (v1/kv_cache_layout.py: LBHNC is
+    the identity, LBNHC keeps slots outside heads), NaN where no key was written."""
+    tokens, kv_heads, dim = keys.shape
+    physical = [(blocks, kv_heads, block_size, 2 * dim)[axis] for axis in order]
+    cache = torch.full(physical, float("nan")).permute(*[order.index(axis) for axis in range(4)])
+    cache[slots // block_size, :, slots % block_size, :dim] = keys
+    cache[slots // block_size, :, slots % block_size, dim:] = -keys  # values
+    return cache
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2, 3), (0, 2, 1, 3)], ids=["LBHNC", "LBNHC"])
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_flash_attn_keys_read_in_place_give_the_reference_rows(order, backend):
+    from macs_kernels import reference
+    from macs_kernels.config import MacsConfig
+    from macs_kernels.core import Kernels, PagedRows
+    from macs_kernels.vllm.tracer import flash_key_pages
+
+    generator = torch.Generator().manual_seed(3)
+    kv_heads, dim, block_size, blocks, lengths, n_input = 2, 64, 16, 40, [150, 77], [140, 60]
+    per_row = [torch.randn(length, kv_heads, dim, generator=generator) for length in lengths]
+    pages = torch.randperm(blocks, generator=generator)
+    table = torch.full((2, 10), -1, dtype=torch.int32)
+    table[0, :10], table[1, :5] = pages[:10].int(), pages[10:15].int()
+    slots = [table[r, torch.arange(length) // block_size].long() * block_size + torch.arange(length) % block_size
+             for r, length in enumerate(lengths)]
+    cache = _flash_cache(torch.cat(per_row), torch.cat(slots), blocks, block_size, order)
+    k_pages = flash_key_pages(cache, dim)
+    assert k_pages.shape == (blocks, block_size, kv_heads, dim) and k_pages.stride(-1) == 1
+    assert k_pages.data_ptr() == cache.data_ptr()  # a view: FlashAttention's own keys, not a copy
+    assert torch.equal(k_pages[slots[0] // block_size, slots[0] % block_size], per_row[0])
+    query = torch.randn(5, 6, dim, generator=generator)  # a pass of 5 query rows; rows 4 and 1 are scored
+    scorer = PagedRows(Kernels.of("torch", paged=backend), 1, torch.tensor([4, 1]), table, lengths, n_input,
+                       block_size, [MacsConfig(), MacsConfig(pooling="mean")])
+    scorer.pool(0, query, k_pages, dim ** -0.5)
+    for r, (row, pooling) in enumerate(zip([4, 1], ["max", "mean"])):
+        want = reference.macs_pool_reference(
+            query[row][None, :, None], per_row[r].transpose(0, 1)[None], input_start=torch.tensor([[0]]),
+            input_end=torch.tensor([[n_input[r]]]), kv_len=torch.tensor([[lengths[r]]]), scale=dim ** -0.5,
+            pooling=pooling, redistribute=True)[0, 0]
+        torch.testing.assert_close(scorer.pooled[0, r, :n_input[r]], want.float(), rtol=1e-5, atol=1e-7)
+
+
+class _Platform:
+    def __init__(self, kind):
+        self.kind = kind
+
+    def is_cpu(self):
+        return self.kind == "cpu"
+
+    def is_cuda(self):
+        return self.kind == "cuda"
+
+
+@pytest.mark.parametrize("kind,name", [("cuda", "FLASH_ATTN"), ("cpu", "CPU_ATTN"), ("rocm", None)])
+def test_the_plugin_wraps_the_backend_the_platform_runs_under_its_name(monkeypatch, kind, name):
+    import importlib
+
+    import vllm.platforms
+    from vllm.v1.attention.backends import registry
+
+    from macs_kernels.vllm import plugin
+    from macs_kernels.vllm.backend import MacsAttention
+
+    registered = []
+    monkeypatch.setattr(vllm.platforms, "current_platform", _Platform(kind))
+    monkeypatch.setattr(registry, "register_backend", lambda backend, path: registered.append((backend.name, path)))
+    plugin.register()
+    if name is None:
+        assert registered == []
+        return
+    assert registered == [(name, plugin.BACKENDS[name])]
+    module, _, cls = plugin.BACKENDS[name].rpartition(".")
+    backend = getattr(importlib.import_module(module), cls)
+    assert backend.get_name() == name  # vLLM's name, its metadata builder and cache shape: only the impl differs
+    assert issubclass(backend.get_impl_cls(), MacsAttention)
+    assert issubclass(backend.get_impl_cls(), backend.__mro__[1].get_impl_cls())  # vLLM's own impl underneath

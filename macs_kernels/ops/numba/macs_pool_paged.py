@@ -1,0 +1,155 @@
+"""macs_pool_paged on CPUs, compiled by numba: each scored row's keys are read in place through the block
+table, one pass per (row, KV head) that scores, normalises, spreads and pools over heads, with no gathered
+copy of the pages. The torch form gathers the attended pages of every layer into one tensor first: on a
+serving engine's decode passes that copy costs more than the arithmetic.
+
+Both of vLLM's CPU key layouts are read at vector speed: slots at unit stride (its `vec` ISA stores each
+key block [D, block_size]) and dims at unit stride (plain pages, FLASH_ATTN's layout). The kernel runs on the
+calling thread and releases the GIL.
+"""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+import torch
+
+_POOLINGS = {"max": 0, "mean": 1, "min": 2}
+_LOG2E, _LN2_HIGH, _LN2_LOW = 1.44269504088896341, 0.693359375, -2.12194440e-4
+
+
+@numba.njit(nogil=True, fastmath=True, cache=True)
+def _exp_in_place(x, bits):
+    """x <- exp(x) for x <= 0 (float32), Cephes' expf split so that every loop vectorizes: libm's exp is a
+    scalar call per element, which would cost more than the scores. bits: an int32 scratch as long as x."""
+    for i in range(x.shape[0]):
+        value = max(x[i], np.float32(-87.0))
+        k = math.floor(value * np.float32(_LOG2E) + np.float32(0.5))
+        r = value - k * np.float32(_LN2_HIGH) - k * np.float32(_LN2_LOW)
+        p = np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        p = (p * r * r + r + np.float32(1.0)) if x[i] > np.float32(-87.0) else np.float32(0.0)
+        x[i] = p
+        bits[i] = (np.int32(k) + np.int32(127)) << 23
+    powers = bits.view(np.float32)
+    for i in range(x.shape[0]):
+        x[i] *= powers[i]
+
+
+@numba.njit(nogil=True, fastmath=True, cache=True)
+def _macs_pool_paged_kernel(q, keys, strides, table, out, input_start, input_end, kv_len, scale, pooling,
+                            redistribute, lse, has_lse):
+    batch, heads, rows, dim = q.shape
+    page_stride, slot_stride, head_stride, dim_stride, page_size, kv_heads = strides
+    group = heads // kv_heads
+    longest = 1
+    for b in range(batch):
+        for r in range(rows):
+            longest = max(longest, kv_len[b, r] - input_start[b, r])
+    scores = np.empty((group, longest), dtype=np.float32)
+    bits = np.empty(longest, dtype=np.int32)
+    for b in range(batch):
+        for r in range(rows):
+            start, end, length = input_start[b, r], input_end[b, r], kv_len[b, r]
+            n_input, span = end - start, length - start
+            pooled = out[b, r]
+            fill = -np.inf if pooling == 0 else (np.inf if pooling == 2 else 0.0)
+            pooled[:n_input] = fill
+            pooled[n_input:] = 0.0
+            for kv_head in range(kv_heads):
+                for page_index in range(start // page_size, (length - 1) // page_size + 1):
+                    page_start = page_index * page_size
+                    low, high = max(start, page_start) - page_start, min(length, page_start + page_size) - page_start
+                    base = table[b, page_index] * page_stride + kv_head * head_stride
+                    offset = page_start - start
+                    # Loops index views from 0 (computed indices would make numba wrap negative ones, element
+                    # by element, which keeps LLVM from vectorizing).
+                    count = high - low
+                    if slot_stride == 1:  # vLLM's CPU `vec` layout: a page holds each dim's slots in a row
+                        for g in range(group):
+                            scores[g, offset + low:offset + high] = 0.0
+                        for d in range(dim):
+                            row = keys[base + d * dim_stride + low:base + d * dim_stride + high]
+                            for g in range(group):
+                                weight = q[b, kv_head * group + g, r, d] * scale
+                                target = scores[g, offset + low:offset + high]
+                                for i in range(count):
+                                    target[i] += weight * row[i]
+                    else:
+                        for i in range(count):
+                            first = base + (low + i) * slot_stride
+                            key = keys[first:first + (dim - 1) * dim_stride + 1:dim_stride]
+                            for g in range(group):
+                                query_row = q[b, kv_head * group + g, r]
+                                total = np.float32(0.0)
+                                for d in range(dim):
+                                    total += query_row[d] * key[d]
+                                scores[g, offset + low + i] = total * scale
+                for g in range(group):
+                    head = kv_head * group + g
+                    row_scores = scores[g, :span]
+                    if has_lse:
+                        shift = lse[b, head, r]
+                    else:
+                        shift = row_scores[0]
+                        for t in range(1, span):
+                            shift = max(shift, row_scores[t])
+                    for t in range(span):
+                        row_scores[t] -= shift
+                    _exp_in_place(row_scores, bits[:span])
+                    norm = np.float32(1.0)
+                    if not has_lse:
+                        norm = np.float32(0.0)
+                        for t in range(span):
+                            norm += row_scores[t]
+                    spill = np.float32(0.0)
+                    if redistribute:
+                        for t in range(n_input, span):
+                            spill += row_scores[t]
+                        spill /= n_input
+                    inverse = np.float32(1.0) / norm
+                    if pooling == 0:
+                        for j in range(n_input):
+                            pooled[j] = max(pooled[j], (row_scores[j] + spill) * inverse)
+                    elif pooling == 2:
+                        for j in range(n_input):
+                            pooled[j] = min(pooled[j], (row_scores[j] + spill) * inverse)
+                    else:
+                        for j in range(n_input):
+                            pooled[j] += (row_scores[j] + spill) * inverse
+            if pooling == 1:
+                for j in range(n_input):
+                    pooled[j] /= heads
+
+
+def _flat(tensor: torch.Tensor) -> tuple[np.ndarray, tuple[int, ...]]:
+    """A 1-D numpy view over the storage `tensor` spans, and its strides in elements (no copy)."""
+    span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return torch.as_strided(tensor, (span,), (1,), tensor.storage_offset()).numpy(), tensor.stride()
+
+
+def macs_pool_paged(q, k_pages, block_table, out, input_start, input_end, kv_len, scale, pooling, redistribute,
+                    lse):
+    """q (B, H, R, D), k_pages (P, page_size, H_kv, D) any strides, block_table (B, pages) int32, ranges
+    (B, R) int64, out (B, R, N_max) float32 written; lse (B, H, R) or None."""
+    if k_pages.dtype != torch.float32:
+        # Numba has no bfloat16: the attended pages are gathered in float32 (a copy), under a table that
+        # numbers them in that order.
+        counts = (kv_len.amax(dim=1) + k_pages.shape[1] - 1) // k_pages.shape[1]
+        used = torch.arange(block_table.shape[1]) < counts[:, None]
+        k_pages = k_pages.index_select(0, block_table[used].long()).float()
+        block_table = torch.zeros_like(block_table).masked_scatter_(used, torch.arange(int(used.sum()),
+                                                                                       dtype=block_table.dtype))
+    keys, (page_stride, slot_stride, head_stride, dim_stride) = _flat(k_pages)
+    strides = np.array([page_stride, slot_stride, head_stride, dim_stride, k_pages.shape[1], k_pages.shape[2]])
+    target = out if out.is_contiguous() else torch.empty_like(out)
+    lse_array = np.zeros((1, 1, 1), np.float32) if lse is None else lse.float().contiguous().numpy()
+    _macs_pool_paged_kernel(q.float().contiguous().numpy(), keys, strides, block_table.numpy(), target.numpy(),
+                            input_start.numpy(), input_end.numpy(), kv_len.numpy(), np.float32(scale),
+                            _POOLINGS[pooling], bool(redistribute), lse_array, lse is not None)
+    if target is not out:
+        out.copy_(target)
