@@ -47,7 +47,15 @@ class ContextAlignment:
 
 
 def encode_chat(tokenizer, messages, *, add_generation_prompt: bool = True) -> tuple[str, list[int], list]:
-    """(templated text, ids, offsets) of chat messages; raises if the ids differ from apply_chat_template's."""
+    """(templated text, ids, offsets) of chat messages; raises if the ids differ from apply_chat_template's.
+    Without a chat template (a base model) the text is `prompts.plain_prompt`, with the tokenizer's own special
+    tokens (BOS)."""
+    if hasattr(tokenizer, "chat_template") and not tokenizer.chat_template:
+        from .prompts import plain_prompt
+
+        text = plain_prompt(messages, add_generation_prompt)
+        encoded = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
+        return text, list(encoded["input_ids"]), [tuple(o) for o in encoded["offset_mapping"]]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     expected = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)

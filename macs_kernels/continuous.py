@@ -32,8 +32,8 @@ from .config import MacsConfig
 from .core import Kernels, PackedRows, RowStore, log_zscores, support
 from .distributed import head_shards
 from .efficient import GramState, efficient_rows
-from .hf_models import check_model
-from .ops import torch_backend
+from .hf_models import check_model, check_variants, layer_variant
+from .ops import efficient_attention, torch_backend
 from .ops._dispatch import resolve_backend
 from .ops.torch_packed import Segments, macs_pool_packed
 
@@ -131,6 +131,9 @@ class _Pass:
 
     scorer: PackedRows
     keys: list  # (request id, step) per scored row
+    requests: list  # per scored row, its request's index in the pass's packing (a layer type's cu_seq_lens_k)
+    tokens: list  # per scored row, its request's token count (prompt and generated tokens so far)
+    windows: dict  # sliding window -> the Segments of that window's layers, built at their first layer
     efficient: list  # (row, request id) of rows whose config asks for efficient attention
     fused: bool  # every query row is scored: the attention output comes from the same probabilities
 
@@ -145,10 +148,12 @@ class ContinuousTracer:
     """
 
     def __init__(self, config: MacsConfig, num_layers: int, device: torch.device, keep_finished: int = 256,
-                 shards=None):
+                 shards=None, variants: tuple[str, ...] = ()):
         self.config = config
         self.num_layers = num_layers
-        self.backend = resolve_backend(config.backend, device, "macs_pool")
+        self.variants = variants
+        self.backend = support.variant_backend(variants, config.backend,
+                                               resolve_backend(config.backend, device, "macs_pool"))
         self.kernels = Kernels.of(self.backend)
         self.shards = shards
         self.store = RowStore(keep_finished)
@@ -172,6 +177,10 @@ class ContinuousTracer:
         merged = dataclasses.replace(self.config, **config)
         if at2_features and self.shards is not None:
             support.check("continuous", "at2", "tensor_parallel")
+        for variant in self.variants:
+            support.check("continuous", support.method_of(merged), variant)
+            if at2_features:
+                support.check("continuous", "at2", variant)
         with self._lock:
             if self._runs(request_id):
                 raise RuntimeError(f"request {request_id!r} is already running; configure it before adding it")
@@ -288,12 +297,18 @@ class ContinuousTracer:
         batch, scheduler = found
         cu_q = kwargs["cu_seq_lens_q"].tolist()
         cu_k_by_type = kwargs["cu_seq_lens_k"]
+        # Every layer a sliding window (Mistral): no layer's keys are all of a request's tokens.
+        window = None
+        if isinstance(cu_k_by_type, dict) and "full_attention" not in cu_k_by_type:
+            window = kwargs.get("sliding_window")
+            cu_k_by_type = cu_k_by_type["sliding_attention"]
         cu_k = (cu_k_by_type["full_attention"] if isinstance(cu_k_by_type, dict) else cu_k_by_type).tolist()
         if len(batch) != len(cu_q) - 1 or len(cu_k) != len(cu_q):
             raise RuntimeError(
                 f"continuous batching pass with {len(batch)} requests but {len(cu_q) - 1} query segments"
             )
         rows, starts, ends, n_inputs, configs, keys, kept, emitting = [], [], [], [], [], [], [], []
+        requests, tokens = [], []
         with self._lock:
             self._retire_finished()
             for i, future in enumerate(batch):
@@ -312,12 +327,14 @@ class ContinuousTracer:
                         self._skipped.add(request_id)
                         continue
                     self._start(state, scheduler, n_input, step)
-                if cu_k[i + 1] - cu_k[i] != n_input + step:
+                if window is None and cu_k[i + 1] - cu_k[i] != n_input + step:
                     raise RuntimeError(
                         f"request {request_id!r} emits token {step} after {cu_k[i + 1] - cu_k[i]} keys; its "
                         f"{n_input} prompt tokens and {step} generated ones make {n_input + step}"
                     )
                 rows.append(cu_q[i + 1] - 1)
+                requests.append(i)
+                tokens.append(n_input + step)
                 starts.append(cu_k[i])
                 ends.append(cu_k[i + 1])
                 n_inputs.append(n_input)
@@ -333,29 +350,55 @@ class ContinuousTracer:
             )
         if not rows:
             return
-        segments = Segments(starts, [end - start for start, end in zip(starts, ends)], n_inputs,
-                            [c.redistribute for c in configs], device)
+        lengths = [end - start for start, end in zip(starts, ends)]
+        segments = Segments(starts, lengths, n_inputs, [c.redistribute for c in configs], device,
+                            offsets=[total - length for total, length in zip(tokens, lengths)], window=window)
         efficient = [(r, key) for r, ((key, _), c) in enumerate(zip(keys, configs)) if c.attention == "efficient"]
         scorer = PackedRows(self.kernels, self.num_layers, torch.tensor(rows, device=device), segments, configs,
                             self.shards, keep=torch.tensor(kept, device=device) if kept else None)
         # Fused when every query row of the pass is scored and every request asked for it.
         fused = all(c.fused_decode for c in configs) and not efficient and rows == list(range(cu_q[-1]))
-        self._pass = _Pass(scorer, keys, efficient, fused)
+        self._pass = _Pass(scorer, keys, requests, tokens, {window: segments}, efficient, fused)
 
-    def _efficient_rows(self, layer: int, query, key, value, scale: float) -> None:
-        """Efficient rows of the pass's efficient requests, after adding their new values to their Gram state."""
+    def _window_segments(self, window: int | None, cu_k: torch.Tensor) -> Segments:
+        """Where the pass's scored rows' keys lie in a layer with this sliding window (None: a full layer): the
+        window's cache holds each request's last tokens only, packed by the layer type's own cu_seq_lens_k."""
         step = self._pass
-        segments = step.scorer.segments
+        found = step.windows.get(window)
+        if found is None:
+            base, cu = step.scorer.segments, cu_k.tolist()
+            starts = [cu[i] for i in step.requests]
+            lengths = [cu[i + 1] - cu[i] for i in step.requests]
+            found = step.windows[window] = Segments(
+                starts, lengths, base.n_input, [c.redistribute for c in step.scorer.configs], base.device,
+                offsets=[total - length for total, length in zip(step.tokens, lengths)], window=window,
+            )
+        return found
+
+    def _efficient_rows(self, layer: int, query, key, value, scale: float, variant, segments) -> None:
+        """Efficient rows of the pass's efficient requests, after adding their new values to their Gram state
+        (from the layer's own softmax rows: softcap and sinks included). A window layer's row projects onto its
+        window's values, whose Gram matrix is recomputed (the layer's cache holds the window only)."""
+        step = self._pass
+        segments = step.scorer.segments if segments is None else segments
         for row, request_id in step.efficient:
             start, length = segments.starts[row], segments.lengths[row]
+            values = value[:, :, start : start + length]
+            q_row = query[:, :, int(step.scorer.rows[row])]
+            scores = torch_backend.grouped_scores(q_row, key[:, :, start : start + length], scale)
+            first = 0 if variant.window is None else max(0, length - variant.window)
+            bounds = torch.tensor([first, length], device=scores.device)
+            softmax, _ = torch_backend.attended_softmax(scores, bounds[:1], bounds[1:], softcap=variant.softcap,
+                                                        sinks=variant.sinks)
+            if variant.window is not None:
+                rows, _ = efficient_attention(softmax[:, :, None], values, kv_start=first, kv_len=length)
+                offset = segments.offsets[row]
+                step.scorer.pool_rows(layer, row, torch.nn.functional.pad(rows[0, :, 0], (offset, 0)))
+                continue
             gram = self._grams.setdefault(request_id, GramState(self.num_layers))
             seen = int(gram.tokens(layer)[0]) if gram.started(layer) else 0
-            values = value[:, :, start : start + length]
             fresh = values[:, :, seen:]
             gram.append(layer, fresh, torch.ones(1, fresh.shape[2], dtype=torch.bool, device=fresh.device))
-            q_row = query[:, :, int(step.scorer.rows[row])]
-            softmax = torch.softmax(torch_backend.grouped_scores(q_row, key[:, :, start : start + length], scale),
-                                    dim=-1)
             rows, _ = efficient_rows(softmax, values, gram.gram(layer), 0, length)
             step.scorer.pool_rows(layer, row, rows[0])
 
@@ -383,17 +426,19 @@ class ContinuousTracer:
         step = self._pass
         scale = kwargs.get("scaling")
         scale = float(scale if scale is not None else getattr(module, "scaling", query.shape[-1] ** -0.5))
+        variant = layer_variant(kwargs, 0)
+        segments = None if step is None else self._window_segments(variant.window, updated["cu_seq_lens_k"])
         if step is not None and step.fused:
-            result = (step.scorer.decode(layer, query, key, value, scale), None)
+            result = (step.scorer.decode(layer, query, key, value, scale, variant, segments), None)
         else:
             # sdpa updates the cache only when it is given one; paged|eager always asks it for the keys.
             stand_in = _ReadCache(key, value) if inner is _originals.get("paged|eager") else None
             result = inner(module, query, key, value, attention_mask, cache=stand_in, **updated)
             if step is not None:
-                step.scorer.pool(layer, query, key, scale)
+                step.scorer.pool(layer, query, key, scale, variant, segments)
         if step is not None:
             if step.efficient:
-                self._efficient_rows(layer, query, key, value, scale)
+                self._efficient_rows(layer, query, key, value, scale, variant, segments)
             if layer == self.num_layers - 1:
                 self._end_pass()
         return result
@@ -456,6 +501,8 @@ def attach_continuous(model, *, manager=None, keep_finished: int = 256, **config
     if isinstance(keep_finished, bool) or not isinstance(keep_finished, int) or keep_finished < 0:
         raise ValueError(f"keep_finished must be an int >= 0, got {keep_finished!r}")
     modules = check_model(model)
+    shards = head_shards(model, modules)
+    variants = check_variants(model, "continuous", support.method_of(macs_config), shards)
     current = model.config._attn_implementation
     if current not in ("sdpa", "eager", "paged|eager"):
         raise NotImplementedError(
@@ -464,7 +511,7 @@ def attach_continuous(model, *, manager=None, keep_finished: int = 256, **config
     if any(hasattr(module, _TRACER_ATTRIBUTE) for module in modules.values()):
         raise RuntimeError("a macs_kernels continuous tracer is already attached to this model")
     tracer = ContinuousTracer(macs_config, len(modules), next(model.parameters()).device, keep_finished,
-                              shards=head_shards(model, modules))
+                              shards=shards, variants=variants)
     for known in (manager, getattr(model, "_cached_continuous_batching_manager", None)):
         if known is not None:
             tracer.track(known)

@@ -13,6 +13,7 @@ from .alignment import user_span
 from .config import MacsConfig
 from .core import SCORE_DEFINITION, json_values, log_zscores, paper_zscores, support
 from .hf_models import check_model
+from .prompts import plain_prompt
 from .tracing import attach, check_generate
 
 __all__ = ["SCORE_DEFINITION", "Explanation", "explain", "explain_continuous", "json_values", "log_zscores", "stream"]
@@ -138,7 +139,7 @@ def _is_messages(value) -> bool:
 def _prompt_text(tokenizer, prompt) -> str:
     if _is_messages(prompt):
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("chat messages need a tokenizer with a chat template")
+            return plain_prompt(prompt)
         return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
     if not isinstance(prompt, str):
         raise TypeError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")

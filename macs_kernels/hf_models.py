@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from .core import support
+from .ops.variant import Variant
+
 
 def _compiled(function) -> bool:
     return hasattr(function, "_torchdynamo_orig_callable") or hasattr(function, "_orig_mod")
@@ -27,20 +30,6 @@ def check_model(model) -> dict[int, torch.nn.Module]:
             f"{type(model).__name__}'s attention does not go through transformers' AttentionInterface, "
             "so macs_kernels cannot trace it"
         )
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text_config, "attn_logit_softcapping", None):
-        raise NotImplementedError(
-            f"attention logit softcapping (attn_logit_softcapping={text_config.attn_logit_softcapping}) is not "
-            "supported: the MACS rows would be computed without the tanh cap the model applies"
-        )
-    layer_types = getattr(text_config, "layer_types", None) or []
-    if any("sliding" in str(kind) for kind in layer_types) or (
-        getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True)
-    ):
-        raise NotImplementedError(
-            "sliding-window attention layers are not supported: their cache keeps only the window, so key "
-            "slots no longer map to tokens"
-        )
     if _compiled(getattr(model, "forward", None)):
         raise NotImplementedError(
             "the model's forward is torch.compile'd: the tracer keeps host-side state per pass and cannot run "
@@ -50,3 +39,44 @@ def check_model(model) -> dict[int, torch.nn.Module]:
     if sorted(modules) != list(range(len(modules))) or not modules:
         raise TypeError(f"could not find one attention module per layer in {type(model).__name__}")
     return modules
+
+
+def attention_variants(model) -> tuple[str, ...]:
+    """The attention variants of the model's layers, as the support table's layouts: "sliding_window" (some
+    layer's cache keeps only a window), "softcap" (attention logit softcapping), "sinks" (learned per-head
+    sink logits in the softmax denominator)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        sliding = any("sliding" in str(kind) for kind in layer_types)
+    else:  # transformers' caches treat every layer as sliding then (Mistral)
+        sliding = bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True)
+    modules = _attention_modules(model).values()
+    sinks = any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in modules)
+    return tuple(name for name, present in (
+        ("sliding_window", sliding), ("softcap", bool(getattr(config, "attn_logit_softcapping", None))),
+        ("sinks", sinks),
+    ) if present)
+
+
+def check_variants(model, engine: str, method: str, shards=None) -> tuple[str, ...]:
+    """The model's attention variants, or the support table's refusal (naming the model type) when `engine`
+    cannot follow one of them with `method`; `shards`: the model's tensor-parallel head split, or None."""
+    found = attention_variants(model)
+    for layout in found:
+        refusal = support.message(engine, method, layout)
+        if refusal is not None:
+            raise NotImplementedError(f"{model.config.model_type}: {refusal}")
+    if shards is not None and "sinks" in found:
+        raise NotImplementedError(
+            f"{model.config.model_type}: attention sinks under tensor parallelism are not supported: each rank "
+            "holds its own query heads, and the tracer does not split the per-head sink logits with them"
+        )
+    return found
+
+
+def layer_variant(kwargs: dict, key_offset: int) -> Variant:
+    """The layer's attention variant from what the model hands its attention function: `sliding_window`,
+    `softcap` (Gemma 2) and `s_aux` (gpt-oss's sinks); its keys start at token key_offset."""
+    return Variant(window=kwargs.get("sliding_window"), key_offset=key_offset, softcap=kwargs.get("softcap"),
+                   sinks=kwargs.get("s_aux"))

@@ -21,3 +21,14 @@ def qa_prompt(question: str, context: str) -> str:
 def qa_messages(question: str, context: str) -> list[dict]:
     """The QA prompt as chat messages (the tokenizer's chat template adds its system message)."""
     return [{"role": "user", "content": qa_prompt(question, context)}]
+
+
+# A base model has no chat template: its prompt is the messages' text, and a generation starts after this cue.
+PLAIN_GENERATION_CUE = "\nAnswer:"
+
+
+def plain_prompt(messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """Chat messages as the plain text prompt of a model without a chat template (a pretrained base model):
+    their contents one after another, then PLAIN_GENERATION_CUE when a generation follows."""
+    text = "\n\n".join(str(m.get("content", "")) for m in messages)
+    return text + (PLAIN_GENERATION_CUE if add_generation_prompt else "")

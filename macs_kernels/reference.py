@@ -244,3 +244,44 @@ def attention_features_reference(
                 if stop > starts[b]:
                     out[b, h, : stop - starts[b]] += p[starts[b] - kv_starts[b]: stop - kv_starts[b]]
     return out
+
+
+def variant_row_reference(q, keys, scale, *, attend_start=0, softcap=None, sink=None) -> torch.Tensor:
+    """One query's probabilities over keys (n, D) as a layer with an attention variant computes them: logits
+    capped to softcap * tanh(s / softcap), keys before attend_start (outside the window) not attended, a sink
+    logit in the denominator only. Returns (n,) float64, zeros before attend_start."""
+    scores = (_f64(keys) @ _f64(q)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores[:attend_start] = float("-inf")
+    logits = scores if sink is None else torch.cat([scores, _f64(sink).view(1)])
+    return torch.softmax(logits, dim=0)[: len(scores)]
+
+
+def variant_pool_reference(q, k_tokens, v_tokens, *, input_start, input_end, kv_len, scale, window=None, softcap=None,
+                           sinks=None, pooling="max", redistribute=True) -> tuple[torch.Tensor, torch.Tensor]:
+    """m' (B, R, N_max) and attention outputs (B, R, H, D), float64, of q (B, H, R, D) over every token's keys and
+    values k_tokens, v_tokens (B, H_kv, S, D), ranges (B, R) in tokens: row (b, r) attends tokens
+    [max(input_start, kv_len - window), kv_len); inputs outside the window get 0 (then the spread)."""
+    batch, heads, rows, _ = q.shape
+    group = heads // k_tokens.shape[1]
+    ranges = [torch.as_tensor(t).expand(batch, rows).tolist() for t in (input_start, input_end, kv_len)]
+    n_max = max(end - start for starts, ends in zip(ranges[0], ranges[1]) for start, end in zip(starts, ends))
+    pooled = torch.zeros(batch, rows, n_max, dtype=torch.float64)
+    out = torch.zeros(batch, rows, heads, v_tokens.shape[-1], dtype=torch.float64)
+    for b in range(batch):
+        for r in range(rows):
+            start, end, length = (ranges[i][b][r] for i in range(3))
+            attend = start if window is None else max(start, length - window)
+            probabilities = torch.stack([
+                variant_row_reference(q[b, h, r], k_tokens[b, h // group, start:length], scale,
+                                      attend_start=attend - start, softcap=softcap,
+                                      sink=None if sinks is None else sinks[h])
+                for h in range(heads)
+            ])
+            pooled[b, r, : end - start] = pooled_row_reference(
+                probabilities, end - start, pooling=pooling, redistribute=redistribute
+            )
+            for h in range(heads):
+                out[b, r, h] = probabilities[h] @ _f64(v_tokens[b, h // group, start:length])
+    return pooled, out

@@ -40,9 +40,10 @@ import torch
 from .config import MacsConfig
 from .core import NAN_MESSAGE, DenseRows, Kernels, paper_zscores, support
 from .distributed import HeadShards, head_shards
-from .hf_models import check_model
+from .hf_models import check_model, check_variants, layer_variant
 from .ops import torch_backend
 from .ops._dispatch import resolve_backend
+from .ops.variant import PLAIN
 
 # Registered names must contain neither "flash" nor "sdpa": transformers treats those specially.
 WRAPPED_NAMES = {"sdpa": "macs_kernels", "eager": "macs_kernels_eager", "flash_attention_2": "macs_kernels_fa2"}
@@ -165,8 +166,13 @@ class Tracer:
     """
 
     def __init__(self, config: MacsConfig, num_layers: int, device: torch.device, hooks=(), keep_pooled=False,
-                 shards: HeadShards | None = None):
+                 shards: HeadShards | None = None, variants: tuple[str, ...] = ()):
         self.config = config
+        # Sliding-window layers see only their window's keys: the pass's ranges are in token positions (the
+        # slots of a full layer), and each layer's keys start at the token `_tokens - its key count`.
+        self.windowed = "sliding_window" in variants
+        self._tokens = 0
+        self.variant = PLAIN  # the attention variant of the layer in progress (hooks read it)
         # Under tensor parallelism this rank pools its own heads; a pass's rows are reduced over the group.
         self.shards = shards
         # Set when the attach block hands over to continuous batching (macs_kernels.continuous).
@@ -174,7 +180,7 @@ class Tracer:
         self.num_layers = num_layers
         self.hooks = list(hooks)
         self.keep_pooled = keep_pooled
-        self.backend = resolve_backend(config.backend, device)
+        self.backend = support.variant_backend(variants, config.backend, resolve_backend(config.backend, device))
         self.kernels = Kernels.of(self.backend)
         self._fused = config.fused_decode if config.fused_decode is not None else self.backend != "torch"
         # Efficient rows have torch and Triton kernels; with cuda named, the best of those runs them.
@@ -244,10 +250,23 @@ class Tracer:
     # ---- one forward pass -------------------------------------------------------------------------
     def _begin_pass(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask) -> None:
         batch, q_len, keys = query.shape[0], query.shape[2], key.shape[2]
-        start = _last_row_attended(mask, batch, keys, key.device).int().argmax(-1).long()
+        # A window's last query does not attend the first inputs: where inputs start, every query row says.
+        attended = _any_row_attended if self.windowed else _last_row_attended
+        start = attended(mask, batch, keys, key.device).int().argmax(-1).long()
         last_end = _row_ends(mask, batch, q_len, keys, 1, key.device)[:, 0]
         generating = self._start_pending
         self.prefill = self._starts_sequence(batch, q_len, keys, mask, last_end)
+        if self.windowed:
+            if self.prefill and q_len != keys:
+                raise NotImplementedError(
+                    "a sliding-window model's traced sequence must start from an empty cache: its window layers "
+                    "no longer hold the earlier tokens (no past_key_values, no static cache)"
+                )
+            self._tokens = keys if self.prefill else self._tokens + q_len
+            last_end = last_end + (self._tokens - keys)
+            keys = self._tokens
+        else:
+            self._tokens = keys
         if self.prefill:
             # In generate the inputs end where the prompt does; an assisted generation's first pass already
             # verifies candidates after it. A plain forward's inputs are every key its last query attends.
@@ -276,7 +295,8 @@ class Tracer:
             alpha=config.alpha, n_dense=self.n_input_list[0] if has_dense and (dense or causal_block) else None,
             beams=self._generation.num_beams if self._generation is not None else 1, shards=self.shards,
         )
-        fused = self._fused and not self.prefill and (q_len == 1 or (causal_block and has_dense)) and self._gram is None
+        verify_block = causal_block and has_dense and not self.windowed
+        fused = self._fused and not self.prefill and (q_len == 1 or verify_block) and self._gram is None
         self._plan = _PassPlan(rows, step, scorer, fused)
         if self._gram is not None:
             self._gram_slots = self._new_gram_slots(mask, batch, keys, key.device)
@@ -302,7 +322,8 @@ class Tracer:
         # mask there are no pads.
         bad = end <= start
         if mask is not None:
-            counts = _last_row_attended(mask, batch, keys, start.device).sum(-1)
+            attended = _any_row_attended if self.windowed else _last_row_attended
+            counts = attended(mask, batch, keys, start.device).sum(-1)
             ends_at_query = (last_end == q_len) | (last_end == keys) | self._static
             bad = bad | (last_end - start != counts) | ~ends_at_query
         if bool(bad.any()):
@@ -330,7 +351,8 @@ class Tracer:
         it anywhere)."""
         if self.prefill:
             slots = torch.arange(keys, device=device)
-            return _last_row_attended(mask, batch, keys, device) & (slots < self.kv_len[:, None])
+            attended = _any_row_attended if self.windowed else _last_row_attended
+            return attended(mask, batch, keys, device) & (slots < self.kv_len[:, None])
         return self.kv_len - 1
 
     def _gram_values(self, value):
@@ -363,14 +385,46 @@ class Tracer:
             hook.end_pass(self)
 
     def softmax_rows(self, query_last: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:
-        """The last query's softmax rows (B, H, S) over the attended keys (zeros elsewhere), float32."""
+        """The last query's softmax rows (B, H, S) over the attended keys (zeros elsewhere), float32, of the layer
+        in progress: with its variant (`variant`), over token positions (a window layer's rows padded with zeros
+        for the tokens its cache dropped)."""
+        rows, _, _ = self._layer_softmax(query_last, key, scale)
+        return self._in_tokens(rows)
+
+    def _layer_softmax(self, query_last, key, scale):
+        """(rows (B, H, S) over the layer's own key slots, their attended [start, end) slots (B,) each)."""
+        variant = self.variant
         scores = torch_backend.grouped_scores(query_last, key, scale)
-        return torch_backend.attended_softmax(scores, self.input_start, self.kv_len)[0]
+        attend, _, _, length = torch_backend.window_ranges(self.input_start, self.input_end, self.kv_len,
+                                                           variant.key_offset, variant.window)
+        rows, _ = torch_backend.attended_softmax(scores, attend, length, softcap=variant.softcap,
+                                                 sinks=variant.sinks)
+        return rows, attend, length
+
+    def _in_tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        offset = self.variant.key_offset
+        return torch.nn.functional.pad(rows, (offset, 0)) if offset else rows
+
+    def window_efficient_rows(self, query_last, key, value, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(efficient rows (B, H, S) in token positions, residual (B, H)) of the last query of the window layer in
+        progress: its softmax row projected onto its window's values (the layer's cache holds the window only,
+        so their Gram matrix is recomputed, O(W D^2))."""
+        from .ops import efficient_attention
+
+        rows, attend, length = self._layer_softmax(query_last, key, scale)
+        projected, residual = efficient_attention(rows[:, :, None], value, kv_start=attend, kv_len=length,
+                                                  backend=self._efficient_backend)
+        return self._in_tokens(projected[:, :, 0]), residual[:, :, 0]
 
     def _efficient_pool(self, layer: int, query_last, key, value, scale: float) -> None:
-        """m' of the last query's efficient rows, after adding this pass's values to the Gram state."""
+        """m' of the last query's efficient rows, after adding this pass's values to the Gram state. A window
+        layer's row projects onto its window's values (the keys it attends): their Gram matrix is recomputed
+        from the layer's cache, which holds the window only."""
         from .efficient import efficient_rows
 
+        if self.variant.window is not None:
+            self._plan.scorer.pool_rows(layer, self.window_efficient_rows(query_last, key, value, scale)[0])
+            return
         self._gram.append(layer, *self._gram_values(value))
         rows, _ = efficient_rows(
             self.softmax_rows(query_last, key, scale), value, self._gram.gram(layer), self.input_start,
@@ -391,14 +445,15 @@ class Tracer:
             self._begin_pass(query, key, value, attention_mask)
         scale = float(scaling if scaling is not None else getattr(module, "scaling", query.shape[-1] ** -0.5))
         plan = self._plan
+        variant = self.variant = layer_variant(kwargs, self._tokens - key.shape[2])
         if plan.fused and not kwargs.get("output_attentions", False) and not module.training:
-            result = (plan.scorer.decode(layer, query, key, value, scale), None)
+            result = (plan.scorer.decode(layer, query, key, value, scale, variant), None)
         else:
             result = inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
             if self._gram is not None:
                 self._efficient_pool(layer, query[:, :, -1, :], key, value, scale)
             else:
-                plan.scorer.pool(layer, query[:, :, -plan.rows:, :], key, scale)
+                plan.scorer.pool(layer, query[:, :, -plan.rows:, :], key, scale, variant)
         for hook in self.hooks:
             hook.layer(self, layer, query, key, value, result[0], scale)
         if layer == self.num_layers - 1:
@@ -503,6 +558,13 @@ def _last_row_attended(mask, batch: int, keys: int, device) -> torch.Tensor:
     return _attended(mask[:, 0, -1, :]).expand(batch, keys)
 
 
+def _any_row_attended(mask, batch: int, keys: int, device) -> torch.Tensor:
+    """(B, S) bool: which keys ANY query of the pass attends (a window's last query does not attend them all)."""
+    if mask is None or mask.dim() == 2:
+        return _last_row_attended(mask, batch, keys, device)
+    return _attended(mask[:, 0]).any(dim=1).expand(batch, keys)
+
+
 def _attended(mask_rows: torch.Tensor) -> torch.Tensor:
     if mask_rows.dtype == torch.bool:
         return mask_rows
@@ -604,6 +666,12 @@ def _traced_generate(model, tracer: Tracer, generate):
                 "generate without input_ids (inputs_embeds) is not supported: the tracer needs the prompt's token slots"
             )
         plan = check_generate(model, kwargs, attention=tracer.config.attention)
+        if tracer.windowed and (plan.mode == "assisted_generation" or plan.static_cache):
+            raise NotImplementedError(
+                f"{model.config.model_type}: {'assisted decoding' if plan.static_cache is False else 'a static cache'} "
+                "with sliding-window attention layers is not supported: their cache is cropped or rolled in ways "
+                "the tracer does not follow"
+            )
         layouts = [layout for layout, applies in (("beams", plan.num_beams > 1),
                                                   ("assisted", plan.mode == "assisted_generation")) if applies]
         for hook in tracer.hooks:
@@ -695,6 +763,11 @@ def attach(model, *, hooks=(), keep_pooled=False, **config):
     """
     macs_config = MacsConfig(**config)
     modules = check_model(model)
+    shards = head_shards(model, modules)
+    variants = check_variants(model, "generate", support.method_of(macs_config), shards)
+    for hook in hooks:
+        if hook.method is not None:
+            check_variants(model, "generate", hook.method)
     with _model_lock(model):
         previous = model.config._attn_implementation
         if previous in WRAPPED_NAMES.values():
@@ -702,8 +775,8 @@ def attach(model, *, hooks=(), keep_pooled=False, **config):
         if previous not in WRAPPED_NAMES:
             raise ValueError(f"cannot wrap attention implementation {previous!r}; use one of {list(WRAPPED_NAMES)}")
         device = next(model.parameters()).device
-        tracer = Tracer(macs_config, len(modules), device, hooks, keep_pooled=keep_pooled,
-                        shards=head_shards(model, modules))
+        tracer = Tracer(macs_config, len(modules), device, hooks, keep_pooled=keep_pooled, shards=shards,
+                        variants=variants)
         _register()
         wrapped = ("generate", "_reorder_cache", "_get_stopping_criteria", *_CONTINUOUS_ENTRIES)
         saved = {name: model.__dict__[name] for name in wrapped if name in model.__dict__}

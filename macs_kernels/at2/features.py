@@ -29,6 +29,10 @@ class QueryCapture(TraceHook):
 
     rows=1 (default) is the generation mode. After the traced call, `kv_start` (B,) are the left pads and
     `kv_len` (B,) is the key after the last captured row.
+
+    A layer with an attention variant (a sliding window, whose last key tensor no longer holds the earlier rows'
+    windows; softcapping; sinks) keeps instead each pass's softmax rows on the inputs, in token positions, as
+    the layer computed them (tracer.softmax_rows): L_variant x T x H x N floats.
     """
 
     method = "at2"
@@ -41,6 +45,7 @@ class QueryCapture(TraceHook):
         self.keys: list[torch.Tensor | None] = []
         self.values: list[torch.Tensor | None] = []
         self.scales: list[float | None] = []
+        self.variant_rows: dict[int, list[torch.Tensor]] = {}
         self.kv_start = self.kv_len = None
         self.shards = None
 
@@ -52,11 +57,21 @@ class QueryCapture(TraceHook):
             self.keys = [None] * tracer.num_layers
             self.values = [None] * tracer.num_layers
             self.scales = [None] * tracer.num_layers
+            self.variant_rows = {}
             self.kv_start = tracer.input_start
 
     def layer(self, tracer, layer_idx, query, key, value, output, scale) -> None:
         if query.shape[2] < self.rows:
             raise ValueError(f"a pass has {query.shape[2]} queries, fewer than the {self.rows} rows to capture")
+        if not tracer.variant.plain:
+            if self.rows != 1:
+                raise NotImplementedError(
+                    f"AT2 features of a one-forward capture (rows={self.rows}) of layers with an attention variant "
+                    "(sliding window, softcap, sinks) are not supported; capture them during generation (rows=1)"
+                )
+            inputs = int(tracer.input_end.max())
+            self.variant_rows.setdefault(layer_idx, []).append(
+                tracer.softmax_rows(query[:, :, -1, :], key, scale)[:, :, :inputs])
         self.queries[layer_idx].append(query[:, :, -self.rows:, :].contiguous())
         self.keys[layer_idx] = key
         self.values[layer_idx] = value
@@ -99,8 +114,16 @@ class QueryCapture(TraceHook):
         kv_len = self.kv_len - total + end
         stop = int(end.max())
         layers = []
+        valid_rows = (torch.arange(target_start, stop, device=device).view(1, -1) < end.view(-1, 1))[:, None, :, None]
         for layer, key in enumerate(self.keys):
             q = self.layer_queries(layer)[:, :, target_start:stop]
+            if layer in self.variant_rows:
+                rows = torch.stack(self.variant_rows[layer][target_start:stop], dim=2)  # (B, H, R, inputs)
+                if int(torch.as_tensor(source_end).max()) > rows.shape[-1]:
+                    raise ValueError("a layer with an attention variant keeps its rows on the inputs only: the "
+                                     "sources must lie among the prompt's tokens")
+                layers.append(_source_columns((rows * valid_rows).sum(dim=2), source_start, source_end))
+                continue
             if attention == "efficient":
                 layers.append(_efficient_features(
                     q, key, self.values[layer], source_start=source_start, source_end=source_end,
@@ -131,11 +154,17 @@ def _efficient_features(q, key, value, *, source_start, source_end, kv_start, kv
     a_eff, _ = efficient_attention(probabilities, value, kv_len=kv_len, kv_start=kv_start, causal=True,
                                    backend=backend)
     valid_rows = torch.arange(rows, device=key.device).view(1, -1) < n_rows.view(-1, 1)
-    summed = (a_eff * valid_rows[:, None, :, None]).sum(dim=2)  # (B, H, S)
-    start = torch.as_tensor(source_start, device=key.device).long().expand(batch)
-    counts = torch.as_tensor(source_end, device=key.device).long().expand(batch) - start
-    offsets = torch.arange(int(counts.max()), device=key.device)
-    columns = (start.view(-1, 1) + offsets).clamp_max(key.shape[2] - 1)
+    return _source_columns((a_eff * valid_rows[:, None, :, None]).sum(dim=2), source_start, source_end)
+
+
+def _source_columns(summed, source_start, source_end):
+    """Columns [source_start, source_end) ((B,) or int) of summed rows (B, H, S) -> (B, H, N_max), zeros past a
+    row's own count."""
+    batch, heads, width = summed.shape
+    start = torch.as_tensor(source_start, device=summed.device).long().expand(batch)
+    counts = torch.as_tensor(source_end, device=summed.device).long().expand(batch) - start
+    offsets = torch.arange(int(counts.max()), device=summed.device)
+    columns = (start.view(-1, 1) + offsets).clamp_max(width - 1)
     features = summed.gather(2, columns[:, None, :].expand(batch, heads, offsets.numel()))
     return features * (offsets < counts.view(-1, 1))[:, None, :]
 

@@ -16,7 +16,7 @@ _REPO_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
-                        help="transformers model id or folder (default: SmolLM2-135M-Instruct)")
+                        help="transformers model id or folder, or gemma3-270m (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="model weights' dtype")
     parser.add_argument("--device", default=None, help="torch device, e.g. cuda (default: cpu)")
 

@@ -17,6 +17,7 @@ from ..ops import torch_beams
 from ..ops._dispatch import implementation
 from ..ops.torch_backend import _POOL, log_floor
 from ..ops.torch_packed import Pages, Segments
+from ..ops.variant import PLAIN, Variant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,8 @@ class Kernels:
     decode_dense: object | None
     pool_paged: object  # ops.macs_pool_paged's kernel
     paged_backend: str  # pool_paged's backend: on CPUs a paged cache is read in place by numba's
+    pool_variant: object | None  # macs_pool and decode_attention of a layer with an attention variant (ops.Variant)
+    decode_variant: object | None
 
     @staticmethod
     def of(backend: str, paged: str | None = None) -> Kernels:
@@ -41,7 +44,8 @@ class Kernels:
             backend, implementation(backend, "macs_pool"), implementation(backend, "decode_attention"),
             implementation(backend, "macs_update_rows"), getattr(special, "macs_pool_dense", None),
             getattr(special, "decode_attention_dense", None), implementation(paged or backend, "macs_pool_paged"),
-            paged or backend,
+            paged or backend, getattr(special, "macs_pool_variant", None),
+            getattr(special, "decode_attention_variant", None),
         )
 
 
@@ -104,8 +108,17 @@ class DenseRows(PassRows):
             self.pool_dense = functools.partial(torch_beams.beam_pool_dense, beams=beams)
             self.decode_dense = functools.partial(torch_beams.beam_decode_dense, beams=beams)
 
-    def pool(self, layer: int, q_rows: torch.Tensor, key: torch.Tensor, scale: float) -> None:
-        """m' of the scored rows q_rows (B, H, R, D) into this pass's layer `layer`."""
+    def pool(self, layer: int, q_rows: torch.Tensor, key: torch.Tensor, scale: float,
+             variant: Variant = PLAIN) -> None:
+        """m' of the scored rows q_rows (B, H, R, D) into this pass's layer `layer`; `variant`: the layer's own
+        attention (window, softcap, sinks; torch backend)."""
+        if not variant.plain:
+            rows = q_rows.shape[2]
+            self.kernels.pool_variant(
+                q_rows, key, self.pooled[layer], self.input_start[:, None].expand(-1, rows),
+                self.input_end[:, None].expand(-1, rows), self.kv_len, scale, **self.options, **variant.kwargs(),
+            )
+            return
         if self.n_dense is not None:
             self.pool_dense(q_rows, key, self.pooled[layer], n_input=self.n_dense, scale=scale, **self.options)
             return
@@ -116,9 +129,15 @@ class DenseRows(PassRows):
             kv_len=self.kv_len,
         )
 
-    def decode(self, layer: int, q: torch.Tensor, key, value, scale: float) -> torch.Tensor:
+    def decode(self, layer: int, q: torch.Tensor, key, value, scale: float, variant: Variant = PLAIN) -> torch.Tensor:
         """The attention output (B, R, H, D) of the scored queries q (B, H, R, D) (every query of a decode or
         verify pass), computed from the probabilities whose m' goes into layer `layer`: one read of K."""
+        if not variant.plain:
+            out, _ = self.kernels.decode_variant(
+                q[:, :, 0], key, value, self.input_start, self.kv_len[:, -1], scale, self.input_end,
+                pooled=self.pooled[layer, :, 0], **self.options, **variant.kwargs(),
+            )
+            return out.unsqueeze(1)
         if self.n_dense is not None:
             return self.decode_dense(q, key, value, self.pooled[layer], n_input=self.n_dense, scale=scale,
                                      **self.options).transpose(1, 2)
@@ -146,7 +165,8 @@ class PackedRows(PassRows):
     pass's (1, H, T, D) query and attends its own keys `segments` of the packed (1, H_kv, S, D) key tensor.
 
     configs: each row's MacsConfig (alpha, pooling, redistribute, attention differ per request).
-    keep: scored rows whose per-head softmax rows are kept per layer in `kept` (L, len(keep), H, L_max)
+    keep: scored rows whose per-head softmax rows on their inputs are kept per layer in `kept` (L, len(keep), H,
+        N_max)
         (AT2's features), or None.
     """
 
@@ -173,35 +193,49 @@ class PackedRows(PassRows):
     def _torch_form(kernels: Kernels) -> bool:
         return kernels.backend == "torch"
 
-    def pool(self, layer: int, query: torch.Tensor, key: torch.Tensor, scale: float) -> None:
-        """m' of the scored rows of this layer's packed query (1, H, T, D) over key (1, H_kv, S, D)."""
+    def pool(self, layer: int, query: torch.Tensor, key: torch.Tensor, scale: float, variant: Variant = PLAIN,
+             segments: Segments | None = None) -> None:
+        """m' of the scored rows of this layer's packed query (1, H, T, D) over key (1, H_kv, S, D).
+
+        variant, segments: a layer whose attention is a variant: its softcap and sinks, and
+        where its rows' keys lie when that differs from the pass's segments (a sliding-window layer's cache)."""
         q_rows = query.index_select(2, self.rows)
+        segments = self.segments if segments is None else segments
         if self.kernels.backend == "torch" or self.keep is not None:
-            probabilities = self.segments.probabilities(q_rows[0], key[0], scale)
-            self._keep(layer, probabilities)
+            probabilities = segments.probabilities(q_rows[0], key[0], scale, variant.softcap, variant.sinks)
+            self._keep(layer, probabilities, segments)
             if self.kernels.backend == "torch":
-                self._pool_probabilities(layer, probabilities)
+                self._pool_probabilities(layer, probabilities, segments)
                 return
-        segments, out = self.segments, self.pooled[layer]
+        out = self.pooled[layer]
+        # A variant layer's rows go by token positions, each over its own keys of the packed tensor (key_offset).
+        varied = not (variant.plain and segments.window is None and segments.input_keys is None)
         for pooling, redistribute, index in self.groups:
-            ranges = (segments.input_start, segments.input_end, segments.kv_len)
+            ranges = segments.token_ranges if varied else (segments.input_start, segments.input_end, segments.kv_len)
             block = q_rows
             if index is not None:
                 block = q_rows[:, :, index, :]
                 ranges = tuple(bound[:, index] for bound in ranges)
             pooled = torch.empty(1, block.shape[2], segments.n_max, dtype=torch.float32, device=out.device)
-            self.kernels.pool(block, key, pooled, input_start=ranges[0], input_end=ranges[1], kv_len=ranges[2],
-                              scale=scale, pooling=pooling, redistribute=redistribute, lse=None)
+            if varied:
+                self.kernels.pool_variant(block, key, pooled, *ranges[:3], scale, pooling, redistribute,
+                                          key_offset=ranges[3], window=segments.window, softcap=variant.softcap,
+                                          sinks=variant.sinks)
+            else:
+                self.kernels.pool(block, key, pooled, input_start=ranges[0], input_end=ranges[1], kv_len=ranges[2],
+                                  scale=scale, pooling=pooling, redistribute=redistribute, lse=None)
             self._write(out, index, pooled[0])
 
     def decode(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scale: float) -> torch.Tensor:
+               scale: float, variant: Variant = PLAIN, segments: Segments | None = None) -> torch.Tensor:
         """The attention output (1, T, H, D) of a pass whose every query row is scored (a decode pass of
-        traced requests), from the probabilities whose m' goes into layer `layer`: one read of K."""
-        probabilities = self.segments.probabilities(query[0], key[0], scale)
-        out = self.segments.outputs(probabilities, value[0])
-        self._keep(layer, probabilities)
-        self._pool_probabilities(layer, probabilities)
+        traced requests), from the probabilities whose m' goes into layer `layer`: one read of K (variant,
+        segments: as in `pool`)."""
+        segments = self.segments if segments is None else segments
+        probabilities = segments.probabilities(query[0], key[0], scale, variant.softcap, variant.sinks)
+        out = segments.outputs(probabilities, value[0])
+        self._keep(layer, probabilities, segments)
+        self._pool_probabilities(layer, probabilities, segments)
         return out.unsqueeze(0).to(query.dtype)
 
     def pool_rows(self, layer: int, row: int, attention: torch.Tensor) -> None:
@@ -213,16 +247,17 @@ class PackedRows(PassRows):
             inputs = inputs + attention[:, n:].sum(dim=-1, keepdim=True) / n
         self.pooled[layer, row, :n] = _POOL[config.pooling](inputs[None])[0]
 
-    def _keep(self, layer: int, probabilities: torch.Tensor) -> None:
+    def _keep(self, layer: int, probabilities: torch.Tensor, segments: Segments) -> None:
         if self.keep is None:
             return
+        inputs = segments.input_rows(probabilities)
         if self.kept is None:
-            self.kept = torch.empty(self.pooled.shape[0], len(self.keep), *probabilities.shape[1:],
-                                    dtype=torch.float32, device=probabilities.device)
-        torch.index_select(probabilities, 0, self.keep, out=self.kept[layer])
+            self.kept = torch.empty(self.pooled.shape[0], len(self.keep), *inputs.shape[1:],
+                                    dtype=torch.float32, device=inputs.device)
+        torch.index_select(inputs, 0, self.keep, out=self.kept[layer])
 
-    def _pool_probabilities(self, layer: int, probabilities: torch.Tensor) -> None:
-        inputs = self.segments.spread_inputs(probabilities)
+    def _pool_probabilities(self, layer: int, probabilities: torch.Tensor, segments: Segments | None = None) -> None:
+        inputs = (self.segments if segments is None else segments).spread_inputs(probabilities)
         out = self.pooled[layer]
         for pooling, _, index in self.groups:
             if index is None:

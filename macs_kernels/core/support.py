@@ -24,6 +24,8 @@ LAYOUTS = {  # layout -> the options that select it
     "cache_pressure": "cache pressure (requests offloaded and restarted)",
     "tensor_parallel": "tensor parallelism",
     "sliding_window": "sliding-window attention layers",
+    "softcap": "attention logit softcapping (attn_logit_softcapping)",
+    "sinks": "attention sinks (per-head sink logits)",
     "speculative": "speculative decoding (speculative_config)",
     "stop_strings": "stop strings (stop_strings= / the server's stop)",
 }
@@ -55,6 +57,14 @@ UNSUPPORTED = {
                                "backend scores one row per request and pass",
     ("vllm", "*", "sliding_window"): "a sliding-window layer attends only its window, not every input",
 }
+
+# Attention variants (model properties the table treats as layouts): what each engine cannot follow.
+_PLAIN_ROWS = "scores plain softmax rows"
+UNSUPPORTED |= {("vllm", "*", variant): f"the vLLM backend {_PLAIN_ROWS}" for variant in ("softcap", "sinks")}
+UNSUPPORTED[("continuous", "*", "softcap")] = (
+    "transformers' continuous-batching attention (paged|eager, sdpa) drops the cap, so the engine does not "
+    "compute the model's attention"
+)
 
 
 def _rule(engine: str, method: str, layout: str):
@@ -97,3 +107,20 @@ def method_of(config) -> str:
     if config.attention == "efficient":
         return "efficient"
     return "fused" if config.fused_decode else "exact"
+
+
+def variant_backend(variants, named: str | None, resolved: str) -> str:
+    """The backend that scores a model whose layers have attention variants (layouts such as "sliding_window"):
+    the torch and Triton kernels take a window, a softcap and sinks (VARIANT_BACKENDS), so an automatic choice
+    of another falls back to torch and a named other backend is refused before work."""
+    if not variants or resolved in VARIANT_BACKENDS:
+        return resolved
+    if named is not None:
+        raise NotImplementedError(
+            f"backend={named!r} has no kernels for {', '.join(LAYOUTS[v] for v in variants)} yet; use one of "
+            f"{VARIANT_BACKENDS} or leave backend unset"
+        )
+    return "torch"
+
+
+VARIANT_BACKENDS = ("torch", "triton")

@@ -63,7 +63,11 @@ class RowRecorder(TraceHook):
     def layer(self, tracer, layer_idx: int, query, key, value, output, scale) -> None:
         rows = tracer.softmax_rows(query[:, :, -1, :], key, scale)
         self._keep("", rows)
-        if self.efficient:
+        if self.efficient and tracer.variant.window is not None:
+            eff, residual = tracer.window_efficient_rows(query[:, :, -1, :], key, value, scale)
+            self.residual_max = max(self.residual_max, float(residual.max()))
+            self._keep("efficient_", eff)
+        elif self.efficient:
             from ..efficient import efficient_rows
 
             new = query.shape[2]

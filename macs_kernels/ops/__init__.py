@@ -22,10 +22,12 @@ from .macs_pool_paged import macs_pool_paged
 from .macs_update import macs_update
 from .macs_update_rows import macs_update_rows
 from .macs_zscore import macs_zscore
+from .variant import Variant
 from .verify import self_check, verified_backend
 
 __all__ = [
     "BackendUnavailable",
+    "Variant",
     "attention_features",
     "decode_attention",
     "efficient_attention",

@@ -6,7 +6,8 @@ import torch
 from ..config import MacsConfig
 from . import torch_backend
 from ._checks import IndexLike, as_index, as_scale, check_log_c, check_q_k, check_ranges
-from ._dispatch import NAMESPACE, kernel
+from ._dispatch import NAMESPACE, kernel, resolve_backend
+from .variant import Variant
 
 operator = torch.library.custom_op(
     f"{NAMESPACE}::decode_attention", torch_backend.decode_attention, mutates_args=("log_c", "pooled")
@@ -23,7 +24,7 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, kv_start: IndexLike | None = None,
     kv_len: IndexLike, scale: float, log_c: torch.Tensor | None = None, pooled: torch.Tensor | None = None,
     input_end: IndexLike | None = None, alpha: float = 0.8, pooling: str = "max", redistribute: bool = True,
-    backend: str | None = None,
+    backend: str | None = None, variant: Variant | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query per sequence over keys [kv_start, kv_len), optionally fused with MACS.
 
@@ -32,6 +33,8 @@ def decode_attention(
     with `input_end` (B,) (inputs are keys [kv_start, input_end)) and either
     - `log_c` (B, N_max): also performs macs_update, or
     - `pooled` (B, N_max) float32: also writes macs_pool's m' (the tracer floors and logs it per pass).
+    variant: the layer's attention variant (`ops.Variant`, torch backend only; not with log_c): positions are
+    then tokens, the output and lse are the variant's (sink mass attends no value).
     """
     MacsConfig(alpha=alpha, pooling=pooling, redistribute=redistribute, backend=backend)
     check_q_k(q, k_cache, v_cache)
@@ -40,17 +43,30 @@ def decode_attention(
     kv_start = as_index("kv_start", 0 if kv_start is None else kv_start, batch, q.device)
     if log_c is not None and pooled is not None:
         raise ValueError("give log_c or pooled, not both")
+    keys = k_cache.shape[2]
+    varied = variant is not None and not variant.plain
+    if varied:
+        if log_c is not None:
+            raise ValueError("decode_attention with a variant writes pooled rows, not log_c")
+        keys = variant.check(q.shape[1], kv_start, kv_len, keys)
     state, name = (log_c, "log_c") if pooled is None else (pooled, "pooled")
     if state is None:
         if input_end is not None:
             raise ValueError("input_end is only meaningful together with log_c or pooled")
-        check_ranges(kv_start, kv_len, kv_len, k_cache.shape[2])
+        check_ranges(kv_start, kv_len, kv_len, keys)
     else:
         if input_end is None:
             raise ValueError(f"{name} needs input_end (the end of the input keys)")
         check_log_c(state, batch, q.device, name=name)
         input_end = as_index("input_end", input_end, batch, q.device)
-        check_ranges(kv_start, input_end, kv_len, k_cache.shape[2], state.shape[1], state=name)
+        check_ranges(kv_start, input_end, kv_len, keys, state.shape[1], state=name)
+    if varied:
+        if resolve_backend(backend, q.device, "decode_attention") != "torch":
+            raise NotImplementedError("decode_attention with an attention variant runs on the torch backend only")
+        return torch_backend.decode_attention_variant(
+            q, k_cache, v_cache, kv_start, kv_len, as_scale(scale), input_end, pooling, bool(redistribute), pooled,
+            **variant.kwargs(),
+        )
     return kernel(backend, q.device, "decode_attention")(
         q, k_cache, v_cache, kv_start, kv_len, as_scale(scale), log_c, input_end, float(alpha), pooling,
         bool(redistribute), pooled,

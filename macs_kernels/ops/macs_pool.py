@@ -7,7 +7,8 @@ import torch
 from ..config import MacsConfig
 from . import torch_backend
 from ._checks import IndexLike, as_row_index, as_scale, check_lse, check_q_k, check_ranges
-from ._dispatch import NAMESPACE, kernel
+from ._dispatch import NAMESPACE, kernel, resolve_backend
+from .variant import Variant
 
 # Writes `out` and returns nothing: the trivial fake kernel torch.library generates is the right one.
 operator = torch.library.custom_op(f"{NAMESPACE}::macs_pool", torch_backend.macs_pool, mutates_args=("out",))
@@ -16,7 +17,7 @@ operator = torch.library.custom_op(f"{NAMESPACE}::macs_pool", torch_backend.macs
 def macs_pool(
     q: torch.Tensor, k_cache: torch.Tensor, *, input_start: IndexLike, input_end: IndexLike, kv_len: IndexLike,
     scale: float, pooling: str = "max", redistribute: bool = True, lse: torch.Tensor | None = None,
-    out: torch.Tensor | None = None, backend: str | None = None,
+    out: torch.Tensor | None = None, backend: str | None = None, variant: Variant | None = None,
 ) -> torch.Tensor:
     """MACS's head-pooled row m' of each query row, before the floor: the per-layer quantity that the tracer
     combines over layers (and, under tensor parallelism, over ranks) before taking the floor and the log.
@@ -30,12 +31,30 @@ def macs_pool(
         `redistribute`.
     lse: optional (B, H) or (B, H, R) natural-log log-sum-exp over each row's attended keys.
     out: optional float32 (B, N_max) or (B, R, N_max) buffer (q's rank minus one), written and returned.
+    variant: the layer's attention variant (`ops.Variant`: sliding window, the token key slot 0 holds, softcap,
+        sinks; torch backend only); the ranges are then token positions and p the variant's probabilities
+        (inputs outside the window get 0 before the spread).
     Returns float32 (B, N_max) or (B, R, N_max): m'[b, r, i] = pool over heads of (p[h, input_start + i] +
     the row's mass on generated keys / N) for i < N of that row, 0 after. N_max defaults to the largest N.
     """
     MacsConfig(pooling=pooling, redistribute=redistribute, backend=backend)
     check_q_k(q, k_cache, q_dims=q.dim() if isinstance(q, torch.Tensor) and q.dim() in (3, 4) else 3)
-    block, ranges, lse, out = row_arguments(q, k_cache.shape[2], input_start, input_end, kv_len, lse, out)
+    keys = k_cache.shape[2]
+    if variant is not None and not variant.plain:
+        if lse is not None:
+            raise ValueError("lse cannot be given with a variant: the kernel computes its own normaliser")
+        single = q.dim() == 3
+        index = [as_row_index(n, v, q.shape[0], 1 if single else q.shape[2], q.device)
+                 for n, v in (("input_start", input_start), ("kv_len", kv_len))]
+        keys = variant.check(q.shape[1], *index, keys)
+    block, ranges, lse, out = row_arguments(q, keys, input_start, input_end, kv_len, lse, out)
+    if variant is not None and not variant.plain:
+        if resolve_backend(backend, q.device, "macs_pool") != "torch":
+            raise NotImplementedError("macs_pool with an attention variant runs on the torch backend only")
+        rows_out = out.view(block.shape[0], block.shape[2], out.shape[-1])
+        torch_backend.macs_pool_variant(block, k_cache, rows_out, *ranges, as_scale(scale), pooling,
+                                        bool(redistribute), **variant.kwargs())
+        return out
     rows_out = out.view(block.shape[0], block.shape[2], out.shape[-1])
     kernel(backend, q.device, "macs_pool")(
         block, k_cache, rows_out, *ranges, as_scale(scale), pooling, bool(redistribute), lse

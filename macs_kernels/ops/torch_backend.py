@@ -33,14 +33,22 @@ def grouped_scores(q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> torc
     return scores.reshape(batch, heads, -1)
 
 
-def attended_softmax(scores, kv_start, kv_len, lse=None):
-    """Probabilities over keys [kv_start, kv_len) (zero elsewhere) and their natural-log lse (B, H)."""
+def attended_softmax(scores, kv_start, kv_len, lse=None, *, softcap=None, sinks=None):
+    """Probabilities over keys [kv_start, kv_len) (zero elsewhere) and their natural-log lse: scores (B, H, [R,]
+    S) float32 (written over) with (B, [R]) ranges, lse (B, H, [R]).
+
+    The layer's own softmax (`ops.Variant`): logits capped to softcap * tanh(s / softcap) when softcap is set
+    (Gemma 2), and a per-head sink logit sinks (H,) in the denominator only (gpt-oss), so a row sums to < 1."""
+    if softcap is not None:
+        scores.div_(softcap).tanh_().mul_(softcap)
     positions = torch.arange(scores.shape[-1], device=scores.device)
-    outside = (positions < _column(kv_start)) | (positions >= _column(kv_len))
-    scores = scores.masked_fill(outside[:, None, :], float("-inf"))
+    outside = (positions < kv_start.unsqueeze(-1)) | (positions >= kv_len.unsqueeze(-1))
+    scores.masked_fill_(outside.unsqueeze(1), float("-inf"))
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
-    return torch.exp(scores - lse.float().unsqueeze(-1)), lse
+        if sinks is not None:
+            lse = torch.logaddexp(lse, sinks.float().view(-1, *[1] * (lse.dim() - 2)))
+    return scores.sub_(lse.float().unsqueeze(-1)).exp_(), lse
 
 
 def macs_update_rows(
@@ -145,13 +153,27 @@ def macs_pool(
     pooling: str, redistribute: bool, lse: Tensor | None,
 ) -> None:
     """q (B, H, R, D), ranges (B, R), out (B, R, N_max): see ops.macs_pool."""
+    macs_pool_variant(q, k_cache, out, input_start, input_end, kv_len, scale, pooling, redistribute, lse)
+
+
+def window_ranges(input_start, input_end, kv_len, key_offset=0, window=None):
+    """A row's ranges in token positions -> the same in key slots of a cache that holds tokens from key_offset on
+    (a sliding-window layer's), with the attended start: (attend_start, input_start, input_end, kv_len) slots.
+
+    The row attends tokens [max(input_start, kv_len - window), kv_len); input tokens before that get no
+    attention, and their slots may lie before slot 0 (not in the cache at all)."""
+    attend = input_start if window is None else torch.maximum(input_start, kv_len - window)
+    return tuple(bound - key_offset for bound in (attend, input_start, input_end, kv_len))
+
+
+def macs_pool_variant(q, k_cache, out, input_start, input_end, kv_len, scale, pooling, redistribute, lse=None, *,
+                      key_offset=0, window=None, softcap=None, sinks=None):
+    """`macs_pool` of a layer whose attention is a variant (`ops.Variant`: window, softcap, sinks) over a cache
+    whose slot 0 holds token key_offset (an int or (B, R)); ranges in token positions."""
     scores = _block_scores(q, k_cache, scale)
-    positions = torch.arange(k_cache.shape[2], device=q.device)
-    outside = (positions < input_start.unsqueeze(-1)) | (positions >= kv_len.unsqueeze(-1))
-    scores.masked_fill_(outside.unsqueeze(1), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1) if lse is None else lse.float()
-    probabilities = scores.sub_(lse.unsqueeze(-1)).exp_()
-    _pool_rows(probabilities, out, input_start, input_end, kv_len, pooling, redistribute)
+    attend, start, end, length = window_ranges(input_start, input_end, kv_len, key_offset, window)
+    probabilities, _ = attended_softmax(scores, attend, length, lse, softcap=softcap, sinks=sinks)
+    _pool_rows(probabilities, out, start, end, length, pooling, redistribute, windowed=window is not None)
 
 
 def gather_pages(k_pages: Tensor, block_table: Tensor, keys: int) -> Tensor:
@@ -177,16 +199,21 @@ def macs_pool_paged(
               redistribute, lse)
 
 
-def _pool_rows(probabilities, out, input_start, input_end, kv_len, pooling, redistribute):
+def _pool_rows(probabilities, out, input_start, input_end, kv_len, pooling, redistribute, windowed=False):
     """m' of rows (B, H, [R,] S) over ranges (B, [R]) into out (B, [R,] N_max): the inputs' probabilities plus
-    (when redistributing) the row's mass on generated keys / N, pooled over heads; 0 past each row's N."""
+    (when redistributing) the row's mass on generated keys / N, pooled over heads; 0 past each row's N.
+    windowed: input slots may lie before slot 0 (a sliding-window cache dropped those tokens): they get 0."""
     keys, n_max = probabilities.shape[-1], out.shape[-1]
     heads_dim = 1
     start, end, length = (index.unsqueeze(-1) for index in (input_start, input_end, kv_len))
     offsets = torch.arange(n_max, device=out.device)
     n_input = end - start
-    input_keys = (start + offsets).clamp_max(keys - 1).unsqueeze(heads_dim)
+    input_keys = start + offsets
+    dropped = (input_keys < 0).unsqueeze(heads_dim) if windowed else None
+    input_keys = input_keys.clamp(0 if windowed else None, keys - 1).unsqueeze(heads_dim)
     inputs = probabilities.gather(-1, input_keys.expand(*probabilities.shape[:-1], n_max))
+    if windowed:
+        inputs.masked_fill_(dropped, 0.0)
     if redistribute:
         positions = torch.arange(keys, device=out.device)
         generated = ((positions >= end) & (positions < length)).unsqueeze(heads_dim)
@@ -213,11 +240,24 @@ def decode_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_start: Tensor, kv_len: Tensor, scale: float, log_c: Tensor | None,
     input_end: Tensor | None, alpha: float, pooling: str, redistribute: bool, pooled: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    scores = grouped_scores(q, k_cache, scale)
-    probabilities, lse = attended_softmax(scores, kv_start, kv_len)
-    if pooled is not None:
-        _pool_rows(probabilities, pooled, kv_start, input_end, kv_len, pooling, redistribute)
-    elif log_c is not None:
+    if log_c is not None and pooled is None:
+        scores = grouped_scores(q, k_cache, scale)
+        probabilities, lse = attended_softmax(scores, kv_start, kv_len)
         macs_update_rows(probabilities, log_c, kv_start, input_end, kv_len, alpha, pooling, redistribute)
+        return grouped_output(probabilities, v_cache, q.dtype), lse
+    return decode_attention_variant(q, k_cache, v_cache, kv_start, kv_len, scale, input_end, pooling, redistribute,
+                                    pooled)
+
+
+def decode_attention_variant(q, k_cache, v_cache, kv_start, kv_len, scale, input_end, pooling, redistribute, pooled,
+                             *, key_offset=0, window=None, softcap=None, sinks=None):
+    """`decode_attention` (optionally writing m' into pooled) of a layer whose attention is a variant (see
+    `macs_pool_variant`): the output is what that layer computes (sink mass attends no value)."""
+    scores = grouped_scores(q, k_cache, scale)
+    end = kv_len if input_end is None else input_end
+    attend, start, end, length = window_ranges(kv_start, end, kv_len, key_offset, window)
+    probabilities, lse = attended_softmax(scores, attend, length, softcap=softcap, sinks=sinks)
+    if pooled is not None:
+        _pool_rows(probabilities, pooled, start, end, length, pooling, redistribute, windowed=window is not None)
     return grouped_output(probabilities, v_cache, q.dtype), lse
 

@@ -13,29 +13,49 @@ from .torch_backend import _POOL
 class Segments:
     """Key ranges of R query rows over a packed key tensor, and the constants every layer of a pass shares.
 
-    Row r attends keys [starts[r], starts[r] + lengths[r]); the first n_input[r] of them are its inputs,
-    the rest generated tokens (their attention is spread over the inputs where redistribute[r]).
+    Row r attends keys [starts[r], starts[r] + lengths[r]), which hold its tokens offsets[r], offsets[r] + 1,
+    ... (offsets > 0 for a sliding-window layer's cache, which drops the tokens that slid out); tokens
+    [0, n_input[r]) are its inputs, the rest generated tokens (their attention is spread over the inputs where
+    redistribute[r]). window: the layer's sliding window (a row attends its last `window` tokens), or None.
     """
 
-    def __init__(self, starts, lengths, n_input, redistribute, device):
-        if not (len(starts) == len(lengths) == len(n_input) == len(redistribute)) or not starts:
-            raise ValueError("starts, lengths, n_input and redistribute must be equally long and not empty")
-        if any(n < 1 or n > length for n, length in zip(n_input, lengths)):
-            raise ValueError(f"every row needs 1 <= n_input <= its key count, got {n_input} for {lengths}")
+    def __init__(self, starts, lengths, n_input, redistribute, device, offsets=None, window=None):
+        offsets = [0] * len(starts) if offsets is None else list(offsets)
+        if not (len(starts) == len(lengths) == len(n_input) == len(redistribute) == len(offsets)) or not starts:
+            raise ValueError("starts, lengths, n_input, redistribute and offsets must be equally long and not empty")
+        if any(n < 1 or n > offset + length for n, length, offset in zip(n_input, lengths, offsets)):
+            raise ValueError(f"every row needs 1 <= n_input <= its token count, got {n_input} for {lengths} keys "
+                             f"after {offsets} dropped tokens")
         self.starts, self.lengths, self.n_input = list(starts), list(lengths), list(n_input)
+        self.offsets, self.window = offsets, window
         self.n_max, self.length_max = max(self.n_input), max(self.lengths)
         self.device = device
         positions = torch.arange(self.length_max, device=device)
         lengths_t = torch.tensor(self.lengths, device=device).view(-1, 1)
         n_input_t = torch.tensor(self.n_input, device=device).view(-1, 1)
+        offsets_t = torch.tensor(offsets, device=device).view(-1, 1)
         spread = torch.tensor(redistribute, dtype=torch.float32, device=device).view(-1, 1) / n_input_t
         # (R, L_max, 1): weight of each key's probability in the spill every input receives, 1/N on generated
         # keys, so that one batched product sums a row's spill.
-        self.spill_weight = (((positions >= n_input_t) & (positions < lengths_t)) * spread).unsqueeze(-1)
+        self.spill_weight = (((positions >= n_input_t - offsets_t) & (positions < lengths_t)) * spread).unsqueeze(-1)
+        # (R, 1, L_max) keys of a row before its window, and (R, 1, N_max) each input's key (inputs that slid out
+        # of the cache get no attention): None when every row attends all its keys and they are its tokens.
+        self.before_window = None if window is None else (positions < lengths_t - window).unsqueeze(1)
+        self.input_keys = None
+        if any(offsets):
+            keys = torch.arange(self.n_max, device=device) - offsets_t
+            self.input_keys = (keys.clamp(0, self.length_max - 1).unsqueeze(1), (keys < 0).unsqueeze(1))
         as_index = functools.partial(torch.tensor, dtype=torch.int64, device=device)
         self.input_start = as_index([self.starts])
         self.input_end = as_index([[s + n for s, n in zip(self.starts, self.n_input)]])
         self.kv_len = as_index([[s + length for s, length in zip(self.starts, self.lengths)]])
+        # The rows in token positions (inputs [0, N), tokens [0, offset + length)) and the token each row's key
+        # slot 0 would hold: the ranges of the variant kernels (ops.Variant).
+        self.token_ranges = (
+            torch.zeros_like(self.input_start), as_index([self.n_input]),
+            as_index([[o + length for o, length in zip(offsets, self.lengths)]]),
+            as_index([[o - s for o, s in zip(offsets, self.starts)]]),
+        )
         self._scores = None
 
     def _score_buffer(self, kv_heads: int, group: int) -> tuple[torch.Tensor, list]:
@@ -51,10 +71,12 @@ class Segments:
             self._scores = scores, [scores[r, :, :, :length] for r, length in enumerate(self.lengths)]
         return self._scores
 
-    def probabilities(self, q, key, scale: float) -> torch.Tensor:
+    def probabilities(self, q, key, scale: float, softcap: float | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Softmax rows (R, H, L_max) float32 of q (H, R, D) over each row's own keys of key (H_kv, S, D),
-        zeros past a row's length. One product per row over its own keys: R x S for the whole packed tensor
-        would cost R times more."""
+        zeros past a row's length and before its window. One product per row over its own keys: R x S for the
+        whole packed tensor would cost R times more. softcap, sinks: the layer's logit cap and (H,) sink
+        logits (`ops.Variant`)."""
         heads, rows, dim = q.shape
         kv_heads = key.shape[0]
         grouped = (q.float() * scale).reshape(kv_heads, heads // kv_heads, rows, dim).permute(2, 0, 1, 3)
@@ -62,7 +84,15 @@ class Segments:
         scores, row_scores = self._score_buffer(kv_heads, heads // kv_heads)
         for r, (start, length) in enumerate(zip(self.starts, self.lengths)):
             torch.bmm(grouped[r], keys_t[:, :, start : start + length].float(), out=row_scores[r])
-        return torch.softmax(scores.view(rows, heads, self.length_max), dim=-1)
+            if softcap is not None:
+                row_scores[r].div_(softcap).tanh_().mul_(softcap)
+        scores = scores.view(rows, heads, self.length_max)
+        if self.before_window is not None:
+            scores = scores.masked_fill(self.before_window, float("-inf"))
+        if sinks is None:
+            return torch.softmax(scores, dim=-1)
+        lse = torch.logaddexp(torch.logsumexp(scores, dim=-1), sinks.float().view(1, -1))
+        return torch.exp(scores - lse.unsqueeze(-1))
 
     def outputs(self, probabilities, value) -> torch.Tensor:
         """Attention outputs (R, H, D) float32 of softmax rows (R, H, L_max) over each row's own values of
@@ -76,11 +106,19 @@ class Segments:
             torch.bmm(grouped[r, :, :, :length], value[:, start : start + length].float(), out=out[r])
         return out.view(rows, heads, dim)
 
+    def input_rows(self, probabilities) -> torch.Tensor:
+        """(R, H, N_max): each input token's probability (a view of `probabilities` when the keys are the
+        tokens; inputs that slid out of a window's cache get 0); entries past a row's N are not inputs."""
+        if self.input_keys is None:
+            return probabilities[:, :, : self.n_max]
+        keys, dropped = self.input_keys
+        return probabilities.gather(-1, keys.expand(-1, probabilities.shape[1], -1)).masked_fill_(dropped, 0.0)
+
     def spread_inputs(self, probabilities) -> torch.Tensor:
         """(R, H, N_max): each input's probability plus the row's spill, written over `probabilities`' input
         columns; entries past a row's N are not inputs."""
         spill = torch.bmm(probabilities, self.spill_weight)
-        return probabilities[:, :, : self.n_max].add_(spill)
+        return self.input_rows(probabilities).add_(spill)
 
 
 def macs_pool_packed(q, key, segments: Segments, *, scale, pooling="max") -> torch.Tensor:

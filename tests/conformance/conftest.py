@@ -57,3 +57,66 @@ def conformance_server(chat_model_folder, at2_theta):
                      "--cache-tokens", "128", "--page-size", "4", "--at2-coefficients", str(at2_theta[0]))
     yield running
     running.terminate()
+
+
+# Random models of the real configurations of models whose attention is a variant, at the conformance model's
+# size: a window of 8 tokens is shorter than every prompt of the suite, so the window bites in prefill and decode.
+WINDOW = 8
+VARIANT_MODELS = {  # name -> (config class, its options, attention implementation)
+    "gemma2": ("Gemma2Config", {"sliding_window": WINDOW, "attn_logit_softcapping": 5.0}, "eager"),
+    "gemma3": ("Gemma3TextConfig", {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+               "sdpa"),
+    "mistral": ("MistralConfig", {"sliding_window": WINDOW}, "sdpa"),
+    "qwen2": ("Qwen2Config", {"sliding_window": WINDOW, "use_sliding_window": True, "max_window_layers": 1}, "sdpa"),
+    "gpt_oss": ("GptOssConfig", {"sliding_window": WINDOW, "num_local_experts": 2, "num_experts_per_tok": 1,
+                                 "layer_types": ["sliding_attention", "full_attention"]}, "eager"),
+}
+# Efficient rows of a window layer project onto its window's values: with head_dim 4, a window of 8 keys holds
+# more than D + 1 of them, so the projection is not the identity.
+EFFICIENT_WINDOW_MODELS = {
+    "gemma3_d4": ("Gemma3TextConfig", {"sliding_window": WINDOW, "head_dim": 4,
+                                       "layer_types": ["sliding_attention", "full_attention"]}, "sdpa"),
+    "mistral_d4": ("MistralConfig", {"sliding_window": WINDOW, "head_dim": 4}, "sdpa"),
+}
+# Softcapping and sinks alone (every layer a full one): what efficient attention follows.
+FULL_VARIANT_MODELS = {
+    "gemma2_full": ("Gemma2Config", {"attn_logit_softcapping": 5.0, "layer_types": ["full_attention"] * 2},
+                    "eager"),
+    "gpt_oss_full": ("GptOssConfig", {"num_local_experts": 2, "num_experts_per_tok": 1,
+                                      "layer_types": ["full_attention"] * 2}, "eager"),
+}
+
+
+def variant_model(name: str):
+    """(model, tokenizer): a small random model of `name`'s configuration with the default model's tokenizer."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from macs_kernels.models import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    config_class, options, implementation = (VARIANT_MODELS | FULL_VARIANT_MODELS | EFFICIENT_WINDOW_MODELS)[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{
+        "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "initializer_range": 0.2, **options,
+    })
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=implementation).eval()
+    for module in model.modules():  # gpt-oss initialises its sinks to 0; random ones make them matter
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+            torch.nn.init.normal_(module.sinks, std=2.0)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def variant_models():
+    """name -> (model, tokenizer), built on first use."""
+    built = {}
+
+    def get(name):
+        if name not in built:
+            built[name] = variant_model(name)
+        return built[name]
+
+    return get

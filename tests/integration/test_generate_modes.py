@@ -350,15 +350,50 @@ def test_two_threads_explaining_on_one_model_both_get_their_own_rows(gqa_model):
             assert torch.equal(item.step_log_c, expected[index].step_log_c)
 
 
-def test_attention_logit_softcapping_is_refused():
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+def test_attention_variants_refused_where_they_cannot_be_followed():
+    """Softcapping under continuous batching (transformers' paged attention drops the cap), assisted decoding and
+    a cache passed in with sliding windows, the CUDA backend named for a variant: refused before work, naming them."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
+
+    from macs_kernels.continuous import attach_continuous
+    from macs_kernels.core import support
 
     config = Gemma2Config(vocab_size=50, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, attn_logit_softcapping=5.0,
                           layer_types=["full_attention"] * 2)
-    with pytest.raises(NotImplementedError, match="attn_logit_softcapping"):
-        with attach(Gemma2ForCausalLM(config)):
+    gemma = Gemma2ForCausalLM(config).eval()
+    with pytest.raises(NotImplementedError, match="gemma2: attention logit softcapping .* continuous engine"):
+        with attach_continuous(gemma):
             pass
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from macs_kernels.hf_models import check_variants
+
+    gpt_oss = GptOssForCausalLM(GptOssConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
+    ))
+    assert check_variants(gpt_oss, "generate", "exact") == ("sliding_window", "sinks")
+    with pytest.raises(NotImplementedError, match="gpt_oss: attention sinks under tensor parallelism"):
+        check_variants(gpt_oss, "generate", "exact", shards=object())
+    # The CUDA kernels take no variant: named, it is refused; chosen automatically, the torch kernels run instead.
+    with pytest.raises(NotImplementedError, match="backend='cuda' has no kernels for attention logit softcapping"):
+        support.variant_backend(("softcap",), "cuda", "cuda")
+    assert support.variant_backend(("softcap",), None, "cuda") == "torch"
+    assert support.variant_backend(("sinks",), "triton", "triton") == "triton"
+    mistral = MistralForCausalLM(MistralConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, sliding_window=4, pad_token_id=0,
+    )).eval()
+    ids = torch.randint(1, 50, (1, 9))
+    with torch.no_grad(), attach(mistral, backend="torch"):
+        with pytest.raises(NotImplementedError, match="mistral: assisted decoding with sliding-window"):
+            mistral.generate(ids, max_new_tokens=3, prompt_lookup_num_tokens=2)
+        with pytest.raises(NotImplementedError, match="mistral: a static cache with sliding-window"):
+            mistral.generate(ids, max_new_tokens=3, cache_implementation="static")
+        cache = mistral(ids[:, :6]).past_key_values
+        with pytest.raises(NotImplementedError, match="must start from an empty cache"):
+            mistral.generate(ids, past_key_values=cache, max_new_tokens=3)
 
 
 # ---- the real default model: one check per mode --------------------------------------------------------

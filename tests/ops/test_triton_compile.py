@@ -23,15 +23,17 @@ FEATURES_INDEX = {
     name: "i64" for name in ("source_start_ptr", "source_end_ptr", "start_ptr", "kv_len_ptr", "n_rows_ptr")
 }
 
-SPLIT_INDEX = {"start_ptr": "i64", "input_end_ptr": "i64", "kv_len_ptr": "i64", "block_table_ptr": "i32"}
+SPLIT_INDEX = {"start_ptr": "i64", "input_end_ptr": "i64", "kv_len_ptr": "i64", "block_table_ptr": "i32",
+               "score_start_ptr": "i64"}
 
 
-def _split_kv(dtype, *, D, GROUP, BLOCK_M, WITH_V=False, WITH_SCORES=True, DOT_F32=False, PAGE_SIZE=0):
+def _split_kv(dtype, *, D, GROUP, BLOCK_M, WITH_V=False, WITH_SCORES=True, DOT_F32=False, PAGE_SIZE=0,
+              SOFTCAP=False):
     """A `_split_kv_kernel` variant: q, k and v in `dtype`, one tile over the head dimension."""
     return (
         "split_kv", "_split_kv_kernel", {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, **SPLIT_INDEX},
         dict(D=D, BLOCK_D=D, GROUP=GROUP, BLOCK_M=BLOCK_M, BLOCK_N=64, WITH_V=WITH_V, WITH_SCORES=WITH_SCORES,
-             DOT_F32=DOT_F32, PAGE_SIZE=PAGE_SIZE),
+             DOT_F32=DOT_F32, PAGE_SIZE=PAGE_SIZE, SOFTCAP=SOFTCAP),
         dict(num_warps=4, num_stages=3),
     )
 
@@ -49,9 +51,16 @@ VARIANTS = {
     "pool_paged_bf16_gqa4_d128_page16": _split_kv("bf16", D=128, GROUP=4, BLOCK_M=16, PAGE_SIZE=16),
     "decode_fp32_mha_d128": _split_kv("fp32", D=128, GROUP=1, BLOCK_M=16, WITH_V=True, WITH_SCORES=False,
                                       DOT_F32=True),
+    # Attention variants (ops.Variant): Gemma 2's softcap in the split pass, gpt-oss's sinks in the combine.
+    "pool_softcap_bf16_gqa2_d256": _split_kv("bf16", D=256, GROUP=2, BLOCK_M=16, SOFTCAP=True),
+    "decode_softcap_fp16_gqa4_d128": _split_kv("fp16", D=128, GROUP=4, BLOCK_M=16, WITH_V=True, SOFTCAP=True),
     "combine_bf16": (
         "split_kv", "_split_kv_combine_kernel", {"out_ptr": "bf16"},
-        dict(D=128, BLOCK_D=128, SPLITS_PAD=64, WITH_V=True), dict(num_warps=4),
+        dict(D=128, BLOCK_D=128, SPLITS_PAD=64, WITH_V=True, HAS_SINKS=False), dict(num_warps=4),
+    ),
+    "combine_sinks_bf16": (
+        "split_kv", "_split_kv_combine_kernel", {"out_ptr": "bf16", "sinks_ptr": "bf16"},
+        dict(D=64, BLOCK_D=64, SPLITS_PAD=64, WITH_V=True, HAS_SINKS=True), dict(num_warps=4),
     ),
     "pool_scores_max": (
         "pool", "_pool_kernel", {"start_ptr": "i64", "end_ptr": "i64"},
@@ -96,7 +105,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 sys.path.insert(0, sys.argv[1])
 variants = json.loads(sys.argv[2])
-FLOATS = {"scale", "alpha"}
+FLOATS = {"scale", "alpha", "softcap"}
 results = {}
 for name, (module, kernel_name, pointers, constexprs, options) in variants.items():
     kernel = getattr(importlib.import_module("macs_kernels.ops.triton." + module), kernel_name)
@@ -147,7 +156,8 @@ def test_kernel_compiles(compiled, variant, arch):
 @pytest.mark.parametrize("arch", TARGETS)
 @pytest.mark.parametrize("variant", [
     "decode_bf16_gqa4_d128", "update_fp16_gqa3_d64", "pool_block_bf16_gqa9_d64", "pool_paged_bf16_gqa3_d64_page16",
-    "pool_paged_fp16_gqa9_d128_page256", "pool_paged_bf16_gqa4_d128_page16",
+    "pool_paged_fp16_gqa9_d128_page256", "pool_paged_bf16_gqa4_d128_page16", "pool_softcap_bf16_gqa2_d256",
+    "decode_softcap_fp16_gqa4_d128",
 ])
 def test_split_pass_uses_tensor_cores_and_16_byte_loads(compiled, variant, arch):
     """The GQA group's scores come from one tensor-core product per K tile, fed by 128-bit loads."""

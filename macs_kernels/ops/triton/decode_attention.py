@@ -2,6 +2,7 @@
 of K, the head pooling into log_c (macs_update) or into a pooled buffer (macs_pool's m')."""
 from __future__ import annotations
 
+from ..torch_backend import window_ranges
 from .pool import pool
 from .split_kv import split_kv_pass
 
@@ -23,4 +24,21 @@ def decode_attention(
     if state is not None:
         pool(scores, state, start, end, lse=lse, generated=lse_gen, alpha=alpha, pooling=pooling,
              redistribute=redistribute, into_log_c=pooled is None)
+    return out[:, :, 0], lse[:, :, 0]
+
+
+def decode_attention_variant(q, k_cache, v_cache, kv_start, kv_len, scale, input_end, pooling, redistribute, pooled,
+                             *, key_offset=0, window=None, softcap=None, sinks=None):
+    """torch_backend.decode_attention_variant in Triton: the output and lse of a layer with an attention variant
+    and, with pooled (B, N_max), its m' (positions in tokens; see macs_pool_variant)."""
+    end = kv_len if input_end is None else input_end
+    attend, start, end, length = (bound[:, None].contiguous() for bound in window_ranges(
+        kv_start, end, kv_len, key_offset, window))
+    out, lse, lse_gen, scores = split_kv_pass(
+        q[:, :, None], k_cache, v_cache, attend, end, length, scale,
+        n_scores=0 if pooled is None else pooled.shape[1], score_start=start, softcap=softcap, sinks=sinks,
+    )
+    if pooled is not None:
+        pool(scores, pooled, start, end, lse=lse, generated=lse_gen, pooling=pooling, redistribute=redistribute,
+             into_log_c=False)
     return out[:, :, 0], lse[:, :, 0]

@@ -2,6 +2,7 @@
 written out before the floor."""
 from __future__ import annotations
 
+from ..torch_backend import window_ranges
 from .pool import pool
 from .split_kv import split_kv_pass
 
@@ -14,3 +15,17 @@ def macs_pool(q, k_cache, out, input_start, input_end, kv_len, scale, pooling, r
     )
     pool(scores, out, input_start, input_end, lse=own_lse if lse is None else lse, generated=lse_gen,
          pooling=pooling, redistribute=redistribute, into_log_c=False)
+
+
+def macs_pool_variant(q, k_cache, out, input_start, input_end, kv_len, scale, pooling, redistribute, lse=None, *,
+                      key_offset=0, window=None, softcap=None, sinks=None):
+    """torch_backend.macs_pool_variant in Triton: ranges (B, R) in token positions over a cache whose slot 0
+    holds token key_offset (an int or (B, R)), a sliding window, a softcap and (H,) sinks."""
+    attend, start, end, length = (bound.contiguous() for bound in window_ranges(
+        input_start, input_end, kv_len, key_offset, window))
+    _, own_lse, lse_gen, scores = split_kv_pass(
+        q, k_cache, None, attend, end, length, scale, n_scores=out.shape[-1], score_start=start, softcap=softcap,
+        sinks=sinks,
+    )
+    pool(scores, out, start, end, lse=own_lse if lse is None else lse, generated=lse_gen, pooling=pooling,
+         redistribute=redistribute, into_log_c=False)

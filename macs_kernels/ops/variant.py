@@ -1,0 +1,65 @@
+"""The attention variants of today's open models, declared once for every op that recomputes probabilities."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """How one layer's attention differs from softmax(q . k * scale) over every key its row may see.
+
+    window: a sliding-window layer (Mistral, Qwen2, Gemma 2/3, gpt-oss): the query at token t attends tokens
+        [t - window + 1, t] only (transformers' convention; FlashAttention's window_size=(window - 1, 0)).
+    key_offset: the token that key slot 0 holds (a sliding-window cache drops the tokens that slid out, so key
+        slot j holds token j + key_offset); an int, or a tensor broadcasting against the ops' ranges.
+    softcap: logits capped to softcap * tanh(s / softcap) before the softmax (Gemma 2's
+        attn_logit_softcapping).
+    sinks: (H,) per-head sink logits in the softmax denominator only (gpt-oss's `module.sinks`): a row's
+        probabilities over real keys sum to less than 1.
+    """
+
+    window: int | None = None
+    key_offset: int | torch.Tensor = 0
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
+                                        or self.window < 1):
+            raise ValueError(f"window must be an int >= 1 or None, got {self.window!r}")
+        if self.softcap is not None and not (isinstance(self.softcap, (int, float)) and math.isfinite(self.softcap)
+                                             and self.softcap > 0):
+            raise ValueError(f"softcap must be a finite float > 0 or None, got {self.softcap!r}")
+        if self.sinks is not None and (not isinstance(self.sinks, torch.Tensor) or self.sinks.dim() != 1):
+            raise ValueError("sinks must be a (H,) tensor of per-head sink logits or None")
+
+    @property
+    def plain(self) -> bool:
+        """Whether this is plain softmax attention over a cache whose slots are the tokens."""
+        offset = self.key_offset
+        return (self.window is None and self.softcap is None and self.sinks is None
+                and (offset == 0 if isinstance(offset, int) else not bool(offset.any())))
+
+    def kwargs(self) -> dict:
+        """The keyword arguments of the torch variant kernels."""
+        return {"window": self.window, "key_offset": self.key_offset, "softcap": self.softcap, "sinks": self.sinks}
+
+    def check(self, heads: int, input_start: torch.Tensor, kv_len: torch.Tensor, keys: int) -> int:
+        """Check against an op's arguments (ranges in token positions, `keys` cache slots); returns the token
+        count the cache covers (key_offset + keys): what kv_len may reach. One host sync."""
+        if self.sinks is not None and (self.sinks.shape[0] != heads or self.sinks.device != input_start.device):
+            raise ValueError(f"sinks must hold one logit per query head ({heads}) on {input_start.device}, got "
+                             f"{tuple(self.sinks.shape)} on {self.sinks.device}")
+        if not isinstance(self.key_offset, int) or self.key_offset < 0:
+            raise ValueError(f"an op's key_offset must be an int >= 0, got {self.key_offset!r}")
+        attend = input_start if self.window is None else torch.maximum(input_start, kv_len - self.window)
+        if bool((attend < self.key_offset).any()):
+            raise ValueError(f"a row attends tokens before key_offset={self.key_offset}, which the cache does not "
+                             "hold (a sliding-window cache keeps the window's tokens only)")
+        return self.key_offset + keys
+
+
+PLAIN = Variant()

@@ -1,0 +1,175 @@
+"""The conformance suite on models whose attention is a variant (sliding windows, logit softcapping, attention
+sinks): random models of Gemma 2, Gemma 3, Mistral, Qwen2 (use_sliding_window) and gpt-oss configurations, every
+engine x method x layout either equal to the teacher-forced eager `output_attentions` reference or refused
+before work with the support table's message (naming the model type)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from macs_kernels.core import support
+from macs_kernels.explanation import encode_prompts
+from macs_kernels.hf_models import attention_variants
+from tests.helpers import eager_macs
+
+from .conftest import VARIANT_MODELS, WINDOW, eager_log_c
+from .test_conformance import (
+    AT2,
+    LAYOUTS,
+    LOG_C_TOLERANCE,
+    METHODS,
+    PROMPTS,
+    STOP,
+    check_rows_or_refusal,
+    continuous_engine,
+    generate_engine,
+)
+
+ENGINES = {"generate": generate_engine, "continuous": continuous_engine}
+# The default run: every model on the layout that moves keys the most (a left-padded batch, fused decode), and the
+# window, softcap and sink models in more layouts and methods; the rest of the grid is slow.
+FAST = {("fused", "left_padded")}
+FAST_MORE = {"gemma2", "gemma3", "gpt_oss"}, {("exact", "greedy"), ("exact", "beams"), ("exact", "chunked_prefill"),
+                                             (AT2, "greedy"), ("efficient", "greedy")}
+CASES = [
+    pytest.param(model, engine, method, layout, id=f"{model}-{engine}-{method}-{layout}",
+                 marks=() if (method, layout) in FAST or (model in FAST_MORE[0] and (method, layout) in FAST_MORE[1])
+                 else pytest.mark.slow)
+    for model in VARIANT_MODELS for engine in ENGINES for method in [*METHODS, AT2] for layout in LAYOUTS
+    # Where a sequence stops is the stopping criteria's, not attention's; and a random model's greedy text
+    # need not hold the distinct token the stop-strings layout stops at.
+    if layout != STOP
+]
+
+
+def _refusals(model, engine: str, method: str, layout: str) -> list[str]:
+    """The support table's refusals that apply (the variant's and the layout's: either may come first)."""
+    found = [support.message(engine, method, variant) for variant in attention_variants(model)]
+    return [*found, support.message(engine, method, layout)]
+
+
+@pytest.mark.parametrize(("name", "engine", "method", "layout"), CASES)
+def test_variant_rows_equal_the_teacher_forced_reference_or_are_refused(name, engine, method, layout, variant_models,
+                                                                         request):
+    if layout == "cache_pressure" and name == "mistral":
+        pytest.skip("every layer a window: a request's cache never outgrows the window, so nothing is offloaded")
+    model, tokenizer = variant_models(name)
+    run = ENGINES[engine](model, tokenizer, None)
+    # Every prompt is longer than the window: the last query of a window layer cannot see the first inputs.
+    assert all(encode_prompts(tokenizer, p)[0].shape[1] > WINDOW + 4 for p in PROMPTS[LAYOUTS[layout][0]])
+    check_rows_or_refusal(model, run, engine, method, layout, _refusals(model, engine, method, layout), request,
+                          efficient=_window_efficient_reference)
+
+
+@pytest.mark.parametrize("name", [pytest.param("gemma2", marks=pytest.mark.slow), "gpt_oss", "mistral_d4"])
+def test_evaluation_record_of_a_variant_model_equals_the_reference(name, variant_models):
+    """The evaluation's recorded rows (every configuration scored from one generation) of window, softcap and sink
+    layers are in token positions: any MACS configuration from the record equals the eager reference."""
+    from macs_kernels.evaluation.record import generate_record, macs_from_record
+
+    model, tokenizer = variant_models(name)
+    prompt_ids = encode_prompts(tokenizer, PROMPTS["one"][0])[0][0]
+    record, generated, step_log_c = generate_record(model, tokenizer, prompt_ids, max_new_tokens=4, backend="torch",
+                                                    efficient=True)
+    reference = eager_log_c(model, prompt_ids, generated)
+    assert (step_log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE
+    assert (torch.from_numpy(macs_from_record(record)) - reference).abs().max() <= LOG_C_TOLERANCE
+    efficient = torch.from_numpy(macs_from_record(record, attention="efficient"))
+    assert (efficient - _window_efficient_reference(model, prompt_ids, generated)).abs().max() <= LOG_C_TOLERANCE
+    mean_half = eager_macs(model, prompt_ids, generated, pooling="mean", alpha=0.5)[0]
+    assert (torch.from_numpy(macs_from_record(record, pooling="mean", alpha=0.5)) - mean_half).abs().max() \
+        <= LOG_C_TOLERANCE
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize(("name", "method"), [
+    ("gpt_oss", "fused"), pytest.param("gemma3", "exact", marks=pytest.mark.slow),
+    pytest.param("mistral", "exact", marks=pytest.mark.slow), pytest.param("qwen2", "fused", marks=pytest.mark.slow),
+    pytest.param("gemma2", "fused", marks=pytest.mark.slow),
+])
+def test_variant_rows_on_the_triton_kernels_equal_the_reference(name, method, engine, variant_models):
+    """The Triton kernels (the interpreter here) take the window, the softcap and the sinks too."""
+    from macs_kernels import explain
+    from macs_kernels.ops import why_unavailable
+
+    from .test_conformance import NEW_TOKENS
+
+    if why_unavailable("triton", "cpu") is not None:
+        pytest.skip(why_unavailable("triton", "cpu"))
+    model, tokenizer = variant_models(name)
+    options = {"continuous_batching": True} if engine == "continuous" else {}
+    if any(_refusals(model, engine, method, "left_padded")):
+        with pytest.raises(NotImplementedError):
+            explain(model, tokenizer, PROMPTS["three"][:2], max_new_tokens=NEW_TOKENS, backend="triton",
+                    **METHODS[method], **options)
+        return
+    for item in explain(model, tokenizer, PROMPTS["three"][:2], max_new_tokens=NEW_TOKENS, backend="triton",
+                        **METHODS[method], **options):
+        reference = eager_log_c(model, item.input_ids, item.generated_ids)
+        assert (item.step_log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE
+
+
+@pytest.mark.parametrize(("name", "engine"), [
+    ("gemma2_full", "generate"), ("gpt_oss_full", "continuous"),
+    pytest.param("gemma2_full", "continuous", marks=pytest.mark.slow),
+    pytest.param("gpt_oss_full", "generate", marks=pytest.mark.slow),
+])
+def test_efficient_rows_of_softcap_and_sink_layers_equal_the_reference(name, engine, variant_models, request):
+    """Efficient attention projects the layer's own softmax rows (capped logits, sink mass left out): equal to
+    the eager rows projected by ops.efficient_attention; its Gram state cannot follow a window (refused)."""
+    model, tokenizer = variant_models(name)
+    check_rows_or_refusal(model, ENGINES[engine](model, tokenizer, None), engine, "efficient", "left_padded",
+                          _refusals(model, engine, "efficient", "left_padded"), request)
+
+
+def _window_efficient_reference(model, prompt_ids, generated_ids):
+    """Step log c (steps, N) float64 of efficient rows, independently: eager rows over every token (a cache that
+    keeps every layer's values), each projected onto the values of the keys its layer attends (a window layer:
+    its last `sliding_window` tokens) by reference.efficient_row_reference."""
+    from transformers import DynamicCache
+
+    from macs_kernels import reference
+
+    config = model.config
+    previous = config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        full = torch.cat([prompt_ids, generated_ids])[None, :-1]
+        out = model(full, output_attentions=True, use_cache=True, past_key_values=DynamicCache())
+    finally:
+        model.set_attn_implementation(previous)
+    kinds = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    n, heads = len(prompt_ids), config.num_attention_heads
+    group = heads // config.num_key_value_heads
+    steps = []
+    for k in range(len(generated_ids)):
+        query = n - 1 + k
+        layers = []
+        for layer, attention in enumerate(out.attentions):
+            first = max(0, query - config.sliding_window + 1) if kinds[layer] == "sliding_attention" else 0
+            values = out.past_key_values.layers[layer].values[0]
+            rows = torch.zeros(heads, query + 1, dtype=torch.float64)
+            for h in range(heads):
+                rows[h, first:] = reference.efficient_row_reference(attention[0, h, query, first : query + 1],
+                                                                    values[h // group, first : query + 1])
+            layers.append(rows)
+        steps.append(reference.macs_step_reference(layers, n)[0])
+    return torch.stack(steps)
+
+
+@pytest.mark.parametrize(("name", "engine"), [
+    ("mistral_d4", "generate"), ("gemma3_d4", "continuous"),
+    pytest.param("mistral_d4", "continuous", marks=pytest.mark.slow),
+    pytest.param("gemma3_d4", "generate", marks=pytest.mark.slow),
+])
+def test_efficient_rows_of_window_layers_project_onto_the_window(name, engine, variant_models):
+    """A window layer's efficient row is its softmax row projected onto the values of the keys it attends (its
+    window); full layers keep their Gram state over every value."""
+    model, tokenizer = variant_models(name)
+    sequences = ENGINES[engine](model, tokenizer, None)("efficient", "left_padded")
+    assert len(sequences) == len(PROMPTS["three"])
+    for prompt_ids, generated_ids, log_c in sequences:
+        reference = _window_efficient_reference(model, prompt_ids, generated_ids)
+        assert (log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE
+        # The projection matters here: the softmax rows' log c differs.
+        assert (eager_log_c(model, prompt_ids, generated_ids) - reference).abs().max() > 10 * LOG_C_TOLERANCE
