@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 from ..bench.common import source_commit
+from .costs import GENERATION
 from .methods import FAITHFULNESS_METRICS
 from .metrics import mean_ci, share_before_answer
 from .store import SUMMARY_FORMAT, check_outputs, read_results, summary_paths
@@ -19,6 +20,9 @@ PAPER_AUC_PR = {
     "attnlrp": 0.565, "atman": 0.315, "rollout": 0.147, "random": 0.113,
 }
 PAPER_BEST_BEFORE_ANSWER = 0.9768
+# Paired differences on a subset of the samples are taken against this method.
+BASELINE = "macs"
+SUBSET_FIELDS = (("auc_pr", "best"), ("auc_pr_step_mean", "step_mean"), ("auc_pr_aggregate", "aggregate"))
 
 
 def _stats(values) -> dict:
@@ -40,7 +44,10 @@ def summarise(path) -> dict:
         reasons[line["reason"]] = reasons.get(line["reason"], 0) + 1
     methods: dict[str, dict] = {}
     order = []
+    costs: dict[str, list] = {}
     for (kind, index, method), line in lines.items():
+        if kind == "cost" and index in samples:
+            costs.setdefault(method, []).append(line)
         if kind in ("auc", "faithfulness") and index in samples:
             if method not in methods:
                 methods[method] = {"auc": [], "faithfulness": []}
@@ -68,6 +75,7 @@ def summarise(path) -> dict:
             },
             "best_step_before_answer": before,
             "paper_auc_pr": PAPER_AUC_PR.get(name),
+            "cost": _cost(costs.get(name, [])),
         }
     scored = list(samples.values())
     largest = max((len(parts["auc"]) for parts in methods.values()), default=0)
@@ -93,6 +101,7 @@ def summarise(path) -> dict:
         },
         "answer_not_generated": sum(line["answer_step"] is None for line in scored),
         "methods": table,
+        "generation_cost": _cost(costs.get(GENERATION, [])),
         "subsets": subsets,
         "claims": _claims(table),
     }
@@ -113,19 +122,33 @@ def current_lines(lines: dict[tuple, dict]) -> dict[tuple, dict]:
             if k[0] == "run" or (k[1] in keys and line.get("sample") == keys[k[1]])}
 
 
-def _on_subset(methods: dict, reference: str) -> dict:
-    """Every method on the samples that `reference` scores (e.g. at2 on its held-out questions), with the
-    paired difference method - reference per sample: what a comparison on the same samples says."""
-    by_index = {line["index"]: line for line in methods[reference]["auc"]}
+def _cost(lines: list) -> dict:
+    """Seconds per generated token (mean [CI] over samples) and peak memory (MB above the process before the
+    method: mean and largest over samples) of a method's cost lines (costs.py)."""
+    peaks = [line["peak_bytes"] / 2**20 for line in lines if line["peak_bytes"] is not None]
+    return {
+        "seconds_per_token": _stats([line["seconds"] / line["steps"] for line in lines]),
+        "peak_mb": _stats(peaks), "peak_mb_max": max(peaks, default=None),
+        "after_generation": any(line["after_generation"] for line in lines),
+        "samples": sorted(line["index"] for line in lines),
+    }
+
+
+def _on_subset(methods: dict, subset: str, baseline: str = BASELINE) -> dict:
+    """Every method on the samples that `subset` scores (AT2 on its held-out questions, a method limited by
+    --method-range), with the paired difference method - baseline (MACS) per sample: what a comparison on
+    exactly these samples says."""
+    indices = sorted(line["index"] for line in methods[subset]["auc"])
+    base = {line["index"]: line for line in methods.get(baseline, {"auc": []})["auc"]}
     table = {}
     for name, parts in methods.items():
-        lines = [line for line in parts["auc"] if line["index"] in by_index]
+        lines = [line for line in parts["auc"] if line["index"] in indices]
         table[name] = {"n": len(lines)}
-        for field, key in (("auc_pr", "best"), ("auc_pr_aggregate", "aggregate")):
+        for field, key in SUBSET_FIELDS:
             table[name][field] = _stats([line[key] for line in lines])
-            table[name][f"{field}_minus_{reference}"] = _stats([line[key] - by_index[line["index"]][key]
-                                                               for line in lines])
-    return {"samples": len(by_index), "methods": table}
+            table[name][f"{field}_minus_{baseline}"] = _stats([line[key] - base[line["index"]][key]
+                                                              for line in lines if line["index"] in base])
+    return {"samples": len(indices), "indices": indices, "baseline": baseline, "methods": table}
 
 
 def _claims(table: dict) -> dict:
@@ -161,6 +184,27 @@ def _fmt(stat, digits=3) -> str:
     return text
 
 
+def _cost_text(cost: dict | None) -> str:
+    if not cost or not cost["samples"]:
+        return "- | -"
+    peak = "-" if cost["peak_mb"]["mean"] is None else f"{cost['peak_mb']['mean']:.0f}; {cost['peak_mb_max']:.0f}"
+    return (f"{_fmt(cost['seconds_per_token'])}{' +' if cost['after_generation'] else ''} "
+            f"(n={len(cost['samples'])}) | {peak}")
+
+
+def _indices_text(indices) -> str:
+    """[250, 251, 252, 260] -> '250-252, 260'."""
+    runs, out = [], []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    for a, b in runs:
+        out.append(str(a) if a == b else f"{a}-{b}")
+    return ", ".join(out) or "none"
+
+
 def markdown(summary: dict) -> str:
     lines = [
         f"Model: {summary['model'] or 'default'} ({summary['dtype']}), data: {summary['data']}, "
@@ -168,8 +212,9 @@ def markdown(summary: dict) -> str:
         f"commit {summary['commit']}. Mean [95% CI] over samples.",
         "",
         "| method | n | AUC-PR (best step) | paper (Llama-3.1-8B) | AUC-PR (mean over steps) | AUC-PR (aggregate) "
-        "| SRG perplexity | SRG ROUGE-L | SRG logit | ties/step (paper form) | best step before answer |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| SRG perplexity | SRG ROUGE-L | SRG logit | ties/step (paper form) | best step before answer "
+        "| s/token | peak MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in summary["methods"].items():
         srg = row["srg"]
@@ -180,20 +225,32 @@ def markdown(summary: dict) -> str:
         lines.append(
             f"| {name} | {row['n']} | {_fmt(row['auc_pr'])} | {paper} | {_fmt(row['auc_pr_step_mean'])} "
             f"| {_fmt(row['auc_pr_aggregate'])} | {_fmt(srg['perplexity'])} (n={srg['perplexity']['n']}) "
-            f"| {_fmt(srg['rouge_l'])} | {_fmt(srg['logit'])} | {'-' if ties is None else f'{ties:.2f}'} | {share} |"
+            f"| {_fmt(srg['rouge_l'])} | {_fmt(srg['logit'])} | {'-' if ties is None else f'{ties:.2f}'} | {share} "
+            f"| {_cost_text(row.get('cost'))} |"
         )
+    generation = summary.get("generation_cost")
+    if generation and generation["samples"]:
+        lines += ["", f"Cost: seconds per generated token, mean [95% CI] over the samples measured (n), and peak "
+                  "memory above the process before the method (mean; largest), on this machine as run. In-generation "
+                  "methods: a whole greedy generation with the method; after-generation methods (marked +): their own "
+                  f"pass, to add to the generation's. Plain greedy generation: {_cost_text(generation)} "
+                  f"(samples {_indices_text(generation['samples'])})."]
     for reference, subset in summary.get("subsets", {}).items():
+        base = subset.get("baseline", reference)
         lines += [
             "",
-            f"On the {subset['samples']} samples that {reference} scores, paired differences with {reference} "
-            "(mean [95% CI] of method - reference per sample):",
+            f"On the {subset['samples']} samples that {reference} scores (indices "
+            f"{_indices_text(subset.get('indices', []))}), paired differences with {base} (mean [95% CI] of "
+            f"method - {base} per sample):",
             "",
-            f"| method | n | AUC-PR (best step) | minus {reference} | AUC-PR (aggregate) | minus {reference} |",
-            "|---|---|---|---|---|---|",
+            f"| method | n | AUC-PR (best step) | minus {base} | AUC-PR (mean over steps) | minus {base} "
+            f"| AUC-PR (aggregate) | minus {base} |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for name, row in subset["methods"].items():
-            lines.append(f"| {name} | {row['n']} | {_fmt(row['auc_pr'])} | {_fmt(row[f'auc_pr_minus_{reference}'])} "
-                         f"| {_fmt(row['auc_pr_aggregate'])} | {_fmt(row[f'auc_pr_aggregate_minus_{reference}'])} |")
+            lines.append(f"| {name} | {row['n']} | " + " | ".join(
+                f"{_fmt(row.get(field))} | {_fmt(row.get(f'{field}_minus_{base}'))}" for field, _ in SUBSET_FIELDS)
+                + " |")
     unmatched = summary["unmatched_answers"]
     relocated = summary.get("relocated_answers", {"answers": 0, "samples": 0})
     lines += [

@@ -141,7 +141,7 @@ def test_eval_command_smoke_report_and_resume(tmp_path, capsys):
     out, records = tmp_path / "eval.jsonl", tmp_path / "records"
     command = ["eval", "--data", str(data), "--n", "3", "--max-new-tokens", "8", "--methods", "macs,random",
                "--faithfulness-n", "1", "--out", str(out), "--records", str(records), "--no-progress",
-               "--threads", "1"]
+               "--threads", "1", "--cost-n", "1"]
     threads = torch.get_num_threads()
     try:
         assert main(command) == 0
@@ -160,7 +160,15 @@ def test_eval_command_smoke_report_and_resume(tmp_path, capsys):
             assert row["auc_pr_step_mean"]["mean"] <= row["auc_pr"]["mean"]
             assert set(row["srg"]) == {"perplexity", "rouge_l", "logit"} and row["srg"]["logit"]["n"] == 1
         lines = out.read_text().splitlines()
-        assert len(lines) == 1 + 3 + 6 + 2  # run, samples, AUC per (sample, method), faithfulness
+        # run, samples, AUC per (sample, method), faithfulness, cost of macs, random and plain generation on sample 0
+        assert len(lines) == 1 + 3 + 6 + 2 + 3
+        costs = [line for line in map(json.loads, lines) if line["kind"] == "cost"]
+        steps = {line["index"]: line["steps"] for line in map(json.loads, lines) if line["kind"] == "sample"}
+        assert sorted(c["method"] for c in costs) == ["generation", "macs", "random"]
+        assert all(c["index"] == 0 and c["steps"] == steps[0] and c["seconds"] > 0 for c in costs)
+        assert summary["methods"]["macs"]["cost"]["samples"] == [0] == summary["generation_cost"]["samples"]
+        assert summary["methods"]["macs"]["cost"]["seconds_per_token"]["mean"] == pytest.approx(
+            next(c["seconds"] for c in costs if c["method"] == "macs") / steps[0])
 
         # Resumed: nothing generated again; an added ablation is scored from the stored records, and the
         # masking curves of a later sample (--faithfulness-from) come from them too.
