@@ -155,6 +155,14 @@ def macs_candidates(sample: dict) -> dict[str, np.ndarray]:
         "mean rank": ranks.mean(0),
         "max z": z.max(0),
         "max z over the context": z_ctx.max(0),
+        "max z without the sink token": _z(log_c, no_sink).max(0),
+        "max z, EOS step dropped": z_no_eos.max(0),
+        "max robust z (median/MAD)": _robust_z(log_c).max(0),
+        "max z minus mean z": z.max(0) - z.mean(0),
+        "max z plus mean z": z.max(0) + z.mean(0),
+        "top-2 mean z": _top_k_mean(z, 2),
+        "max z, steps after the first": z[1:].max(0) if len(z) > 1 else z.max(0),
+        "max log c minus mean log c over steps": log_c.max(0) - log_c.mean(0),
         "q90 z": np.quantile(z, 0.9, axis=0),
         "q75 z": np.quantile(z, 0.75, axis=0),
         "median z": np.median(z, 0),
@@ -247,7 +255,8 @@ def study(args) -> None:
         f"aggregation ({chosen!r}). Last columns: the {len(expensive)} samples AttnLRP and AtMan scored "
         f"(indices {expensive[0] if expensive else '-'}-{expensive[-1] if expensive else '-'}).",
         "",
-        "| aggregation | dev | dev minus chosen | confirm | confirm minus chosen | AttnLRP/AtMan samples | minus chosen |",
+        "| aggregation | dev | dev minus chosen | confirm | confirm minus chosen | AttnLRP/AtMan samples "
+        "| minus chosen |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, row in summary["candidates"].items():

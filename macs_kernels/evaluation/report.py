@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 from ..bench.common import source_commit
+from ..core import DEFAULT_AGGREGATION
 from .costs import GENERATION
 from .methods import FAITHFULNESS_METRICS
 from .metrics import mean_ci, share_before_answer
@@ -67,6 +68,7 @@ def summarise(path) -> dict:
             "best_step": _stats([line["best_step"] for line in auc]),
             "auc_pr_step_mean": _stats([line["step_mean"] for line in auc]),
             "auc_pr_aggregate": _stats([line["aggregate"] for line in auc]),
+            "auc_pr_aggregates": _aggregates(auc),
             "srg": {metric: _stats([line["srg"][metric] for line in faith]) for metric in FAITHFULNESS_METRICS},
             "ties": {
                 "tied_tokens_per_step": sum(t["tied_tokens"] for t in ties) / rows if rows else None,
@@ -148,7 +150,20 @@ def _on_subset(methods: dict, subset: str, baseline: str = BASELINE) -> dict:
             table[name][field] = _stats([line[key] for line in lines])
             table[name][f"{field}_minus_{baseline}"] = _stats([line[key] - base[line["index"]][key]
                                                               for line in lines if line["index"] in base])
-    return {"samples": len(indices), "indices": indices, "baseline": baseline, "methods": table}
+    # The goal of the whole-answer study: each of MACS's named whole-answer scores against this method's.
+    own = {line["index"]: line["aggregate"] for line in methods[subset]["auc"]}
+    macs_lines = [base[i] for i in indices if i in base and "aggregates" in base[i]]
+    whole = {name: {"auc_pr": _stats([line["aggregates"][name] for line in macs_lines]),
+                    f"minus_{subset}": _stats([line["aggregates"][name] - own[line["index"]] for line in macs_lines])}
+             for name in (macs_lines[0]["aggregates"] if macs_lines else {})}
+    return {"samples": len(indices), "indices": indices, "baseline": baseline, "methods": table,
+            "macs_whole_answer": whole}
+
+
+def _aggregates(lines: list) -> dict:
+    """Stats of every named whole-answer score's AUC-PR (MACS's lines carry them: core.AGGREGATIONS)."""
+    names = [name for name in (lines[0].get("aggregates", {}) if lines else {})]
+    return {name: _stats([line["aggregates"][name] for line in lines if "aggregates" in line]) for name in names}
 
 
 def _claims(table: dict) -> dict:
@@ -228,6 +243,13 @@ def markdown(summary: dict) -> str:
             f"| {_fmt(srg['rouge_l'])} | {_fmt(srg['logit'])} | {'-' if ties is None else f'{ties:.2f}'} | {share} "
             f"| {_cost_text(row.get('cost'))} |"
         )
+    named = {name: row["auc_pr_aggregates"] for name, row in summary["methods"].items() if row.get("auc_pr_aggregates")}
+    if named:
+        columns = list(next(iter(named.values())))
+        lines += ["", "Whole-answer AUC-PR of each named MACS score (core.AGGREGATIONS; the aggregate column above is "
+                  f"{DEFAULT_AGGREGATION}, Explanation.scores):", "", "| method | " + " | ".join(columns) + " |",
+                  "|---|" + "---|" * len(columns)]
+        lines += [f"| {name} | " + " | ".join(_fmt(row.get(c)) for c in columns) + " |" for name, row in named.items()]
     generation = summary.get("generation_cost")
     if generation and generation["samples"]:
         lines += ["", f"Cost: seconds per generated token, mean [95% CI] over the samples measured (n), and peak "
@@ -251,6 +273,13 @@ def markdown(summary: dict) -> str:
             lines.append(f"| {name} | {row['n']} | " + " | ".join(
                 f"{_fmt(row.get(field))} | {_fmt(row.get(f'{field}_minus_{base}'))}" for field, _ in SUBSET_FIELDS)
                 + " |")
+        whole = subset.get("macs_whole_answer")
+        if whole:
+            lines += ["", f"MACS's named whole-answer scores (core.AGGREGATIONS) on these samples, paired with "
+                      f"{reference}'s aggregate:", "", f"| MACS whole-answer score | AUC-PR | minus {reference} |",
+                      "|---|---|---|"]
+            lines += [f"| {name} | {_fmt(row['auc_pr'])} | {_fmt(row[f'minus_{reference}'])} |"
+                      for name, row in whole.items()]
     unmatched = summary["unmatched_answers"]
     relocated = summary.get("relocated_answers", {"answers": 0, "samples": 0})
     lines += [
