@@ -37,11 +37,11 @@ def extract(args) -> None:
     from macs_kernels.evaluation.data import load_qa
     from macs_kernels.evaluation.record import macs_from_record
     from macs_kernels.evaluation.record_cache import load_record, load_rows, records_dir
-    from macs_kernels.evaluation.report import current_lines
     from macs_kernels.evaluation.store import read_results
     from macs_kernels.models import load_model
 
-    lines = current_lines(read_results(args.results))
+    # Every sample line, not only the latest run's: the expensive methods' run lists just their samples.
+    lines = read_results(args.results)
     run = lines[("run", None, None)]
     samples = {s.index: s for s in load_qa(run["data"])}
     from macs_kernels.explanation import _eos_ids
@@ -50,9 +50,20 @@ def extract(args) -> None:
     eos = _eos_ids(model, tokenizer)
     folder = records_dir(args.records)
     out: dict[str, np.ndarray] = {}
+    if args.out.is_file():  # samples already extracted are kept; only their AttnLRP/AtMan rows may be new
+        with np.load(args.out) as old:
+            out = {k: old[k] for k in old.files if k != "indices"}
     indices = sorted(k[1] for k in lines if k[0] == "sample")
     for index in indices:
         line = lines[("sample", index, None)]
+        prefix = f"s{index}_"
+        if prefix + "log_c" in out:
+            generated = out[prefix + "generated"]
+            for kind in ("attnlrp", "atman"):
+                rows = load_rows(folder, line["generation"], kind, generated)
+                if rows is not None:
+                    out[prefix + kind] = rows[0].astype(np.float32)
+            continue
         sample = samples[index]
         alignment = align_qa(tokenizer, sample.question, sample.context)
         prompt = torch.tensor(alignment.input_ids)
@@ -69,7 +80,6 @@ def extract(args) -> None:
         token_logp = logp.gather(-1, torch.from_numpy(generated)[:, None].long())[:, 0]
         entropy = -(logp.exp() * logp).sum(-1)
         labels = np.stack(alignment.answer_labels(sample.answers)).astype(np.int8)
-        prefix = f"s{index}_"
         out |= {prefix + "log_c": log_c.astype(np.float32), prefix + "generated": generated,
                 prefix + "prompt": prompt.numpy(), prefix + "token_logp": token_logp.numpy().astype(np.float32),
                 prefix + "entropy": entropy.numpy().astype(np.float32), prefix + "labels": labels,
@@ -79,7 +89,7 @@ def extract(args) -> None:
             rows = load_rows(folder, line["generation"], kind, generated)
             if rows is not None:
                 out[prefix + kind] = rows[0].astype(np.float32)
-    out["indices"] = np.array([int(k[1:].split("_")[0]) for k in out if k.endswith("_log_c")])
+    out["indices"] = np.array(sorted(int(k[1:].split("_")[0]) for k in out if k.endswith("_log_c")))
     np.savez_compressed(args.out, **out)
     print(f"wrote {args.out}: {len(out['indices'])} samples")
 
@@ -280,9 +290,78 @@ def main() -> None:
     s.add_argument("--rows", type=Path, default=ROWS)
     s.add_argument("--chosen", default="mean z")
     s.add_argument("--out", type=Path, default=RESULTS / "whole_answer")
+    b = sub.add_parser("best-step")
+    b.add_argument("--results", type=Path, required=True)
+    b.add_argument("--method", default="macs")
+    b.add_argument("--out", type=Path, default=RESULTS / "best_step_readings.md")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    (extract if args.command == "extract" else study)(args)
+    {"extract": extract, "study": study, "best-step": best_step}[args.command](args)
+
+
+
+# ---- the paper's "best step before the answer" (issue 28, point 5) ---------------------------------------
+def _answer_tokens(tokenizer, generated, gold_texts) -> tuple[int, int] | None:
+    """(first, last) zero-based generated token of the earliest gold answer in the decoded generation."""
+    ids = [int(i) for i in generated]
+    text = tokenizer.decode(ids, skip_special_tokens=True).lower()
+    found = [(text.find(t.lower()), len(t)) for t in gold_texts if t.strip()]
+    found = [(p, n) for p, n in found if p >= 0]
+    if not found:
+        return None
+    start, length = min(found)
+    lengths = [len(tokenizer.decode(ids[: k + 1], skip_special_tokens=True)) for k in range(len(ids))]
+    first = next(k for k, n in enumerate(lengths) if n > start)
+    last = next(k for k, n in enumerate(lengths) if n >= start + length)
+    return first, last
+
+
+def best_step(args) -> None:
+    """Share of samples whose best step (per-step AUC-PR) comes before the answer, under several readings."""
+    from macs_kernels.evaluation.data import load_qa
+    from macs_kernels.evaluation.store import read_results
+    from macs_kernels.models import load_tokenizer
+
+    lines = read_results(args.results)
+    run = lines[("run", None, None)]
+    samples = {s.index: s for s in load_qa(run["data"])}
+    tokenizer = load_tokenizer()
+    counts: dict[str, list] = {}
+    for (kind, index, method), line in lines.items():
+        if kind != "auc" or method != args.method or ("sample", index, None) not in lines:
+            continue
+        sample_line = lines[("sample", index, None)]
+        per_step = np.asarray(line["per_step"])
+        first_best = int(np.argmax(per_step))
+        last_best = int(len(per_step) - 1 - np.argmax(per_step[::-1]))
+        span = _answer_tokens(tokenizer, sample_line["generated_ids"], [t for t, _ in samples[index].answers])
+        readings = {"answer found in the generation": span is not None}
+        if span is not None:
+            first, last = span
+            readings |= {
+                "best step <= first answer token's step (ours)": first_best <= first,
+                "best step < first answer token's step (strictly before)": first_best < first,
+                "best step <= first answer token's step, last of tied best steps": last_best <= first,
+                "best step <= the step that reads the first answer token (first + 1)": first_best <= first + 1,
+                "best step <= last answer token's step (before the answer ends)": first_best <= last,
+                "first answer token at step 0": first == 0,
+            }
+        readings["all samples: best step <= first answer step, no answer counted as before"] = (
+            span is None or first_best <= span[0])
+        readings["all samples: best step in the first half of the generation"] = first_best < len(per_step) / 2
+        readings["all samples: best step is step 0"] = first_best == 0
+        for name, value in readings.items():
+            counts.setdefault(name, []).append(bool(value))
+    found = counts.pop("answer found in the generation")
+    lines_out = [f"Best step (per-step AUC-PR of {args.method}) against the answer's place in the generation, "
+                 f"{len(found)} samples, {sum(found)} whose generation contains a gold answer:", "",
+                 "| reading | share | of |", "|---|---|---|"]
+    for name, values in counts.items():
+        lines_out.append(f"| {name} | {np.mean(values):.1%} | {len(values)} |")
+    text = "\n".join(lines_out) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
 
 
 if __name__ == "__main__":

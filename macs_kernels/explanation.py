@@ -25,7 +25,7 @@ from .hf_models import check_model
 from .tracing import attach, check_generate
 
 __all__ = ["AGGREGATIONS", "DEFAULT_AGGREGATION", "SCORE_DEFINITION", "Explanation", "explain", "explain_continuous",
-           "json_values", "log_zscores", "stream"]
+           "json_values", "log_zscores", "stream", "whole_answer_scores"]
 
 
 @dataclasses.dataclass
