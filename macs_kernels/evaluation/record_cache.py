@@ -64,6 +64,10 @@ def save_rows(folder: Path, key: str, kind: str, rows: np.ndarray, generated_ids
     tmp.rename(_rows_path(folder, key, kind))
 
 
+def has_rows(folder: Path, key: str, kind: str) -> bool:
+    return _rows_path(folder, key, kind).is_file()
+
+
 def load_rows(folder: Path, key: str, kind: str, generated_ids) -> tuple[np.ndarray, dict] | None:
     """(rows, cost) saved by save_rows, or None when missing or computed for other generated ids."""
     path = _rows_path(folder, key, kind)

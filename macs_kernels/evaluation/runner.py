@@ -23,7 +23,7 @@ import torch
 from ..parallel import SINGLE_PROCESS, Shard
 from .costs import COST_VERSION, GENERATION, cost_line, measure_in_generation, measured
 from .methods import FAITHFULNESS_METRICS, MODEL_METHODS, Method
-from .record_cache import RECORD_VERSION, load_record, load_rows, records_dir, save_record, save_rows
+from .record_cache import RECORD_VERSION, has_rows, load_record, load_rows, records_dir, save_record, save_rows
 from .scoring import RANDOM_SEED, method_identity, method_scores, score_auc
 from .store import RESULTS_FORMAT, Results, content_key, ids_digest
 
@@ -182,12 +182,13 @@ class Runner:
         answered = [s for s in samples
                     if s.answers and s.problem is None and s.index >= self.settings.faithfulness_from]
         self.faithfulness_indices = {s.index for s in answered[: self.settings.faithfulness_n]}
-        # Each in-generation method's cost is measured on the first cost_n samples it scores; the plain
-        # generation on every one of them (the baseline on the same samples).
+        # Each method's cost is measured on the first cost_n samples it scores (after-generation methods also
+        # wherever their rows are computed anyway); plain generation on every one of the in-generation
+        # methods' samples (the baseline on the same samples).
         self.cost_indices = {m.name: {s.index for s in [s for s in answered if m.scores_sample(s.index)]
-                                      [: self.settings.cost_n]}
-                             for m in self.methods if m.kind not in MODEL_METHODS}
-        self.cost_indices[GENERATION] = set().union(*self.cost_indices.values())
+                                      [: self.settings.cost_n]} for m in self.methods}
+        self.cost_indices[GENERATION] = set().union(
+            *(self.cost_indices[m.name] for m in self.methods if m.kind not in MODEL_METHODS))
         for sample in self._bar(shard.take(samples), "generate + AUC-PR"):
             self.score_sample(sample)
         faithful = [m for m in self.methods if m.faithfulness]
@@ -287,9 +288,10 @@ class Runner:
         return next(m for m in self.methods if m.name == name)
 
     def _costs_todo(self, sample, sample_line: dict, methods: list[Method]) -> list[str]:
-        """The methods whose cost line this sample lacks: every after-generation method (its own pass, measured
-        when its rows were computed) and the in-generation ones (and plain generation) whose cost set holds it."""
-        names = [m.name for m in methods if m.kind in MODEL_METHODS or sample.index in self.cost_indices[m.name]]
+        """The methods whose cost line this sample lacks: those whose cost set holds it (and plain generation's),
+        and an after-generation method wherever its rows are in the record cache (measured when computed)."""
+        names = [m.name for m in methods if sample.index in self.cost_indices[m.name]
+                 or (m.kind in MODEL_METHODS and has_rows(self.records, sample_line["generation"], m.kind))]
         if sample.index in self.cost_indices.get(GENERATION, ()):
             names.append(GENERATION)
         return [name for name in names if self.results.get(
