@@ -297,22 +297,26 @@ def markdown(summary: dict) -> str:
 
 
 def plot(path, out) -> None:
-    """Box plots of the per-sample best-step AUC-PR of each method."""
+    """Box plots of the per-sample AUC-PR of each method: best step, and the whole-answer aggregate."""
     from ..bench.common import pyplot
 
     plt = pyplot()
     lines = current_lines(read_results(path))
-    data: dict[str, list] = {}
+    data: dict[str, dict[str, list]] = {"best": {}, "aggregate": {}}
     for (kind, _, method), line in lines.items():
         if kind == "auc":
-            data.setdefault(method, []).append(line["best"])
-    if not data:
+            for field in data:
+                data[field].setdefault(method, []).append(line[field])
+    if not data["best"]:
         return
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(data)), 4))
-    ax.boxplot(list(data.values()), showmeans=True)
-    ax.set_xticks(range(1, len(data) + 1), list(data), rotation=35, ha="right")
-    ax.set_ylabel("AUC-PR (best step) per sample")
-    ax.set_ylim(0, 1)
+    methods = list(data["best"])
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(methods)), 4), sharey=True)
+    for ax, (field, title) in zip(axes, (("best", "best step"), ("aggregate", "whole answer (aggregate)"))):
+        ax.boxplot([data[field][m] for m in methods], showmeans=True)
+        ax.set_xticks(range(1, len(methods) + 1), [f"{m} (n={len(data[field][m])})" for m in methods],
+                      rotation=40, ha="right", fontsize=8)
+        ax.set_title(f"AUC-PR per sample, {title}")
+        ax.set_ylim(0, 1)
     fig.tight_layout()
     fig.savefig(out, dpi=120, metadata={"Description": SUMMARY_FORMAT})  # marks the file as ours (store)
     plt.close(fig)
