@@ -94,6 +94,32 @@ def test_macs_from_record_equals_the_layer_reference(config):
         macs_from_record({"rows": record["rows"], "mass": record["mass"]}, attention="efficient")
 
 
+def test_macs_aggregate_is_the_explanations_whole_answer_score():
+    """The eval's aggregate row is Explanation.scores (the named default), cut to the context; every named
+    whole-answer score's AUC-PR is kept beside it."""
+    from macs_kernels.config import AGGREGATIONS, DEFAULT_AGGREGATION
+    from macs_kernels.evaluation.metrics import average_precision
+    from macs_kernels.evaluation.scoring import method_scores, score_auc
+    from macs_kernels.explanation import Explanation
+
+    _, record = _synthetic_record(np.random.default_rng(5), steps=4, n=9)
+    log_c = macs_from_record(record)
+    explanation = Explanation(input_ids=torch.arange(9), generated_ids=torch.arange(4), input_tokens=["t"] * 9,
+                              generated_tokens=["g"] * 4, step_log_c=torch.from_numpy(log_c).float(), config={})
+    scores = method_scores(parse_method("macs"), 0, record, None, 4, 9, (2, 8))
+    np.testing.assert_allclose(scores["aggregate"], explanation.scores[2:8].double().numpy(), rtol=1e-5, atol=1e-5)
+    assert set(scores["aggregates"]) == set(AGGREGATIONS)
+    assert scores["aggregate"] is scores["aggregates"][DEFAULT_AGGREGATION]
+    for name in AGGREGATIONS:
+        np.testing.assert_allclose(scores["aggregates"][name], explanation.whole_answer(name)[2:8].double().numpy(),
+                                   rtol=1e-5, atol=1e-5)
+    labels = [np.array([0, 1, 1, 0, 0, 0]), np.array([0, 0, 0, 0, 1, 0])]
+    line = score_auc(parse_method("macs"), 0, scores, labels)
+    for name, value in line["aggregates"].items():
+        assert value == np.mean([average_precision(scores["aggregates"][name], y) for y in labels])
+    assert line["aggregate"] == line["aggregates"][DEFAULT_AGGREGATION]
+
+
 @torch.no_grad()
 def test_rollout_equals_a_per_step_vector_recursion():
     model = tiny_llama()
