@@ -136,7 +136,7 @@ def parse_method_ranges(texts) -> dict[str, tuple[int, int]]:
     """["attnlrp=250:270", "atman=250:270"] -> {"attnlrp": (250, 270), ...} (--method-range)."""
     ranges = {}
     for text in texts or ():
-        name, eq, span = text.partition("=")
+        name, eq, span = text.rpartition("=")  # a MACS method name holds "=" too
         start, colon, stop = span.partition(":")
         if not eq or not colon or not start.strip().isdigit() or not stop.strip().isdigit():
             raise ValueError(f"--method-range {text!r}: use METHOD=START:STOP, e.g. attnlrp=250:270")

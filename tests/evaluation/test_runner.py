@@ -160,6 +160,27 @@ def test_method_names():
         assert "at2" in str(error)
 
 
+def test_all_methods_and_method_ranges():
+    from macs_kernels.evaluation.methods import ALL_METHODS, parse_method_ranges, parse_methods
+
+    try:
+        methods = parse_methods("all", parse_method_ranges(["attnlrp=250:260", "macs:pool=max=0:5"]))
+    except MethodUnavailable:  # no AT2 coefficients in this installation
+        pytest.skip("at2 unavailable")
+    assert [m.name for m in methods] == [parse_method(n).name for n in ALL_METHODS]
+    ranged = {m.name: m for m in methods}
+    assert ranged["attnlrp"].indices == (250, 260) and ranged["macs"].indices == (0, 5)  # canonical name
+    assert ranged["attnlrp"].scores_sample(250) and not ranged["attnlrp"].scores_sample(260)
+    assert not ranged["at2"].scores_sample(249) and ranged["at2"].scores_sample(349)
+    assert ranged["atman"].indices is None and ranged["attnlrp"] == parse_method("attnlrp")  # not in its identity
+    for bad, match in ((["attnlrp"], "METHOD=START:STOP"), (["attnlrp=5:2"], "START must be below STOP"),
+                       (["attnlrp=1:2", "attnlrp=3:4"], "twice"), (["atman=a:b"], "METHOD=START:STOP")):
+        with pytest.raises(ValueError, match=match):
+            parse_method_ranges(bad)
+    with pytest.raises(ValueError, match="not among the methods"):
+        parse_methods("macs,random", {"attnlrp": (0, 1)})
+
+
 def test_eval_command_smoke_report_and_resume(tmp_path, capsys):
     from macs_kernels.cli import main
 
