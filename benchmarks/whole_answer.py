@@ -155,8 +155,8 @@ def macs_candidates(sample: dict) -> dict[str, np.ndarray]:
     concentration = 1 - (-(share * np.log(np.maximum(share, 1e-300))).sum(-1)) / np.log(n)
     ranks = log_c.argsort(-1).argsort(-1) / (n - 1)
     return {
-        "mean log c (scores today)": log_c.mean(0),
-        "mean paper z of c (eval aggregate today)": _z(np.exp(log_c)).mean(0),
+        "mean log c (Explanation.scores before)": log_c.mean(0),
+        "mean paper z of c (the eval's aggregate before)": _z(np.exp(log_c)).mean(0),
         "mean z": z.mean(0),
         "mean z, EOS step dropped": z_no_eos.mean(0),
         "mean z without the sink token": _z(log_c, no_sink).mean(0),
@@ -288,7 +288,7 @@ def main() -> None:
     e.add_argument("--out", type=Path, default=ROWS)
     s = sub.add_parser("study")
     s.add_argument("--rows", type=Path, default=ROWS)
-    s.add_argument("--chosen", default="mean z")
+    s.add_argument("--chosen", default="max z minus mean z")
     s.add_argument("--out", type=Path, default=RESULTS / "whole_answer")
     b = sub.add_parser("best-step")
     b.add_argument("--results", type=Path, required=True)
