@@ -327,6 +327,7 @@ def best_step(args) -> None:
     samples = {s.index: s for s in load_qa(run["data"])}
     tokenizer = load_tokenizer()
     counts: dict[str, list] = {}
+    offsets: dict[int, int] = {}
     for (kind, index, method), line in lines.items():
         if kind != "auc" or method != args.method or ("sample", index, None) not in lines:
             continue
@@ -338,6 +339,8 @@ def best_step(args) -> None:
         readings = {"answer found in the generation": span is not None}
         if span is not None:
             first, last = span
+            offset = max(min(first_best - first, 4), -4)
+            offsets[offset] = offsets.get(offset, 0) + 1
             readings |= {
                 "best step <= first answer token's step (ours)": first_best <= first,
                 "best step < first answer token's step (strictly before)": first_best < first,
@@ -358,6 +361,8 @@ def best_step(args) -> None:
                  "| reading | share | of |", "|---|---|---|"]
     for name, values in counts.items():
         lines_out.append(f"| {name} | {np.mean(values):.1%} | {len(values)} |")
+    lines_out += ["", "Best step minus the first answer token's step (clipped to +-4), samples whose generation contains "
+                  "a gold answer: " + ", ".join(f"{k:+d}: {offsets[k]}" for k in sorted(offsets)) + "."]
     text = "\n".join(lines_out) + "\n"
     print(text)
     if args.out:
