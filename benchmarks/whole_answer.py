@@ -361,8 +361,8 @@ def best_step(args) -> None:
                  "| reading | share | of |", "|---|---|---|"]
     for name, values in counts.items():
         lines_out.append(f"| {name} | {np.mean(values):.1%} | {len(values)} |")
-    lines_out += ["", "Best step minus the first answer token's step (clipped to +-4), samples whose generation contains "
-                  "a gold answer: " + ", ".join(f"{k:+d}: {offsets[k]}" for k in sorted(offsets)) + "."]
+    lines_out += ["", "Best step minus the first answer token's step (clipped to +-4), samples whose generation "
+                  "contains a gold answer: " + ", ".join(f"{k:+d}: {offsets[k]}" for k in sorted(offsets)) + "."]
     text = "\n".join(lines_out) + "\n"
     print(text)
     if args.out:
