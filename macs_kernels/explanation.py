@@ -10,17 +10,8 @@ import threading
 import torch
 
 from .alignment import user_span
-from .config import MacsConfig
-from .core import (
-    AGGREGATIONS,
-    DEFAULT_AGGREGATION,
-    SCORE_DEFINITION,
-    json_values,
-    log_zscores,
-    paper_zscores,
-    support,
-    whole_answer_scores,
-)
+from .config import AGGREGATIONS, DEFAULT_AGGREGATION, MacsConfig
+from .core import SCORE_DEFINITION, json_values, log_zscores, paper_zscores, support, whole_answer_scores
 from .hf_models import check_model
 from .tracing import attach, check_generate
 
