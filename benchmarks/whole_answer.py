@@ -210,15 +210,16 @@ def _ap(score: np.ndarray, labels: np.ndarray) -> float:
     return float(np.mean([average_precision(score, y) for y in labels]))
 
 
-def sample_aps(samples: dict[int, dict]) -> dict[str, dict[int, float]]:
-    """{candidate name: {sample index: whole-answer AP}}; AttnLRP/AtMan candidates as 'attnlrp: NAME'."""
+def sample_aps(samples: dict[int, dict], expensive) -> dict[str, dict[int, float]]:
+    """{candidate name: {sample index: whole-answer AP}}; AttnLRP/AtMan candidates as 'attnlrp: NAME', on the
+    samples in `expensive` only."""
     table: dict[str, dict[int, float]] = {}
     for index, sample in samples.items():
         start, stop = sample["context"]
         for name, score in macs_candidates(sample).items():
             table.setdefault(name, {})[index] = _ap(score[start:stop], sample["labels"])
         for kind in ("attnlrp", "atman"):
-            if kind in sample:
+            if kind in sample and index in expensive:
                 for name, score in baseline_candidates(sample[kind], sample["context"]).items():
                     table.setdefault(f"{kind}: {name}", {})[index] = _ap(score, sample["labels"])
     return table
@@ -241,10 +242,11 @@ def _fmt(stat) -> str:
 
 def study(args) -> None:
     samples = load(args.rows)
-    aps = sample_aps(samples)
+    expensive = sorted(i for i, s in samples.items() if "attnlrp" in s and "atman" in s
+                       and (args.expensive is None or args.expensive[0] <= i < args.expensive[1]))
+    aps = sample_aps(samples, set(expensive))
     chosen = args.chosen
     halves = {"dev": DEV, "confirm": CONFIRM}
-    expensive = sorted(i for i, s in samples.items() if "attnlrp" in s and "atman" in s)
     summary = {"rows": str(args.rows), "chosen": chosen, "dev": list(DEV), "confirm": list(CONFIRM),
                "expensive_samples": expensive, "candidates": {}}
     for name, by_index in aps.items():
@@ -263,7 +265,7 @@ def study(args) -> None:
         f"mean [95% CI] over samples; development half {DEV[0]}-{DEV[1] - 1} (the choice was made here), "
         f"confirmation half {CONFIRM[0]}-{CONFIRM[1] - 1}; 'minus chosen' is the paired difference with the chosen "
         f"aggregation ({chosen!r}). Last columns: the {len(expensive)} samples AttnLRP and AtMan scored "
-        f"(indices {expensive[0] if expensive else '-'}-{expensive[-1] if expensive else '-'}).",
+        f"(indices {', '.join(map(str, expensive)) or '-'}).",
         "",
         "| aggregation | dev | dev minus chosen | confirm | confirm minus chosen | AttnLRP/AtMan samples "
         "| minus chosen |",
@@ -290,6 +292,9 @@ def main() -> None:
     s.add_argument("--rows", type=Path, default=ROWS)
     s.add_argument("--chosen", default="max z minus mean z")
     s.add_argument("--out", type=Path, default=RESULTS / "whole_answer")
+    s.add_argument("--expensive", type=lambda t: tuple(int(v) for v in t.split(":")), default=None,
+                   metavar="START:STOP", help="the samples the eval ran AttnLRP and AtMan on (default: every sample "
+                                              "with both rows in the record cache)")
     b = sub.add_parser("best-step")
     b.add_argument("--results", type=Path, required=True)
     b.add_argument("--method", default="macs")
