@@ -110,7 +110,8 @@ def summarise(path) -> dict:
 
 
 def current_lines(lines: dict[tuple, dict]) -> dict[tuple, dict]:
-    """The lines of the latest run's samples, computed from their current content.
+    """The lines of the latest run's samples, computed from their current content, and of each method only on
+    the samples of its range in that run.
 
     A results file can hold lines of earlier runs on other data or settings (kept, and reused when their
     key matches); the latest run line lists its samples with their content keys, and only lines computed
@@ -120,8 +121,14 @@ def current_lines(lines: dict[tuple, dict]) -> dict[tuple, dict]:
     if "samples" not in run:
         return lines
     keys = {index: key for index, key in run["samples"]}
+    # A method limited to a range of samples (--method-range) counts there only, whatever earlier runs left.
+    ranges = run.get("method_ranges", {})
+
+    def in_range(method, index) -> bool:
+        return method not in ranges or ranges[method][0] <= index < ranges[method][1]
+
     return {k: line for k, line in lines.items()
-            if k[0] == "run" or (k[1] in keys and line.get("sample") == keys[k[1]])}
+            if k[0] == "run" or (k[1] in keys and line.get("sample") == keys[k[1]] and in_range(k[2], k[1]))}
 
 
 def _cost(lines: list) -> dict:

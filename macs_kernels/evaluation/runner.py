@@ -175,7 +175,8 @@ class Runner:
         self.keys = {s.index: sample_key(self.settings, s) for s in samples}
         if shard.leader:
             self.results.write({"kind": "run", "format": RESULTS_FORMAT, **self.settings.generation(),
-                                "data": self.settings.data, "samples": [[i, k] for i, k in self.keys.items()]})
+                                "data": self.settings.data, "samples": [[i, k] for i, k in self.keys.items()],
+                                "method_ranges": {m.name: list(m.indices) for m in self.methods if m.indices}})
         # A new stream must start with its run line (that is how a results stream is recognised).
         shard.barrier()
         # Faithfulness scores are kept for the samples phase 2 will reach: the first faithfulness_n with answers.
