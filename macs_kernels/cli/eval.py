@@ -33,7 +33,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--cost-n", type=int, default=3, metavar="K",
                         help="measure each in-generation method's seconds and peak memory per generated token "
                              "(and plain generation's) on the first K samples it scores (default: 3; 0: none); "
-                             "after-generation methods (rollout, attnlrp, atman) are timed on every sample")
+                             "after-generation methods (rollout, attnlrp, atman) also wherever their rows are "
+                             "computed")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--faithfulness-n", type=int, default=100,
                         help="masking curves on the first K samples (0: none)")
