@@ -10,28 +10,32 @@ import threading
 import torch
 
 from .alignment import user_span
-from .config import MacsConfig
-from .core import SCORE_DEFINITION, json_values, log_zscores, paper_zscores, support
+from .config import AGGREGATIONS, DEFAULT_AGGREGATION, MacsConfig
+from .core import SCORE_DEFINITION, json_values, log_zscores, paper_zscores, support, whole_answer_scores
 from .hf_models import check_model
 from .prompts import plain_prompt
 from .tracing import attach, check_generate
 
-__all__ = ["SCORE_DEFINITION", "Explanation", "explain", "explain_continuous", "json_values", "log_zscores", "stream"]
+__all__ = ["AGGREGATIONS", "DEFAULT_AGGREGATION", "SCORE_DEFINITION", "Explanation", "explain", "explain_continuous",
+           "json_values", "log_zscores", "stream", "whole_answer_scores"]
 
 
 @dataclasses.dataclass
 class Explanation:
     """MACS attributions of one generation.
 
+    The score family, each derived from step_log_c by one definition (macs_kernels.core.scores):
     step_log_c: (steps, N) float32; row k is the log consistency of the N prompt tokens in the forward pass
-        that produced generated_ids[k] (row 0 comes from the prefill's last query). Every score derives
-        from it.
-    step_scores: (steps, N) float32, log_zscores(step_log_c): the z-scores of each row's log c. They rank
-        the prompt tokens exactly as step_log_c does; the paper's form ties (see log_zscores).
-    scores: (N,) float32, the z-scores of the mean over steps of log c (the log of the geometric mean of
-        c), so it ranks as the mean log c does.
+        that produced generated_ids[k] (row 0 comes from the prefill's last query). The data.
+    step_scores: (steps, N) float32, log_zscores(step_log_c): the z-scores of each row's log c: which prompt
+        tokens step k looked at. They rank the prompt tokens exactly as step_log_c does.
+    scores: (N,) float32, the whole-answer score (DEFAULT_AGGREGATION, "max_minus_mean_z": the largest of a
+        token's step_scores minus their mean over steps), what the CLI and the pages show by default.
+    whole_answer(how): the whole-answer score by another name of AGGREGATIONS: "max_z", "mean_z",
+        "mean_log_c" (what `scores` was before: z-scores of the mean log c), "paper_mean_z".
     paper_step_scores, paper_scores: the paper's z-scores of c = exp(log c) per step and their mean over
-        steps (what step_scores and scores were before; kept for comparison with the paper).
+        steps (= whole_answer("paper_mean_z")), for comparison with the paper; they tie for every token but
+        the attention sink.
     source_span: optional [start, end) token range of the prompt that the caller treats as the source
         (for example the context inside a QA prompt); `top_k(span=True)` ranks inside it and the views show
         it. explain() sets it to the last user message's text of a chat prompt (None for input_ids).
@@ -52,7 +56,11 @@ class Explanation:
 
     @property
     def scores(self) -> torch.Tensor:
-        return log_zscores(self.step_log_c.mean(dim=0))
+        return whole_answer_scores(self.step_log_c)
+
+    def whole_answer(self, how: str = DEFAULT_AGGREGATION) -> torch.Tensor:
+        """(N,) whole-answer score by the name `how` (AGGREGATIONS); the default is `scores`."""
+        return whole_answer_scores(self.step_log_c, how)
 
     @property
     def paper_step_scores(self) -> torch.Tensor:
@@ -60,13 +68,15 @@ class Explanation:
 
     @property
     def paper_scores(self) -> torch.Tensor:
-        return self.paper_step_scores.mean(dim=0)
+        return self.whole_answer("paper_mean_z")
 
-    def score_row(self, step: int | None = None) -> torch.Tensor:
-        """(N,) step_scores[step], or `scores` (over steps) when step is None; negative steps count from
-        the end."""
+    def score_row(self, step: int | None = None, how: str | None = None) -> torch.Tensor:
+        """(N,) step_scores[step], or the whole-answer score when step is None (`scores`, or the aggregation
+        named `how`); negative steps count from the end."""
+        if how is not None and step is not None:
+            raise ValueError("give a step or an aggregation (how), not both")
         if step is None:
-            return self.scores
+            return self.scores if how is None else self.whole_answer(how)
         steps = len(self.step_log_c)
         if isinstance(step, bool) or not isinstance(step, int) or not -steps <= step < steps:
             raise ValueError(f"step {step!r} is out of range: {steps} tokens were generated")
@@ -89,17 +99,18 @@ class Explanation:
             raise ValueError(f"span [{start}, {end}) is not a non-empty range of the {n} prompt tokens")
         return start, end
 
-    def top_k(self, k: int, step: int | None = None, span=None) -> list[tuple[int, str, float]]:
+    def top_k(self, k: int, step: int | None = None, span=None, how: str | None = None) -> list[tuple[int, str, float]]:
         """The k highest-scoring prompt tokens as (token index, token text, score), best first.
 
-        step: a generated token's row (default: `scores`, over all steps). span: None ranks every prompt
+        step: a generated token's row (default: `scores`, the whole answer; how: another aggregation of
+        AGGREGATIONS for the whole answer). span: None ranks every prompt
         token, True only those in source_span, (start, end) those in that range; indices stay prompt indices.
         Fewer than k tokens in the span return them all; equal scores keep prompt order.
         """
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be an integer >= 1, got {k!r}")
         start, end = self.span_range(span)
-        row = self.score_row(step)[start:end]
+        row = self.score_row(step, how)[start:end]
         order = torch.sort(row, descending=True, stable=True).indices[:k].tolist()
         return [(start + i, self.input_tokens[start + i], float(row[i])) for i in order]
 
@@ -113,6 +124,7 @@ class Explanation:
             "score_definition": SCORE_DEFINITION,
             "step_scores": json_values(self.step_scores),
             "scores": json_values(self.scores),
+            "aggregation": DEFAULT_AGGREGATION,
             "step_log_c": json_values(self.step_log_c),
             "paper_step_scores": self.paper_step_scores.tolist(),
             "paper_scores": self.paper_scores.tolist(),

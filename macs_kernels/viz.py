@@ -49,21 +49,27 @@ def heatmap_text(tokens: list[str], scores: torch.Tensor, span: tuple[int, int] 
     return text
 
 
-def print_explanation(explanation, *, step: int | None = None, span=None, top: int = 5, console=None) -> None:
-    """Prints the answer, the heatmap of the prompt for `step` (default: over all steps) and its `top`
-    highest-scoring tokens. span: as Explanation.top_k's (default: the source_span when there is one)."""
+def print_explanation(explanation, *, step: int | None = None, span=None, top: int = 5, console=None,
+                      how: str | None = None) -> None:
+    """Prints the answer, the heatmap of the prompt for `step` (default: the whole answer, Explanation.scores,
+    or the aggregation named `how`) and its `top` highest-scoring tokens. span: as Explanation.top_k's
+    (default: the source_span when there is one)."""
     from rich.console import Console
 
+    from .config import DEFAULT_AGGREGATION
+
     console = console or Console()
-    scores = explanation.score_row(step)
+    scores = explanation.score_row(step, how)
     shown = _shown_span(explanation, span)
-    what = "over all steps" if step is None else f"step {step} ({explanation.generated_tokens[step]!r})"
+    what = (f"whole answer, {how or DEFAULT_AGGREGATION}" if step is None
+            else f"step {step} ({explanation.generated_tokens[step]!r})")
     console.print(f"[bold]Answer:[/bold] {explanation.text}")
     console.print(f"[bold]MACS attribution[/bold] ({what}; colour: score, lowest to highest):")
     console.print(heatmap_text(explanation.input_tokens, scores, shown))
     if top:
-        best = explanation.top_k(top, step=step, span=shown)
-        console.print("[bold]Top tokens[/bold] (score = z-score of log consistency): "
+        best = explanation.top_k(top, step=step, span=shown, how=how)
+        score = "z-score of log consistency" if step is not None else f"whole answer, {how or DEFAULT_AGGREGATION}"
+        console.print(f"[bold]Top tokens[/bold] (score = {score}): "
                       + ", ".join(f"{token!r} {score:+.2f}" for _, token, score in best), highlight=False)
 
 
@@ -79,8 +85,8 @@ body {{ font-family: system-ui, sans-serif; margin: 2em; max-width: 60em; }}
 </style></head><body>
 <h1>{title}</h1>
 <p class="note">Hover or click a generated token to see what it attended to; away from the answer, the
-page shows the score over all steps. Colour: the MACS score within the shown tokens, white at the lowest,
-red at the highest; the tooltip gives the score (the z-score of log consistency, which ranks as log
+page shows the whole-answer score (Explanation.scores). Colour: the MACS score within the shown tokens,
+white at the lowest, red at the highest; the tooltip gives the score (the z-score of log consistency, which ranks as log
 consistency does).</p>
 <h2>Answer</h2><div class="answer" id="answer"></div>
 <h2 id="caption">Prompt</h2><div class="prompt" id="prompt"></div>
@@ -105,14 +111,14 @@ data.generated_tokens.forEach((tok, k) => {{
   s.addEventListener("mouseenter", () => {{
     if (pinned === null) paint(k, `step ${{k}} (${{JSON.stringify(tok)}})`);
   }});
-  s.addEventListener("mouseleave", () => {{ if (pinned === null) paint(null, "over all steps"); }});
+  s.addEventListener("mouseleave", () => {{ if (pinned === null) paint(null, "whole answer"); }});
   s.addEventListener("click", () => {{
     answer.querySelectorAll("span").forEach(x => x.classList.remove("active"));
-    if (pinned === k) {{ pinned = null; paint(null, "over all steps"); return; }}
+    if (pinned === k) {{ pinned = null; paint(null, "whole answer"); return; }}
     pinned = k; s.classList.add("active"); paint(k, `step ${{k}} (${{JSON.stringify(tok)}}), pinned`);
   }});
 }});
-paint(null, "over all steps");
+paint(null, "whole answer");
 </script></body></html>
 """
 

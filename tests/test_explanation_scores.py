@@ -3,12 +3,13 @@ the same definition in JSON; errors before generation for ids outside the vocabu
 return_dict_in_generate."""
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from macs_kernels import explain, reference
 from macs_kernels.evaluation.alignment import align_qa
-from macs_kernels.explanation import Explanation, log_zscores
+from macs_kernels.explanation import AGGREGATIONS, DEFAULT_AGGREGATION, Explanation, log_zscores
 from tests.helpers import QUESTIONS, default_model, tiny_llama
 
 TOLERANCE = 1e-5
@@ -61,7 +62,7 @@ def test_scores_rank_as_log_c_where_the_paper_form_ties():
         assert _order_violations(log_c[k], explanation.step_scores[k]) == 0
         assert _order_violations(log_c[k], explanation.paper_step_scores[k]) > 100  # ties in float32
     mean = log_c.mean(0)
-    assert _order_violations(mean, explanation.scores) == 0
+    assert _order_violations(mean, explanation.whole_answer("mean_log_c")) == 0
     assert _order_violations(mean, explanation.paper_scores) > 100
     assert torch.allclose(explanation.paper_step_scores.double(),
                           reference.macs_zscore_reference(log_c, torch.full((3,), 60)), atol=1e-5)
@@ -72,12 +73,14 @@ def test_top_k_steps_spans_and_ties():
                           [0.0, -1.0, -4.0, -2.0, -3.0, -5.0]])
     explanation = _explanation(log_c, source_span=(1, 5))
     # over steps: mean log c = [0, -2, -2.5, -2, -inf, -3]; ties keep prompt order
-    assert [i for i, _, _ in explanation.top_k(6)] == [0, 1, 3, 2, 5, 4]
+    assert [i for i, _, _ in explanation.top_k(6, how="mean_log_c")] == [0, 1, 3, 2, 5, 4]
+    # the default, max z - mean z over the steps (z of the finite entries): [0.046, 1.224, 0.635, 0.441, -inf, 0.928]
+    assert [i for i, _, _ in explanation.top_k(6)] == [1, 5, 2, 3, 0, 4]
     best = explanation.top_k(2)
-    assert best[0][:2] == (0, "t0") and best[0][2] == pytest.approx(float(explanation.scores[0]))
+    assert best[0][:2] == (1, "t1") and best[0][2] == pytest.approx(1.224, abs=1e-3)
     assert [i for i, _, _ in explanation.top_k(2, step=0)] == [0, 2]
     assert [i for i, _, _ in explanation.top_k(3, step=-1)] == [0, 1, 3]
-    assert [i for i, _, _ in explanation.top_k(10, span=True)] == [1, 3, 2, 4]  # all of the span, -inf last
+    assert [i for i, _, _ in explanation.top_k(10, span=True)] == [1, 2, 3, 4]  # all of the span, -inf last
     assert explanation.top_k(10, span=True)[-1][2] == float("-inf")
     assert [i for i, _, _ in explanation.top_k(1, step=1, span=(2, 6))] == [3]
 
@@ -91,6 +94,8 @@ def test_top_k_steps_spans_and_ties():
     (lambda e: e.top_k(2, span=(0, 7)), r"span \[0, 7\)"),
     (lambda e: e.top_k(2, span="context"), "span must be None, True or a"),
     (lambda e: _explanation(e.step_log_c).top_k(2, span=True), "span=True needs a source_span"),
+    (lambda e: e.top_k(2, how="median"), "unknown aggregation 'median'; choose one of max_minus_mean_z"),
+    (lambda e: e.top_k(2, step=0, how="max_z"), "a step or an aggregation"),
 ])
 def test_bad_top_k_arguments_raise(call, message):
     explanation = _explanation(torch.randn(2, 6), source_span=(1, 5))
@@ -110,7 +115,8 @@ def test_json_holds_both_forms_and_null_for_underflow():
     got = torch.tensor([[v if v is not None else float("-inf") for v in row] for row in data["step_scores"]])
     assert torch.equal(got[finite], explanation.step_scores[finite])
     assert torch.equal(torch.tensor(data["paper_step_scores"]), explanation.paper_step_scores)
-    assert "log consistency" in data["score_definition"]
+    assert "log consistency" in data["score_definition"] and DEFAULT_AGGREGATION in data["score_definition"]
+    assert data["aggregation"] == DEFAULT_AGGREGATION
 
 
 # ---- on the default model -----------------------------------------------------------------------------
@@ -131,8 +137,11 @@ def test_real_model_scores_are_distinct_and_rank_as_log_c(hamlet):
     assert torch.isfinite(mean).all()
     distinct_log_c = torch.unique(torch.round(mean / LOG_GAP)).numel()
     assert distinct_log_c > 0.9 * n
-    assert torch.unique(hamlet.scores).numel() >= distinct_log_c
-    assert _order_violations(mean, hamlet.scores) == 0
+    assert torch.unique(hamlet.whole_answer("mean_log_c")).numel() >= distinct_log_c
+    assert _order_violations(mean, hamlet.whole_answer("mean_log_c")) == 0
+    assert torch.unique(hamlet.scores).numel() > 0.9 * n
+    torch.testing.assert_close(hamlet.scores.double(), _whole_answer_reference(hamlet.step_log_c, DEFAULT_AGGREGATION),
+                               rtol=0, atol=TOLERANCE)
     assert _order_violations(mean, hamlet.paper_scores) > 0  # what users got before: ties under the sink
     for k in range(len(hamlet.generated_ids)):
         assert _order_violations(hamlet.step_log_c[k], hamlet.step_scores[k]) == 0
@@ -142,13 +151,15 @@ def test_real_model_scores_are_distinct_and_rank_as_log_c(hamlet):
 
 def test_real_model_top_k_is_the_argsort_of_log_c(hamlet):
     mean = hamlet.step_log_c.mean(0)
-    assert [i for i, _, _ in hamlet.top_k(10)] == torch.argsort(mean, descending=True)[:10].tolist()
+    assert [i for i, _, _ in hamlet.top_k(10, how="mean_log_c")] == torch.argsort(mean, descending=True)[:10].tolist()
+    whole = _whole_answer_reference(hamlet.step_log_c, DEFAULT_AGGREGATION)
+    assert [i for i, _, _ in hamlet.top_k(10)] == torch.argsort(whole, descending=True)[:10].tolist()
     for k in range(len(hamlet.generated_ids)):
         want = torch.argsort(hamlet.step_log_c[k], descending=True)[:5].tolist()
         assert [i for i, _, _ in hamlet.top_k(5, step=k)] == want
     start, end = hamlet.source_span
     in_context = [i for i, _, _ in hamlet.top_k(5, span=True)]
-    assert in_context == (start + torch.argsort(mean[start:end], descending=True)[:5]).tolist()
+    assert in_context == (start + torch.argsort(whole[start:end], descending=True)[:5]).tolist()
     assert all(hamlet.input_tokens[i] == token for i, token, _ in hamlet.top_k(5, span=True))
 
 
@@ -189,3 +200,65 @@ def test_a_generation_config_asking_for_a_dict_still_explains():
     model.generation_config.return_dict_in_generate = True
     explanation = explain(model, tokenizer, input_ids=torch.tensor([1, 5, 9, 14, 20]), max_new_tokens=3)
     assert isinstance(explanation, Explanation) and explanation.step_log_c.shape[1] == 5
+
+
+# ---- the whole-answer score family ----------------------------------------------------------------------
+def _whole_answer_reference(log_c: torch.Tensor, how: str) -> torch.Tensor:
+    """Each aggregation written out in numpy, row by row (population std over the finite entries of a row)."""
+    rows = log_c.double().numpy()
+
+    def z(row):
+        finite = np.isfinite(row)
+        values = row[finite]
+        std = values.std()
+        return np.where(finite, (row - values.mean()) / std if std > 0 else 0.0, -np.inf)
+
+    if how == "mean_log_c":
+        return torch.from_numpy(z(rows.mean(0)))
+    if how == "paper_mean_z":
+        out = []
+        for row in rows:
+            c = np.exp(row - row.max())
+            out.append((c - c.mean()) / c.std())
+        return torch.from_numpy(np.mean(out, 0))
+    zs = np.stack([z(row) for row in rows])
+    top, mean = zs.max(0), zs.mean(0)
+    return torch.from_numpy({"max_z": top, "mean_z": mean,
+                             "max_minus_mean_z": np.where(np.isfinite(mean), top - mean, -np.inf)}[how])
+
+
+@pytest.mark.parametrize("how", list(AGGREGATIONS))
+def test_every_whole_answer_score_equals_its_reference(how):
+    generator = torch.Generator().manual_seed(3)
+    log_c = -30 + 4 * torch.randn(7, 50, generator=generator)
+    log_c[:, 0] = -0.01  # the attention sink
+    if how != "paper_mean_z":  # the paper's z of c has no -inf: c = 0 is a value there
+        log_c[2, [5, 9]] = float("-inf")
+    explanation = _explanation(log_c)
+    got = explanation.whole_answer(how)
+    want = _whole_answer_reference(log_c, how)
+    assert got.dtype == torch.float32 and got.shape == (50,)
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), finite)
+    assert (got.double()[finite] - want[finite]).abs().max() <= TOLERANCE
+    assert (got[~finite] == float("-inf")).all()
+
+
+def test_the_score_family_is_consistent():
+    log_c = -30 + 4 * torch.randn(5, 40, generator=torch.Generator().manual_seed(4))
+    explanation = _explanation(log_c)
+    assert torch.equal(explanation.scores, explanation.whole_answer(DEFAULT_AGGREGATION))
+    assert torch.equal(explanation.scores, explanation.whole_answer())
+    assert torch.equal(explanation.score_row(), explanation.scores)
+    assert torch.equal(explanation.score_row(how="mean_z"), explanation.step_scores.double().mean(0).float())
+    assert torch.equal(explanation.paper_scores, explanation.paper_step_scores.mean(0))
+    # max_minus_mean_z is max_z - mean_z, and a token that stands out at one step outranks one that is always high
+    torch.testing.assert_close(explanation.scores,
+                               explanation.whole_answer("max_z") - explanation.whole_answer("mean_z"))
+    peaked = log_c.clone()
+    peaked[:, 1] = -25.0  # always above the crowd
+    peaked[:, 2] = -34.0
+    peaked[3, 2] = -15.0  # far above it once
+    scores = _explanation(peaked).scores
+    assert scores[2] > scores[1]
+    assert torch.equal(_explanation(torch.zeros(0, 6)).scores, torch.zeros(6))

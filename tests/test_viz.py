@@ -31,7 +31,8 @@ def test_html_heat_is_per_step_within_the_span():
     assert data["span"] == [1, 5]
     assert data["heat"][0] == [1.0, 0.0, 0.0, 0.5]       # step 0 over tokens A..D
     assert data["heat"][1] == [0.6667, 1.0, 0.0, 0.6667]  # step 1: B highest, C lowest
-    assert data["heat_mean"] == [1.0, 0.0, 0.0, 0.0]     # mean over steps: [-1.5, -2, -inf, -2]
+    # whole answer (max z - mean z over the steps): [0.299, 0.972, -inf, 0.148] over A..D
+    assert data["heat_mean"] == [0.1829, 1.0, 0.0, 0.0]
     explanation = _explanation()
     assert data["scores"][3] is None and data["scores"][1] == round(float(explanation.scores[1]), 4)
     assert data["step_scores"][0][3] is None  # -inf: JSON has no infinities; the tooltip says underflow
@@ -49,6 +50,19 @@ def test_terminal_heatmap_shows_the_span_and_the_step():
     scores = _explanation().step_scores[1]
     assert f"Top tokens (score = z-score of log consistency): 'B' {scores[2]:+.2f}, 'A' {scores[1]:+.2f}, " \
            f"'D' {scores[4]:+.2f}, 'C' {scores[3]:+.2f}" in " ".join(text.split())
+
+
+@pytest.mark.parametrize("how", [None, "mean_log_c"])
+def test_terminal_whole_answer_view_names_its_aggregation(how):
+    console = Console(record=True, width=200)
+    print_explanation(_explanation(), console=console, how=how)
+    text = " ".join(console.export_text().split())
+    name = how or "max_minus_mean_z"
+    scores = _explanation().whole_answer(name)
+    best = [i for i, _, _ in _explanation().top_k(4, span=True, how=how)]
+    assert f"(whole answer, {name}; colour" in text
+    tokens = _explanation().input_tokens
+    assert f"Top tokens (score = whole answer, {name}): {tokens[best[0]]!r} {scores[best[0]]:+.2f}," in text
 
 
 def test_terminal_output_refuses_a_step_out_of_range():

@@ -24,7 +24,17 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--n", type=int, help="take the first N samples (of --range when given)")
     parser.add_argument("--methods", help="comma-separated: macs, macs:pool=mean|min, macs:alpha=A, "
                         "macs:redistribute=off, macs:attention=efficient, at2, attention-mean, rollout, random, "
-                        "attnlrp, atman (default: all available except attnlrp and atman)")
+                        "attnlrp, atman; or 'all' (the paper's Table 2: the default ones plus attnlrp and atman) "
+                        "(default: all available except attnlrp and atman)")
+    parser.add_argument("--method-range", action="append", metavar="METHOD=START:STOP", default=[],
+                        help="score METHOD only on the samples with index in [START, STOP) (repeatable), e.g. "
+                             "attnlrp=250:270 for the expensive methods; paired differences against macs on "
+                             "exactly those samples are reported")
+    parser.add_argument("--cost-n", type=int, default=3, metavar="K",
+                        help="measure each in-generation method's seconds and peak memory per generated token "
+                             "(and plain generation's) on the first K samples it scores (default: 3; 0: none); "
+                             "after-generation methods (rollout, attnlrp, atman) also wherever their rows are "
+                             "computed")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--faithfulness-n", type=int, default=100,
                         help="masking curves on the first K samples (0: none)")
@@ -74,17 +84,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, shard) -> None:
     from ..evaluation.data import load_qa, parse_range
-    from ..evaluation.methods import parse_methods
+    from ..evaluation.methods import parse_method_ranges, parse_methods
 
     if args.data is None and args.hf_dataset is None:
         raise SystemExit("give --data FILE or --hf-dataset NAME")
     if args.data is not None and not args.data.is_file():
         raise SystemExit(f"--data {args.data}: no such file")
-    if args.max_new_tokens < 1 or args.faithfulness_n < 0 or args.faithfulness_from < 0:
-        raise SystemExit("--max-new-tokens must be >= 1, --faithfulness-n and --faithfulness-from >= 0")
+    if args.max_new_tokens < 1 or args.faithfulness_n < 0 or args.faithfulness_from < 0 or args.cost_n < 0:
+        raise SystemExit("--max-new-tokens must be >= 1, --faithfulness-n, --faithfulness-from and --cost-n >= 0")
     check_model_argument(args.model)
     try:
-        methods = parse_methods(args.methods)
+        methods = parse_methods(args.methods, parse_method_ranges(args.method_range))
         samples = load_qa(args.data, hf_dataset=args.hf_dataset, split=args.split,
                           range=parse_range(args.range) if args.range else None, n=args.n)
     except ValueError as error:
@@ -108,12 +118,13 @@ def _run(args: argparse.Namespace, shard) -> None:
     settings = EvalSettings(
         model_name=args.model or DEFAULT_MODEL, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
         data=str(args.data or args.hf_dataset), faithfulness_n=args.faithfulness_n,
-        faithfulness_from=args.faithfulness_from,
+        faithfulness_from=args.faithfulness_from, cost_n=args.cost_n,
         records_root=None if args.records is None else str(args.records), backend=args.backend,
     )
     rank = f"rank {shard.rank} of {shard.size}: " if shard.size > 1 else ""
     print(f"eval: {rank}{len(shard.take(samples))} of {len(samples)} samples, methods "
-          f"{', '.join(m.name for m in methods)}", flush=True)
+          f"{', '.join(m.name + (f' (samples {m.indices[0]}:{m.indices[1]})' if m.indices else '') for m in methods)}",
+          flush=True)
     runner = run_eval(model, tokenizer, samples, methods, settings, args.out, progress=not args.no_progress,
                       shard=shard)
     print(f"eval: {rank}{runner.counts.describe()}", flush=True)

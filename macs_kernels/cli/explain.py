@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..config import AGGREGATIONS, DEFAULT_AGGREGATION
 from . import at2
 from .common import add_model_arguments, check_model_argument, check_output_files, load_from_args, write_outputs
 
@@ -15,8 +16,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--prompt", help="a free prompt instead of --question/--context")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--step", type=int, default=None,
-                        help="show this step's heatmap, zero-based; negative counts from the end (default: mean "
-                             "over steps)")
+                        help="show this step's heatmap, zero-based; negative counts from the end (default: the "
+                             "whole answer, see --aggregation)")
+    parser.add_argument("--aggregation", default=None, choices=list(AGGREGATIONS),
+                        help=f"the whole-answer score shown without --step (default: {DEFAULT_AGGREGATION}, "
+                             "Explanation.scores; mean_log_c is the mean over steps of log c shown before)")
     parser.add_argument("--alpha", type=float, default=0.8)
     parser.add_argument("--pooling", default="max", choices=["max", "mean", "min"])
     parser.add_argument("--no-redistribute", action="store_true", help="switch redistribution off")
@@ -79,6 +83,6 @@ def run(args: argparse.Namespace) -> int:
         # The generation ended before --step: keep what was asked to be written, then say why nothing is shown.
         write_outputs(args, explanation)
         raise SystemExit(f"--step {args.step} is out of range: the generation stopped after {steps} tokens")
-    print_explanation(explanation, step=args.step)
+    print_explanation(explanation, step=args.step, how=args.aggregation)
     write_outputs(args, explanation)
     return 0

@@ -6,9 +6,18 @@ and the score definitions. It knows nothing of transformers, vLLM or HTTP; engin
 from . import support
 from .accumulate import DenseRows, Kernels, PackedRows, PagedRows, PassRows
 from .rows import NAN_MESSAGE, RowStore
-from .scores import SCORE_DEFINITION, json_values, log_zscores, paper_zscores
+from .scores import (
+    AGGREGATIONS,
+    DEFAULT_AGGREGATION,
+    SCORE_DEFINITION,
+    json_values,
+    log_zscores,
+    paper_zscores,
+    whole_answer_scores,
+)
 
 __all__ = [
-    "NAN_MESSAGE", "SCORE_DEFINITION", "DenseRows", "Kernels", "PackedRows", "PagedRows", "PassRows", "RowStore",
-    "json_values", "log_zscores", "paper_zscores", "support",
+    "AGGREGATIONS", "DEFAULT_AGGREGATION", "NAN_MESSAGE", "SCORE_DEFINITION", "DenseRows", "Kernels", "PackedRows",
+    "PagedRows", "PassRows", "RowStore", "json_values", "log_zscores", "paper_zscores", "support",
+    "whole_answer_scores",
 ]

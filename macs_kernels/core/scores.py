@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import torch
 
+from ..config import AGGREGATIONS, DEFAULT_AGGREGATION
 from ..ops import torch_backend
 
 SCORE_DEFINITION = (
     "step_scores[k]: z-scores over the prompt tokens of step k's log consistency log c (rank-faithful to "
-    "step_log_c); scores: z-scores of the mean over steps of log c; -inf (null in JSON) is an underflowed "
-    "token. paper_step_scores / paper_scores: the paper's z-scores of c = exp(log c) and their mean over "
-    "steps, which tie for every token but the attention sink."
+    "step_log_c); scores: the whole-answer score, " + DEFAULT_AGGREGATION + ": "
+    + AGGREGATIONS[DEFAULT_AGGREGATION].split(" (default")[0]
+    + "; -inf (null in JSON) is an underflowed token. paper_step_scores / paper_scores: the paper's z-scores "
+    "of c = exp(log c) and their mean over steps, which tie for every token but the attention sink."
 )
 
 
@@ -46,3 +48,26 @@ def json_values(values: torch.Tensor, digits: int | None = None) -> list:
     if values.dim() > 1:
         return [json_values(row, digits) for row in values]
     return [None if v == float("-inf") else v if digits is None else round(v, digits) for v in values.tolist()]
+
+
+def whole_answer_scores(step_log_c: torch.Tensor, how: str = DEFAULT_AGGREGATION) -> torch.Tensor:
+    """(N,) float32 whole-answer score of each prompt token from the (steps, N) rows log c, by the name `how`
+    (AGGREGATIONS). Underflowed entries (-inf, alpha = 1 only): a token with one at any step scores -inf
+    under the means (its mean is -inf), and max_z takes the largest finite step; no steps: zeros."""
+    if how not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {how!r}; choose one of {', '.join(AGGREGATIONS)}")
+    if step_log_c.dim() != 2:
+        raise ValueError(f"step_log_c must be (steps, N), got shape {tuple(step_log_c.shape)}")
+    if step_log_c.shape[0] == 0:
+        return torch.zeros(step_log_c.shape[1])
+    if how == "mean_log_c":
+        return log_zscores(step_log_c.double().mean(dim=0))
+    if how == "paper_mean_z":
+        return paper_zscores(step_log_c).mean(dim=0)
+    z = log_zscores(step_log_c).double()
+    top, mean = z.amax(dim=0), z.mean(dim=0)
+    if how == "max_z":
+        return top.float()
+    if how == "mean_z":
+        return mean.float()
+    return torch.where(torch.isfinite(mean), top - mean, float("-inf")).float()

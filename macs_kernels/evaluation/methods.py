@@ -8,7 +8,7 @@ from ..config import MacsConfig
 BASE_METHODS = ("macs", "at2", "attention-mean", "rollout", "random", "attnlrp", "atman")
 # Methods computed from the model after the generation (not from the recorded attention rows).
 MODEL_METHODS = ("rollout", "attnlrp", "atman")
-FAITHFULNESS_METHODS = ("macs", "at2", "attention-mean", "random")
+FAITHFULNESS_METHODS = ("macs", "at2", "attention-mean", "random", "attnlrp", "atman")
 # Faithfulness metrics: name in the results -> name in faithfulness_curves' output.
 FAITHFULNESS_METRICS = {"perplexity": "perplexity", "rouge_l": "rouge_l", "logit": "mean_logit"}
 # AT2's coefficients are trained on stqa_350's questions 0-249: it is scored on the others only.
@@ -18,6 +18,8 @@ _MACS_OPTIONS = {"alpha": "alpha", "pool": "pooling", "redistribute": "redistrib
 # the cost of a default run.
 DEFAULT_METHODS = ("macs", "macs:pool=mean", "macs:pool=min", "macs:alpha=0.2", "macs:alpha=0.5", "macs:alpha=1.0",
                    "macs:redistribute=off", "macs:attention=efficient", "at2", "attention-mean", "rollout", "random")
+# The paper's Table 2: every method above plus the expensive ones (run them on a subset: --method-range).
+ALL_METHODS = (*DEFAULT_METHODS, "attnlrp", "atman")
 
 
 class MethodUnavailable(ValueError):
@@ -31,6 +33,9 @@ class Method:
     name: str
     kind: str
     macs: MacsConfig | None = None
+    # [start, stop) of the sample indices this method is scored on (--method-range); None: every sample.
+    # Not part of its identity: a sample's scores do not depend on which other samples are scored.
+    indices: tuple[int, int] | None = dataclasses.field(default=None, compare=False)
 
     @property
     def needs_record(self) -> bool:
@@ -41,7 +46,10 @@ class Method:
         return self.name in FAITHFULNESS_METHODS
 
     def scores_sample(self, index: int) -> bool:
-        """Whether this method is scored on sample `index` (AT2 not on the questions its coefficients saw)."""
+        """Whether this method is scored on sample `index`: inside its --method-range, and AT2 not on the
+        questions its coefficients saw."""
+        if self.indices is not None and not self.indices[0] <= index < self.indices[1]:
+            return False
         return self.kind != "at2" or index >= AT2_FIRST_EVAL_INDEX
 
 
@@ -106,9 +114,35 @@ def default_methods() -> list[str]:
     return available
 
 
-def parse_methods(text: str | None) -> list[Method]:
+def parse_methods(text: str | None, ranges: dict[str, tuple[int, int]] | None = None) -> list[Method]:
+    """Methods from a comma-separated list ("all": the paper's Table 2, ALL_METHODS; default:
+    default_methods()); ranges: method name -> [start, stop) of the sample indices it is scored on."""
+    if text and text.strip() == "all":
+        text = ",".join(ALL_METHODS)
     methods = [parse_method(t) for t in (text.split(",") if text else default_methods()) if t.strip()]
     names = [m.name for m in methods]
     if not methods or len(set(names)) != len(names):
         raise ValueError(f"give one or more distinct methods, got {names}")
-    return methods
+    canonical = {}
+    for name, span in (ranges or {}).items():
+        method = parse_method(name).name
+        if method not in names:
+            raise ValueError(f"--method-range names {name!r}, which is not among the methods {names}")
+        canonical[method] = span
+    return [dataclasses.replace(m, indices=canonical[m.name]) if m.name in canonical else m for m in methods]
+
+
+def parse_method_ranges(texts) -> dict[str, tuple[int, int]]:
+    """["attnlrp=250:270", "atman=250:270"] -> {"attnlrp": (250, 270), ...} (--method-range)."""
+    ranges = {}
+    for text in texts or ():
+        name, eq, span = text.rpartition("=")  # a MACS method name holds "=" too
+        start, colon, stop = span.partition(":")
+        if not eq or not colon or not start.strip().isdigit() or not stop.strip().isdigit():
+            raise ValueError(f"--method-range {text!r}: use METHOD=START:STOP, e.g. attnlrp=250:270")
+        if int(start) >= int(stop):
+            raise ValueError(f"--method-range {text!r}: START must be below STOP")
+        if name.strip() in ranges:
+            raise ValueError(f"--method-range names {name.strip()!r} twice")
+        ranges[name.strip()] = (int(start), int(stop))
+    return ranges

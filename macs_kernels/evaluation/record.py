@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .. import reference
 from ..config import MacsConfig
 from ..tracing import TraceHook, attach, check_model
 
@@ -118,9 +117,10 @@ def macs_from_record(record: dict, *, alpha: float = 0.8, pooling: str = "max", 
                      attention: str = "softmax") -> np.ndarray:
     """log c (steps, N) float64 of one MACS configuration, from a RowRecorder record.
 
-    Each step is reference.macs_step_reference over the recorded layers: a layer's row is its N input
-    columns followed by one column holding the mass on generated tokens, which is all the reference reads
-    of them (their sum), so the record reproduces the full rows' log c.
+    The float64 formula of reference.macs_step_reference (pooled_row_reference, layer_log_term_reference),
+    computed for every step and layer at once: a layer's row is its N input columns plus the mass on
+    generated tokens, which is all the formula reads of them (their sum), so the record reproduces the full
+    rows' log c. Layers are summed in order, as the reference does.
     """
     MacsConfig(alpha=alpha, pooling=pooling, redistribute=redistribute, attention=attention)
     prefix = "efficient_" if attention == "efficient" else ""
@@ -129,11 +129,13 @@ def macs_from_record(record: dict, *, alpha: float = 0.8, pooling: str = "max", 
     rows = torch.from_numpy(np.asarray(record[prefix + "rows"], dtype=np.float64))  # (steps, L, H, N)
     mass = torch.from_numpy(np.asarray(record[prefix + "mass"], dtype=np.float64))  # (steps, L, H)
     n_input = rows.shape[-1]
-    keys = torch.cat([rows, mass.unsqueeze(-1)], dim=-1)
-    return torch.stack([
-        reference.macs_step_reference(step, n_input, alpha=alpha, pooling=pooling, redistribute=redistribute)[0]
-        for step in keys
-    ]).reshape(rows.shape[0], n_input).numpy()
+    inputs = rows + mass.unsqueeze(-1) / n_input if redistribute else rows
+    pooled = {"max": inputs.amax(dim=2), "mean": inputs.mean(dim=2), "min": inputs.amin(dim=2)}[pooling]
+    terms = torch.log(alpha * pooled.clamp_min(0.0) + (1.0 - alpha))  # (steps, L, N)
+    log_c = torch.zeros(rows.shape[0], n_input, dtype=torch.float64)
+    for layer in range(rows.shape[1]):
+        log_c = log_c + terms[:, layer]
+    return log_c.numpy()
 
 
 def attention_mean_from_record(record: dict) -> np.ndarray:

@@ -42,3 +42,39 @@ def load_record(folder: Path, key: str, prompt_ids) -> tuple[dict, np.ndarray] |
             return None
         record = {k: data[k] for k in data.files if k not in ("prompt_ids", "generated_ids")}
         return record, data["generated_ids"]
+
+
+# Bump a method's entry when what its rows mean changes (macs_kernels.attnlrp, .atman, record.rollout_rows):
+# their cached rows are then computed again.
+MODEL_ROWS_VERSION = {"rollout": 1, "attnlrp": 1, "atman": 1}
+
+
+def _rows_path(folder: Path, key: str, kind: str) -> Path:
+    return folder / f"{key}.{kind}-v{MODEL_ROWS_VERSION[kind]}.npz"
+
+
+def save_rows(folder: Path, key: str, kind: str, rows: np.ndarray, generated_ids, cost: dict) -> None:
+    """The (steps, N) rows of an after-generation method (rollout, attnlrp, atman) of the generation `key`,
+    with what computing them cost (costs.measured), so a later run reuses both."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{key}.{kind}.{os.getpid()}.npz"
+    with open(tmp, "wb") as f:
+        np.savez(f, rows=rows, generated_ids=np.asarray(generated_ids), seconds=cost["seconds"],
+                 peak_bytes=-1 if cost["peak_bytes"] is None else cost["peak_bytes"])
+    tmp.rename(_rows_path(folder, key, kind))
+
+
+def has_rows(folder: Path, key: str, kind: str) -> bool:
+    return _rows_path(folder, key, kind).is_file()
+
+
+def load_rows(folder: Path, key: str, kind: str, generated_ids) -> tuple[np.ndarray, dict] | None:
+    """(rows, cost) saved by save_rows, or None when missing or computed for other generated ids."""
+    path = _rows_path(folder, key, kind)
+    if not path.is_file():
+        return None
+    with np.load(path) as data:
+        if not np.array_equal(data["generated_ids"], np.asarray(generated_ids)):
+            return None
+        peak = int(data["peak_bytes"])
+        return data["rows"], {"seconds": float(data["seconds"]), "peak_bytes": None if peak < 0 else peak}

@@ -8,6 +8,8 @@ import math
 from pathlib import Path
 
 from ..bench.common import source_commit
+from ..core import DEFAULT_AGGREGATION
+from .costs import GENERATION
 from .methods import FAITHFULNESS_METRICS
 from .metrics import mean_ci, share_before_answer
 from .store import SUMMARY_FORMAT, check_outputs, read_results, summary_paths
@@ -19,6 +21,9 @@ PAPER_AUC_PR = {
     "attnlrp": 0.565, "atman": 0.315, "rollout": 0.147, "random": 0.113,
 }
 PAPER_BEST_BEFORE_ANSWER = 0.9768
+# Paired differences on a subset of the samples are taken against this method.
+BASELINE = "macs"
+SUBSET_FIELDS = (("auc_pr", "best"), ("auc_pr_step_mean", "step_mean"), ("auc_pr_aggregate", "aggregate"))
 
 
 def _stats(values) -> dict:
@@ -40,7 +45,10 @@ def summarise(path) -> dict:
         reasons[line["reason"]] = reasons.get(line["reason"], 0) + 1
     methods: dict[str, dict] = {}
     order = []
+    costs: dict[str, list] = {}
     for (kind, index, method), line in lines.items():
+        if kind == "cost" and index in samples:
+            costs.setdefault(method, []).append(line)
         if kind in ("auc", "faithfulness") and index in samples:
             if method not in methods:
                 methods[method] = {"auc": [], "faithfulness": []}
@@ -60,6 +68,7 @@ def summarise(path) -> dict:
             "best_step": _stats([line["best_step"] for line in auc]),
             "auc_pr_step_mean": _stats([line["step_mean"] for line in auc]),
             "auc_pr_aggregate": _stats([line["aggregate"] for line in auc]),
+            "auc_pr_aggregates": _aggregates(auc),
             "srg": {metric: _stats([line["srg"][metric] for line in faith]) for metric in FAITHFULNESS_METRICS},
             "ties": {
                 "tied_tokens_per_step": sum(t["tied_tokens"] for t in ties) / rows if rows else None,
@@ -68,6 +77,7 @@ def summarise(path) -> dict:
             },
             "best_step_before_answer": before,
             "paper_auc_pr": PAPER_AUC_PR.get(name),
+            "cost": _cost(costs.get(name, [])),
         }
     scored = list(samples.values())
     largest = max((len(parts["auc"]) for parts in methods.values()), default=0)
@@ -93,13 +103,15 @@ def summarise(path) -> dict:
         },
         "answer_not_generated": sum(line["answer_step"] is None for line in scored),
         "methods": table,
+        "generation_cost": _cost(costs.get(GENERATION, [])),
         "subsets": subsets,
         "claims": _claims(table),
     }
 
 
 def current_lines(lines: dict[tuple, dict]) -> dict[tuple, dict]:
-    """The lines of the latest run's samples, computed from their current content.
+    """The lines of the latest run's samples, computed from their current content, and of each method only on
+    the samples of its range in that run.
 
     A results file can hold lines of earlier runs on other data or settings (kept, and reused when their
     key matches); the latest run line lists its samples with their content keys, and only lines computed
@@ -109,23 +121,56 @@ def current_lines(lines: dict[tuple, dict]) -> dict[tuple, dict]:
     if "samples" not in run:
         return lines
     keys = {index: key for index, key in run["samples"]}
+    # A method limited to a range of samples (--method-range) counts there only, whatever earlier runs left.
+    ranges = run.get("method_ranges", {})
+
+    def in_range(method, index) -> bool:
+        return method not in ranges or ranges[method][0] <= index < ranges[method][1]
+
     return {k: line for k, line in lines.items()
-            if k[0] == "run" or (k[1] in keys and line.get("sample") == keys[k[1]])}
+            if k[0] == "run" or (k[1] in keys and line.get("sample") == keys[k[1]] and in_range(k[2], k[1]))}
 
 
-def _on_subset(methods: dict, reference: str) -> dict:
-    """Every method on the samples that `reference` scores (e.g. at2 on its held-out questions), with the
-    paired difference method - reference per sample: what a comparison on the same samples says."""
-    by_index = {line["index"]: line for line in methods[reference]["auc"]}
+def _cost(lines: list) -> dict:
+    """Seconds per generated token (mean [CI] over samples) and peak memory (MB above the process before the
+    method: mean and largest over samples) of a method's cost lines (costs.py)."""
+    peaks = [line["peak_bytes"] / 2**20 for line in lines if line["peak_bytes"] is not None]
+    return {
+        "seconds_per_token": _stats([line["seconds"] / line["steps"] for line in lines]),
+        "peak_mb": _stats(peaks), "peak_mb_max": max(peaks, default=None),
+        "after_generation": any(line["after_generation"] for line in lines),
+        "samples": sorted(line["index"] for line in lines),
+    }
+
+
+def _on_subset(methods: dict, subset: str, baseline: str = BASELINE) -> dict:
+    """Every method on the samples that `subset` scores (AT2 on its held-out questions, a method limited by
+    --method-range), with the paired difference method - baseline (MACS) per sample: what a comparison on
+    exactly these samples says."""
+    indices = sorted(line["index"] for line in methods[subset]["auc"])
+    base = {line["index"]: line for line in methods.get(baseline, {"auc": []})["auc"]}
     table = {}
     for name, parts in methods.items():
-        lines = [line for line in parts["auc"] if line["index"] in by_index]
+        lines = [line for line in parts["auc"] if line["index"] in indices]
         table[name] = {"n": len(lines)}
-        for field, key in (("auc_pr", "best"), ("auc_pr_aggregate", "aggregate")):
+        for field, key in SUBSET_FIELDS:
             table[name][field] = _stats([line[key] for line in lines])
-            table[name][f"{field}_minus_{reference}"] = _stats([line[key] - by_index[line["index"]][key]
-                                                               for line in lines])
-    return {"samples": len(by_index), "methods": table}
+            table[name][f"{field}_minus_{baseline}"] = _stats([line[key] - base[line["index"]][key]
+                                                              for line in lines if line["index"] in base])
+    # The goal of the whole-answer study: each of MACS's named whole-answer scores against this method's.
+    own = {line["index"]: line["aggregate"] for line in methods[subset]["auc"]}
+    macs_lines = [base[i] for i in indices if i in base and "aggregates" in base[i]]
+    whole = {name: {"auc_pr": _stats([line["aggregates"][name] for line in macs_lines]),
+                    f"minus_{subset}": _stats([line["aggregates"][name] - own[line["index"]] for line in macs_lines])}
+             for name in (macs_lines[0]["aggregates"] if macs_lines else {})}
+    return {"samples": len(indices), "indices": indices, "baseline": baseline, "methods": table,
+            "macs_whole_answer": whole}
+
+
+def _aggregates(lines: list) -> dict:
+    """Stats of every named whole-answer score's AUC-PR (MACS's lines carry them: core.AGGREGATIONS)."""
+    names = [name for name in (lines[0].get("aggregates", {}) if lines else {})]
+    return {name: _stats([line["aggregates"][name] for line in lines if "aggregates" in line]) for name in names}
 
 
 def _claims(table: dict) -> dict:
@@ -161,6 +206,27 @@ def _fmt(stat, digits=3) -> str:
     return text
 
 
+def _cost_text(cost: dict | None) -> str:
+    if not cost or not cost["samples"]:
+        return "- | -"
+    peak = "-" if cost["peak_mb"]["mean"] is None else f"{cost['peak_mb']['mean']:.0f}; {cost['peak_mb_max']:.0f}"
+    return (f"{_fmt(cost['seconds_per_token'])}{' +' if cost['after_generation'] else ''} "
+            f"(n={len(cost['samples'])}) | {peak}")
+
+
+def _indices_text(indices) -> str:
+    """[250, 251, 252, 260] -> '250-252, 260'."""
+    runs, out = [], []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    for a, b in runs:
+        out.append(str(a) if a == b else f"{a}-{b}")
+    return ", ".join(out) or "none"
+
+
 def markdown(summary: dict) -> str:
     lines = [
         f"Model: {summary['model'] or 'default'} ({summary['dtype']}), data: {summary['data']}, "
@@ -168,8 +234,9 @@ def markdown(summary: dict) -> str:
         f"commit {summary['commit']}. Mean [95% CI] over samples.",
         "",
         "| method | n | AUC-PR (best step) | paper (Llama-3.1-8B) | AUC-PR (mean over steps) | AUC-PR (aggregate) "
-        "| SRG perplexity | SRG ROUGE-L | SRG logit | ties/step (paper form) | best step before answer |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| SRG perplexity | SRG ROUGE-L | SRG logit | ties/step (paper form) | best step before answer "
+        "| s/token | peak MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in summary["methods"].items():
         srg = row["srg"]
@@ -180,20 +247,46 @@ def markdown(summary: dict) -> str:
         lines.append(
             f"| {name} | {row['n']} | {_fmt(row['auc_pr'])} | {paper} | {_fmt(row['auc_pr_step_mean'])} "
             f"| {_fmt(row['auc_pr_aggregate'])} | {_fmt(srg['perplexity'])} (n={srg['perplexity']['n']}) "
-            f"| {_fmt(srg['rouge_l'])} | {_fmt(srg['logit'])} | {'-' if ties is None else f'{ties:.2f}'} | {share} |"
+            f"| {_fmt(srg['rouge_l'])} | {_fmt(srg['logit'])} | {'-' if ties is None else f'{ties:.2f}'} | {share} "
+            f"| {_cost_text(row.get('cost'))} |"
         )
+    named = {name: row["auc_pr_aggregates"] for name, row in summary["methods"].items() if row.get("auc_pr_aggregates")}
+    if named:
+        columns = list(next(iter(named.values())))
+        lines += ["", "Whole-answer AUC-PR of each named MACS score (core.AGGREGATIONS; the aggregate column above is "
+                  f"{DEFAULT_AGGREGATION}, Explanation.scores):", "", "| method | " + " | ".join(columns) + " |",
+                  "|---|" + "---|" * len(columns)]
+        lines += [f"| {name} | " + " | ".join(_fmt(row.get(c)) for c in columns) + " |" for name, row in named.items()]
+    generation = summary.get("generation_cost")
+    if generation and generation["samples"]:
+        lines += ["", f"Cost: seconds per generated token, mean [95% CI] over the samples measured (n), and peak "
+                  "memory above the process before the method (mean; largest), on this machine as run. In-generation "
+                  "methods: a whole greedy generation with the method; after-generation methods (marked +): their own "
+                  f"pass, to add to the generation's. Plain greedy generation: {_cost_text(generation)} "
+                  f"(samples {_indices_text(generation['samples'])})."]
     for reference, subset in summary.get("subsets", {}).items():
+        base = subset.get("baseline", reference)
         lines += [
             "",
-            f"On the {subset['samples']} samples that {reference} scores, paired differences with {reference} "
-            "(mean [95% CI] of method - reference per sample):",
+            f"On the {subset['samples']} samples that {reference} scores (indices "
+            f"{_indices_text(subset.get('indices', []))}), paired differences with {base} (mean [95% CI] of "
+            f"method - {base} per sample):",
             "",
-            f"| method | n | AUC-PR (best step) | minus {reference} | AUC-PR (aggregate) | minus {reference} |",
-            "|---|---|---|---|---|---|",
+            f"| method | n | AUC-PR (best step) | minus {base} | AUC-PR (mean over steps) | minus {base} "
+            f"| AUC-PR (aggregate) | minus {base} |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for name, row in subset["methods"].items():
-            lines.append(f"| {name} | {row['n']} | {_fmt(row['auc_pr'])} | {_fmt(row[f'auc_pr_minus_{reference}'])} "
-                         f"| {_fmt(row['auc_pr_aggregate'])} | {_fmt(row[f'auc_pr_aggregate_minus_{reference}'])} |")
+            lines.append(f"| {name} | {row['n']} | " + " | ".join(
+                f"{_fmt(row.get(field))} | {_fmt(row.get(f'{field}_minus_{base}'))}" for field, _ in SUBSET_FIELDS)
+                + " |")
+        whole = subset.get("macs_whole_answer")
+        if whole:
+            lines += ["", f"MACS's named whole-answer scores (core.AGGREGATIONS) on these samples, paired with "
+                      f"{reference}'s aggregate:", "", f"| MACS whole-answer score | AUC-PR | minus {reference} |",
+                      "|---|---|---|"]
+            lines += [f"| {name} | {_fmt(row['auc_pr'])} | {_fmt(row[f'minus_{reference}'])} |"
+                      for name, row in whole.items()]
     unmatched = summary["unmatched_answers"]
     relocated = summary.get("relocated_answers", {"answers": 0, "samples": 0})
     lines += [
@@ -211,22 +304,26 @@ def markdown(summary: dict) -> str:
 
 
 def plot(path, out) -> None:
-    """Box plots of the per-sample best-step AUC-PR of each method."""
+    """Box plots of the per-sample AUC-PR of each method: best step, and the whole-answer aggregate."""
     from ..bench.common import pyplot
 
     plt = pyplot()
     lines = current_lines(read_results(path))
-    data: dict[str, list] = {}
+    data: dict[str, dict[str, list]] = {"best": {}, "aggregate": {}}
     for (kind, _, method), line in lines.items():
         if kind == "auc":
-            data.setdefault(method, []).append(line["best"])
-    if not data:
+            for field in data:
+                data[field].setdefault(method, []).append(line[field])
+    if not data["best"]:
         return
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(data)), 4))
-    ax.boxplot(list(data.values()), showmeans=True)
-    ax.set_xticks(range(1, len(data) + 1), list(data), rotation=35, ha="right")
-    ax.set_ylabel("AUC-PR (best step) per sample")
-    ax.set_ylim(0, 1)
+    methods = list(data["best"])
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(methods)), 4), sharey=True)
+    for ax, (field, title) in zip(axes, (("best", "best step"), ("aggregate", "whole answer (aggregate)"))):
+        ax.boxplot([data[field][m] for m in methods], showmeans=True)
+        ax.set_xticks(range(1, len(methods) + 1), [f"{m} (n={len(data[field][m])})" for m in methods],
+                      rotation=40, ha="right", fontsize=8)
+        ax.set_title(f"AUC-PR per sample, {title}")
+        ax.set_ylim(0, 1)
     fig.tight_layout()
     fig.savefig(out, dpi=120, metadata={"Description": SUMMARY_FORMAT})  # marks the file as ours (store)
     plt.close(fig)

@@ -15,13 +15,15 @@ answers, cost scoring, not generation. Counts says what was computed and what re
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import torch
 
 from ..parallel import SINGLE_PROCESS, Shard
+from .costs import COST_VERSION, GENERATION, cost_line, measure_in_generation, measured
 from .methods import FAITHFULNESS_METRICS, MODEL_METHODS, Method
-from .record_cache import RECORD_VERSION, load_record, records_dir, save_record
+from .record_cache import RECORD_VERSION, has_rows, load_record, load_rows, records_dir, save_record, save_rows
 from .scoring import RANDOM_SEED, method_identity, method_scores, score_auc
 from .store import RESULTS_FORMAT, Results, content_key, ids_digest
 
@@ -36,6 +38,7 @@ class EvalSettings:
     faithfulness_from: int = 0
     records_root: str | None = None
     backend: str | None = None
+    cost_n: int = 0
 
     def generation(self) -> dict:
         """What a greedy generation depends on besides its prompt."""
@@ -63,12 +66,15 @@ class Counts:
     auc_reused: int = 0
     faithfulness_computed: int = 0
     faithfulness_reused: int = 0
+    rows_computed: int = 0
+    rows_reused: int = 0
 
     def describe(self) -> str:
         return (f"{self.generated} generations this run, {self.records_reused} taken from the record cache; "
                 f"samples reused from the results file: {self.samples_reused}; AUC-PR lines: {self.auc_scored} "
                 f"scored, {self.auc_reused} reused; faithfulness curves: {self.faithfulness_computed} computed, "
-                f"{self.faithfulness_reused} reused")
+                f"{self.faithfulness_reused} reused; after-generation rows (rollout, attnlrp, atman): "
+                f"{self.rows_computed} computed, {self.rows_reused} from the record cache")
 
 
 class _Sample:
@@ -80,7 +86,7 @@ class _Sample:
         self.generation_key = generation_key(runner.settings, alignment.input_ids)
         self.line = line
         self._record = None
-        self._model_rows: dict[str, np.ndarray] = {}
+        self._model_rows: dict[str, tuple[np.ndarray, dict]] = {}
         self.generated_ids = None if line is None else torch.tensor(line["generated_ids"])
 
     def generate(self) -> None:
@@ -109,26 +115,36 @@ class _Sample:
             self.generate()
         return self._record
 
-    def model_rows(self, kind: str) -> np.ndarray:
+    def model_rows(self, kind: str) -> tuple[np.ndarray, dict]:
         """(steps, N) float64 scores of a method computed from the model (MODEL_METHODS), teacher-forced on this
-        sample's generation."""
+        sample's generation, and what computing them cost (costs.measured); kept in the record cache."""
         if kind not in self._model_rows:
-            model, prompt, generated = self.runner.model, self.prompt_ids, self.generated_ids
-            if kind == "rollout":
-                from .record import rollout_rows
+            runner = self.runner
+            self.record()  # the generated ids
+            cached = load_rows(runner.records, self.generation_key, kind, self.generated_ids.numpy())
+            if cached is not None:
+                runner.counts.rows_reused += 1
+                self._model_rows[kind] = cached[0].astype(np.float64), cached[1]
+                return self._model_rows[kind]
+            model, prompt, generated = runner.model, self.prompt_ids, self.generated_ids
+            with measured(next(model.parameters()).device) as cost:
+                if kind == "rollout":
+                    from .record import rollout_rows
 
-                rows = rollout_rows(model, prompt, generated)
-            elif kind == "attnlrp":
-                from .. import attnlrp
+                    rows = rollout_rows(model, prompt, generated)
+                elif kind == "attnlrp":
+                    from .. import attnlrp
 
-                rows = attnlrp.relevance(model, prompt, generated).double().numpy()
-            else:
-                from .. import atman
+                    rows = attnlrp.relevance(model, prompt, generated).double().numpy()
+                else:
+                    from .. import atman
 
-                # Only the context is ranked: the other prompt tokens are not suppressed (NaN).
-                rows = atman.relevance(model, prompt, generated, tokens=range(*self.alignment.context_tokens))
-                rows = rows.double().numpy()
-            self._model_rows[kind] = rows
+                    # Only the context is ranked: the other prompt tokens are not suppressed (NaN).
+                    rows = atman.relevance(model, prompt, generated, tokens=range(*self.alignment.context_tokens))
+                    rows = rows.double().numpy()
+            save_rows(runner.records, self.generation_key, kind, rows, generated.numpy(), cost)
+            runner.counts.rows_computed += 1
+            self._model_rows[kind] = rows, cost
         return self._model_rows[kind]
 
 
@@ -136,6 +152,8 @@ class Runner:
     def __init__(self, model, tokenizer, methods: list[Method], results: Results, settings: EvalSettings,
                  progress: bool = True):
         self.faithfulness_indices: set[int] = set()
+        self.cost_indices: dict[str, set[int]] = {}
+        self._warm: set[str] = set()
         self.model, self.tokenizer, self.methods = model, tokenizer, methods
         self.results, self.settings, self.progress = results, settings, progress
         self.efficient = any(m.macs is not None and m.macs.attention == "efficient" for m in methods)
@@ -157,13 +175,21 @@ class Runner:
         self.keys = {s.index: sample_key(self.settings, s) for s in samples}
         if shard.leader:
             self.results.write({"kind": "run", "format": RESULTS_FORMAT, **self.settings.generation(),
-                                "data": self.settings.data, "samples": [[i, k] for i, k in self.keys.items()]})
+                                "data": self.settings.data, "samples": [[i, k] for i, k in self.keys.items()],
+                                "method_ranges": {m.name: list(m.indices) for m in self.methods if m.indices}})
         # A new stream must start with its run line (that is how a results stream is recognised).
         shard.barrier()
         # Faithfulness scores are kept for the samples phase 2 will reach: the first faithfulness_n with answers.
         answered = [s for s in samples
                     if s.answers and s.problem is None and s.index >= self.settings.faithfulness_from]
         self.faithfulness_indices = {s.index for s in answered[: self.settings.faithfulness_n]}
+        # Each method's cost is measured on the first cost_n samples it scores (after-generation methods also
+        # wherever their rows are computed anyway); plain generation on every one of the in-generation
+        # methods' samples (the baseline on the same samples).
+        self.cost_indices = {m.name: {s.index for s in [s for s in answered if m.scores_sample(s.index)]
+                                      [: self.settings.cost_n]} for m in self.methods}
+        self.cost_indices[GENERATION] = set().union(
+            *(self.cost_indices[m.name] for m in self.methods if m.kind not in MODEL_METHODS))
         for sample in self._bar(shard.take(samples), "generate + AUC-PR"):
             self.score_sample(sample)
         faithful = [m for m in self.methods if m.faithfulness]
@@ -223,9 +249,9 @@ class Runner:
         todo = [m for m in methods
                 if self.results.get("auc", sample.index, m.name, key=self._auc_key(sample, m)) is None]
         self.counts.auc_reused += len(methods) - len(todo)
-        known = self.results.get("sample", sample.index, key=self.keys[sample.index]) is not None
-        self.counts.samples_reused += known
-        if known and not todo:
+        known = self.results.get("sample", sample.index, key=self.keys[sample.index])
+        self.counts.samples_reused += known is not None
+        if known is not None and not todo and not self._costs_todo(sample, known, methods):
             return
         item = self._prepare(sample)
         if item is None:
@@ -240,6 +266,37 @@ class Runner:
                 line["faithfulness_scores"] = scores["aggregate"].tolist()
             self.results.write(line)
             self.counts.auc_scored += 1
+        for name in self._costs_todo(sample, item.line, methods):
+            method = None if name == GENERATION else self._method(name)
+            if method is not None and method.kind in MODEL_METHODS:
+                cost, tokens = item.model_rows(method.kind)[1], item.line["steps"]
+            else:
+                measure = functools.partial(measure_in_generation, method, self.model, self.tokenizer, item.sample,
+                                            item.prompt_ids, self.settings.max_new_tokens, self.settings.backend,
+                                            item.line["steps"])
+                if name not in self._warm:  # the first call of a path pays one-time setup: not the method's price
+                    measure()
+                    self._warm.add(name)
+                cost, tokens = measure()
+            self.results.write(cost_line(sample.index, name, self._cost_key(item.line["generation"], name),
+                                         self.keys[sample.index], cost, tokens))
+
+    def _cost_key(self, generation: str, name: str) -> str:
+        identity = {"method": name} if name == GENERATION else method_identity(self._method(name))
+        return content_key({"generation": generation, **identity, "cost_version": COST_VERSION})
+
+    def _method(self, name: str) -> Method:
+        return next(m for m in self.methods if m.name == name)
+
+    def _costs_todo(self, sample, sample_line: dict, methods: list[Method]) -> list[str]:
+        """The methods whose cost line this sample lacks: those whose cost set holds it (and plain generation's),
+        and an after-generation method wherever its rows are in the record cache (measured when computed)."""
+        names = [m.name for m in methods if sample.index in self.cost_indices[m.name]
+                 or (m.kind in MODEL_METHODS and has_rows(self.records, sample_line["generation"], m.kind))]
+        if sample.index in self.cost_indices.get(GENERATION, ()):
+            names.append(GENERATION)
+        return [name for name in names if self.results.get(
+            "cost", sample.index, name, key=self._cost_key(sample_line["generation"], name)) is None]
 
     def _scores(self, method: Method, item: _Sample) -> dict:
         from ..explanation import _eos_ids
@@ -248,7 +305,7 @@ class Runner:
         ended = line["generated_ids"][-1] in _eos_ids(self.model, self.tokenizer)
         return method_scores(
             method, item.sample.index, item.record() if method.needs_record else None,
-            item.model_rows(method.kind) if method.kind in MODEL_METHODS else None, line["steps"], line["n_input"],
+            item.model_rows(method.kind)[0] if method.kind in MODEL_METHODS else None, line["steps"], line["n_input"],
             tuple(line["context_tokens"]), max(line["steps"] - ended, 1),
         )
 

@@ -1,7 +1,8 @@
 """Each method's token scores from one recorded generation, and the AUC-PR line of one (sample, method).
 
-Bump SCORING_VERSION when what a method's scores or an AUC-PR line mean changes: it is part of every
-cached AUC-PR and faithfulness line's key, so results computed by the old code are scored again.
+Bump a kind's SCORING_VERSIONS entry when what its scores or AUC-PR lines mean changes: it is part of every
+cached AUC-PR and faithfulness line's key, so results computed by the old code are scored again (and only
+those of that kind).
 """
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import hashlib
 import numpy as np
 import torch
 
-from .. import reference
+from ..core import AGGREGATIONS, DEFAULT_AGGREGATION, whole_answer_scores
 from .methods import MODEL_METHODS, Method, MethodUnavailable
-from .metrics import auc_pr_sample, count_ties, paper_form_zscores
+from .metrics import auc_pr_sample, average_precision, count_ties, paper_form_zscores
 
-SCORING_VERSION = 1
+# 2 (macs): the aggregate is the whole-answer score Explanation.scores (core.DEFAULT_AGGREGATION), every named
+# aggregation's AUC-PR is kept too; 1: the mean of the paper's step z-scores.
+SCORING_VERSIONS = {"macs": 2}
 RANDOM_SEED = 20250921
 
 
@@ -30,7 +33,7 @@ def at2_coefficients() -> tuple[np.ndarray, str]:
 
 def method_identity(method: Method) -> dict:
     """What a method's scores depend on besides the sample: its name, the scoring code, AT2's coefficients."""
-    identity = {"method": method.name, "scoring_version": SCORING_VERSION}
+    identity = {"method": method.name, "scoring_version": SCORING_VERSIONS.get(method.kind, 1)}
     if method.kind == "at2":
         identity["at2_coefficients_sha1"] = at2_coefficients()[1]
     return identity
@@ -60,12 +63,13 @@ def record_log_c(record: dict, method: Method) -> np.ndarray:
 
 def method_scores(method: Method, index: int, record, model_rows, steps: int, n_input: int, context,
                   response_steps: int | None = None) -> dict:
-    """{"rank": (steps, n_context) scores to rank by, "aggregate": (n_context,), "paper_form": (steps, n_context)}.
+    """{"rank": (steps, n_context) scores to rank by, "aggregate": (n_context,), "paper_form": (steps, n_context)}
+    and, for MACS, "aggregates": {name: (n_context,)} of every whole-answer score in core.AGGREGATIONS.
 
     MACS ranks by log c (the z-score is monotone in c, and log c keeps apart what c = exp(log c) rounds
-    together); its aggregate row is the mean of the paper's step z-scores (Explanation.paper_scores: the
-    recorded stqa_350 figures use it; Explanation.scores ranks by the mean log c instead). "paper_form" is
-    the score as the paper computes it, whose ties are counted. response_steps: the steps before an
+    together); its aggregate row is its whole-answer score Explanation.scores (core.DEFAULT_AGGREGATION,
+    computed over every prompt token as explain() does, then cut to the context). "paper_form" is the score
+    as the paper computes it, whose ties are counted. response_steps: the steps before an
     end-of-sequence token (AT2's aggregate target; default all). model_rows: the (steps, N) scores of a method
     computed from the model (rollout, attnlrp, atman; see MODEL_METHODS), else None.
     """
@@ -74,8 +78,10 @@ def method_scores(method: Method, index: int, record, model_rows, steps: int, n_
     if method.kind == "macs":
         log_c = record_log_c(record, method)
         rank = np.maximum(log_c, np.finfo(np.float64).min)[:, start:stop]
-        z = reference.macs_zscore_reference(torch.from_numpy(log_c), torch.full((len(log_c),), log_c.shape[1]))
-        return {"rank": rank, "aggregate": z.numpy().mean(0)[start:stop],
+        # -inf (underflow at alpha = 1) ranks last as the lowest float: average precision takes finite scores.
+        aggregates = {name: np.maximum(whole_answer_scores(torch.from_numpy(log_c), name).double().numpy(),
+                                       np.finfo(np.float64).min)[start:stop] for name in AGGREGATIONS}
+        return {"rank": rank, "aggregate": aggregates[DEFAULT_AGGREGATION], "aggregates": aggregates,
                 "paper_form": paper_form_zscores(log_c)[:, start:stop]}
     if method.kind == "attention-mean":
         from .record import attention_mean_from_record
@@ -99,7 +105,11 @@ def score_auc(method: Method, index: int, scores: dict, labels) -> dict:
     """The "auc" results line of one (sample, method) from method_scores' output and the gold label vectors."""
     result = auc_pr_sample(scores["rank"], labels, aggregate=scores["aggregate"])
     tied = [count_ties(row) for row in scores["paper_form"]]
-    return {
+    extra = {}
+    if "aggregates" in scores:
+        extra["aggregates"] = {name: float(np.mean([average_precision(row, y) for y in labels]))
+                               for name, row in scores["aggregates"].items()}
+    return extra | {
         "kind": "auc", "index": index, "method": method.name,
         "best": result["best"], "best_step": result["best_step"], "step_mean": result["step_mean"],
         "aggregate": result["aggregate"], "per_step": result["per_step"],

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..alignment import align_context, user_span
 from ..core import support
-from ..explanation import Explanation, _decode_tokens, log_zscores
+from ..explanation import Explanation, _decode_tokens, log_zscores, whole_answer_scores
 from ..prompts import QA_TEMPLATE
 from ..viz import _unit
 from .engine import Engine, Job, RequestRejected, Step
@@ -63,7 +63,6 @@ class AttributionPayloads:
         config = options.macs_config()
         self.config = config.as_dict() | {"engine": "continuous", "method": options.method}
         self.span = prompt.source_span or (0, len(prompt.ids))
-        self.log_c_sum = None
         self.steps: list[Step] = []
         self.at2_scores = None
 
@@ -77,13 +76,13 @@ class AttributionPayloads:
         """The step's row, with the heat weights Explanation.to_html() colours by (viz._unit over the span)."""
         self.steps.append(step)
         log_c = step.log_c.double()
-        self.log_c_sum = log_c if self.log_c_sum is None else self.log_c_sum + log_c
         start, end = self.span
-        mean = self.log_c_sum / len(self.steps)
+        # The page's default view: the whole answer so far, as Explanation.scores.
+        whole = whole_answer_scores(torch.stack([s.log_c for s in self.steps]))
         payload = {
             "step": len(self.steps) - 1, "token_id": step.token_id, "log_c": step.log_c.tolist(),
             "scores": log_zscores(step.log_c).tolist(), "heat": _unit(log_c[start:end]),
-            "heat_mean": _unit(mean[start:end]),
+            "whole_scores": whole.tolist(), "heat_mean": _unit(whole[start:end]),
         }
         if step.at2_scores is not None:
             self.at2_scores = step.at2_scores.tolist()

@@ -30,13 +30,14 @@ def test_methods_are_compared_on_the_samples_the_smaller_method_scores(tmp_path)
     assert set(summary["subsets"]) == {"at2"}  # macs scores every sample: no subset of its own
     subset = summary["subsets"]["at2"]
     assert subset["samples"] == 2
-    macs = subset["methods"]["macs"]
+    assert subset["indices"] == [2, 3] and subset["baseline"] == "macs"
+    macs, at2 = subset["methods"]["macs"], subset["methods"]["at2"]
     assert macs["n"] == 2 and macs["auc_pr"]["mean"] == pytest.approx(0.5)  # samples 2 and 3 only
-    # Paired per sample: (0.6 - 0.5, 0.4 - 0.7) and (0.3 - 0.5, 0.2 - 0.4).
-    assert macs["auc_pr_minus_at2"]["mean"] == pytest.approx(-0.1)
-    assert macs["auc_pr_aggregate_minus_at2"]["mean"] == pytest.approx(-0.2)
-    assert macs["auc_pr_aggregate_minus_at2"]["ci"] == pytest.approx([-0.2, -0.2])  # equal differences: no spread
-    # Student-t, 1 degree of freedom: -0.1 +- 12.706 * 0.2828 / sqrt(2).
-    assert macs["auc_pr_minus_at2"]["ci"] == pytest.approx([-2.641, 2.441], abs=2e-3)
-    assert subset["methods"]["at2"]["auc_pr_minus_at2"]["mean"] == 0
+    # Paired per sample against macs: (0.5 - 0.6, 0.7 - 0.4) and (0.5 - 0.3, 0.4 - 0.2).
+    assert at2["auc_pr_minus_macs"]["mean"] == pytest.approx(0.1)
+    assert at2["auc_pr_aggregate_minus_macs"]["mean"] == pytest.approx(0.2)
+    assert at2["auc_pr_aggregate_minus_macs"]["ci"] == pytest.approx([0.2, 0.2])  # equal differences: no spread
+    # Student-t, 1 degree of freedom: 0.1 +- 12.706 * 0.2828 / sqrt(2).
+    assert at2["auc_pr_minus_macs"]["ci"] == pytest.approx([-2.441, 2.641], abs=2e-3)
+    assert macs["auc_pr_minus_macs"]["mean"] == 0
     assert "On the 2 samples that at2 scores" in markdown(summary)

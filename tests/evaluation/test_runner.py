@@ -94,6 +94,32 @@ def test_macs_from_record_equals_the_layer_reference(config):
         macs_from_record({"rows": record["rows"], "mass": record["mass"]}, attention="efficient")
 
 
+def test_macs_aggregate_is_the_explanations_whole_answer_score():
+    """The eval's aggregate row is Explanation.scores (the named default), cut to the context; every named
+    whole-answer score's AUC-PR is kept beside it."""
+    from macs_kernels.config import AGGREGATIONS, DEFAULT_AGGREGATION
+    from macs_kernels.evaluation.metrics import average_precision
+    from macs_kernels.evaluation.scoring import method_scores, score_auc
+    from macs_kernels.explanation import Explanation
+
+    _, record = _synthetic_record(np.random.default_rng(5), steps=4, n=9)
+    log_c = macs_from_record(record)
+    explanation = Explanation(input_ids=torch.arange(9), generated_ids=torch.arange(4), input_tokens=["t"] * 9,
+                              generated_tokens=["g"] * 4, step_log_c=torch.from_numpy(log_c).float(), config={})
+    scores = method_scores(parse_method("macs"), 0, record, None, 4, 9, (2, 8))
+    np.testing.assert_allclose(scores["aggregate"], explanation.scores[2:8].double().numpy(), rtol=1e-5, atol=1e-5)
+    assert set(scores["aggregates"]) == set(AGGREGATIONS)
+    assert scores["aggregate"] is scores["aggregates"][DEFAULT_AGGREGATION]
+    for name in AGGREGATIONS:
+        np.testing.assert_allclose(scores["aggregates"][name], explanation.whole_answer(name)[2:8].double().numpy(),
+                                   rtol=1e-5, atol=1e-5)
+    labels = [np.array([0, 1, 1, 0, 0, 0]), np.array([0, 0, 0, 0, 1, 0])]
+    line = score_auc(parse_method("macs"), 0, scores, labels)
+    for name, value in line["aggregates"].items():
+        assert value == np.mean([average_precision(scores["aggregates"][name], y) for y in labels])
+    assert line["aggregate"] == line["aggregates"][DEFAULT_AGGREGATION]
+
+
 @torch.no_grad()
 def test_rollout_equals_a_per_step_vector_recursion():
     model = tiny_llama()
@@ -134,6 +160,27 @@ def test_method_names():
         assert "at2" in str(error)
 
 
+def test_all_methods_and_method_ranges():
+    from macs_kernels.evaluation.methods import ALL_METHODS, parse_method_ranges, parse_methods
+
+    try:
+        methods = parse_methods("all", parse_method_ranges(["attnlrp=250:260", "macs:pool=max=0:5"]))
+    except MethodUnavailable:  # no AT2 coefficients in this installation
+        pytest.skip("at2 unavailable")
+    assert [m.name for m in methods] == [parse_method(n).name for n in ALL_METHODS]
+    ranged = {m.name: m for m in methods}
+    assert ranged["attnlrp"].indices == (250, 260) and ranged["macs"].indices == (0, 5)  # canonical name
+    assert ranged["attnlrp"].scores_sample(250) and not ranged["attnlrp"].scores_sample(260)
+    assert not ranged["at2"].scores_sample(249) and ranged["at2"].scores_sample(349)
+    assert ranged["atman"].indices is None and ranged["attnlrp"] == parse_method("attnlrp")  # not in its identity
+    for bad, match in ((["attnlrp"], "METHOD=START:STOP"), (["attnlrp=5:2"], "START must be below STOP"),
+                       (["attnlrp=1:2", "attnlrp=3:4"], "twice"), (["atman=a:b"], "METHOD=START:STOP")):
+        with pytest.raises(ValueError, match=match):
+            parse_method_ranges(bad)
+    with pytest.raises(ValueError, match="not among the methods"):
+        parse_methods("macs,random", {"attnlrp": (0, 1)})
+
+
 def test_eval_command_smoke_report_and_resume(tmp_path, capsys):
     from macs_kernels.cli import main
 
@@ -141,7 +188,7 @@ def test_eval_command_smoke_report_and_resume(tmp_path, capsys):
     out, records = tmp_path / "eval.jsonl", tmp_path / "records"
     command = ["eval", "--data", str(data), "--n", "3", "--max-new-tokens", "8", "--methods", "macs,random",
                "--faithfulness-n", "1", "--out", str(out), "--records", str(records), "--no-progress",
-               "--threads", "1"]
+               "--threads", "1", "--cost-n", "1"]
     threads = torch.get_num_threads()
     try:
         assert main(command) == 0
@@ -160,7 +207,15 @@ def test_eval_command_smoke_report_and_resume(tmp_path, capsys):
             assert row["auc_pr_step_mean"]["mean"] <= row["auc_pr"]["mean"]
             assert set(row["srg"]) == {"perplexity", "rouge_l", "logit"} and row["srg"]["logit"]["n"] == 1
         lines = out.read_text().splitlines()
-        assert len(lines) == 1 + 3 + 6 + 2  # run, samples, AUC per (sample, method), faithfulness
+        # run, samples, AUC per (sample, method), faithfulness, cost of macs, random and plain generation on sample 0
+        assert len(lines) == 1 + 3 + 6 + 2 + 3
+        costs = [line for line in map(json.loads, lines) if line["kind"] == "cost"]
+        steps = {line["index"]: line["steps"] for line in map(json.loads, lines) if line["kind"] == "sample"}
+        assert sorted(c["method"] for c in costs) == ["generation", "macs", "random"]
+        assert all(c["index"] == 0 and c["steps"] == steps[0] and c["seconds"] > 0 for c in costs)
+        assert summary["methods"]["macs"]["cost"]["samples"] == [0] == summary["generation_cost"]["samples"]
+        assert summary["methods"]["macs"]["cost"]["seconds_per_token"]["mean"] == pytest.approx(
+            next(c["seconds"] for c in costs if c["method"] == "macs") / steps[0])
 
         # Resumed: nothing generated again; an added ablation is scored from the stored records, and the
         # masking curves of a later sample (--faithfulness-from) come from them too.

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from macs_kernels import explain
+from macs_kernels.explanation import whole_answer_scores
 from tests.helpers import qa
 
 from .conftest import TINY as MODEL
@@ -58,6 +59,11 @@ def test_streamed_rows_equal_explain_with_request_options(client, lm):
          "step_log_c": [s["log_c"] for s in steps], "step_scores": [s["scores"] for s in steps]},
         reference, text,
     )
+    # The page's default view: each step carries the whole answer so far, as Explanation.scores would be.
+    for k, step in enumerate(steps):
+        want = whole_answer_scores(reference.step_log_c[: k + 1])
+        got = torch.tensor([float("-inf") if v is None else v for v in step["whole_scores"]])
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert chunks[-1].choices[0].finish_reason == reference_finish(reference)
 
 

@@ -9,6 +9,7 @@ import httpx
 import pytest
 import torch
 
+from macs_kernels.explanation import whole_answer_scores
 from macs_kernels.prompts import qa_messages
 from macs_kernels.viz import _unit
 from tests.helpers import QUESTIONS
@@ -91,16 +92,16 @@ def test_page_streams_the_answer_and_follows_the_pointer(server, browser, tmp_pa
         for i, weight in zip(range(start, end), _unit(row)):
             fade = round(255 * (1 - weight))
             assert cells[i].value_of_css_property("background-color") == f"rgba(255, {fade}, {fade}, 1)"
-    # Click pins the step: moving away keeps it; "mean over steps" releases it.
+    # Click pins the step: moving away keeps it; "whole answer" releases it.
     ActionChains(browser).move_to_element(hoverable[0]).click().perform()
     ActionChains(browser).move_to_element(browser.find_element(By.ID, "prompt")).perform()
     assert browser.find_element(By.TAG_NAME, "body").get_attribute("data-view") == hoverable[0].get_attribute(
         "data-step")
     browser.find_element(By.ID, "mean").click()
     assert browser.find_element(By.TAG_NAME, "body").get_attribute("data-view") == "mean"
-    mean = log_c.double().mean(dim=0)[start:end]
+    whole = whole_answer_scores(log_c)[start:end]  # the default view: Explanation.scores
     marked = [i for i, c in enumerate(cells) if "top" in c.get_attribute("class").split()]
-    assert marked == sorted(sorted(range(start, end), key=lambda i: (-mean[i - start].item(), i))[:TOP_K])
+    assert marked == sorted(sorted(range(start, end), key=lambda i: (-whole[i - start].item(), i))[:TOP_K])
     shot = tmp_path / "page.png"
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
 

@@ -2,12 +2,12 @@
 // heat weights the server sends (the same viz._unit weights as Explanation.to_html(), coloured by heatmap.js).
 const TOP_K = 5;
 const $ = id => document.getElementById(id);
-const state = { header: null, steps: [], cells: [], pinned: null, logSum: null };
+const state = { header: null, steps: [], cells: [], pinned: null };
 $("model").textContent = MODEL;
 
 function logValue(v) { return v === null ? -Infinity : v; }
 
-function topTokens(logC) {  // prompt indices of the TOP_K highest log c inside the source span
+function topTokens(logC) {  // prompt indices of the TOP_K highest scores inside the source span
   const [start, end] = state.header.source_span;
   const idx = [];
   for (let i = start; i < end; i++) idx.push(i);
@@ -15,16 +15,17 @@ function topTokens(logC) {  // prompt indices of the TOP_K highest log c inside 
   return idx.slice(0, TOP_K);
 }
 
-function paint(k) {  // k: a step, or null for the mean over steps
+function paint(k) {  // k: a step, or null for the whole answer (Explanation.scores)
   if (!state.header || !state.steps.length) return;
   const [start] = state.header.source_span;
   const last = state.steps[state.steps.length - 1];
   const heat = k === null ? last.heat_mean : state.steps[k].heat;
-  const logC = k === null ? state.logSum.map(v => v / state.steps.length) : state.steps[k].log_c;
+  const logC = k === null ? last.whole_scores : state.steps[k].log_c;
+  const name = k === null ? "whole-answer score = " : "log c = ";
   heat.forEach((w, i) => {
     const cell = state.cells[start + i];
     cell.style.background = macsHeatColour(w);
-    cell.title = "log c = " + (logC[start + i] === null ? "-inf" : logC[start + i].toFixed(3));
+    cell.title = name + (logC[start + i] === null ? "-inf" : logC[start + i].toFixed(3));
   });
   state.cells.forEach(c => c.classList.remove("top"));
   const top = topTokens(logC);
@@ -33,7 +34,7 @@ function paint(k) {  // k: a step, or null for the mean over steps
   if (first.offsetTop < box.scrollTop || first.offsetTop > box.scrollTop + box.clientHeight - 20)
     box.scrollTop = first.offsetTop - box.offsetTop - 20;
   const token = k === null ? "" : JSON.stringify(state.steps[k].token);
-  $("caption").textContent = k === null ? "Prompt: mean over steps" :
+  $("caption").textContent = k === null ? "Prompt: whole answer" :
     `Prompt: step ${k} (${token})` + (state.pinned === k ? ", pinned" : "");
   document.body.dataset.view = k === null ? "mean" : String(k);
 }
@@ -54,8 +55,6 @@ function showPrompt(header) {
 function addStep(attribution, piece) {
   const k = attribution.step;
   state.steps[k] = { ...attribution, token: piece };
-  state.logSum = state.logSum ? state.logSum.map((v, i) => v + logValue(attribution.log_c[i]))
-                              : attribution.log_c.map(logValue);
   const s = document.createElement("span");
   s.textContent = piece;
   s.dataset.step = k;
@@ -85,7 +84,7 @@ function request() {
 
 async function ask(event) {
   event.preventDefault();
-  Object.assign(state, { header: null, steps: [], cells: [], pinned: null, logSum: null });
+  Object.assign(state, { header: null, steps: [], cells: [], pinned: null });
   $("answer").textContent = ""; $("prompt").textContent = "";
   $("status").textContent = "streaming"; $("send").disabled = true;
   try {

@@ -1,0 +1,378 @@
+"""How MACS's per-step rows should become one whole-answer score per prompt token (issue 28, point 4).
+
+    python benchmarks/whole_answer.py extract --results R.jsonl   # per-step rows -> whole_answer_rows.npz
+    python benchmarks/whole_answer.py study                        # candidate table -> whole_answer.{md,json}
+
+extract reads an eval results stream (macs-kernels eval --out R.jsonl) and the record cache it filled, and
+keeps, per scored sample: the default MACS configuration's log c of every step over every prompt token
+(float32), the generated ids and each one's probability and the entropy of its next-token distribution
+(one teacher-forced forward), the prompt ids, the context range, the gold label vectors and, where the run
+computed them, the AttnLRP and AtMan rows. Every aggregation below is then computed offline from that file.
+
+study scores each candidate aggregation by its whole-answer AUC-PR (one score per context token, mean AP
+over the gold answers, as the eval's aggregate column) on the development half (samples 0-174, where the
+choice is made) and the confirmation half (175-349, looked at once the choice is made), and on the samples
+that AttnLRP and AtMan scored, with paired differences against the chosen one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+RESULTS = ROOT / "benchmarks" / "results"
+ROWS = RESULTS / "whole_answer_rows.npz"
+DEV, CONFIRM = (0, 175), (175, 350)
+
+
+def extract(args) -> None:
+    from macs_kernels.evaluation.alignment import align_qa
+    from macs_kernels.evaluation.data import load_qa
+    from macs_kernels.evaluation.record import macs_from_record
+    from macs_kernels.evaluation.record_cache import load_record, load_rows, records_dir
+    from macs_kernels.evaluation.store import read_results
+    from macs_kernels.models import load_model
+
+    # Every sample line, not only the latest run's: the expensive methods' run lists just their samples.
+    lines = read_results(args.results)
+    run = lines[("run", None, None)]
+    samples = {s.index: s for s in load_qa(run["data"])}
+    from macs_kernels.explanation import _eos_ids
+
+    model, tokenizer = load_model()
+    eos = _eos_ids(model, tokenizer)
+    folder = records_dir(args.records)
+    out: dict[str, np.ndarray] = {}
+    if args.out.is_file():  # samples already extracted are kept; only their AttnLRP/AtMan rows may be new
+        with np.load(args.out) as old:
+            out = {k: old[k] for k in old.files if k != "indices"}
+    indices = sorted(k[1] for k in lines if k[0] == "sample")
+    for index in indices:
+        line = lines[("sample", index, None)]
+        prefix = f"s{index}_"
+        if prefix + "log_c" in out:
+            generated = out[prefix + "generated"]
+            for kind in ("attnlrp", "atman"):
+                rows = load_rows(folder, line["generation"], kind, generated)
+                if rows is not None:
+                    out[prefix + kind] = rows[0].astype(np.float32)
+            continue
+        sample = samples[index]
+        alignment = align_qa(tokenizer, sample.question, sample.context)
+        prompt = torch.tensor(alignment.input_ids)
+        cached = load_record(folder, line["generation"], prompt)
+        if cached is None:
+            print(f"sample {index}: no record in {folder}; skipped")
+            continue
+        record, generated = cached
+        log_c = macs_from_record(record)
+        ids = torch.cat([prompt, torch.from_numpy(generated)])[None]
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1: ids.shape[1] - 1].double()
+        logp = logits.log_softmax(-1)
+        token_logp = logp.gather(-1, torch.from_numpy(generated)[:, None].long())[:, 0]
+        entropy = -(logp.exp() * logp).sum(-1)
+        labels = np.stack(alignment.answer_labels(sample.answers)).astype(np.int8)
+        out |= {prefix + "log_c": log_c.astype(np.float32), prefix + "generated": generated,
+                prefix + "prompt": prompt.numpy(), prefix + "token_logp": token_logp.numpy().astype(np.float32),
+                prefix + "entropy": entropy.numpy().astype(np.float32), prefix + "labels": labels,
+                prefix + "meta": np.array([*line["context_tokens"], -1 if line["answer_step"] is None
+                                           else line["answer_step"], int(generated[-1]) in eos])}
+        for kind in ("attnlrp", "atman"):
+            rows = load_rows(folder, line["generation"], kind, generated)
+            if rows is not None:
+                out[prefix + kind] = rows[0].astype(np.float32)
+    out["indices"] = np.array(sorted(int(k[1:].split("_")[0]) for k in out if k.endswith("_log_c")))
+    np.savez_compressed(args.out, **out)
+    print(f"wrote {args.out}: {len(out['indices'])} samples")
+
+
+def load(path=ROWS) -> dict[int, dict]:
+    data = np.load(path)
+    samples = {}
+    for index in data["indices"].tolist():
+        prefix = f"s{index}_"
+        sample = {k[len(prefix):]: data[k] for k in data.files if k.startswith(prefix)}
+        start, stop, answer, ended = sample.pop("meta").tolist()
+        sample |= {"context": (start, stop), "answer_step": None if answer < 0 else answer, "ended": bool(ended)}
+        samples[index] = sample
+    return samples
+
+
+# ---- candidates ----------------------------------------------------------------------------------
+def _z(rows: np.ndarray, keep=None) -> np.ndarray:
+    """Row-wise z-scores (population std) over the columns in `keep` (default all); others z'd alike."""
+    sub = rows if keep is None else rows[:, keep]
+    mean, std = sub.mean(-1, keepdims=True), sub.std(-1, keepdims=True)
+    return (rows - mean) / np.where(std > 0, std, 1.0)
+
+
+def _robust_z(rows: np.ndarray) -> np.ndarray:
+    median = np.median(rows, -1, keepdims=True)
+    mad = np.median(np.abs(rows - median), -1, keepdims=True) * 1.4826
+    return (rows - median) / np.where(mad > 0, mad, 1.0)
+
+
+def _weighted(z: np.ndarray, w: np.ndarray) -> np.ndarray:
+    w = np.asarray(w, dtype=np.float64)
+    return (w[:, None] * z).sum(0) / max(w.sum(), 1e-12)
+
+
+def _top_k_mean(z: np.ndarray, k: int) -> np.ndarray:
+    k = min(k, len(z))
+    return np.sort(z, axis=0)[-k:].mean(0)
+
+
+def _eos_dropped(sample: dict, rows: np.ndarray) -> np.ndarray:
+    return rows[:-1] if sample["ended"] and len(rows) > 1 else rows
+
+
+def macs_candidates(sample: dict) -> dict[str, np.ndarray]:
+    """Every candidate whole-answer score of one sample, (N,) over all prompt tokens."""
+    log_c = sample["log_c"].astype(np.float64)
+    log_c = np.maximum(log_c, -1e4)  # alpha < 1 never underflows; a guard for the z-scores
+    start, stop = sample["context"]
+    n = log_c.shape[1]
+    z = _z(log_c)
+    no_sink = np.ones(n, bool)
+    no_sink[0] = False
+    template = np.ones(n, bool)
+    template[: start] = False  # everything before the context: the template, system prompt and question
+    template[stop:] = False
+    z_ctx = _z(log_c, template)
+    p = np.exp(sample["token_logp"].astype(np.float64))
+    entropy = sample["entropy"].astype(np.float64)
+    z_no_eos = _eos_dropped(sample, z)
+    c_rows = np.exp(log_c - log_c.max(-1, keepdims=True))
+    share = c_rows / c_rows.sum(-1, keepdims=True)
+    concentration = 1 - (-(share * np.log(np.maximum(share, 1e-300))).sum(-1)) / np.log(n)
+    ranks = log_c.argsort(-1).argsort(-1) / (n - 1)
+    return {
+        "mean log c (Explanation.scores before)": log_c.mean(0),
+        "mean paper z of c (the eval's aggregate before)": _z(np.exp(log_c)).mean(0),
+        "mean z": z.mean(0),
+        "mean z, EOS step dropped": z_no_eos.mean(0),
+        "mean z without the sink token": _z(log_c, no_sink).mean(0),
+        "mean z over the context": z_ctx.mean(0),
+        "mean robust z (median/MAD)": _robust_z(log_c).mean(0),
+        "mean rank": ranks.mean(0),
+        "max z": z.max(0),
+        "max z over the context": z_ctx.max(0),
+        "max z without the sink token": _z(log_c, no_sink).max(0),
+        "max z, EOS step dropped": z_no_eos.max(0),
+        "max robust z (median/MAD)": _robust_z(log_c).max(0),
+        "max z minus mean z": z.max(0) - z.mean(0),
+        "max z plus mean z": z.max(0) + z.mean(0),
+        "top-2 mean z": _top_k_mean(z, 2),
+        "max z, steps after the first": z[1:].max(0) if len(z) > 1 else z.max(0),
+        "max log c minus mean log c over steps": log_c.max(0) - log_c.mean(0),
+        "q90 z": np.quantile(z, 0.9, axis=0),
+        "q75 z": np.quantile(z, 0.75, axis=0),
+        "median z": np.median(z, 0),
+        "top-3 mean z": _top_k_mean(z, 3),
+        "top-3 mean z over the context": _top_k_mean(z_ctx, 3),
+        "top-5 mean z over the context": _top_k_mean(z_ctx, 5),
+        "logsumexp z": np.log(np.exp(z - z.max(0)).mean(0)) + z.max(0),
+        "log mean c": np.log(np.exp(log_c - log_c.max()).mean(0)) + log_c.max(),
+        "p-weighted mean z": _weighted(z, p),
+        "(1-p)-weighted mean z": _weighted(z, 1 - p),
+        "entropy-weighted mean z": _weighted(z, entropy),
+        "concentration-weighted mean z": _weighted(z, concentration),
+        "p-weighted mean z over the context": _weighted(z_ctx, p),
+        "(1-p)-weighted mean z over the context": _weighted(z_ctx, 1 - p),
+    }
+
+
+def baseline_candidates(rows: np.ndarray, context) -> dict[str, np.ndarray]:
+    """Whole-answer scores of an after-generation method's rows (AttnLRP, AtMan), over the context tokens."""
+    start, stop = context
+    rows = np.nan_to_num(rows[:, start:stop].astype(np.float64))
+    scale = np.abs(rows).sum(-1, keepdims=True)
+    return {
+        "mean (relevance of the summed answer logits)": rows.mean(0),
+        "mean of L1-normalised rows": (rows / np.where(scale > 0, scale, 1.0)).mean(0),
+        "mean z": _z(rows).mean(0),
+        "max z": _z(rows).max(0),
+        "top-3 mean z": _top_k_mean(_z(rows), 3),
+    }
+
+
+def _ap(score: np.ndarray, labels: np.ndarray) -> float:
+    from macs_kernels.evaluation.metrics import average_precision
+
+    return float(np.mean([average_precision(score, y) for y in labels]))
+
+
+def sample_aps(samples: dict[int, dict], expensive) -> dict[str, dict[int, float]]:
+    """{candidate name: {sample index: whole-answer AP}}; AttnLRP/AtMan candidates as 'attnlrp: NAME', on the
+    samples in `expensive` only."""
+    table: dict[str, dict[int, float]] = {}
+    for index, sample in samples.items():
+        start, stop = sample["context"]
+        for name, score in macs_candidates(sample).items():
+            table.setdefault(name, {})[index] = _ap(score[start:stop], sample["labels"])
+        for kind in ("attnlrp", "atman"):
+            if kind in sample and index in expensive:
+                for name, score in baseline_candidates(sample[kind], sample["context"]).items():
+                    table.setdefault(f"{kind}: {name}", {})[index] = _ap(score, sample["labels"])
+    return table
+
+
+def _stats(values) -> dict:
+    from macs_kernels.evaluation.metrics import mean_ci
+
+    if not values:
+        return {"mean": None, "ci": None, "n": 0}
+    mean, low, high = mean_ci(values)
+    return {"mean": mean, "ci": None if np.isnan(low) else [low, high], "n": len(values)}
+
+
+def _fmt(stat) -> str:
+    if stat["mean"] is None:
+        return "-"
+    return f"{stat['mean']:.3f}" + (f" [{stat['ci'][0]:.3f}, {stat['ci'][1]:.3f}]" if stat["ci"] else "")
+
+
+def study(args) -> None:
+    samples = load(args.rows)
+    expensive = sorted(i for i, s in samples.items() if "attnlrp" in s and "atman" in s
+                       and (args.expensive is None or args.expensive[0] <= i < args.expensive[1]))
+    aps = sample_aps(samples, set(expensive))
+    chosen = args.chosen
+    halves = {"dev": DEV, "confirm": CONFIRM}
+    summary = {"rows": str(args.rows), "chosen": chosen, "dev": list(DEV), "confirm": list(CONFIRM),
+               "expensive_samples": expensive, "candidates": {}}
+    for name, by_index in aps.items():
+        row = {}
+        for half, (a, b) in halves.items():
+            vals = [v for i, v in by_index.items() if a <= i < b]
+            diffs = [v - aps[chosen][i] for i, v in by_index.items() if a <= i < b and i in aps[chosen]]
+            row[half] = _stats(vals)
+            row[half + "_minus_chosen"] = _stats(diffs)
+        vals = [by_index[i] for i in expensive if i in by_index]
+        row["expensive"] = _stats(vals)
+        row["expensive_minus_chosen"] = _stats([by_index[i] - aps[chosen][i] for i in expensive if i in by_index])
+        summary["candidates"][name] = row
+    lines = [
+        f"Whole-answer AUC-PR of MACS's aggregations (default configuration, SmolLM2-135M-Instruct, stqa_350): "
+        f"mean [95% CI] over samples; development half {DEV[0]}-{DEV[1] - 1} (the choice was made here), "
+        f"confirmation half {CONFIRM[0]}-{CONFIRM[1] - 1}; 'minus chosen' is the paired difference with the chosen "
+        f"aggregation ({chosen!r}). Last columns: the {len(expensive)} samples AttnLRP and AtMan scored "
+        f"(indices {', '.join(map(str, expensive)) or '-'}).",
+        "",
+        "| aggregation | dev | dev minus chosen | confirm | confirm minus chosen | AttnLRP/AtMan samples "
+        "| minus chosen |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, row in summary["candidates"].items():
+        lines.append(f"| {name} | {_fmt(row['dev'])} | {_fmt(row['dev_minus_chosen'])} | {_fmt(row['confirm'])} "
+                     f"| {_fmt(row['confirm_minus_chosen'])} | {_fmt(row['expensive'])} "
+                     f"| {_fmt(row['expensive_minus_chosen'])} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    (args.out.with_suffix(".md")).write_text(text)
+    (args.out.with_suffix(".json")).write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("extract")
+    e.add_argument("--results", type=Path, required=True)
+    e.add_argument("--records", type=Path, default=None)
+    e.add_argument("--out", type=Path, default=ROWS)
+    s = sub.add_parser("study")
+    s.add_argument("--rows", type=Path, default=ROWS)
+    s.add_argument("--chosen", default="max z minus mean z")
+    s.add_argument("--out", type=Path, default=RESULTS / "whole_answer")
+    s.add_argument("--expensive", type=lambda t: tuple(int(v) for v in t.split(":")), default=None,
+                   metavar="START:STOP", help="the samples the eval ran AttnLRP and AtMan on (default: every sample "
+                                              "with both rows in the record cache)")
+    b = sub.add_parser("best-step")
+    b.add_argument("--results", type=Path, required=True)
+    b.add_argument("--method", default="macs")
+    b.add_argument("--out", type=Path, default=RESULTS / "best_step_readings.md")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    {"extract": extract, "study": study, "best-step": best_step}[args.command](args)
+
+
+
+# ---- the paper's "best step before the answer" (issue 28, point 5) ---------------------------------------
+def _answer_tokens(tokenizer, generated, gold_texts) -> tuple[int, int] | None:
+    """(first, last) zero-based generated token of the earliest gold answer in the decoded generation."""
+    ids = [int(i) for i in generated]
+    text = tokenizer.decode(ids, skip_special_tokens=True).lower()
+    found = [(text.find(t.lower()), len(t)) for t in gold_texts if t.strip()]
+    found = [(p, n) for p, n in found if p >= 0]
+    if not found:
+        return None
+    start, length = min(found)
+    lengths = [len(tokenizer.decode(ids[: k + 1], skip_special_tokens=True)) for k in range(len(ids))]
+    first = next(k for k, n in enumerate(lengths) if n > start)
+    last = next(k for k, n in enumerate(lengths) if n >= start + length)
+    return first, last
+
+
+def best_step(args) -> None:
+    """Share of samples whose best step (per-step AUC-PR) comes before the answer, under several readings."""
+    from macs_kernels.evaluation.data import load_qa
+    from macs_kernels.evaluation.store import read_results
+    from macs_kernels.models import load_tokenizer
+
+    lines = read_results(args.results)
+    run = lines[("run", None, None)]
+    samples = {s.index: s for s in load_qa(run["data"])}
+    tokenizer = load_tokenizer()
+    counts: dict[str, list] = {}
+    offsets: dict[int, int] = {}
+    for (kind, index, method), line in lines.items():
+        if kind != "auc" or method != args.method or ("sample", index, None) not in lines:
+            continue
+        sample_line = lines[("sample", index, None)]
+        per_step = np.asarray(line["per_step"])
+        first_best = int(np.argmax(per_step))
+        last_best = int(len(per_step) - 1 - np.argmax(per_step[::-1]))
+        span = _answer_tokens(tokenizer, sample_line["generated_ids"], [t for t, _ in samples[index].answers])
+        readings = {"answer found in the generation": span is not None}
+        if span is not None:
+            first, last = span
+            offset = max(min(first_best - first, 4), -4)
+            offsets[offset] = offsets.get(offset, 0) + 1
+            readings |= {
+                "best step <= first answer token's step (ours)": first_best <= first,
+                "best step < first answer token's step (strictly before)": first_best < first,
+                "best step <= first answer token's step, last of tied best steps": last_best <= first,
+                "best step <= the step that reads the first answer token (first + 1)": first_best <= first + 1,
+                "best step <= last answer token's step (before the answer ends)": first_best <= last,
+                "first answer token at step 0": first == 0,
+            }
+        readings["all samples: best step <= first answer step, no answer counted as before"] = (
+            span is None or first_best <= span[0])
+        readings["all samples: best step in the first half of the generation"] = first_best < len(per_step) / 2
+        readings["all samples: best step is step 0"] = first_best == 0
+        for name, value in readings.items():
+            counts.setdefault(name, []).append(bool(value))
+    found = counts.pop("answer found in the generation")
+    lines_out = [f"Best step (per-step AUC-PR of {args.method}) against the answer's place in the generation, "
+                 f"{len(found)} samples, {sum(found)} whose generation contains a gold answer:", "",
+                 "| reading | share | of |", "|---|---|---|"]
+    for name, values in counts.items():
+        lines_out.append(f"| {name} | {np.mean(values):.1%} | {len(values)} |")
+    lines_out += ["", "Best step minus the first answer token's step (clipped to +-4), samples whose generation "
+                  "contains a gold answer: " + ", ".join(f"{k:+d}: {offsets[k]}" for k in sorted(offsets)) + "."]
+    text = "\n".join(lines_out) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
