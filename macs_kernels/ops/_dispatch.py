@@ -14,6 +14,7 @@ from ._backends import (  # noqa: F401 - the dispatch API, re-exported
     candidates,
     implementation,
     triton_interpreted,
+    variant_implementation,
     why_unavailable,
 )
 from .verify import verified_backend
