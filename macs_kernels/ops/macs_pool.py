@@ -7,7 +7,7 @@ import torch
 from ..config import MacsConfig
 from . import torch_backend
 from ._checks import IndexLike, as_row_index, as_scale, check_lse, check_q_k, check_ranges
-from ._dispatch import NAMESPACE, kernel, resolve_backend, variant_implementation
+from ._dispatch import NAMESPACE, kernel, variant_kernel
 from .variant import Variant
 
 # Writes `out` and returns nothing: the trivial fake kernel torch.library generates is the right one.
@@ -86,14 +86,3 @@ def row_arguments(q, keys, input_start, input_end, kv_len, lse, out):
             or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous float32 tensor of shape {expected} on {q.device}")
     return block, ranges, lse, out
-
-
-def variant_kernel(backend, device, op):
-    """The kernel of `op` for a layer with an attention variant on the backend chosen here; refused, naming
-    the backend, where it has none."""
-    resolved = resolve_backend(backend, device, op)
-    run = variant_implementation(resolved, op)
-    if run is None:
-        raise NotImplementedError(f"{op} with an attention variant has no kernel on backend {resolved!r}; use "
-                                  "torch, triton or cuda")
-    return run
