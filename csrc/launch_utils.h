@@ -71,6 +71,32 @@ inline at::Tensor lse_arg(const char* op, const at::Tensor& lse, at::IntArrayRef
   return lse.to(at::kFloat).contiguous();
 }
 
+// The attention-variant arguments of a split-KV op (macs_kernels/ops/variant.py): the rows' input columns'
+// start when they precede the attended start (a sliding window), the softcap (> 0) and (H,) sink logits.
+struct VariantArgs {
+  Index score_start{nullptr, 0, 0};
+  double softcap = 0.0;  // 0: off
+  at::Tensor sinks;      // float32 contiguous, or undefined
+
+  VariantArgs(const char* op, const std::optional<at::Tensor>& score_start_, std::optional<double> softcap_,
+              const std::optional<at::Tensor>& sinks_, int64_t batch, int64_t heads, const at::Tensor& like,
+              int64_t rows = -1) {
+    if (score_start_.has_value()) score_start = index_arg(op, "score_start", *score_start_, batch, like, rows);
+    if (softcap_.has_value()) {
+      TORCH_CHECK(*softcap_ > 0.0 && *softcap_ < kInf, op, ": softcap must be a finite float > 0, got ",
+                  *softcap_);
+      softcap = *softcap_;
+    }
+    if (sinks_.has_value()) {
+      check_tensor(op, "sinks", *sinks_, 1, like);
+      TORCH_CHECK(sinks_->size(0) == heads, op, ": sinks must have shape (", heads, ",), one logit per query head, "
+                  "got ", sinks_->sizes());
+      TORCH_CHECK(sinks_->is_floating_point(), op, ": sinks must be floating point, got ", sinks_->scalar_type());
+      sinks = sinks_->to(at::kFloat).contiguous();
+    }
+  }
+};
+
 inline Pooling pooling_arg(const char* op, std::string_view pooling) {
   if (pooling == "max") return Pooling::kMax;
   if (pooling == "mean") return Pooling::kMean;
@@ -205,6 +231,7 @@ struct SplitRun {
   at::Tensor* lse_out;  // (B, H, [R]) float32, contiguous
   PoolTail pool;        // pool.out null: no pooling; pool.stats is allocated here
   const at::Tensor* block_table = nullptr;  // (B, pages) int32 when k holds pages (shape.page_size > 0)
+  const VariantArgs* variant = nullptr;     // the softcap and sinks (pool.score_start holds the columns' start)
 
   void launch() {
     const SplitPolicy& policy = shape.policy;
@@ -218,6 +245,7 @@ struct SplitRun {
       pool.stats = stats.data_ptr<float>();
     }
     const auto data = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
+    const double softcap = variant == nullptr ? 0.0 : variant->softcap;
     const c10::cuda::CUDAGuard guard(q.device());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     dispatch_float(op, q.scalar_type(), [&](auto tag) {
@@ -233,12 +261,14 @@ struct SplitRun {
           paged ? block_table->data_ptr<int32_t>() : nullptr, paged ? block_table->stride(0) : 0, shape.page_size,
           paged ? k.size(0) : 0,
           start, input_end, end, float(scale * double(kLog2e)),
+          softcap > 0.0 ? float(scale / softcap) : 0.0f, float(softcap * double(kLog2e)),
           shape.batch, shape.heads, shape.kv_heads, shape.rows, shape.keys, shape.dim, shape.dim_v,
           policy.splits, policy.rows_per_block,
           part_stats.data_ptr<float>(), data(part_acc), data(scores),
       };
       const CombineParams<T> combine{
           part_stats.data_ptr<float>(), data(part_acc), shape.heads * shape.rows, policy.splits, shape.dim_v,
+          shape.rows, variant == nullptr ? nullptr : data(variant->sinks),
           lse_in == nullptr ? nullptr : lse_in->data_ptr<float>(), redistribute, data(stats),
           lse_out == nullptr ? nullptr : lse_out->data_ptr<float>(),
           out == nullptr ? nullptr : reinterpret_cast<T*>(out->data_ptr()),

@@ -8,9 +8,11 @@ namespace {
 
 void macs_pool_cuda(const at::Tensor& q, const at::Tensor& k_cache, at::Tensor& out, const at::Tensor& input_start,
                     const at::Tensor& input_end, const at::Tensor& kv_len, double scale, std::string_view pooling,
-                    bool redistribute, const std::optional<at::Tensor>& lse) {
+                    bool redistribute, const std::optional<at::Tensor>& lse,
+                    const std::optional<at::Tensor>& score_start, std::optional<double> softcap,
+                    const std::optional<at::Tensor>& sinks) {
   launch_macs_pool("macs_pool", q, k_cache, nullptr, out, input_start, input_end, kv_len, scale, pooling,
-                   redistribute, lse);
+                   redistribute, lse, score_start, softcap, sinks);
 }
 
 }  // namespace

@@ -19,7 +19,7 @@ cudaError_t split_kv_pool(const SplitParams<T>& p, const CombineParams<T>& combi
   const PoolParams<float> pool{p.scores,   p.heads * p.rows * p.keys, p.rows * p.keys, p.keys,
                                tail.stats, tail.out,  tail.n_max,     p.heads,         p.rows,
                                p.keys,     p.start,   p.input_end,    p.end,           tail.alpha,
-                               tail.pooling, tail.epilogue};
+                               tail.pooling, tail.epilogue, tail.score_start};
   return pool_heads<float, true>(pool, p.batch, stream);
 }
 

@@ -30,6 +30,9 @@ struct PoolParams {
   float alpha;
   Pooling pooling;
   PoolEpilogue epilogue;
+  // Where each row's N input columns start when not at `start` (a sliding-window row attends from its
+  // window's start; the inputs before it get 0, and may precede slot 0): (B, [R]) key slots, or null data.
+  Index score_start{nullptr, 0, 0};
 };
 
 template <typename Src, bool FROM_SCORES>
@@ -42,7 +45,13 @@ __global__ void __launch_bounds__(kPoolThreads) pool_kernel(PoolParams<Src> p) {
   __syncthreads();
 
   const KeyRange range(p.start, p.input_end, p.end, b, r, p.keys);
-  const int64_t n_input = range.input_end - range.start;
+  int64_t column0 = range.start, inputs_end = range.input_end;
+  if (p.score_start.data != nullptr) {
+    // The range clamps input_end into the attended keys; the inputs may all lie before them.
+    column0 = min(p.score_start(b, r), range.start);
+    inputs_end = min(max(p.input_end(b, r), column0), range.end);
+  }
+  const int64_t n_input = inputs_end - column0;
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   float* out = p.out + (b * p.rows + r) * p.n_max + i;
   if (i >= p.n_max) return;
@@ -51,11 +60,16 @@ __global__ void __launch_bounds__(kPoolThreads) pool_kernel(PoolParams<Src> p) {
     return;
   }
 
-  const Src* column = p.values + b * p.stride_b + r * p.stride_r + range.start + i;
+  // An input before the attended start is unseen by this row: probability 0, and its slot is not read.
+  const bool seen = column0 + i >= range.start;
+  const Src* column = p.values + b * p.stride_b + r * p.stride_r + (seen ? column0 + i : range.start);
   float pooled = p.pooling == Pooling::kMax ? kNegInf : (p.pooling == Pooling::kMin ? kInf : 0.0f);
   for (int64_t h = 0; h < p.heads; ++h) {
-    float value = to_float(column[h * p.stride_h]);
-    if (FROM_SCORES) value = exp2_diff(value, stats[2 * h]);
+    float value = 0.0f;
+    if (seen) {
+      value = to_float(column[h * p.stride_h]);
+      if (FROM_SCORES) value = exp2_diff(value, stats[2 * h]);
+    }
     value += stats[2 * h + 1] / float(n_input);
     pooled = p.pooling == Pooling::kMax ? fmaxf(pooled, value)
              : p.pooling == Pooling::kMin ? fminf(pooled, value)
@@ -83,6 +97,7 @@ struct PoolTail {
   Pooling pooling;
   PoolEpilogue epilogue;
   float* stats;  // scratch (B, H, R, 2), filled by the combine pass
+  Index score_start{nullptr, 0, 0};  // see PoolParams
 };
 
 // The split-KV pass (split_kv/kernel.cuh), then head pooling of its scores into tail.out: decode_attention,

@@ -11,7 +11,11 @@ cudaError_t split_kv(const SplitParams<T>& p, const CombineParams<T>& combine, b
   const size_t smem = split_smem_bytes(group, p.rows_per_block, p.dim, p.dim_v, WITH_V);
   const int threads = split_threads(group * p.rows_per_block, WITH_V ? p.dim_v : 0);
   const dim3 grid(unsigned(p.splits), unsigned(p.kv_heads * ceil_div(p.rows, p.rows_per_block)), unsigned(p.batch));
-  const auto kernel = vectorized ? split_kernel<T, kVec16<T>, WITH_V> : split_kernel<T, 1, WITH_V>;
+  // The softcap is a compile-time flag: the plain path keeps its one multiply per score.
+  const bool capped = p.cap_out != 0.0f;
+  const auto kernel = vectorized ? (capped ? split_kernel<T, kVec16<T>, WITH_V, true>
+                                           : split_kernel<T, kVec16<T>, WITH_V, false>)
+                                 : (capped ? split_kernel<T, 1, WITH_V, true> : split_kernel<T, 1, WITH_V, false>);
   if (smem > 48 * 1024) {
     const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (error != cudaSuccess) return error;

@@ -6,10 +6,13 @@
 //    16-byte loads, so each key is read from memory once for all the block's vectors, and keeps an online
 //    softmax per vector (state.cuh): the partial state over its attended keys and over its generated
 //    keys, and the unnormalised partial output. With `scores`, it also writes the base-2 scores for head
-//    pooling (pool/kernel.cuh).
+//    pooling (pool/kernel.cuh). SOFTCAP (a layer's attention variant, Gemma 2) caps each score to
+//    softcap * tanh(s / softcap) before anything reads it.
 // 2. combine_kernel, grid (H * R, B): merges the splits of each query row into out and lse, and the
 //    values head pooling needs: the normalising lse (given or computed) and the mass on generated keys.
-// Row (b, r) attends keys [start, end) of item b; [input_end, end) are its generated keys. The keys of
+//    With per-head sink logits (gpt-oss), each sink joins its rows' denominator and attends no value.
+// Row (b, r) attends keys [start, end) of item b; [input_end, end) are its generated keys (a sliding-window
+// row attends from its window's start: its pooled columns may start earlier, see pool/kernel.cuh). The keys of
 // an item are contiguous (B, H_kv, S, D) or in pages (P, page_size, H_kv, D) found through a block table.
 #pragma once
 
@@ -30,6 +33,7 @@ struct SplitParams {
   int64_t table_stride, page_size, page_count;
   Index start, input_end, end;  // (B,) or (B, R)
   float scale_log2;             // the softmax scale times log2(e)
+  float cap_in, cap_out;        // with SOFTCAP: score = cap_out * tanh(q . k * cap_in), base 2
   int64_t batch, heads, kv_heads, rows, keys, dim, dim_v;
   int64_t splits, rows_per_block;  // from split_policy
   float* part_stats;  // (B, H, R, splits, 4): base-2 max and sum over attended keys, then over generated keys
@@ -77,7 +81,7 @@ __device__ __forceinline__ void stage_tile(const KeyRows<T>& rows, int64_t dim, 
   }
 }
 
-template <typename T, int VEC, bool WITH_V>
+template <typename T, int VEC, bool WITH_V, bool SOFTCAP>
 __global__ void __launch_bounds__(kMaxSplitThreads) split_kernel(SplitParams<T> p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int64_t split = blockIdx.x, b = blockIdx.z;
@@ -168,7 +172,7 @@ __global__ void __launch_bounds__(kMaxSplitThreads) split_kernel(SplitParams<T> 
         float dot = 0.0f;
 #pragma unroll 4
         for (int d = 0; d < dim; ++d) dot = fmaf(q_row[d], k_row[d], dot);
-        score = dot * p.scale_log2;
+        score = SOFTCAP ? p.cap_out * tanhf(dot * p.cap_in) : dot * p.scale_log2;
         if (p.scores != nullptr) p.scores[row_of(v) * p.keys + key] = score;
       }
       p_s[pair] = score;
@@ -235,6 +239,8 @@ struct CombineParams {
   const float* part_stats;
   const float* part_acc;  // null without V
   int64_t rows_per_item, splits, dim_v;  // rows_per_item = H * R
+  int64_t rows;                          // R
+  const float* sinks;  // (H,) natural-log sink logits in each row's denominator, or null
   const float* lse_in;  // (B, H, R) natural log, contiguous, or null: normalise with the computed lse
   bool redistribute;
   float* stats;    // (B, H, R, 2) for head pooling: base-2 normaliser, generated mass; or null
@@ -251,6 +257,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams<
     all.merge(part[4 * s], part[4 * s + 1]);
     generated.merge(part[4 * s + 2], part[4 * s + 3]);
   }
+  if (p.sinks != nullptr) all.merge(p.sinks[blockIdx.x / p.rows] * kLog2e, 1.0f);
   if (threadIdx.x == 0) {
     if (p.lse_out != nullptr) p.lse_out[row] = all.lse();
     if (p.stats != nullptr) {

@@ -14,7 +14,7 @@ import torch
 
 from ..distributed import HeadShards, reduce_pooled
 from ..ops import torch_beams
-from ..ops._dispatch import implementation
+from ..ops._dispatch import implementation, variant_implementation
 from ..ops.torch_backend import _POOL, log_floor
 from ..ops.torch_packed import Pages, Segments
 from ..ops.variant import PLAIN, Variant
@@ -44,8 +44,8 @@ class Kernels:
             backend, implementation(backend, "macs_pool"), implementation(backend, "decode_attention"),
             implementation(backend, "macs_update_rows"), getattr(special, "macs_pool_dense", None),
             getattr(special, "decode_attention_dense", None), implementation(paged or backend, "macs_pool_paged"),
-            paged or backend, getattr(special, "macs_pool_variant", None),
-            getattr(special, "decode_attention_variant", None),
+            paged or backend, variant_implementation(backend, "macs_pool"),
+            variant_implementation(backend, "decode_attention"),
         )
 
 
@@ -111,7 +111,7 @@ class DenseRows(PassRows):
     def pool(self, layer: int, q_rows: torch.Tensor, key: torch.Tensor, scale: float,
              variant: Variant = PLAIN) -> None:
         """m' of the scored rows q_rows (B, H, R, D) into this pass's layer `layer`; `variant`: the layer's own
-        attention (window, softcap, sinks; torch backend)."""
+        attention (window, softcap, sinks)."""
         if not variant.plain:
             rows = q_rows.shape[2]
             self.kernels.pool_variant(

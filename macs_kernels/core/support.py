@@ -111,7 +111,7 @@ def method_of(config) -> str:
 
 def variant_backend(variants, named: str | None, resolved: str) -> str:
     """The backend that scores a model whose layers have attention variants (layouts such as "sliding_window"):
-    the torch and Triton kernels take a window, a softcap and sinks (VARIANT_BACKENDS), so an automatic choice
+    the torch, Triton and CUDA kernels take a window, a softcap and sinks (VARIANT_BACKENDS), so an automatic choice
     of another falls back to torch and a named other backend is refused before work."""
     if not variants or resolved in VARIANT_BACKENDS:
         return resolved
@@ -123,4 +123,4 @@ def variant_backend(variants, named: str | None, resolved: str) -> str:
     return "torch"
 
 
-VARIANT_BACKENDS = ("torch", "triton")
+VARIANT_BACKENDS = ("torch", "triton", "cuda")

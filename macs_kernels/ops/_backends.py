@@ -109,6 +109,22 @@ def implementation(backend: str, op: str) -> Callable:
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS} or None")
 
 
+def variant_implementation(backend: str, op: str) -> Callable | None:
+    """The function that computes `op` ("macs_pool" or "decode_attention") of a layer with an attention
+    variant on `backend`, taking token positions and an ops.Variant's kwargs; None where the backend has no
+    variant kernels. The extension's operators take the variant in key slots: torch's wrapper converts."""
+    if op not in ("macs_pool", "decode_attention"):
+        raise ValueError(f"no attention-variant kernel for {op!r}; only macs_pool and decode_attention take one")
+    torch_backend = importlib.import_module("macs_kernels.ops.torch_backend")
+    if backend == "torch":
+        return getattr(torch_backend, f"{op}_variant")
+    if backend == "triton":
+        return getattr(importlib.import_module("macs_kernels.ops.triton"), f"{op}_variant")
+    if backend == "cuda":
+        return functools.partial(getattr(torch_backend, f"{op}_variant"), kernel=implementation("cuda", op))
+    return None
+
+
 def candidates(device: torch.device) -> tuple[str, ...]:
     """Backends the automatic choice tries on `device`, best first; never the Triton interpreter (it is for
     tests, and thousands of times slower)."""

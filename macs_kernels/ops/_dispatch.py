@@ -14,6 +14,7 @@ from ._backends import (  # noqa: F401 - the dispatch API, re-exported
     candidates,
     implementation,
     triton_interpreted,
+    variant_implementation,
     why_unavailable,
 )
 from .verify import verified_backend
@@ -32,3 +33,14 @@ def resolve_backend(backend: str | None, device: torch.device | str, op: str | N
 def kernel(backend: str | None, device: torch.device, op: str) -> Callable:
     """implementation(resolve_backend(backend, device, op), op): the kernel that runs `op` here."""
     return implementation(resolve_backend(backend, device, op), op)
+
+
+def variant_kernel(backend: str | None, device: torch.device, op: str) -> Callable:
+    """The kernel of `op` for a layer with an attention variant on the backend chosen here; refused, naming
+    the backend, where it has none."""
+    resolved = resolve_backend(backend, device, op)
+    run = variant_implementation(resolved, op)
+    if run is None:
+        raise NotImplementedError(f"{op} with an attention variant has no kernel on backend {resolved!r}; use "
+                                  "torch, triton or cuda")
+    return run

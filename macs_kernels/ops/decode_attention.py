@@ -6,7 +6,7 @@ import torch
 from ..config import MacsConfig
 from . import torch_backend
 from ._checks import IndexLike, as_index, as_scale, check_log_c, check_q_k, check_ranges
-from ._dispatch import NAMESPACE, kernel, resolve_backend
+from ._dispatch import NAMESPACE, kernel, variant_kernel
 from .variant import Variant
 
 operator = torch.library.custom_op(
@@ -15,7 +15,8 @@ operator = torch.library.custom_op(
 
 
 @operator.register_fake
-def _(q, k_cache, v_cache, kv_start, kv_len, scale, log_c, input_end, alpha, pooling, redistribute, pooled=None):
+def _(q, k_cache, v_cache, kv_start, kv_len, scale, log_c, input_end, alpha, pooling, redistribute, pooled=None,
+      score_start=None, softcap=None, sinks=None):
     batch, heads, _ = q.shape
     return q.new_empty((batch, heads, v_cache.shape[-1])), q.new_empty((batch, heads), dtype=torch.float32)
 
@@ -33,8 +34,8 @@ def decode_attention(
     with `input_end` (B,) (inputs are keys [kv_start, input_end)) and either
     - `log_c` (B, N_max): also performs macs_update, or
     - `pooled` (B, N_max) float32: also writes macs_pool's m' (the tracer floors and logs it per pass).
-    variant: the layer's attention variant (`ops.Variant`, torch backend only; not with log_c): positions are
-    then tokens, the output and lse are the variant's (sink mass attends no value).
+    variant: the layer's attention variant (`ops.Variant`, torch, triton and cuda backends; not with log_c):
+    positions are then tokens, the output and lse are the variant's (sink mass attends no value).
     """
     MacsConfig(alpha=alpha, pooling=pooling, redistribute=redistribute, backend=backend)
     check_q_k(q, k_cache, v_cache)
@@ -61,9 +62,7 @@ def decode_attention(
         input_end = as_index("input_end", input_end, batch, q.device)
         check_ranges(kv_start, input_end, kv_len, keys, state.shape[1], state=name)
     if varied:
-        if resolve_backend(backend, q.device, "decode_attention") != "torch":
-            raise NotImplementedError("decode_attention with an attention variant runs on the torch backend only")
-        return torch_backend.decode_attention_variant(
+        return variant_kernel(backend, q.device, "decode_attention")(
             q, k_cache, v_cache, kv_start, kv_len, as_scale(scale), input_end, pooling, bool(redistribute), pooled,
             **variant.kwargs(),
         )

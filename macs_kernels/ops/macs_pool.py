@@ -7,7 +7,7 @@ import torch
 from ..config import MacsConfig
 from . import torch_backend
 from ._checks import IndexLike, as_row_index, as_scale, check_lse, check_q_k, check_ranges
-from ._dispatch import NAMESPACE, kernel, resolve_backend
+from ._dispatch import NAMESPACE, kernel, variant_kernel
 from .variant import Variant
 
 # Writes `out` and returns nothing: the trivial fake kernel torch.library generates is the right one.
@@ -32,7 +32,7 @@ def macs_pool(
     lse: optional (B, H) or (B, H, R) natural-log log-sum-exp over each row's attended keys.
     out: optional float32 (B, N_max) or (B, R, N_max) buffer (q's rank minus one), written and returned.
     variant: the layer's attention variant (`ops.Variant`: sliding window, the token key slot 0 holds, softcap,
-        sinks; torch backend only); the ranges are then token positions and p the variant's probabilities
+        sinks; torch, triton and cuda backends); the ranges are then token positions and p the variant's probabilities
         (inputs outside the window get 0 before the spread).
     Returns float32 (B, N_max) or (B, R, N_max): m'[b, r, i] = pool over heads of (p[h, input_start + i] +
     the row's mass on generated keys / N) for i < N of that row, 0 after. N_max defaults to the largest N.
@@ -49,11 +49,9 @@ def macs_pool(
         keys = variant.check(q.shape[1], *index, keys)
     block, ranges, lse, out = row_arguments(q, keys, input_start, input_end, kv_len, lse, out)
     if variant is not None and not variant.plain:
-        if resolve_backend(backend, q.device, "macs_pool") != "torch":
-            raise NotImplementedError("macs_pool with an attention variant runs on the torch backend only")
+        run = variant_kernel(backend, q.device, "macs_pool")
         rows_out = out.view(block.shape[0], block.shape[2], out.shape[-1])
-        torch_backend.macs_pool_variant(block, k_cache, rows_out, *ranges, as_scale(scale), pooling,
-                                        bool(redistribute), **variant.kwargs())
+        run(block, k_cache, rows_out, *ranges, as_scale(scale), pooling, bool(redistribute), **variant.kwargs())
         return out
     rows_out = out.view(block.shape[0], block.shape[2], out.shape[-1])
     kernel(backend, q.device, "macs_pool")(

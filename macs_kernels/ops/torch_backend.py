@@ -150,10 +150,19 @@ def macs_update(
 
 def macs_pool(
     q: Tensor, k_cache: Tensor, out: Tensor, input_start: Tensor, input_end: Tensor, kv_len: Tensor, scale: float,
-    pooling: str, redistribute: bool, lse: Tensor | None,
+    pooling: str, redistribute: bool, lse: Tensor | None, score_start: Tensor | None = None,
+    softcap: float | None = None, sinks: Tensor | None = None,
 ) -> None:
-    """q (B, H, R, D), ranges (B, R), out (B, R, N_max): see ops.macs_pool."""
-    macs_pool_variant(q, k_cache, out, input_start, input_end, kv_len, scale, pooling, redistribute, lse)
+    """q (B, H, R, D), ranges (B, R), out (B, R, N_max): see ops.macs_pool.
+
+    The layer's attention variant, in key slots (what `macs_pool_variant` makes of an ops.Variant): the row
+    attends [input_start, kv_len) and its N inputs are [score_start, input_end) (default input_start; a
+    sliding window starts later than its inputs, which may precede slot 0); softcap; sinks (H,)."""
+    scores = _block_scores(q, k_cache, scale)
+    probabilities, _ = attended_softmax(scores, input_start, kv_len, lse, softcap=softcap, sinks=sinks)
+    windowed = score_start is not None
+    _pool_rows(probabilities, out, score_start if windowed else input_start, input_end, kv_len, pooling,
+               redistribute, windowed=windowed)
 
 
 def window_ranges(input_start, input_end, kv_len, key_offset=0, window=None):
@@ -167,13 +176,13 @@ def window_ranges(input_start, input_end, kv_len, key_offset=0, window=None):
 
 
 def macs_pool_variant(q, k_cache, out, input_start, input_end, kv_len, scale, pooling, redistribute, lse=None, *,
-                      key_offset=0, window=None, softcap=None, sinks=None):
+                      key_offset=0, window=None, softcap=None, sinks=None, kernel=macs_pool):
     """`macs_pool` of a layer whose attention is a variant (`ops.Variant`: window, softcap, sinks) over a cache
-    whose slot 0 holds token key_offset (an int or (B, R)); ranges in token positions."""
-    scores = _block_scores(q, k_cache, scale)
+    whose slot 0 holds token key_offset (an int or (B, R)); ranges in token positions. `kernel`: a macs_pool
+    kernel taking the variant arguments (the CUDA extension's runs through here too)."""
     attend, start, end, length = window_ranges(input_start, input_end, kv_len, key_offset, window)
-    probabilities, _ = attended_softmax(scores, attend, length, lse, softcap=softcap, sinks=sinks)
-    _pool_rows(probabilities, out, start, end, length, pooling, redistribute, windowed=window is not None)
+    kernel(q, k_cache, out, attend, end, length, scale, pooling, redistribute, lse,
+           None if window is None else start, softcap, sinks)
 
 
 def gather_pages(k_pages: Tensor, block_table: Tensor, keys: int) -> Tensor:
@@ -239,25 +248,31 @@ def macs_zscore(log_c: Tensor, n_input: Tensor) -> Tensor:
 def decode_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_start: Tensor, kv_len: Tensor, scale: float, log_c: Tensor | None,
     input_end: Tensor | None, alpha: float, pooling: str, redistribute: bool, pooled: Tensor | None = None,
+    score_start: Tensor | None = None, softcap: float | None = None, sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
+    """See ops.decode_attention; score_start, softcap, sinks: the layer's attention variant in key slots, as
+    macs_pool takes them (score_start with pooled only). The output is the layer's (sink mass attends no
+    value)."""
+    if score_start is not None and log_c is not None:
+        raise ValueError("decode_attention: score_start (a sliding window's input columns) comes with pooled, "
+                         "not log_c")
+    scores = grouped_scores(q, k_cache, scale)
+    probabilities, lse = attended_softmax(scores, kv_start, kv_len, softcap=softcap, sinks=sinks)
     if log_c is not None and pooled is None:
-        scores = grouped_scores(q, k_cache, scale)
-        probabilities, lse = attended_softmax(scores, kv_start, kv_len)
         macs_update_rows(probabilities, log_c, kv_start, input_end, kv_len, alpha, pooling, redistribute)
-        return grouped_output(probabilities, v_cache, q.dtype), lse
-    return decode_attention_variant(q, k_cache, v_cache, kv_start, kv_len, scale, input_end, pooling, redistribute,
-                                    pooled)
+    elif pooled is not None:
+        windowed = score_start is not None
+        _pool_rows(probabilities, pooled, score_start if windowed else kv_start, input_end, kv_len, pooling,
+                   redistribute, windowed=windowed)
+    return grouped_output(probabilities, v_cache, q.dtype), lse
 
 
 def decode_attention_variant(q, k_cache, v_cache, kv_start, kv_len, scale, input_end, pooling, redistribute, pooled,
-                             *, key_offset=0, window=None, softcap=None, sinks=None):
+                             *, key_offset=0, window=None, softcap=None, sinks=None, kernel=decode_attention):
     """`decode_attention` (optionally writing m' into pooled) of a layer whose attention is a variant (see
-    `macs_pool_variant`): the output is what that layer computes (sink mass attends no value)."""
-    scores = grouped_scores(q, k_cache, scale)
+    `macs_pool_variant`; `kernel`: a decode_attention kernel taking the variant arguments)."""
     end = kv_len if input_end is None else input_end
     attend, start, end, length = window_ranges(kv_start, end, kv_len, key_offset, window)
-    probabilities, lse = attended_softmax(scores, attend, length, softcap=softcap, sinks=sinks)
-    if pooled is not None:
-        _pool_rows(probabilities, pooled, start, end, length, pooling, redistribute, windowed=window is not None)
-    return grouped_output(probabilities, v_cache, q.dtype), lse
+    return kernel(q, k_cache, v_cache, attend, length, scale, None, None if pooled is None else end, 0.0, pooling,
+                  redistribute, pooled, None if window is None or pooled is None else start, softcap, sinks)
 

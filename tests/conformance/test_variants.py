@@ -87,26 +87,35 @@ def test_evaluation_record_of_a_variant_model_equals_the_reference(name, variant
     pytest.param("mistral", "exact", marks=pytest.mark.slow), pytest.param("qwen2", "fused", marks=pytest.mark.slow),
     pytest.param("gemma2", "fused", marks=pytest.mark.slow),
 ])
-def test_variant_rows_on_the_triton_kernels_equal_the_reference(name, method, engine, variant_models):
-    """The Triton kernels (the interpreter here) take the window, the softcap and the sinks too."""
+@pytest.mark.parametrize("backend", ["triton", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_variant_rows_on_the_gpu_kernels_equal_the_reference(name, method, engine, backend, variant_models):
+    """The Triton kernels (the interpreter without a GPU) and the CUDA kernels (on a GPU) take the window, the
+    softcap and the sinks too."""
+    import copy
+
     from macs_kernels import explain
     from macs_kernels.ops import why_unavailable
 
     from .test_conformance import NEW_TOKENS
 
-    if why_unavailable("triton", "cpu") is not None:
-        pytest.skip(why_unavailable("triton", "cpu"))
+    device = "cuda" if backend == "cuda" else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the cuda backend runs on CUDA tensors only")
+    if why_unavailable(backend, device) is not None:
+        pytest.skip(why_unavailable(backend, device))
     model, tokenizer = variant_models(name)
+    if device == "cuda":  # the fixture's model stays on the CPU for the other tests
+        model = copy.deepcopy(model).to(device)
     options = {"continuous_batching": True} if engine == "continuous" else {}
     if any(_refusals(model, engine, method, "left_padded")):
         with pytest.raises(NotImplementedError):
-            explain(model, tokenizer, PROMPTS["three"][:2], max_new_tokens=NEW_TOKENS, backend="triton",
+            explain(model, tokenizer, PROMPTS["three"][:2], max_new_tokens=NEW_TOKENS, backend=backend,
                     **METHODS[method], **options)
         return
-    for item in explain(model, tokenizer, PROMPTS["three"][:2], max_new_tokens=NEW_TOKENS, backend="triton",
+    for item in explain(model, tokenizer, PROMPTS["three"][:2], max_new_tokens=NEW_TOKENS, backend=backend,
                         **METHODS[method], **options):
-        reference = eager_log_c(model, item.input_ids, item.generated_ids)
-        assert (item.step_log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE
+        reference = eager_log_c(model, item.input_ids.to(device), item.generated_ids.to(device))
+        assert (item.step_log_c.double().cpu() - reference.cpu()).abs().max() <= LOG_C_TOLERANCE
 
 
 @pytest.mark.parametrize(("name", "engine"), [

@@ -376,11 +376,12 @@ def test_attention_variants_refused_where_they_cannot_be_followed():
     assert check_variants(gpt_oss, "generate", "exact") == ("sliding_window", "sinks")
     with pytest.raises(NotImplementedError, match="gpt_oss: attention sinks under tensor parallelism"):
         check_variants(gpt_oss, "generate", "exact", shards=object())
-    # The CUDA kernels take no variant: named, it is refused; chosen automatically, the torch kernels run instead.
-    with pytest.raises(NotImplementedError, match="backend='cuda' has no kernels for attention logit softcapping"):
-        support.variant_backend(("softcap",), "cuda", "cuda")
-    assert support.variant_backend(("softcap",), None, "cuda") == "torch"
+    # numba's kernels take no variant: named, it is refused; chosen automatically, the torch kernels run instead.
+    with pytest.raises(NotImplementedError, match="backend='numba' has no kernels for attention logit softcapping"):
+        support.variant_backend(("softcap",), "numba", "numba")
+    assert support.variant_backend(("softcap",), None, "numba") == "torch"
     assert support.variant_backend(("sinks",), "triton", "triton") == "triton"
+    assert support.variant_backend(("sliding_window", "softcap"), "cuda", "cuda") == "cuda"
     mistral = MistralForCausalLM(MistralConfig(
         vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, sliding_window=4, pad_token_id=0,

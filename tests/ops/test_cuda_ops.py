@@ -184,3 +184,42 @@ def test_launcher_errors_are_readable():
     with pytest.raises(RuntimeError, match="input_end must be int64"):
         torch.ops.macs_kernels.macs_update(q, k_cache.half(), log_c, index, (index + 5).int(), index + 10, 0.1, 0.8,
                                            "max", True, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "window, softcap, with_sinks",
+    [(64, None, False), (200, 30.0, True), (None, 20.0, False), (None, None, True), (700, 50.0, True)],
+)
+def test_variants_over_row_chunks_and_key_splits(dtype, window, softcap, with_sinks):
+    """ops.Variant on the cuda backend (the launchers' score_start, softcap and sinks) over 1023 keys (several key
+    splits, windows across split boundaries), 8 query heads per KV head (two row chunks of the 3 verify rows),
+    against the float64 reference over every token's keys."""
+    batch, kv_heads, group, rows, keys, dim = 2, 2, 8, 3, 1023, 64
+    heads = kv_heads * group
+    q = 2 * torch.randn(batch, heads, rows, dim, device="cuda").to(dtype)
+    k = torch.randn(batch, kv_heads, keys, dim, device="cuda").to(dtype)
+    v = torch.randn(batch, kv_heads, keys, dim, device="cuda").to(dtype)
+    sinks = 2 * torch.randn(heads, device="cuda") if with_sinks else None
+    input_start = torch.tensor([[0] * rows, [5] * rows], device="cuda")
+    input_end = torch.tensor([[400] * rows, [300] * rows], device="cuda")
+    kv_len = torch.tensor([[1021, 1022, 1023], [1000, 1001, 1002]], device="cuda")
+    scale = dim ** -0.5
+    expected, expected_out = reference.variant_pool_reference(
+        q, k, v, input_start=input_start, input_end=input_end, kv_len=kv_len, scale=scale, window=window,
+        softcap=softcap, sinks=sinks,
+    )
+    # A sliding-window cache holds the tokens its rows still attend, from key_offset on.
+    offset = 1000 - window if window is not None else 0
+    variant = ops.Variant(window=window, key_offset=offset, softcap=softcap, sinks=sinks)
+    out = ops.macs_pool(q, k[:, :, offset:], input_start=input_start, input_end=input_end, kv_len=kv_len,
+                        scale=scale, variant=variant, backend="cuda")
+    tolerance = RELATIVE_ERROR[dtype]
+    assert relative_error(out, expected) < tolerance
+    pooled = torch.empty(batch, expected.shape[-1], device="cuda")
+    attention, _ = ops.decode_attention(
+        q[:, :, -1], k[:, :, offset:], v[:, :, offset:], kv_start=input_start[:, -1], kv_len=kv_len[:, -1],
+        input_end=input_end[:, -1], scale=scale, pooled=pooled, variant=variant, backend="cuda",
+    )
+    assert relative_error(pooled, expected[:, -1]) < tolerance
+    assert relative_error(attention, expected_out[:, -1]) < tolerance

@@ -1,6 +1,7 @@
 """macs_kernels._C registers a CUDA kernel for every operator macs_kernels/ops defines, and the launchers'
 own behaviour that the per-op backend grids do not reach: query rows spread over several blocks and key
-splits (macs_pool), the pooled mode of decode_attention, and argument errors naming the argument.
+splits (macs_pool), the pooled mode of decode_attention, the attention-variant arguments against the torch
+kernels, and argument errors naming the argument.
 
 Needs a CUDA device and the built extension; skips with the reason otherwise.
 """
@@ -12,6 +13,7 @@ import torch
 import macs_kernels.ops  # noqa: F401 - defines the operators whose CUDA kernels _C registers
 from macs_kernels import reference
 from tests.ops.test_cuda_build import OPS
+from tests.ops.test_library_opcheck import CASES
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
 
@@ -165,3 +167,29 @@ def test_launcher_errors_name_the_argument():
             q[:, :, 0], k_cache, v_cache, start[:, 0].contiguous(), kv_len[:, 0].contiguous(), 0.1, None, None,
             0.8, "max", True, state,
         )
+    with pytest.raises(RuntimeError, match="decode_attention: score_start .* comes with pooled, not log_c"):
+        torch.ops.macs_kernels.decode_attention(
+            q[:, :, 0], k_cache, v_cache, start[:, 0].contiguous(), kv_len[:, 0].contiguous(), 0.1, state,
+            input_end[:, 0].contiguous(), 0.8, "max", True, None, start[:, 0].contiguous(),
+        )
+    with pytest.raises(RuntimeError, match=r"macs_pool: sinks must have shape \(2,\), one logit per query head"):
+        macs_pool(q, k_cache, out, start, input_end, kv_len, 0.1, "max", True, None, None, None,
+                  torch.zeros(3, device="cuda"))
+    with pytest.raises(RuntimeError, match="macs_pool: softcap must be a finite float > 0"):
+        macs_pool(q, k_cache, out, start, input_end, kv_len, 0.1, "max", True, None, None, 0.0)
+    with pytest.raises(RuntimeError, match=r"macs_pool: score_start must have shape \(2, 3\)"):
+        macs_pool(q, k_cache, out, start, input_end, kv_len, 0.1, "max", True, None, start[:, 0].contiguous())
+
+
+@pytest.mark.parametrize("case", ["macs_pool/variant", "decode_attention/log_c+variant",
+                                  "decode_attention/pooled+variant"])
+def test_variant_arguments_equal_the_torch_kernel(case):
+    """The operators' variant arguments in key slots (a window's attended start and score_start, which may
+    precede slot 0, a softcap, sinks) on the CUDA kernels against the operators' torch kernels on CPU."""
+    args = CASES[case]()
+    op = getattr(torch.ops.macs_kernels, case.split("/")[0])
+    on_gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    want, got = op(*args), op(*on_gpu)
+    for expected, actual in zip([*(want or ()), *args], [*(got or ()), *on_gpu]):
+        if isinstance(expected, torch.Tensor) and expected.is_floating_point():
+            assert relative_error(actual, expected) < RELATIVE_ERROR[torch.float32]

@@ -27,9 +27,11 @@ SCHEMAS = {
                           "Tensor kv_len, Tensor n_rows, SymInt n_max, float scale, Tensor? lse) -> Tensor",
     "decode_attention": "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_start, Tensor kv_len, float scale, "
                         "Tensor(a6!)? log_c, Tensor? input_end, float alpha, str pooling, bool redistribute, "
-                        "Tensor(a11!)? pooled=None) -> (Tensor, Tensor)",
+                        "Tensor(a11!)? pooled=None, Tensor? score_start=None, float? softcap=None, "
+                        "Tensor? sinks=None) -> (Tensor, Tensor)",
     "macs_pool": "(Tensor q, Tensor k_cache, Tensor(a2!) out, Tensor input_start, Tensor input_end, Tensor kv_len, "
-                 "float scale, str pooling, bool redistribute, Tensor? lse) -> ()",
+                 "float scale, str pooling, bool redistribute, Tensor? lse, Tensor? score_start=None, "
+                 "float? softcap=None, Tensor? sinks=None) -> ()",
     "macs_pool_paged": "(Tensor q, Tensor k_pages, Tensor block_table, Tensor(a3!) out, Tensor input_start, "
                        "Tensor input_end, Tensor kv_len, float scale, str pooling, bool redistribute, Tensor? lse) "
                        "-> ()",
@@ -75,6 +77,30 @@ def _pool_args():
             0.3, "max", True, None)
 
 
+def _variant_args(length):
+    """A sliding window of 2 keys over rows ending at `length` ((B,) or (B, R)): inputs before the window are
+    unseen (all of them in some rows), and item 1's first input slid out before slot 0. In the operators' slot
+    arguments: (attended start, score_start, softcap, sinks)."""
+    shape = (BATCH,) + (1,) * (length.dim() - 1)
+    start = torch.tensor(INPUT_START).view(shape).expand(length.shape)
+    score_start = (start - torch.tensor([0, 1]).view(shape)).contiguous()
+    return torch.maximum(start, length - 2).contiguous(), score_start, 2.0, torch.randn(HEADS)
+
+
+def _pool_variant_args():
+    q, k_cache, out, _, end, length, *rest = _pool_args()
+    attend, score_start, softcap, sinks = _variant_args(length)
+    return (q, k_cache, out, attend, end, length, *rest, score_start, softcap, sinks)
+
+
+def _decode_variant_args(state):
+    q, k_cache, v_cache, start, length, scale, log_c, end, *rest = _decode_args(state)
+    attend, score_start, softcap, sinks = _variant_args(length)
+    if state == "log_c":  # a window's columns come with pooled only
+        return (q, k_cache, v_cache, start, length, scale, log_c, end, *rest, None, softcap, sinks)
+    return (q, k_cache, v_cache, attend, length, scale, log_c, end, *rest, score_start, softcap, sinks)
+
+
 def _paged_args(pool_args=None):
     """_pool_args's keys in pages of 4 slots, numbered in reverse; int32 table ending in -1 for item 1."""
     q, k_cache, out, *rest = _pool_args() if pool_args is None else pool_args
@@ -109,7 +135,10 @@ CASES = {
     "decode_attention": lambda: _decode_args(None),
     "decode_attention/log_c": lambda: _decode_args("log_c"),
     "decode_attention/pooled": lambda: _decode_args("pooled"),
+    "decode_attention/log_c+variant": lambda: _decode_variant_args("log_c"),
+    "decode_attention/pooled+variant": lambda: _decode_variant_args("pooled"),
     "macs_pool": _pool_args,
+    "macs_pool/variant": _pool_variant_args,
     "macs_pool_paged": _paged_args,
     "attention_features": _features_args,
     "efficient_attention": _efficient_args,

@@ -1,5 +1,6 @@
-"""The torch kernels of attention variants (ops.Variant: sliding windows over a cache that dropped the tokens
-that slid out, logit softcapping, attention sinks) against the float64 reference over every token's keys."""
+"""The torch, Triton and CUDA kernels of attention variants (ops.Variant: sliding windows over a cache that
+dropped the tokens that slid out, logit softcapping, attention sinks) against the float64 reference over every
+token's keys."""
 from __future__ import annotations
 
 import pytest
@@ -37,7 +38,7 @@ def _case(window, sinks, seed):
 
 
 BACKENDS = [pytest.param(name, marks=pytest.mark.skip(reason=why_unavailable(name, DEVICE))
-                         if why_unavailable(name, DEVICE) else ()) for name in ("torch", "triton")]
+                         if why_unavailable(name, DEVICE) else ()) for name in ("torch", "triton", "cuda")]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
