@@ -304,23 +304,29 @@ class PagedRows(PackedRows):
                 (torch.zeros_like(bounds[:, 0]), bounds[:, 0].contiguous(), bounds[:, 1].contiguous()),
             ))
 
-    def pool(self, layer: int, query: torch.Tensor, k_pages: torch.Tensor, scale: float) -> None:
+    def pool(self, layer: int, query: torch.Tensor, k_pages: torch.Tensor, scale: float,
+             window: int | None = None) -> None:
         """m' of the scored rows of this layer's packed query (T, H, D) over the paged keys k_pages
-        (P, page_size, H_kv, D): any strides on torch, a unit stride in D on the other backends."""
+        (P, page_size, H_kv, D): any strides on torch, a unit stride in D on the other backends. window: a
+        sliding-window layer's (each row attends its last `window` keys; inputs before get 0; torch and numba)."""
         q_rows = query.index_select(0, self.rows)
         if self._torch_form(self.kernels):
-            probabilities = self.pages.probabilities(q_rows, k_pages, scale)
+            probabilities = self.pages.probabilities(q_rows, k_pages, scale, window)
             self._pool_probabilities(layer, probabilities[..., : self.segments.length_max])
             return
+        if window is not None and self.kernels.paged_backend != "numba":
+            raise NotImplementedError(f"sliding-window layers on the {self.kernels.paged_backend} paged backend: "
+                                      "its paged op takes no window (torch and numba do)")
+        extra = {} if window is None else {"window": window}
         for pooling, redistribute, index, table, ranges in self.paged_groups:
             if index is None:  # one option group: straight into the pass's rows
                 self.kernels.pool_paged(q_rows.unsqueeze(2), k_pages, table, self.pooled[layer].unsqueeze(1),
-                                        *ranges, scale, pooling, redistribute, None)
+                                        *ranges, scale, pooling, redistribute, None, **extra)
                 continue
             block = q_rows.index_select(0, index)
             pooled = torch.empty(block.shape[0], 1, self.segments.n_max, dtype=torch.float32, device=block.device)
             self.kernels.pool_paged(block.unsqueeze(2), k_pages, table, pooled, *ranges, scale, pooling,
-                                    redistribute, None)
+                                    redistribute, None, **extra)
             self._write(self.pooled[layer], index, pooled[:, 0])
 
     @staticmethod

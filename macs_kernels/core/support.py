@@ -55,7 +55,6 @@ UNSUPPORTED = {
     ("vllm", "at2", "*"): "the vLLM backend returns MACS rows; AT2 features come from explain()",
     ("vllm", "*", "speculative"): "speculative decoding verifies several draft tokens per pass and rejects some; the "
                                "backend scores one row per request and pass",
-    ("vllm", "*", "sliding_window"): "a sliding-window layer attends only its window, not every input",
 }
 
 # Attention variants (model properties the table treats as layouts): what each engine cannot follow.

@@ -7,7 +7,7 @@ import torch
 from ..config import MacsConfig
 from . import torch_backend
 from ._checks import IndexLike, as_scale, check_paged, check_pages_in_use
-from ._dispatch import NAMESPACE, kernel
+from ._dispatch import NAMESPACE, kernel, resolve_backend
 from .macs_pool import row_arguments
 
 # Writes `out` and returns nothing: the trivial fake kernel torch.library generates is the right one.
@@ -20,6 +20,7 @@ def macs_pool_paged(
     q: torch.Tensor, k_pages: torch.Tensor, block_table: torch.Tensor, *, input_start: IndexLike,
     input_end: IndexLike, kv_len: IndexLike, scale: float, pooling: str = "max", redistribute: bool = True,
     lse: torch.Tensor | None = None, out: torch.Tensor | None = None, backend: str | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """ops.macs_pool with the keys in pages: MACS's head-pooled row m' of each query row, before the floor.
 
@@ -30,6 +31,9 @@ def macs_pool_paged(
         slot j % page_size. Entries past an item's last attended page are never read (-1 is fine there).
     input_start, input_end, kv_len, lse, out, pooling, redistribute: as in ops.macs_pool, with keys numbered
         0 .. pages * page_size - 1 per item.
+    window: a sliding-window layer's window: each row attends only keys [max(input_start, kv_len - window),
+        kv_len) (the pages before are never read; the engine may have freed them), inputs before that get 0
+        (torch and numba backends).
     Returns float32 (B, N_max) or (B, R, N_max), equal to ops.macs_pool on the item's keys laid out
     contiguously.
     """
@@ -43,7 +47,32 @@ def macs_pool_paged(
     # Page numbers fit int32, the type paged-attention kernels take; int64 tables are converted once here.
     block_table = block_table.to(torch.int32)
     rows_out = out.view(block.shape[0], block.shape[2], out.shape[-1])
-    kernel(backend, q.device, "macs_pool_paged")(
-        block, k_pages, block_table, rows_out, *ranges, as_scale(scale), pooling, bool(redistribute), lse
-    )
+    arguments = (block, k_pages, block_table, rows_out, *ranges, as_scale(scale), pooling, bool(redistribute), lse)
+    if window is None:
+        kernel(backend, q.device, "macs_pool_paged")(*arguments)
+        return out
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive int (a sliding window's length in keys), got {window!r}")
+    name = resolve_backend(backend, q.device, "macs_pool_paged")
+    if name not in WINDOWED:
+        raise NotImplementedError(f"macs_pool_paged with a window runs on the {' and '.join(WINDOWED)} backends, "
+                                  f"not {name}")
+    WINDOWED[name](*arguments, window=window)
     return out
+
+
+def _torch_windowed(q, k_pages, block_table, out, input_start, input_end, kv_len, scale, pooling, redistribute, lse,
+                    *, window):
+    keys = torch_backend.gather_pages(k_pages, block_table, int(kv_len.max()))
+    torch_backend.macs_pool_variant(q, keys, out, input_start, input_end, kv_len, scale, pooling, redistribute, lse,
+                                    window=window)
+
+
+def _numba_windowed(*arguments, window):
+    from .numba.macs_pool_paged import macs_pool_paged as numba_form
+
+    numba_form(*arguments, window=window)
+
+
+# The backends whose paged op takes a sliding window.
+WINDOWED = {"torch": _torch_windowed, "numba": _numba_windowed}

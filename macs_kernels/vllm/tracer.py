@@ -254,7 +254,10 @@ class VllmTracer:
         step = self._pass
         if step is None:
             return
-        step.scorer.pool(index, query, impl.macs_key_pages(layer, kv_cache), impl.scale)
+        # vLLM's CPU attention attends a query's last `sliding_window` keys, itself included (transformers'
+        # convention); the blocks before may be freed, and the rows never read them.
+        window = None if impl.sliding_window == -1 else impl.sliding_window
+        step.scorer.pool(index, query, impl.macs_key_pages(layer, kv_cache), impl.scale, window)
         if index == self.num_layers - 1:
             self._end_pass()
 

@@ -16,7 +16,8 @@ WORKER_EXTENSION = "macs_kernels.vllm.worker.AttributionWorker"
 def attention_layers(vllm_config) -> dict:
     """The model's attention layers by name, in forward order, after refusing (naming it) what the backend
     cannot follow: speculative decoding, pipeline parallelism, a quantised KV cache, layers that
-    are not vLLM's standard decoder attention on the MACS backend, sliding windows, soft caps, ALiBi, sinks."""
+    are not vLLM's standard decoder attention on the MACS backend, windows other than CPU_ATTN's, soft caps, ALiBi,
+    sinks."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
     from vllm.model_executor.models.utils import extract_layer_index
@@ -53,8 +54,9 @@ def attention_layers(vllm_config) -> dict:
             )
         if impl.attn_type != AttentionType.DECODER:
             raise NotImplementedError(f"layer {name} is {impl.attn_type} attention; macs_kernels follows decoders")
-        if impl.sliding_window != -1:
-            support.check("vllm", "exact", "sliding_window")
+        if impl.sliding_window != -1 and not isinstance(impl.sliding_window, int):
+            raise NotImplementedError(f"layer {name} has sliding window {impl.sliding_window!r}: macs_kernels follows "
+                                      "CPU_ATTN's windows (an int, the keys a query attends) only")
         for feature, present in (("a logits soft cap", impl.logits_soft_cap), ("ALiBi", impl.alibi_slopes is not None),
                                  ("attention sinks", impl.sinks is not None)):
             if present:
@@ -89,8 +91,12 @@ class AttributionWorker:
         reads its paged cache (numba's in place, or torch's gather)."""
         active = tracing.ACTIVE
         if active is None or active.runner is not self.model_runner:
-            active = tracing.VllmTracer(self.model_runner, attention_layers(self.vllm_config), keep_finished,
-                                        head_shards(self.vllm_config))
+            layers = attention_layers(self.vllm_config)
+            active = tracing.VllmTracer(self.model_runner, layers, keep_finished, head_shards(self.vllm_config))
+            if active.kernels.paged_backend not in ("torch", "numba") and any(
+                    layer.impl.sliding_window != -1 for layer in layers.values()):
+                raise NotImplementedError(f"sliding-window layers on the {active.kernels.paged_backend} paged "
+                                          "backend: its paged op takes no window (torch's and numba's do)")
             tracing.ACTIVE = active
         return active.kernels.paged_backend
 
