@@ -103,6 +103,9 @@ def probe_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) 
 class _Pass:
     scorer: PagedRows
     keys: list  # (request id, step) per scored row
+    index: torch.Tensor  # the scored requests' rows of the pass's block tables
+    table: torch.Tensor  # the block table the scorer was planned with (layer 0's KV-cache group)
+    plans: dict = dataclasses.field(default_factory=dict)  # other groups' tables (vLLM's hybrid cache) -> their plans
 
 
 class VllmTracer:
@@ -238,10 +241,11 @@ class VllmTracer:
         device = metadata.block_table.device
         if device != self.device:
             self.device, self.kernels = device, self.kernels_on(device)
-        block_table = metadata.block_table.index_select(0, torch.tensor(index, device=device))
-        scorer = PagedRows(self.kernels, self.num_layers, torch.tensor(rows, device=device), block_table, lengths,
-                           n_inputs, page_size, planned, self.shards)
-        self._pass = _Pass(scorer, keys)
+        index = torch.tensor(index, device=device)
+        scorer = PagedRows(self.kernels, self.num_layers, torch.tensor(rows, device=device),
+                           metadata.block_table.index_select(0, index), lengths, n_inputs, page_size, planned,
+                           self.shards)
+        self._pass = _Pass(scorer, keys, index, metadata.block_table)
 
     def layer(self, impl, layer, query: torch.Tensor, kv_cache: torch.Tensor, metadata) -> None:
         """This layer's MACS term for the pass's scored rows, after vLLM's own attention wrote its output (and
@@ -257,9 +261,21 @@ class VllmTracer:
         # vLLM's CPU attention attends a query's last `sliding_window` keys, itself included (transformers'
         # convention); the blocks before may be freed, and the rows never read them.
         window = None if impl.sliding_window == -1 else impl.sliding_window
-        step.scorer.pool(index, query, impl.macs_key_pages(layer, kv_cache), impl.scale, window)
+        step.scorer.pool(index, query, impl.macs_key_pages(layer, kv_cache), impl.scale, window,
+                         self._plan(step, metadata.block_table))
         if index == self.num_layers - 1:
             self._end_pass()
+
+    @staticmethod
+    def _plan(step: _Pass, table: torch.Tensor):
+        """The scorer's plan for a layer whose KV-cache group has its own block table (a hybrid model's
+        sliding-window and full layers), or None for the pass's own."""
+        if table is step.table:
+            return None
+        key = table.data_ptr()
+        if key not in step.plans:
+            step.plans[key] = step.scorer.plan(table.index_select(0, step.index))
+        return step.plans[key]
 
     def _end_pass(self) -> None:
         step, self._pass = self._pass, None

@@ -91,45 +91,50 @@ def _refused_at_attach(path, match, **options):
         shut_down(llm)
 
 
-@pytest.fixture(scope="module")
-def windowed_path(tmp_path_factory):
-    """A tiny random Mistral whose layers attend their last 40 keys."""
-    from transformers import MistralConfig, MistralForCausalLM
+def _windowed_model(folder, kind):
+    """A tiny random model whose layers attend their last 40 keys: Mistral (every layer), or Gemma 3 (a
+    sliding-window layer, then a full one: vLLM's hybrid cache gives each its own block table)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
 
     from macs_kernels.models import load_tokenizer
 
-    folder = tmp_path_factory.mktemp("tiny-mistral-window")
     tokenizer = load_tokenizer()
     torch.manual_seed(0)
-    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=40,
-                           max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-                           pad_token_id=2, initializer_range=0.2)
-    MistralForCausalLM(config).save_pretrained(folder)
+    shape = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=40,
+                 max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                 pad_token_id=2, initializer_range=0.2)
+    if kind == "mistral":
+        MistralForCausalLM(MistralConfig(**shape)).save_pretrained(folder)
+    else:
+        config = Gemma3TextConfig(**shape, layer_types=["sliding_attention", "full_attention"],
+                                  query_pre_attn_scalar=32)
+        Gemma3ForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
 
 
-@pytest.mark.parametrize("paged", ["numba", "torch"])
-def test_a_sliding_window_model_follows_its_window(windowed_path, paged, monkeypatch):
+@pytest.mark.parametrize("kind,paged", [("mistral", "numba"), ("mistral", "torch"), ("gemma3", "numba"),
+                                        ("gemma3", "torch")])
+def test_a_sliding_window_model_follows_its_window(tmp_path, kind, paged, monkeypatch):
     """Prompts longer than the window, three concurrent requests in blocks of 32 (vLLM's sliding-window manager
-    frees the blocks before the window and hands them to other requests, whose keys then sit
-    where the table still points): the rows follow vLLM's windowed attention (inputs outside a layer's
-    window get 0 there) and equal the eager reference, through numba's in-place read and torch's gather."""
+    frees the blocks before the window and hands them to other requests, whose keys then sit where the table
+    still points): the rows follow vLLM's windowed attention (inputs outside a layer's window get 0 there) and
+    equal the eager reference, through numba's in-place read and torch's gather."""
     from transformers import AutoModelForCausalLM
 
     from macs_kernels.core import Kernels
     from macs_kernels.vllm.tracer import VllmTracer
 
+    path = _windowed_model(tmp_path, kind)
     monkeypatch.setattr(VllmTracer, "kernels_on", staticmethod(lambda device: Kernels.of("torch", paged=paged)))
-    llm = make_llm(windowed_path, block_size=32)
+    llm = make_llm(path, block_size=32)
     try:
         explanations = macs_vllm.explain(llm, token_prompts([25, 150, 260]), greedy(10))
     finally:
         shut_down(llm)
     assert explanations[0].config["backend"] == paged
-    reference = AutoModelForCausalLM.from_pretrained(windowed_path, dtype=torch.float32).eval()
-    largest_difference(reference, explanations)
+    largest_difference(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), explanations)
 
 
 def test_a_quantised_kv_cache_is_refused_before_work(tiny_path):
