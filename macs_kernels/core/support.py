@@ -58,8 +58,7 @@ UNSUPPORTED = {
 }
 
 # Attention variants (model properties the table treats as layouts): what each engine cannot follow.
-_PLAIN_ROWS = "scores plain softmax rows"
-UNSUPPORTED |= {("vllm", "*", variant): f"the vLLM backend {_PLAIN_ROWS}" for variant in ("softcap", "sinks")}
+UNSUPPORTED[("vllm", "*", "softcap")] = "the vLLM backend scores uncapped softmax rows"
 UNSUPPORTED[("continuous", "*", "softcap")] = (
     "transformers' continuous-batching attention (paged|eager, sdpa) drops the cap, so the engine does not "
     "compute the model's attention"

@@ -20,7 +20,7 @@ def macs_pool_paged(
     q: torch.Tensor, k_pages: torch.Tensor, block_table: torch.Tensor, *, input_start: IndexLike,
     input_end: IndexLike, kv_len: IndexLike, scale: float, pooling: str = "max", redistribute: bool = True,
     lse: torch.Tensor | None = None, out: torch.Tensor | None = None, backend: str | None = None,
-    window: int | None = None,
+    window: int | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """ops.macs_pool with the keys in pages: MACS's head-pooled row m' of each query row, before the floor.
 
@@ -34,6 +34,8 @@ def macs_pool_paged(
     window: a sliding-window layer's window: each row attends only keys [max(input_start, kv_len - window),
         kv_len) (the pages before are never read; the engine may have freed them), inputs before that get 0
         (torch and numba backends).
+    sinks: (H,) per-head sink logits in the softmax's denominator only (gpt-oss): a row's probabilities over
+        its keys sum to less than 1 (torch and numba backends; not with lse).
     Returns float32 (B, N_max) or (B, R, N_max), equal to ops.macs_pool on the item's keys laid out
     contiguously.
     """
@@ -48,31 +50,36 @@ def macs_pool_paged(
     block_table = block_table.to(torch.int32)
     rows_out = out.view(block.shape[0], block.shape[2], out.shape[-1])
     arguments = (block, k_pages, block_table, rows_out, *ranges, as_scale(scale), pooling, bool(redistribute), lse)
-    if window is None:
+    if window is None and sinks is None:
         kernel(backend, q.device, "macs_pool_paged")(*arguments)
         return out
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive int (a sliding window's length in keys), got {window!r}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (q.shape[1],):
+            raise ValueError(f"sinks must be a ({q.shape[1]},) tensor of per-head sink logits (q's heads)")
+        if lse is not None:
+            raise ValueError("lse cannot be given with sinks: the kernel computes its own normaliser")
     name = resolve_backend(backend, q.device, "macs_pool_paged")
-    if name not in WINDOWED:
-        raise NotImplementedError(f"macs_pool_paged with a window runs on the {' and '.join(WINDOWED)} backends, "
-                                  f"not {name}")
-    WINDOWED[name](*arguments, window=window)
+    if name not in VARIANT_FORMS:
+        raise NotImplementedError(f"macs_pool_paged with a window or sinks runs on the "
+                                  f"{' and '.join(VARIANT_FORMS)} backends, not {name}")
+    VARIANT_FORMS[name](*arguments, window=window, sinks=sinks)
     return out
 
 
-def _torch_windowed(q, k_pages, block_table, out, input_start, input_end, kv_len, scale, pooling, redistribute, lse,
-                    *, window):
+def _torch_variant(q, k_pages, block_table, out, input_start, input_end, kv_len, scale, pooling, redistribute, lse,
+                   *, window, sinks):
     keys = torch_backend.gather_pages(k_pages, block_table, int(kv_len.max()))
     torch_backend.macs_pool_variant(q, keys, out, input_start, input_end, kv_len, scale, pooling, redistribute, lse,
-                                    window=window)
+                                    window=window, sinks=sinks)
 
 
-def _numba_windowed(*arguments, window):
+def _numba_variant(*arguments, window, sinks):
     from .numba.macs_pool_paged import macs_pool_paged as numba_form
 
-    numba_form(*arguments, window=window)
+    numba_form(*arguments, window=window, sinks=sinks)
 
 
-# The backends whose paged op takes a sliding window.
-WINDOWED = {"torch": _torch_windowed, "numba": _numba_windowed}
+# The backends whose paged op takes a sliding window and sinks.
+VARIANT_FORMS = {"torch": _torch_variant, "numba": _numba_variant}

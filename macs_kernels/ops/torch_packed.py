@@ -170,10 +170,12 @@ class Pages:
         self.positions = positions
         self.outside = (positions >= self.lengths).unsqueeze(1)
 
-    def probabilities(self, q, k_pages, scale: float, window: int | None = None) -> torch.Tensor:
+    def probabilities(self, q, k_pages, scale: float, window: int | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Softmax rows (R, H, pages_max * page_size) float32 of q (R, H, D) over each row's own keys of
         k_pages (P, page_size, H_kv, D), any strides; zeros past a row's length, and with a sliding `window`
-        zeros before its last `window` keys (pages there may be freed: read, never attended)."""
+        zeros before its last `window` keys (pages there may be freed: read, never attended); with (H,) sink
+        logits in the denominator (gpt-oss) a row sums to less than 1."""
         rows, heads, dim = q.shape
         kv_heads = k_pages.shape[2]
         group = heads // kv_heads
@@ -188,4 +190,7 @@ class Pages:
         if window is not None:
             outside = outside | (self.positions < self.lengths - window).unsqueeze(1)
         scores = scores.view(rows, heads, -1).masked_fill_(outside, float("-inf"))
-        return torch.softmax(scores, dim=-1)
+        if sinks is None:
+            return torch.softmax(scores, dim=-1)
+        lse = torch.logaddexp(torch.logsumexp(scores, dim=-1), sinks.float().view(1, -1))
+        return scores.sub_(lse.unsqueeze(-1)).exp_()

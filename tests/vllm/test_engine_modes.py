@@ -92,9 +92,19 @@ def _refused_at_attach(path, match, **options):
 
 
 def _windowed_model(folder, kind):
-    """A tiny random model whose layers attend their last 40 keys: Mistral (every layer), or Gemma 3 (a
-    sliding-window layer, then a full one: vLLM's hybrid cache gives each its own block table)."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
+    """A tiny random model whose layers attend their last 40 keys: Mistral (every layer), Gemma 3 (a
+    sliding-window layer, then a full one: vLLM's hybrid cache gives each its own block table), or gpt-oss (the
+    same, with per-head sink logits; unquantised experts)."""
+    import json
+
+    from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        GptOssConfig,
+        GptOssForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+    )
 
     from macs_kernels.models import load_tokenizer
 
@@ -106,21 +116,34 @@ def _windowed_model(folder, kind):
                  pad_token_id=2, initializer_range=0.2)
     if kind == "mistral":
         MistralForCausalLM(MistralConfig(**shape)).save_pretrained(folder)
-    else:
+    elif kind == "gemma3":
         config = Gemma3TextConfig(**shape, layer_types=["sliding_attention", "full_attention"],
                                   query_pre_attn_scalar=32)
         Gemma3ForCausalLM(config).save_pretrained(folder)
+    else:
+        config = GptOssConfig(**(shape | dict(tie_word_embeddings=False)), num_local_experts=4,
+                              num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"])
+        model = GptOssForCausalLM(config)
+        with torch.no_grad():  # sinks near the rows' largest scores, so that they change every probability
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(2.0, 2.0)
+        model.save_pretrained(folder)
+        # vLLM reads a gpt-oss config's quantization_config as MXFP4 when present: these experts are plain.
+        settings = json.loads((folder / "config.json").read_text())
+        settings.pop("quantization_config", None)
+        (folder / "config.json").write_text(json.dumps(settings))
     tokenizer.save_pretrained(folder)
     return str(folder)
 
 
 @pytest.mark.parametrize("kind,paged", [("mistral", "numba"), ("mistral", "torch"), ("gemma3", "numba"),
-                                        ("gemma3", "torch")])
+                                        ("gemma3", "torch"), ("gpt-oss", "numba"), ("gpt-oss", "torch")])
 def test_a_sliding_window_model_follows_its_window(tmp_path, kind, paged, monkeypatch):
     """Prompts longer than the window, three concurrent requests in blocks of 32 (vLLM's sliding-window manager
     frees the blocks before the window and hands them to other requests, whose keys then sit where the table
     still points): the rows follow vLLM's windowed attention (inputs outside a layer's window get 0 there) and
-    equal the eager reference, through numba's in-place read and torch's gather."""
+    equal the eager reference, through numba's in-place read and torch's gather; gpt-oss's sinks join each
+    row's denominator."""
     from transformers import AutoModelForCausalLM
 
     from macs_kernels.core import Kernels

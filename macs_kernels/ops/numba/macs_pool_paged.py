@@ -42,7 +42,7 @@ def _exp_in_place(x, bits):
 
 @numba.njit(nogil=True, fastmath=True, cache=True)
 def _macs_pool_paged_kernel(q, keys, strides, table, out, input_start, input_end, kv_len, scale, pooling,
-                            redistribute, lse, has_lse, window):
+                            redistribute, lse, has_lse, window, sinks, has_sinks):
     batch, heads, rows, dim = q.shape
     page_stride, slot_stride, head_stride, dim_stride, page_size, kv_heads = strides
     group = heads // kv_heads
@@ -103,6 +103,8 @@ def _macs_pool_paged_kernel(q, keys, strides, table, out, input_start, input_end
                         shift = attended[0]
                         for t in range(1, span - skip):
                             shift = max(shift, attended[t])
+                        if has_sinks:  # the sink logit is in the softmax's denominator only
+                            shift = max(shift, sinks[head])
                     for t in range(span - skip):
                         attended[t] -= shift
                     _exp_in_place(attended, bits[:span - skip])
@@ -112,6 +114,8 @@ def _macs_pool_paged_kernel(q, keys, strides, table, out, input_start, input_end
                         norm = np.float32(0.0)
                         for t in range(span - skip):
                             norm += attended[t]
+                        if has_sinks:
+                            norm += np.float32(math.exp(sinks[head] - shift))
                     spill = np.float32(0.0)
                     if redistribute:
                         for t in range(n_input, span):
@@ -139,10 +143,11 @@ def _flat(tensor: torch.Tensor) -> tuple[np.ndarray, tuple[int, ...]]:
 
 
 def macs_pool_paged(q, k_pages, block_table, out, input_start, input_end, kv_len, scale, pooling, redistribute,
-                    lse, *, window=None):
+                    lse, *, window=None, sinks=None):
     """q (B, H, R, D), k_pages (P, page_size, H_kv, D) any strides, block_table (B, pages) int32, ranges
     (B, R) int64, out (B, R, N_max) float32 written; lse (B, H, R) or None; window: the rows attend only their
-    last `window` keys (a sliding-window layer), or None."""
+    last `window` keys (a sliding-window layer), or None; sinks: (H,) per-head sink logits in the softmax
+    denominator (gpt-oss), or None (not with lse)."""
     if k_pages.dtype != torch.float32:
         # Numba has no bfloat16: the attended pages are gathered in float32 (a copy), under a table that
         # numbers them in that order.
@@ -158,6 +163,8 @@ def macs_pool_paged(q, k_pages, block_table, out, input_start, input_end, kv_len
     _macs_pool_paged_kernel(q.float().contiguous().numpy(), keys, strides, block_table.numpy(), target.numpy(),
                             input_start.numpy(), input_end.numpy(), kv_len.numpy(), np.float32(scale),
                             _POOLINGS[pooling], bool(redistribute), lse_array, lse is not None,
-                            0 if window is None else int(window))
+                            0 if window is None else int(window),
+                            np.zeros(1, np.float32) if sinks is None else sinks.float().contiguous().numpy(),
+                            sinks is not None)
     if target is not out:
         out.copy_(target)
