@@ -309,19 +309,21 @@ class PagedRows(PackedRows):
         return [table if index is None else table.index_select(0, index) for _, _, index in self.groups]
 
     def pool(self, layer: int, query: torch.Tensor, k_pages: torch.Tensor, scale: float,
-             window: int | None = None, plan=None, sinks: torch.Tensor | None = None) -> None:
+             window: int | None = None, plan=None, sinks: torch.Tensor | None = None,
+             softcap: float | None = None) -> None:
         """m' of the scored rows of this layer's packed query (T, H, D) over the paged keys k_pages
         (P, page_size, H_kv, D): any strides on torch, a unit stride in D on the other backends. window: a
         sliding-window layer's (each row attends its last `window` keys; inputs before get 0); sinks: (H,) sink
-        logits in the softmax's denominator (gpt-oss); both on torch and numba. plan: `plan(table)` of this
-        layer's block table when it is not the pass's."""
+        logits in the softmax's denominator (gpt-oss); softcap: Gemma 2's logit cap; all on torch and numba.
+        plan: `plan(table)` of this layer's block table when it is not the pass's."""
         plan = self.table if plan is None else plan
         q_rows = query.index_select(0, self.rows)
         if self._torch_form(self.kernels):
-            probabilities = plan.probabilities(q_rows, k_pages, scale, window, sinks)
+            probabilities = plan.probabilities(q_rows, k_pages, scale, window, sinks, softcap)
             self._pool_probabilities(layer, probabilities[..., : self.segments.length_max])
             return
-        extra = {name: value for name, value in (("window", window), ("sinks", sinks)) if value is not None}
+        extra = {name: value for name, value in (("window", window), ("sinks", sinks), ("softcap", softcap))
+                 if value is not None}
         if extra and self.kernels.paged_backend != "numba":
             raise NotImplementedError(f"{' and '.join(extra)} on the {self.kernels.paged_backend} paged backend: its "
                                       "paged op takes neither (torch's and numba's do)")

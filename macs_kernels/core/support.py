@@ -58,7 +58,6 @@ UNSUPPORTED = {
 }
 
 # Attention variants (model properties the table treats as layouts): what each engine cannot follow.
-UNSUPPORTED[("vllm", "*", "softcap")] = "the vLLM backend scores uncapped softmax rows"
 UNSUPPORTED[("continuous", "*", "softcap")] = (
     "transformers' continuous-batching attention (paged|eager, sdpa) drops the cap, so the engine does not "
     "compute the model's attention"

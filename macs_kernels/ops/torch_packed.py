@@ -171,11 +171,12 @@ class Pages:
         self.outside = (positions >= self.lengths).unsqueeze(1)
 
     def probabilities(self, q, k_pages, scale: float, window: int | None = None,
-                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
         """Softmax rows (R, H, pages_max * page_size) float32 of q (R, H, D) over each row's own keys of
         k_pages (P, page_size, H_kv, D), any strides; zeros past a row's length, and with a sliding `window`
         zeros before its last `window` keys (pages there may be freed: read, never attended); with (H,) sink
-        logits in the denominator (gpt-oss) a row sums to less than 1."""
+        logits in the denominator (gpt-oss) a row sums to less than 1; logits capped to softcap * tanh(s /
+        softcap) first when softcap is set (Gemma 2)."""
         rows, heads, dim = q.shape
         kv_heads = k_pages.shape[2]
         group = heads // kv_heads
@@ -186,6 +187,8 @@ class Pages:
         page_scores = torch.matmul(grouped, keys).view(len(self.pages), heads, self.page_size)
         scores = torch.empty(rows, heads, self.pages_max, self.page_size, dtype=torch.float32, device=q.device)
         scores[self.owner, :, self.column] = page_scores
+        if softcap is not None:
+            scores.div_(softcap).tanh_().mul_(softcap)
         outside = self.outside
         if window is not None:
             outside = outside | (self.positions < self.lengths - window).unsqueeze(1)

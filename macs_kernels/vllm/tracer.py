@@ -262,7 +262,7 @@ class VllmTracer:
         # convention); the blocks before may be freed, and the rows never read them.
         window = None if impl.sliding_window == -1 else impl.sliding_window
         step.scorer.pool(index, query, impl.macs_key_pages(layer, kv_cache), impl.scale, window,
-                         self._plan(step, metadata.block_table), impl.sinks)
+                         self._plan(step, metadata.block_table), impl.sinks, impl.logits_soft_cap or None)
         if index == self.num_layers - 1:
             self._end_pass()
 

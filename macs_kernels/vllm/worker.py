@@ -16,8 +16,8 @@ WORKER_EXTENSION = "macs_kernels.vllm.worker.AttributionWorker"
 def attention_layers(vllm_config) -> dict:
     """The model's attention layers by name, in forward order, after refusing (naming it) what the backend
     cannot follow: speculative decoding, pipeline parallelism, a quantised KV cache, layers that
-    are not vLLM's standard decoder attention on the MACS backend, windows other than CPU_ATTN's, soft caps, ALiBi.
-    Sliding windows and sinks (gpt-oss) are followed."""
+    are not vLLM's standard decoder attention on the MACS backend, windows other than CPU_ATTN's, ALiBi. Sliding
+    windows, sinks (gpt-oss) and logit soft caps (Gemma 2) are followed."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
     from vllm.model_executor.models.utils import extract_layer_index
@@ -57,9 +57,8 @@ def attention_layers(vllm_config) -> dict:
         if impl.sliding_window != -1 and not isinstance(impl.sliding_window, int):
             raise NotImplementedError(f"layer {name} has sliding window {impl.sliding_window!r}: macs_kernels follows "
                                       "CPU_ATTN's windows (an int, the keys a query attends) only")
-        for feature, present in (("a logits soft cap", impl.logits_soft_cap), ("ALiBi", impl.alibi_slopes is not None)):
-            if present:
-                raise NotImplementedError(f"layer {name} uses {feature}; macs_kernels scores plain softmax rows")
+        if impl.alibi_slopes is not None:
+            raise NotImplementedError(f"layer {name} uses ALiBi; macs_kernels scores softmax rows without biases")
     return dict(sorted(layers.items(), key=lambda item: extract_layer_index(item[0])))
 
 
@@ -93,9 +92,10 @@ class AttributionWorker:
             layers = attention_layers(self.vllm_config)
             active = tracing.VllmTracer(self.model_runner, layers, keep_finished, head_shards(self.vllm_config))
             if active.kernels.paged_backend not in ("torch", "numba") and any(
-                    layer.impl.sliding_window != -1 or layer.impl.sinks is not None for layer in layers.values()):
-                raise NotImplementedError(f"sliding windows or sinks on the {active.kernels.paged_backend} paged "
-                                          "backend: its paged op takes neither (torch's and numba's do)")
+                    layer.impl.sliding_window != -1 or layer.impl.sinks is not None or layer.impl.logits_soft_cap
+                    for layer in layers.values()):
+                raise NotImplementedError(f"sliding windows, sinks or soft caps on the {active.kernels.paged_backend} "
+                                          "paged backend: its paged op takes none (torch's and numba's do)")
             tracing.ACTIVE = active
         return active.kernels.paged_backend
 

@@ -93,12 +93,12 @@ def test_macs_pool_paged_equals_macs_pool_with_lse_out_and_an_int64_table(backen
 
 @pytest.mark.parametrize("backend", [p for p in backends("macs_pool_paged") if p.id in ("torch", "numba")])
 @pytest.mark.parametrize("pooling", POOLINGS)
-@pytest.mark.parametrize("with_sinks", [False, True])
-def test_macs_pool_paged_with_a_window_reads_only_the_window(backend, pooling, with_sinks):
+@pytest.mark.parametrize("extra", ["", "sinks", "softcap"])
+def test_macs_pool_paged_with_a_window_reads_only_the_window(backend, pooling, extra):
     """A sliding-window layer's rows: keys before kv_len - window get probability 0 (inputs there get only the
     spread), equal to macs_pool with that window on the contiguous keys; the pages wholly before every row's
     window are NaN (an engine may free them) and never read. With sinks (gpt-oss), each head's sink logit joins
-    the denominator."""
+    the denominator; with a softcap (Gemma 2) the logits are capped first."""
     generator = torch.Generator().manual_seed(7)
     k = torch.randn(2, 2, 70, 16, generator=generator)
     q = torch.randn(2, 4, 2, 16, generator=generator).to(DEVICE)
@@ -110,11 +110,11 @@ def test_macs_pool_paged_with_a_window_reads_only_the_window(backend, pooling, w
     for b, first in enumerate((69 - window, 55 - window)):
         k_pages[table[b, :first // 8].long()] = float("nan")
     # Sink logits around the rows' largest scores, so that they change every probability.
-    sinks = torch.tensor([3.0, -1.0, 6.0, 0.5], device=DEVICE) if with_sinks else None
-    got = ops.macs_pool_paged(q, k_pages, table, backend=backend, window=window, sinks=sinks, **ranges)
-    want = ops.macs_pool(q, k.to(DEVICE), backend="torch", variant=ops.Variant(window=window, sinks=sinks),
-                         **ranges)
-    if with_sinks:
+    variant = dict(sinks=torch.tensor([3.0, -1.0, 6.0, 0.5], device=DEVICE)) if extra == "sinks" else {}
+    variant |= dict(softcap=0.5) if extra == "softcap" else {}
+    got = ops.macs_pool_paged(q, k_pages, table, backend=backend, window=window, **variant, **ranges)
+    want = ops.macs_pool(q, k.to(DEVICE), backend="torch", variant=ops.Variant(window=window, **variant), **ranges)
+    if extra:
         plain = ops.macs_pool(q, k.to(DEVICE), backend="torch", variant=ops.Variant(window=window), **ranges)
         assert (want - plain).abs().max() > 1e-2
     assert not got.isnan().any()

@@ -42,7 +42,7 @@ def _exp_in_place(x, bits):
 
 @numba.njit(nogil=True, fastmath=True, cache=True)
 def _macs_pool_paged_kernel(q, keys, strides, table, out, input_start, input_end, kv_len, scale, pooling,
-                            redistribute, lse, has_lse, window, sinks, has_sinks):
+                            redistribute, lse, has_lse, window, sinks, has_sinks, softcap):
     batch, heads, rows, dim = q.shape
     page_stride, slot_stride, head_stride, dim_stride, page_size, kv_heads = strides
     group = heads // kv_heads
@@ -97,6 +97,9 @@ def _macs_pool_paged_kernel(q, keys, strides, table, out, input_start, input_end
                     head = kv_head * group + g
                     row_scores = scores[g, :span]
                     attended = scores[g, skip:span]
+                    if softcap > 0:  # Gemma 2's cap on the logits
+                        for t in range(span - skip):
+                            attended[t] = softcap * math.tanh(attended[t] / softcap)
                     if has_lse:
                         shift = lse[b, head, r]
                     else:
@@ -143,11 +146,12 @@ def _flat(tensor: torch.Tensor) -> tuple[np.ndarray, tuple[int, ...]]:
 
 
 def macs_pool_paged(q, k_pages, block_table, out, input_start, input_end, kv_len, scale, pooling, redistribute,
-                    lse, *, window=None, sinks=None):
+                    lse, *, window=None, sinks=None, softcap=None):
     """q (B, H, R, D), k_pages (P, page_size, H_kv, D) any strides, block_table (B, pages) int32, ranges
     (B, R) int64, out (B, R, N_max) float32 written; lse (B, H, R) or None; window: the rows attend only their
     last `window` keys (a sliding-window layer), or None; sinks: (H,) per-head sink logits in the softmax
-    denominator (gpt-oss), or None (not with lse)."""
+    denominator (gpt-oss), or None (not with lse); softcap: logits capped to softcap * tanh(s / softcap) (Gemma 2),
+    or None."""
     if k_pages.dtype != torch.float32:
         # Numba has no bfloat16: the attended pages are gathered in float32 (a copy), under a table that
         # numbers them in that order.
@@ -165,6 +169,6 @@ def macs_pool_paged(q, k_pages, block_table, out, input_start, input_end, kv_len
                             _POOLINGS[pooling], bool(redistribute), lse_array, lse is not None,
                             0 if window is None else int(window),
                             np.zeros(1, np.float32) if sinks is None else sinks.float().contiguous().numpy(),
-                            sinks is not None)
+                            sinks is not None, np.float32(0.0 if softcap is None else softcap))
     if target is not out:
         out.copy_(target)
