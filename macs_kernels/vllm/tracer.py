@@ -99,6 +99,20 @@ def probe_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) 
     )
 
 
+def layer_window(impl) -> int | None:
+    """The keys a query of this layer attends, itself included (transformers' convention), or None: CPU_ATTN keeps
+    the window (-1: none), FLASH_ATTN FlashAttention's (window - 1, 0) ((-1, -1): none). The blocks before a
+    window may be freed and reused, and the rows never read them."""
+    window = impl.sliding_window
+    if isinstance(window, tuple):
+        if window == (-1, -1):
+            return None
+        if window[1] != 0:
+            raise NotImplementedError(f"sliding window {window}: macs_kernels follows causal windows only")
+        return window[0] + 1
+    return None if window == -1 else window
+
+
 @dataclasses.dataclass
 class _Pass:
     scorer: PagedRows
@@ -258,10 +272,7 @@ class VllmTracer:
         step = self._pass
         if step is None:
             return
-        # vLLM's CPU attention attends a query's last `sliding_window` keys, itself included (transformers'
-        # convention); the blocks before may be freed, and the rows never read them.
-        window = None if impl.sliding_window == -1 else impl.sliding_window
-        step.scorer.pool(index, query, impl.macs_key_pages(layer, kv_cache), impl.scale, window,
+        step.scorer.pool(index, query, impl.macs_key_pages(layer, kv_cache), impl.scale, layer_window(impl),
                          self._plan(step, metadata.block_table), impl.sinks, impl.logits_soft_cap or None)
         if index == self.num_layers - 1:
             self._end_pass()

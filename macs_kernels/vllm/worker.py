@@ -16,7 +16,7 @@ WORKER_EXTENSION = "macs_kernels.vllm.worker.AttributionWorker"
 def attention_layers(vllm_config) -> dict:
     """The model's attention layers by name, in forward order, after refusing (naming it) what the backend
     cannot follow: speculative decoding, pipeline parallelism, a quantised KV cache, layers that
-    are not vLLM's standard decoder attention on the MACS backend, windows other than CPU_ATTN's, ALiBi. Sliding
+    are not vLLM's standard decoder attention on the MACS backend, non-causal windows, ALiBi. Sliding
     windows, sinks (gpt-oss) and logit soft caps (Gemma 2) are followed."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
@@ -54,9 +54,7 @@ def attention_layers(vllm_config) -> dict:
             )
         if impl.attn_type != AttentionType.DECODER:
             raise NotImplementedError(f"layer {name} is {impl.attn_type} attention; macs_kernels follows decoders")
-        if impl.sliding_window != -1 and not isinstance(impl.sliding_window, int):
-            raise NotImplementedError(f"layer {name} has sliding window {impl.sliding_window!r}: macs_kernels follows "
-                                      "CPU_ATTN's windows (an int, the keys a query attends) only")
+        tracing.layer_window(impl)  # refuses a window it cannot follow
         if impl.alibi_slopes is not None:
             raise NotImplementedError(f"layer {name} uses ALiBi; macs_kernels scores softmax rows without biases")
     return dict(sorted(layers.items(), key=lambda item: extract_layer_index(item[0])))
@@ -92,7 +90,8 @@ class AttributionWorker:
             layers = attention_layers(self.vllm_config)
             active = tracing.VllmTracer(self.model_runner, layers, keep_finished, head_shards(self.vllm_config))
             if active.kernels.paged_backend not in ("torch", "numba") and any(
-                    layer.impl.sliding_window != -1 or layer.impl.sinks is not None or layer.impl.logits_soft_cap
+                    tracing.layer_window(layer.impl) is not None or layer.impl.sinks is not None
+                    or layer.impl.logits_soft_cap
                     for layer in layers.values()):
                 raise NotImplementedError(f"sliding windows, sinks or soft caps on the {active.kernels.paged_backend} "
                                           "paged backend: its paged op takes none (torch's and numba's do)")
