@@ -290,37 +290,52 @@ class PagedRows(PackedRows):
                  lengths: list, n_input: list, page_size: int, configs: list, shards: HeadShards | None = None):
         segments = Segments([0] * len(lengths), lengths, n_input, [c.redistribute for c in configs], rows.device)
         super().__init__(kernels, num_layers, rows, segments, configs, shards)
-        if self._torch_form(kernels):
-            self.pages = Pages(block_table, lengths, page_size)
-            return
-        # The paged op's (B, 1) ranges and int32 table per option group, built once per pass.
-        table = block_table.to(torch.int32)
+        self.lengths, self.page_size = lengths, page_size
+        # The paged op's (B, 1) ranges per option group, built once per pass.
         ends = torch.tensor([n_input, lengths], dtype=torch.int64, device=rows.device).T.unsqueeze(-1)
-        self.paged_groups = []
-        for pooling, redistribute, index in self.groups:
+        self.ranges = []
+        for _, _, index in self.groups:
             bounds = ends if index is None else ends.index_select(0, index)
-            self.paged_groups.append((
-                pooling, redistribute, index, table if index is None else table.index_select(0, index),
-                (torch.zeros_like(bounds[:, 0]), bounds[:, 0].contiguous(), bounds[:, 1].contiguous()),
-            ))
+            self.ranges.append((torch.zeros_like(bounds[:, 0]), bounds[:, 0].contiguous(), bounds[:, 1].contiguous()))
+        self.table = self.plan(block_table)
 
-    def pool(self, layer: int, query: torch.Tensor, k_pages: torch.Tensor, scale: float) -> None:
+    def plan(self, block_table: torch.Tensor):
+        """What `pool` needs of the rows' block-table rows (R, pages): the pages to gather (torch) or the int32
+        table per option group (the other backends). The pass's own table is planned once; a layer whose keys
+        follow another table (vLLM's hybrid cache gives each KV-cache group its own) passes its plan to `pool`."""
+        if self._torch_form(self.kernels):
+            return Pages(block_table, self.lengths, self.page_size)
+        table = block_table.to(torch.int32)
+        return [table if index is None else table.index_select(0, index) for _, _, index in self.groups]
+
+    def pool(self, layer: int, query: torch.Tensor, k_pages: torch.Tensor, scale: float,
+             window: int | None = None, plan=None, sinks: torch.Tensor | None = None,
+             softcap: float | None = None) -> None:
         """m' of the scored rows of this layer's packed query (T, H, D) over the paged keys k_pages
-        (P, page_size, H_kv, D): any strides on torch, a unit stride in D on the other backends."""
+        (P, page_size, H_kv, D): any strides on torch, a unit stride in D on the other backends. window: a
+        sliding-window layer's (each row attends its last `window` keys; inputs before get 0); sinks: (H,) sink
+        logits in the softmax's denominator (gpt-oss); softcap: Gemma 2's logit cap; all on torch and numba.
+        plan: `plan(table)` of this layer's block table when it is not the pass's."""
+        plan = self.table if plan is None else plan
         q_rows = query.index_select(0, self.rows)
         if self._torch_form(self.kernels):
-            probabilities = self.pages.probabilities(q_rows, k_pages, scale)
+            probabilities = plan.probabilities(q_rows, k_pages, scale, window, sinks, softcap)
             self._pool_probabilities(layer, probabilities[..., : self.segments.length_max])
             return
-        for pooling, redistribute, index, table, ranges in self.paged_groups:
+        extra = {name: value for name, value in (("window", window), ("sinks", sinks), ("softcap", softcap))
+                 if value is not None}
+        if extra and self.kernels.paged_backend != "numba":
+            raise NotImplementedError(f"{' and '.join(extra)} on the {self.kernels.paged_backend} paged backend: its "
+                                      "paged op takes neither (torch's and numba's do)")
+        for (pooling, redistribute, index), table, ranges in zip(self.groups, plan, self.ranges):
             if index is None:  # one option group: straight into the pass's rows
                 self.kernels.pool_paged(q_rows.unsqueeze(2), k_pages, table, self.pooled[layer].unsqueeze(1),
-                                        *ranges, scale, pooling, redistribute, None)
+                                        *ranges, scale, pooling, redistribute, None, **extra)
                 continue
             block = q_rows.index_select(0, index)
             pooled = torch.empty(block.shape[0], 1, self.segments.n_max, dtype=torch.float32, device=block.device)
             self.kernels.pool_paged(block.unsqueeze(2), k_pages, table, pooled, *ranges, scale, pooling,
-                                    redistribute, None)
+                                    redistribute, None, **extra)
             self._write(self.pooled[layer], index, pooled[:, 0])
 
     @staticmethod

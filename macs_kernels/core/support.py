@@ -55,12 +55,9 @@ UNSUPPORTED = {
     ("vllm", "at2", "*"): "the vLLM backend returns MACS rows; AT2 features come from explain()",
     ("vllm", "*", "speculative"): "speculative decoding verifies several draft tokens per pass and rejects some; the "
                                "backend scores one row per request and pass",
-    ("vllm", "*", "sliding_window"): "a sliding-window layer attends only its window, not every input",
 }
 
 # Attention variants (model properties the table treats as layouts): what each engine cannot follow.
-_PLAIN_ROWS = "scores plain softmax rows"
-UNSUPPORTED |= {("vllm", "*", variant): f"the vLLM backend {_PLAIN_ROWS}" for variant in ("softcap", "sinks")}
 UNSUPPORTED[("continuous", "*", "softcap")] = (
     "transformers' continuous-batching attention (paged|eager, sdpa) drops the cap, so the engine does not "
     "compute the model's attention"

@@ -166,11 +166,17 @@ class Pages:
         self.pages = block_table[owner, column].long()
         positions = torch.arange(self.pages_max * page_size, device=device)
         # (R, 1, L) keys past a row's length (its last page's tail, and the pages it does not have)
-        self.outside = (positions >= torch.tensor(lengths, device=device).view(-1, 1)).unsqueeze(1)
+        self.lengths = torch.tensor(lengths, device=device).view(-1, 1)
+        self.positions = positions
+        self.outside = (positions >= self.lengths).unsqueeze(1)
 
-    def probabilities(self, q, k_pages, scale: float) -> torch.Tensor:
+    def probabilities(self, q, k_pages, scale: float, window: int | None = None,
+                      sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
         """Softmax rows (R, H, pages_max * page_size) float32 of q (R, H, D) over each row's own keys of
-        k_pages (P, page_size, H_kv, D), any strides; zeros past a row's length."""
+        k_pages (P, page_size, H_kv, D), any strides; zeros past a row's length, and with a sliding `window`
+        zeros before its last `window` keys (pages there may be freed: read, never attended); with (H,) sink
+        logits in the denominator (gpt-oss) a row sums to less than 1; logits capped to softcap * tanh(s /
+        softcap) first when softcap is set (Gemma 2)."""
         rows, heads, dim = q.shape
         kv_heads = k_pages.shape[2]
         group = heads // kv_heads
@@ -181,5 +187,13 @@ class Pages:
         page_scores = torch.matmul(grouped, keys).view(len(self.pages), heads, self.page_size)
         scores = torch.empty(rows, heads, self.pages_max, self.page_size, dtype=torch.float32, device=q.device)
         scores[self.owner, :, self.column] = page_scores
-        scores = scores.view(rows, heads, -1).masked_fill_(self.outside, float("-inf"))
-        return torch.softmax(scores, dim=-1)
+        if softcap is not None:
+            scores.div_(softcap).tanh_().mul_(softcap)
+        outside = self.outside
+        if window is not None:
+            outside = outside | (self.positions < self.lengths - window).unsqueeze(1)
+        scores = scores.view(rows, heads, -1).masked_fill_(outside, float("-inf"))
+        if sinks is None:
+            return torch.softmax(scores, dim=-1)
+        lse = torch.logaddexp(torch.logsumexp(scores, dim=-1), sinks.float().view(1, -1))
+        return scores.sub_(lse.unsqueeze(-1)).exp_()

@@ -99,10 +99,27 @@ def probe_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) 
     )
 
 
+def layer_window(impl) -> int | None:
+    """The keys a query of this layer attends, itself included (transformers' convention), or None: CPU_ATTN keeps
+    the window (-1: none), FLASH_ATTN FlashAttention's (window - 1, 0) ((-1, -1): none). The blocks before a
+    window may be freed and reused, and the rows never read them."""
+    window = impl.sliding_window
+    if isinstance(window, tuple):
+        if window == (-1, -1):
+            return None
+        if window[1] != 0:
+            raise NotImplementedError(f"sliding window {window}: macs_kernels follows causal windows only")
+        return window[0] + 1
+    return None if window == -1 else window
+
+
 @dataclasses.dataclass
 class _Pass:
     scorer: PagedRows
     keys: list  # (request id, step) per scored row
+    index: torch.Tensor  # the scored requests' rows of the pass's block tables
+    table: torch.Tensor  # the block table the scorer was planned with (layer 0's KV-cache group)
+    plans: dict = dataclasses.field(default_factory=dict)  # other groups' tables (vLLM's hybrid cache) -> their plans
 
 
 class VllmTracer:
@@ -238,10 +255,11 @@ class VllmTracer:
         device = metadata.block_table.device
         if device != self.device:
             self.device, self.kernels = device, self.kernels_on(device)
-        block_table = metadata.block_table.index_select(0, torch.tensor(index, device=device))
-        scorer = PagedRows(self.kernels, self.num_layers, torch.tensor(rows, device=device), block_table, lengths,
-                           n_inputs, page_size, planned, self.shards)
-        self._pass = _Pass(scorer, keys)
+        index = torch.tensor(index, device=device)
+        scorer = PagedRows(self.kernels, self.num_layers, torch.tensor(rows, device=device),
+                           metadata.block_table.index_select(0, index), lengths, n_inputs, page_size, planned,
+                           self.shards)
+        self._pass = _Pass(scorer, keys, index, metadata.block_table)
 
     def layer(self, impl, layer, query: torch.Tensor, kv_cache: torch.Tensor, metadata) -> None:
         """This layer's MACS term for the pass's scored rows, after vLLM's own attention wrote its output (and
@@ -254,9 +272,21 @@ class VllmTracer:
         step = self._pass
         if step is None:
             return
-        step.scorer.pool(index, query, impl.macs_key_pages(layer, kv_cache), impl.scale)
+        step.scorer.pool(index, query, impl.macs_key_pages(layer, kv_cache), impl.scale, layer_window(impl),
+                         self._plan(step, metadata.block_table), impl.sinks, impl.logits_soft_cap or None)
         if index == self.num_layers - 1:
             self._end_pass()
+
+    @staticmethod
+    def _plan(step: _Pass, table: torch.Tensor):
+        """The scorer's plan for a layer whose KV-cache group has its own block table (a hybrid model's
+        sliding-window and full layers), or None for the pass's own."""
+        if table is step.table:
+            return None
+        key = table.data_ptr()
+        if key not in step.plans:
+            step.plans[key] = step.scorer.plan(table.index_select(0, step.index))
+        return step.plans[key]
 
     def _end_pass(self) -> None:
         step, self._pass = self._pass, None

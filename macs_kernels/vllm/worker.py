@@ -16,7 +16,8 @@ WORKER_EXTENSION = "macs_kernels.vllm.worker.AttributionWorker"
 def attention_layers(vllm_config) -> dict:
     """The model's attention layers by name, in forward order, after refusing (naming it) what the backend
     cannot follow: speculative decoding, pipeline parallelism, a quantised KV cache, layers that
-    are not vLLM's standard decoder attention on the MACS backend, sliding windows, soft caps, ALiBi, sinks."""
+    are not vLLM's standard decoder attention on the MACS backend, non-causal windows, ALiBi. Sliding
+    windows, sinks (gpt-oss) and logit soft caps (Gemma 2) are followed."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
     from vllm.model_executor.models.utils import extract_layer_index
@@ -53,12 +54,9 @@ def attention_layers(vllm_config) -> dict:
             )
         if impl.attn_type != AttentionType.DECODER:
             raise NotImplementedError(f"layer {name} is {impl.attn_type} attention; macs_kernels follows decoders")
-        if impl.sliding_window != -1:
-            support.check("vllm", "exact", "sliding_window")
-        for feature, present in (("a logits soft cap", impl.logits_soft_cap), ("ALiBi", impl.alibi_slopes is not None),
-                                 ("attention sinks", impl.sinks is not None)):
-            if present:
-                raise NotImplementedError(f"layer {name} uses {feature}; macs_kernels scores plain softmax rows")
+        tracing.layer_window(impl)  # refuses a window it cannot follow
+        if impl.alibi_slopes is not None:
+            raise NotImplementedError(f"layer {name} uses ALiBi; macs_kernels scores softmax rows without biases")
     return dict(sorted(layers.items(), key=lambda item: extract_layer_index(item[0])))
 
 
@@ -89,8 +87,14 @@ class AttributionWorker:
         reads its paged cache (numba's in place, or torch's gather)."""
         active = tracing.ACTIVE
         if active is None or active.runner is not self.model_runner:
-            active = tracing.VllmTracer(self.model_runner, attention_layers(self.vllm_config), keep_finished,
-                                        head_shards(self.vllm_config))
+            layers = attention_layers(self.vllm_config)
+            active = tracing.VllmTracer(self.model_runner, layers, keep_finished, head_shards(self.vllm_config))
+            if active.kernels.paged_backend not in ("torch", "numba") and any(
+                    tracing.layer_window(layer.impl) is not None or layer.impl.sinks is not None
+                    or layer.impl.logits_soft_cap
+                    for layer in layers.values()):
+                raise NotImplementedError(f"sliding windows, sinks or soft caps on the {active.kernels.paged_backend} "
+                                          "paged backend: its paged op takes none (torch's and numba's do)")
             tracing.ACTIVE = active
         return active.kernels.paged_backend
 

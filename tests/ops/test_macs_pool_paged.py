@@ -91,6 +91,40 @@ def test_macs_pool_paged_equals_macs_pool_with_lse_out_and_an_int64_table(backen
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("backend", [p for p in backends("macs_pool_paged") if p.id in ("torch", "numba")])
+@pytest.mark.parametrize("pooling", POOLINGS)
+@pytest.mark.parametrize("extra", ["", "sinks", "softcap"])
+def test_macs_pool_paged_with_a_window_reads_only_the_window(backend, pooling, extra):
+    """A sliding-window layer's rows: keys before kv_len - window get probability 0 (inputs there get only the
+    spread), equal to macs_pool with that window on the contiguous keys; the pages wholly before every row's
+    window are NaN (an engine may free them) and never read. With sinks (gpt-oss), each head's sink logit joins
+    the denominator; with a softcap (Gemma 2) the logits are capped first."""
+    generator = torch.Generator().manual_seed(7)
+    k = torch.randn(2, 2, 70, 16, generator=generator)
+    q = torch.randn(2, 4, 2, 16, generator=generator).to(DEVICE)
+    ranges = dict(input_start=torch.zeros(2, 2, dtype=torch.int64, device=DEVICE),
+                  input_end=torch.tensor([[50, 50], [40, 40]], device=DEVICE),
+                  kv_len=torch.tensor([[69, 70], [55, 56]], device=DEVICE), scale=0.25, pooling=pooling)
+    k_pages, table = paged(k, torch.tensor([70, 56]), 8, generator)
+    window = 20
+    for b, first in enumerate((69 - window, 55 - window)):
+        k_pages[table[b, :first // 8].long()] = float("nan")
+    # Sink logits around the rows' largest scores, so that they change every probability.
+    variant = dict(sinks=torch.tensor([3.0, -1.0, 6.0, 0.5], device=DEVICE)) if extra == "sinks" else {}
+    variant |= dict(softcap=0.5) if extra == "softcap" else {}
+    got = ops.macs_pool_paged(q, k_pages, table, backend=backend, window=window, **variant, **ranges)
+    want = ops.macs_pool(q, k.to(DEVICE), backend="torch", variant=ops.Variant(window=window, **variant), **ranges)
+    if extra:
+        plain = ops.macs_pool(q, k.to(DEVICE), backend="torch", variant=ops.Variant(window=window), **ranges)
+        assert (want - plain).abs().max() > 1e-2
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # Inputs before the window get the spread alone, alike.
+    torch.testing.assert_close(got[0, 0, :69 - window], got[0, 0, :1].expand(69 - window))
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        ops.macs_pool_paged(q, k_pages, table, backend=backend, window=0, **ranges)
+
+
 def _bad_call(**changes):
     q, k_pages = torch.randn(2, 2, 8), torch.randn(6, 4, 1, 8)
     table = torch.tensor([[0, 1, 2], [3, 4, -1]], dtype=torch.int32)

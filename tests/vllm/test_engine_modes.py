@@ -91,18 +91,82 @@ def _refused_at_attach(path, match, **options):
         shut_down(llm)
 
 
-def test_a_sliding_window_model_is_refused_before_work(tmp_path):
-    from transformers import MistralConfig, MistralForCausalLM
+def _windowed_model(folder, kind):
+    """A tiny random model whose layers attend their last 40 keys: Mistral (every layer), Gemma 3 (a
+    sliding-window layer, then a full one: vLLM's hybrid cache gives each its own block table), Gemma 2 (the
+    same, with logit soft caps) or gpt-oss (the same, with per-head sink logits; unquantised experts)."""
+    import json
+
+    from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        GptOssConfig,
+        GptOssForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+    )
 
     from macs_kernels.models import load_tokenizer
 
     tokenizer = load_tokenizer()
-    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=64,
-                           max_position_embeddings=4096)
-    MistralForCausalLM(config).save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    _refused_at_attach(str(tmp_path), "sliding-window attention layers")
+    torch.manual_seed(0)
+    shape = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=40,
+                 max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                 pad_token_id=2, initializer_range=0.2)
+    if kind == "mistral":
+        MistralForCausalLM(MistralConfig(**shape)).save_pretrained(folder)
+    elif kind == "gemma2":  # logits capped hard enough to change every row
+        config = Gemma2Config(**shape, layer_types=["sliding_attention", "full_attention"],
+                              query_pre_attn_scalar=32, attn_logit_softcapping=1.5, final_logit_softcapping=None)
+        Gemma2ForCausalLM(config).save_pretrained(folder)
+    elif kind == "gemma3":
+        config = Gemma3TextConfig(**shape, layer_types=["sliding_attention", "full_attention"],
+                                  query_pre_attn_scalar=32)
+        Gemma3ForCausalLM(config).save_pretrained(folder)
+    else:
+        config = GptOssConfig(**(shape | dict(tie_word_embeddings=False)), num_local_experts=4,
+                              num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"])
+        model = GptOssForCausalLM(config)
+        with torch.no_grad():  # sinks near the rows' largest scores, so that they change every probability
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(2.0, 2.0)
+        model.save_pretrained(folder)
+        # vLLM reads a gpt-oss config's quantization_config as MXFP4 when present: these experts are plain.
+        settings = json.loads((folder / "config.json").read_text())
+        settings.pop("quantization_config", None)
+        (folder / "config.json").write_text(json.dumps(settings))
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("kind,paged", [
+    ("mistral", "numba"), ("mistral", "torch"), ("gemma3", "numba"), ("gpt-oss", "numba"), ("gemma2", "numba"),
+    # torch's gather reads the same tables: the other models' torch runs are slow-marked to keep CI short
+    *(pytest.param(kind, "torch", marks=pytest.mark.slow) for kind in ("gemma3", "gpt-oss", "gemma2")),
+])
+def test_a_sliding_window_model_follows_its_window(tmp_path, kind, paged, monkeypatch):
+    """Prompts longer than the window, three concurrent requests in blocks of 32 (vLLM's sliding-window manager
+    frees the blocks before the window and hands them to other requests, whose keys then sit where the table
+    still points): the rows follow vLLM's windowed attention (inputs outside a layer's window get 0 there) and
+    equal the eager reference, through numba's in-place read and torch's gather; gpt-oss's sinks join each
+    row's denominator, Gemma 2's logits are capped."""
+    from transformers import AutoModelForCausalLM
+
+    from macs_kernels.core import Kernels
+    from macs_kernels.vllm.tracer import VllmTracer
+
+    path = _windowed_model(tmp_path, kind)
+    monkeypatch.setattr(VllmTracer, "kernels_on", staticmethod(lambda device: Kernels.of("torch", paged=paged)))
+    llm = make_llm(path, block_size=32)
+    try:
+        explanations = macs_vllm.explain(llm, token_prompts([25, 150, 260]), greedy(10))
+    finally:
+        shut_down(llm)
+    assert explanations[0].config["backend"] == paged
+    largest_difference(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), explanations)
 
 
 def test_a_quantised_kv_cache_is_refused_before_work(tiny_path):

@@ -117,3 +117,16 @@ def test_the_plugin_wraps_the_backend_the_platform_runs_under_its_name(monkeypat
     assert backend.get_name() == name  # vLLM's name, its metadata builder and cache shape: only the impl differs
     assert issubclass(backend.get_impl_cls(), MacsAttention)
     assert issubclass(backend.get_impl_cls(), backend.__mro__[1].get_impl_cls())  # vLLM's own impl underneath
+
+
+def test_layer_windows_in_both_backends_conventions():
+    """CPU_ATTN keeps the window (keys a query attends, itself included), FLASH_ATTN FlashAttention's
+    (window - 1, 0); both read as the same window, no window as None, a non-causal one refused."""
+    from types import SimpleNamespace
+
+    from macs_kernels.vllm.tracer import layer_window
+
+    windows = [layer_window(SimpleNamespace(sliding_window=w)) for w in (-1, 40, (-1, -1), (39, 0))]
+    assert windows == [None, 40, None, 40]
+    with pytest.raises(NotImplementedError, match=r"sliding window \(39, 39\)"):
+        layer_window(SimpleNamespace(sliding_window=(39, 39)))

@@ -42,7 +42,7 @@ def _exp_in_place(x, bits):
 
 @numba.njit(nogil=True, fastmath=True, cache=True)
 def _macs_pool_paged_kernel(q, keys, strides, table, out, input_start, input_end, kv_len, scale, pooling,
-                            redistribute, lse, has_lse):
+                            redistribute, lse, has_lse, window, sinks, has_sinks, softcap):
     batch, heads, rows, dim = q.shape
     page_stride, slot_stride, head_stride, dim_stride, page_size, kv_heads = strides
     group = heads // kv_heads
@@ -56,14 +56,18 @@ def _macs_pool_paged_kernel(q, keys, strides, table, out, input_start, input_end
         for r in range(rows):
             start, end, length = input_start[b, r], input_end[b, r], kv_len[b, r]
             n_input, span = end - start, length - start
+            # A sliding-window layer attends only keys [length - window, length): the slots before (skip of
+            # them) get probability 0 and their pages are never read (the engine may have freed them).
+            attend = start if window <= 0 else max(start, length - window)
+            skip = attend - start
             pooled = out[b, r]
             fill = -np.inf if pooling == 0 else (np.inf if pooling == 2 else 0.0)
             pooled[:n_input] = fill
             pooled[n_input:] = 0.0
             for kv_head in range(kv_heads):
-                for page_index in range(start // page_size, (length - 1) // page_size + 1):
+                for page_index in range(attend // page_size, (length - 1) // page_size + 1):
                     page_start = page_index * page_size
-                    low, high = max(start, page_start) - page_start, min(length, page_start + page_size) - page_start
+                    low, high = max(attend, page_start) - page_start, min(length, page_start + page_size) - page_start
                     base = table[b, page_index] * page_stride + kv_head * head_stride
                     offset = page_start - start
                     # Loops index views from 0 (computed indices would make numba wrap negative ones, element
@@ -92,20 +96,29 @@ def _macs_pool_paged_kernel(q, keys, strides, table, out, input_start, input_end
                 for g in range(group):
                     head = kv_head * group + g
                     row_scores = scores[g, :span]
+                    attended = scores[g, skip:span]
+                    if softcap > 0:  # Gemma 2's cap on the logits
+                        for t in range(span - skip):
+                            attended[t] = softcap * math.tanh(attended[t] / softcap)
                     if has_lse:
                         shift = lse[b, head, r]
                     else:
-                        shift = row_scores[0]
-                        for t in range(1, span):
-                            shift = max(shift, row_scores[t])
-                    for t in range(span):
-                        row_scores[t] -= shift
-                    _exp_in_place(row_scores, bits[:span])
+                        shift = attended[0]
+                        for t in range(1, span - skip):
+                            shift = max(shift, attended[t])
+                        if has_sinks:  # the sink logit is in the softmax's denominator only
+                            shift = max(shift, sinks[head])
+                    for t in range(span - skip):
+                        attended[t] -= shift
+                    _exp_in_place(attended, bits[:span - skip])
+                    row_scores[:skip] = 0.0
                     norm = np.float32(1.0)
                     if not has_lse:
                         norm = np.float32(0.0)
-                        for t in range(span):
-                            norm += row_scores[t]
+                        for t in range(span - skip):
+                            norm += attended[t]
+                        if has_sinks:
+                            norm += np.float32(math.exp(sinks[head] - shift))
                     spill = np.float32(0.0)
                     if redistribute:
                         for t in range(n_input, span):
@@ -133,9 +146,12 @@ def _flat(tensor: torch.Tensor) -> tuple[np.ndarray, tuple[int, ...]]:
 
 
 def macs_pool_paged(q, k_pages, block_table, out, input_start, input_end, kv_len, scale, pooling, redistribute,
-                    lse):
+                    lse, *, window=None, sinks=None, softcap=None):
     """q (B, H, R, D), k_pages (P, page_size, H_kv, D) any strides, block_table (B, pages) int32, ranges
-    (B, R) int64, out (B, R, N_max) float32 written; lse (B, H, R) or None."""
+    (B, R) int64, out (B, R, N_max) float32 written; lse (B, H, R) or None; window: the rows attend only their
+    last `window` keys (a sliding-window layer), or None; sinks: (H,) per-head sink logits in the softmax
+    denominator (gpt-oss), or None (not with lse); softcap: logits capped to softcap * tanh(s / softcap) (Gemma 2),
+    or None."""
     if k_pages.dtype != torch.float32:
         # Numba has no bfloat16: the attended pages are gathered in float32 (a copy), under a table that
         # numbers them in that order.
@@ -150,6 +166,9 @@ def macs_pool_paged(q, k_pages, block_table, out, input_start, input_end, kv_len
     lse_array = np.zeros((1, 1, 1), np.float32) if lse is None else lse.float().contiguous().numpy()
     _macs_pool_paged_kernel(q.float().contiguous().numpy(), keys, strides, block_table.numpy(), target.numpy(),
                             input_start.numpy(), input_end.numpy(), kv_len.numpy(), np.float32(scale),
-                            _POOLINGS[pooling], bool(redistribute), lse_array, lse is not None)
+                            _POOLINGS[pooling], bool(redistribute), lse_array, lse is not None,
+                            0 if window is None else int(window),
+                            np.zeros(1, np.float32) if sinks is None else sinks.float().contiguous().numpy(),
+                            sinks is not None, np.float32(0.0 if softcap is None else softcap))
     if target is not out:
         out.copy_(target)
