@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from macs_kernels import explain, reference
+from macs_kernels.core import RunningWholeAnswer
 from macs_kernels.evaluation.alignment import align_qa
 from macs_kernels.explanation import AGGREGATIONS, DEFAULT_AGGREGATION, Explanation, log_zscores
 from tests.helpers import QUESTIONS, default_model, tiny_llama
@@ -242,6 +243,21 @@ def test_every_whole_answer_score_equals_its_reference(how):
     assert torch.equal(torch.isfinite(got), finite)
     assert (got.double()[finite] - want[finite]).abs().max() <= TOLERANCE
     assert (got[~finite] == float("-inf")).all()
+
+
+def test_a_streams_running_whole_answer_equals_the_reference_at_every_step():
+    """The server's per-token whole-answer score from running statistics equals the default aggregation of
+    every row so far (-inf entries included)."""
+    log_c = -30 + 4 * torch.randn(6, 40, generator=torch.Generator().manual_seed(5))
+    log_c[:, 0] = -0.01
+    log_c[2, [5, 9]] = float("-inf")
+    running = RunningWholeAnswer()
+    for k in range(len(log_c)):
+        got = running.add(log_c[k])
+        want = _whole_answer_reference(log_c[: k + 1], DEFAULT_AGGREGATION)
+        finite = torch.isfinite(want)
+        assert torch.equal(torch.isfinite(got), finite)
+        assert (got.double()[finite] - want[finite]).abs().max() <= TOLERANCE
 
 
 def test_the_score_family_is_consistent():

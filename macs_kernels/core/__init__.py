@@ -10,6 +10,7 @@ from .scores import (
     AGGREGATIONS,
     DEFAULT_AGGREGATION,
     SCORE_DEFINITION,
+    RunningWholeAnswer,
     json_values,
     log_zscores,
     paper_zscores,
@@ -18,6 +19,6 @@ from .scores import (
 
 __all__ = [
     "AGGREGATIONS", "DEFAULT_AGGREGATION", "NAN_MESSAGE", "SCORE_DEFINITION", "DenseRows", "Kernels", "PackedRows",
-    "PagedRows", "PassRows", "RowStore", "json_values", "log_zscores", "paper_zscores", "support",
+    "PagedRows", "PassRows", "RowStore", "RunningWholeAnswer", "json_values", "log_zscores", "paper_zscores", "support",
     "whole_answer_scores",
 ]

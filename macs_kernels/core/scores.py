@@ -65,9 +65,30 @@ def whole_answer_scores(step_log_c: torch.Tensor, how: str = DEFAULT_AGGREGATION
     if how == "paper_mean_z":
         return paper_zscores(step_log_c).mean(dim=0)
     z = log_zscores(step_log_c).double()
-    top, mean = z.amax(dim=0), z.mean(dim=0)
+    return _from_z(z.amax(dim=0), z.mean(dim=0), how)
+
+
+def _from_z(top: torch.Tensor, mean: torch.Tensor, how: str) -> torch.Tensor:
+    """The step z-scores' aggregations from their max and mean over steps (float64)."""
     if how == "max_z":
         return top.float()
     if how == "mean_z":
         return mean.float()
     return torch.where(torch.isfinite(mean), top - mean, float("-inf")).float()
+
+
+class RunningWholeAnswer:
+    """The default whole-answer score of the steps so far, kept from running statistics so that a stream pays
+    O(N) per token rather than re-aggregating every earlier row."""
+
+    def __init__(self):
+        self.top = self.total = None
+        self.steps = 0
+
+    def add(self, log_c: torch.Tensor) -> torch.Tensor:
+        """Take one step's (N,) row log c; return whole_answer_scores of every step so far."""
+        z = log_zscores(log_c).double()
+        self.top = z if self.top is None else torch.maximum(self.top, z)
+        self.total = z if self.total is None else self.total + z
+        self.steps += 1
+        return _from_z(self.top, self.total / self.steps, DEFAULT_AGGREGATION)

@@ -17,8 +17,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..alignment import align_context, user_span
-from ..core import support
-from ..explanation import Explanation, _decode_tokens, log_zscores, whole_answer_scores
+from ..core import RunningWholeAnswer, support
+from ..explanation import Explanation, _decode_tokens, log_zscores
 from ..prompts import QA_TEMPLATE
 from ..viz import _unit
 from .engine import Engine, Job, RequestRejected, Step
@@ -64,6 +64,7 @@ class AttributionPayloads:
         self.config = config.as_dict() | {"engine": "continuous", "method": options.method}
         self.span = prompt.source_span or (0, len(prompt.ids))
         self.steps: list[Step] = []
+        self.whole = RunningWholeAnswer()
         self.at2_scores = None
 
     def header(self) -> dict:
@@ -78,7 +79,7 @@ class AttributionPayloads:
         log_c = step.log_c.double()
         start, end = self.span
         # The page's default view: the whole answer so far, as Explanation.scores.
-        whole = whole_answer_scores(torch.stack([s.log_c for s in self.steps]))
+        whole = self.whole.add(step.log_c)
         payload = {
             "step": len(self.steps) - 1, "token_id": step.token_id, "log_c": step.log_c.tolist(),
             "scores": log_zscores(step.log_c).tolist(), "heat": _unit(log_c[start:end]),
