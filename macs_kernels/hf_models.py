@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .core import support
-from .ops.variant import Variant
+from .ops.variant import PLAIN, Variant
 
 
 def _compiled(function) -> bool:
@@ -78,5 +78,7 @@ def check_variants(model, engine: str, method: str, shards=None) -> tuple[str, .
 def layer_variant(kwargs: dict, key_offset: int) -> Variant:
     """The layer's attention variant from what the model hands its attention function: `sliding_window`,
     `softcap` (Gemma 2) and `s_aux` (gpt-oss's sinks); its keys start at token key_offset."""
-    return Variant(window=kwargs.get("sliding_window"), key_offset=key_offset, softcap=kwargs.get("softcap"),
-                   sinks=kwargs.get("s_aux"))
+    window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    if window is None and softcap is None and sinks is None and key_offset == 0:
+        return PLAIN  # every layer of a plain model, every pass: no object to build and check
+    return Variant(window=window, key_offset=key_offset, softcap=softcap, sinks=sinks)

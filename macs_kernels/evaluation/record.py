@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..config import MacsConfig
+from ..ops import torch_backend
 from ..tracing import TraceHook, attach, check_model
 
 RECORD_FIELDS = ("rows", "mass", "efficient_rows", "efficient_mass")
@@ -131,7 +132,7 @@ def macs_from_record(record: dict, *, alpha: float = 0.8, pooling: str = "max", 
     n_input = rows.shape[-1]
     inputs = rows + mass.unsqueeze(-1) / n_input if redistribute else rows
     pooled = {"max": inputs.amax(dim=2), "mean": inputs.mean(dim=2), "min": inputs.amin(dim=2)}[pooling]
-    terms = torch.log(alpha * pooled.clamp_min(0.0) + (1.0 - alpha))  # (steps, L, N)
+    terms = torch_backend.log_floor(pooled, alpha)  # (steps, L, N)
     log_c = torch.zeros(rows.shape[0], n_input, dtype=torch.float64)
     for layer in range(rows.shape[1]):
         log_c = log_c + terms[:, layer]

@@ -120,7 +120,8 @@ class _Sample:
         sample's generation, and what computing them cost (costs.measured); kept in the record cache."""
         if kind not in self._model_rows:
             runner = self.runner
-            self.record()  # the generated ids
+            if self.generated_ids is None:  # a sample with no results line yet: its generation is the record's
+                self.record()
             cached = load_rows(runner.records, self.generation_key, kind, self.generated_ids.numpy())
             if cached is not None:
                 runner.counts.rows_reused += 1

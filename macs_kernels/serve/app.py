@@ -73,9 +73,15 @@ class AttributionPayloads:
             "source_span": list(self.span), "config": self.config,
         }
 
+    def record(self, step: Step) -> None:
+        """Keep a step for the whole object (a response that is not streamed needs no per-step payload)."""
+        self.steps.append(step)
+        if step.at2_scores is not None:
+            self.at2_scores = step.at2_scores.tolist()
+
     def step(self, step: Step) -> dict:
         """The step's row, with the heat weights Explanation.to_html() colours by (viz._unit over the span)."""
-        self.steps.append(step)
+        self.record(step)
         log_c = step.log_c.double()
         start, end = self.span
         # The page's default view: the whole answer so far, as Explanation.scores.
@@ -86,7 +92,6 @@ class AttributionPayloads:
             "whole_scores": whole.tolist(), "heat_mean": _unit(whole[start:end]),
         }
         if step.at2_scores is not None:
-            self.at2_scores = step.at2_scores.tolist()
             payload["at2_scores"] = self.at2_scores
         return _finite(payload)
 
@@ -137,6 +142,7 @@ class _Choice:
 
     def __init__(self, tokenizer, index: int, stops: list[str], attribution: AttributionPayloads | None):
         self.index, self.stops, self.attribution = index, stops, attribution
+        self.longest = max(map(len, stops), default=0)
         self.text = _Text(tokenizer)
         self.held: list[tuple[Step, str]] = []
         self.content = ""
@@ -150,8 +156,7 @@ class _Choice:
         if not self.stops:
             return self._release(len(self.text.sent))
         text = self.text.sent
-        longest = max(map(len, self.stops))
-        start = max(0, len(self.content) - longest + 1)
+        start = max(0, len(self.content) - self.longest + 1)
         found = [p for p in (text.find(stop, start) for stop in self.stops) if p >= 0]
         if found:
             self.reason = "stop"
@@ -291,7 +296,7 @@ def create_app(engine: Engine) -> FastAPI:
             async for released, _ in _released(job, choice):
                 if choice.attribution is not None:
                     for step, _piece in released:
-                        choice.attribution.step(step)
+                        choice.attribution.record(step)
 
         await _gather(collect(job, choice) for job, choice in zip(jobs, choices))
         response = meta | {"object": "chat.completion" if chat else "text_completion",

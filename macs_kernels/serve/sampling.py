@@ -98,6 +98,8 @@ class RequestSampler:
     def __call__(self, _input_ids, scores: torch.Tensor) -> torch.Tensor:
         """scores (rows, V), a row per request of the pass: row r < E belongs to the r-th of the E requests that
         emit a token (the engine lays out logits_indices so); the rows after them are not used."""
+        if not self._draws:  # every request greedy: the manager's argmax as it is
+            return scores
         batch = self._manager.batch_processor.inputs_and_outputs.requests_in_batch
         emitting = [future.state.request_id for future in batch if future.has_new_token]
         if len(emitting) > scores.shape[0]:

@@ -190,7 +190,7 @@ class AttributionEndpoints:
         if "error" in entry:
             return JSONResponse(error_body(f"attribution failed: {entry['error']}", 500), status_code=500)
         for token_id, row in zip(choice["token_ids"], decode_rows(entry)):
-            attribution.step(Step(token_id, row))
+            attribution.record(Step(token_id, row))
         choice["attribution"] = attribution.explanation(choice["message"].get("content") or "")
         if not client_ids:
             data.pop("prompt_token_ids", None)
