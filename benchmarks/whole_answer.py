@@ -136,6 +136,8 @@ def _eos_dropped(sample: dict, rows: np.ndarray) -> np.ndarray:
 
 def macs_candidates(sample: dict) -> dict[str, np.ndarray]:
     """Every candidate whole-answer score of one sample, (N,) over all prompt tokens."""
+    from macs_kernels.core import whole_answer_scores
+
     log_c = sample["log_c"].astype(np.float64)
     log_c = np.maximum(log_c, -1e4)  # alpha < 1 never underflows; a guard for the z-scores
     start, stop = sample["context"]
@@ -169,6 +171,9 @@ def macs_candidates(sample: dict) -> dict[str, np.ndarray]:
         "max z, EOS step dropped": z_no_eos.max(0),
         "max robust z (median/MAD)": _robust_z(log_c).max(0),
         "max z minus mean z": z.max(0) - z.mean(0),
+        # the shipped definition (the z-scores' mean and spread without each step's top token, the sink)
+        "max z minus mean z, sink out of each step's statistics": whole_answer_scores(
+            torch.from_numpy(log_c), "max_minus_mean_sinkless_z").double().numpy(),
         "max z plus mean z": z.max(0) + z.mean(0),
         "top-2 mean z": _top_k_mean(z, 2),
         "max z, steps after the first": z[1:].max(0) if len(z) > 1 else z.max(0),
@@ -290,7 +295,7 @@ def main() -> None:
     e.add_argument("--out", type=Path, default=ROWS)
     s = sub.add_parser("study")
     s.add_argument("--rows", type=Path, default=ROWS)
-    s.add_argument("--chosen", default="max z minus mean z")
+    s.add_argument("--chosen", default="max z minus mean z, sink out of each step's statistics")
     s.add_argument("--out", type=Path, default=RESULTS / "whole_answer")
     s.add_argument("--expensive", type=lambda t: tuple(int(v) for v in t.split(":")), default=None,
                    metavar="START:STOP", help="the samples the eval ran AttnLRP and AtMan on (default: every sample "

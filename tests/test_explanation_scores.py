@@ -75,10 +75,16 @@ def test_top_k_steps_spans_and_ties():
     explanation = _explanation(log_c, source_span=(1, 5))
     # over steps: mean log c = [0, -2, -2.5, -2, -inf, -3]; ties keep prompt order
     assert [i for i, _, _ in explanation.top_k(6, how="mean_log_c")] == [0, 1, 3, 2, 5, 4]
-    # the default, max z - mean z over the steps (z of the finite entries): [0.046, 1.224, 0.635, 0.441, -inf, 0.928]
+    # max z - mean z over the steps (z of the finite entries): [0.046, 1.224, 0.635, 0.441, -inf, 0.928]
+    assert [i for i, _, _ in explanation.top_k(6, how="max_minus_mean_z")] == [1, 5, 2, 3, 0, 4]
+    assert explanation.top_k(1, how="max_minus_mean_z")[0][2] == pytest.approx(1.224, abs=1e-3)
+    # the default: the same with each step's mean and deviation taken without its top token (token 0 at both
+    # steps): z = [2.111, -1.508, 0.905, -0.302, -inf, 0.905] and [2.121, 1.414, -0.707, 0.707, 0, -1.414],
+    # max - mean = [0.005, 1.461, 0.806, 0.504, -inf, 1.159]
     assert [i for i, _, _ in explanation.top_k(6)] == [1, 5, 2, 3, 0, 4]
     best = explanation.top_k(2)
-    assert best[0][:2] == (1, "t1") and best[0][2] == pytest.approx(1.224, abs=1e-3)
+    assert best[0][:2] == (1, "t1") and best[0][2] == pytest.approx(1.461, abs=1e-3)
+    assert best[1][2] == pytest.approx(1.159, abs=1e-3)
     assert [i for i, _, _ in explanation.top_k(2, step=0)] == [0, 2]
     assert [i for i, _, _ in explanation.top_k(3, step=-1)] == [0, 1, 3]
     assert [i for i, _, _ in explanation.top_k(10, span=True)] == [1, 2, 3, 4]  # all of the span, -inf last
@@ -95,7 +101,7 @@ def test_top_k_steps_spans_and_ties():
     (lambda e: e.top_k(2, span=(0, 7)), r"span \[0, 7\)"),
     (lambda e: e.top_k(2, span="context"), "span must be None, True or a"),
     (lambda e: _explanation(e.step_log_c).top_k(2, span=True), "span=True needs a source_span"),
-    (lambda e: e.top_k(2, how="median"), "unknown aggregation 'median'; choose one of max_minus_mean_z"),
+    (lambda e: e.top_k(2, how="median"), "unknown aggregation 'median'; choose one of max_minus_mean_sinkless_z"),
     (lambda e: e.top_k(2, step=0, how="max_z"), "a step or an aggregation"),
 ])
 def test_bad_top_k_arguments_raise(call, message):
@@ -208,9 +214,12 @@ def _whole_answer_reference(log_c: torch.Tensor, how: str) -> torch.Tensor:
     """Each aggregation written out in numpy, row by row (population std over the finite entries of a row)."""
     rows = log_c.double().numpy()
 
-    def z(row):
+    def z(row, sinkless=False):
         finite = np.isfinite(row)
-        values = row[finite]
+        counted = finite.copy()
+        if sinkless:  # the statistics leave out the row's top entry, which is still scored
+            counted[np.argmax(row)] = False
+        values = row[counted]
         std = values.std()
         return np.where(finite, (row - values.mean()) / std if std > 0 else 0.0, -np.inf)
 
@@ -222,10 +231,11 @@ def _whole_answer_reference(log_c: torch.Tensor, how: str) -> torch.Tensor:
             c = np.exp(row - row.max())
             out.append((c - c.mean()) / c.std())
         return torch.from_numpy(np.mean(out, 0))
-    zs = np.stack([z(row) for row in rows])
+    zs = np.stack([z(row, sinkless=how == "max_minus_mean_sinkless_z") for row in rows])
     top, mean = zs.max(0), zs.mean(0)
-    return torch.from_numpy({"max_z": top, "mean_z": mean,
-                             "max_minus_mean_z": np.where(np.isfinite(mean), top - mean, -np.inf)}[how])
+    if how in ("max_minus_mean_z", "max_minus_mean_sinkless_z"):
+        return torch.from_numpy(np.where(np.isfinite(mean), top - mean, -np.inf))
+    return torch.from_numpy({"max_z": top, "mean_z": mean}[how])
 
 
 @pytest.mark.parametrize("how", list(AGGREGATIONS))
@@ -269,7 +279,7 @@ def test_the_score_family_is_consistent():
     assert torch.equal(explanation.score_row(how="mean_z"), explanation.step_scores.double().mean(0).float())
     assert torch.equal(explanation.paper_scores, explanation.paper_step_scores.mean(0))
     # max_minus_mean_z is max_z - mean_z, and a token that stands out at one step outranks one that is always high
-    torch.testing.assert_close(explanation.scores,
+    torch.testing.assert_close(explanation.whole_answer("max_minus_mean_z"),
                                explanation.whole_answer("max_z") - explanation.whole_answer("mean_z"))
     peaked = log_c.clone()
     peaked[:, 1] = -25.0  # always above the crowd

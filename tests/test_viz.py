@@ -7,7 +7,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from macs_kernels.explanation import Explanation
+from macs_kernels.explanation import DEFAULT_AGGREGATION, Explanation
 from macs_kernels.viz import _unit, print_explanation
 
 
@@ -31,8 +31,9 @@ def test_html_heat_is_per_step_within_the_span():
     assert data["span"] == [1, 5]
     assert data["heat"][0] == [1.0, 0.0, 0.0, 0.5]       # step 0 over tokens A..D
     assert data["heat"][1] == [0.6667, 1.0, 0.0, 0.6667]  # step 1: B highest, C lowest
-    # whole answer (max z - mean z over the steps): [0.299, 0.972, -inf, 0.148] over A..D
-    assert data["heat_mean"] == [0.1829, 1.0, 0.0, 0.0]
+    # whole answer (max z - mean z over the steps, each step's z standardised without its top token, "<s>"):
+    # [0.498, 1.186, -inf, 0.115] over A..D
+    assert data["heat_mean"] == [0.3575, 1.0, 0.0, 0.0]
     explanation = _explanation()
     assert data["scores"][3] is None and data["scores"][1] == round(float(explanation.scores[1]), 4)
     assert data["step_scores"][0][3] is None  # -inf: JSON has no infinities; the tooltip says underflow
@@ -57,7 +58,7 @@ def test_terminal_whole_answer_view_names_its_aggregation(how):
     console = Console(record=True, width=200)
     print_explanation(_explanation(), console=console, how=how)
     text = " ".join(console.export_text().split())
-    name = how or "max_minus_mean_z"
+    name = how or DEFAULT_AGGREGATION
     scores = _explanation().whole_answer(name)
     best = [i for i, _, _ in _explanation().top_k(4, span=True, how=how)]
     assert f"(whole answer, {name}; colour" in text

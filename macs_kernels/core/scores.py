@@ -15,20 +15,25 @@ SCORE_DEFINITION = (
 )
 
 
-def log_zscores(log_c: torch.Tensor) -> torch.Tensor:
+def log_zscores(log_c: torch.Tensor, sinkless: bool = False) -> torch.Tensor:
     """The scores users rank by: z-scores of log c along the last dimension, float32 (computed in float64).
 
     An affine map of log c, so they rank tokens exactly as log c does. The paper's z-scores of c = exp(log c)
     do not: the attention sink has c ~ 1 and every other token c ~ 1e-15, so all non-sink tokens share one
     z-score to 7 digits. Population standard deviation over the finite entries; a row whose finite entries
     are all equal scores 0; -inf (attention underflow at alpha = 1) stays -inf, below everything.
+    sinkless: the mean and deviation leave out each row's largest entry (still scored): the attention sink's
+    log c lies so far above the rest that it alone would set the row's spread.
     """
     values = log_c.double()
     finite = torch.isfinite(values)
-    count = finite.sum(dim=-1, keepdim=True).clamp_min(1)
-    mean = torch.where(finite, values, 0.0).sum(dim=-1, keepdim=True) / count
+    counted = finite
+    if sinkless and values.shape[-1] > 1:
+        counted = finite & ~torch.zeros_like(finite).scatter_(-1, values.argmax(dim=-1, keepdim=True), True)
+    count = counted.sum(dim=-1, keepdim=True).clamp_min(1)
+    mean = torch.where(counted, values, 0.0).sum(dim=-1, keepdim=True) / count
     centred = torch.where(finite, values - mean, 0.0)
-    std = torch.sqrt(centred.square().sum(dim=-1, keepdim=True) / count)
+    std = torch.sqrt(torch.where(counted, centred, 0.0).square().sum(dim=-1, keepdim=True) / count)
     z = torch.where(std > 0, centred / std, 0.0)
     return torch.where(finite, z, values).float()
 
@@ -64,7 +69,7 @@ def whole_answer_scores(step_log_c: torch.Tensor, how: str = DEFAULT_AGGREGATION
         return log_zscores(step_log_c.double().mean(dim=0))
     if how == "paper_mean_z":
         return paper_zscores(step_log_c).mean(dim=0)
-    z = log_zscores(step_log_c).double()
+    z = log_zscores(step_log_c, sinkless=how == "max_minus_mean_sinkless_z").double()
     return _from_z(z.amax(dim=0), z.mean(dim=0), how)
 
 
@@ -87,7 +92,7 @@ class RunningWholeAnswer:
 
     def add(self, log_c: torch.Tensor) -> torch.Tensor:
         """Take one step's (N,) row log c; return whole_answer_scores of every step so far."""
-        z = log_zscores(log_c).double()
+        z = log_zscores(log_c, sinkless=DEFAULT_AGGREGATION == "max_minus_mean_sinkless_z").double()
         self.top = z if self.top is None else torch.maximum(self.top, z)
         self.total = z if self.total is None else self.total + z
         self.steps += 1
