@@ -59,6 +59,23 @@ def test_features_of_a_variant_layer_equal_the_reference(name, backend):
     assert relative_error(reference.attention_features_reference(q, k, **args), want) > 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_gpu_features_of_a_variant_layer_equal_the_reference(name, dtype, backend):
+    q, k, args, variant = _case(name, seed=len(name))
+    q, k = q.to(dtype), k.to(dtype)
+    on_gpu = {key: value.cuda() if isinstance(value, torch.Tensor) else value for key, value in args.items()}
+    sinks = None if variant.sinks is None else variant.sinks.cuda()
+    got = ops.attention_features(q.cuda(), k.cuda(), backend=backend, **on_gpu,
+                                 variant=Variant(window=variant.window, softcap=variant.softcap, sinks=sinks))
+    want = reference.attention_features_reference(q, k, window=variant.window, softcap=variant.softcap,
+                                                  sinks=variant.sinks, **args)
+    assert relative_error(got, want) <= RELATIVE_ERROR[dtype]
+
+
 @pytest.mark.parametrize(("variant", "lse", "message"), [
     (Variant(window=4, key_offset=3), None, "key_offset=0"),
     (Variant(softcap=2.0), torch.zeros(2, HEADS, ROWS), "lse cannot be given with a variant"),
