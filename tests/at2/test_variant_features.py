@@ -4,6 +4,8 @@ Mistral and gpt-oss models, one-forward (AT2 training) and captured during gener
 `output_attentions` of one teacher-forced forward."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from macs_kernels import attach, ops, reference
 from macs_kernels.at2.features import QueryCapture, forward_capture
 from macs_kernels.explanation import encode_prompts
 from macs_kernels.ops.variant import Variant
-from tests.conformance.conftest import WINDOW
+from tests.conformance.conftest import WINDOW, variant_model
 from tests.conformance.test_conformance import PROMPTS
 from tests.helpers import eager_attentions
 from tests.tolerances import RELATIVE_ERROR, relative_error
@@ -89,20 +91,7 @@ def test_bad_variant_arguments_raise(variant, lse, message):
 
 # ---- random models of the real configurations ---------------------------------------------------------
 MODELS = ["gemma2", "mistral", "gpt_oss"]
-
-
-@pytest.fixture(scope="module")
-def models():
-    from tests.conformance.conftest import variant_model
-
-    built = {}
-
-    def get(name):
-        if name not in built:
-            built[name] = variant_model(name)
-        return built[name]
-
-    return get
+models = functools.cache(variant_model)  # name -> (model, tokenizer), built on first use
 
 
 def _eager_features(model, prompt_ids, response_ids, start, end, rows=None):
@@ -116,7 +105,7 @@ def _eager_features(model, prompt_ids, response_ids, start, end, rows=None):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_one_forward_features_of_a_variant_model_equal_eager_output_attentions(name, models):
+def test_one_forward_features_of_a_variant_model_equal_eager_output_attentions(name):
     """forward_capture (what AT2 training and AT2Attributor with a given response run): every response row of a
     window layer attends its own window (the first prompt tokens slide out), capped logits, sinks."""
     model, tokenizer = models(name)
@@ -134,7 +123,7 @@ def test_one_forward_features_of_a_variant_model_equal_eager_output_attentions(n
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_generation_features_of_a_variant_model_equal_eager_output_attentions(name, models):
+def test_generation_features_of_a_variant_model_equal_eager_output_attentions(name):
     """QueryCapture during a left-padded greedy generate (rows=1 per pass, a window layer's cache dropping the
     tokens that slid out), sources past the prompt included, equal the teacher-forced eager attentions and the
     one-forward capture."""
@@ -181,7 +170,7 @@ def _efficient_reference(model, prompt_ids, response_ids, values, start, end):
 
 
 @pytest.mark.parametrize("name", ["mistral_d4", "gpt_oss"])
-def test_efficient_features_of_a_variant_model_project_each_row_onto_its_window(name, models):
+def test_efficient_features_of_a_variant_model_project_each_row_onto_its_window(name):
     """attention="efficient": a window row projects onto its window's values (sinks: the layer's own rows, the
     sink mass left out), in one forward and during generation."""
     model, tokenizer = models(name)
@@ -201,7 +190,7 @@ def test_efficient_features_of_a_variant_model_project_each_row_onto_its_window(
     assert relative_error(softmax, want) > 1e-2  # the projection matters
 
 
-def test_at2_attributor_explains_a_variant_model(models):
+def test_at2_attributor_explains_a_variant_model():
     """AT2Attributor on a window + softcap model: the one-forward scores of a response equal those of the
     generation that produced it."""
     from macs_kernels.at2 import AT2Attributor
