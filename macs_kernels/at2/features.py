@@ -9,8 +9,9 @@ position t - 1, i.e. the last query of the forward pass that produced t):
 - one forward (training): `forward_capture` runs the model once over prompt + response[:-1] and keeps the
   last R queries of every layer.
 
-Memory: the queries are L x T x H x D; the features L x H x N. The (L, H, T, N) attention tensor is never
-built: each layer's rows are reduced over the target rows inside the op.
+Memory: the queries are L x T x H x D (plus, for each sliding-window layer, its keys and values of every token,
+which its own cache drops); the features L x H x N. The (L, H, T, N) attention tensor is never built: each
+layer's rows, with the layer's attention variant, are reduced over the target rows inside the op.
 """
 from __future__ import annotations
 
