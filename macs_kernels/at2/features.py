@@ -72,8 +72,9 @@ class QueryCapture(TraceHook):
         variant = tracer.variant
         if variant.window is not None:
             key, value = self._every_token(layer_idx, key, value, variant.key_offset)
-        if not variant.plain:  # the keys are every token's: slot j holds token j
-            variant = dataclasses.replace(variant, key_offset=0)
+        if not variant.plain:  # the keys are every token's: slot j holds token j; features need no gradient
+            variant = dataclasses.replace(variant, key_offset=0,
+                                          sinks=None if variant.sinks is None else variant.sinks.detach())
         self.queries[layer_idx].append(query[:, :, -self.rows:, :].contiguous())
         self.keys[layer_idx] = key
         self.values[layer_idx] = value
