@@ -23,6 +23,7 @@ from ..config import ATTENTIONS
 from ..distributed import gather_heads
 from ..ops import attention_features, efficient_attention
 from ..ops.torch_backend import attended_softmax
+from ..ops.torch_features import ROW_CHUNK
 from ..ops.variant import PLAIN, Variant
 from ..tracing import TraceHook, attach
 
@@ -166,18 +167,39 @@ def _efficient_features(q, key, value, *, source_start, source_end, kv_start, kv
     if variant.window is not None:
         row_start = torch.maximum(row_start, row_end - variant.window)
     probabilities, _ = attended_softmax(scores, row_start, row_end, softcap=variant.softcap, sinks=variant.sinks)
+    valid_rows = torch.arange(rows, device=key.device).view(1, -1) < n_rows.view(-1, 1)
     if variant.window is None:
         a_eff, _ = efficient_attention(probabilities, value, kv_len=kv_len, kv_start=kv_start, causal=True,
                                        backend=backend)
+        summed = (a_eff * valid_rows[:, None, :, None]).sum(dim=2)
     else:
-        # Each row projects onto the values of its own window: the rows as the items of one batch (a copy of the
-        # values per row, R x S x D, as the (B, H, R, S) rows already are per row).
-        flat_values = value[:, None].expand(batch, rows, *value.shape[1:]).flatten(0, 1)
-        a_eff, _ = efficient_attention(probabilities.transpose(1, 2).flatten(0, 1)[:, :, None], flat_values,
-                                       kv_len=row_end.flatten(), kv_start=row_start.flatten(), backend=backend)
-        a_eff = a_eff.view(batch, rows, heads, -1).transpose(1, 2)
-    valid_rows = torch.arange(rows, device=key.device).view(1, -1) < n_rows.view(-1, 1)
-    return _source_columns((a_eff * valid_rows[:, None, :, None]).sum(dim=2), source_start, source_end)
+        summed = _window_efficient_sum(probabilities, value, row_start, row_end, valid_rows, variant.window, backend)
+    return _source_columns(summed, source_start, source_end)
+
+
+def _window_efficient_sum(probabilities, value, row_start, row_end, valid_rows, window, backend):
+    """Efficient rows of a window layer summed over the valid rows: (B, H, S). Each row projects onto the values
+    of its own window [row_start, row_end) (at most `window` keys): per chunk of rows, the windows' columns are
+    gathered and the rows become the items of one efficient_attention batch (its values R_chunk x W x D)."""
+    batch, heads, rows, keys = probabilities.shape
+    kv_heads, dim = value.shape[1], value.shape[3]
+    width = min(window, keys)
+    summed = torch.zeros(batch, heads, keys, dtype=torch.float32, device=value.device)
+    for r0 in range(0, rows, ROW_CHUNK):
+        chunk = slice(r0, min(rows, r0 + ROW_CHUNK))
+        count = chunk.stop - r0
+        columns = (row_start[:, chunk, None] + torch.arange(width, device=value.device)).clamp_max(keys - 1)
+        p = probabilities[:, :, chunk].gather(-1, columns[:, None].expand(batch, heads, count, width))
+        values = value[:, None].expand(batch, count, kv_heads, keys, dim).gather(
+            3, columns[:, :, None, :, None].expand(batch, count, kv_heads, width, dim))
+        lengths = (row_end - row_start)[:, chunk]
+        a_eff, _ = efficient_attention(p.transpose(1, 2).flatten(0, 1)[:, :, None], values.flatten(0, 1),
+                                       kv_len=lengths.flatten(), kv_start=0, backend=backend)
+        # Columns past a row's window were clamped onto real keys: efficient_attention gave them 0.
+        a_eff = a_eff.view(batch, count, heads, width) * valid_rows[:, chunk, None, None]
+        summed.scatter_add_(2, columns[:, None].expand(batch, heads, count, width).flatten(2),
+                            a_eff.transpose(1, 2).flatten(2).float())
+    return summed
 
 
 def _source_columns(summed, source_start, source_end):

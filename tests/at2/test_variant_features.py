@@ -170,9 +170,12 @@ def _efficient_reference(model, prompt_ids, response_ids, values, start, end):
 
 
 @pytest.mark.parametrize("name", ["mistral_d4", "gpt_oss"])
-def test_efficient_features_of_a_variant_model_project_each_row_onto_its_window(name):
+def test_efficient_features_of_a_variant_model_project_each_row_onto_its_window(name, monkeypatch):
     """attention="efficient": a window row projects onto its window's values (sinks: the layer's own rows, the
-    sink mass left out), in one forward and during generation."""
+    sink mass left out), in one forward and during generation; the 6 rows in chunks of 4."""
+    from macs_kernels.at2 import features as features_module
+
+    monkeypatch.setattr(features_module, "ROW_CHUNK", 4)
     model, tokenizer = models(name)
     prompt_ids = encode_prompts(tokenizer, PROMPTS["three"][2])[0][0]
     n = prompt_ids.numel()
