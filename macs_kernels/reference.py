@@ -222,11 +222,13 @@ def efficient_attention_reference(
 
 
 def attention_features_reference(
-    q, k_cache, *, source_start, source_end, kv_len, scale, kv_start=None, n_rows=None
+    q, k_cache, *, source_start, source_end, kv_len, scale, kv_start=None, n_rows=None, window=None, softcap=None,
+    sinks=None,
 ) -> torch.Tensor:
     """Reference of ops.attention_features: q (B, H, R, D), k_cache (B, H_kv, S, D) -> (B, H, N_max) float64.
 
-    Valid row r < n_rows[b] attends [kv_start, kv_len - n_rows + r + 1); its probabilities on keys
+    Valid row r < n_rows[b] attends [kv_start, kv_len - n_rows + r + 1) (a window: its last `window` keys of
+    those; softcap, sinks (H,): the variant's logits, variant_row_reference); its probabilities on keys
     [source_start, source_end) are added up per head.
     """
     batch, heads, rows, _ = q.shape
@@ -239,7 +241,10 @@ def attention_features_reference(
         for h in range(heads):
             for r in range(counts[b]):
                 end = lengths[b] - counts[b] + r + 1
-                p, _ = softmax_row_reference(q[b, h, r], k_cache[b, h // group, kv_starts[b]:end], scale)
+                attend = kv_starts[b] if window is None else max(kv_starts[b], end - window)
+                p = variant_row_reference(q[b, h, r], k_cache[b, h // group, kv_starts[b]:end], scale,
+                                          attend_start=attend - kv_starts[b], softcap=softcap,
+                                          sink=None if sinks is None else sinks[h])
                 stop = min(ends[b], end)
                 if stop > starts[b]:
                     out[b, h, : stop - starts[b]] += p[starts[b] - kv_starts[b]: stop - kv_starts[b]]

@@ -7,6 +7,11 @@
 // (float, rows padded by one against bank conflicts); each warp takes one target row at a time, lane j
 // scores key j, and keeps its column's running sum over rows in a register; the warps' sums are added
 // at the end. Rows whose causal window ends before the tile are skipped.
+//
+// Attention variants (macs_kernels/ops/variant.py): row r attends from max(kv_start, base + r + 1 - window) (no
+// window: one longer than the cache); with cap_in > 0 each score is capped to softcap * tanh(s / softcap)
+// before it is read; sinks (H,) join each row's log-sum-exp. Rows whose window starts after the tile are
+// skipped too.
 #pragma once
 
 #include "split_kv/state.cuh"
@@ -28,7 +33,16 @@ struct FeaturesParams {
   float scale_log2;  // the softmax scale times log2(e): scores are base 2 (split_kv/state.cuh)
   int64_t batch, heads, group, rows, dim, keys, n_max;
   float* out;  // (B, H, N_max) contiguous
+  int64_t window;        // a sliding window in tokens; no window: keys + 1
+  float cap_in, cap_out;  // cap_in > 0: score = cap_out * tanh(q . k * cap_in), base 2 (split_kv/kernel.cuh)
+  const float* sinks;    // (H,) natural-log sink logits in each row's denominator, or null
 };
+
+// A row's base-2 score from its dot product q . k (the layer's softcap applied).
+template <typename T>
+__device__ __forceinline__ float feature_score(const FeaturesParams<T>& p, float dot) {
+  return p.cap_in > 0.0f ? p.cap_out * tanhf(dot * p.cap_in) : dot * p.scale_log2;
+}
 
 // Row geometry of item b, clamped into the cache (the public op validates; clamping keeps direct
 // torch.ops calls with bad indices in bounds).
@@ -63,19 +77,19 @@ __global__ void __launch_bounds__(kFeatureWarps * 32) features_lse_kernel(Featur
     return;
   }
   const T* q = p.q + b * p.q_sb + h * p.q_sh + r * p.q_sr;
-  for (int64_t d = lane; d < p.dim; d += 32) q_rows[warp][d] = to_float(q[d]) * p.scale_log2;
+  for (int64_t d = lane; d < p.dim; d += 32) q_rows[warp][d] = to_float(q[d]);
   __syncwarp();
   const T* k = p.k + b * p.k_sb + (h / p.group) * p.k_sh;
   SoftmaxState state;
-  for (int64_t n = rows.start + lane; n < rows.base + r + 1; n += 32) {
-    const float s = dot_row(k + n * p.k_ss, q_rows[warp], p.dim);
-    state.merge(s, 1.0f);
+  for (int64_t n = max(rows.start, rows.base + r + 1 - p.window) + lane; n < rows.base + r + 1; n += 32) {
+    state.merge(feature_score(p, dot_row(k + n * p.k_ss, q_rows[warp], p.dim)), 1.0f);
   }
   for (int offset = 16; offset > 0; offset >>= 1) {
     const float m = __shfl_xor_sync(0xffffffffu, state.m, offset);
     const float l = __shfl_xor_sync(0xffffffffu, state.l, offset);
     state.merge(m, l);
   }
+  if (p.sinks != nullptr) state.merge(p.sinks[h] * kLog2e, 1.0f);
   if (lane == 0) p.lse[bh * p.rows + r] = state.lse();
 }
 
@@ -100,16 +114,17 @@ __global__ void __launch_bounds__(kFeatureWarps * 32) features_kernel(FeaturesPa
 
   const int64_t key = first_key + lane;
   float acc = 0.0f;
-  // Row r sees key n when n <= base + r.
-  for (int64_t r = max(first_key - rows.base, int64_t(0)) + warp; r < rows.n_rows; r += kFeatureWarps) {
+  // Row r sees key n when base + r - window < n <= base + r.
+  const int64_t last_row = min(rows.n_rows, first_key + tile_keys - 1 - rows.base + p.window);
+  for (int64_t r = max(first_key - rows.base, int64_t(0)) + warp; r < last_row; r += kFeatureWarps) {
     const T* q = p.q + b * p.q_sb + h * p.q_sh + r * p.q_sr;
     __syncwarp();
     for (int64_t d = lane; d < p.dim; d += 32) q_rows[warp][d] = to_float(q[d]);
     __syncwarp();
-    if (lane < tile_keys && key <= rows.base + r) {
+    if (lane < tile_keys && key <= rows.base + r && key > rows.base + r - p.window) {
       float s = 0.0f;
       for (int64_t d = 0; d < p.dim; ++d) s = fmaf(q_rows[warp][d], k_tile[lane][d], s);
-      acc += exp2f(fmaf(s, p.scale_log2, -p.lse[bh * p.rows + r] * kLog2e));
+      acc += exp2f(feature_score(p, s) - p.lse[bh * p.rows + r] * kLog2e);
     }
   }
   sums[warp][lane] = acc;

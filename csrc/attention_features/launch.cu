@@ -11,7 +11,8 @@ namespace {
 at::Tensor attention_features_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& source_start,
                                    const at::Tensor& source_end, const at::Tensor& kv_start, const at::Tensor& kv_len,
                                    const at::Tensor& n_rows, int64_t n_max, double scale,
-                                   const std::optional<at::Tensor>& lse) {
+                                   const std::optional<at::Tensor>& lse, std::optional<int64_t> window,
+                                   std::optional<double> softcap, const std::optional<at::Tensor>& sinks) {
   constexpr const char* op = "attention_features";
   check_tensor(op, "q", q, 4, q);
   check_tensor(op, "k_cache", k_cache, 4, q);
@@ -25,6 +26,8 @@ at::Tensor attention_features_cuda(const at::Tensor& q, const at::Tensor& k_cach
               ") must be a multiple of KV heads (", k_cache.size(1), ")");
   TORCH_CHECK(dim <= kFeatureMaxDim, op, ": the cuda backend supports D <= ", kFeatureMaxDim, ", got ", dim);
   TORCH_CHECK(n_max >= 0, op, ": n_max must be >= 0, got ", n_max);
+  TORCH_CHECK(!window.has_value() || *window >= 1, op, ": window must be >= 1, got ", window.value_or(0));
+  const VariantArgs variant(op, std::nullopt, softcap, sinks, batch, heads, q);
   FeaturesParams<float> index{};
   index.source_start = index_arg(op, "source_start", source_start, batch, q);
   index.source_end = index_arg(op, "source_end", source_end, batch, q);
@@ -47,6 +50,9 @@ at::Tensor attention_features_cuda(const at::Tensor& q, const at::Tensor& k_cach
         index.source_start, index.source_end, index.kv_start, index.kv_len, index.n_rows,
         float(scale * double(kLog2e)), batch, heads, heads / k_cache.size(1), rows, dim, k_cache.size(2), n_max,
         out.data_ptr<float>(),
+        window.value_or(k_cache.size(2) + 1),
+        variant.softcap > 0.0 ? float(scale / variant.softcap) : 0.0f, float(variant.softcap * double(kLog2e)),
+        variant.sinks.defined() ? variant.sinks.data_ptr<float>() : nullptr,
     };
     check_launch(op, attention_features<T>(p, !lse.has_value(), c10::cuda::getCurrentCUDAStream()));
   });

@@ -9,16 +9,22 @@ position t - 1, i.e. the last query of the forward pass that produced t):
 - one forward (training): `forward_capture` runs the model once over prompt + response[:-1] and keeps the
   last R queries of every layer.
 
-Memory: the queries are L x T x H x D; the features L x H x N. The (L, H, T, N) attention tensor is never
-built: each layer's rows are reduced over the target rows inside the op.
+Memory: the queries are L x T x H x D (plus, for each sliding-window layer, its keys and values of every token,
+which its own cache drops); the features L x H x N. The (L, H, T, N) attention tensor is never built: each
+layer's rows, with the layer's attention variant, are reduced over the target rows inside the op.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from ..config import ATTENTIONS
 from ..distributed import gather_heads
 from ..ops import attention_features, efficient_attention
+from ..ops.torch_backend import attended_softmax
+from ..ops.torch_features import ROW_CHUNK
+from ..ops.variant import PLAIN, Variant
 from ..tracing import TraceHook, attach
 
 
@@ -30,9 +36,10 @@ class QueryCapture(TraceHook):
     rows=1 (default) is the generation mode. After the traced call, `kv_start` (B,) are the left pads and
     `kv_len` (B,) is the key after the last captured row.
 
-    A layer with an attention variant (a sliding window, whose last key tensor no longer holds the earlier rows'
-    windows; softcapping; sinks) keeps instead each pass's softmax rows on the inputs, in token positions, as
-    the layer computed them (tracer.softmax_rows): L_variant x T x H x N floats.
+    Each layer's attention variant (`ops.Variant`: sliding window, softcap, sinks) is kept too and passed to the
+    ops. A sliding-window layer's cache drops the tokens that slid out, so the capture keeps that layer's keys
+    and values of every token itself (the new tokens of each pass appended): the same size as a full layer's
+    cache, and every target row's window, whatever the sources, is then scored by the same op as a full layer.
     """
 
     method = "at2"
@@ -45,7 +52,7 @@ class QueryCapture(TraceHook):
         self.keys: list[torch.Tensor | None] = []
         self.values: list[torch.Tensor | None] = []
         self.scales: list[float | None] = []
-        self.variant_rows: dict[int, list[torch.Tensor]] = {}
+        self.variants: list[Variant] = []
         self.kv_start = self.kv_len = None
         self.shards = None
 
@@ -57,25 +64,37 @@ class QueryCapture(TraceHook):
             self.keys = [None] * tracer.num_layers
             self.values = [None] * tracer.num_layers
             self.scales = [None] * tracer.num_layers
-            self.variant_rows = {}
+            self.variants = [PLAIN] * tracer.num_layers
             self.kv_start = tracer.input_start
 
     def layer(self, tracer, layer_idx, query, key, value, output, scale) -> None:
         if query.shape[2] < self.rows:
             raise ValueError(f"a pass has {query.shape[2]} queries, fewer than the {self.rows} rows to capture")
-        if not tracer.variant.plain:
-            if self.rows != 1:
-                raise NotImplementedError(
-                    f"AT2 features of a one-forward capture (rows={self.rows}) of layers with an attention variant "
-                    "(sliding window, softcap, sinks) are not supported; capture them during generation (rows=1)"
-                )
-            inputs = int(tracer.input_end.max())
-            self.variant_rows.setdefault(layer_idx, []).append(
-                tracer.softmax_rows(query[:, :, -1, :], key, scale)[:, :, :inputs])
+        variant = tracer.variant
+        if variant.window is not None:
+            key, value = self._every_token(layer_idx, key, value, variant.key_offset)
+        if not variant.plain:  # the keys are every token's: slot j holds token j; features need no gradient
+            variant = dataclasses.replace(variant, key_offset=0,
+                                          sinks=None if variant.sinks is None else variant.sinks.detach())
         self.queries[layer_idx].append(query[:, :, -self.rows:, :].contiguous())
         self.keys[layer_idx] = key
         self.values[layer_idx] = value
         self.scales[layer_idx] = scale
+        self.variants[layer_idx] = variant
+
+    def _every_token(self, layer, key, value, key_offset):
+        """A window layer's keys and values of every token so far: the kept ones plus this pass's tokens (those
+        after the kept ones; key slot j of the layer's cache holds token key_offset + j)."""
+        kept = self.keys[layer]
+        if kept is None:
+            if key_offset:
+                raise RuntimeError("a window layer's first captured pass must hold every token from the first")
+            return key, value
+        first = kept.shape[2] - key_offset
+        if first < 0:
+            raise RuntimeError("a window layer's cache dropped tokens that no captured pass kept")
+        return (torch.cat([kept, key[:, :, first:]], dim=2),
+                torch.cat([self.values[layer], value[:, :, first:]], dim=2))
 
     def end_pass(self, tracer) -> None:
         self.kv_len = tracer.kv_len
@@ -98,7 +117,8 @@ class QueryCapture(TraceHook):
         target_end: (B,) or int, default all captured rows (pass each item's own length for batches
         whose responses ended at different steps).
         attention="efficient" sums efficient rows (ops.efficient_attention over each row's causal prefix of
-        the value cache) instead of softmax rows; it materialises one layer's (B, H, R, S) rows at a time.
+        the value cache, a window layer's over the row's window) instead of softmax rows; it materialises one
+        layer's (B, H, R, S) rows at a time.
         """
         if attention not in ATTENTIONS:
             raise ValueError(f"unknown attention {attention!r}; choose one of {ATTENTIONS}")
@@ -114,47 +134,72 @@ class QueryCapture(TraceHook):
         kv_len = self.kv_len - total + end
         stop = int(end.max())
         layers = []
-        valid_rows = (torch.arange(target_start, stop, device=device).view(1, -1) < end.view(-1, 1))[:, None, :, None]
         for layer, key in enumerate(self.keys):
             q = self.layer_queries(layer)[:, :, target_start:stop]
-            if layer in self.variant_rows:
-                rows = torch.stack(self.variant_rows[layer][target_start:stop], dim=2)  # (B, H, R, inputs)
-                if int(torch.as_tensor(source_end).max()) > rows.shape[-1]:
-                    raise ValueError("a layer with an attention variant keeps its rows on the inputs only: the "
-                                     "sources must lie among the prompt's tokens")
-                layers.append(_source_columns((rows * valid_rows).sum(dim=2), source_start, source_end))
-                continue
+            variant = self.variants[layer]
             if attention == "efficient":
                 layers.append(_efficient_features(
                     q, key, self.values[layer], source_start=source_start, source_end=source_end,
                     kv_start=self.kv_start, kv_len=self.kv_len - total + stop, n_rows=n_rows,
-                    scale=self.scales[layer], backend=backend,
+                    scale=self.scales[layer], backend=backend, variant=variant,
                 ))
                 continue
             layers.append(attention_features(
                 q, key, source_start=source_start, source_end=source_end, kv_len=kv_len, kv_start=self.kv_start,
-                n_rows=n_rows, scale=self.scales[layer], backend=backend,
+                n_rows=n_rows, scale=self.scales[layer], backend=backend, variant=variant,
             ))
         local = torch.stack(layers, dim=1) / n_rows.view(-1, 1, 1, 1).float()
         return gather_heads(local, self.shards, dim=2)
 
 
-def _efficient_features(q, key, value, *, source_start, source_end, kv_start, kv_len, n_rows, scale, backend):
-    """attention_features of efficient rows: q (B, H, R, D) rows r attending [kv_start, kv_len - R + r + 1),
-    rows r >= n_rows[b] left out. Returns (B, H, N_max) float32."""
+def _efficient_features(q, key, value, *, source_start, source_end, kv_start, kv_len, n_rows, scale, backend,
+                        variant):
+    """attention_features of efficient rows: q (B, H, R, D) rows r attending [kv_start, kv_len - R + r + 1), rows
+    r >= n_rows[b] left out; with the layer's variant (a window row projects onto its window's values). Returns
+    (B, H, N_max) float32."""
     batch, heads, rows, dim = q.shape
     kv_heads = key.shape[1]
     # Query heads h = kv_head * G + g share a KV head: one matmul per KV head for all G x R rows.
     grouped = q.reshape(batch, kv_heads, heads // kv_heads * rows, dim).float()
     scores = torch.matmul(grouped, key.float().transpose(-1, -2)).view(batch, heads, rows, -1).mul_(scale)
-    positions = torch.arange(key.shape[2], device=key.device)
-    row_end = kv_len.view(-1, 1, 1) - rows + torch.arange(1, rows + 1, device=key.device).view(1, -1, 1)
-    allowed = (positions >= kv_start.view(-1, 1, 1)) & (positions < row_end)
-    probabilities = torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), dim=-1)
-    a_eff, _ = efficient_attention(probabilities, value, kv_len=kv_len, kv_start=kv_start, causal=True,
-                                   backend=backend)
+    row_end = kv_len.view(-1, 1) - rows + torch.arange(1, rows + 1, device=key.device).view(1, -1)
+    row_start = kv_start.view(-1, 1).expand(batch, rows)
+    if variant.window is not None:
+        row_start = torch.maximum(row_start, row_end - variant.window)
+    probabilities, _ = attended_softmax(scores, row_start, row_end, softcap=variant.softcap, sinks=variant.sinks)
     valid_rows = torch.arange(rows, device=key.device).view(1, -1) < n_rows.view(-1, 1)
-    return _source_columns((a_eff * valid_rows[:, None, :, None]).sum(dim=2), source_start, source_end)
+    if variant.window is None:
+        a_eff, _ = efficient_attention(probabilities, value, kv_len=kv_len, kv_start=kv_start, causal=True,
+                                       backend=backend)
+        summed = (a_eff * valid_rows[:, None, :, None]).sum(dim=2)
+    else:
+        summed = _window_efficient_sum(probabilities, value, row_start, row_end, valid_rows, variant.window, backend)
+    return _source_columns(summed, source_start, source_end)
+
+
+def _window_efficient_sum(probabilities, value, row_start, row_end, valid_rows, window, backend):
+    """Efficient rows of a window layer summed over the valid rows: (B, H, S). Each row projects onto the values
+    of its own window [row_start, row_end) (at most `window` keys): per chunk of rows, the windows' columns are
+    gathered and the rows become the items of one efficient_attention batch (its values R_chunk x W x D)."""
+    batch, heads, rows, keys = probabilities.shape
+    kv_heads, dim = value.shape[1], value.shape[3]
+    width = min(window, keys)
+    summed = torch.zeros(batch, heads, keys, dtype=torch.float32, device=value.device)
+    for r0 in range(0, rows, ROW_CHUNK):
+        chunk = slice(r0, min(rows, r0 + ROW_CHUNK))
+        count = chunk.stop - r0
+        columns = (row_start[:, chunk, None] + torch.arange(width, device=value.device)).clamp_max(keys - 1)
+        p = probabilities[:, :, chunk].gather(-1, columns[:, None].expand(batch, heads, count, width))
+        values = value[:, None].expand(batch, count, kv_heads, keys, dim).gather(
+            3, columns[:, :, None, :, None].expand(batch, count, kv_heads, width, dim))
+        lengths = (row_end - row_start)[:, chunk]
+        a_eff, _ = efficient_attention(p.transpose(1, 2).flatten(0, 1)[:, :, None], values.flatten(0, 1),
+                                       kv_len=lengths.flatten(), kv_start=0, backend=backend)
+        # Columns past a row's window were clamped onto real keys: efficient_attention gave them 0.
+        a_eff = a_eff.view(batch, count, heads, width) * valid_rows[:, chunk, None, None]
+        summed.scatter_add_(2, columns[:, None].expand(batch, heads, count, width).flatten(2),
+                            a_eff.transpose(1, 2).flatten(2).float())
+    return summed
 
 
 def _source_columns(summed, source_start, source_end):

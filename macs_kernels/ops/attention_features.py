@@ -7,6 +7,7 @@ import torch
 from . import torch_features
 from ._checks import IndexLike, as_index, as_scale, check_lse, check_q_k
 from ._dispatch import NAMESPACE, kernel
+from .variant import Variant
 
 operator = torch.library.custom_op(
     f"{NAMESPACE}::attention_features", torch_features.attention_features, mutates_args=()
@@ -14,7 +15,8 @@ operator = torch.library.custom_op(
 
 
 @operator.register_fake
-def _(q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, n_max, scale, lse):
+def _(q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, n_max, scale, lse, window=None, softcap=None,
+      sinks=None):
     return q.new_empty((q.shape[0], q.shape[1], n_max), dtype=torch.float32)
 
 
@@ -53,7 +55,7 @@ def check_features_args(q, k_cache, source_start, source_end, kv_start, kv_len, 
 def attention_features(
     q: torch.Tensor, k_cache: torch.Tensor, *, source_start: IndexLike, source_end: IndexLike, kv_len: IndexLike,
     scale: float, kv_start: IndexLike | None = None, n_rows: IndexLike | None = None, lse: torch.Tensor | None = None,
-    backend: str | None = None,
+    backend: str | None = None, variant: Variant | None = None,
 ) -> torch.Tensor:
     """Per query head, the attention of R target rows on the source keys, summed over the valid rows.
 
@@ -73,6 +75,15 @@ def attention_features(
     source_start, source_end, kv_start, kv_len, n_rows, n_max = check_features_args(
         q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, lse
     )
+    extra = {}
+    if variant is not None and not variant.plain:
+        if lse is not None:
+            raise ValueError("lse cannot be given with a variant: the kernel computes its own normaliser")
+        if not isinstance(variant.key_offset, int) or variant.key_offset != 0:
+            raise ValueError(f"attention_features reads the keys of every token (key_offset=0), got key_offset="
+                             f"{variant.key_offset!r}: a sliding-window cache's keys do not hold the earlier rows'")
+        variant.check(q.shape[1], kv_start, kv_len, k_cache.shape[2])
+        extra = {"window": variant.window, "softcap": variant.softcap, "sinks": variant.sinks}
     return kernel(backend, q.device, "attention_features")(
-        q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, n_max, as_scale(scale), lse
+        q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, n_max, as_scale(scale), lse, **extra
     )

@@ -4,19 +4,23 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .torch_backend import attended_softmax
+
 # Rows per chunk: bounds the (B, H, rows, S) float32 block (64 rows x 8k keys x 9 heads = 19 MB per item).
 ROW_CHUNK = 64
 
 
 def attention_features(
     q: Tensor, k_cache: Tensor, source_start: Tensor, source_end: Tensor, kv_start: Tensor, kv_len: Tensor,
-    n_rows: Tensor, n_max: int, scale: float, lse: Tensor | None,
+    n_rows: Tensor, n_max: int, scale: float, lse: Tensor | None, window: int | None = None,
+    softcap: float | None = None, sinks: Tensor | None = None,
 ) -> Tensor:
+    """window, softcap, sinks (H,): the layer's attention variant (`ops.Variant`); row r then attends
+    [max(kv_start, end_r - window), end_r)."""
     batch, heads, rows, dim = q.shape
     kv_heads, keys = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
     device = q.device
-    positions = torch.arange(keys, device=device)
     # Row r's causal end, per item: the last valid row ends at kv_len.
     first_end = (kv_len - n_rows + 1).view(-1, 1, 1)
     keys_f = k_cache.float().transpose(-1, -2)
@@ -26,16 +30,15 @@ def attention_features(
         chunk = len(r)
         q_grouped = q[:, :, r0:r0 + chunk].float().reshape(batch, kv_heads, group * chunk, dim)
         scores = torch.matmul(q_grouped, keys_f).view(batch, heads, chunk, keys).mul_(scale)
-        attended = (positions >= kv_start.view(-1, 1, 1)) & (positions < first_end + r.view(1, -1, 1))
+        ends = first_end[:, :, 0] + r.view(1, -1)
+        starts = kv_start.view(-1, 1) if window is None else torch.maximum(kv_start.view(-1, 1), ends - window)
         valid = (r.view(1, -1) < n_rows.view(-1, 1))[:, None, :]
         # Rows r >= n_rows still attend a non-empty range here (kv_start < kv_len - n_rows + r + 1), so
         # their softmax is finite; they are zeroed afterwards (a given lse of +inf zeroes them directly).
-        scores.masked_fill_(~attended[:, None], float("-inf"))
+        row_lse = None if lse is None else lse[:, :, r0:r0 + chunk].float().masked_fill(~valid, float("inf"))
+        p, _ = attended_softmax(scores, starts.expand(batch, chunk), ends, row_lse, softcap=softcap, sinks=sinks)
         if lse is None:
-            p = torch.softmax(scores, dim=-1).mul_(valid.unsqueeze(-1))
-        else:
-            row_lse = lse[:, :, r0:r0 + chunk].float().masked_fill(~valid, float("inf"))
-            p = scores.sub_(row_lse.unsqueeze(-1)).exp_()
+            p.mul_(valid.unsqueeze(-1))
         summed += p.sum(dim=2)
     offsets = torch.arange(n_max, device=device)
     columns = (source_start.view(-1, 1) + offsets).clamp_max(keys - 1)

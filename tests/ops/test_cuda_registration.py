@@ -182,14 +182,15 @@ def test_launcher_errors_name_the_argument():
 
 
 @pytest.mark.parametrize("case", ["macs_pool/variant", "decode_attention/log_c+variant",
-                                  "decode_attention/pooled+variant"])
+                                  "decode_attention/pooled+variant", "attention_features/variant"])
 def test_variant_arguments_equal_the_torch_kernel(case):
     """The operators' variant arguments in key slots (a window's attended start and score_start, which may
     precede slot 0, a softcap, sinks) on the CUDA kernels against the operators' torch kernels on CPU."""
     args = CASES[case]()
     op = getattr(torch.ops.macs_kernels, case.split("/")[0])
     on_gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
-    want, got = op(*args), op(*on_gpu)
-    for expected, actual in zip([*(want or ()), *args], [*(got or ()), *on_gpu]):
+    want, got = (result if isinstance(result, tuple) else () if result is None else (result,)
+                 for result in (op(*args), op(*on_gpu)))
+    for expected, actual in zip([*want, *args], [*got, *on_gpu]):
         if isinstance(expected, torch.Tensor) and expected.is_floating_point():
             assert relative_error(actual, expected) < RELATIVE_ERROR[torch.float32]

@@ -24,7 +24,8 @@ SCHEMAS = {
                         "float alpha, str pooling, bool redistribute) -> ()",
     "macs_zscore": "(Tensor log_c, Tensor n_input) -> Tensor",
     "attention_features": "(Tensor q, Tensor k_cache, Tensor source_start, Tensor source_end, Tensor kv_start, "
-                          "Tensor kv_len, Tensor n_rows, SymInt n_max, float scale, Tensor? lse) -> Tensor",
+                          "Tensor kv_len, Tensor n_rows, SymInt n_max, float scale, Tensor? lse, SymInt? window=None, "
+                          "float? softcap=None, Tensor? sinks=None) -> Tensor",
     "decode_attention": "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_start, Tensor kv_len, float scale, "
                         "Tensor(a6!)? log_c, Tensor? input_end, float alpha, str pooling, bool redistribute, "
                         "Tensor(a11!)? pooled=None, Tensor? score_start=None, float? softcap=None, "
@@ -141,6 +142,8 @@ CASES = {
     "macs_pool/variant": _pool_variant_args,
     "macs_pool_paged": _paged_args,
     "attention_features": _features_args,
+    # A window of 3 tokens, a softcap and (H,) sink logits.
+    "attention_features/variant": lambda: (*_features_args(), 3, 2.0, torch.randn(HEADS)),
     "efficient_attention": _efficient_args,
 }
 

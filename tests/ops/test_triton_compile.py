@@ -86,15 +86,27 @@ VARIANTS = {
     ),
     "features_bf16_d64": (
         "attention_features", "_features_kernel", {"q_ptr": "bf16", "k_ptr": "bf16", **FEATURES_INDEX},
-        dict(D=64, BLOCK_D=64, BLOCK_R=64, BLOCK_N=64, DOT_F32=False), dict(num_warps=4),
+        dict(D=64, BLOCK_D=64, BLOCK_R=64, BLOCK_N=64, DOT_F32=False, SOFTCAP=False), dict(num_warps=4),
     ),
     "features_fp32_d128": (
         "attention_features", "_features_kernel", FEATURES_INDEX,
-        dict(D=128, BLOCK_D=128, BLOCK_R=64, BLOCK_N=64, DOT_F32=True), dict(num_warps=4),
+        dict(D=128, BLOCK_D=128, BLOCK_R=64, BLOCK_N=64, DOT_F32=True, SOFTCAP=False), dict(num_warps=4),
     ),
     "lse_fp16_d64": (
         "attention_features", "_features_lse_kernel", {"q_ptr": "fp16", "k_ptr": "fp16", **FEATURES_INDEX},
-        dict(D=64, BLOCK_D=64, BLOCK_R=64, BLOCK_N=64, DOT_F32=False), dict(num_warps=4),
+        dict(D=64, BLOCK_D=64, BLOCK_R=64, BLOCK_N=64, DOT_F32=False, SOFTCAP=False, HAS_SINKS=False),
+        dict(num_warps=4),
+    ),
+    # Attention variants: Gemma 2's softcap (D = 256), gpt-oss's sinks with a softcap in the lse pass.
+    "features_softcap_bf16_d256": (
+        "attention_features", "_features_kernel", {"q_ptr": "bf16", "k_ptr": "bf16", **FEATURES_INDEX},
+        dict(D=256, BLOCK_D=256, BLOCK_R=64, BLOCK_N=64, DOT_F32=False, SOFTCAP=True), dict(num_warps=4),
+    ),
+    "lse_softcap_sinks_bf16_d64": (
+        "attention_features", "_features_lse_kernel",
+        {"q_ptr": "bf16", "k_ptr": "bf16", "sinks_ptr": "bf16", **FEATURES_INDEX},
+        dict(D=64, BLOCK_D=64, BLOCK_R=64, BLOCK_N=64, DOT_F32=False, SOFTCAP=True, HAS_SINKS=True),
+        dict(num_warps=4),
     ),
 }
 
@@ -168,6 +180,7 @@ def test_split_pass_uses_tensor_cores_and_16_byte_loads(compiled, variant, arch)
 
 
 @pytest.mark.parametrize("arch", TARGETS)
-@pytest.mark.parametrize("variant", ["features_bf16_d64", "lse_fp16_d64"])
+@pytest.mark.parametrize("variant", ["features_bf16_d64", "lse_fp16_d64", "features_softcap_bf16_d256",
+                                     "lse_softcap_sinks_bf16_d64"])
 def test_half_precision_feature_scores_use_tensor_cores(compiled, variant, arch):
     assert re.search(r"\b(mma\.sync\.aligned\.m16n8k16|wgmma\.mma_async)", compiled[f"{variant}@sm_{arch}"]["ptx"])

@@ -6,6 +6,10 @@ Pass 2 (`_features_kernel`, grid (B * H, source tiles)): a program loads one til
 walks the row tiles that can see it: a tensor-core product gives the (rows x keys) scores, exp(s - lse)
 the probabilities, and the sum over rows stays in registers; only the (B, H, N_max) result is written.
 Rows before the first one whose causal window reaches the tile are skipped.
+
+Attention variants (ops.Variant): row r attends from max(kv_start, base + r + 1 - window) (no window: a window
+longer than the cache); SOFTCAP caps each score to softcap * tanh(s / softcap) before it is read; HAS_SINKS adds
+each head's sink logit to the rows' log-sum-exp. Rows whose window starts after the tile are skipped too.
 """
 from __future__ import annotations
 
@@ -17,11 +21,21 @@ from .common import LOG2E, MIN_SCORE, dot, dot_in_f32, features_tiles, head_bloc
 
 
 @triton.jit
+def _log2_scores(dots, scale, softcap, SOFTCAP: tl.constexpr):
+    """q . k -> the layer's scores in base 2 (capped to softcap * tanh(s / softcap) first with SOFTCAP)."""
+    s = dots * scale
+    if SOFTCAP:
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
+    return s * LOG2E
+
+
+@triton.jit
 def _features_lse_kernel(
-    q_ptr, k_ptr, start_ptr, kv_len_ptr, n_rows_ptr, lse_ptr,
-    scale, heads, group, rows,
+    q_ptr, k_ptr, start_ptr, kv_len_ptr, n_rows_ptr, lse_ptr, sinks_ptr,
+    scale, softcap, window, heads, group, rows,
     stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = (pid // heads).to(tl.int64)
@@ -40,14 +54,20 @@ def _features_lse_kernel(
     m = tl.full([BLOCK_R], MIN_SCORE, tl.float32)
     l = tl.zeros([BLOCK_R], tl.float32)
     hi = base + tl.minimum(n_rows, tl.program_id(1) * BLOCK_R + BLOCK_R)
-    for n0 in range(start, hi, BLOCK_N):
+    lo = tl.maximum(start, base + tl.program_id(1) * BLOCK_R + 1 - window)  # the tile's first row's window
+    for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         k = tl.load(k_base + n[:, None] * stride_ks + d[None, :], mask=(n[:, None] < hi) & (d[None, :] < D), other=0.0)
-        s = dot(q, tl.trans(operand(k, DOT_F32)), DOT_F32) * (scale * LOG2E)
-        attended = (n[None, :] <= base + r[:, None]) & row_ok[:, None]
+        s = _log2_scores(dot(q, tl.trans(operand(k, DOT_F32)), DOT_F32), scale, softcap, SOFTCAP)
+        attended = (n[None, :] <= base + r[:, None]) & (n[None, :] > base + r[:, None] - window) & row_ok[:, None]
         s = tl.where(attended, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         l = l * tl.exp2(m - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
+        m = m_new
+    if HAS_SINKS:  # the sink joins the denominator only
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * LOG2E
+        m_new = tl.maximum(m, sink)
+        l = l * tl.exp2(m - m_new) + tl.exp2(sink - m_new)
         m = m_new
     lse = (m + tl.log2(tl.where(row_ok, l, 1.0))) / LOG2E
     tl.store(lse_ptr + (b * heads + h) * rows + r, tl.where(row_ok, lse, 0.0), mask=r < rows)
@@ -56,9 +76,10 @@ def _features_lse_kernel(
 @triton.jit
 def _features_kernel(
     q_ptr, k_ptr, lse_ptr, source_start_ptr, source_end_ptr, kv_len_ptr, n_rows_ptr, out_ptr,
-    scale, heads, group, rows, n_max,
+    scale, softcap, window, heads, group, rows, n_max,
     stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_lb, stride_lh,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = (pid // heads).to(tl.int64)
@@ -76,40 +97,50 @@ def _features_kernel(
                 mask=key_ok[:, None] & (d[None, :] < D), other=0.0)
     k = operand(k, DOT_F32)
     acc = tl.zeros([BLOCK_N], tl.float32)
-    # Row r sees key n when n <= base + r: rows before the tile's first key minus base see none of it.
+    # Row r sees key n when base + r - window < n <= base + r: rows before the tile's first key minus base, and
+    # those whose window starts after its last key, see none of it.
     first = tl.maximum(source_start + tl.program_id(1) * BLOCK_N - base, 0)
-    for r0 in range((first // BLOCK_R) * BLOCK_R, n_rows, BLOCK_R):
+    last = tl.minimum(n_rows, source_start + tl.program_id(1) * BLOCK_N + BLOCK_N - 1 - base + window)
+    for r0 in range((first // BLOCK_R) * BLOCK_R, last, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         row_ok = r < n_rows
         q = tl.load(q_ptr + b * stride_qb + h * stride_qh + r[:, None] * stride_qr + d[None, :],
                     mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
-        s = dot(operand(q, DOT_F32), tl.trans(k), DOT_F32)
+        s = _log2_scores(dot(operand(q, DOT_F32), tl.trans(k), DOT_F32), scale, softcap, SOFTCAP)
         lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + r, mask=row_ok, other=0.0)
-        p = tl.exp2(s * (scale * LOG2E) - lse[:, None] * LOG2E)
-        seen = row_ok[:, None] & key_ok[None, :] & (n[None, :] <= base + r[:, None])
+        p = tl.exp2(s - lse[:, None] * LOG2E)
+        seen = row_ok[:, None] & key_ok[None, :] & (n[None, :] <= base + r[:, None]) \
+            & (n[None, :] > base + r[:, None] - window)
         acc += tl.sum(tl.where(seen, p, 0.0), axis=0)
     tl.store(out_ptr + (b * heads + h) * n_max + i, acc, mask=i < n_max)
 
 
-def attention_features(q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, n_max, scale, lse):
-    """q (B, H, R, D), k_cache (B, H_kv, S, D) -> (B, H, N_max) float32; lse (B, H, R) or None."""
+def attention_features(q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, n_max, scale, lse, window=None,
+                       softcap=None, sinks=None):
+    """q (B, H, R, D), k_cache (B, H_kv, S, D) -> (B, H, N_max) float32; lse (B, H, R) or None; window, softcap,
+    sinks (H,): the layer's variant (ops.Variant)."""
     batch, heads, rows, dim = q.shape
     group = heads // k_cache.shape[1]
     dot_f32 = dot_in_f32(q, k_cache)
     block_d = head_block(dim)
     block_r, block_n = features_tiles(rows)
     strides = (q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
-    consts = dict(D=dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_N=block_n, DOT_F32=dot_f32, num_warps=4)
+    consts = dict(D=dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_N=block_n, DOT_F32=dot_f32,
+                  SOFTCAP=softcap is not None, num_warps=4)
+    # No window: one longer than the cache, which no row's range reaches.
+    variant = (scale, 1.0 if softcap is None else float(softcap), k_cache.shape[2] + 1 if window is None else window)
     if lse is None:
         lse = torch.empty(batch, heads, rows, device=q.device, dtype=torch.float32)
+        sink_logits = lse if sinks is None else sinks.float().contiguous()
         launch(_features_lse_kernel, (batch * heads, triton.cdiv(rows, block_r)),
-               q, k_cache, kv_start, kv_len, n_rows, lse, scale, heads, group, rows, *strides, **consts)
+               q, k_cache, kv_start, kv_len, n_rows, lse, sink_logits, *variant, heads, group, rows, *strides,
+               HAS_SINKS=sinks is not None, **consts)
     else:
         lse = lse.float()
         if lse.stride(-1) != 1:
             lse = lse.contiguous()
     out = torch.empty(batch, heads, n_max, device=q.device, dtype=torch.float32)
     launch(_features_kernel, (batch * heads, triton.cdiv(n_max, block_n)),
-           q, k_cache, lse, source_start, source_end, kv_len, n_rows, out, scale, heads, group, rows, n_max,
+           q, k_cache, lse, source_start, source_end, kv_len, n_rows, out, *variant, heads, group, rows, n_max,
            *strides, lse.stride(0), lse.stride(1), **consts)
     return out
