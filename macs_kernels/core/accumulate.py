@@ -34,7 +34,7 @@ class Kernels:
     paged_backend: str  # pool_paged's backend: on CPUs a paged cache is read in place by numba's
     pool_variant: object | None  # macs_pool and decode_attention of a layer with an attention variant (ops.Variant)
     decode_variant: object | None
-    pool_paged_variant: object  # pool_paged's, on paged_backend
+    pool_paged_variant: object  # pool_paged of a layer with an attention variant (window, sinks, softcap)
 
     @staticmethod
     def of(backend: str, paged: str | None = None) -> Kernels:

@@ -181,10 +181,31 @@ def _bad_call(**changes):
     (dict(k_pages=torch.randn(6, 4, 1, 16)), r"k_pages must be \(pages, page_size >= 1, H_kv, 8\)"),
     (dict(k_pages=torch.randn(6, 4, 3, 8)), r"multiple of KV heads \(3\)"),
     (dict(kv_len=torch.tensor([13, 7])), "kv_len=13"),
+    (dict(window=0), "window must be an int >= 1"),
+    (dict(softcap=float("inf")), "softcap must be a finite float > 0"),
+    (dict(sinks=torch.zeros(3)), r"sinks must hold one logit per query head \(2\)"),
+    (dict(sinks=torch.zeros(2), lse=torch.zeros(2, 2)), "lse cannot be given with sinks"),
+    # A window of 3 attends keys [7, 10) of item 0: page 1 is read, page 0 may be freed.
+    (dict(window=3, block_table=torch.tensor([[-1, -1, 2], [-1, 4, -1]], dtype=torch.int32)),
+     r"block_table\[0, 1\] = -1"),
 ])
 def test_macs_pool_paged_rejects_bad_arguments(changes, message):
     with pytest.raises((ValueError, TypeError), match=message):
         _bad_call(**changes)
+
+
+@pytest.mark.parametrize("backend", backends("macs_pool_paged"))
+def test_pages_before_every_rows_window_may_be_freed(backend):
+    """Table entries before each item's window may be -1 (an engine freed those pages); the rows are unchanged."""
+    generator = torch.Generator().manual_seed(2)
+    q, k_pages = (torch.randn(shape, generator=generator).to(DEVICE) for shape in ((2, 2, 8), (6, 4, 1, 8)))
+    options = dict(input_start=0, input_end=torch.tensor([7, 8], device=DEVICE), scale=1.0, window=5,
+                   kv_len=torch.tensor([10, 11], device=DEVICE), backend=backend)  # windows [5, 10), [6, 11)
+    tables = (torch.tensor(rows, dtype=torch.int32, device=DEVICE) for rows in ([[0, 1, 2], [3, 4, 5]],
+                                                                                [[-1, 1, 2], [-1, 4, 5]]))
+    kept, freed = (ops.macs_pool_paged(q, k_pages, table, **options) for table in tables)
+    assert (kept[:, 6] > kept[:, 0]).all()  # an input inside the window gets attention, one before it the spread
+    torch.testing.assert_close(freed, kept, rtol=0, atol=0)
 
 
 def test_transformers_paged_cache_through_its_own_block_table(monkeypatch):
