@@ -13,6 +13,7 @@ from macs_kernels.config import MacsConfig
 from macs_kernels.core import NAN_MESSAGE, Kernels, PagedRows, PassRows, RowStore, log_zscores, paper_zscores
 from macs_kernels.ops import macs_pool, torch_backend
 from macs_kernels.ops.torch_backend import log_floor
+from macs_kernels.ops.variant import Variant
 from macs_kernels.vllm.tracer import key_pages
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "macs_kernels"
@@ -259,11 +260,13 @@ def _paged(keys_per_row, page_size, pages_total, layout):
     return cache[0], table
 
 
+@pytest.mark.parametrize("variant", ["plain", "window+sinks+softcap"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("layout", ["vllm_cpu", "flash_attn"])
-def test_paged_rows_equal_the_dense_op_per_row(layout, backend):
+def test_paged_rows_equal_the_dense_op_per_row(layout, backend, variant):
     """PagedRows (the vLLM adapter's row plan) on vLLM's CPU cache layout and on FLASH_ATTN's GPU layout, per-row
-    options in one pass, against ops.macs_pool on each row's keys laid out contiguously."""
+    options in one pass, against ops.macs_pool on each row's keys laid out contiguously; a layer with a sliding
+    window (shorter than some rows' inputs), sinks and a softcap (gpt-oss, Gemma 2) likewise."""
     if backend == "triton" and layout == "vllm_cpu":
         pytest.skip("the GPU backends read pages with a unit stride in D; vLLM's CPU keys are stored transposed")
     if backend == "triton":
@@ -278,15 +281,17 @@ def test_paged_rows_equal_the_dense_op_per_row(layout, backend):
     rows = torch.tensor([2, 5, 7, 10])
     scorer = PagedRows(Kernels.of(backend), 2, rows, table, lengths, n_input, page_size, configs)
     layer_queries = [query, query * 0.5]
+    extra = {} if variant == "plain" else dict(window=45, sinks=torch.linspace(-1.0, 4.0, heads), softcap=2.0)
     for layer, q in enumerate(layer_queries):
-        scorer.pool(layer, q, k_pages, 0.3)
+        scorer.pool(layer, q, k_pages, 0.3, **extra)
     log_c, broken = scorer.finish()
     assert not broken.any()
     for r, (config, length, n) in enumerate(zip(configs, lengths, n_input)):
         expected = torch.zeros(n)
         for q in layer_queries:
             pooled = macs_pool(q[rows[r]][None], keys[r][None], input_start=0, input_end=n, kv_len=length, scale=0.3,
-                               pooling=config.pooling, redistribute=config.redistribute, backend="torch")
+                               pooling=config.pooling, redistribute=config.redistribute, backend="torch",
+                               variant=Variant(**extra))
             expected += log_floor(pooled[0], config.alpha)
         torch.testing.assert_close(log_c[r, :n], expected, rtol=1e-5, atol=1e-5)
         assert (log_c[r, n:] == 0).all()

@@ -34,6 +34,7 @@ class Kernels:
     paged_backend: str  # pool_paged's backend: on CPUs a paged cache is read in place by numba's
     pool_variant: object | None  # macs_pool and decode_attention of a layer with an attention variant (ops.Variant)
     decode_variant: object | None
+    pool_paged_variant: object  # pool_paged of a layer with an attention variant (window, sinks, softcap)
 
     @staticmethod
     def of(backend: str, paged: str | None = None) -> Kernels:
@@ -46,6 +47,7 @@ class Kernels:
             getattr(special, "decode_attention_dense", None), implementation(paged or backend, "macs_pool_paged"),
             paged or backend, variant_implementation(backend, "macs_pool"),
             variant_implementation(backend, "decode_attention"),
+            variant_implementation(paged or backend, "macs_pool_paged"),
         )
 
 
@@ -314,7 +316,7 @@ class PagedRows(PackedRows):
         """m' of the scored rows of this layer's packed query (T, H, D) over the paged keys k_pages
         (P, page_size, H_kv, D): any strides on torch, a unit stride in D on the other backends. window: a
         sliding-window layer's (each row attends its last `window` keys; inputs before get 0); sinks: (H,) sink
-        logits in the softmax's denominator (gpt-oss); softcap: Gemma 2's logit cap; all on torch and numba.
+        logits in the softmax's denominator (gpt-oss); softcap: Gemma 2's logit cap.
         plan: `plan(table)` of this layer's block table when it is not the pass's."""
         plan = self.table if plan is None else plan
         q_rows = query.index_select(0, self.rows)
@@ -322,20 +324,17 @@ class PagedRows(PackedRows):
             probabilities = plan.probabilities(q_rows, k_pages, scale, window, sinks, softcap)
             self._pool_probabilities(layer, probabilities[..., : self.segments.length_max])
             return
-        extra = {name: value for name, value in (("window", window), ("sinks", sinks), ("softcap", softcap))
-                 if value is not None}
-        if extra and self.kernels.paged_backend != "numba":
-            raise NotImplementedError(f"{' and '.join(extra)} on the {self.kernels.paged_backend} paged backend: its "
-                                      "paged op takes neither (torch's and numba's do)")
+        run = self.kernels.pool_paged
+        if window is not None or sinks is not None or softcap is not None:
+            run = functools.partial(self.kernels.pool_paged_variant, window=window, sinks=sinks, softcap=softcap)
         for (pooling, redistribute, index), table, ranges in zip(self.groups, plan, self.ranges):
             if index is None:  # one option group: straight into the pass's rows
-                self.kernels.pool_paged(q_rows.unsqueeze(2), k_pages, table, self.pooled[layer].unsqueeze(1),
-                                        *ranges, scale, pooling, redistribute, None, **extra)
+                run(q_rows.unsqueeze(2), k_pages, table, self.pooled[layer].unsqueeze(1), *ranges, scale, pooling,
+                    redistribute, None)
                 continue
             block = q_rows.index_select(0, index)
             pooled = torch.empty(block.shape[0], 1, self.segments.n_max, dtype=torch.float32, device=block.device)
-            self.kernels.pool_paged(block.unsqueeze(2), k_pages, table, pooled, *ranges, scale, pooling,
-                                    redistribute, None, **extra)
+            run(block.unsqueeze(2), k_pages, table, pooled, *ranges, scale, pooling, redistribute, None)
             self._write(self.pooled[layer], index, pooled[:, 0])
 
     @staticmethod

@@ -110,19 +110,19 @@ def implementation(backend: str, op: str) -> Callable:
 
 
 def variant_implementation(backend: str, op: str) -> Callable | None:
-    """The function that computes `op` ("macs_pool" or "decode_attention") of a layer with an attention
-    variant on `backend`, taking token positions and an ops.Variant's kwargs; None where the backend has no
-    variant kernels. The extension's operators take the variant in key slots: torch's wrapper converts."""
-    if op not in ("macs_pool", "decode_attention"):
-        raise ValueError(f"no attention-variant kernel for {op!r}; only macs_pool and decode_attention take one")
+    """The function that computes `op` ("macs_pool", "macs_pool_paged" or "decode_attention") of a layer with an
+    attention variant on `backend`, taking token positions and an ops.Variant's kwargs; None where the backend
+    lacks the op. The backends' kernels take the variant in key slots: torch's wrapper converts (Triton's
+    decode_attention, whose kernel takes no variant arguments, has its own)."""
+    if op not in ("macs_pool", "macs_pool_paged", "decode_attention"):
+        raise ValueError(f"no attention-variant kernel for {op!r}; only macs_pool, macs_pool_paged and "
+                         "decode_attention take one")
+    if backend == "numba" and op not in NUMBA_OPS:
+        return None
+    if backend == "triton" and op == "decode_attention":
+        return importlib.import_module("macs_kernels.ops.triton").decode_attention_variant
     torch_backend = importlib.import_module("macs_kernels.ops.torch_backend")
-    if backend == "torch":
-        return getattr(torch_backend, f"{op}_variant")
-    if backend == "triton":
-        return getattr(importlib.import_module("macs_kernels.ops.triton"), f"{op}_variant")
-    if backend == "cuda":
-        return functools.partial(getattr(torch_backend, f"{op}_variant"), kernel=implementation("cuda", op))
-    return None
+    return functools.partial(getattr(torch_backend, f"{op}_variant"), kernel=implementation(backend, op))
 
 
 def candidates(device: torch.device) -> tuple[str, ...]:

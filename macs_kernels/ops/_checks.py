@@ -120,14 +120,15 @@ def check_paged(q, k_pages, block_table):
             raise ValueError(f"q is on {q.device} but {name} is on {tensor.device}")
 
 
-def check_pages_in_use(block_table, kv_len, page_size, pages):
-    """Every page that holds a key a row of item b attends (keys [0, max_r kv_len[b, r])) is a page of the
-    cache, in [0, pages) (one host sync). Entries past an item's last page may be anything: transformers'
-    tables hold -1 there."""
+def check_pages_in_use(block_table, attend_start, kv_len, page_size, pages):
+    """Every page that holds a key a row of item b attends (keys [min_r attend_start[b, r], max_r kv_len[b, r]))
+    is a page of the cache, in [0, pages) (one host sync). Entries past an item's last page may be anything:
+    transformers' tables hold -1 there; so may those before its first (a sliding window's freed pages)."""
     if kv_len.numel() == 0:
         return
     needed = -(-kv_len.amax(dim=1) // page_size)
-    in_use = torch.arange(block_table.shape[1], device=block_table.device) < needed[:, None]
+    page = torch.arange(block_table.shape[1], device=block_table.device)
+    in_use = (page < needed[:, None]) & (page >= attend_start.amin(dim=1)[:, None] // page_size)
     bad = (in_use & ((block_table < 0) | (block_table >= pages))).flatten()
     first_bad = int(torch.where(bad.any(), bad.int().argmax(), -1))
     if first_bad >= 0:

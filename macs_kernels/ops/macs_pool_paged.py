@@ -7,8 +7,9 @@ import torch
 from ..config import MacsConfig
 from . import torch_backend
 from ._checks import IndexLike, as_scale, check_paged, check_pages_in_use
-from ._dispatch import NAMESPACE, kernel, resolve_backend
+from ._dispatch import NAMESPACE, kernel, variant_kernel
 from .macs_pool import row_arguments
+from .variant import Variant
 
 # Writes `out` and returns nothing: the trivial fake kernel torch.library generates is the right one.
 operator = torch.library.custom_op(
@@ -32,58 +33,33 @@ def macs_pool_paged(
     input_start, input_end, kv_len, lse, out, pooling, redistribute: as in ops.macs_pool, with keys numbered
         0 .. pages * page_size - 1 per item.
     window: a sliding-window layer's window: each row attends only keys [max(input_start, kv_len - window),
-        kv_len) (the pages before are never read; the engine may have freed them), inputs before that get 0
-        (torch and numba backends).
+        kv_len) (the pages before are never read; the engine may have freed them), inputs before that get 0.
     sinks: (H,) per-head sink logits in the softmax's denominator only (gpt-oss): a row's probabilities over
-        its keys sum to less than 1 (torch and numba backends; not with lse).
+        its keys sum to less than 1 (not with lse).
     softcap: logits capped to softcap * tanh(s / softcap) before the softmax (Gemma 2's
-        attn_logit_softcapping; torch and numba backends; lse, if given, over the capped logits).
+        attn_logit_softcapping; lse, if given, over the capped logits).
     Returns float32 (B, N_max) or (B, R, N_max), equal to ops.macs_pool on the item's keys laid out
     contiguously.
     """
     MacsConfig(pooling=pooling, redistribute=redistribute, backend=backend)
     check_paged(q, k_pages, block_table)
+    variant = Variant(window=window, softcap=softcap, sinks=sinks)
+    if sinks is not None and lse is not None:
+        raise ValueError("lse cannot be given with sinks: the kernel computes its own normaliser")
     page_size = k_pages.shape[1]
     block, ranges, lse, out = row_arguments(
         q, block_table.shape[1] * page_size, input_start, input_end, kv_len, lse, out
     )
-    check_pages_in_use(block_table, ranges[2], page_size, k_pages.shape[0])
+    if not variant.plain:
+        variant.check(q.shape[1], ranges[0], ranges[2], block_table.shape[1] * page_size)
+    attended = ranges[0] if window is None else torch.maximum(ranges[0], ranges[2] - window)
+    check_pages_in_use(block_table, attended, ranges[2], page_size, k_pages.shape[0])
     # Page numbers fit int32, the type paged-attention kernels take; int64 tables are converted once here.
     block_table = block_table.to(torch.int32)
     rows_out = out.view(block.shape[0], block.shape[2], out.shape[-1])
     arguments = (block, k_pages, block_table, rows_out, *ranges, as_scale(scale), pooling, bool(redistribute), lse)
-    if window is None and sinks is None and softcap is None:
+    if variant.plain:
         kernel(backend, q.device, "macs_pool_paged")(*arguments)
-        return out
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive int (a sliding window's length in keys), got {window!r}")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and 0 < softcap < float("inf")):
-        raise ValueError(f"softcap must be a finite float > 0 or None, got {softcap!r}")
-    if sinks is not None:
-        if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (q.shape[1],):
-            raise ValueError(f"sinks must be a ({q.shape[1]},) tensor of per-head sink logits (q's heads)")
-        if lse is not None:
-            raise ValueError("lse cannot be given with sinks: the kernel computes its own normaliser")
-    name = resolve_backend(backend, q.device, "macs_pool_paged")
-    if name not in VARIANT_FORMS:
-        raise NotImplementedError(f"macs_pool_paged with a window, sinks or a softcap runs on the "
-                                  f"{' and '.join(VARIANT_FORMS)} backends, not {name}")
-    VARIANT_FORMS[name](*arguments, window=window, sinks=sinks, softcap=softcap)
+    else:
+        variant_kernel(backend, q.device, "macs_pool_paged")(*arguments, **variant.kwargs())
     return out
-
-
-def _torch_variant(q, k_pages, block_table, out, input_start, input_end, kv_len, scale, pooling, redistribute, lse,
-                   *, window, sinks, softcap):
-    keys = torch_backend.gather_pages(k_pages, block_table, int(kv_len.max()))
-    torch_backend.macs_pool_variant(q, keys, out, input_start, input_end, kv_len, scale, pooling, redistribute, lse,
-                                    window=window, sinks=sinks, softcap=softcap)
-
-
-def _numba_variant(*arguments, window, sinks, softcap):
-    from .numba.macs_pool_paged import macs_pool_paged as numba_form
-
-    numba_form(*arguments, window=window, sinks=sinks, softcap=softcap)
-
-
-# The backends whose paged op takes a sliding window, sinks and a softcap.
-VARIANT_FORMS = {"torch": _torch_variant, "numba": _numba_variant}

@@ -200,12 +200,23 @@ def gather_pages(k_pages: Tensor, block_table: Tensor, keys: int) -> Tensor:
 def macs_pool_paged(
     q: Tensor, k_pages: Tensor, block_table: Tensor, out: Tensor, input_start: Tensor, input_end: Tensor,
     kv_len: Tensor, scale: float, pooling: str, redistribute: bool, lse: Tensor | None,
+    score_start: Tensor | None = None, softcap: float | None = None, sinks: Tensor | None = None,
 ) -> None:
     """macs_pool over a paged cache: the pages the rows attend, gathered into one (B, H_kv, S, D) block
-    (S = the longest row's kv_len), then macs_pool."""
+    (S = the longest row's kv_len), then macs_pool (score_start, softcap, sinks: the layer's variant as
+    macs_pool takes it)."""
     keys = int(kv_len.max()) if kv_len.numel() else 0
     macs_pool(q, gather_pages(k_pages, block_table, keys), out, input_start, input_end, kv_len, scale, pooling,
-              redistribute, lse)
+              redistribute, lse, score_start, softcap, sinks)
+
+
+def macs_pool_paged_variant(q, k_pages, block_table, out, *arguments, kernel=macs_pool_paged, **variant):
+    """`macs_pool_variant` over a paged cache (its slots are the tokens: key_offset stays 0); `kernel`: a
+    macs_pool_paged kernel taking the variant arguments."""
+    def keys_in_pages(q, _, out, *rest):
+        kernel(q, k_pages, block_table, out, *rest)
+
+    macs_pool_variant(q, None, out, *arguments, kernel=keys_in_pages, **variant)
 
 
 def _pool_rows(probabilities, out, input_start, input_end, kv_len, pooling, redistribute, windowed=False):

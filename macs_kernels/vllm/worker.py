@@ -89,12 +89,6 @@ class AttributionWorker:
         if active is None or active.runner is not self.model_runner:
             layers = attention_layers(self.vllm_config)
             active = tracing.VllmTracer(self.model_runner, layers, keep_finished, head_shards(self.vllm_config))
-            if active.kernels.paged_backend not in ("torch", "numba") and any(
-                    tracing.layer_window(layer.impl) is not None or layer.impl.sinks is not None
-                    or layer.impl.logits_soft_cap
-                    for layer in layers.values()):
-                raise NotImplementedError(f"sliding windows, sinks or soft caps on the {active.kernels.paged_backend} "
-                                          "paged backend: its paged op takes none (torch's and numba's do)")
             tracing.ACTIVE = active
         return active.kernels.paged_backend
 

@@ -34,8 +34,8 @@ SCHEMAS = {
                  "float scale, str pooling, bool redistribute, Tensor? lse, Tensor? score_start=None, "
                  "float? softcap=None, Tensor? sinks=None) -> ()",
     "macs_pool_paged": "(Tensor q, Tensor k_pages, Tensor block_table, Tensor(a3!) out, Tensor input_start, "
-                       "Tensor input_end, Tensor kv_len, float scale, str pooling, bool redistribute, Tensor? lse) "
-                       "-> ()",
+                       "Tensor input_end, Tensor kv_len, float scale, str pooling, bool redistribute, Tensor? lse, "
+                       "Tensor? score_start=None, float? softcap=None, Tensor? sinks=None) -> ()",
     "efficient_attention": "(Tensor p, Tensor v_cache, Tensor kv_start, Tensor kv_len, bool causal, float rcond, "
                            "Tensor? gram=None) -> (Tensor, Tensor)",
 }
@@ -141,6 +141,7 @@ CASES = {
     "macs_pool": _pool_args,
     "macs_pool/variant": _pool_variant_args,
     "macs_pool_paged": _paged_args,
+    "macs_pool_paged/variant": lambda: _paged_args(_pool_variant_args()),
     "attention_features": _features_args,
     # A window of 3 tokens, a softcap and (H,) sink logits.
     "attention_features/variant": lambda: (*_features_args(), 3, 2.0, torch.randn(HEADS)),

@@ -91,7 +91,7 @@ def test_macs_pool_paged_equals_macs_pool_with_lse_out_and_an_int64_table(backen
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("backend", [p for p in backends("macs_pool_paged") if p.id in ("torch", "numba")])
+@pytest.mark.parametrize("backend", backends("macs_pool_paged"))
 @pytest.mark.parametrize("pooling", POOLINGS)
 @pytest.mark.parametrize("extra", ["", "sinks", "softcap"])
 def test_macs_pool_paged_with_a_window_reads_only_the_window(backend, pooling, extra):
@@ -121,8 +121,48 @@ def test_macs_pool_paged_with_a_window_reads_only_the_window(backend, pooling, e
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # Inputs before the window get the spread alone, alike.
     torch.testing.assert_close(got[0, 0, :69 - window], got[0, 0, :1].expand(69 - window))
-    with pytest.raises(ValueError, match="window must be a positive int"):
+    with pytest.raises(ValueError, match="window must be an int >= 1"):
         ops.macs_pool_paged(q, k_pages, table, backend=backend, window=0, **ranges)
+
+
+VARIANT_CASES = pairwise({
+    "dtype": (torch.float32, torch.bfloat16), "heads": ((3, 1), (4, 2)), "page_size": (16, 5, 1),
+    "window": (4, 17, 1000), "extra": ("", "sinks", "softcap", "sinks+softcap"), "pooling": POOLINGS,
+    "rows": (1, 2),
+})
+
+
+@pytest.mark.parametrize("backend", backends("macs_pool_paged"))
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=case_ids(VARIANT_CASES))
+def test_macs_pool_paged_variants_match_the_reference(case, backend):
+    """Sliding windows shorter than the generated keys, ending inside the inputs and longer than every row, with
+    sinks and softcaps, against the float64 reference over every token's keys; each item's pages wholly before
+    its rows' windows are NaN and -1 in the table (freed by the engine), so a kernel that reads one fails."""
+    (heads, kv_heads), rows, page_size, window = case["heads"], case["rows"], case["page_size"], case["window"]
+    generator = torch.Generator().manual_seed(heads * 7 + rows + page_size + window)
+    k = (torch.randn(2, kv_heads, 45, 24, generator=generator) * 2).to(case["dtype"])
+    q = (torch.randn(2, heads, rows, 24, generator=generator) * 2).to(case["dtype"])
+    last = torch.tensor([45, 31])
+    kv_len = last[:, None] - rows + 1 + torch.arange(rows)
+    start, end = torch.tensor([[3], [0]]).expand(2, rows), torch.tensor([[30], [20]]).expand(2, rows)
+    k_pages, table = paged(k, last, page_size, generator)
+    for b in range(2):
+        freed = table[b, : max(0, int(kv_len[b, 0]) - window) // page_size].long()
+        k_pages[freed] = float("nan")
+        table[b, : len(freed)] = -1
+    sinks = torch.randn(heads, generator=generator) * 2 + 4 if "sinks" in case["extra"] else None
+    softcap = 1.5 if "softcap" in case["extra"] else None
+    options = dict(scale=24 ** -0.5, pooling=case["pooling"])
+    want, _ = reference.variant_pool_reference(q, k, k, input_start=start, input_end=end, kv_len=kv_len,
+                                               window=window, softcap=softcap, sinks=sinks, **options)
+    ranges = dict(input_start=start, input_end=end, kv_len=kv_len)
+    block = q[:, :, 0] if rows == 1 else q
+    ranges = {name: (value[:, 0] if rows == 1 else value).to(DEVICE) for name, value in ranges.items()}
+    got = ops.macs_pool_paged(block.to(DEVICE), k_pages, table, backend=backend, window=window,
+                              sinks=None if sinks is None else sinks.to(DEVICE), softcap=softcap, **ranges, **options)
+    want = want[:, 0] if rows == 1 else want
+    assert got.shape == want.shape and not got.isnan().any()
+    assert relative_error(got, want) <= RELATIVE_ERROR[torch.float32]
 
 
 def _bad_call(**changes):
@@ -141,10 +181,31 @@ def _bad_call(**changes):
     (dict(k_pages=torch.randn(6, 4, 1, 16)), r"k_pages must be \(pages, page_size >= 1, H_kv, 8\)"),
     (dict(k_pages=torch.randn(6, 4, 3, 8)), r"multiple of KV heads \(3\)"),
     (dict(kv_len=torch.tensor([13, 7])), "kv_len=13"),
+    (dict(window=0), "window must be an int >= 1"),
+    (dict(softcap=float("inf")), "softcap must be a finite float > 0"),
+    (dict(sinks=torch.zeros(3)), r"sinks must hold one logit per query head \(2\)"),
+    (dict(sinks=torch.zeros(2), lse=torch.zeros(2, 2)), "lse cannot be given with sinks"),
+    # A window of 3 attends keys [7, 10) of item 0: page 1 is read, page 0 may be freed.
+    (dict(window=3, block_table=torch.tensor([[-1, -1, 2], [-1, 4, -1]], dtype=torch.int32)),
+     r"block_table\[0, 1\] = -1"),
 ])
 def test_macs_pool_paged_rejects_bad_arguments(changes, message):
     with pytest.raises((ValueError, TypeError), match=message):
         _bad_call(**changes)
+
+
+@pytest.mark.parametrize("backend", backends("macs_pool_paged"))
+def test_pages_before_every_rows_window_may_be_freed(backend):
+    """Table entries before each item's window may be -1 (an engine freed those pages); the rows are unchanged."""
+    generator = torch.Generator().manual_seed(2)
+    q, k_pages = (torch.randn(shape, generator=generator).to(DEVICE) for shape in ((2, 2, 8), (6, 4, 1, 8)))
+    options = dict(input_start=0, input_end=torch.tensor([7, 8], device=DEVICE), scale=1.0, window=5,
+                   kv_len=torch.tensor([10, 11], device=DEVICE), backend=backend)  # windows [5, 10), [6, 11)
+    tables = (torch.tensor(rows, dtype=torch.int32, device=DEVICE) for rows in ([[0, 1, 2], [3, 4, 5]],
+                                                                                [[-1, 1, 2], [-1, 4, 5]]))
+    kept, freed = (ops.macs_pool_paged(q, k_pages, table, **options) for table in tables)
+    assert (kept[:, 6] > kept[:, 0]).all()  # an input inside the window gets attention, one before it the spread
+    torch.testing.assert_close(freed, kept, rtol=0, atol=0)
 
 
 def test_transformers_paged_cache_through_its_own_block_table(monkeypatch):

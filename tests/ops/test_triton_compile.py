@@ -54,6 +54,12 @@ VARIANTS = {
     # Attention variants (ops.Variant): Gemma 2's softcap in the split pass, gpt-oss's sinks in the combine.
     "pool_softcap_bf16_gqa2_d256": _split_kv("bf16", D=256, GROUP=2, BLOCK_M=16, SOFTCAP=True),
     "decode_softcap_fp16_gqa4_d128": _split_kv("fp16", D=128, GROUP=4, BLOCK_M=16, WITH_V=True, SOFTCAP=True),
+    # The paged op of a variant layer (a window is a runtime start, sinks are the combine's): Gemma 2's GQA 2:1 at
+    # D = 256 in vLLM's 16-slot blocks, and GQA 4:1 at D = 128 in flash_attn's 256-slot pages.
+    "pool_paged_softcap_bf16_gqa2_d256_page16": _split_kv("bf16", D=256, GROUP=2, BLOCK_M=16, PAGE_SIZE=16,
+                                                          SOFTCAP=True),
+    "pool_paged_softcap_fp16_gqa4_d128_page256": _split_kv("fp16", D=128, GROUP=4, BLOCK_M=16, PAGE_SIZE=256,
+                                                           SOFTCAP=True),
     "combine_bf16": (
         "split_kv", "_split_kv_combine_kernel", {"out_ptr": "bf16"},
         dict(D=128, BLOCK_D=128, SPLITS_PAD=64, WITH_V=True, HAS_SINKS=False), dict(num_warps=4),
@@ -61,6 +67,10 @@ VARIANTS = {
     "combine_sinks_bf16": (
         "split_kv", "_split_kv_combine_kernel", {"out_ptr": "bf16", "sinks_ptr": "bf16"},
         dict(D=64, BLOCK_D=64, SPLITS_PAD=64, WITH_V=True, HAS_SINKS=True), dict(num_warps=4),
+    ),
+    "combine_sinks_pool": (
+        "split_kv", "_split_kv_combine_kernel", {},
+        dict(D=64, BLOCK_D=64, SPLITS_PAD=16, WITH_V=False, HAS_SINKS=True), dict(num_warps=4),
     ),
     "pool_scores_max": (
         "pool", "_pool_kernel", {"start_ptr": "i64", "end_ptr": "i64"},
@@ -169,7 +179,8 @@ def test_kernel_compiles(compiled, variant, arch):
 @pytest.mark.parametrize("variant", [
     "decode_bf16_gqa4_d128", "update_fp16_gqa3_d64", "pool_block_bf16_gqa9_d64", "pool_paged_bf16_gqa3_d64_page16",
     "pool_paged_fp16_gqa9_d128_page256", "pool_paged_bf16_gqa4_d128_page16", "pool_softcap_bf16_gqa2_d256",
-    "decode_softcap_fp16_gqa4_d128",
+    "decode_softcap_fp16_gqa4_d128", "pool_paged_softcap_bf16_gqa2_d256_page16",
+    "pool_paged_softcap_fp16_gqa4_d128_page256",
 ])
 def test_split_pass_uses_tensor_cores_and_16_byte_loads(compiled, variant, arch):
     """The GQA group's scores come from one tensor-core product per K tile, fed by 128-bit loads."""

@@ -41,8 +41,8 @@ def _exp_in_place(x, bits):
 
 
 @numba.njit(nogil=True, fastmath=True, cache=True)
-def _macs_pool_paged_kernel(q, keys, strides, table, out, input_start, input_end, kv_len, scale, pooling,
-                            redistribute, lse, has_lse, window, sinks, has_sinks, softcap):
+def _macs_pool_paged_kernel(q, keys, strides, table, out, attend_start, input_start, input_end, kv_len, scale,
+                            pooling, redistribute, lse, has_lse, sinks, has_sinks, softcap):
     batch, heads, rows, dim = q.shape
     page_stride, slot_stride, head_stride, dim_stride, page_size, kv_heads = strides
     group = heads // kv_heads
@@ -56,9 +56,9 @@ def _macs_pool_paged_kernel(q, keys, strides, table, out, input_start, input_end
         for r in range(rows):
             start, end, length = input_start[b, r], input_end[b, r], kv_len[b, r]
             n_input, span = end - start, length - start
-            # A sliding-window layer attends only keys [length - window, length): the slots before (skip of
+            # A sliding-window layer's row attends from its window's start: the input slots before (skip of
             # them) get probability 0 and their pages are never read (the engine may have freed them).
-            attend = start if window <= 0 else max(start, length - window)
+            attend = attend_start[b, r]
             skip = attend - start
             pooled = out[b, r]
             fill = -np.inf if pooling == 0 else (np.inf if pooling == 2 else 0.0)
@@ -146,28 +146,28 @@ def _flat(tensor: torch.Tensor) -> tuple[np.ndarray, tuple[int, ...]]:
 
 
 def macs_pool_paged(q, k_pages, block_table, out, input_start, input_end, kv_len, scale, pooling, redistribute,
-                    lse, *, window=None, sinks=None, softcap=None):
+                    lse, score_start=None, softcap=None, sinks=None):
     """q (B, H, R, D), k_pages (P, page_size, H_kv, D) any strides, block_table (B, pages) int32, ranges
-    (B, R) int64, out (B, R, N_max) float32 written; lse (B, H, R) or None; window: the rows attend only their
-    last `window` keys (a sliding-window layer), or None; sinks: (H,) per-head sink logits in the softmax
-    denominator (gpt-oss), or None (not with lse); softcap: logits capped to softcap * tanh(s / softcap) (Gemma 2),
-    or None."""
+    (B, R) int64, out (B, R, N_max) float32 written; lse (B, H, R) or None; score_start (B, R), softcap,
+    sinks (H,): the layer's attention variant in key slots, as torch_backend.macs_pool takes it (a sliding-window
+    row attends from input_start, its inputs start at score_start)."""
     if k_pages.dtype != torch.float32:
         # Numba has no bfloat16: the attended pages are gathered in float32 (a copy), under a table that
         # numbers them in that order.
         counts = (kv_len.amax(dim=1) + k_pages.shape[1] - 1) // k_pages.shape[1]
         used = torch.arange(block_table.shape[1]) < counts[:, None]
-        k_pages = k_pages.index_select(0, block_table[used].long()).float()
+        # Entries before a window may name freed pages (-1): clamped into range, never read.
+        k_pages = k_pages.index_select(0, block_table[used].long().clamp(0, k_pages.shape[0] - 1)).float()
         block_table = torch.zeros_like(block_table).masked_scatter_(used, torch.arange(int(used.sum()),
                                                                                        dtype=block_table.dtype))
     keys, (page_stride, slot_stride, head_stride, dim_stride) = _flat(k_pages)
     strides = np.array([page_stride, slot_stride, head_stride, dim_stride, k_pages.shape[1], k_pages.shape[2]])
     target = out if out.is_contiguous() else torch.empty_like(out)
     lse_array = np.zeros((1, 1, 1), np.float32) if lse is None else lse.float().contiguous().numpy()
+    inputs = input_start if score_start is None else score_start.contiguous()
     _macs_pool_paged_kernel(q.float().contiguous().numpy(), keys, strides, block_table.numpy(), target.numpy(),
-                            input_start.numpy(), input_end.numpy(), kv_len.numpy(), np.float32(scale),
-                            _POOLINGS[pooling], bool(redistribute), lse_array, lse is not None,
-                            0 if window is None else int(window),
+                            input_start.numpy(), inputs.numpy(), input_end.numpy(), kv_len.numpy(),
+                            np.float32(scale), _POOLINGS[pooling], bool(redistribute), lse_array, lse is not None,
                             np.zeros(1, np.float32) if sinks is None else sinks.float().contiguous().numpy(),
                             sinks is not None, np.float32(0.0 if softcap is None else softcap))
     if target is not out:

@@ -7,7 +7,7 @@ from .attention_features import attention_features
 from .common import LAUNCHES
 from .decode_attention import decode_attention, decode_attention_variant
 from .efficient_attention import efficient_attention
-from .macs_pool import macs_pool, macs_pool_variant
+from .macs_pool import macs_pool
 from .macs_pool_paged import macs_pool_paged
 from .macs_update import macs_update
 from .macs_update_rows import macs_update_rows
@@ -15,5 +15,5 @@ from .macs_zscore import macs_zscore
 
 __all__ = [
     "LAUNCHES", "attention_features", "decode_attention", "decode_attention_variant", "efficient_attention",
-    "macs_pool", "macs_pool_paged", "macs_pool_variant", "macs_update", "macs_update_rows", "macs_zscore",
+    "macs_pool", "macs_pool_paged", "macs_update", "macs_update_rows", "macs_zscore",
 ]
