@@ -13,6 +13,9 @@ cache and `generate` say:
   scores its last query; later passes score every query (one on a decode step, K+1 on a verify pass of
   assisted decoding). Row k of a sequence is the query at key slot input_end - 1 + k, so a row computed
   again after `past_key_values.crop()` replaces the rejected one;
+- a sliding-window layer's key slot j holds token j + its key offset, read each pass from the cache layer the
+  model updates (the tokens it was handed less the keys it returns: dynamic windows, static rolled buffers,
+  assisted decoding's crops, a cache passed in);
 - per layer, the core's `DenseRows` (macs_kernels.core) picks the backend's kernel and writes m' (MACS's
   head-pooled row before the floor) of the scored rows; after the last layer it reduces over a tensor-parallel
   group, takes the floor and the log and sums over layers, once per pass;
