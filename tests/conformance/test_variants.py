@@ -194,7 +194,8 @@ def test_efficient_rows_of_window_layers_project_onto_the_window(name, engine, v
 # passes of several candidates; the cache cropped back after rejections), and a continued conversation (a
 # DynamicCache from an earlier generate, whose window layers already dropped the first turn's first tokens and
 # pads). Each returned sequence against the teacher-forced eager reference of its own tokens.
-CACHE_MODES = ["static", "prompt_lookup", "assisted", "continued"]
+CACHE_MODES = ["static", "static_beams", "prompt_lookup", "assisted", "continued"]
+CACHE_LAYOUTS = {"static_beams": "beams", "prompt_lookup": "assisted", "assisted": "assisted"}  # support's names
 FAST_CACHE = {("gemma2", "static", "fused"), ("gemma3", "prompt_lookup", "exact"), ("gpt_oss", "assisted", "fused"),
               ("mistral", "continued", "exact"), ("qwen2", "static", AT2), ("gemma3", "continued", "efficient")}
 CACHE_CASES = [
@@ -225,6 +226,10 @@ def _cache_mode_sequences(name: str, model, tokenizer, mode: str, method: str) -
         alone, _ = traced_generate(model, short, torch.ones_like(short), method, cache_implementation="static",
                                    max_new_tokens=3 * WINDOW // 2, pad_token_id=pad, min_new_tokens=WINDOW)
         return batch + alone
+    if mode == "static_beams":  # the beams' rows of the static window buffer reordered by beam search
+        ids, mask = _left_padded([prompt, prompt[-20:]], pad)
+        return traced_generate(model, ids, mask, method, cache_implementation="static", num_beams=3,
+                               num_return_sequences=2, pad_token_id=pad)[0]
     if mode == "continued":
         # Turn one of a left-padded batch (the second prompt's pads outnumber the window), then a follow-up.
         ids, mask = _left_padded([prompt, prompt[:12]], pad)
@@ -262,12 +267,12 @@ def test_window_caches_rolled_cropped_or_passed_in_equal_the_reference(name, mod
     """Window layers' keys start where their cache says (hf_models.window_key_offset): static caches, assisted
     decoding and prompt lookup, a cache passed in; the methods that cannot drop rejected candidates are refused."""
     model, tokenizer = variant_models(name)
-    layout = "assisted" if mode in ("prompt_lookup", "assisted") else None
+    layout = CACHE_LAYOUTS.get(mode)
     refusal = support.message("generate", method, layout) if layout else None
     if refusal is not None:
         with pytest.raises(NotImplementedError, match=re.escape(refusal)):
             _cache_mode_sequences(name, model, tokenizer, mode, method)
         return
     sequences = _cache_mode_sequences(name, model, tokenizer, mode, method)
-    assert len(sequences) == (3 if mode == "static" else 2 if mode == "continued" else 1)
+    assert len(sequences) == {"static": 3, "static_beams": 4, "continued": 2}.get(mode, 1)
     assert_sequences_equal_the_reference(model, method, sequences, request, efficient=_window_efficient_reference)
