@@ -75,6 +75,24 @@ def check_variants(model, engine: str, method: str, shards=None) -> tuple[str, .
     return found
 
 
+def window_key_offset(cache, layer: int, keys: int) -> int:
+    """The token that key slot 0 of `layer` holds in the pass in progress, from the cache the model updates: a
+    sliding-window cache layer (dynamic or static) counts every token handed to it (through crops and rolls)
+    and hands over the last `keys` of them, or, static and not yet full, its buffer from token 0 on. A full
+    layer's (or a cacheless pass's) slot j is token j."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or layer >= len(layers) or not getattr(layers[layer], "is_sliding", False):
+        return 0
+    entry = layers[layer]
+    tokens = getattr(entry, "cumulative_length_int", getattr(entry, "cumulative_length", None))
+    if not isinstance(tokens, int):
+        raise NotImplementedError(
+            f"a sliding-window cache layer of type {type(entry).__name__} is not supported: the tracer cannot read "
+            "how many tokens it holds"
+        )
+    return max(tokens - keys, 0)
+
+
 def layer_variant(kwargs: dict, key_offset: int) -> Variant:
     """The layer's attention variant from what the model hands its attention function: `sliding_window`,
     `softcap` (Gemma 2) and `s_aux` (gpt-oss's sinks); its keys start at token key_offset."""

@@ -13,6 +13,9 @@ cache and `generate` say:
   scores its last query; later passes score every query (one on a decode step, K+1 on a verify pass of
   assisted decoding). Row k of a sequence is the query at key slot input_end - 1 + k, so a row computed
   again after `past_key_values.crop()` replaces the rejected one;
+- a sliding-window layer's key slot j holds token j + its key offset, read each pass from the cache layer the
+  model updates (the tokens it was handed less the keys it returns: dynamic windows, static rolled buffers,
+  assisted decoding's crops, a cache passed in);
 - per layer, the core's `DenseRows` (macs_kernels.core) picks the backend's kernel and writes m' (MACS's
   head-pooled row before the floor) of the scored rows; after the last layer it reduces over a tensor-parallel
   group, takes the floor and the log and sums over layers, once per pass;
@@ -40,7 +43,7 @@ import torch
 from .config import MacsConfig
 from .core import NAN_MESSAGE, DenseRows, Kernels, paper_zscores, support
 from .distributed import HeadShards, head_shards
-from .hf_models import check_model, check_variants, layer_variant
+from .hf_models import check_model, check_variants, layer_variant, window_key_offset
 from .ops import torch_backend
 from .ops._dispatch import resolve_backend
 from .ops.variant import PLAIN
@@ -169,9 +172,10 @@ class Tracer:
                  shards: HeadShards | None = None, variants: tuple[str, ...] = ()):
         self.config = config
         # Sliding-window layers see only their window's keys: the pass's ranges are in token positions (the
-        # slots of a full layer), and each layer's keys start at the token `_tokens - its key count`.
+        # slots of a full layer), and each window layer's keys start at the token its cache layer says
+        # (hf_models.window_key_offset): `_cache` is the cache of the pass in progress.
         self.windowed = "sliding_window" in variants
-        self._tokens = 0
+        self._cache = None
         self.variant = PLAIN  # the attention variant of the layer in progress (hooks read it)
         # Under tensor parallelism this rank pools its own heads; a pass's rows are reduced over the group.
         self.shards = shards
@@ -248,36 +252,30 @@ class Tracer:
             self._gram.reorder(beam_idx)
 
     # ---- one forward pass -------------------------------------------------------------------------
-    def _begin_pass(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask) -> None:
-        batch, q_len, keys = query.shape[0], query.shape[2], key.shape[2]
+    def _begin_pass(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask, positions) -> None:
+        batch, q_len, slots = query.shape[0], query.shape[2], key.shape[2]
+        # Layer 0's mask is over its own key slots; a window layer's slot j holds token j + offset.
+        offset = self._key_offset(0, slots)
+        keys = slots + offset
         # A window's last query does not attend the first inputs: where inputs start, every query row says.
         attended = _any_row_attended if self.windowed else _last_row_attended
-        start = attended(mask, batch, keys, key.device).int().argmax(-1).long()
-        last_end = _row_ends(mask, batch, q_len, keys, 1, key.device)[:, 0]
+        start = attended(mask, batch, slots, key.device).int().argmax(-1).long() + offset
+        last_end = _row_ends(mask, batch, q_len, slots, 1, key.device)[:, 0] + offset
         generating = self._start_pending
         self.prefill = self._starts_sequence(batch, q_len, keys, mask, last_end)
-        if self.windowed:
-            if self.prefill and q_len != keys:
-                raise NotImplementedError(
-                    "a sliding-window model's traced sequence must start from an empty cache: its window layers "
-                    "no longer hold the earlier tokens (no past_key_values, no static cache)"
-                )
-            self._tokens = keys if self.prefill else self._tokens + q_len
-            last_end = last_end + (self._tokens - keys)
-            keys = self._tokens
-        else:
-            self._tokens = keys
+        if self.prefill and offset:
+            start = self._dropped_pads(start, last_end, offset, positions)
         if self.prefill:
             # In generate the inputs end where the prompt does; an assisted generation's first pass already
             # verifies candidates after it. A plain forward's inputs are every key its last query attends.
             end = torch.full_like(last_end, self._prompt_length) if generating else last_end
-            self._start_sequence(start, last_end, end, mask, batch, q_len, keys)
+            self._start_sequence(start, last_end, end, mask, batch, q_len, slots, offset)
             rows = int(last_end[0]) - self._prompt_length + 1 if generating else 1
         else:
             rows = q_len
         if self._gram is not None and rows > 1:
             raise NotImplementedError("attention='efficient' scores one new query per pass (no verify passes)")
-        kv_len = last_end[:, None] if rows == 1 else _row_ends(mask, batch, q_len, keys, rows, key.device)
+        kv_len = last_end[:, None] if rows == 1 else _row_ends(mask, batch, q_len, slots, rows, key.device) + offset
         self.kv_len = kv_len[:, -1]
         step = kv_len - self.input_end[:, None]
         self._grow_row_map(keys)
@@ -298,10 +296,30 @@ class Tracer:
         verify_block = causal_block and has_dense and not self.windowed
         fused = self._fused and not self.prefill and (q_len == 1 or verify_block) and self._gram is None
         self._plan = _PassPlan(rows, step, scorer, fused)
-        if self._gram is not None:
-            self._gram_slots = self._new_gram_slots(mask, batch, keys, key.device)
         for hook in self.hooks:
             hook.begin_pass(self, self.prefill)
+
+    def _key_offset(self, layer: int, keys: int) -> int:
+        """The token that key slot 0 of `layer` holds in this pass (0 but for a window layer's cache)."""
+        return window_key_offset(self._cache, layer, keys) if self.windowed else 0
+
+    def _dropped_pads(self, start, last_end, offset: int, positions):
+        """Where the inputs of a sequence start when layer 0's window cache already dropped its first tokens (a
+        cache passed in): the last query's position id counts the attended tokens before it (generate's
+        position ids), so the pads are its slot less its position. The window's mask must agree."""
+        if positions is None or positions.dim() != 2:
+            raise NotImplementedError(
+                "a sliding-window model's cache passed in without (B, S) position_ids: the tracer cannot tell where "
+                "the inputs its window layers no longer hold start"
+            )
+        counted = last_end - 1 - positions[:, -1].to(last_end.device).expand_as(last_end)
+        seen_all = start == offset  # the window's first slot attended: the pads, if any, lie before it
+        if bool(((counted < 0) | (seen_all & (counted > offset)) | (~seen_all & (counted != start))).any()):
+            raise ValueError(
+                "the position_ids do not count the attended tokens of a left-padded sequence (attended keys must "
+                "form one run ending at the last key, position ids counting them from 0); pad on the left"
+            )
+        return counted
 
     def _starts_sequence(self, batch, q_len, keys, mask, last_end) -> bool:
         if self._start_pending:
@@ -316,16 +334,16 @@ class Tracer:
         # Outside generate, a pass with no cached keys before it starts a new sequence.
         return bool((last_end == q_len).all())
 
-    def _start_sequence(self, start, last_end, end, mask, batch, q_len, keys) -> None:
+    def _start_sequence(self, start, last_end, end, mask, batch, q_len, slots, offset) -> None:
         # One host sync per sequence: the attended keys must be one contiguous run, the last query (a
         # prompt token, not a right pad) attends its own slot, and the inputs are not empty. Without a
-        # mask there are no pads.
+        # mask there are no pads. The mask covers layer 0's `slots` key slots, from token `offset` on.
         bad = end <= start
         if mask is not None:
             attended = _any_row_attended if self.windowed else _last_row_attended
-            counts = attended(mask, batch, keys, start.device).sum(-1)
-            ends_at_query = (last_end == q_len) | (last_end == keys) | self._static
-            bad = bad | (last_end - start != counts) | ~ends_at_query
+            counts = attended(mask, batch, slots, start.device).sum(-1)
+            ends_at_query = (last_end - offset == q_len) | (last_end - offset == slots) | self._static
+            bad = bad | (last_end - start.clamp(min=offset) != counts) | ~ends_at_query
         if bool(bad.any()):
             raise ValueError(
                 "the attention mask is not left padding (attended keys must form one run ending at the "
@@ -345,22 +363,14 @@ class Tracer:
             pad = torch.full((self._row_map.shape[0], missing), -1, dtype=torch.int64, device=self._row_map.device)
             self._row_map = torch.cat([self._row_map, pad], dim=1)
 
-    def _new_gram_slots(self, mask, batch, keys, device):
-        """Which value slots this pass adds to the Gram state: every attended slot on a sequence's first pass
-        (prompt, earlier turns; (B, S) bool), then the new token's slot ((B,) index: a static cache writes
-        it anywhere)."""
-        if self.prefill:
-            slots = torch.arange(keys, device=device)
-            attended = _any_row_attended if self.windowed else _last_row_attended
-            return attended(mask, batch, keys, device) & (slots < self.kv_len[:, None])
-        return self.kv_len - 1
-
     def _gram_values(self, value):
-        """(values (B, H_kv, T, D), valid (B, T)) of this pass's new slots in one layer's value cache."""
-        slots = self._gram_slots
-        if slots.dtype == torch.bool:
-            return value, slots
-        index = slots.view(-1, 1, 1, 1).expand(-1, value.shape[1], 1, value.shape[3])
+        """(values (B, H_kv, T, D), valid (B, T)) of this pass's new slots in one full layer's value cache: every
+        attended slot on a sequence's first pass (prompt, earlier turns), then the new token's slot (a static
+        cache writes it anywhere)."""
+        if self.prefill:
+            slots = torch.arange(value.shape[2], device=value.device)
+            return value, (slots >= self.input_start[:, None]) & (slots < self.kv_len[:, None])
+        index = (self.kv_len - 1).view(-1, 1, 1, 1).expand(-1, value.shape[1], 1, value.shape[3])
         return value.gather(2, index), torch.ones(value.shape[0], 1, dtype=torch.bool, device=value.device)
 
     def _end_pass(self) -> None:
@@ -442,10 +452,10 @@ class Tracer:
             return inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         layer = module.layer_idx
         if layer == 0:
-            self._begin_pass(query, key, value, attention_mask)
+            self._begin_pass(query, key, value, attention_mask, kwargs.get("position_ids"))
         scale = float(scaling if scaling is not None else getattr(module, "scaling", query.shape[-1] ** -0.5))
         plan = self._plan
-        variant = self.variant = layer_variant(kwargs, self._tokens - key.shape[2])
+        variant = self.variant = layer_variant(kwargs, self._key_offset(layer, key.shape[2]))
         if plan.fused and not kwargs.get("output_attentions", False) and not module.training:
             result = (plan.scorer.decode(layer, query, key, value, scale, variant), None)
         else:
@@ -666,12 +676,6 @@ def _traced_generate(model, tracer: Tracer, generate):
                 "generate without input_ids (inputs_embeds) is not supported: the tracer needs the prompt's token slots"
             )
         plan = check_generate(model, kwargs, attention=tracer.config.attention)
-        if tracer.windowed and (plan.mode == "assisted_generation" or plan.static_cache):
-            raise NotImplementedError(
-                f"{model.config.model_type}: {'assisted decoding' if plan.static_cache is False else 'a static cache'} "
-                "with sliding-window attention layers is not supported: their cache is cropped or rolled in ways "
-                "the tracer does not follow"
-            )
         layouts = [layout for layout, applies in (("beams", plan.num_beams > 1),
                                                   ("assisted", plan.mode == "assisted_generation")) if applies]
         for hook in tracer.hooks:
@@ -752,6 +756,15 @@ def _traced_reorder(tracer: Tracer, reorder):
     return reorder_cache
 
 
+def _cache_reader(tracer: Tracer):
+    """A forward pre-hook on layer 0's attention module: the cache of the pass in progress (None without one)."""
+
+    def read(module, args, kwargs):
+        tracer._cache = kwargs.get("past_key_values")
+
+    return read
+
+
 @contextlib.contextmanager
 def attach(model, *, hooks=(), keep_pooled=False, **config):
     """Trace every generate/forward call on `model` inside the block; yields the `Tracer`.
@@ -782,6 +795,9 @@ def attach(model, *, hooks=(), keep_pooled=False, **config):
         saved = {name: model.__dict__[name] for name in wrapped if name in model.__dict__}
         for module in modules.values():
             module._macs_tracer = tracer
+        # A window layer's keys start where its cache layer says: the tracer reads the cache each pass hands in.
+        cache_hook = modules[0].register_forward_pre_hook(_cache_reader(tracer), with_kwargs=True) \
+            if tracer.windowed else None
         model.generate = _traced_generate(model, tracer, model.generate)
         model._reorder_cache = _traced_reorder(tracer, getattr(model, "_reorder_cache", None))
         model._get_stopping_criteria = _traced_stopping_criteria(tracer, model._get_stopping_criteria)
@@ -801,3 +817,5 @@ def attach(model, *, hooks=(), keep_pooled=False, **config):
                     model.__dict__.pop(name, None)
             for module in modules.values():
                 del module._macs_tracer
+            if cache_hook is not None:
+                cache_hook.remove()

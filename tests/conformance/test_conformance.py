@@ -104,24 +104,34 @@ def generate_engine(model, tokenizer, _server):
 
 def _generate_at2(model, tokenizer, prompts, options):
     """AT2's features of generate: queries captured in the pass (QueryCapture), keys from the cache."""
-    from macs_kernels import attach
-    from macs_kernels.at2.features import QueryCapture
     from macs_kernels.explanation import encode_prompts
 
     ids, mask, _ = encode_prompts(tokenizer, prompts)
-    capture = QueryCapture()
-    with torch.no_grad(), attach(model, hooks=[capture], backend="torch") as tracer:
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                             pad_token_id=tokenizer.pad_token_id, **options)
+    return traced_generate(model, ids, mask, AT2, pad_token_id=tokenizer.pad_token_id, **options)[0]
+
+
+def traced_generate(model, ids, mask, method: str, **options):
+    """(sequences, tracer) of model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, **options) in
+    attach(): per returned sequence (prompt ids, generated ids, step log c) of a MACS method, or (prompt ids,
+    generated ids, AT2 features, steps) with queries captured in the pass (QueryCapture), keys from the cache."""
+    from macs_kernels import attach
+    from macs_kernels.at2.features import QueryCapture
+
+    capture = QueryCapture() if method == AT2 else None
+    config = {} if method == AT2 else METHODS[method]
+    with torch.no_grad(), attach(model, hooks=[capture] if capture else [], backend="torch", **config) as tracer:
+        out = model.generate(ids, attention_mask=mask, **{"max_new_tokens": NEW_TOKENS, **options})
     steps = torch.tensor([tracer.rows(i)[0].shape[0] for i in range(tracer.sequences())])
-    features = capture.features(source_start=tracer.input_start, source_end=tracer.input_end, target_end=steps)
+    features = None if capture is None else capture.features(source_start=tracer.input_start,
+                                                              source_end=tracer.input_end, target_end=steps)
     sequences = []
     for i, length in enumerate(steps.tolist()):
-        row = i // (len(steps) // len(prompts))
+        row = i // (len(steps) // len(ids))
         prompt_ids = ids[row][mask[row].bool()]
         generated = out[i, ids.shape[1] : ids.shape[1] + length]
-        sequences.append((prompt_ids, generated, features[i, :, :, : len(prompt_ids)], length))
-    return sequences
+        found = tracer.rows(i)[0] if capture is None else features[i, :, :, : len(prompt_ids)]
+        sequences.append((prompt_ids, generated, found) + (() if capture is None else (length,)))
+    return sequences, tracer
 
 
 offload_requests = OffloadingManager.offload_requests
@@ -249,6 +259,12 @@ def check_rows_or_refusal(model, run, engine: str, method: str, layout: str, ref
         assert all(len(sequence[1]) < NEW_TOKENS for sequence in sequences)
     if layout in ("sampling", "several") and engine == "server":  # a seed: the same answers on a second run
         assert [s[1].tolist() for s in run(method, layout)] == [s[1].tolist() for s in sequences]
+    assert_sequences_equal_the_reference(model, method, sequences, request, efficient)
+
+
+def assert_sequences_equal_the_reference(model, method: str, sequences, request, efficient=None) -> None:
+    """Each returned sequence's rows (or AT2 features) equal the teacher-forced eager reference of its own tokens
+    (see check_rows_or_refusal)."""
     if method == AT2:
         for prompt_ids, generated_ids, features, steps in sequences:
             assert steps > 0 and features.shape[-1] == len(prompt_ids)

@@ -4,15 +4,18 @@ engine x method x layout either equal to the teacher-forced eager `output_attent
 before work with the support table's message (naming the model type)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from transformers import DynamicCache
 
 from macs_kernels.core import support
 from macs_kernels.explanation import encode_prompts
 from macs_kernels.hf_models import attention_variants
 from tests.helpers import eager_macs
 
-from .conftest import VARIANT_MODELS, WINDOW, eager_log_c
+from .conftest import VARIANT_MODELS, WINDOW, eager_log_c, variant_model
 from .test_conformance import (
     AT2,
     LAYOUTS,
@@ -20,9 +23,11 @@ from .test_conformance import (
     METHODS,
     PROMPTS,
     STOP,
+    assert_sequences_equal_the_reference,
     check_rows_or_refusal,
     continuous_engine,
     generate_engine,
+    traced_generate,
 )
 
 ENGINES = {"generate": generate_engine, "continuous": continuous_engine}
@@ -182,3 +187,92 @@ def test_efficient_rows_of_window_layers_project_onto_the_window(name, engine, v
         assert (log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE
         # The projection matters here: the softmax rows' log c differs.
         assert (eager_log_c(model, prompt_ids, generated_ids) - reference).abs().max() > 10 * LOG_C_TOLERANCE
+
+
+# Generate modes whose window caches are rolled, cropped or handed in: a static cache (its window layers fill a
+# buffer of `sliding_window` slots, then roll it), prompt lookup and a second model's assisted decoding (verify
+# passes of several candidates; the cache cropped back after rejections), and a continued conversation (a
+# DynamicCache from an earlier generate, whose window layers already dropped the first turn's first tokens and
+# pads). Each returned sequence against the teacher-forced eager reference of its own tokens.
+CACHE_MODES = ["static", "static_beams", "prompt_lookup", "assisted", "continued"]
+CACHE_LAYOUTS = {"static_beams": "beams", "prompt_lookup": "assisted", "assisted": "assisted"}  # support's names
+FAST_CACHE = {("gemma2", "static", "fused"), ("gemma3", "prompt_lookup", "exact"), ("gpt_oss", "assisted", "fused"),
+              ("mistral", "continued", "exact"), ("qwen2", "static", AT2), ("gemma3", "continued", "efficient")}
+CACHE_CASES = [
+    pytest.param(model, mode, method, id=f"{model}-{mode}-{method}",
+                 marks=() if (model, mode, method) in FAST_CACHE else pytest.mark.slow)
+    for model in VARIANT_MODELS for mode in CACHE_MODES for method in [*METHODS, AT2]
+]
+
+
+def _left_padded(rows: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
+    return ids, mask
+
+
+def _cache_mode_sequences(name: str, model, tokenizer, mode: str, method: str) -> list:
+    prompt = encode_prompts(tokenizer, PROMPTS["one"][0])[0][0]
+    pad = tokenizer.pad_token_id
+    if mode == "static":
+        # A left-padded batch (every prompt longer than the window) and a prompt shorter than the window: its
+        # window layers hand over their whole buffer until it is full, then roll it one slot a token.
+        ids, mask = _left_padded([prompt, prompt[-20:]], pad)
+        batch, _ = traced_generate(model, ids, mask, method, cache_implementation="static", pad_token_id=pad)
+        short = prompt[-5:][None]
+        alone, _ = traced_generate(model, short, torch.ones_like(short), method, cache_implementation="static",
+                                   max_new_tokens=3 * WINDOW // 2, pad_token_id=pad, min_new_tokens=WINDOW)
+        return batch + alone
+    if mode == "static_beams":  # the beams' rows of the static window buffer reordered by beam search
+        ids, mask = _left_padded([prompt, prompt[-20:]], pad)
+        return traced_generate(model, ids, mask, method, cache_implementation="static", num_beams=3,
+                               num_return_sequences=2, pad_token_id=pad)[0]
+    if mode == "continued":
+        # Turn one of a left-padded batch (the second prompt's pads outnumber the window), then a follow-up.
+        ids, mask = _left_padded([prompt, prompt[:12]], pad)
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            first = model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                                   past_key_values=cache, pad_token_id=pad)
+        both = torch.cat([first, prompt[-6:].expand(2, -1)], dim=1)
+        mask = torch.cat([mask, torch.ones(2, both.shape[1] - mask.shape[1], dtype=torch.long)], dim=1)
+        return traced_generate(model, both, mask, method, past_key_values=cache, pad_token_id=pad)[0]
+    # A prompt that holds its own greedy continuation: prompt lookup finds candidates; a perturbed copy of the
+    # model proposes tokens the model sometimes rejects.
+    with torch.no_grad():
+        continuation = model.generate(prompt[None], max_new_tokens=12, do_sample=False, pad_token_id=pad)[0]
+    ids = torch.cat([continuation, prompt[-20:]])[None]
+    if mode == "prompt_lookup":
+        options = {"prompt_lookup_num_tokens": 3}
+    else:
+        assistant = variant_model(name)[0]  # the same weights (seeded), built anew
+        generator = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for parameter in assistant.parameters():
+                parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+        options = {"assistant_model": assistant}
+    sequences, tracer = traced_generate(model, ids, torch.ones_like(ids), method, max_new_tokens=10,
+                                        pad_token_id=pad, **options)
+    generated = sum(len(sequence[1]) for sequence in sequences)
+    assert max(p["rows"] for p in tracer.passes) > 1, "no verify pass of several candidates"
+    assert sum(p["rows"] for p in tracer.passes) > generated, "no candidate rejected: no crop was followed"
+    return sequences
+
+
+@pytest.mark.parametrize(("name", "mode", "method"), CACHE_CASES)
+def test_window_caches_rolled_cropped_or_passed_in_equal_the_reference(name, mode, method, variant_models, request):
+    """Window layers' keys start where their cache says (hf_models.window_key_offset): static caches, assisted
+    decoding and prompt lookup, a cache passed in; the methods that cannot drop rejected candidates are refused."""
+    model, tokenizer = variant_models(name)
+    layout = CACHE_LAYOUTS.get(mode)
+    refusal = support.message("generate", method, layout) if layout else None
+    if refusal is not None:
+        with pytest.raises(NotImplementedError, match=re.escape(refusal)):
+            _cache_mode_sequences(name, model, tokenizer, mode, method)
+        return
+    sequences = _cache_mode_sequences(name, model, tokenizer, mode, method)
+    assert len(sequences) == {"static": 3, "static_beams": 4, "continued": 2}.get(mode, 1)
+    assert_sequences_equal_the_reference(model, method, sequences, request, efficient=_window_efficient_reference)

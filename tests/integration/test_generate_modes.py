@@ -351,8 +351,8 @@ def test_two_threads_explaining_on_one_model_both_get_their_own_rows(gqa_model):
 
 
 def test_attention_variants_refused_where_they_cannot_be_followed():
-    """Softcapping under continuous batching (transformers' paged attention drops the cap), assisted decoding and
-    a cache passed in with sliding windows, the CUDA backend named for a variant: refused before work, naming them."""
+    """Softcapping under continuous batching (transformers' paged attention drops the cap), sinks under tensor
+    parallelism, a backend without variant kernels named for a variant: refused before work, naming them."""
     from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
 
     from macs_kernels.continuous import attach_continuous
@@ -386,15 +386,14 @@ def test_attention_variants_refused_where_they_cannot_be_followed():
         vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, sliding_window=4, pad_token_id=0,
     )).eval()
-    ids = torch.randint(1, 50, (1, 9))
-    with torch.no_grad(), attach(mistral, backend="torch"):
-        with pytest.raises(NotImplementedError, match="mistral: assisted decoding with sliding-window"):
-            mistral.generate(ids, max_new_tokens=3, prompt_lookup_num_tokens=2)
-        with pytest.raises(NotImplementedError, match="mistral: a static cache with sliding-window"):
-            mistral.generate(ids, max_new_tokens=3, cache_implementation="static")
+    # A cache from a plain forward, its window layers already past their window, continued by generate: followed
+    # (tests/conformance/test_variants.py has every generate mode with windows).
+    ids = torch.randint(1, 50, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
         cache = mistral(ids[:, :6]).past_key_values
-        with pytest.raises(NotImplementedError, match="must start from an empty cache"):
-            mistral.generate(ids, past_key_values=cache, max_new_tokens=3)
+    with torch.no_grad(), attach(mistral, backend="torch") as tracer:
+        out = mistral.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
+    assert_teacher_forced(mistral, ids[0], out[0, 9:], tracer.rows(0)[0])
 
 
 # ---- the real default model: one check per mode --------------------------------------------------------
