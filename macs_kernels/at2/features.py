@@ -72,7 +72,7 @@ class QueryCapture(TraceHook):
             raise ValueError(f"a pass has {query.shape[2]} queries, fewer than the {self.rows} rows to capture")
         variant = tracer.variant
         if variant.window is not None:
-            key, value = self._every_token(layer_idx, key, value, variant.key_offset)
+            key, value = self._every_token(layer_idx, key, value, variant.key_offset, int(tracer.kv_len.max()))
         if not variant.plain:  # the keys are every token's: slot j holds token j; features need no gradient
             variant = dataclasses.replace(variant, key_offset=0,
                                           sinks=None if variant.sinks is None else variant.sinks.detach())
@@ -82,19 +82,20 @@ class QueryCapture(TraceHook):
         self.scales[layer_idx] = scale
         self.variants[layer_idx] = variant
 
-    def _every_token(self, layer, key, value, key_offset):
-        """A window layer's keys and values of every token so far: the kept ones plus this pass's tokens (those
-        after the kept ones; key slot j of the layer's cache holds token key_offset + j)."""
-        kept = self.keys[layer]
+    def _every_token(self, layer, key, value, key_offset, tokens):
+        """A window layer's keys and values of every token so far (`tokens`): the kept ones plus this pass's
+        tokens (those after the kept ones; key slot j of the layer's cache holds token key_offset + j, and a static
+        window buffer that is not full yet holds no token from slot `tokens` on). Tokens a cache passed in had
+        already dropped lie before every captured row's window: zeros stand in for them."""
+        key, value = key[:, :, : tokens - key_offset], value[:, :, : tokens - key_offset]
+        kept, kept_values = self.keys[layer], self.values[layer]
         if kept is None:
-            if key_offset:
-                raise RuntimeError("a window layer's first captured pass must hold every token from the first")
-            return key, value
+            kept = key.new_zeros(*key.shape[:2], key_offset, key.shape[3])
+            kept_values = value.new_zeros(*value.shape[:2], key_offset, value.shape[3])
         first = kept.shape[2] - key_offset
         if first < 0:
             raise RuntimeError("a window layer's cache dropped tokens that no captured pass kept")
-        return (torch.cat([kept, key[:, :, first:]], dim=2),
-                torch.cat([self.values[layer], value[:, :, first:]], dim=2))
+        return torch.cat([kept, key[:, :, first:]], dim=2), torch.cat([kept_values, value[:, :, first:]], dim=2)
 
     def end_pass(self, tracer) -> None:
         self.kv_len = tracer.kv_len
