@@ -182,3 +182,23 @@ def test_efficient_rows_of_window_layers_project_onto_the_window(name, engine, v
         assert (log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE
         # The projection matters here: the softmax rows' log c differs.
         assert (eager_log_c(model, prompt_ids, generated_ids) - reference).abs().max() > 10 * LOG_C_TOLERANCE
+
+
+@pytest.mark.parametrize("method", ["exact", "fused"])
+def test_continuous_batching_computes_the_capped_attention_of_gemma2(method, variant_models):
+    """transformers' continuous-batching attention (paged|eager, sdpa) drops Gemma 2's logit cap; with macs_kernels
+    attached the engine computes the capped attention itself (prefill chunks and decode passes), so each request's
+    greedy tokens are generate's and its rows the eager reference's."""
+    from macs_kernels import explain
+
+    from .test_conformance import _cb_config
+
+    model, tokenizer = variant_models("gemma2_cap1")
+    prompts = PROMPTS["three"]
+    batched = explain(model, tokenizer, prompts, max_new_tokens=8, backend="torch", continuous_batching=True,
+                      continuous_batching_config=_cb_config("chunked_prefill"), **METHODS[method])
+    for prompt, item in zip(prompts, batched):
+        alone = explain(model, tokenizer, prompt, max_new_tokens=8, backend="torch")
+        assert torch.equal(item.generated_ids, alone.generated_ids)
+        reference = eager_log_c(model, item.input_ids, item.generated_ids)
+        assert (item.step_log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE
