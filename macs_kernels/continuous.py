@@ -527,7 +527,7 @@ def attach_continuous(model, *, manager=None, keep_finished: int = 256, **config
         raise ValueError(f"keep_finished must be an int >= 0, got {keep_finished!r}")
     modules = check_model(model)
     shards = head_shards(model, modules)
-    variants = check_variants(model, "continuous", support.method_of(macs_config), shards)
+    variants = check_variants(model, "continuous", support.method_of(macs_config))
     current = model.config._attn_implementation
     if current not in ("sdpa", "eager", "paged|eager"):
         raise NotImplementedError(

@@ -21,6 +21,7 @@ from .test_conformance import (
     PROMPTS,
     STOP,
     check_rows_or_refusal,
+    check_tensor_parallel_ranks,
     continuous_engine,
     generate_engine,
 )
@@ -202,3 +203,14 @@ def test_continuous_batching_computes_the_capped_attention_of_gemma2(method, var
         assert torch.equal(item.generated_ids, alone.generated_ids)
         reference = eager_log_c(model, item.input_ids, item.generated_ids)
         assert (item.step_log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE
+
+
+@pytest.mark.slow
+def test_sinks_under_tensor_parallelism_equal_the_reference(variant_models, tmp_path):
+    """gpt-oss split over two ranks with its per-head sink logits split with the query heads (tp_worker's
+    SINK_PLAN): each rank's attention puts its own heads' sinks in the denominator, so the rows reduced over the
+    group equal the single-process eager reference, in every method and in generate and continuous batching."""
+    model, tokenizer = variant_models("gpt_oss")
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    check_tensor_parallel_ranks(model, tmp_path / "model", tmp_path, "sinks", efficient=_window_efficient_reference)

@@ -351,8 +351,8 @@ def test_two_threads_explaining_on_one_model_both_get_their_own_rows(gqa_model):
 
 
 def test_attention_variants_refused_where_they_cannot_be_followed():
-    """Sinks under tensor parallelism, assisted decoding and a cache passed in with sliding windows, a backend
-    without variant kernels named for a variant: refused before work, naming them."""
+    """Assisted decoding and a cache passed in with sliding windows, a backend without variant kernels named for a
+    variant: refused before work, naming them."""
     from transformers import GptOssConfig, GptOssForCausalLM, MistralConfig, MistralForCausalLM
 
     from macs_kernels.core import support
@@ -363,8 +363,6 @@ def test_attention_variants_refused_where_they_cannot_be_followed():
         num_key_value_heads=1, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
     ))
     assert check_variants(gpt_oss, "generate", "exact") == ("sliding_window", "sinks")
-    with pytest.raises(NotImplementedError, match="gpt_oss: attention sinks under tensor parallelism"):
-        check_variants(gpt_oss, "generate", "exact", shards=object())
     # numba's kernels take no variant: named, it is refused; chosen automatically, the torch kernels run instead.
     with pytest.raises(NotImplementedError, match="backend='numba' has no kernels for attention logit softcapping"):
         support.variant_backend(("softcap",), "numba", "numba")
