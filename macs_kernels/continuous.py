@@ -17,7 +17,9 @@ only the pass that ends it emits a token. So per pass the tracer
 
 transformers accepts only "sdpa", "paged|eager" and flash names in continuous batching, so `attach_continuous`
 wraps the registered functions under those names (restored on exit): the wrapper computes exactly what the
-original does, and traces only modules of an attached model called with a paged cache.
+original does, and traces only modules of an attached model called with a paged cache. The one exception is a
+layer with a logit cap (Gemma 2): the originals drop `softcap`, so the wrapper computes the capped attention the
+model defines (`capped_attention`) instead.
 """
 from __future__ import annotations
 
@@ -431,9 +433,12 @@ class ContinuousTracer:
         if step is not None and step.fused:
             result = (step.scorer.decode(layer, query, key, value, scale, variant, segments), None)
         else:
-            # sdpa updates the cache only when it is given one; paged|eager always asks it for the keys.
-            stand_in = _ReadCache(key, value) if inner is _originals.get("paged|eager") else None
-            result = inner(module, query, key, value, attention_mask, cache=stand_in, **updated)
+            if variant.softcap is not None:  # transformers' paged|eager and sdpa drop the cap
+                result = (capped_attention(query, key, value, attention_mask, scale, variant), None)
+            else:
+                # sdpa updates the cache only when it is given one; paged|eager always asks it for the keys.
+                stand_in = _ReadCache(key, value) if inner is _originals.get("paged|eager") else None
+                result = inner(module, query, key, value, attention_mask, cache=stand_in, **updated)
             if step is not None:
                 step.scorer.pool(layer, query, key, scale, variant, segments)
         if step is not None:
@@ -447,6 +452,26 @@ class ContinuousTracer:
         with self._lock:
             self._managers.clear()
             self._pass = None
+
+
+def capped_attention(query, key, value, attention_mask, scale: float, variant) -> torch.Tensor:
+    """The attention output (1, T, H, D) of a packed pass's query (1, H, T, D) over the paged cache's keys and
+    values (1, H_kv, S, D) with the engine's additive mask (1, 1, T, S), as the model's eager attention defines
+    it: logits capped to softcap * tanh(s / softcap) before the mask (Gemma 2), sink logits (variant.sinks) in the
+    denominator when the layer has them."""
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / variant.softcap) * variant.softcap
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    if variant.sinks is None:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:
+        scores = scores.float()
+        lse = torch.logaddexp(torch.logsumexp(scores, dim=-1), variant.sinks.float().view(1, -1, 1))
+        weights = torch.exp(scores - lse.unsqueeze(-1))
+    return torch.matmul(weights.to(query.dtype), value).transpose(1, 2).contiguous()
 
 
 # ---- checks -----------------------------------------------------------------------------------------
@@ -502,7 +527,7 @@ def attach_continuous(model, *, manager=None, keep_finished: int = 256, **config
         raise ValueError(f"keep_finished must be an int >= 0, got {keep_finished!r}")
     modules = check_model(model)
     shards = head_shards(model, modules)
-    variants = check_variants(model, "continuous", support.method_of(macs_config), shards)
+    variants = check_variants(model, "continuous", support.method_of(macs_config))
     current = model.config._attn_implementation
     if current not in ("sdpa", "eager", "paged|eager"):
         raise NotImplementedError(

@@ -20,6 +20,7 @@ import torch
 _REDUCE_OPS = {"max": "MAX", "min": "MIN", "mean": "SUM"}
 _QKV = ("q_proj", "k_proj", "v_proj")
 _OUTPUT = "o_proj"
+_SINKS = "sinks"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +72,8 @@ def head_shards(model, modules: dict[int, torch.nn.Module]) -> HeadShards | None
         if all(placements == (Replicate(),) for _, placements in sharded.values()):
             layouts.add(None)
             continue
-        expected = {f"{name}.weight": Shard(0) for name in _QKV} | {f"{_OUTPUT}.weight": Shard(1)}
+        # Per-head sink logits (gpt-oss) split with their heads: each rank's attention sees its own heads' sinks.
+        expected = {f"{name}.weight": Shard(0) for name in _QKV} | {f"{_OUTPUT}.weight": Shard(1), _SINKS: Shard(0)}
         for name, (mesh, placements) in sharded.items():
             if name.endswith(".bias") and name.split(".")[0] in _QKV and placements == (Shard(0),):
                 continue
@@ -80,8 +82,8 @@ def head_shards(model, modules: dict[int, torch.nn.Module]) -> HeadShards | None
             if mesh.ndim != 1 or placements != (expected.get(name),):
                 raise NotImplementedError(
                     f"layer {layer}: parameter {name} is sharded as {placements} on a {mesh.ndim}-D mesh; MACS "
-                    "follows tensor parallelism only when q/k/v projections are split by heads (colwise) and "
-                    "o_proj by its inputs (rowwise) on one tensor-parallel mesh"
+                    "follows tensor parallelism only when q/k/v projections (and sinks) are split by heads (colwise) "
+                    "and o_proj by its inputs (rowwise) on one tensor-parallel mesh"
                 )
         mesh = sharded[f"{_QKV[0]}.weight"][0]
         layouts.add((mesh.get_group(), mesh.size(), mesh.get_local_rank()))

@@ -59,19 +59,14 @@ def attention_variants(model) -> tuple[str, ...]:
     ) if present)
 
 
-def check_variants(model, engine: str, method: str, shards=None) -> tuple[str, ...]:
+def check_variants(model, engine: str, method: str) -> tuple[str, ...]:
     """The model's attention variants, or the support table's refusal (naming the model type) when `engine`
-    cannot follow one of them with `method`; `shards`: the model's tensor-parallel head split, or None."""
+    cannot follow one of them with `method`."""
     found = attention_variants(model)
     for layout in found:
         refusal = support.message(engine, method, layout)
         if refusal is not None:
             raise NotImplementedError(f"{model.config.model_type}: {refusal}")
-    if shards is not None and "sinks" in found:
-        raise NotImplementedError(
-            f"{model.config.model_type}: attention sinks under tensor parallelism are not supported: each rank "
-            "holds its own query heads, and the tracer does not split the per-head sink logits with them"
-        )
     return found
 
 

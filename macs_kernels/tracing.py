@@ -777,7 +777,7 @@ def attach(model, *, hooks=(), keep_pooled=False, **config):
     macs_config = MacsConfig(**config)
     modules = check_model(model)
     shards = head_shards(model, modules)
-    variants = check_variants(model, "generate", support.method_of(macs_config), shards)
+    variants = check_variants(model, "generate", support.method_of(macs_config))
     for hook in hooks:
         if hook.method is not None:
             check_variants(model, "generate", hook.method)

@@ -57,12 +57,6 @@ UNSUPPORTED = {
                                "backend scores one row per request and pass",
 }
 
-# Attention variants (model properties the table treats as layouts): what each engine cannot follow.
-UNSUPPORTED[("continuous", "*", "softcap")] = (
-    "transformers' continuous-batching attention (paged|eager, sdpa) drops the cap, so the engine does not "
-    "compute the model's attention"
-)
-
 
 def _rule(engine: str, method: str, layout: str):
     if engine not in ENGINES or method not in METHODS or layout not in LAYOUTS:

@@ -71,6 +71,11 @@ VARIANT_MODELS = {  # name -> (config class, its options, attention implementati
     "gpt_oss": ("GptOssConfig", {"sliding_window": WINDOW, "num_local_experts": 2, "num_experts_per_tok": 1,
                                  "layer_types": ["sliding_attention", "full_attention"]}, "eager"),
 }
+# A cap that bites: most logits of the random model are past softcap, so attention without the cap makes
+# other tokens.
+CAPPED_MODELS = {
+    "gemma2_cap1": ("Gemma2Config", {"sliding_window": WINDOW, "attn_logit_softcapping": 0.5}, "eager"),
+}
 # Efficient rows of a window layer project onto its window's values: with head_dim 4, a window of 8 keys holds
 # more than D + 1 of them, so the projection is not the identity.
 EFFICIENT_WINDOW_MODELS = {
@@ -95,7 +100,8 @@ def variant_model(name: str):
     from macs_kernels.models import load_tokenizer
 
     tokenizer = load_tokenizer()
-    config_class, options, implementation = (VARIANT_MODELS | FULL_VARIANT_MODELS | EFFICIENT_WINDOW_MODELS)[name]
+    models = VARIANT_MODELS | FULL_VARIANT_MODELS | EFFICIENT_WINDOW_MODELS | CAPPED_MODELS
+    config_class, options, implementation = models[name]
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**{
         "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -310,10 +310,10 @@ def test_server_seeded_sampling_under_cache_pressure_draws_what_each_request_dra
         assert (log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE
 
 
-@pytest.mark.slow
-def test_tensor_parallel_ranks_equal_the_reference(chat_model, chat_model_folder, tmp_path):
-    """Two ranks, each with 2 of the 4 query heads and 1 of the 2 KV heads: head pooling is reduced across the
-    group by the core, in generate and in continuous batching alike."""
+def check_tensor_parallel_ranks(model, folder, out, *worker_args, efficient=None) -> None:
+    """tp_worker.py on two ranks over the model saved in `folder` (each rank with half the query and KV heads):
+    both ranks return the same rows, equal to the single-process eager reference of their tokens, in generate
+    and in continuous batching alike (efficient: as in check_rows_or_refusal)."""
     import os
     import subprocess
     import sys
@@ -322,18 +322,25 @@ def test_tensor_parallel_ranks_equal_the_reference(chat_model, chat_model_folder
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-               str(root / "tests" / "conformance" / "tp_worker.py"), str(chat_model_folder), str(tmp_path)]
+               str(root / "tests" / "conformance" / "tp_worker.py"), str(folder), str(out), *worker_args]
     result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-4000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    model, _ = chat_model
+    ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
     assert set(ranks[0]) == {f"{engine}-{method}" for engine in ("generate", "continuous") for method in METHODS}
     for name, sequences in ranks[0].items():
         assert len(sequences) == len(PROMPTS["three"])
         for (prompt_ids, generated_ids, log_c), other in zip(sequences, ranks[1][name]):
             torch.testing.assert_close(other[2], log_c, rtol=0, atol=1e-5, msg=f"rank 1 differs in {name}")
             if name.endswith("efficient"):
-                reference, _ = efficient_reference(model, prompt_ids, generated_ids)
+                reference = (efficient or (lambda *args: efficient_reference(*args)[0]))(model, prompt_ids,
+                                                                                         generated_ids)
             else:
                 reference = eager_log_c(model, prompt_ids, generated_ids)
             assert (log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE, name
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_equal_the_reference(chat_model, chat_model_folder, tmp_path):
+    """Two ranks, each with 2 of the 4 query heads and 1 of the 2 KV heads: head pooling is reduced across the
+    group by the core."""
+    check_tensor_parallel_ranks(chat_model[0], chat_model_folder, tmp_path)

@@ -25,6 +25,7 @@ from .test_conformance import (
     STOP,
     assert_sequences_equal_the_reference,
     check_rows_or_refusal,
+    check_tensor_parallel_ranks,
     continuous_engine,
     generate_engine,
     traced_generate,
@@ -276,3 +277,34 @@ def test_window_caches_rolled_cropped_or_passed_in_equal_the_reference(name, mod
     sequences = _cache_mode_sequences(name, model, tokenizer, mode, method)
     assert len(sequences) == {"static": 3, "static_beams": 4, "continued": 2}.get(mode, 1)
     assert_sequences_equal_the_reference(model, method, sequences, request, efficient=_window_efficient_reference)
+
+
+@pytest.mark.parametrize("method", ["exact", "fused"])
+def test_continuous_batching_computes_the_capped_attention_of_gemma2(method, variant_models):
+    """transformers' continuous-batching attention (paged|eager, sdpa) drops Gemma 2's logit cap; with macs_kernels
+    attached the engine computes the capped attention itself (prefill chunks and decode passes), so each request's
+    greedy tokens are generate's and its rows the eager reference's."""
+    from macs_kernels import explain
+
+    from .test_conformance import _cb_config
+
+    model, tokenizer = variant_models("gemma2_cap1")
+    prompts = PROMPTS["three"]
+    batched = explain(model, tokenizer, prompts, max_new_tokens=8, backend="torch", continuous_batching=True,
+                      continuous_batching_config=_cb_config("chunked_prefill"), **METHODS[method])
+    for prompt, item in zip(prompts, batched):
+        alone = explain(model, tokenizer, prompt, max_new_tokens=8, backend="torch")
+        assert torch.equal(item.generated_ids, alone.generated_ids)
+        reference = eager_log_c(model, item.input_ids, item.generated_ids)
+        assert (item.step_log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE
+
+
+@pytest.mark.slow
+def test_sinks_under_tensor_parallelism_equal_the_reference(variant_models, tmp_path):
+    """gpt-oss split over two ranks with its per-head sink logits split with the query heads (tp_worker's
+    SINK_PLAN): each rank's attention puts its own heads' sinks in the denominator, so the rows reduced over the
+    group equal the single-process eager reference, in every method and in generate and continuous batching."""
+    model, tokenizer = variant_models("gpt_oss")
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    check_tensor_parallel_ranks(model, tmp_path / "model", tmp_path, "sinks", efficient=_window_efficient_reference)

@@ -2,7 +2,8 @@
 (tp_plan="auto", gloo), every engine that runs in-process and every method on a left-padded batch of prompts;
 each rank saves what it returned to OUT/rank<r>.pt.
 
-argv: MODEL_FOLDER OUT
+argv: MODEL_FOLDER OUT [sinks]; with `sinks`, the model (gpt-oss, whose transformers config has no attention plan) is
+split by SINK_PLAN: q/k/v and the per-head sink logits by heads, o_proj by its inputs.
 """
 from __future__ import annotations
 
@@ -16,12 +17,17 @@ from macs_kernels import explain
 from macs_kernels.models import load_tokenizer
 from tests.conformance.test_conformance import METHODS, NEW_TOKENS, PROMPTS
 
+SINK_PLAN = {**{f"model.layers.*.self_attn.{name}": "colwise" for name in ("q_proj", "k_proj", "v_proj", "sinks")},
+             "model.layers.*.self_attn.o_proj": "rowwise", "model.layers.*.self_attn": "local_params"}
 
-def main(folder: str, out: Path) -> None:
+
+def main(folder: str, out: Path, sinks: bool) -> None:
     from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
 
     torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.float32).eval()
+    split = {"distributed_config": DistributedConfig(tp_plan=SINK_PLAN)} if sinks else {"tp_plan": "auto"}
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **split).eval()
     tokenizer = load_tokenizer(folder)
     saved = {}
     for engine, options in (("generate", {}), ("continuous", {"continuous_batching": True})):
@@ -34,4 +40,4 @@ def main(folder: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    main(sys.argv[1], Path(sys.argv[2]), sys.argv[3:] == ["sinks"])

@@ -407,3 +407,31 @@ def test_explain_with_continuous_batching_returns_one_explanation_per_prompt(mod
     # Sampling is followed (the conformance suite); options the engine's config does not carry are refused.
     with pytest.raises(ValueError, match="repetition_penalty"):
         macs_kernels.explain(model, tokenizer, prompts, continuous_batching=True, repetition_penalty=1.2)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_capped_attention_of_a_packed_pass_equals_the_reference(sinks):
+    """The attention output the tracer computes for a softcap layer of a packed pass (two requests, one
+    prefill chunk after 3 cached tokens, one decode row), with the engine's additive mask: each query row's
+    float64 reference probabilities (capped logits, a sink logit per head) times its own request's values."""
+    from macs_kernels.continuous import capped_attention
+    from macs_kernels.ops import Variant
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, softcap = 4, 2, 8, 2.0
+    # request 0: keys 0..7 (5 new queries on tokens 3..7); request 1: keys 8..13 (1 decode query on token 5)
+    rows = [(0, t) for t in range(3, 8)] + [(8, 5)]  # (its first key, its token)
+    query = torch.randn(1, heads, len(rows), dim) * 2
+    key, value = torch.randn(1, kv_heads, 14, dim) * 2, torch.randn(1, kv_heads, 14, dim)
+    mask = torch.full((1, 1, len(rows), 14), torch.finfo(torch.float32).min)
+    for i, (start, token) in enumerate(rows):
+        mask[0, 0, i, start : start + token + 1] = 0.0
+    sink_logits = torch.randn(heads) if sinks else None
+    got = capped_attention(query, key, value, mask, dim**-0.5, Variant(softcap=softcap, sinks=sink_logits))
+    assert got.shape == (1, len(rows), heads, dim)
+    for i, (start, token) in enumerate(rows):
+        for h in range(heads):
+            keys = slice(start, start + token + 1)
+            p = reference.variant_row_reference(query[0, h, i], key[0, h // 2, keys], dim**-0.5, softcap=softcap,
+                                                sink=None if sink_logits is None else sink_logits[h])
+            assert relative_error(got[0, i, h], p @ value[0, h // 2, keys].double()) <= RELATIVE_ERROR[torch.float32]

@@ -351,22 +351,11 @@ def test_two_threads_explaining_on_one_model_both_get_their_own_rows(gqa_model):
 
 
 def test_attention_variants_refused_where_they_cannot_be_followed():
-    """Softcapping under continuous batching (transformers' paged attention drops the cap), sinks under tensor
-    parallelism, a backend without variant kernels named for a variant: refused before work, naming them."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
+    """A backend without variant kernels named for a variant: refused before work, naming it; a window model's
+    cache passed in is followed."""
+    from transformers import GptOssConfig, GptOssForCausalLM, MistralConfig, MistralForCausalLM
 
-    from macs_kernels.continuous import attach_continuous
     from macs_kernels.core import support
-
-    config = Gemma2Config(vocab_size=50, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, attn_logit_softcapping=5.0,
-                          layer_types=["full_attention"] * 2)
-    gemma = Gemma2ForCausalLM(config).eval()
-    with pytest.raises(NotImplementedError, match="gemma2: attention logit softcapping .* continuous engine"):
-        with attach_continuous(gemma):
-            pass
-    from transformers import GptOssConfig, GptOssForCausalLM
-
     from macs_kernels.hf_models import check_variants
 
     gpt_oss = GptOssForCausalLM(GptOssConfig(
@@ -374,8 +363,6 @@ def test_attention_variants_refused_where_they_cannot_be_followed():
         num_key_value_heads=1, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
     ))
     assert check_variants(gpt_oss, "generate", "exact") == ("sliding_window", "sinks")
-    with pytest.raises(NotImplementedError, match="gpt_oss: attention sinks under tensor parallelism"):
-        check_variants(gpt_oss, "generate", "exact", shards=object())
     # numba's kernels take no variant: named, it is refused; chosen automatically, the torch kernels run instead.
     with pytest.raises(NotImplementedError, match="backend='numba' has no kernels for attention logit softcapping"):
         support.variant_backend(("softcap",), "numba", "numba")

@@ -169,6 +169,62 @@ def test_a_sliding_window_model_follows_its_window(tmp_path, kind, paged, monkey
     largest_difference(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), explanations)
 
 
+def _windowed_reference(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+# One hybrid model of each mode in the default run (each takes ~30 s), the others slow.
+@pytest.mark.parametrize("kind", [pytest.param("mistral", marks=pytest.mark.slow),
+                                  pytest.param("gemma2", marks=pytest.mark.slow), "gpt-oss"])
+def test_a_sliding_window_model_under_a_small_chunked_prefill_budget(tmp_path, kind):
+    """Prompts of several 32-token chunks, each longer than the window, decoding while others prefill: a chunk's
+    queries see the window's keys of earlier chunks (some of their blocks freed already), and the rows equal the
+    eager reference (sinks and caps included)."""
+    path = _windowed_model(tmp_path, kind)
+    llm = make_llm(path, block_size=32, enable_chunked_prefill=True, max_num_batched_tokens=32)
+    try:
+        assert llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens == 32
+        explanations = macs_vllm.explain(llm, token_prompts([70, 150, 260]), greedy(10))
+    finally:
+        shut_down(llm)
+    largest_difference(_windowed_reference(path), explanations)
+
+
+@pytest.mark.parametrize("kind", [pytest.param("mistral", marks=pytest.mark.slow), "gemma2",
+                                  pytest.param("gpt-oss", marks=pytest.mark.slow)])
+def test_a_sliding_window_model_under_preemption_and_recompute(tmp_path, kind):
+    """A cache too small for the requests: vLLM preempts some and recomputes them later (their blocks freed and
+    handed out again, a window layer's blocks before the window freed while they run); every request's rows
+    equal the eager reference of its tokens."""
+    path = _windowed_model(tmp_path, kind)
+    # 32-token blocks shared by the layer groups: a hybrid model's request holds blocks in both
+    llm = make_llm(path, block_size=32, num_gpu_blocks_override=12 if kind == "mistral" else 24, max_model_len=320)
+    try:
+        explanations = macs_vllm.explain(llm, token_prompts([40, 45, 50, 55, 60, 65, 70, 75]), greedy(200))
+        preemptions = metric(llm, "vllm:num_preemptions")
+    finally:
+        shut_down(llm)
+    assert preemptions > 0
+    assert all(e.step_log_c.shape[0] == 200 for e in explanations)
+    largest_difference(_windowed_reference(path), explanations)
+
+
+@pytest.mark.slow
+def test_a_sliding_window_model_on_the_multiprocessing_engine(tmp_path, monkeypatch):
+    """gpt-oss (a window layer with sinks, then a full one) with the engine core in its own process: the rows
+    come back through collective_rpc and equal the eager reference."""
+    monkeypatch.setitem(os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    path = _windowed_model(tmp_path, "gpt-oss")
+    llm = make_llm(path, block_size=32)
+    try:
+        explanations = macs_vllm.explain(llm, token_prompts([25, 150, 260]), greedy(10))
+    finally:
+        shut_down(llm)
+    largest_difference(_windowed_reference(path), explanations)
+
+
 def test_a_quantised_kv_cache_is_refused_before_work(tiny_path):
     _refused_at_attach(tiny_path, "kv_cache_dtype='fp8'", kv_cache_dtype="fp8")
 
@@ -193,3 +249,20 @@ def test_tensor_parallel_2_reduces_head_pooling_over_the_group(tiny_path, tiny_r
     finally:
         shut_down(llm)
     largest_difference(tiny_reference, explanations, pooling=pooling)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_splits_the_sinks_with_their_heads(tmp_path, monkeypatch):
+    """gpt-oss over two tensor-parallel workers: each rank's attention holds its own heads' sink logits (vLLM
+    splits them with the heads), and the rows reduced over the group equal the eager reference."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("two tensor-parallel CPU workers need two cores")
+    monkeypatch.setitem(os.environ, "VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setitem(os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    path = _windowed_model(tmp_path, "gpt-oss")
+    llm = make_llm(path, block_size=32, tensor_parallel_size=2, distributed_executor_backend="mp")
+    try:
+        explanations = macs_vllm.explain(llm, token_prompts([25, 150, 260]), greedy(8))
+    finally:
+        shut_down(llm)
+    largest_difference(_windowed_reference(path), explanations)
