@@ -461,16 +461,10 @@ def capped_attention(query, key, value, attention_mask, scale: float, variant) -
     denominator when the layer has them."""
     group = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
-    scores = torch.matmul(query, key.transpose(2, 3)) * scale
-    scores = torch.tanh(scores / variant.softcap) * variant.softcap
+    scores = torch_backend.cap_logits_(torch.matmul(query, key.transpose(2, 3)).float() * scale, variant.softcap)
     if attention_mask is not None:
         scores = scores + attention_mask
-    if variant.sinks is None:
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    else:
-        scores = scores.float()
-        lse = torch.logaddexp(torch.logsumexp(scores, dim=-1), variant.sinks.float().view(1, -1, 1))
-        weights = torch.exp(scores - lse.unsqueeze(-1))
+    weights = torch.exp(scores - torch_backend.sink_lse(scores, variant.sinks).unsqueeze(-1))
     return torch.matmul(weights.to(query.dtype), value).transpose(1, 2).contiguous()
 
 

@@ -33,21 +33,34 @@ def grouped_scores(q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> torc
     return scores.reshape(batch, heads, -1)
 
 
+def cap_logits_(scores: Tensor, softcap: float | None) -> Tensor:
+    """Gemma 2's logit cap, softcap * tanh(s / softcap), in place (no cap when softcap is None)."""
+    return scores if softcap is None else scores.div_(softcap).tanh_().mul_(softcap)
+
+
+def sink_lse(scores: Tensor, sinks: Tensor | None, head_dim: int = 1) -> Tensor:
+    """The softmax's natural-log normaliser over the last dimension of scores, with gpt-oss's per-head sink
+    logits sinks (H,) (heads at `head_dim`) in the denominator only, so the probabilities sum to less than 1."""
+    lse = torch.logsumexp(scores, dim=-1)
+    if sinks is None:
+        return lse
+    shape = [1] * lse.dim()
+    shape[head_dim] = -1
+    return torch.logaddexp(lse, sinks.float().view(shape))
+
+
 def attended_softmax(scores, kv_start, kv_len, lse=None, *, softcap=None, sinks=None):
     """Probabilities over keys [kv_start, kv_len) (zero elsewhere) and their natural-log lse: scores (B, H, [R,]
     S) float32 (written over) with (B, [R]) ranges, lse (B, H, [R]).
 
-    The layer's own softmax (`ops.Variant`): logits capped to softcap * tanh(s / softcap) when softcap is set
-    (Gemma 2), and a per-head sink logit sinks (H,) in the denominator only (gpt-oss), so a row sums to < 1."""
-    if softcap is not None:
-        scores.div_(softcap).tanh_().mul_(softcap)
+    The layer's own softmax (`ops.Variant`): logits capped (cap_logits_) and sink logits in the denominator
+    (sink_lse)."""
+    cap_logits_(scores, softcap)
     positions = torch.arange(scores.shape[-1], device=scores.device)
     outside = (positions < kv_start.unsqueeze(-1)) | (positions >= kv_len.unsqueeze(-1))
     scores.masked_fill_(outside.unsqueeze(1), float("-inf"))
     if lse is None:
-        lse = torch.logsumexp(scores, dim=-1)
-        if sinks is not None:
-            lse = torch.logaddexp(lse, sinks.float().view(-1, *[1] * (lse.dim() - 2)))
+        lse = sink_lse(scores, sinks)
     return scores.sub_(lse.float().unsqueeze(-1)).exp_(), lse
 
 

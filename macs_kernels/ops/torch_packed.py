@@ -7,7 +7,7 @@ import functools
 import torch
 
 from ..config import MacsConfig
-from .torch_backend import _POOL
+from .torch_backend import _POOL, cap_logits_, sink_lse
 
 
 class Segments:
@@ -84,15 +84,13 @@ class Segments:
         scores, row_scores = self._score_buffer(kv_heads, heads // kv_heads)
         for r, (start, length) in enumerate(zip(self.starts, self.lengths)):
             torch.bmm(grouped[r], keys_t[:, :, start : start + length].float(), out=row_scores[r])
-            if softcap is not None:
-                row_scores[r].div_(softcap).tanh_().mul_(softcap)
+            cap_logits_(row_scores[r], softcap)
         scores = scores.view(rows, heads, self.length_max)
         if self.before_window is not None:
             scores = scores.masked_fill(self.before_window, float("-inf"))
         if sinks is None:
             return torch.softmax(scores, dim=-1)
-        lse = torch.logaddexp(torch.logsumexp(scores, dim=-1), sinks.float().view(1, -1))
-        return torch.exp(scores - lse.unsqueeze(-1))
+        return torch.exp(scores - sink_lse(scores, sinks).unsqueeze(-1))
 
     def outputs(self, probabilities, value) -> torch.Tensor:
         """Attention outputs (R, H, D) float32 of softmax rows (R, H, L_max) over each row's own values of
@@ -187,13 +185,11 @@ class Pages:
         page_scores = torch.matmul(grouped, keys).view(len(self.pages), heads, self.page_size)
         scores = torch.empty(rows, heads, self.pages_max, self.page_size, dtype=torch.float32, device=q.device)
         scores[self.owner, :, self.column] = page_scores
-        if softcap is not None:
-            scores.div_(softcap).tanh_().mul_(softcap)
+        cap_logits_(scores, softcap)
         outside = self.outside
         if window is not None:
             outside = outside | (self.positions < self.lengths - window).unsqueeze(1)
         scores = scores.view(rows, heads, -1).masked_fill_(outside, float("-inf"))
         if sinks is None:
             return torch.softmax(scores, dim=-1)
-        lse = torch.logaddexp(torch.logsumexp(scores, dim=-1), sinks.float().view(1, -1))
-        return scores.sub_(lse.unsqueeze(-1)).exp_()
+        return scores.sub_(sink_lse(scores, sinks).unsqueeze(-1)).exp_()
