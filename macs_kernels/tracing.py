@@ -391,6 +391,7 @@ class Tracer:
         self._stored += batch * rows
         self.passes.append(record)
         self._flat = None
+        self._cache = None  # the model's cache is the caller's to free once generate returns
         for hook in self.hooks:
             hook.end_pass(self)
 

@@ -221,6 +221,8 @@ def _whole_answer_reference(log_c: torch.Tensor, how: str) -> torch.Tensor:
             counted[np.argmax(row)] = False
         values = row[counted]
         std = values.std()
+        if sinkless and std == 0:  # nothing but the top varies: the plain z-scores
+            return z(row)
         return np.where(finite, (row - values.mean()) / std if std > 0 else 0.0, -np.inf)
 
     if how == "mean_log_c":
@@ -253,6 +255,17 @@ def test_every_whole_answer_score_equals_its_reference(how):
     assert torch.equal(torch.isfinite(got), finite)
     assert (got.double()[finite] - want[finite]).abs().max() <= TOLERANCE
     assert (got[~finite] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("log_c", [[[-0.1, -30.0]], [[-0.1, -30.0, -30.0, float("-inf")]]],
+                         ids=["two_tokens", "equal_rest"])
+def test_sinkless_zscores_of_a_row_with_nothing_but_the_top_varying_keep_its_order(log_c):
+    """Without its top token such a row has no spread: it keeps the plain z-scores, the top still first."""
+    log_c = torch.tensor(log_c)
+    got = log_zscores(log_c, sinkless=True)
+    assert torch.equal(got, log_zscores(log_c)) and got[0, 0] > got[0, 1]
+    whole = _explanation(torch.cat([log_c, log_c])).scores
+    assert torch.equal(torch.isfinite(whole), torch.isfinite(log_c[0]))
 
 
 def test_a_streams_running_whole_answer_equals_the_reference_at_every_step():

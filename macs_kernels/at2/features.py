@@ -53,6 +53,7 @@ class QueryCapture(TraceHook):
         self.values: list[torch.Tensor | None] = []
         self.scales: list[float | None] = []
         self.variants: list[Variant] = []
+        self._window_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.kv_start = self.kv_len = None
         self.shards = None
 
@@ -65,6 +66,7 @@ class QueryCapture(TraceHook):
             self.values = [None] * tracer.num_layers
             self.scales = [None] * tracer.num_layers
             self.variants = [PLAIN] * tracer.num_layers
+            self._window_buffers = {}
             self.kv_start = tracer.input_start
 
     def layer(self, tracer, layer_idx, query, key, value, output, scale) -> None:
@@ -86,16 +88,24 @@ class QueryCapture(TraceHook):
         """A window layer's keys and values of every token so far (`tokens`): the kept ones plus this pass's
         tokens (those after the kept ones; key slot j of the layer's cache holds token key_offset + j, and a static
         window buffer that is not full yet holds no token from slot `tokens` on). Tokens a cache passed in had
-        already dropped lie before every captured row's window: zeros stand in for them."""
+        already dropped lie before every captured row's window: zeros stand in for them. They are kept in buffers
+        that double when full, so a generation copies each token O(1) times rather than once per pass."""
         key, value = key[:, :, : tokens - key_offset], value[:, :, : tokens - key_offset]
-        kept, kept_values = self.keys[layer], self.values[layer]
-        if kept is None:
-            kept = key.new_zeros(*key.shape[:2], key_offset, key.shape[3])
-            kept_values = value.new_zeros(*value.shape[:2], key_offset, value.shape[3])
-        first = kept.shape[2] - key_offset
+        buffers = self._window_buffers.get(layer)
+        count = key_offset if buffers is None else self.keys[layer].shape[2]
+        first = count - key_offset
         if first < 0:
             raise RuntimeError("a window layer's cache dropped tokens that no captured pass kept")
-        return torch.cat([kept, key[:, :, first:]], dim=2), torch.cat([kept_values, value[:, :, first:]], dim=2)
+        total = count + key.shape[2] - first
+        if buffers is None or total > buffers[0].shape[2]:
+            capacity = max(total, 2 * (0 if buffers is None else buffers[0].shape[2]))
+            grown = tuple(t.new_zeros(*t.shape[:2], capacity, t.shape[3]) for t in (key, value))
+            for new, old in zip(grown, buffers or ()):
+                new[:, :, :count] = old[:, :, :count]
+            buffers = self._window_buffers[layer] = grown
+        buffers[0][:, :, count:total] = key[:, :, first:]
+        buffers[1][:, :, count:total] = value[:, :, first:]
+        return buffers[0][:, :, :total], buffers[1][:, :, :total]
 
     def end_pass(self, tracer) -> None:
         self.kv_len = tracer.kv_len

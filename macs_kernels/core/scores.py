@@ -15,6 +15,10 @@ SCORE_DEFINITION = (
 )
 
 
+# The aggregations whose step z-scores leave each step's top token out of their statistics.
+SINKLESS = frozenset({"max_minus_mean_sinkless_z"})
+
+
 def log_zscores(log_c: torch.Tensor, sinkless: bool = False) -> torch.Tensor:
     """The scores users rank by: z-scores of log c along the last dimension, float32 (computed in float64).
 
@@ -35,6 +39,8 @@ def log_zscores(log_c: torch.Tensor, sinkless: bool = False) -> torch.Tensor:
     centred = torch.where(finite, values - mean, 0.0)
     std = torch.sqrt(torch.where(counted, centred, 0.0).square().sum(dim=-1, keepdim=True) / count)
     z = torch.where(std > 0, centred / std, 0.0)
+    if sinkless:  # nothing but the top varies (two tokens, underflow): the plain z-scores still rank the top first
+        z = torch.where(std > 0, z, log_zscores(log_c).double())
     return torch.where(finite, z, values).float()
 
 
@@ -69,7 +75,7 @@ def whole_answer_scores(step_log_c: torch.Tensor, how: str = DEFAULT_AGGREGATION
         return log_zscores(step_log_c.double().mean(dim=0))
     if how == "paper_mean_z":
         return paper_zscores(step_log_c).mean(dim=0)
-    z = log_zscores(step_log_c, sinkless=how == "max_minus_mean_sinkless_z").double()
+    z = log_zscores(step_log_c, sinkless=how in SINKLESS).double()
     return _from_z(z.amax(dim=0), z.mean(dim=0), how)
 
 
@@ -92,7 +98,7 @@ class RunningWholeAnswer:
 
     def add(self, log_c: torch.Tensor) -> torch.Tensor:
         """Take one step's (N,) row log c; return whole_answer_scores of every step so far."""
-        z = log_zscores(log_c, sinkless=DEFAULT_AGGREGATION == "max_minus_mean_sinkless_z").double()
+        z = log_zscores(log_c, sinkless=DEFAULT_AGGREGATION in SINKLESS).double()
         self.top = z if self.top is None else torch.maximum(self.top, z)
         self.total = z if self.total is None else self.total + z
         self.steps += 1

@@ -350,7 +350,7 @@ def test_two_threads_explaining_on_one_model_both_get_their_own_rows(gqa_model):
             assert torch.equal(item.step_log_c, expected[index].step_log_c)
 
 
-def test_attention_variants_refused_where_they_cannot_be_followed():
+def test_variant_backends_named_and_a_passed_window_cache():
     """A backend without variant kernels named for a variant: refused before work, naming it; a window model's
     cache passed in is followed."""
     from transformers import GptOssConfig, GptOssForCausalLM, MistralConfig, MistralForCausalLM
