@@ -22,7 +22,7 @@ import torch
 from ..config import ATTENTIONS
 from ..distributed import gather_heads
 from ..ops import attention_features, efficient_attention
-from ..ops.torch_backend import attended_softmax
+from ..ops.torch_backend import attended_softmax, window_start
 from ..ops.torch_features import ROW_CHUNK
 from ..ops.variant import PLAIN, Variant
 from ..tracing import TraceHook, attach
@@ -174,9 +174,7 @@ def _efficient_features(q, key, value, *, source_start, source_end, kv_start, kv
     grouped = q.reshape(batch, kv_heads, heads // kv_heads * rows, dim).float()
     scores = torch.matmul(grouped, key.float().transpose(-1, -2)).view(batch, heads, rows, -1).mul_(scale)
     row_end = kv_len.view(-1, 1) - rows + torch.arange(1, rows + 1, device=key.device).view(1, -1)
-    row_start = kv_start.view(-1, 1).expand(batch, rows)
-    if variant.window is not None:
-        row_start = torch.maximum(row_start, row_end - variant.window)
+    row_start = window_start(kv_start.view(-1, 1).expand(batch, rows), row_end, variant.window)
     probabilities, _ = attended_softmax(scores, row_start, row_end, softcap=variant.softcap, sinks=variant.sinks)
     valid_rows = torch.arange(rows, device=key.device).view(1, -1) < n_rows.view(-1, 1)
     if variant.window is None:

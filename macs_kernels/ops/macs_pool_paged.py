@@ -52,7 +52,7 @@ def macs_pool_paged(
     )
     if not variant.plain:
         variant.check(q.shape[1], ranges[0], ranges[2], block_table.shape[1] * page_size)
-    attended = ranges[0] if window is None else torch.maximum(ranges[0], ranges[2] - window)
+    attended = torch_backend.window_start(ranges[0], ranges[2], window)
     check_pages_in_use(block_table, attended, ranges[2], page_size, k_pages.shape[0])
     # Page numbers fit int32, the type paged-attention kernels take; int64 tables are converted once here.
     block_table = block_table.to(torch.int32)

@@ -178,13 +178,19 @@ def macs_pool(
                redistribute, windowed=windowed)
 
 
+def window_start(start, end, window):
+    """The first key a row ending at `end` (exclusive) attends when it may attend from `start`: a sliding window
+    of `window` keys starts at end - window (tensors, broadcast; no window: start)."""
+    return start if window is None else torch.maximum(start, end - window)
+
+
 def window_ranges(input_start, input_end, kv_len, key_offset=0, window=None):
     """A row's ranges in token positions -> the same in key slots of a cache that holds tokens from key_offset on
     (a sliding-window layer's), with the attended start: (attend_start, input_start, input_end, kv_len) slots.
 
     The row attends tokens [max(input_start, kv_len - window), kv_len); input tokens before that get no
     attention, and their slots may lie before slot 0 (not in the cache at all)."""
-    attend = input_start if window is None else torch.maximum(input_start, kv_len - window)
+    attend = window_start(input_start, kv_len, window)
     return tuple(bound - key_offset for bound in (attend, input_start, input_end, kv_len))
 
 

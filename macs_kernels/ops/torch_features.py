@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .torch_backend import attended_softmax
+from .torch_backend import attended_softmax, window_start
 
 # Rows per chunk: bounds the (B, H, rows, S) float32 block (64 rows x 8k keys x 9 heads = 19 MB per item).
 ROW_CHUNK = 64
@@ -31,7 +31,7 @@ def attention_features(
         q_grouped = q[:, :, r0:r0 + chunk].float().reshape(batch, kv_heads, group * chunk, dim)
         scores = torch.matmul(q_grouped, keys_f).view(batch, heads, chunk, keys).mul_(scale)
         ends = first_end[:, :, 0] + r.view(1, -1)
-        starts = kv_start.view(-1, 1) if window is None else torch.maximum(kv_start.view(-1, 1), ends - window)
+        starts = window_start(kv_start.view(-1, 1), ends, window)
         valid = (r.view(1, -1) < n_rows.view(-1, 1))[:, None, :]
         # Rows r >= n_rows still attend a non-empty range here (kv_start < kv_len - n_rows + r + 1), so
         # their softmax is finite; they are zeroed afterwards (a given lse of +inf zeroes them directly).
