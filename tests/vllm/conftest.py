@@ -2,6 +2,7 @@
 skips without vllm)."""
 import gc
 import os
+import platform
 
 import pytest
 import torch
@@ -9,6 +10,12 @@ import torch
 from tests.helpers import eager_macs
 
 TOLERANCE = 1e-3  # |d log c| against the teacher-forced eager reference
+# Rows follow what the engine computed. vLLM's CPU kernels (its oneDNN GEMMs and attention, chosen per instruction
+# set and batch size) may lie further from eager than float32 rounding on some machines; rows that follow such an
+# engine are allowed ENGINE_FACTOR times the engine's own distance from eager in its log-probabilities (measured
+# beside them, `engine_error`), never less than TOLERANCE. With every GEMM of the engine in bfloat16
+# (ONEDNN_DEFAULT_FPMATH_MODE=BF16) the rows' distance was at most 1.5 times the engine's.
+ENGINE_FACTOR = 5.0
 
 
 def tiny_llama(folder):
@@ -78,14 +85,44 @@ def tiny_reference(tiny_path):
     return AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
 
 
-def largest_difference(model, explanations, **config) -> float:
+@torch.no_grad()
+def engine_error(llm, model, prompts, tokens: int) -> float:
+    """max |d log p| between the log-probabilities vLLM gives the prompt and generated tokens of `prompts` (greedy,
+    `tokens` each, one batch) and the eager model's on the same tokens: how far the engine's own arithmetic lies
+    from eager on this machine for a batch of this shape. Independent of macs_kernels (no attribution asked)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    worst = 0.0
+    for output in llm.generate(prompts, params):
+        sequence = output.outputs[0]
+        ids = list(output.prompt_token_ids) + list(sequence.token_ids)
+        eager = model(torch.tensor([ids[:-1]])).logits[0].double().log_softmax(-1)
+        given = list(output.prompt_logprobs)[1:] + list(sequence.logprobs)
+        for position, (token, entry) in enumerate(zip(ids[1:], given)):
+            worst = max(worst, abs(entry[token].logprob - eager[position, token].item()))
+    return worst
+
+
+def machine() -> str:
+    """The CPU the engine ran on and the attention ISA vLLM picked, for failure messages."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
+    return (f"{names[0] if names else platform.machine()}; avx512 {torch.cpu._is_avx512_supported()}, amx "
+            f"{torch.cpu._is_amx_tile_supported()}; vLLM float32 attention ISA {_get_attn_isa(torch.float32, 128)}")
+
+
+def largest_difference(model, explanations, engine: float = 0.0, **config) -> float:
     """max |d log c| of every explanation's rows against the teacher-forced eager trace of its own tokens,
-    asserting it is within TOLERANCE."""
+    asserting it is within TOLERANCE, or ENGINE_FACTOR times `engine` (engine_error of the batch) where larger."""
     worst = 0.0
     for explanation in explanations:
         reference, _ = eager_macs(model, explanation.input_ids, explanation.generated_ids, **config)
         assert explanation.step_log_c.shape == reference.shape
         worst = max(worst, (reference - explanation.step_log_c).abs().max().item())
-    assert worst <= TOLERANCE
-    print(f"max |d log c| = {worst:.2e}")
+    allowed = max(TOLERANCE, ENGINE_FACTOR * engine)
+    assert worst <= allowed, (f"max |d log c| {worst:.3g} > {allowed:.3g} (the engine's own |d log p| {engine:.3g}) "
+                              f"on {machine()}")
+    print(f"max |d log c| = {worst:.2e} (engine |d log p| {engine:.2e})")
     return worst

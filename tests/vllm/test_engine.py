@@ -14,7 +14,7 @@ from vllm import SamplingParams  # noqa: E402
 import macs_kernels.vllm as macs_vllm  # noqa: E402
 from macs_kernels.explanation import Explanation  # noqa: E402
 
-from .conftest import largest_difference, make_llm, metric, shut_down  # noqa: E402
+from .conftest import engine_error, largest_difference, make_llm, metric, shut_down  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,9 @@ def test_eight_concurrent_requests_of_different_lengths(llm, tiny_reference):
     lengths = [17, 64, 128, 129, 200, 333, 512, 700]
     explanations = macs_vllm.explain(llm, token_prompts(lengths), greedy(16))
     assert [e.step_log_c.shape for e in explanations] == [(16, n) for n in lengths]
-    largest_difference(tiny_reference, explanations)
+    # The engine's own distance from eager on a batch of the same shape (other tokens: no prefix-cache hits).
+    engine = engine_error(llm, tiny_reference, token_prompts(lengths, offset=1000), 16)
+    largest_difference(tiny_reference, explanations, engine)
 
 
 def test_options_per_request_in_one_batch(llm, tiny_reference):
@@ -55,9 +57,10 @@ def test_options_per_request_in_one_batch(llm, tiny_reference):
               for o in options]
     outputs = llm.generate(token_prompts([50, 90, 130, 170]), params)
     found = macs_vllm.rows(llm, [output.request_id for output in outputs], release=True)
+    engine = engine_error(llm, tiny_reference, token_prompts([50, 90, 130, 170], offset=1000), 6)
     for output, option in zip(outputs, options):
         explanation = _explanation(output, found[output.request_id])
-        largest_difference(tiny_reference, [explanation], **option)
+        largest_difference(tiny_reference, [explanation], engine, **option)
 
 
 def _explanation(output, log_c):
@@ -66,13 +69,20 @@ def _explanation(output, log_c):
 
 
 def test_prefix_caching_with_shared_prefixes(llm, tiny_reference):
-    shared = token_prompts([400], offset=1)[0]["prompt_token_ids"]
-    macs_vllm.explain(llm, [{"prompt_token_ids": shared}], greedy(2))
+    def sharing(offset):
+        shared = token_prompts([400], offset=offset)[0]["prompt_token_ids"]
+        return [{"prompt_token_ids": shared}], [{"prompt_token_ids": shared[:300] + [11 + i] * (5 + 20 * i)}
+                                                for i in range(4)]
+
+    first, prompts = sharing(1)
+    macs_vllm.explain(llm, first, greedy(2))
     hits = metric(llm, "vllm:prefix_cache_hits")
-    prompts = [{"prompt_token_ids": shared[:300] + [11 + i] * (5 + 20 * i)} for i in range(4)]
     explanations = macs_vllm.explain(llm, prompts, greedy(8))
     assert metric(llm, "vllm:prefix_cache_hits") >= hits + 4 * 256  # two 128-token blocks per request
-    largest_difference(tiny_reference, explanations)
+    # The engine's own distance from eager on the same two batches over other tokens.
+    first, others = sharing(1001)
+    engine = max(engine_error(llm, tiny_reference, first, 2), engine_error(llm, tiny_reference, others, 8))
+    largest_difference(tiny_reference, explanations, engine)
 
 
 def test_n_2_sampling_with_a_seed(llm, tiny_reference):
