@@ -2,6 +2,7 @@
 
     python benchmarks/whole_answer.py extract --results R.jsonl   # per-step rows -> whole_answer_rows.npz
     python benchmarks/whole_answer.py study                        # candidate table -> whole_answer.{md,json}
+    python benchmarks/whole_answer.py layers --results R.jsonl    # per-layer candidates -> whole_answer_layers.*
 
 extract reads an eval results stream (macs-kernels eval --out R.jsonl) and the record cache it filled, and
 keeps, per scored sample: the default MACS configuration's log c of every step over every prompt token
@@ -13,6 +14,12 @@ study scores each candidate aggregation by its whole-answer AUC-PR (one score pe
 over the gold answers, as the eval's aggregate column) on the development half (samples 0-174, where the
 choice is made) and the confirmation half (175-349, looked at once the choice is made), and on the samples
 that AttnLRP and AtMan scored, with paired differences against the chosen one.
+
+layers (the third round) reads the per-layer rows from the record cache (each step's last-query rows per layer
+and head, as the eval recorded them) and scores the candidates that need them: layers weighted alike or only
+some layers, attention aggregated over steps before the floor and the product, steps that copy a context token,
+and a per-layer weighting fitted on the development half's gold labels (a supervised probe of what the rows
+hold, not a candidate for the default: it learns from the labels the metric uses).
 """
 from __future__ import annotations
 
@@ -287,6 +294,123 @@ def study(args) -> None:
     (args.out.with_suffix(".json")).write_text(json.dumps(summary, indent=1) + "\n")
 
 
+# ---- third round: candidates from the per-layer rows ------------------------------------------------------------
+def _sinkless_z(log_c: np.ndarray) -> np.ndarray:
+    from macs_kernels.core.scores import log_zscores
+
+    return log_zscores(torch.from_numpy(log_c), sinkless=True).double().numpy()
+
+
+def _max_minus_mean(z: np.ndarray) -> np.ndarray:
+    return z.max(0) - z.mean(0)
+
+
+def layer_candidates(sample: dict, record: dict) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """({name: (N,) score}, (L, N) per-layer max-minus-mean features) of one sample, from its eval record."""
+    from macs_kernels.ops.torch_backend import log_floor
+
+    rows = np.asarray(record["rows"], np.float64)  # (steps, L, H, N)
+    pooled = (rows + np.asarray(record["mass"], np.float64)[..., None] / rows.shape[-1]).max(2)  # (steps, L, N)
+    terms = log_floor(torch.from_numpy(pooled), 0.8).numpy()
+    layers = terms.shape[1]
+    z = _sinkless_z(terms.sum(1))
+    per_layer = _sinkless_z(terms)  # each layer's own sinkless z-scores (steps, L, N)
+    start, stop = sample["context"]
+    context = set(sample["prompt"][start:stop].tolist())
+    copying = np.array([int(t) in context for t in sample["generated"]])
+    copies = z[copying] if copying.any() else z
+    candidates = {
+        "max z minus mean z, sink out of each step's statistics": _max_minus_mean(z),
+        "layers weighted alike (each layer's sinkless z summed)": _max_minus_mean(per_layer.sum(1)),
+        "each layer's max minus mean, summed over layers": _max_minus_mean(per_layer).sum(0),
+        f"later half of the layers only ({layers // 2}-{layers - 1})": _max_minus_mean(
+            _sinkless_z(terms[:, layers // 2:].sum(1))),
+        f"last third of the layers only ({2 * (layers // 3)}-{layers - 1})": _max_minus_mean(
+            _sinkless_z(terms[:, 2 * (layers // 3):].sum(1))),
+        f"first half of the layers only (0-{layers // 2 - 1})": _max_minus_mean(
+            _sinkless_z(terms[:, : layers // 2].sum(1))),
+        "max over steps of each layer's m', then floor, product and z": _sinkless_z(
+            log_floor(torch.from_numpy(pooled.max(0)), 0.8).numpy().sum(0)[None])[0],
+        "the same, minus the mean step z": _sinkless_z(
+            log_floor(torch.from_numpy(pooled.max(0)), 0.8).numpy().sum(0)[None])[0] - z.mean(0),
+        "mean over steps of each layer's m', then floor, product and z": _sinkless_z(
+            log_floor(torch.from_numpy(pooled.mean(0)), 0.8).numpy().sum(0)[None])[0],
+        "max over the steps that copy a context token, minus the mean over all": copies.max(0) - z.mean(0),
+    }
+    return candidates, _max_minus_mean(per_layer).T  # (N, L)
+
+
+def _fit_layer_weights(features: list[np.ndarray], labels: list[np.ndarray]) -> np.ndarray:
+    """Logistic regression (L2 1e-3) of 'is a gold answer token' on the per-layer features of context tokens."""
+    x = torch.from_numpy(np.concatenate(features))
+    y = torch.from_numpy(np.concatenate(labels).astype(np.float64))
+    weights = torch.zeros(x.shape[1] + 1, dtype=torch.float64, requires_grad=True)
+    optimiser = torch.optim.LBFGS([weights], max_iter=500, line_search_fn="strong_wolfe")
+
+    def loss():
+        optimiser.zero_grad()
+        value = torch.nn.functional.binary_cross_entropy_with_logits(x @ weights[1:] + weights[0], y)
+        value = value + 1e-3 * weights[1:].square().sum()
+        value.backward()
+        return value
+
+    optimiser.step(loss)
+    return weights.detach()[1:].numpy()
+
+
+def layers(args) -> None:
+    from macs_kernels.evaluation.record_cache import load_record, records_dir
+    from macs_kernels.evaluation.store import read_results
+
+    samples = load(args.rows)
+    lines = read_results(args.results)
+    folder = records_dir(args.records)
+    aps: dict[str, dict[int, float]] = {}
+    features, labels = {}, {}
+    for index, sample in sorted(samples.items()):
+        cached = load_record(folder, lines[("sample", index, None)]["generation"], sample["prompt"])
+        if cached is None:
+            print(f"sample {index}: no record in {folder}; skipped")
+            continue
+        start, stop = sample["context"]
+        candidates, per_layer = layer_candidates(sample, cached[0])
+        for name, score in candidates.items():
+            aps.setdefault(name, {})[index] = _ap(score[start:stop], sample["labels"])
+        features[index], labels[index] = per_layer[start:stop], sample["labels"]
+    # The supervised probe: fitted on the development half only, scored everywhere else.
+    dev = [i for i in features if DEV[0] <= i < DEV[1]]
+    weights = _fit_layer_weights([features[i] for i in dev], [labels[i].max(0) for i in dev])
+    probe = "per-layer weights fitted to the dev half's gold labels (supervised probe)"
+    aps[probe] = {i: _ap(features[i] @ weights, labels[i]) for i in features if i not in dev}
+    chosen = "max z minus mean z, sink out of each step's statistics"
+    attnlrp = {i: _ap(baseline_candidates(s["attnlrp"], s["context"])["mean (relevance of the summed answer logits)"],
+                      s["labels"]) for i, s in samples.items() if "attnlrp" in s and i in features
+               and (args.expensive is None or args.expensive[0] <= i < args.expensive[1])}
+    held = sorted(attnlrp)
+    summary = {"chosen": chosen, "held_out": held, "probe_weights": weights.tolist(), "candidates": {}}
+    text = [f"Third round: whole-answer AUC-PR of candidates built from the per-layer rows (record cache), "
+            f"mean [95% CI]; dev {DEV[0]}-{DEV[1] - 1}, confirm {CONFIRM[0]}-{CONFIRM[1] - 1}, and the {len(held)} "
+            f"samples AttnLRP scored, paired with the chosen score and with AttnLRP's "
+            f"({_fmt(_stats([attnlrp[i] for i in held]))}).", "",
+            "| candidate | dev | dev minus chosen | confirm | AttnLRP's samples | minus chosen | minus AttnLRP |",
+            "|---|---|---|---|---|---|---|"]
+    for name, by_index in aps.items():
+        row = {half: _stats([v for i, v in by_index.items() if a <= i < b]) for half, (a, b) in
+               {"dev": DEV, "confirm": CONFIRM}.items()}
+        row["dev_minus_chosen"] = _stats([v - aps[chosen][i] for i, v in by_index.items() if i < DEV[1]])
+        row["held_out"] = _stats([by_index[i] for i in held if i in by_index])
+        row["held_out_minus_chosen"] = _stats([by_index[i] - aps[chosen][i] for i in held if i in by_index])
+        row["held_out_minus_attnlrp"] = _stats([by_index[i] - attnlrp[i] for i in held if i in by_index])
+        summary["candidates"][name] = row
+        text.append(f"| {name} | {_fmt(row['dev'])} | {_fmt(row['dev_minus_chosen'])} | {_fmt(row['confirm'])} | "
+                    f"{_fmt(row['held_out'])} | {_fmt(row['held_out_minus_chosen'])} | "
+                    f"{_fmt(row['held_out_minus_attnlrp'])} |")
+    report = "\n".join(text) + "\n"
+    print(report)
+    args.out.with_suffix(".md").write_text(report)
+    args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -301,13 +425,20 @@ def main() -> None:
     s.add_argument("--expensive", type=lambda t: tuple(int(v) for v in t.split(":")), default=None,
                    metavar="START:STOP", help="the samples the eval ran AttnLRP or AtMan on (default: every sample "
                                               "with either's rows in the record cache)")
+    layer = sub.add_parser("layers")
+    layer.add_argument("--results", type=Path, required=True)
+    layer.add_argument("--records", type=Path, default=None)
+    layer.add_argument("--rows", type=Path, default=ROWS)
+    layer.add_argument("--out", type=Path, default=RESULTS / "whole_answer_layers")
+    layer.add_argument("--expensive", type=lambda t: tuple(int(v) for v in t.split(":")), default=None,
+                       metavar="START:STOP", help="the samples to compare with AttnLRP on (default: all it scored)")
     b = sub.add_parser("best-step")
     b.add_argument("--results", type=Path, required=True)
     b.add_argument("--method", default="macs")
     b.add_argument("--out", type=Path, default=RESULTS / "best_step_readings.md")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    {"extract": extract, "study": study, "best-step": best_step}[args.command](args)
+    {"extract": extract, "study": study, "layers": layers, "best-step": best_step}[args.command](args)
 
 
 
