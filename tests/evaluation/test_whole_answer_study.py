@@ -1,0 +1,50 @@
+"""The whole-answer study's per-layer candidates (benchmarks/whole_answer.py layers) against the shipped score."""
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from macs_kernels.core import whole_answer_scores
+from macs_kernels.evaluation.record import macs_from_record
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import whole_answer  # noqa: E402
+
+CHOSEN = "max z minus mean z, sink out of each step's statistics"
+
+
+def random_record(steps, layers, heads, n, seed=0):
+    generator = np.random.default_rng(seed)
+    logits = generator.normal(scale=3.0, size=(steps, layers, heads, n + 4))
+    rows = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    return {"rows": rows[..., :n].astype(np.float16), "mass": rows[..., n:].sum(-1)}
+
+
+def sample_of(n, generated):
+    prompt = np.arange(100, 100 + n)
+    return {"context": (3, n - 2), "prompt": prompt, "generated": np.asarray(generated)}
+
+
+def test_the_chosen_candidate_is_the_shipped_score_of_the_records_log_c():
+    record = random_record(steps=6, layers=3, heads=4, n=113)
+    candidates, per_layer = whole_answer.layer_candidates(sample_of(113, [5] * 6), record)
+    shipped = whole_answer_scores(torch.from_numpy(macs_from_record(record)), "max_minus_mean_sinkless_z")
+    np.testing.assert_allclose(candidates[CHOSEN], shipped.double().numpy(), rtol=1e-5, atol=1e-5)
+    assert per_layer.shape == (113, 3)
+
+
+def test_one_layer_and_all_copying_steps_reduce_to_the_chosen_score():
+    record = random_record(steps=5, layers=1, heads=3, n=37, seed=1)
+    copying = sample_of(37, [100 + 10] * 5)  # every generated token is a context token
+    candidates, per_layer = whole_answer.layer_candidates(copying, record)
+    for name in ("layers weighted alike (each layer's sinkless z summed)",
+                 "each layer's max minus mean, summed over layers",
+                 "max over the steps that copy a context token, minus the mean over all"):
+        np.testing.assert_allclose(candidates[name], candidates[CHOSEN], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(per_layer[:, 0], candidates[CHOSEN], rtol=1e-12, atol=1e-12)
+    # With no copying step every step counts; with some, only they give the maximum.
+    partly = whole_answer.layer_candidates(sample_of(37, [110, 5, 5, 5, 5]), record)[0]
+    z = whole_answer._sinkless_z(macs_from_record(record))
+    np.testing.assert_allclose(partly["max over the steps that copy a context token, minus the mean over all"],
+                               z[0] - z.mean(0), rtol=1e-12, atol=1e-12)
