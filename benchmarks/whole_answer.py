@@ -34,6 +34,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from macs_kernels.evaluation.report import cell, stats  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 ROWS = RESULTS / "whole_answer_rows.npz"
 DEV, CONFIRM = (0, 175), (175, 350)
@@ -237,21 +239,6 @@ def sample_aps(samples: dict[int, dict], expensive) -> dict[str, dict[int, float
     return table
 
 
-def _stats(values) -> dict:
-    from macs_kernels.evaluation.metrics import mean_ci
-
-    if not values:
-        return {"mean": None, "ci": None, "n": 0}
-    mean, low, high = mean_ci(values)
-    return {"mean": mean, "ci": None if np.isnan(low) else [low, high], "n": len(values)}
-
-
-def _fmt(stat) -> str:
-    if stat["mean"] is None:
-        return "-"
-    return f"{stat['mean']:.3f}" + (f" [{stat['ci'][0]:.3f}, {stat['ci'][1]:.3f}]" if stat["ci"] else "")
-
-
 def study(args) -> None:
     samples = load(args.rows)
     # Each baseline is compared where it ran: AttnLRP and AtMan may cover different samples.
@@ -267,11 +254,11 @@ def study(args) -> None:
         for half, (a, b) in halves.items():
             vals = [v for i, v in by_index.items() if a <= i < b]
             diffs = [v - aps[chosen][i] for i, v in by_index.items() if a <= i < b and i in aps[chosen]]
-            row[half] = _stats(vals)
-            row[half + "_minus_chosen"] = _stats(diffs)
+            row[half] = stats(vals)
+            row[half + "_minus_chosen"] = stats(diffs)
         vals = [by_index[i] for i in expensive if i in by_index]
-        row["expensive"] = _stats(vals)
-        row["expensive_minus_chosen"] = _stats([by_index[i] - aps[chosen][i] for i in expensive if i in by_index])
+        row["expensive"] = stats(vals)
+        row["expensive_minus_chosen"] = stats([by_index[i] - aps[chosen][i] for i in expensive if i in by_index])
         summary["candidates"][name] = row
     lines = [
         f"Whole-answer AUC-PR of MACS's aggregations (default configuration, SmolLM2-135M-Instruct, stqa_350): "
@@ -285,9 +272,9 @@ def study(args) -> None:
         "|---|---|---|---|---|---|---|",
     ]
     for name, row in summary["candidates"].items():
-        lines.append(f"| {name} | {_fmt(row['dev'])} | {_fmt(row['dev_minus_chosen'])} | {_fmt(row['confirm'])} "
-                     f"| {_fmt(row['confirm_minus_chosen'])} | {_fmt(row['expensive'])} (n={row['expensive']['n']}) "
-                     f"| {_fmt(row['expensive_minus_chosen'])} |")
+        lines.append(f"| {name} | {cell(row['dev'])} | {cell(row['dev_minus_chosen'])} | {cell(row['confirm'])} "
+                     f"| {cell(row['confirm_minus_chosen'])} | {cell(row['expensive'])} (n={row['expensive']['n']}) "
+                     f"| {cell(row['expensive_minus_chosen'])} |")
     text = "\n".join(lines) + "\n"
     print(text)
     (args.out.with_suffix(".md")).write_text(text)
@@ -391,20 +378,20 @@ def layers(args) -> None:
     text = [f"Third round: whole-answer AUC-PR of candidates built from the per-layer rows (record cache), "
             f"mean [95% CI]; dev {DEV[0]}-{DEV[1] - 1}, confirm {CONFIRM[0]}-{CONFIRM[1] - 1}, and the {len(held)} "
             f"samples AttnLRP scored, paired with the chosen score and with AttnLRP's "
-            f"({_fmt(_stats([attnlrp[i] for i in held]))}).", "",
+            f"({cell(stats([attnlrp[i] for i in held]))}).", "",
             "| candidate | dev | dev minus chosen | confirm | AttnLRP's samples | minus chosen | minus AttnLRP |",
             "|---|---|---|---|---|---|---|"]
     for name, by_index in aps.items():
-        row = {half: _stats([v for i, v in by_index.items() if a <= i < b]) for half, (a, b) in
+        row = {half: stats([v for i, v in by_index.items() if a <= i < b]) for half, (a, b) in
                {"dev": DEV, "confirm": CONFIRM}.items()}
-        row["dev_minus_chosen"] = _stats([v - aps[chosen][i] for i, v in by_index.items() if i < DEV[1]])
-        row["held_out"] = _stats([by_index[i] for i in held if i in by_index])
-        row["held_out_minus_chosen"] = _stats([by_index[i] - aps[chosen][i] for i in held if i in by_index])
-        row["held_out_minus_attnlrp"] = _stats([by_index[i] - attnlrp[i] for i in held if i in by_index])
+        row["dev_minus_chosen"] = stats([v - aps[chosen][i] for i, v in by_index.items() if i < DEV[1]])
+        row["held_out"] = stats([by_index[i] for i in held if i in by_index])
+        row["held_out_minus_chosen"] = stats([by_index[i] - aps[chosen][i] for i in held if i in by_index])
+        row["held_out_minus_attnlrp"] = stats([by_index[i] - attnlrp[i] for i in held if i in by_index])
         summary["candidates"][name] = row
-        text.append(f"| {name} | {_fmt(row['dev'])} | {_fmt(row['dev_minus_chosen'])} | {_fmt(row['confirm'])} | "
-                    f"{_fmt(row['held_out'])} | {_fmt(row['held_out_minus_chosen'])} | "
-                    f"{_fmt(row['held_out_minus_attnlrp'])} |")
+        text.append(f"| {name} | {cell(row['dev'])} | {cell(row['dev_minus_chosen'])} | {cell(row['confirm'])} | "
+                    f"{cell(row['held_out'])} | {cell(row['held_out_minus_chosen'])} | "
+                    f"{cell(row['held_out_minus_attnlrp'])} |")
     report = "\n".join(text) + "\n"
     print(report)
     args.out.with_suffix(".md").write_text(report)

@@ -26,7 +26,7 @@ BASELINE = "macs"
 SUBSET_FIELDS = (("auc_pr", "best"), ("auc_pr_step_mean", "step_mean"), ("auc_pr_aggregate", "aggregate"))
 
 
-def _stats(values) -> dict:
+def stats(values) -> dict:
     values = [v for v in values if v is not None and math.isfinite(v)]
     if not values:
         return {"mean": None, "ci": None, "n": 0}
@@ -64,12 +64,12 @@ def summarise(path) -> dict:
         table[name] = {
             "n": len(auc),
             "skipped": len(samples) - len(auc),
-            "auc_pr": _stats([line["best"] for line in auc]),
-            "best_step": _stats([line["best_step"] for line in auc]),
-            "auc_pr_step_mean": _stats([line["step_mean"] for line in auc]),
-            "auc_pr_aggregate": _stats([line["aggregate"] for line in auc]),
+            "auc_pr": stats([line["best"] for line in auc]),
+            "best_step": stats([line["best_step"] for line in auc]),
+            "auc_pr_step_mean": stats([line["step_mean"] for line in auc]),
+            "auc_pr_aggregate": stats([line["aggregate"] for line in auc]),
             "auc_pr_aggregates": _aggregates(auc),
-            "srg": {metric: _stats([line["srg"][metric] for line in faith]) for metric in FAITHFULNESS_METRICS},
+            "srg": {metric: stats([line["srg"][metric] for line in faith]) for metric in FAITHFULNESS_METRICS},
             "ties": {
                 "tied_tokens_per_step": sum(t["tied_tokens"] for t in ties) / rows if rows else None,
                 "share_of_steps_with_ties": sum(t["rows_with_ties"] for t in ties) / rows if rows else None,
@@ -136,8 +136,8 @@ def _cost(lines: list) -> dict:
     method: mean and largest over samples) of a method's cost lines (costs.py)."""
     peaks = [line["peak_bytes"] / 2**20 for line in lines if line["peak_bytes"] is not None]
     return {
-        "seconds_per_token": _stats([line["seconds"] / line["steps"] for line in lines]),
-        "peak_mb": _stats(peaks), "peak_mb_max": max(peaks, default=None),
+        "seconds_per_token": stats([line["seconds"] / line["steps"] for line in lines]),
+        "peak_mb": stats(peaks), "peak_mb_max": max(peaks, default=None),
         "after_generation": any(line["after_generation"] for line in lines),
         "samples": sorted(line["index"] for line in lines),
     }
@@ -154,14 +154,14 @@ def _on_subset(methods: dict, subset: str, baseline: str = BASELINE) -> dict:
         lines = [line for line in parts["auc"] if line["index"] in indices]
         table[name] = {"n": len(lines)}
         for field, key in SUBSET_FIELDS:
-            table[name][field] = _stats([line[key] for line in lines])
-            table[name][f"{field}_minus_{baseline}"] = _stats([line[key] - base[line["index"]][key]
+            table[name][field] = stats([line[key] for line in lines])
+            table[name][f"{field}_minus_{baseline}"] = stats([line[key] - base[line["index"]][key]
                                                               for line in lines if line["index"] in base])
     # The goal of the whole-answer study: each of MACS's named whole-answer scores against this method's.
     own = {line["index"]: line["aggregate"] for line in methods[subset]["auc"]}
     macs_lines = [base[i] for i in indices if i in base and "aggregates" in base[i]]
-    whole = {name: {"auc_pr": _stats([line["aggregates"][name] for line in macs_lines]),
-                    f"minus_{subset}": _stats([line["aggregates"][name] - own[line["index"]] for line in macs_lines])}
+    whole = {name: {"auc_pr": stats([line["aggregates"][name] for line in macs_lines]),
+                    f"minus_{subset}": stats([line["aggregates"][name] - own[line["index"]] for line in macs_lines])}
              for name in (macs_lines[0]["aggregates"] if macs_lines else {})}
     return {"samples": len(indices), "indices": indices, "baseline": baseline, "methods": table,
             "macs_whole_answer": whole}
@@ -170,7 +170,7 @@ def _on_subset(methods: dict, subset: str, baseline: str = BASELINE) -> dict:
 def _aggregates(lines: list) -> dict:
     """Stats of every named whole-answer score's AUC-PR (MACS's lines carry them: core.AGGREGATIONS)."""
     names = [name for name in (lines[0].get("aggregates", {}) if lines else {})]
-    return {name: _stats([line["aggregates"][name] for line in lines if "aggregates" in line]) for name in names}
+    return {name: stats([line["aggregates"][name] for line in lines if "aggregates" in line]) for name in names}
 
 
 def _claims(table: dict) -> dict:
@@ -197,7 +197,7 @@ def _claims(table: dict) -> dict:
     }
 
 
-def _fmt(stat, digits=3) -> str:
+def cell(stat, digits=3) -> str:
     if not stat or stat.get("mean") is None:
         return "-"
     text = f"{stat['mean']:.{digits}f}"
@@ -210,7 +210,7 @@ def _cost_text(cost: dict | None) -> str:
     if not cost or not cost["samples"]:
         return "- | -"
     peak = "-" if cost["peak_mb"]["mean"] is None else f"{cost['peak_mb']['mean']:.0f}; {cost['peak_mb_max']:.0f}"
-    return (f"{_fmt(cost['seconds_per_token'])}{' +' if cost['after_generation'] else ''} "
+    return (f"{cell(cost['seconds_per_token'])}{' +' if cost['after_generation'] else ''} "
             f"(n={len(cost['samples'])}) | {peak}")
 
 
@@ -245,9 +245,9 @@ def markdown(summary: dict) -> str:
         before = row["best_step_before_answer"]
         share = "-" if before["n"] == 0 else f"{before['share']:.1%} of {before['n']}"
         lines.append(
-            f"| {name} | {row['n']} | {_fmt(row['auc_pr'])} | {paper} | {_fmt(row['auc_pr_step_mean'])} "
-            f"| {_fmt(row['auc_pr_aggregate'])} | {_fmt(srg['perplexity'])} (n={srg['perplexity']['n']}) "
-            f"| {_fmt(srg['rouge_l'])} | {_fmt(srg['logit'])} | {'-' if ties is None else f'{ties:.2f}'} | {share} "
+            f"| {name} | {row['n']} | {cell(row['auc_pr'])} | {paper} | {cell(row['auc_pr_step_mean'])} "
+            f"| {cell(row['auc_pr_aggregate'])} | {cell(srg['perplexity'])} (n={srg['perplexity']['n']}) "
+            f"| {cell(srg['rouge_l'])} | {cell(srg['logit'])} | {'-' if ties is None else f'{ties:.2f}'} | {share} "
             f"| {_cost_text(row.get('cost'))} |"
         )
     named = {name: row["auc_pr_aggregates"] for name, row in summary["methods"].items() if row.get("auc_pr_aggregates")}
@@ -256,7 +256,7 @@ def markdown(summary: dict) -> str:
         lines += ["", "Whole-answer AUC-PR of each named MACS score (core.AGGREGATIONS; the aggregate column above is "
                   f"{DEFAULT_AGGREGATION}, Explanation.scores):", "", "| method | " + " | ".join(columns) + " |",
                   "|---|" + "---|" * len(columns)]
-        lines += [f"| {name} | " + " | ".join(_fmt(row.get(c)) for c in columns) + " |" for name, row in named.items()]
+        lines += [f"| {name} | " + " | ".join(cell(row.get(c)) for c in columns) + " |" for name, row in named.items()]
     generation = summary.get("generation_cost")
     if generation and generation["samples"]:
         lines += ["", f"Cost: seconds per generated token, mean [95% CI] over the samples measured (n), and peak "
@@ -278,14 +278,14 @@ def markdown(summary: dict) -> str:
         ]
         for name, row in subset["methods"].items():
             lines.append(f"| {name} | {row['n']} | " + " | ".join(
-                f"{_fmt(row.get(field))} | {_fmt(row.get(f'{field}_minus_{base}'))}" for field, _ in SUBSET_FIELDS)
+                f"{cell(row.get(field))} | {cell(row.get(f'{field}_minus_{base}'))}" for field, _ in SUBSET_FIELDS)
                 + " |")
         whole = subset.get("macs_whole_answer")
         if whole:
             lines += ["", f"MACS's named whole-answer scores (core.AGGREGATIONS) on these samples, paired with "
                       f"{reference}'s aggregate:", "", f"| MACS whole-answer score | AUC-PR | minus {reference} |",
                       "|---|---|---|"]
-            lines += [f"| {name} | {_fmt(row['auc_pr'])} | {_fmt(row[f'minus_{reference}'])} |"
+            lines += [f"| {name} | {cell(row['auc_pr'])} | {cell(row[f'minus_{reference}'])} |"
                       for name, row in whole.items()]
     unmatched = summary["unmatched_answers"]
     relocated = summary.get("relocated_answers", {"answers": 0, "samples": 0})
