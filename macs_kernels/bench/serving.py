@@ -48,6 +48,16 @@ def _manager(model, max_new_tokens: int, cache_tokens: int, page_size: int = 64)
     return manager
 
 
+def serving_prompts(vocab: int, requests: int, low: int, high: int, generator=None) -> list[list[int]]:
+    """The throughput prompts: `requests` prompts of random tokens, lengths spread evenly over [low, high], drawn
+    from `generator` (default: a seed-0 one, the draws `bench --serving` makes first; `bench --vllm` reuses them)."""
+    import torch
+
+    generator = generator or torch.Generator().manual_seed(0)
+    lengths = [round(low + (high - low) * i / max(1, requests - 1)) for i in range(requests)]
+    return [torch.randint(3, vocab, (length,), generator=generator).tolist() for length in lengths]
+
+
 def _serve(model, tracer, prompts: list[list[int]], new_tokens: int, attribution: bool) -> list[dict]:
     """Run the prompts to completion, each stream read as the server reads it; per token of every request
     (request, step, arrival time, row read seconds)."""
@@ -109,17 +119,13 @@ def run(args) -> int:
     repeats = 1 if args.quick else args.repeats
     vocab = model.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(0)
-
-    def prompt(length):
-        return torch.randint(3, vocab, (length,), generator=generator).tolist()
-
-    lengths = [round(low + (high - low) * i / max(1, args.requests - 1)) for i in range(args.requests)]
-    prompts = [prompt(length) for length in lengths]
+    prompts = serving_prompts(vocab, args.requests, low, high, generator)
     env = environment(device)
     stem = args.name or device_stem("serving", env, device) + ("_quick" if args.quick else "")
     rows = []
     with attach_continuous(model, backend="torch") as tracer:
-        stream = _serve(model, tracer, [prompt(128)], long_tokens, attribution=True)
+        stream = _serve(model, tracer, [torch.randint(3, vocab, (128,), generator=generator).tolist()],
+                        long_tokens, attribution=True)
         for previous, record in zip(stream, stream[1:]):
             rows.append({"kind": "stream", "attribution": True, "step": record["step"],
                          "token_s": record["arrived"] - previous["arrived"], "read_s": record["read_s"]})

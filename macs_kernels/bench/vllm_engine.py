@@ -28,6 +28,8 @@ import statistics
 import time
 from pathlib import Path
 
+from .serving import serving_prompts
+
 FIELDS = ["plugin", "paged_backend", "mode", "repeat", "requests", "prompt_min", "prompt_max", "new_tokens", "wall_s",
           "engine_cpu_s", "tokens_per_s", "tokens_per_cpu_s", "read_s", "engine_rss_mib", "load_before", "load_after"]
 STEM = "vllm_cpu_throughput"
@@ -41,15 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="modes to alternate (default: off on)")
     group.add_argument("--vllm-report", action="store_true",
                        help="only write the vLLM benchmark's summary and plot from the CSVs under --out")
-
-
-def serving_prompts(vocab: int, requests: int, low: int, high: int) -> list[list[int]]:
-    """`bench --serving`'s throughput prompts: its first draws from a seed-0 generator."""
-    import torch
-
-    generator = torch.Generator().manual_seed(0)
-    lengths = [round(low + (high - low) * i / max(1, requests - 1)) for i in range(requests)]
-    return [torch.randint(3, vocab, (length,), generator=generator).tolist() for length in lengths]
 
 
 def run(args) -> int:
