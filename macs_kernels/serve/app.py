@@ -214,9 +214,9 @@ def create_app(engine: Engine) -> FastAPI:
             return _error(f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", 400,
                           code="invalid_json")
         message = "; ".join(
-            (f"{_where(e)}: " if _where(e) else "") + e["msg"].removeprefix("Value error, ") for e in errors
+            (f"{error_field(e)}: " if error_field(e) else "") + e["msg"].removeprefix("Value error, ") for e in errors
         )
-        return _error(message, 400, param=_where(first) or None, code="invalid_value")
+        return _error(message, 400, param=error_field(first) or None, code="invalid_value")
 
     @app.exception_handler(RequestRejected)
     async def _rejected(_request, exc: RequestRejected):
@@ -395,7 +395,7 @@ def create_app(engine: Engine) -> FastAPI:
     return app
 
 
-def _where(error: dict) -> str:
+def error_field(error: dict) -> str:
     """The field path of a validation error, as the client wrote it ("attribution.alpha")."""
     return ".".join(str(p) for p in error.get("loc", ()) if p != "body" and not str(p).startswith("function-"))
 

@@ -32,7 +32,7 @@ from pydantic import ValidationError
 
 from ..alignment import align_context, user_span
 from ..core import support
-from ..serve.app import AttributionPayloads, PromptSpan, error_body
+from ..serve.app import AttributionPayloads, PromptSpan, error_body, error_field
 from ..serve.engine import Step
 from ..serve.schemas import AttributionOptions
 from .tracer import OPTION, OPTIONS, parse_options
@@ -59,7 +59,7 @@ def options_of(value) -> AttributionOptions:
         options = AttributionOptions.model_validate(value)
     except ValidationError as error:
         first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
+        where = error_field(first)
         if first["type"] == "extra_forbidden":
             raise Refused(f"unknown attribution option {where!r}: vLLM requests take {OPTIONS + ('method', 'source')}",
                           f"attribution.{where}") from None
