@@ -59,11 +59,12 @@ def options_of(value) -> AttributionOptions:
         options = AttributionOptions.model_validate(value)
     except ValidationError as error:
         first = error.errors()[0]
-        where = error_field(first)
+        field = error_field(first)
+        where = f"attribution.{field}" if field else "attribution"  # a model-level check names no field
         if first["type"] == "extra_forbidden":
-            raise Refused(f"unknown attribution option {where!r}: vLLM requests take {OPTIONS + ('method', 'source')}",
-                          f"attribution.{where}") from None
-        raise Refused(f"attribution.{where}: {first['msg']}", f"attribution.{where}") from None
+            raise Refused(f"unknown attribution option {field!r}: vLLM requests take {OPTIONS + ('method', 'source')}",
+                          where) from None
+        raise Refused(f"{where}: {first['msg'].removeprefix('Value error, ')}", where) from None
     try:
         support.check("vllm", "at2" if options.method == "at2" else "exact", "greedy")
         if options.fused_decode:

@@ -87,30 +87,34 @@ def tiny_reference(tiny_path):
 
 @torch.no_grad()
 def engine_error(llm, model, prompts, tokens: int) -> float:
-    """max |d log p| between the log-probabilities vLLM gives the prompt and generated tokens of `prompts` (greedy,
-    `tokens` each, one batch) and the eager model's on the same tokens: how far the engine's own arithmetic lies
-    from eager on this machine for a batch of this shape. Independent of macs_kernels (no attribution asked)."""
+    """max |d log p| between the log-probabilities vLLM gives its generated tokens of `prompts` (greedy, `tokens`
+    each, one batch) and the eager model's on the same tokens: how far the engine's own arithmetic lies from eager
+    on this machine for a batch of this shape (the first token's comes out of the prefill pass, the others out of
+    decode passes). Independent of macs_kernels (no attribution asked); reads the prefix cache as any request does
+    (prompt log-probabilities would skip it)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     worst = 0.0
     for output in llm.generate(prompts, params):
         sequence = output.outputs[0]
-        ids = list(output.prompt_token_ids) + list(sequence.token_ids)
-        eager = model(torch.tensor([ids[:-1]])).logits[0].double().log_softmax(-1)
-        given = list(output.prompt_logprobs)[1:] + list(sequence.logprobs)
-        for position, (token, entry) in enumerate(zip(ids[1:], given)):
+        prompt, generated = list(output.prompt_token_ids), list(sequence.token_ids)
+        eager = model(torch.tensor([prompt + generated[:-1]])).logits[0, len(prompt) - 1:].double().log_softmax(-1)
+        for position, (token, entry) in enumerate(zip(generated, sequence.logprobs)):
             worst = max(worst, abs(entry[token].logprob - eager[position, token].item()))
     return worst
 
 
 def machine() -> str:
-    """The CPU the engine ran on and the attention ISA vLLM picked, for failure messages."""
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    """The CPU the engine ran on and the attention ISA vLLM picked, for failure messages (never raises)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
-    return (f"{names[0] if names else platform.machine()}; avx512 {torch.cpu._is_avx512_supported()}, amx "
-            f"{torch.cpu._is_amx_tile_supported()}; vLLM float32 attention ISA {_get_attn_isa(torch.float32, 128)}")
+        names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
+        return (f"{names[0] if names else platform.machine()}; avx512 {torch.cpu._is_avx512_supported()}, amx "
+                f"{torch.cpu._is_amx_tile_supported()}; vLLM float32 attention ISA {_get_attn_isa(torch.float32, 128)}")
+    except Exception as error:  # the message it decorates matters more
+        return f"{platform.machine()} ({type(error).__name__} reading the CPU)"
 
 
 def largest_difference(model, explanations, engine: float = 0.0, **config) -> float:
