@@ -388,12 +388,12 @@ class ContinuousTracer:
             values = value[:, :, start : start + length]
             q_row = query[:, :, int(step.scorer.rows[row])]
             scores = torch_backend.grouped_scores(q_row, key[:, :, start : start + length], scale)
-            first = 0 if variant.window is None else max(0, length - variant.window)
-            bounds = torch.tensor([first, length], device=scores.device)
-            softmax, _ = torch_backend.attended_softmax(scores, bounds[:1], bounds[1:], softcap=variant.softcap,
+            end = torch.tensor([length], device=scores.device)
+            attend = torch_backend.window_start(torch.zeros_like(end), end, variant.window)
+            softmax, _ = torch_backend.attended_softmax(scores, attend, end, softcap=variant.softcap,
                                                         sinks=variant.sinks)
             if variant.window is not None:
-                rows, _ = efficient_attention(softmax[:, :, None], values, kv_start=first, kv_len=length)
+                rows, _ = efficient_attention(softmax[:, :, None], values, kv_start=int(attend), kv_len=length)
                 offset = segments.offsets[row]
                 step.scorer.pool_rows(layer, row, torch.nn.functional.pad(rows[0, :, 0], (offset, 0)))
                 continue
