@@ -396,6 +396,31 @@ def layers(args) -> None:
     print(report)
     args.out.with_suffix(".md").write_text(report)
     args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot_layers(summary, stats([attnlrp[i] for i in held]), args.out.with_suffix(".png"))
+
+
+def plot_layers(summary: dict, attnlrp: dict, path: Path) -> None:
+    """Each candidate's whole-answer AUC-PR on dev and on AttnLRP's samples (95% CI), AttnLRP's as a line."""
+    from macs_kernels.bench.common import pyplot, save_figure
+
+    plt = pyplot()
+    names = list(summary["candidates"])
+    figure, axis = plt.subplots(figsize=(10, 0.45 * len(names) + 1.5))
+    for offset, (half, colour) in enumerate((("dev", "tab:blue"), ("held_out", "tab:orange"))):
+        for row, name in enumerate(names):
+            stat = summary["candidates"][name][half]
+            if stat["mean"] is None:
+                continue
+            low, high = stat["ci"] or (stat["mean"], stat["mean"])
+            y = row + 0.2 * (offset - 0.5)
+            axis.errorbar(stat["mean"], y, xerr=[[stat["mean"] - low], [high - stat["mean"]]], fmt="o", color=colour,
+                          label={"dev": "dev 0-174", "held_out": "AttnLRP's samples"}[half] if row == 0 else None)
+    axis.axvline(attnlrp["mean"], color="tab:red", linestyle="--", label=f"AttnLRP {attnlrp['mean']:.3f}")
+    axis.set_yticks(range(len(names)), [name if len(name) < 60 else name[:57] + "..." for name in names], fontsize=8)
+    axis.invert_yaxis()
+    axis.set_xlabel("whole-answer AUC-PR (95% CI)")
+    axis.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, fontsize=8)
+    save_figure(figure, path)
 
 
 def main() -> None:
