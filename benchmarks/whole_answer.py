@@ -306,6 +306,11 @@ def layer_candidates(sample: dict, record: dict) -> tuple[dict[str, np.ndarray],
     context = set(sample["prompt"][start:stop].tolist())
     copying = np.array([int(t) in context for t in sample["generated"]])
     copies = z[copying] if copying.any() else z
+
+    def over_steps(layer_m):  # (L, N) attention aggregated over the steps -> the MACS formula's z-scores
+        return _sinkless_z(log_floor(torch.from_numpy(layer_m), 0.8).numpy().sum(0)[None])[0]
+
+    peak = over_steps(pooled.max(0))
     candidates = {
         "max z minus mean z, sink out of each step's statistics": _max_minus_mean(z),
         "layers weighted alike (each layer's sinkless z summed)": _max_minus_mean(per_layer.sum(1)),
@@ -316,12 +321,9 @@ def layer_candidates(sample: dict, record: dict) -> tuple[dict[str, np.ndarray],
             _sinkless_z(terms[:, 2 * (layers // 3):].sum(1))),
         f"first half of the layers only (0-{layers // 2 - 1})": _max_minus_mean(
             _sinkless_z(terms[:, : layers // 2].sum(1))),
-        "max over steps of each layer's m', then floor, product and z": _sinkless_z(
-            log_floor(torch.from_numpy(pooled.max(0)), 0.8).numpy().sum(0)[None])[0],
-        "the same, minus the mean step z": _sinkless_z(
-            log_floor(torch.from_numpy(pooled.max(0)), 0.8).numpy().sum(0)[None])[0] - z.mean(0),
-        "mean over steps of each layer's m', then floor, product and z": _sinkless_z(
-            log_floor(torch.from_numpy(pooled.mean(0)), 0.8).numpy().sum(0)[None])[0],
+        "max over steps of each layer's m', then floor, product and z": peak,
+        "the same, minus the mean step z": peak - z.mean(0),
+        "mean over steps of each layer's m', then floor, product and z": over_steps(pooled.mean(0)),
         "max over the steps that copy a context token, minus the mean over all": copies.max(0) - z.mean(0),
     }
     return candidates, _max_minus_mean(per_layer).T  # (N, L)
