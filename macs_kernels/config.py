@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 POOLINGS = ("max", "mean", "min")
-ATTENTIONS = ("softmax", "efficient")
+ATTENTIONS = ("softmax", "efficient", "norm")
 BACKENDS = ("torch", "triton", "cuda", "numba")
 
 # Whole-answer scores: how the per-step rows become one score per prompt token. Each name is one definition
@@ -35,7 +35,9 @@ class MacsConfig:
     alpha: floor weight, m = alpha * m' + (1 - alpha); alpha = 1 removes the floor.
     pooling: how the per-head rows of one layer are pooled ("max" in the paper).
     redistribute: spread the attention that falls on generated tokens evenly over the inputs.
-    attention: "softmax" rows, or "efficient" rows (the part of each row the output depends on).
+    attention: "softmax" rows, "efficient" rows (the part of each row the output depends on), or "norm" rows
+        (each key's attention weighted by the norm of its value through the output projection, renormalised:
+        macs_kernels.norm; model.generate only).
     backend: "torch", "triton", "cuda" or None (the fastest one available for the tensors' device).
     fused_decode: on decode steps, compute the attention output with the backend's decode kernel, which
         also yields the MACS term from the same single read of the key cache, instead of calling the

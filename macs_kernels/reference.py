@@ -192,6 +192,14 @@ def efficient_row_reference(p: torch.Tensor, values: torch.Tensor, rcond: float 
     return p.clone() if basis is None else basis @ (basis.T @ p)
 
 
+def norm_row_reference(p: torch.Tensor, values: torch.Tensor, o_weight_head: torch.Tensor) -> torch.Tensor:
+    """One head's norm-weighted row: p (K,) weighted by ||W_O^h v_j|| for values (K, D) and the head's slice of
+    the output projection o_weight_head (E, D), renormalised (Kobayashi et al. 2020). Each transformed value
+    vector is formed and measured, no Gram matrix."""
+    weighted = _f64(p) * (_f64(values) @ _f64(o_weight_head).T).norm(dim=-1)
+    return weighted / weighted.sum()
+
+
 def efficient_attention_reference(
     p, v_cache, *, kv_len, kv_start=None, causal=False, rcond=1e-10
 ) -> tuple[torch.Tensor, torch.Tensor]:

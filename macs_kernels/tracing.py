@@ -111,7 +111,7 @@ def check_generate(model, generate_kwargs: dict, *, attention: str = "softmax") 
     if mode not in SUPPORTED_MODES:
         option = _MODE_OPTIONS.get(mode, f"the options that select {mode}")
         raise NotImplementedError(f"{option} is not supported by macs_kernels; supported modes: {SUPPORTED_MODES}")
-    method = "efficient" if attention == "efficient" else "exact"
+    method = support.ATTENTION_METHODS.get(attention, "exact")
     if getattr(config, "prefill_chunk_size", None):
         support.check("generate", method, "chunked_prefill")
     if getattr(config, "token_healing", False):
@@ -214,11 +214,15 @@ class Tracer:
         self._beam_indices = None
         self._returned = None
         self._plan = None
-        self._gram = None
+        self._gram = self._norms = None
         if self.config.attention == "efficient":
             from .efficient import GramState
 
             self._gram = GramState(self.num_layers)
+        if self.config.attention == "norm":
+            from .norm import NormState
+
+            self._norms = NormState()
 
     # ---- events from generate ---------------------------------------------------------------------
     def begin_generation(self, plan: GenerationPlan, prompt_length: int) -> None:
@@ -248,8 +252,9 @@ class Tracer:
             return
         beam_idx = beam_idx.to(self._row_map.device)
         self._row_map = self._row_map.index_select(0, beam_idx)
-        if self._gram is not None:
-            self._gram.reorder(beam_idx)
+        for state in (self._gram, self._norms):
+            if state is not None:
+                state.reorder(beam_idx)
 
     # ---- one forward pass -------------------------------------------------------------------------
     def _begin_pass(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask, positions) -> None:
@@ -273,8 +278,10 @@ class Tracer:
             rows = int(last_end[0]) - self._prompt_length + 1 if generating else 1
         else:
             rows = q_len
-        if self._gram is not None and rows > 1:
-            raise NotImplementedError("attention='efficient' scores one new query per pass (no verify passes)")
+        if (self._gram is not None or self._norms is not None) and rows > 1:
+            raise NotImplementedError(
+                f"attention={self.config.attention!r} scores one new query per pass (no verify passes)"
+            )
         kv_len = last_end[:, None] if rows == 1 else _row_ends(mask, batch, q_len, slots, rows, key.device) + offset
         self.kv_len = kv_len[:, -1]
         step = kv_len - self.input_end[:, None]
@@ -294,7 +301,7 @@ class Tracer:
             beams=self._generation.num_beams if self._generation is not None else 1, shards=self.shards,
         )
         verify_block = causal_block and has_dense and not self.windowed
-        fused = self._fused and not self.prefill and (q_len == 1 or verify_block) and self._gram is None
+        fused = self._fused and not self.prefill and (q_len == 1 or verify_block) and self.config.attention == "softmax"
         self._plan = _PassPlan(rows, step, scorer, fused)
         for hook in self.hooks:
             hook.begin_pass(self, self.prefill)
@@ -443,6 +450,15 @@ class Tracer:
         )
         self._plan.scorer.pool_rows(layer, rows)
 
+    def _norm_pool(self, layer: int, module, query_last, key, value, scale: float) -> None:
+        """m' of the last query's norm-weighted rows (macs_kernels.norm), after adding this pass's values' norms to
+        the norm state."""
+        from .norm import norm_weighted_rows
+
+        norms = self._norms.update(layer, module, value, self.prefill, self.kv_len)
+        rows = norm_weighted_rows(self.softmax_rows(query_last, key, scale), norms)
+        self._plan.scorer.pool_rows(layer, rows)
+
     def attention(self, module, query, key, value, attention_mask, inner, scaling=None, dropout=0.0, **kwargs):
         if threading.get_ident() != self.owner:
             raise RuntimeError(
@@ -463,6 +479,8 @@ class Tracer:
             result = inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
             if self._gram is not None:
                 self._efficient_pool(layer, query[:, :, -1, :], key, value, scale)
+            elif self._norms is not None:
+                self._norm_pool(layer, module, query[:, :, -1, :], key, value, scale)
             else:
                 plan.scorer.pool(layer, query[:, :, -plan.rows:, :], key, scale, variant)
         for hook in self.hooks:
@@ -779,6 +797,8 @@ def attach(model, *, hooks=(), keep_pooled=False, **config):
     modules = check_model(model)
     shards = head_shards(model, modules)
     variants = check_variants(model, "generate", support.method_of(macs_config))
+    if shards is not None:
+        support.check("generate", support.method_of(macs_config), "tensor_parallel")
     for hook in hooks:
         if hook.method is not None:
             check_variants(model, "generate", hook.method)

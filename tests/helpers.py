@@ -73,3 +73,38 @@ def eager_attentions(model, input_ids, generated_ids):
         return [layer[0] for layer in model(full, output_attentions=True).attentions]
     finally:
         model.set_attn_implementation(previous)
+
+
+@torch.no_grad()
+def eager_norm_log_c(model, input_ids, generated_ids, **config):
+    """log c of attention="norm" recomputed independently: one eager forward with output_attentions over the
+    whole sequence, every layer's value vectors taken from its v_proj, each head's row weighted by
+    reference.norm_row_reference; step k is the query at position N - 1 + k."""
+    layers = model.model.layers
+    values = {}
+    handles = [layer.self_attn.v_proj.register_forward_hook(
+        lambda _module, _inputs, output, i=i: values.__setitem__(i, output[0].double()))
+        for i, layer in enumerate(layers)]
+    try:
+        attentions = eager_attentions(model, input_ids, generated_ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    n = len(input_ids)
+    heads = attentions[0].shape[0]
+    log_rows = []
+    for k in range(len(generated_ids)):
+        query = n - 1 + k
+        rows = []
+        for i, layer in enumerate(layers):
+            head_dim = layer.self_attn.head_dim
+            v = values[i][: query + 1].view(query + 1, -1, head_dim)  # (K, H_kv, D)
+            group = heads // v.shape[1]
+            o_weight = layer.self_attn.o_proj.weight.double()
+            rows.append(torch.stack([
+                reference.norm_row_reference(attentions[i][h, query, : query + 1], v[:, h // group],
+                                             o_weight[:, h * head_dim: (h + 1) * head_dim])
+                for h in range(heads)
+            ]))
+        log_rows.append(reference.macs_step_reference(rows, n, **config)[0])
+    return torch.stack(log_rows)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..config import AGGREGATIONS, DEFAULT_AGGREGATION
+from ..config import AGGREGATIONS, ATTENTIONS, DEFAULT_AGGREGATION
 from . import at2
 from .common import add_model_arguments, check_model_argument, check_output_files, load_from_args, write_outputs
 
@@ -24,7 +24,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--alpha", type=float, default=0.8)
     parser.add_argument("--pooling", default="max", choices=["max", "mean", "min"])
     parser.add_argument("--no-redistribute", action="store_true", help="switch redistribution off")
-    parser.add_argument("--attention", default="softmax", choices=["softmax", "efficient"])
+    parser.add_argument("--attention", default="softmax", choices=ATTENTIONS)
     parser.add_argument("--backend", default=None, choices=["torch", "triton", "cuda"])
     parser.add_argument("--fused-decode", action=argparse.BooleanOptionalAction, default=None,
                         help="compute decode-step attention with the backend's fused kernel (default: on for "

@@ -9,6 +9,7 @@ METHODS = {  # method -> the option that selects it
     "exact": "softmax rows",
     "fused": "fused_decode=True",
     "efficient": "attention='efficient'",
+    "norm": "attention='norm'",
     "at2": "AT2 features",
 }
 LAYOUTS = {  # layout -> the options that select it
@@ -33,6 +34,17 @@ LAYOUTS = {  # layout -> the options that select it
 # (engine, method or "*", layout or "*") -> why it is refused. Everything else is supported.
 UNSUPPORTED = {
     ("generate", "efficient", "assisted"): "the Gram state of efficient attention cannot drop rejected candidates",
+    ("generate", "norm", "assisted"): "the value norms are kept per cache slot, which a crop of rejected candidates "
+                                      "would leave stale",
+    ("generate", "norm", "tensor_parallel"): "each rank would weigh its heads by its own shard of the output "
+                                             "projection; not implemented",
+    ("generate", "norm", "sliding_window"): "the value norms are kept per cache slot, which a window cache rolls",
+    ("generate", "norm", "softcap"): "not implemented with attention variants yet",
+    ("generate", "norm", "sinks"): "not implemented with attention variants yet",
+    ("continuous", "norm", "*"): "the value norms are kept per sequence by generate's tracer only",
+    ("server", "norm", "*"): "the server runs continuous batching, which does not keep value norms",
+    ("vllm", "norm", "*"): "the vLLM backend scores softmax rows; value norms need the output projection, which its "
+                           "attention layer does not see",
     ("generate", "*", "chunked_prefill"): "generate's prefill_chunk_size changes which passes see which keys",
     ("continuous", "*", "beams"): "transformers' continuous batching has no beam search",
     ("continuous", "*", "assisted"): "transformers' continuous batching has no assisted decoding",
@@ -93,10 +105,14 @@ def check(engine: str, method: str, layout: str) -> None:
         raise NotImplementedError(refusal)
 
 
+# attention (MacsConfig.attention) -> the method it selects; softmax rows are "exact" (or "fused").
+ATTENTION_METHODS = {"efficient": "efficient", "norm": "norm"}
+
+
 def method_of(config) -> str:
     """The method a MacsConfig selects (AT2 features are asked for separately)."""
-    if config.attention == "efficient":
-        return "efficient"
+    if config.attention in ATTENTION_METHODS:
+        return ATTENTION_METHODS[config.attention]
     return "fused" if config.fused_decode else "exact"
 
 

@@ -17,7 +17,8 @@ _MACS_OPTIONS = {"alpha": "alpha", "pool": "pooling", "redistribute": "redistrib
 # attnlrp (a backward pass per step) and atman (a forward per context token) are opt-in: they would multiply
 # the cost of a default run.
 DEFAULT_METHODS = ("macs", "macs:pool=mean", "macs:pool=min", "macs:alpha=0.2", "macs:alpha=0.5", "macs:alpha=1.0",
-                   "macs:redistribute=off", "macs:attention=efficient", "at2", "attention-mean", "rollout", "random")
+                   "macs:redistribute=off", "macs:attention=efficient", "macs:attention=norm", "at2", "attention-mean",
+                   "rollout", "random")
 # The paper's Table 2: every method above plus the expensive ones (run them on a subset: --method-range).
 ALL_METHODS = (*DEFAULT_METHODS, "attnlrp", "atman")
 

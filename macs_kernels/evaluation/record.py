@@ -3,9 +3,10 @@
 `RowRecorder` is a TraceHook. For each forward pass (step k produces generated token k) and layer it keeps
 the last query's softmax rows over the N inputs (H, N) and, per head, the attention mass that fell on
 generated tokens (H,): exactly what MACS needs for any alpha, pooling and redistribution. With
-`efficient=True` it also keeps the efficient rows of the same query (macs_kernels.efficient) in the same
-form. `macs_from_record` then scores any configuration from the record with the float64 reference, without
-touching the model.
+`attentions=("efficient", "norm")` it also keeps the efficient rows (macs_kernels.efficient) and the norm-weighted
+rows (macs_kernels.norm) of the same query in the same form, under "efficient_rows", "norm_rows" and so on.
+`macs_from_record` then scores any configuration from the record with the float64 reference, without touching
+the model.
 """
 from __future__ import annotations
 
@@ -16,21 +17,27 @@ from ..config import MacsConfig
 from ..ops import torch_backend
 from ..tracing import TraceHook, attach, check_model
 
-RECORD_FIELDS = ("rows", "mass", "efficient_rows", "efficient_mass")
+# The rows a record may keep besides the softmax ones (MacsConfig.attention), each under "<attention>_rows/_mass".
+RECORDED_ATTENTIONS = ("efficient", "norm")
 
 
 class RowRecorder(TraceHook):
     """Records each pass's rows of one sequence (batch 1), float32 on the CPU.
 
     After a generation, `record(steps)` returns {"rows": (steps, L, H, N), "mass": (steps, L, H)} (and
-    "efficient_rows"/"efficient_mass" with efficient=True) as numpy float32 arrays.
+    "<attention>_rows"/"<attention>_mass" for each of `attentions`) as numpy float32 arrays.
     """
 
-    def __init__(self, model, *, efficient: bool = False):
-        modules = check_model(model)
-        self.num_layers = len(modules)
-        self.efficient = efficient
-        if efficient:
+    def __init__(self, model, *, attentions=()):
+        unknown = set(attentions) - set(RECORDED_ATTENTIONS)
+        if unknown:
+            raise ValueError(f"a record keeps the rows of {RECORDED_ATTENTIONS} besides softmax, not {sorted(unknown)}")
+        self.modules = check_model(model)
+        self.num_layers = len(self.modules)
+        self.efficient, self.norm = "efficient" in attentions, "norm" in attentions
+        self.fields = ("rows", "mass", *(f"{a}_{f}" for a in RECORDED_ATTENTIONS if a in attentions
+                                         for f in ("rows", "mass")))
+        if self.efficient:
             from ..efficient import GramState
 
             self._gram_state = GramState
@@ -47,11 +54,15 @@ class RowRecorder(TraceHook):
             self.residual_max = 0.0
             if self.efficient:
                 self.grams = self._gram_state(self.num_layers)
+            if self.norm:
+                from ..norm import NormState
+
+                self.norms = NormState()
         n, layers = tracer.n_input_list[0], self.num_layers
         self._start, self._n, self._kv_len = int(tracer.input_start[0]), n, int(tracer.kv_len[0])
         self._pass = {
             name: torch.zeros((layers, 0, n) if "rows" in name else (layers, 0))
-            for name in (RECORD_FIELDS if self.efficient else RECORD_FIELDS[:2])
+            for name in self.fields
         }
         self._layer_values: dict[str, list] = {name: [] for name in self._pass}
 
@@ -78,6 +89,14 @@ class RowRecorder(TraceHook):
             )
             self.residual_max = max(self.residual_max, float(residual.max()))
             self._keep("efficient_", eff)
+        if self.norm:
+            from ..core import support
+            from ..norm import norm_weighted_rows
+
+            if tracer.variant.window is not None:
+                support.check("generate", "norm", "sliding_window")
+            norms = self.norms.update(layer_idx, self.modules[layer_idx], value, tracer.prefill, tracer.kv_len)
+            self._keep("norm_", norm_weighted_rows(rows, norms))
 
     def end_pass(self, tracer) -> None:
         self.passes.append({name: torch.stack(values) for name, values in self._layer_values.items()})
@@ -90,7 +109,7 @@ class RowRecorder(TraceHook):
 
 
 @torch.inference_mode()
-def generate_record(model, tokenizer, prompt_ids: torch.Tensor, *, max_new_tokens: int, efficient: bool = False,
+def generate_record(model, tokenizer, prompt_ids: torch.Tensor, *, max_new_tokens: int, attentions=(),
                     backend: str | None = None) -> tuple[dict[str, np.ndarray], torch.Tensor, torch.Tensor]:
     """Greedy generation from prompt_ids (N,) with every step's rows recorded, as explain() generates.
 
@@ -102,7 +121,7 @@ def generate_record(model, tokenizer, prompt_ids: torch.Tensor, *, max_new_token
     ids, mask, _ = encode_prompts(tokenizer, input_ids=prompt_ids)
     device = next(model.parameters()).device
     ids, mask = ids.to(device), mask.to(device)
-    recorder = RowRecorder(model, efficient=efficient)
+    recorder = RowRecorder(model, attentions=attentions)
     with attach(model, hooks=[recorder], **MacsConfig(backend=backend).as_dict()) as tracer:
         output = model.generate(ids, attention_mask=mask, **_generate_kwargs(model, tokenizer, max_new_tokens, {}))
     generated = output[0, ids.shape[1]:].cpu()
@@ -124,9 +143,9 @@ def macs_from_record(record: dict, *, alpha: float = 0.8, pooling: str = "max", 
     rows' log c. Layers are summed in order, as the reference does.
     """
     MacsConfig(alpha=alpha, pooling=pooling, redistribute=redistribute, attention=attention)
-    prefix = "efficient_" if attention == "efficient" else ""
+    prefix = "" if attention == "softmax" else f"{attention}_"
     if prefix + "rows" not in record:
-        raise ValueError(f"this record has no {attention} rows; record them with efficient=True")
+        raise ValueError(f"this record has no {attention} rows; record them with attentions=({attention!r},)")
     rows = torch.from_numpy(np.asarray(record[prefix + "rows"], dtype=np.float64))  # (steps, L, H, N)
     mass = torch.from_numpy(np.asarray(record[prefix + "mass"], dtype=np.float64))  # (steps, L, H)
     n_input = rows.shape[-1]

@@ -95,7 +95,7 @@ class _Sample:
         runner = self.runner
         record, generated, _ = generate_record(
             runner.model, runner.tokenizer, self.prompt_ids, max_new_tokens=runner.settings.max_new_tokens,
-            efficient=runner.efficient, backend=runner.settings.backend,
+            attentions=runner.attentions, backend=runner.settings.backend,
         )
         if self.generated_ids is not None and not torch.equal(generated, self.generated_ids):
             raise RuntimeError(f"sample {self.sample.index}: regenerating gave another answer than the results file")
@@ -111,7 +111,7 @@ class _Sample:
                 self._record, generated = cached
                 self.generated_ids = torch.from_numpy(generated)
                 self.runner.counts.records_reused += 1
-        if self._record is None or (self.runner.efficient and "efficient_rows" not in self._record):
+        if self._record is None or any(f"{a}_rows" not in self._record for a in self.runner.attentions):
             self.generate()
         return self._record
 
@@ -157,7 +157,8 @@ class Runner:
         self._warm: set[str] = set()
         self.model, self.tokenizer, self.methods = model, tokenizer, methods
         self.results, self.settings, self.progress = results, settings, progress
-        self.efficient = any(m.macs is not None and m.macs.attention == "efficient" for m in methods)
+        # The rows besides softmax that the methods score (their records are made again where they lack them).
+        self.attentions = tuple(sorted({m.macs.attention for m in methods if m.macs is not None} - {"softmax"}))
         self.records = records_dir(settings.records_root)
         self.counts = Counts()
         self.keys: dict[int, str] = {}

@@ -76,7 +76,7 @@ def test_evaluation_record_of_a_variant_model_equals_the_reference(name, variant
     model, tokenizer = variant_models(name)
     prompt_ids = encode_prompts(tokenizer, PROMPTS["one"][0])[0][0]
     record, generated, step_log_c = generate_record(model, tokenizer, prompt_ids, max_new_tokens=4, backend="torch",
-                                                    efficient=True)
+                                                    attentions=("efficient",))
     reference = eager_log_c(model, prompt_ids, generated)
     assert (step_log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE
     assert (torch.from_numpy(macs_from_record(record)) - reference).abs().max() <= LOG_C_TOLERANCE

@@ -40,6 +40,22 @@ def test_record_of_one_generation_gives_explains_log_c():
     assert torch.allclose(tracer_log_c, explanation.step_log_c)
 
 
+def test_recorded_norm_rows_give_explains_norm_log_c_and_the_eager_reference():
+    from tests.helpers import eager_norm_log_c
+
+    model, tokenizer = default_model()
+    explanation = explain(model, tokenizer, qa(1), max_new_tokens=5, backend="torch", attention="norm")
+    record, generated, _ = generate_record(model, tokenizer, explanation.input_ids, max_new_tokens=5,
+                                           attentions=("norm",), backend="torch")
+    assert torch.equal(generated, explanation.generated_ids) and "efficient_rows" not in record
+    np.testing.assert_allclose(record["norm_rows"].sum(-1) + record["norm_mass"], 1.0, atol=1e-5)
+    log_c = macs_from_record(record, attention="norm")
+    np.testing.assert_allclose(log_c, explanation.step_log_c.double().numpy(), rtol=1e-6, atol=1e-4)
+    reference = eager_norm_log_c(model, explanation.input_ids, generated).numpy()
+    np.testing.assert_allclose(log_c, reference, rtol=0, atol=1e-3)
+    assert np.abs(log_c - macs_from_record(record)).max() > 0.1  # the weighting matters on this model
+
+
 def test_at2_from_the_record_equals_at2_attributor_token_scores():
     from macs_kernels.at2 import AT2Attributor
     from macs_kernels.evaluation.alignment import align_qa

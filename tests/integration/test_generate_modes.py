@@ -13,7 +13,7 @@ from transformers import DynamicCache, StaticCache, StoppingCriteria, StoppingCr
 
 from macs_kernels import attach, explain, stream, trace_tensors
 from macs_kernels.ops import torch_beams
-from tests.helpers import default_model, eager_macs, qa, tiny_llama
+from tests.helpers import default_model, eager_macs, eager_norm_log_c, qa, tiny_llama
 from tests.integration.test_integration_efficient import _efficient_reference as efficient_reference
 
 LOG_TOLERANCE = 1e-3
@@ -271,22 +271,28 @@ def test_stream_with_prompt_lookup_yields_every_accepted_token(gqa_model):
     assert torch.allclose(torch.stack([z for _, z in streamed]), explanation.step_scores)
 
 
-# ---- efficient attention follows the cache slots ------------------------------------------------------
+# ---- efficient and norm attention follow the cache slots ----------------------------------------------
+@pytest.mark.parametrize("attention", ["efficient", "norm"])
 @pytest.mark.parametrize("generate_kwargs", [
     dict(cache_implementation="static"), dict(num_beams=3, num_return_sequences=2),
 ], ids=["static", "beams"])
-def test_efficient_attention_follows_static_slots_and_beam_reorders(generate_kwargs):
+def test_per_slot_attention_state_follows_static_slots_and_beam_reorders(generate_kwargs, attention):
+    """Efficient attention's Gram state and norm attention's value norms are kept per cache slot: a static cache
+    writes anywhere, beam search reorders the rows."""
     model = tiny_llama(heads=3, kv_heads=1, layers=2)
-    ids = torch.arange(3, 33)  # more keys than D + 1 = 17: the rows are projections, not the softmax rows
-    result = explain(model, IdTokenizer(), input_ids=ids, max_new_tokens=4, attention="efficient", backend="torch",
+    ids = torch.arange(3, 33)  # more keys than D + 1 = 17: the efficient rows are projections, not the softmax rows
+    result = explain(model, IdTokenizer(), input_ids=ids, max_new_tokens=4, attention=attention, backend="torch",
                      **generate_kwargs)
     for item in result if isinstance(result, list) else [result]:
-        reference, _ = efficient_reference(model, ids, item.generated_ids)
+        if attention == "efficient":
+            reference, _ = efficient_reference(model, ids, item.generated_ids)
+        else:
+            reference = eager_norm_log_c(model, ids, item.generated_ids)
         assert (item.step_log_c.double() - reference).abs().max() <= LOG_TOLERANCE
         softmax = trace_tensors(model, ids, item.generated_ids, backend="torch").log_c
         assert (item.step_log_c - softmax).abs().max() > 0.01
-    with pytest.raises(NotImplementedError, match="efficient"):
-        explain(model, IdTokenizer(), input_ids=ids, max_new_tokens=3, attention="efficient",
+    with pytest.raises(NotImplementedError, match=attention):
+        explain(model, IdTokenizer(), input_ids=ids, max_new_tokens=3, attention=attention,
                 prompt_lookup_num_tokens=3)
 
 
