@@ -8,12 +8,15 @@ extract reads an eval results stream (macs-kernels eval --out R.jsonl) and the r
 keeps, per scored sample: the default MACS configuration's log c of every step over every prompt token
 (float32), the generated ids and each one's probability and the entropy of its next-token distribution
 (one teacher-forced forward), the prompt ids, the context range, the gold label vectors and, where the run
-computed them, the AttnLRP and AtMan rows. Every aggregation below is then computed offline from that file.
+computed them, the AttnLRP and AtMan rows and the log c of the norm-weighted rows (attention="norm"). Every
+aggregation below is then computed offline from that file.
 
 study scores each candidate aggregation by its whole-answer AUC-PR (one score per context token, mean AP
 over the gold answers, as the eval's aggregate column) on the development half (samples 0-174, where the
 choice is made) and the confirmation half (175-349, looked at once the choice is made), and on the samples
-that AttnLRP and AtMan scored, with paired differences against the chosen one.
+that AttnLRP and AtMan scored, with paired differences against the chosen one; the fourth round adds the named
+whole-answer scores (config.AGGREGATIONS) of the norm-weighted rows (a better row rather than another
+aggregation).
 
 layers (the third round) reads the per-layer rows from the record cache (each step's last-query rows per layer
 and head, as the eval recorded them) and scores the candidates that need them: layers weighted alike or only
@@ -72,6 +75,9 @@ def extract(args) -> None:
                 rows = load_rows(folder, line["generation"], kind, generated)
                 if rows is not None:
                     out[prefix + kind] = rows[0].astype(np.float32)
+            cached = load_record(folder, line["generation"], out[prefix + "prompt"])
+            if cached is not None and "norm_rows" in cached[0]:
+                out[prefix + "norm_log_c"] = macs_from_record(cached[0], attention="norm").astype(np.float32)
             continue
         sample = samples[index]
         alignment = align_qa(tokenizer, sample.question, sample.context)
@@ -94,11 +100,13 @@ def extract(args) -> None:
                 prefix + "entropy": entropy.numpy().astype(np.float32), prefix + "labels": labels,
                 prefix + "meta": np.array([*line["context_tokens"], -1 if line["answer_step"] is None
                                            else line["answer_step"], int(generated[-1]) in eos])}
+        if "norm_rows" in record:
+            out[prefix + "norm_log_c"] = macs_from_record(record, attention="norm").astype(np.float32)
         for kind in ("attnlrp", "atman"):
             rows = load_rows(folder, line["generation"], kind, generated)
             if rows is not None:
                 out[prefix + kind] = rows[0].astype(np.float32)
-    out["indices"] = np.array(sorted(int(k[1:].split("_")[0]) for k in out if k.endswith("_log_c")))
+    out["indices"] = np.array(sorted(int(k[1:].split("_")[0]) for k in out if k.split("_", 1)[1] == "log_c"))
     np.savez_compressed(args.out, **out)
     print(f"wrote {args.out}: {len(out['indices'])} samples")
 
@@ -204,6 +212,16 @@ def macs_candidates(sample: dict) -> dict[str, np.ndarray]:
     }
 
 
+def norm_candidates(sample: dict) -> dict[str, np.ndarray]:
+    """The named whole-answer scores (config.AGGREGATIONS) of the norm-weighted rows' log c (fourth round)."""
+    from macs_kernels.config import AGGREGATIONS
+    from macs_kernels.core import whole_answer_scores
+
+    log_c = torch.from_numpy(np.maximum(sample["norm_log_c"].astype(np.float64), -1e4))
+    return {f"norm-weighted rows (attention='norm'), {name}": whole_answer_scores(log_c, name).double().numpy()
+            for name in AGGREGATIONS}
+
+
 def baseline_candidates(rows: np.ndarray, context) -> dict[str, np.ndarray]:
     """Whole-answer scores of an after-generation method's rows (AttnLRP, AtMan), over the context tokens."""
     start, stop = context
@@ -230,7 +248,8 @@ def sample_aps(samples: dict[int, dict], expensive) -> dict[str, dict[int, float
     table: dict[str, dict[int, float]] = {}
     for index, sample in samples.items():
         start, stop = sample["context"]
-        for name, score in macs_candidates(sample).items():
+        candidates = macs_candidates(sample) | (norm_candidates(sample) if "norm_log_c" in sample else {})
+        for name, score in candidates.items():
             table.setdefault(name, {})[index] = _ap(score[start:stop], sample["labels"])
         for kind in ("attnlrp", "atman"):
             if kind in sample and index in expensive:

@@ -172,7 +172,7 @@ LAYERS = {  # a module may import its own layer and the layers after it in this 
     # vllm: an engine adapter (its tracer feeds the core) packaged with its plugin, worker extension and explain()
     "apps": ("serve", "cli", "evaluation", "at2", "bench", "integrations", "interop", "parallel", "vllm", "__main__"),
     "api": ("explanation", "viz", "prompts", "models", "alignment", "attnlrp", "atman"),
-    "engines": ("tracing", "continuous", "hf_models", "efficient"),
+    "engines": ("tracing", "continuous", "hf_models", "efficient", "norm"),
     "core": ("core",),
     "ops": ("ops", "distributed", "reference", "config"),
 }

@@ -134,8 +134,9 @@ def test_released_rows_are_gone_and_say_so(llm):
 def test_refusals_name_the_option(llm):
     with pytest.raises(ValueError, match="'beta'"):
         macs_vllm.explain(llm, ["hi"], greedy(2), beta=1)
-    with pytest.raises(NotImplementedError, match="attention='efficient'.*vllm"):
-        macs_vllm.explain(llm, ["hi"], greedy(2), attention="efficient")
+    for attention in ("efficient", "norm"):
+        with pytest.raises(NotImplementedError, match=f"attention='{attention}'.*vllm"):
+            macs_vllm.explain(llm, ["hi"], greedy(2), attention=attention)
     # Asked directly, a refused option fails that request's read, not the engine.
     macs_vllm.attach(llm)
     bad = SamplingParams(max_tokens=3, temperature=0.0, extra_args={"attribution": {"pooling": "median"}})

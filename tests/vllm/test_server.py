@@ -114,6 +114,7 @@ def test_a_stream_carries_the_header_then_one_row_per_token(client, tiny_referen
 def test_an_unknown_or_refused_option_is_a_400_naming_it(client):
     openai_client, model = client
     for options, named in (({"beta": 1}, "'beta'"), ({"attention": "efficient"}, "attention='efficient'"),
+                           ({"attention": "norm"}, "attention='norm'"),
                            ({"method": "at2"}, "AT2"), ({"pooling": "median"}, "attribution.pooling"),
                            # a check across the options names the attribution object, not an empty field
                            ({"alpha": 1.5}, "- attribution: alpha must be in")):
