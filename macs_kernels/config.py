@@ -5,6 +5,8 @@ import dataclasses
 
 POOLINGS = ("max", "mean", "min")
 ATTENTIONS = ("softmax", "efficient", "norm")
+# The rows AT2's features average: "norm" weighs MACS's rows only.
+AT2_ATTENTIONS = ("softmax", "efficient")
 BACKENDS = ("torch", "triton", "cuda", "numba")
 
 # Whole-answer scores: how the per-step rows become one score per prompt token. Each name is one definition
@@ -43,6 +45,7 @@ class MacsConfig:
         also yields the MACS term from the same single read of the key cache, instead of calling the
         wrapped implementation. None: on for triton and cuda; off for torch, whose output is then exactly
         the wrapped implementation's (fused, it equals it within float rounding and saves a pass over K).
+        Softmax rows only: efficient and norm rows need the attention output first, so they never fuse.
     """
 
     alpha: float = 0.8

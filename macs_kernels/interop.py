@@ -53,7 +53,9 @@ def trace_tensors(model, input_ids, generated_ids, *, at2: bool = False, **confi
     """
     macs_config = MacsConfig(**config)
     if macs_config.attention != "softmax":
-        raise NotImplementedError("trace_tensors records softmax rows; attention='efficient' is not supported")
+        raise NotImplementedError(
+            f"trace_tensors records softmax rows; attention={macs_config.attention!r} is not supported"
+        )
     check_model(model)
     prompt, generated = _ids("input_ids", input_ids), _ids("generated_ids", generated_ids)
     device = next(model.parameters()).device

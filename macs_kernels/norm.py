@@ -12,12 +12,74 @@ unchanged). On stqa_350 with the default model it raises the best step's AUC-PR 
 The norms are a property of each key, not of the query: `NormState` computes them once per key as it enters the
 cache, through each head's Gram matrix W_O^h^T W_O^h (D x D: O(H D^2) per key, not O(H D E)), and keeps them
 per cache slot: O(H) floats per key and layer.
+
+The weighting is right only where the attention output enters the module's `o_proj`, a plain float nn.Linear over
+the heads, unchanged (Llama's layout): `check_projections` refuses other projections before work (adapters,
+quantised weights, another name), and `OutputWatch` refuses, at a model's first pass, a model that changes the
+output on the way (a norm or a gate before `o_proj`).
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["NormState", "head_grams", "norm_weighted_rows", "value_norms"]
+__all__ = ["NormState", "OutputWatch", "check_projections", "head_grams", "norm_weighted_rows", "value_norms"]
+
+REFUSAL = "attention='norm' is not supported for this model: "
+
+
+def check_projections(model, modules: dict[int, torch.nn.Module]) -> None:
+    """Raise NotImplementedError unless every attention module's `o_proj` is a plain float nn.Linear taking the
+    H query heads' outputs (H * D inputs): a wrapped layer (LoRA), a quantised one (its weight without its
+    scales) or another layout would be weighed by the wrong matrix."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(config, "num_attention_heads", None)
+    for layer, module in modules.items():
+        projection, head_dim = getattr(module, "o_proj", None), getattr(module, "head_dim", None)
+        if type(projection) is not torch.nn.Linear:
+            raise NotImplementedError(
+                f"{REFUSAL}layer {layer}'s attention ({type(module).__name__}) has no plain torch.nn.Linear `o_proj` "
+                f"(found {type(projection).__name__}): the norms need the output projection's weight"
+            )
+        weight = projection.weight
+        if not weight.is_floating_point() or weight.element_size() < 2:
+            raise NotImplementedError(f"{REFUSAL}layer {layer}'s o_proj weight is {weight.dtype} (quantised)")
+        if heads is None or head_dim is None or projection.in_features != heads * head_dim:
+            raise NotImplementedError(
+                f"{REFUSAL}layer {layer}'s o_proj takes {projection.in_features} inputs, not the "
+                f"num_attention_heads x head_dim = {heads} x {head_dim} attention outputs"
+            )
+
+
+class OutputWatch:
+    """Forward pre-hooks on every `o_proj` that check its input is the attention output the tracer saw (`seen`,
+    per layer, the last query's output): a model that normalises or gates the output before `o_proj` (BitNet's
+    sub-norm, a gated attention) would be weighed by the wrong vectors. Use as a context manager."""
+
+    def __init__(self, modules: dict[int, torch.nn.Module]):
+        self.seen: dict[int, torch.Tensor] = {}
+        self._handles = [module.o_proj.register_forward_pre_hook(self._check(layer, module))
+                         for layer, module in modules.items()]
+
+    def _check(self, layer: int, module: torch.nn.Module):
+        def hook(_projection, args):
+            seen = self.seen.pop(layer, None)
+            if seen is None:  # a pass the tracer did not score (suspended, or outside generate)
+                return
+            given = args[0][:, -1].reshape(seen.shape)
+            if not torch.allclose(given.float(), seen.float(), rtol=1e-3, atol=1e-5):
+                raise NotImplementedError(
+                    f"{REFUSAL}{type(module).__name__} changes the attention output before o_proj (layer {layer}), "
+                    "so the value norms through o_proj are not what the output depends on"
+                )
+
+        return hook
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
 
 
 def head_grams(o_weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -58,18 +120,14 @@ class NormState:
     refused before work (core.support).
     """
 
-    def __init__(self):
-        self._grams: dict[int, torch.Tensor] = {}
+    def __init__(self, grams: dict[int, torch.Tensor] | None = None):
+        # The Gram matrices depend on the weights only: a tracer passes one dict to every sequence's state.
+        self._grams = {} if grams is None else grams
         self._norms: dict[int, torch.Tensor] = {}
 
     def _layer_grams(self, layer: int, module: torch.nn.Module, head_dim: int) -> torch.Tensor:
-        if layer not in self._grams:
-            weight = getattr(getattr(module, "o_proj", None), "weight", None)
-            if not isinstance(weight, torch.Tensor):
-                raise NotImplementedError(
-                    f"attention='norm' needs the attention module's output projection `o_proj`; "
-                    f"{type(module).__name__} has none"
-                )
+        if layer not in self._grams:  # check_projections vetted o_proj before any pass
+            weight = module.o_proj.weight
             self._grams[layer] = head_grams(weight, weight.shape[1] // head_dim)
         return self._grams[layer]
 

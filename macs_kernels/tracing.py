@@ -190,6 +190,8 @@ class Tracer:
         # Efficient rows have torch and Triton kernels; with cuda named, the best of those runs them.
         self._efficient_backend = config.backend if config.backend in ("torch", "triton") else None
         self.owner = threading.get_ident()
+        self._norm_grams: dict = {}  # attention="norm": each layer's head Gram matrices, kept across sequences
+        self.output_watch = None  # attention="norm": norm.OutputWatch, set by attach
         self._generation = None  # the GenerationPlan of the generate call in progress
         self._start_pending = False
         self._prompt_length = None
@@ -222,7 +224,7 @@ class Tracer:
         if self.config.attention == "norm":
             from .norm import NormState
 
-            self._norms = NormState()
+            self._norms = NormState(self._norm_grams)
 
     # ---- events from generate ---------------------------------------------------------------------
     def begin_generation(self, plan: GenerationPlan, prompt_length: int) -> None:
@@ -483,6 +485,8 @@ class Tracer:
                 self._norm_pool(layer, module, query[:, :, -1, :], key, value, scale)
             else:
                 plan.scorer.pool(layer, query[:, :, -plan.rows:, :], key, scale, variant)
+        if self.output_watch is not None:
+            self.output_watch.seen[layer] = result[0][:, -1].reshape(result[0].shape[0], -1)
         for hook in self.hooks:
             hook.layer(self, layer, query, key, value, result[0], scale)
         if layer == self.num_layers - 1:
@@ -727,6 +731,10 @@ def _continuous_entry(model, tracer: Tracer, name: str, saved: dict, previous: s
         if tracer.continuous is None:
             from .continuous import attach_continuous
 
+            # Refused before the hand-over changes anything: the block keeps tracing generate.
+            support.check("continuous", support.method_of(tracer.config), "greedy")
+            check_variants(model, "continuous", support.method_of(tracer.config))
+
             for entry in _CONTINUOUS_ENTRIES:  # the engine's own methods again, for the continuous tracer to wrap
                 if entry in saved:
                     setattr(model, entry, saved[entry])
@@ -799,6 +807,10 @@ def attach(model, *, hooks=(), keep_pooled=False, **config):
     variants = check_variants(model, "generate", support.method_of(macs_config))
     if shards is not None:
         support.check("generate", support.method_of(macs_config), "tensor_parallel")
+    if macs_config.attention == "norm":
+        from .norm import check_projections
+
+        check_projections(model, modules)
     for hook in hooks:
         if hook.method is not None:
             check_variants(model, "generate", hook.method)
@@ -826,6 +838,10 @@ def attach(model, *, hooks=(), keep_pooled=False, **config):
         for name in _CONTINUOUS_ENTRIES:
             setattr(model, name, _continuous_entry(model, tracer, name, saved, previous, continuous))
         model.set_attn_implementation(WRAPPED_NAMES[previous])
+        if macs_config.attention == "norm":
+            from .norm import OutputWatch
+
+            tracer.output_watch = continuous.enter_context(OutputWatch(modules))
         try:
             yield tracer
         finally:

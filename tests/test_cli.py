@@ -90,6 +90,8 @@ def test_an_empty_prompt_question_or_context_is_refused_before_loading(monkeypat
         (["--question", " \t", "--context", context], "--question is empty"),
         (["--question", question, "--context", "\n"], "--context is empty"),
         (["--question", "  ", "--context", context, "--method", "at2"], "--question is empty"),
+        (["--question", question, "--context", context, "--method", "at2", "--attention", "norm"],
+         "--method at2 takes --attention softmax or efficient, not 'norm'"),
     ]
     for argv, match in refusals:
         with pytest.raises(SystemExit, match=match):

@@ -120,10 +120,13 @@ class AT2Attributor:
         the end-of-sequence token excluded). attention="efficient" takes the features from efficient rows
         (the coefficients were trained on softmax features).
         """
+        from ..config import AT2_ATTENTIONS
         from ..evaluation.alignment import align_context
         from ..prompts import qa_messages
         from .features import forward_capture
 
+        if attention not in AT2_ATTENTIONS:
+            raise ValueError(f"AT2 features take attention in {AT2_ATTENTIONS}, got {attention!r}")
         if messages is None:
             if question is None or context is None:
                 raise ValueError("give question and context, or messages and context")

@@ -19,15 +19,13 @@ import dataclasses
 
 import torch
 
+from ..config import AT2_ATTENTIONS
 from ..distributed import gather_heads
 from ..ops import attention_features, efficient_attention
 from ..ops.torch_backend import attended_softmax, window_start
 from ..ops.torch_features import ROW_CHUNK
 from ..ops.variant import PLAIN, Variant
 from ..tracing import TraceHook, attach
-
-# The rows AT2's features average: attention="norm" weighs MACS's rows only.
-FEATURE_ATTENTIONS = ("softmax", "efficient")
 
 
 class QueryCapture(TraceHook):
@@ -133,8 +131,8 @@ class QueryCapture(TraceHook):
         the value cache, a window layer's over the row's window) instead of softmax rows; it materialises one
         layer's (B, H, R, S) rows at a time.
         """
-        if attention not in FEATURE_ATTENTIONS:
-            raise ValueError(f"AT2 features take attention in {FEATURE_ATTENTIONS}, got {attention!r}")
+        if attention not in AT2_ATTENTIONS:
+            raise ValueError(f"AT2 features take attention in {AT2_ATTENTIONS}, got {attention!r}")
         if not self.queries or not self.queries[0]:
             raise RuntimeError("nothing was captured: run generate/forward inside attach(model, hooks=[capture])")
         total = self.n_rows

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..config import AGGREGATIONS, ATTENTIONS, DEFAULT_AGGREGATION
+from ..config import AGGREGATIONS, AT2_ATTENTIONS, ATTENTIONS, DEFAULT_AGGREGATION
 from . import at2
 from .common import add_model_arguments, check_model_argument, check_output_files, load_from_args, write_outputs
 
@@ -47,6 +47,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         text = getattr(args, option)
         if text is not None and not text.strip():
             raise SystemExit(f"--{option} is empty (only whitespace)")
+    if args.method == "at2" and args.attention not in AT2_ATTENTIONS:
+        raise SystemExit(f"--method at2 takes --attention {' or '.join(AT2_ATTENTIONS)}, not {args.attention!r}")
     check_output_files(json=args.json, html=args.html)
     check_model_argument(args.model)
 

@@ -34,13 +34,14 @@ LAYOUTS = {  # layout -> the options that select it
 # (engine, method or "*", layout or "*") -> why it is refused. Everything else is supported.
 UNSUPPORTED = {
     ("generate", "efficient", "assisted"): "the Gram state of efficient attention cannot drop rejected candidates",
-    ("generate", "norm", "assisted"): "the value norms are kept per cache slot, which a crop of rejected candidates "
-                                      "would leave stale",
+    ("generate", "norm", "assisted"): "a verify pass writes several new cache slots; the value norms follow one "
+                                      "new slot per pass",
     ("generate", "norm", "tensor_parallel"): "each rank would weigh its heads by its own shard of the output "
                                              "projection; not implemented",
     ("generate", "norm", "sliding_window"): "the value norms are kept per cache slot, which a window cache rolls",
-    ("generate", "norm", "softcap"): "not implemented with attention variants yet",
-    ("generate", "norm", "sinks"): "not implemented with attention variants yet",
+    ("generate", "norm", "softcap"): "norm weighting of capped rows has no reference in the conformance suite yet",
+    ("generate", "norm", "sinks"): "norm weighting of rows whose sink takes mass has no reference in the "
+                                   "conformance suite yet",
     ("continuous", "norm", "*"): "the value norms are kept per sequence by generate's tracer only",
     ("server", "norm", "*"): "the server runs continuous batching, which does not keep value norms",
     ("vllm", "norm", "*"): "the vLLM backend scores softmax rows; value norms need the output projection, which its "

@@ -10,6 +10,8 @@ the model.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -41,6 +43,14 @@ class RowRecorder(TraceHook):
             from ..efficient import GramState
 
             self._gram_state = GramState
+        if self.norm:  # refused before work, as attach(attention="norm") refuses
+            from ..hf_models import check_variants
+            from ..norm import check_projections
+
+            check_variants(model, "generate", "norm")
+            check_projections(model, self.modules)
+            self._grams: dict = {}
+        self.watching = None  # norm: the norm.OutputWatch around the generation (generate_record)
         self.passes: list[dict[str, torch.Tensor]] = []
         self.residual_max = 0.0
 
@@ -57,7 +67,7 @@ class RowRecorder(TraceHook):
             if self.norm:
                 from ..norm import NormState
 
-                self.norms = NormState()
+                self.norms = NormState(self._grams)
         n, layers = tracer.n_input_list[0], self.num_layers
         self._start, self._n, self._kv_len = int(tracer.input_start[0]), n, int(tracer.kv_len[0])
         self._pass = {
@@ -90,11 +100,10 @@ class RowRecorder(TraceHook):
             self.residual_max = max(self.residual_max, float(residual.max()))
             self._keep("efficient_", eff)
         if self.norm:
-            from ..core import support
             from ..norm import norm_weighted_rows
 
-            if tracer.variant.window is not None:
-                support.check("generate", "norm", "sliding_window")
+            if self.watching is not None:
+                self.watching.seen[layer_idx] = output[:, -1].reshape(output.shape[0], -1)
             norms = self.norms.update(layer_idx, self.modules[layer_idx], value, tracer.prefill, tracer.kv_len)
             self._keep("norm_", norm_weighted_rows(rows, norms))
 
@@ -122,7 +131,12 @@ def generate_record(model, tokenizer, prompt_ids: torch.Tensor, *, max_new_token
     device = next(model.parameters()).device
     ids, mask = ids.to(device), mask.to(device)
     recorder = RowRecorder(model, attentions=attentions)
-    with attach(model, hooks=[recorder], **MacsConfig(backend=backend).as_dict()) as tracer:
+    with contextlib.ExitStack() as stack:
+        if recorder.norm:
+            from ..norm import OutputWatch
+
+            recorder.watching = stack.enter_context(OutputWatch(recorder.modules))
+        tracer = stack.enter_context(attach(model, hooks=[recorder], **MacsConfig(backend=backend).as_dict()))
         output = model.generate(ids, attention_mask=mask, **_generate_kwargs(model, tokenizer, max_new_tokens, {}))
     generated = output[0, ids.shape[1]:].cpu()
     eos = _eos_ids(model, tokenizer)

@@ -275,8 +275,8 @@ def create_app(engine: Engine) -> FastAPI:
     async def run(body, prompt: PromptSpan, options, chat: bool):
         check_model(body.model)
         at2 = options is not None and options.method == "at2"
-        refusal = None if options is None else support.message(
-            "server", "at2" if at2 else support.method_of(options.macs_config()), "greedy")
+        methods = [] if options is None else [support.method_of(options.macs_config())] + (["at2"] if at2 else [])
+        refusal = next(filter(None, (support.message("server", method, "greedy") for method in methods)), None)
         if refusal is not None:
             raise RequestRejected(refusal, param="attribution.attention")
         stops = body.stop_strings()

@@ -182,18 +182,24 @@ def test_rejected_candidates_are_dropped(gqa_model):
     assert_teacher_forced(gqa_model, prompt_ids, generated_ids, log_c)
 
 
-def test_continued_conversation_inputs_are_every_earlier_token(gqa_model):
+@pytest.mark.parametrize("attention", ["softmax", "norm"])
+def test_continued_conversation_inputs_are_every_earlier_token(gqa_model, attention):
     cache = DynamicCache(config=gqa_model.config)
     with torch.no_grad():
         turn_1 = gqa_model.generate(PROMPTS[1:2], max_new_tokens=4, do_sample=False, pad_token_id=0,
                                     past_key_values=cache)
     both_turns = torch.cat([turn_1[0], torch.tensor([3, 8, 12, 60])])[None]
     explanation = explain(gqa_model, IdTokenizer(), input_ids=both_turns, max_new_tokens=5,
-                          past_key_values=cache, backend="torch")
+                          past_key_values=cache, backend="torch", attention=attention)
     assert torch.equal(explanation.input_ids, both_turns[0])
     assert len(explanation.generated_ids) == 5
-    assert_teacher_forced(gqa_model, both_turns[0], explanation.generated_ids, explanation.step_log_c)
-    fresh = explain(gqa_model, IdTokenizer(), input_ids=both_turns, max_new_tokens=5, backend="torch")
+    if attention == "norm":  # the first pass's keys are the earlier turns' cache plus the new prompt tokens
+        reference = eager_norm_log_c(gqa_model, both_turns[0], explanation.generated_ids)
+        assert (explanation.step_log_c.double() - reference).abs().max() <= LOG_TOLERANCE
+    else:
+        assert_teacher_forced(gqa_model, both_turns[0], explanation.generated_ids, explanation.step_log_c)
+    fresh = explain(gqa_model, IdTokenizer(), input_ids=both_turns, max_new_tokens=5, backend="torch",
+                    attention=attention)
     assert torch.equal(fresh.generated_ids, explanation.generated_ids)
     assert (fresh.step_log_c - explanation.step_log_c).abs().max() <= 1e-5
 
@@ -294,6 +300,69 @@ def test_per_slot_attention_state_follows_static_slots_and_beam_reorders(generat
     with pytest.raises(NotImplementedError, match=attention):
         explain(model, IdTokenizer(), input_ids=ids, max_new_tokens=3, attention=attention,
                 prompt_lookup_num_tokens=3)
+
+
+def test_norm_attention_refuses_projections_it_cannot_weigh_before_work():
+    """A wrapped o_proj (a LoRA layer, a quantised one: a subclass of nn.Linear), a model without o_proj (GPT-2), and
+    a model that changes the attention output before o_proj (a norm, a gate) would be weighed by the wrong matrix
+    or vectors: refused, naming the option, before any row is returned."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from macs_kernels import attach
+
+    ids = torch.arange(3, 20)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=32, n_layer=1, n_head=2, n_positions=64, bos_token_id=1,
+                                      eos_token_id=96)).eval()
+
+    class Adapted(torch.nn.Linear):
+        pass
+
+    wrapped = tiny_llama(heads=3, kv_heads=1, layers=2)
+    projection = wrapped.model.layers[1].self_attn.o_proj
+    adapted = Adapted(projection.in_features, projection.out_features, bias=False)
+    adapted.load_state_dict(projection.state_dict())
+    wrapped.model.layers[1].self_attn.o_proj = adapted
+    for model, match in ((gpt2, "layer 0.*GPT2Attention.*no plain torch.nn.Linear `o_proj`"),
+                         (wrapped, "layer 1.*found Adapted")):
+        with pytest.raises(NotImplementedError, match=f"attention='norm' is not supported for this model: {match}"):
+            with attach(model, attention="norm"):
+                raise AssertionError("attach accepted the model")
+    gated = tiny_llama(heads=3, kv_heads=1, layers=2)
+    gated.model.layers[0].self_attn.o_proj.register_forward_pre_hook(lambda _module, args: (args[0] * 0.5,))
+    with pytest.raises(NotImplementedError, match="changes the attention output before o_proj"):
+        explain(gated, IdTokenizer(), input_ids=ids, max_new_tokens=2, attention="norm", backend="torch")
+    plain = explain(gated, IdTokenizer(), input_ids=ids, max_new_tokens=2, backend="torch")  # softmax rows: fine
+    assert plain.step_log_c.shape == (2, len(ids))
+
+
+def test_a_refused_hand_over_to_continuous_batching_leaves_generate_traced(gqa_model):
+    """Inside attach(attention="norm"), continuous batching is refused before the hand-over changes the model: the
+    block goes on tracing generate."""
+    from transformers import GenerationConfig
+
+    with attach(gqa_model, attention="norm", backend="torch") as tracer:
+        with pytest.raises(NotImplementedError, match="attention='norm' is not supported under macs_kernels' "
+                                                      "continuous engine"):
+            gqa_model.generate_batch([[3, 4, 5]], generation_config=GenerationConfig(max_new_tokens=2))
+        with torch.no_grad():
+            out = gqa_model.generate(PROMPTS[1:2], max_new_tokens=2, do_sample=False, pad_token_id=0)
+        log_c = tracer.rows(0)[0]
+    reference = eager_norm_log_c(gqa_model, PROMPTS[1], out[0, PROMPTS.shape[1]:])
+    assert (log_c.double() - reference).abs().max() <= LOG_TOLERANCE
+
+
+def test_norm_rows_on_the_triton_backend_equal_the_reference():
+    """The weighted rows are formed in torch and pooled by the backend's row update: Triton's on triton."""
+    pytest.importorskip("triton")
+    from macs_kernels.ops.triton import LAUNCHES
+
+    model = tiny_llama(heads=3, kv_heads=1, layers=2)
+    ids = torch.arange(3, 33)
+    LAUNCHES.clear()
+    traced = explain(model, IdTokenizer(), input_ids=ids, max_new_tokens=3, attention="norm", backend="triton")
+    assert LAUNCHES["_pool_kernel"] == 3 * 2  # every layer of every pass
+    reference = eager_norm_log_c(model, ids, traced.generated_ids)
+    assert (traced.step_log_c.double() - reference).abs().max() <= LOG_TOLERANCE
 
 
 # ---- concurrency (issue 15) ---------------------------------------------------------------------------
