@@ -177,7 +177,7 @@ class ContinuousTracer:
         if unknown:
             raise ValueError(f"configure() takes {_PER_REQUEST_FIELDS} per request, not {sorted(unknown)}")
         merged = dataclasses.replace(self.config, **config)
-        support.check("continuous", support.method_of(merged), "greedy")  # a method no layout supports
+        support.check_method("continuous", support.method_of(merged))
         if at2_features and self.shards is not None:
             support.check("continuous", "at2", "tensor_parallel")
         for variant in self.variants:
@@ -522,7 +522,7 @@ def attach_continuous(model, *, manager=None, keep_finished: int = 256, **config
         raise ValueError(f"keep_finished must be an int >= 0, got {keep_finished!r}")
     modules = check_model(model)
     shards = head_shards(model, modules)
-    support.check("continuous", support.method_of(macs_config), "greedy")  # a method no layout supports
+    support.check_method("continuous", support.method_of(macs_config))
     variants = check_variants(model, "continuous", support.method_of(macs_config))
     current = model.config._attn_implementation
     if current not in ("sdpa", "eager", "paged|eager"):

@@ -95,12 +95,14 @@ def head_grams(o_weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def value_norms(value: torch.Tensor, grams: torch.Tensor) -> torch.Tensor:
     """value (B, H_kv, S, D), grams (H, D, D) -> (B, H, S) float32: ||W_O^h v_j|| for query head h (its KV head
     h // (H / H_kv)) and key slot j."""
-    heads, kv_heads = grams.shape[0], value.shape[1]
-    if heads % kv_heads or grams.shape[1:] != (value.shape[3], value.shape[3]):
+    heads, (batch, kv_heads, slots, dim) = grams.shape[0], value.shape
+    if heads % kv_heads or grams.shape[1:] != (dim, dim):
         raise ValueError(f"grams {tuple(grams.shape)} do not fit values {tuple(value.shape)}")
-    v = value.float().repeat_interleave(heads // kv_heads, dim=1)  # (B, H, S, D)
-    squared = torch.einsum("bhsd,hdf,bhsf->bhs", v, grams.to(v.device), v)
-    return squared.clamp_min(0.0).sqrt()
+    v = value.float()
+    # Query head h = k * G + g reads KV head k: grouped, so the values are never repeated per query head.
+    grouped = grams.to(v.device).view(kv_heads, heads // kv_heads, dim, dim)
+    squared = torch.einsum("bksd,kgdf,bksf->bkgs", v, grouped, v)
+    return squared.clamp_min(0.0).sqrt().reshape(batch, heads, slots)
 
 
 def norm_weighted_rows(rows: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:

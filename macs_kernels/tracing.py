@@ -111,7 +111,7 @@ def check_generate(model, generate_kwargs: dict, *, attention: str = "softmax") 
     if mode not in SUPPORTED_MODES:
         option = _MODE_OPTIONS.get(mode, f"the options that select {mode}")
         raise NotImplementedError(f"{option} is not supported by macs_kernels; supported modes: {SUPPORTED_MODES}")
-    method = support.ATTENTION_METHODS.get(attention, "exact")
+    method = support.attention_method(attention)
     if getattr(config, "prefill_chunk_size", None):
         support.check("generate", method, "chunked_prefill")
     if getattr(config, "token_healing", False):
@@ -732,7 +732,7 @@ def _continuous_entry(model, tracer: Tracer, name: str, saved: dict, previous: s
             from .continuous import attach_continuous
 
             # Refused before the hand-over changes anything: the block keeps tracing generate.
-            support.check("continuous", support.method_of(tracer.config), "greedy")
+            support.check_method("continuous", support.method_of(tracer.config))
             check_variants(model, "continuous", support.method_of(tracer.config))
 
             for entry in _CONTINUOUS_ENTRIES:  # the engine's own methods again, for the continuous tracer to wrap

@@ -106,15 +106,22 @@ def check(engine: str, method: str, layout: str) -> None:
         raise NotImplementedError(refusal)
 
 
-# attention (MacsConfig.attention) -> the method it selects; softmax rows are "exact" (or "fused").
-ATTENTION_METHODS = {"efficient": "efficient", "norm": "norm"}
+def attention_method(attention: str) -> str:
+    """The method of MacsConfig.attention: "efficient" and "norm" name theirs; softmax rows are "exact"."""
+    return "exact" if attention == "softmax" else attention
 
 
 def method_of(config) -> str:
     """The method a MacsConfig selects (AT2 features are asked for separately)."""
-    if config.attention in ATTENTION_METHODS:
-        return ATTENTION_METHODS[config.attention]
+    if config.attention != "softmax":
+        return attention_method(config.attention)
     return "fused" if config.fused_decode else "exact"
+
+
+def check_method(engine: str, method: str) -> None:
+    """Raise NotImplementedError, naming the option, when `engine` refuses `method` in every layout (a rule whose
+    layout is "*"): asked before any work, whatever the request's layout."""
+    check(engine, method, "greedy")
 
 
 def variant_backend(variants, named: str | None, resolved: str) -> str:

@@ -275,10 +275,11 @@ def create_app(engine: Engine) -> FastAPI:
     async def run(body, prompt: PromptSpan, options, chat: bool):
         check_model(body.model)
         at2 = options is not None and options.method == "at2"
-        methods = [] if options is None else [support.method_of(options.macs_config())] + (["at2"] if at2 else [])
-        refusal = next(filter(None, (support.message("server", method, "greedy") for method in methods)), None)
-        if refusal is not None:
-            raise RequestRejected(refusal, param="attribution.attention")
+        try:
+            for method in [] if options is None else [support.method_of(options.macs_config())] + ["at2"] * at2:
+                support.check_method("server", method)
+        except NotImplementedError as refused:
+            raise RequestRejected(str(refused), param="attribution.attention") from None
         stops = body.stop_strings()
         if at2 and stops:
             raise RequestRejected(support.message("server", "at2", "stop_strings"), param="stop")

@@ -66,7 +66,7 @@ def options_of(value) -> AttributionOptions:
                           where) from None
         raise Refused(f"{where}: {first['msg'].removeprefix('Value error, ')}", where) from None
     try:
-        support.check("vllm", "at2" if options.method == "at2" else "exact", "greedy")
+        support.check_method("vllm", "at2" if options.method == "at2" else "exact")
         if options.fused_decode:
             raise NotImplementedError("attribution.fused_decode: vLLM's own attention computes the outputs")
         parse_options(vllm_options(options))

@@ -48,7 +48,7 @@ def parse_options(options) -> MacsConfig:
     if unknown:
         raise ValueError(f"unknown attribution option(s) {unknown}: vLLM requests take {OPTIONS}")
     config = MacsConfig(**options)
-    support.check("vllm", support.method_of(config), "greedy")
+    support.check_method("vllm", support.method_of(config))
     return config
 
 

@@ -182,7 +182,8 @@ def test_errors_through_the_openai_client(client):
                                        extra_body={"attribution": {"pooling": "avg"}})
     for options in ({"attention": "norm"}, {"method": "at2", "attention": "norm"}):  # refused before any work
         with pytest.raises(openai.BadRequestError, match="attention='norm' is not supported under") as refused:
-            client.chat.completions.create(model=MODEL, messages=qa(0), max_tokens=2, extra_body={"attribution": options})
+            client.chat.completions.create(model=MODEL, messages=qa(0), max_tokens=2,
+                                           extra_body={"attribution": options})
         assert refused.value.body["param"] == "attribution.attention"
 
 
