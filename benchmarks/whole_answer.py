@@ -37,6 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from macs_kernels.config import DEFAULT_AGGREGATION  # noqa: E402
 from macs_kernels.evaluation.report import cell, stats  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -294,10 +295,34 @@ def study(args) -> None:
         lines.append(f"| {name} | {cell(row['dev'])} | {cell(row['dev_minus_chosen'])} | {cell(row['confirm'])} "
                      f"| {cell(row['confirm_minus_chosen'])} | {cell(row['expensive'])} (n={row['expensive']['n']}) "
                      f"| {cell(row['expensive_minus_chosen'])} |")
+    lines += answered_split(samples, aps, chosen, summary)
     text = "\n".join(lines) + "\n"
     print(text)
     (args.out.with_suffix(".md")).write_text(text)
     (args.out.with_suffix(".json")).write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def answered_split(samples: dict[int, dict], aps: dict, chosen: str, summary: dict) -> list[str]:
+    """Where the gap to AttnLRP lies: its samples split by whether the generation contains a gold answer (the
+    model answered from the context) or not, for the chosen score on softmax and on norm-weighted rows."""
+    lrp = aps.get("attnlrp: mean (relevance of the summed answer logits)", {})
+    norm = f"norm-weighted rows (attention='norm'), {DEFAULT_AGGREGATION}"
+    names = {"chosen (softmax rows)": chosen, "chosen (norm-weighted rows)": norm}
+    lines = ["", "On AttnLRP's samples, split by whether the generation contains a gold answer, paired with AttnLRP:",
+             "", "| samples | n | AttnLRP | " + " | ".join(f"{n} | minus AttnLRP" for n in names) + " |",
+             "|---|---|---|" + "---|---|" * len(names)]
+    summary["answered_split"] = {}
+    for label, answered in (("generation contains a gold answer", True), ("it does not", False)):
+        held = [i for i in lrp if (samples[i]["answer_step"] is not None) == answered and i in aps.get(norm, {})]
+        row = {"n": len(held), "attnlrp": stats([lrp[i] for i in held])}
+        cells = [label, str(len(held)), cell(row["attnlrp"])]
+        for name, key in names.items():
+            row[name] = stats([aps[key][i] for i in held])
+            row[name + " minus attnlrp"] = stats([aps[key][i] - lrp[i] for i in held])
+            cells += [cell(row[name]), cell(row[name + " minus attnlrp"])]
+        summary["answered_split"][label] = row
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 # ---- third round: candidates from the per-layer rows ------------------------------------------------------------

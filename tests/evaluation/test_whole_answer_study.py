@@ -48,3 +48,21 @@ def test_one_layer_and_all_copying_steps_reduce_to_the_chosen_score():
     z = whole_answer._sinkless_z(macs_from_record(record))
     np.testing.assert_allclose(partly["max over the steps that copy a context token, minus the mean over all"],
                                z[0] - z.mean(0), rtol=1e-12, atol=1e-12)
+
+
+def test_the_answered_split_pairs_each_group_with_attnlrp():
+    generator = np.random.default_rng(1)
+    answered = {0: 3, 1: None, 2: 0, 3: None, 4: None}  # sample -> the step of its answer (None: no gold answer)
+    samples = {i: {"answer_step": step} for i, step in answered.items()}
+    lrp_name = "attnlrp: mean (relevance of the summed answer logits)"
+    norm_name = f"norm-weighted rows (attention='norm'), {whole_answer.DEFAULT_AGGREGATION}"
+    aps = {name: {i: float(generator.uniform()) for i in answered} for name in (lrp_name, norm_name, CHOSEN)}
+    summary = {}
+    lines = whole_answer.answered_split(samples, aps, CHOSEN, summary)
+    assert len(lines) == 7 and lines[-2].startswith("| generation contains a gold answer | 2 |")
+    for label, members in (("generation contains a gold answer", [0, 2]), ("it does not", [1, 3, 4])):
+        row = summary["answered_split"][label]
+        assert row["n"] == len(members)
+        for name, key in (("chosen (softmax rows)", CHOSEN), ("chosen (norm-weighted rows)", norm_name)):
+            want = np.mean([aps[key][i] - aps[lrp_name][i] for i in members])
+            assert np.isclose(row[name + " minus attnlrp"]["mean"], want)
