@@ -114,7 +114,7 @@ def norm_weighted_rows(rows: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
 
 
 class NormState:
-    """Per layer, the value norms (B, H, S) of every cache slot so far, and the layer's head Gram matrices.
+    """Per layer, the value norms (B, H, >= S) of every cache slot so far, and the layer's head Gram matrices.
 
     `update` on every pass of the layer: a sequence's first pass computes every slot's norm, each later pass
     the norm of the one slot it writes (kv_len - 1, where a static cache puts it too); `reorder` follows beam
@@ -142,15 +142,14 @@ class NormState:
         if prefill or layer not in self._norms:
             self._norms[layer] = value_norms(value, grams)
             return self._norms[layer]
-        norms = self._norms[layer]
-        slots = value.shape[2]
-        if norms.shape[-1] < slots:
-            norms = torch.nn.functional.pad(norms, (0, slots - norms.shape[-1]))
+        norms, slots = self._norms[layer], value.shape[2]
+        if norms.shape[-1] < slots:  # a dynamic cache grows a slot per pass: grow by doubling, not per pass
+            norms = torch.nn.functional.pad(norms, (0, max(slots, 2 * norms.shape[-1]) - norms.shape[-1]))
+            self._norms[layer] = norms
         index = (kv_len - 1).view(-1, 1, 1, 1).expand(-1, value.shape[1], 1, value.shape[3])
         new = value_norms(value.gather(2, index), grams)  # (B, H, 1)
-        norms = norms.scatter(2, (kv_len - 1).view(-1, 1, 1).expand(-1, norms.shape[1], 1), new)
-        self._norms[layer] = norms
-        return norms
+        norms.scatter_(2, (kv_len - 1).view(-1, 1, 1).expand(-1, norms.shape[1], 1), new)
+        return norms[..., :slots]
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Follow a reorder of the cache's batch rows (beam search): row b now holds the keys of row rows[b]."""
