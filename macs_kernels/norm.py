@@ -60,6 +60,10 @@ class OutputWatch:
         self._handles = [module.o_proj.register_forward_pre_hook(self._check(layer, module))
                          for layer, module in modules.items()]
 
+    def saw(self, layer: int, output: torch.Tensor) -> None:
+        """The attention output (B, S, H, D) the tracer saw for `layer` in this pass: its last query is checked."""
+        self.seen[layer] = output[:, -1].reshape(output.shape[0], -1)
+
     def _check(self, layer: int, module: torch.nn.Module):
         def hook(_projection, args):
             seen = self.seen.pop(layer, None)

@@ -486,7 +486,7 @@ class Tracer:
             else:
                 plan.scorer.pool(layer, query[:, :, -plan.rows:, :], key, scale, variant)
         if self.output_watch is not None:
-            self.output_watch.seen[layer] = result[0][:, -1].reshape(result[0].shape[0], -1)
+            self.output_watch.saw(layer, result[0])
         for hook in self.hooks:
             hook.layer(self, layer, query, key, value, result[0], scale)
         if layer == self.num_layers - 1:

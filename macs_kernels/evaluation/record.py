@@ -103,7 +103,7 @@ class RowRecorder(TraceHook):
             from ..norm import norm_weighted_rows
 
             if self.watching is not None:
-                self.watching.seen[layer_idx] = output[:, -1].reshape(output.shape[0], -1)
+                self.watching.saw(layer_idx, output)
             norms = self.norms.update(layer_idx, self.modules[layer_idx], value, tracer.prefill, tracer.kv_len)
             self._keep("norm_", norm_weighted_rows(rows, norms))
 
