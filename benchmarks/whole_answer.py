@@ -2,7 +2,7 @@
 
     python benchmarks/whole_answer.py extract --results R.jsonl   # per-step rows -> whole_answer_rows.npz
     python benchmarks/whole_answer.py study                        # candidate table -> whole_answer.{md,json}
-    python benchmarks/whole_answer.py layers --results R.jsonl    # per-layer candidates -> whole_answer_layers.*
+    python benchmarks/whole_answer.py layers --results R.jsonl    # recorded-row candidates -> whole_answer_layers.*
 
 extract reads an eval results stream (macs-kernels eval --out R.jsonl) and the record cache it filled, and
 keeps, per scored sample: the default MACS configuration's log c of every step over every prompt token
@@ -22,7 +22,8 @@ layers (the third round) reads the per-layer rows from the record cache (each st
 and head, as the eval recorded them) and scores the candidates that need them: layers weighted alike or only
 some layers, attention aggregated over steps before the floor and the product, steps that copy a context token,
 and a per-layer weighting fitted on the development half's gold labels (a supervised probe of what the rows
-hold, not a candidate for the default: it learns from the labels the metric uses).
+hold, not a candidate for the default: it learns from the labels the metric uses). The fifth round adds, from the
+same records, candidates that weigh the steps unequally (step_candidates).
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def extract(args) -> None:
     from macs_kernels.evaluation.data import load_qa
     from macs_kernels.evaluation.record import macs_from_record
     from macs_kernels.evaluation.record_cache import load_record, load_rows, records_dir
+    from macs_kernels.evaluation.report import current_lines
     from macs_kernels.evaluation.store import read_results
     from macs_kernels.models import load_model
 
@@ -66,16 +68,25 @@ def extract(args) -> None:
     if args.out.is_file():  # samples already extracted are kept; only their AttnLRP/AtMan rows may be new
         with np.load(args.out) as old:
             out = {k: old[k] for k in old.files if k != "indices"}
+    # AttnLRP's and AtMan's rows where the latest run scored them: the record cache may hold rows of other runs.
+    scored = {(k[1], k[2]) for k in current_lines(lines) if k[0] == "auc" and k[2] in ("attnlrp", "atman")}
+
+    def baseline_rows(index, generation, generated):
+        prefix = f"s{index}_"
+        for kind in ("attnlrp", "atman"):
+            rows = load_rows(folder, generation, kind, generated) if (index, kind) in scored else None
+            if rows is None:
+                out.pop(prefix + kind, None)
+            else:
+                out[prefix + kind] = rows[0].astype(np.float32)
+
     indices = sorted(k[1] for k in lines if k[0] == "sample")
     for index in indices:
         line = lines[("sample", index, None)]
         prefix = f"s{index}_"
         if prefix + "log_c" in out:
             generated = out[prefix + "generated"]
-            for kind in ("attnlrp", "atman"):
-                rows = load_rows(folder, line["generation"], kind, generated)
-                if rows is not None:
-                    out[prefix + kind] = rows[0].astype(np.float32)
+            baseline_rows(index, line["generation"], generated)
             cached = load_record(folder, line["generation"], out[prefix + "prompt"])
             if cached is not None and "norm_rows" in cached[0]:
                 out[prefix + "norm_log_c"] = macs_from_record(cached[0], attention="norm").astype(np.float32)
@@ -103,10 +114,7 @@ def extract(args) -> None:
                                            else line["answer_step"], int(generated[-1]) in eos])}
         if "norm_rows" in record:
             out[prefix + "norm_log_c"] = macs_from_record(record, attention="norm").astype(np.float32)
-        for kind in ("attnlrp", "atman"):
-            rows = load_rows(folder, line["generation"], kind, generated)
-            if rows is not None:
-                out[prefix + kind] = rows[0].astype(np.float32)
+        baseline_rows(index, line["generation"], generated)
     out["indices"] = np.array(sorted(int(k[1:].split("_")[0]) for k in out if k.split("_", 1)[1] == "log_c"))
     np.savez_compressed(args.out, **out)
     print(f"wrote {args.out}: {len(out['indices'])} samples")
@@ -243,9 +251,9 @@ def _ap(score: np.ndarray, labels: np.ndarray) -> float:
     return float(np.mean([average_precision(score, y) for y in labels]))
 
 
-def sample_aps(samples: dict[int, dict], expensive) -> dict[str, dict[int, float]]:
+def sample_aps(samples: dict[int, dict]) -> dict[str, dict[int, float]]:
     """{candidate name: {sample index: whole-answer AP}}; AttnLRP/AtMan candidates as 'attnlrp: NAME', on the
-    samples in `expensive` only."""
+    samples that have their rows."""
     table: dict[str, dict[int, float]] = {}
     for index, sample in samples.items():
         start, stop = sample["context"]
@@ -253,7 +261,7 @@ def sample_aps(samples: dict[int, dict], expensive) -> dict[str, dict[int, float
         for name, score in candidates.items():
             table.setdefault(name, {})[index] = _ap(score[start:stop], sample["labels"])
         for kind in ("attnlrp", "atman"):
-            if kind in sample and index in expensive:
+            if kind in sample:
                 for name, score in baseline_candidates(sample[kind], sample["context"]).items():
                     table.setdefault(f"{kind}: {name}", {})[index] = _ap(score, sample["labels"])
     return table
@@ -264,7 +272,7 @@ def study(args) -> None:
     # Each baseline is compared where it ran: AttnLRP and AtMan may cover different samples.
     expensive = sorted(i for i, s in samples.items() if ("attnlrp" in s or "atman" in s)
                        and (args.expensive is None or args.expensive[0] <= i < args.expensive[1]))
-    aps = sample_aps(samples, set(expensive))
+    aps = sample_aps(samples)
     chosen = args.chosen
     halves = {"dev": DEV, "confirm": CONFIRM}
     summary = {"rows": str(args.rows), "chosen": chosen, "dev": list(DEV), "confirm": list(CONFIRM),
@@ -296,36 +304,65 @@ def study(args) -> None:
                      f"| {cell(row['confirm_minus_chosen'])} | {cell(row['expensive'])} (n={row['expensive']['n']}) "
                      f"| {cell(row['expensive_minus_chosen'])} |")
     lines += answered_split(samples, aps, chosen, summary)
+    lines += against_attnlrp(aps, chosen, summary)
     text = "\n".join(lines) + "\n"
     print(text)
     (args.out.with_suffix(".md")).write_text(text)
     (args.out.with_suffix(".json")).write_text(json.dumps(summary, indent=1) + "\n")
 
 
-def answered_split(samples: dict[int, dict], aps: dict, chosen: str, summary: dict) -> list[str]:
-    """Where the gap to AttnLRP lies: its samples split by whether the generation contains a gold answer (the
-    model answered from the context) or not, for the chosen score on softmax and on norm-weighted rows."""
-    lrp = aps.get("attnlrp: mean (relevance of the summed answer logits)", {})
-    norm = f"norm-weighted rows (attention='norm'), {DEFAULT_AGGREGATION}"
-    names = {"chosen (softmax rows)": chosen, "chosen (norm-weighted rows)": norm}
-    lines = ["", "On AttnLRP's samples, split by whether the generation contains a gold answer, paired with AttnLRP:",
-             "", "| samples | n | AttnLRP | " + " | ".join(f"{n} | minus AttnLRP" for n in names) + " |",
+HELD_OUT = (250, 350)  # the held-out samples of the first AttnLRP run (AtMan's still)
+ATTNLRP = "attnlrp: mean (relevance of the summed answer logits)"
+
+
+def _versus_attnlrp(title: str, groups: dict[str, list[int]], aps: dict, chosen: str) -> tuple[list[str], dict]:
+    """Markdown lines and summary of the chosen score on softmax and on norm-weighted rows against AttnLRP's on
+    each group of samples (those of a group that AttnLRP and both scores cover), paired per sample."""
+    lrp = aps.get(ATTNLRP, {})
+    names = {"chosen (softmax rows)": chosen,
+             "chosen (norm-weighted rows)": f"norm-weighted rows (attention='norm'), {DEFAULT_AGGREGATION}"}
+    lines = ["", title, "", "| samples | n | AttnLRP | " + " | ".join(f"{n} | minus AttnLRP" for n in names) + " |",
              "|---|---|---|" + "---|---|" * len(names)]
-    summary["answered_split"] = {}
-    for label, answered in (("generation contains a gold answer", True), ("it does not", False)):
-        held = [i for i in lrp if (samples[i]["answer_step"] is not None) == answered and i in aps.get(norm, {})]
+    table = {}
+    for label, members in groups.items():
+        held = [i for i in members if i in lrp and all(i in aps.get(key, {}) for key in names.values())]
+        if not held:
+            continue
         row = {"n": len(held), "attnlrp": stats([lrp[i] for i in held])}
         cells = [label, str(len(held)), cell(row["attnlrp"])]
         for name, key in names.items():
             row[name] = stats([aps[key][i] for i in held])
             row[name + " minus attnlrp"] = stats([aps[key][i] - lrp[i] for i in held])
             cells += [cell(row[name]), cell(row[name + " minus attnlrp"])]
-        summary["answered_split"][label] = row
+        table[label] = row
         lines.append("| " + " | ".join(cells) + " |")
+    return lines, table
+
+
+def against_attnlrp(aps: dict, chosen: str, summary: dict) -> list[str]:
+    """The goal, "MACS's whole answer at least AttnLRP's on the same samples", on each part of the samples
+    AttnLRP scored: the development half (where the aggregation was chosen, so biased towards MACS), the
+    confirmation half (untouched by the choice), the held-out 250-349 and all of them."""
+    parts = {f"development half {DEV[0]}-{DEV[1] - 1}": DEV, f"confirmation half {CONFIRM[0]}-{CONFIRM[1] - 1}":
+             CONFIRM, f"held-out {HELD_OUT[0]}-{HELD_OUT[1] - 1}": HELD_OUT, "all": (DEV[0], CONFIRM[1])}
+    groups = {label: [i for i in sorted(aps.get(ATTNLRP, {})) if a <= i < b] for label, (a, b) in parts.items()}
+    lines, summary["against_attnlrp"] = _versus_attnlrp(
+        "The goal on each part of AttnLRP's samples, paired with AttnLRP:", groups, aps, chosen)
     return lines
 
 
-# ---- third round: candidates from the per-layer rows ------------------------------------------------------------
+def answered_split(samples: dict[int, dict], aps: dict, chosen: str, summary: dict) -> list[str]:
+    """Where the gap to AttnLRP lies: its samples split by whether the generation contains a gold answer (the
+    model answered from the context) or not."""
+    groups = {label: [i for i in sorted(aps.get(ATTNLRP, {})) if (samples[i]["answer_step"] is not None) == answered]
+              for label, answered in (("generation contains a gold answer", True), ("it does not", False))}
+    lines, summary["answered_split"] = _versus_attnlrp(
+        "On AttnLRP's samples, split by whether the generation contains a gold answer, paired with AttnLRP:",
+        groups, aps, chosen)
+    return lines
+
+
+# ---- third and fifth rounds: candidates from the recorded rows -------------------------------------------------------
 def _sinkless_z(log_c: np.ndarray) -> np.ndarray:
     from macs_kernels.core.scores import log_zscores
 
@@ -370,7 +407,66 @@ def layer_candidates(sample: dict, record: dict) -> tuple[dict[str, np.ndarray],
         "mean over steps of each layer's m', then floor, product and z": over_steps(pooled.mean(0)),
         "max over the steps that copy a context token, minus the mean over all": copies.max(0) - z.mean(0),
     }
-    return candidates, _max_minus_mean(per_layer).T  # (N, L)
+    candidates |= step_candidates(rows, np.asarray(record["mass"], np.float64))
+    if "norm_rows" in record:  # the best step weight of the fifth round on the better row
+        candidates[f"norm-weighted rows: {PROMPT_WEIGHTED}"] = _prompt_weighted(
+            _step_z(np.asarray(record["norm_rows"], np.float64), np.asarray(record["norm_mass"], np.float64)),
+            np.asarray(record["norm_mass"], np.float64))
+    return candidates, _max_minus_mean(per_layer).T
+
+
+PROMPT_WEIGHTED = "steps weighted by their attention on the prompt: max of w z, minus mean z"
+
+
+def _macs_log_c(pooled: np.ndarray) -> np.ndarray:
+    """(steps, L, N) pooled rows -> (steps, N) log c: MACS's floor (alpha 0.8) and product over layers."""
+    from macs_kernels.ops.torch_backend import log_floor
+
+    return log_floor(torch.from_numpy(pooled), 0.8).numpy().sum(1)
+
+
+def _step_z(rows: np.ndarray, mass: np.ndarray) -> np.ndarray:
+    """The default configuration's sinkless step z-scores (steps, N) from recorded rows and mass."""
+    return _sinkless_z(_macs_log_c((rows + mass[..., None] / rows.shape[-1]).max(2)))
+
+
+def _prompt_share(mass: np.ndarray) -> np.ndarray:
+    """(steps,) each step's attention on the prompt, layers and heads alike."""
+    return np.maximum(1 - mass.mean((1, 2)), 1e-12)
+
+
+def _prompt_weighted(z: np.ndarray, mass: np.ndarray) -> np.ndarray:
+    return (_prompt_share(mass)[:, None] * z).max(0) - z.mean(0)
+
+
+def step_candidates(rows: np.ndarray, mass: np.ndarray) -> dict[str, np.ndarray]:
+    """Fifth round: the steps weighed unequally ({name: (N,) score}) from a record's rows (steps, L, H, N) and
+    their mass on generated tokens (steps, L, H).
+
+    AttnLRP's whole answer is the relevance of the summed answer logits, and the relevance of a late step flows
+    partly into the tokens generated before it rather than into the prompt; MACS's redistribution spreads that
+    share evenly over the prompt, which flattens a late step's row and lifts its peak z-scores (an answer that
+    lists four names gives the last name a larger maximum than the first). These candidates weigh each step by
+    how much it reads the prompt, discount later steps, redistribute in proportion instead of evenly, or rank
+    rather than standardise each step."""
+    z = _step_z(rows, mass)
+    mean = z.mean(0)
+    step = np.arange(len(z))[:, None]
+    ranks = (-z).argsort(1).argsort(1)  # 0: the step's top token
+    first = z[:16]
+    return {
+        PROMPT_WEIGHTED: _prompt_weighted(z, mass),
+        "the same weight in log space: max of z + log w, minus mean z":
+            (z + np.log(_prompt_share(mass))[:, None]).max(0) - mean,
+        "later steps discounted: max of z - 0.5 log(step + 1), minus mean z": (z - 0.5 * np.log1p(step)).max(0) - mean,
+        "the first 16 steps only: their max z minus their mean": first.max(0) - first.mean(0),
+        "generated tokens' attention left out (no redistribution)": _max_minus_mean(
+            _sinkless_z(_macs_log_c(rows.max(2)))),
+        "generated tokens' attention redistributed in proportion to the prompt row": _max_minus_mean(_sinkless_z(
+            _macs_log_c((rows / np.maximum(1 - mass[..., None], 1e-6)).max(2)))),
+        "reciprocal-rank fusion over steps, sum of 1 / (rank + 2)": (1 / (ranks + 2)).sum(0),
+        "mean excess of z over 2 (steps where the token stands out)": np.maximum(z - 2, 0).mean(0),
+    }
 
 
 def _fit_layer_weights(features: list[np.ndarray], labels: list[np.ndarray]) -> np.ndarray:
@@ -421,7 +517,7 @@ def layers(args) -> None:
                and (args.expensive is None or args.expensive[0] <= i < args.expensive[1])}
     held = sorted(attnlrp)
     summary = {"chosen": chosen, "held_out": held, "probe_weights": weights.tolist(), "candidates": {}}
-    text = [f"Third round: whole-answer AUC-PR of candidates built from the per-layer rows (record cache), "
+    text = [f"Third and fifth rounds: whole-answer AUC-PR of candidates built from the recorded rows (record cache), "
             f"mean [95% CI]; dev {DEV[0]}-{DEV[1] - 1}, confirm {CONFIRM[0]}-{CONFIRM[1] - 1}, and the {len(held)} "
             f"samples AttnLRP scored, paired with the chosen score and with AttnLRP's "
             f"({cell(stats([attnlrp[i] for i in held]))}).", "",
@@ -481,8 +577,8 @@ def main() -> None:
     s.add_argument("--chosen", default="max z minus mean z, sink out of each step's statistics")
     s.add_argument("--out", type=Path, default=RESULTS / "whole_answer")
     s.add_argument("--expensive", type=lambda t: tuple(int(v) for v in t.split(":")), default=None,
-                   metavar="START:STOP", help="the samples the eval ran AttnLRP or AtMan on (default: every sample "
-                                              "with either's rows in the record cache)")
+                   metavar="START:STOP", help="the samples of the last columns (default: every sample with "
+                                              "AttnLRP's or AtMan's rows from the eval run)")
     layer = sub.add_parser("layers")
     layer.add_argument("--results", type=Path, required=True)
     layer.add_argument("--records", type=Path, default=None)

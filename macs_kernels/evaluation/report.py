@@ -82,6 +82,8 @@ def summarise(path) -> dict:
     scored = list(samples.values())
     largest = max((len(parts["auc"]) for parts in methods.values()), default=0)
     subsets = {name: _on_subset(methods, name) for name in order if 0 < len(methods[name]["auc"]) < largest}
+    whole_answer_against = {name: _whole_answer_against(methods, name) for name in order
+                            if name.split(":")[0] != BASELINE and methods[name]["auc"]}
     return {
         "format": SUMMARY_FORMAT,
         "model": run.get("model"),
@@ -105,6 +107,7 @@ def summarise(path) -> dict:
         "methods": table,
         "generation_cost": _cost(costs.get(GENERATION, [])),
         "subsets": subsets,
+        "macs_whole_answer_against": whole_answer_against,
         "claims": _claims(table),
     }
 
@@ -157,14 +160,17 @@ def _on_subset(methods: dict, subset: str, baseline: str = BASELINE) -> dict:
             table[name][field] = stats([line[key] for line in lines])
             table[name][f"{field}_minus_{baseline}"] = stats([line[key] - base[line["index"]][key]
                                                               for line in lines if line["index"] in base])
-    # The goal of the whole-answer study: each of MACS's named whole-answer scores against this method's.
-    own = {line["index"]: line["aggregate"] for line in methods[subset]["auc"]}
-    macs_lines = [base[i] for i in indices if i in base and "aggregates" in base[i]]
-    whole = {name: {"auc_pr": stats([line["aggregates"][name] for line in macs_lines]),
-                    f"minus_{subset}": stats([line["aggregates"][name] - own[line["index"]] for line in macs_lines])}
-             for name in (macs_lines[0]["aggregates"] if macs_lines else {})}
-    return {"samples": len(indices), "indices": indices, "baseline": baseline, "methods": table,
-            "macs_whole_answer": whole}
+    return {"samples": len(indices), "indices": indices, "baseline": baseline, "methods": table}
+
+
+def _whole_answer_against(methods: dict, other: str, baseline: str = BASELINE) -> dict:
+    """The goal of the whole-answer study: each of MACS's named whole-answer scores paired with `other`'s
+    aggregate, on the samples `other` scores (whichever they are)."""
+    base = {line["index"]: line for line in methods.get(baseline, {"auc": []})["auc"] if "aggregates" in line}
+    own = {line["index"]: line["aggregate"] for line in methods[other]["auc"] if line["index"] in base}
+    names = next(iter(base.values()))["aggregates"] if base else {}
+    return {"n": len(own), "aggregate": stats(list(own.values())),
+            "minus": {name: stats([base[i]["aggregates"][name] - own[i] for i in own]) for name in names}}
 
 
 def _aggregates(lines: list) -> dict:
@@ -280,13 +286,15 @@ def markdown(summary: dict) -> str:
             lines.append(f"| {name} | {row['n']} | " + " | ".join(
                 f"{cell(row.get(field))} | {cell(row.get(f'{field}_minus_{base}'))}" for field, _ in SUBSET_FIELDS)
                 + " |")
-        whole = subset.get("macs_whole_answer")
-        if whole:
-            lines += ["", f"MACS's named whole-answer scores (core.AGGREGATIONS) on these samples, paired with "
-                      f"{reference}'s aggregate:", "", f"| MACS whole-answer score | AUC-PR | minus {reference} |",
-                      "|---|---|---|"]
-            lines += [f"| {name} | {cell(row['auc_pr'])} | {cell(row[f'minus_{reference}'])} |"
-                      for name, row in whole.items()]
+    against = {name: row for name, row in summary.get("macs_whole_answer_against", {}).items() if row["n"]}
+    names = next(iter(against.values()))["minus"] if against else {}
+    if names:
+        lines += ["", "MACS's named whole-answer scores (core.AGGREGATIONS) minus each other method's aggregate, "
+                  "paired per sample on that method's samples (n):", "",
+                  "| method | n | its aggregate | " + " | ".join(f"{name} minus it" for name in names) + " |",
+                  "|---|---|---|" + "---|" * len(names)]
+        lines += [f"| {method} | {row['n']} | {cell(row['aggregate'])} | "
+                  + " | ".join(cell(row["minus"][name]) for name in names) + " |" for method, row in against.items()]
     unmatched = summary["unmatched_answers"]
     relocated = summary.get("relocated_answers", {"answers": 0, "samples": 0})
     lines += [

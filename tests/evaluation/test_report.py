@@ -41,3 +41,26 @@ def test_methods_are_compared_on_the_samples_the_smaller_method_scores(tmp_path)
     assert at2["auc_pr_minus_macs"]["ci"] == pytest.approx([-2.441, 2.641], abs=2e-3)
     assert macs["auc_pr_minus_macs"]["mean"] == 0
     assert "On the 2 samples that at2 scores" in markdown(summary)
+
+
+def test_macs_named_whole_answer_scores_are_paired_with_every_other_method_on_its_samples(tmp_path):
+    lines = list(_lines())
+    for line in lines:
+        if line.get("method") == "macs":
+            line["aggregates"] = {"a": line["aggregate"], "b": line["aggregate"] / 2}
+    pooled = {"kind": "auc", "index": 0, "method": "macs:pool=mean", "best": 0.1, "best_step": 0, "step_mean": 0.1,
+              "aggregate": 0.1, "ties": TIES}  # a MACS configuration: no row of its own
+    rollout = {**pooled, "method": "rollout", "index": 1, "aggregate": 0.05}
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in [*lines, pooled, rollout]))
+    summary = summarise(path)
+    against = summary["macs_whole_answer_against"]
+    assert set(against) == {"at2", "rollout"}
+    # at2 on samples 2 and 3 (aggregates 0.5, 0.4); macs's aggregates there 0.3 and 0.2.
+    assert against["at2"]["n"] == 2 and against["at2"]["aggregate"]["mean"] == pytest.approx(0.45)
+    assert against["at2"]["minus"]["a"]["mean"] == pytest.approx(-0.2)
+    assert against["at2"]["minus"]["b"]["mean"] == pytest.approx((0.15 - 0.5 + 0.1 - 0.4) / 2)
+    assert against["rollout"]["n"] == 1 and against["rollout"]["minus"]["a"]["mean"] == pytest.approx(0.1 - 0.05)
+    text = markdown(summary)
+    assert "| method | n | its aggregate | a minus it | b minus it |" in text
+    assert "| at2 | 2 | 0.450" in text

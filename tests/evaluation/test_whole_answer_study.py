@@ -1,4 +1,4 @@
-"""The whole-answer study's per-layer candidates (benchmarks/whole_answer.py layers) against the shipped score."""
+"""The whole-answer study's recorded-row candidates (benchmarks/whole_answer.py layers) against the shipped score."""
 import sys
 from pathlib import Path
 
@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from macs_kernels.core import whole_answer_scores
+from macs_kernels.core.scores import log_zscores
 from macs_kernels.evaluation.record import macs_from_record
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -66,3 +67,63 @@ def test_the_answered_split_pairs_each_group_with_attnlrp():
         for name, key in (("chosen (softmax rows)", CHOSEN), ("chosen (norm-weighted rows)", norm_name)):
             want = np.mean([aps[key][i] - aps[lrp_name][i] for i in members])
             assert np.isclose(row[name + " minus attnlrp"]["mean"], want)
+
+
+def test_step_weights_reduce_to_the_chosen_score_when_no_attention_falls_on_generated_tokens():
+    record = random_record(steps=6, layers=3, heads=4, n=113, seed=2)
+    record["rows"] = (record["rows"] / record["rows"].astype(np.float64).sum(-1, keepdims=True)).astype(np.float16)
+    record["mass"] = np.zeros_like(record["mass"])
+    candidates = whole_answer.layer_candidates(sample_of(113, [5] * 6), record)[0]
+    for name in ("steps weighted by their attention on the prompt: max of w z, minus mean z",
+                 "the same weight in log space: max of z + log w, minus mean z",
+                 "the first 16 steps only: their max z minus their mean",
+                 "generated tokens' attention left out (no redistribution)",
+                 "generated tokens' attention redistributed in proportion to the prompt row"):
+        np.testing.assert_allclose(candidates[name], candidates[CHOSEN], rtol=1e-9, atol=1e-9, err_msg=name)
+
+
+def test_step_weights_follow_their_definitions_on_the_records_log_c():
+    record = random_record(steps=7, layers=2, heads=3, n=41, seed=3)
+    candidates = whole_answer.layer_candidates(sample_of(41, [5] * 7), record)[0]
+    z = log_zscores(torch.from_numpy(macs_from_record(record)), sinkless=True).double().numpy()
+    discounted = [max(z[t, j] - 0.5 * np.log(t + 1) for t in range(7)) - z[:, j].mean() for j in range(41)]
+    np.testing.assert_allclose(candidates["later steps discounted: max of z - 0.5 log(step + 1), minus mean z"],
+                               discounted, rtol=1e-9, atol=1e-9)
+    fused = np.zeros(41)
+    for row in z:
+        for place, j in enumerate(sorted(range(41), key=lambda j: -row[j])):
+            fused[j] += 1 / (place + 2)
+    np.testing.assert_allclose(candidates["reciprocal-rank fusion over steps, sum of 1 / (rank + 2)"], fused)
+    share = 1 - np.asarray(record["mass"]).mean((1, 2))
+    weighted = [max(share[t] * z[t, j] for t in range(7)) - z[:, j].mean() for j in range(41)]
+    np.testing.assert_allclose(candidates["steps weighted by their attention on the prompt: max of w z, minus mean z"],
+                               weighted, rtol=1e-9, atol=1e-9)
+    # The same weight on a record's norm-weighted rows, with their own mass.
+    other = random_record(steps=7, layers=2, heads=3, n=41, seed=5)
+    record |= {"norm_rows": other["rows"], "norm_mass": other["mass"]}
+    with_norm = whole_answer.layer_candidates(sample_of(41, [5] * 7), record)[0]
+    z_norm = log_zscores(torch.from_numpy(macs_from_record(record, attention="norm")), sinkless=True).double().numpy()
+    share_norm = 1 - np.asarray(other["mass"]).mean((1, 2))
+    np.testing.assert_allclose(with_norm[f"norm-weighted rows: {whole_answer.PROMPT_WEIGHTED}"],
+                               (share_norm[:, None] * z_norm).max(0) - z_norm.mean(0), rtol=1e-9, atol=1e-9)
+    # Mass on generated tokens: spreading it in proportion is not spreading it evenly.
+    assert not np.allclose(candidates["generated tokens' attention redistributed in proportion to the prompt row"],
+                           candidates[CHOSEN], atol=1e-3)
+
+
+def test_the_goal_is_paired_with_attnlrp_on_each_part_of_its_samples():
+    generator = np.random.default_rng(4)
+    scored = [10, 120, 200, 260, 300]  # AttnLRP's samples; 30 and 340 have MACS's scores only
+    norm_name = f"norm-weighted rows (attention='norm'), {whole_answer.DEFAULT_AGGREGATION}"
+    aps = {name: {i: float(generator.uniform()) for i in [*scored, 30, 340]} for name in (norm_name, CHOSEN)}
+    aps[whole_answer.ATTNLRP] = {i: float(generator.uniform()) for i in scored}
+    summary = {}
+    lines = whole_answer.against_attnlrp(aps, CHOSEN, summary)
+    parts = {"development half 0-174": [10, 120], "confirmation half 175-349": [200, 260, 300],
+             "held-out 250-349": [260, 300], "all": scored}
+    assert list(summary["against_attnlrp"]) == list(parts) and len(lines) == 5 + len(parts)
+    for label, members in parts.items():
+        row = summary["against_attnlrp"][label]
+        assert row["n"] == len(members)
+        want = np.mean([aps[CHOSEN][i] - aps[whole_answer.ATTNLRP][i] for i in members])
+        assert np.isclose(row["chosen (softmax rows) minus attnlrp"]["mean"], want)
