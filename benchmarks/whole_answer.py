@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from macs_kernels.config import DEFAULT_AGGREGATION  # noqa: E402
-from macs_kernels.evaluation.report import cell, stats  # noqa: E402
+from macs_kernels.evaluation.report import cell, indices_text, stats  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 ROWS = RESULTS / "whole_answer_rows.npz"
@@ -292,10 +292,10 @@ def study(args) -> None:
         f"Whole-answer AUC-PR of MACS's aggregations (default configuration, SmolLM2-135M-Instruct, stqa_350): "
         f"mean [95% CI] over samples; development half {DEV[0]}-{DEV[1] - 1} (the choice was made here), "
         f"confirmation half {CONFIRM[0]}-{CONFIRM[1] - 1}; 'minus chosen' is the paired difference with the chosen "
-        f"aggregation ({chosen!r}). Last columns: the {len(expensive)} samples AttnLRP or AtMan scored "
-        f"(indices {', '.join(map(str, expensive)) or '-'}), each baseline on its own samples (n), paired there.",
+        f"aggregation ({chosen!r}). Last columns: the {len(expensive)} samples of --expensive that AttnLRP or AtMan "
+        f"scored (indices {indices_text(expensive)}), each baseline on its own samples (n), paired there.",
         "",
-        "| aggregation | dev | dev minus chosen | confirm | confirm minus chosen | AttnLRP/AtMan samples "
+        "| aggregation | dev | dev minus chosen | confirm | confirm minus chosen | --expensive samples "
         "| minus chosen |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -311,7 +311,7 @@ def study(args) -> None:
     (args.out.with_suffix(".json")).write_text(json.dumps(summary, indent=1) + "\n")
 
 
-HELD_OUT = (250, 350)  # the held-out samples of the first AttnLRP run (AtMan's still)
+HELD_OUT = (250, 350)  # the held-out samples of the first AttnLRP run (AtMan's still), whatever --expensive says
 ATTNLRP = "attnlrp: mean (relevance of the summed answer logits)"
 
 
@@ -325,14 +325,14 @@ def _versus_attnlrp(title: str, groups: dict[str, list[int]], aps: dict, chosen:
              "|---|---|---|" + "---|---|" * len(names)]
     table = {}
     for label, members in groups.items():
-        held = [i for i in members if i in lrp and all(i in aps.get(key, {}) for key in names.values())]
-        if not held:
+        paired = [i for i in members if i in lrp and all(i in aps.get(key, {}) for key in names.values())]
+        if not paired:
             continue
-        row = {"n": len(held), "attnlrp": stats([lrp[i] for i in held])}
-        cells = [label, str(len(held)), cell(row["attnlrp"])]
+        row = {"n": len(paired), "attnlrp": stats([lrp[i] for i in paired])}
+        cells = [label, str(len(paired)), cell(row["attnlrp"])]
         for name, key in names.items():
-            row[name] = stats([aps[key][i] for i in held])
-            row[name + " minus attnlrp"] = stats([aps[key][i] - lrp[i] for i in held])
+            row[name] = stats([aps[key][i] for i in paired])
+            row[name + " minus attnlrp"] = stats([aps[key][i] - lrp[i] for i in paired])
             cells += [cell(row[name]), cell(row[name + " minus attnlrp"])]
         table[label] = row
         lines.append("| " + " | ".join(cells) + " |")
@@ -374,11 +374,12 @@ def _max_minus_mean(z: np.ndarray) -> np.ndarray:
 
 
 def layer_candidates(sample: dict, record: dict) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """({name: (N,) score}, (L, N) per-layer max-minus-mean features) of one sample, from its eval record."""
+    """({name: (N,) score}, (N, L) per-layer max-minus-mean features) of one sample, from its eval record."""
     from macs_kernels.ops.torch_backend import log_floor
 
     rows = np.asarray(record["rows"], np.float64)  # (steps, L, H, N)
-    pooled = (rows + np.asarray(record["mass"], np.float64)[..., None] / rows.shape[-1]).max(2)  # (steps, L, N)
+    mass = np.asarray(record["mass"], np.float64)  # (steps, L, H)
+    pooled = (rows + mass[..., None] / rows.shape[-1]).max(2)  # (steps, L, N)
     terms = log_floor(torch.from_numpy(pooled), 0.8).numpy()
     layers = terms.shape[1]
     z = _sinkless_z(terms.sum(1))
@@ -407,11 +408,11 @@ def layer_candidates(sample: dict, record: dict) -> tuple[dict[str, np.ndarray],
         "mean over steps of each layer's m', then floor, product and z": over_steps(pooled.mean(0)),
         "max over the steps that copy a context token, minus the mean over all": copies.max(0) - z.mean(0),
     }
-    candidates |= step_candidates(rows, np.asarray(record["mass"], np.float64))
+    candidates |= step_candidates(z, rows, mass)
     if "norm_rows" in record:  # the best step weight of the fifth round on the better row
+        norm_mass = np.asarray(record["norm_mass"], np.float64)
         candidates[f"norm-weighted rows: {PROMPT_WEIGHTED}"] = _prompt_weighted(
-            _step_z(np.asarray(record["norm_rows"], np.float64), np.asarray(record["norm_mass"], np.float64)),
-            np.asarray(record["norm_mass"], np.float64))
+            _step_z(np.asarray(record["norm_rows"], np.float64), norm_mass), norm_mass)
     return candidates, _max_minus_mean(per_layer).T
 
 
@@ -436,12 +437,14 @@ def _prompt_share(mass: np.ndarray) -> np.ndarray:
 
 
 def _prompt_weighted(z: np.ndarray, mass: np.ndarray) -> np.ndarray:
+    """max over steps of w z minus the mean z: a weight below 1 shrinks a step's z towards 0, so it demotes the
+    peaks of steps that read little of the prompt (and lifts a token's negative z at those steps alike)."""
     return (_prompt_share(mass)[:, None] * z).max(0) - z.mean(0)
 
 
-def step_candidates(rows: np.ndarray, mass: np.ndarray) -> dict[str, np.ndarray]:
-    """Fifth round: the steps weighed unequally ({name: (N,) score}) from a record's rows (steps, L, H, N) and
-    their mass on generated tokens (steps, L, H).
+def step_candidates(z: np.ndarray, rows: np.ndarray, mass: np.ndarray) -> dict[str, np.ndarray]:
+    """Fifth round: the steps weighed unequally ({name: (N,) score}) from the default configuration's step
+    z-scores z (steps, N) of a record's rows (steps, L, H, N) and their mass on generated tokens (steps, L, H).
 
     AttnLRP's whole answer is the relevance of the summed answer logits, and the relevance of a late step flows
     partly into the tokens generated before it rather than into the prompt; MACS's redistribution spreads that
@@ -449,7 +452,6 @@ def step_candidates(rows: np.ndarray, mass: np.ndarray) -> dict[str, np.ndarray]
     lists four names gives the last name a larger maximum than the first). These candidates weigh each step by
     how much it reads the prompt, discount later steps, redistribute in proportion instead of evenly, or rank
     rather than standardise each step."""
-    z = _step_z(rows, mass)
     mean = z.mean(0)
     step = np.arange(len(z))[:, None]
     ranks = (-z).argsort(1).argsort(1)  # 0: the step's top token
@@ -519,9 +521,9 @@ def layers(args) -> None:
     summary = {"chosen": chosen, "held_out": held, "probe_weights": weights.tolist(), "candidates": {}}
     text = [f"Third and fifth rounds: whole-answer AUC-PR of candidates built from the recorded rows (record cache), "
             f"mean [95% CI]; dev {DEV[0]}-{DEV[1] - 1}, confirm {CONFIRM[0]}-{CONFIRM[1] - 1}, and the {len(held)} "
-            f"samples AttnLRP scored, paired with the chosen score and with AttnLRP's "
-            f"({cell(stats([attnlrp[i] for i in held]))}).", "",
-            "| candidate | dev | dev minus chosen | confirm | AttnLRP's samples | minus chosen | minus AttnLRP |",
+            f"samples of --expensive that AttnLRP scored ({indices_text(held)}), paired with the chosen score and "
+            f"with AttnLRP's ({cell(stats([attnlrp[i] for i in held]))}).", "",
+            "| candidate | dev | dev minus chosen | confirm | --expensive samples | minus chosen | minus AttnLRP |",
             "|---|---|---|---|---|---|---|"]
     for name, by_index in aps.items():
         row = {half: stats([v for i, v in by_index.items() if a <= i < b]) for half, (a, b) in
@@ -556,7 +558,7 @@ def plot_layers(summary: dict, attnlrp: dict, path: Path) -> None:
             low, high = stat["ci"] or (stat["mean"], stat["mean"])
             y = row + 0.2 * (offset - 0.5)
             axis.errorbar(stat["mean"], y, xerr=[[stat["mean"] - low], [high - stat["mean"]]], fmt="o", color=colour,
-                          label={"dev": "dev 0-174", "held_out": "AttnLRP's samples"}[half] if row == 0 else None)
+                          label={"dev": "dev 0-174", "held_out": "--expensive samples"}[half] if row == 0 else None)
     axis.axvline(attnlrp["mean"], color="tab:red", linestyle="--", label=f"AttnLRP {attnlrp['mean']:.3f}")
     axis.set_yticks(range(len(names)), [name if len(name) < 60 else name[:57] + "..." for name in names], fontsize=8)
     axis.invert_yaxis()

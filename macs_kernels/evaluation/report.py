@@ -168,7 +168,9 @@ def _whole_answer_against(methods: dict, other: str, baseline: str = BASELINE) -
     aggregate, on the samples `other` scores (whichever they are)."""
     base = {line["index"]: line for line in methods.get(baseline, {"auc": []})["auc"] if "aggregates" in line}
     own = {line["index"]: line["aggregate"] for line in methods[other]["auc"] if line["index"] in base}
-    names = next(iter(base.values()))["aggregates"] if base else {}
+    # Lines written by older code may lack a later name: only the names every line has are compared.
+    names = [name for name in next(iter(base.values()))["aggregates"] if all(name in line["aggregates"]
+                                                                             for line in base.values())] if base else []
     return {"n": len(own), "aggregate": stats(list(own.values())),
             "minus": {name: stats([base[i]["aggregates"][name] - own[i] for i in own]) for name in names}}
 
@@ -220,7 +222,7 @@ def _cost_text(cost: dict | None) -> str:
             f"(n={len(cost['samples'])}) | {peak}")
 
 
-def _indices_text(indices) -> str:
+def indices_text(indices) -> str:
     """[250, 251, 252, 260] -> '250-252, 260'."""
     runs, out = [], []
     for i in sorted(indices):
@@ -269,13 +271,13 @@ def markdown(summary: dict) -> str:
                   "memory above the process before the method (mean; largest), on this machine as run. In-generation "
                   "methods: a whole greedy generation with the method; after-generation methods (marked +): their own "
                   f"pass, to add to the generation's. Plain greedy generation: {_cost_text(generation)} "
-                  f"(samples {_indices_text(generation['samples'])})."]
+                  f"(samples {indices_text(generation['samples'])})."]
     for reference, subset in summary.get("subsets", {}).items():
         base = subset.get("baseline", reference)
         lines += [
             "",
             f"On the {subset['samples']} samples that {reference} scores (indices "
-            f"{_indices_text(subset.get('indices', []))}), paired differences with {base} (mean [95% CI] of "
+            f"{indices_text(subset.get('indices', []))}), paired differences with {base} (mean [95% CI] of "
             f"method - {base} per sample):",
             "",
             f"| method | n | AUC-PR (best step) | minus {base} | AUC-PR (mean over steps) | minus {base} "

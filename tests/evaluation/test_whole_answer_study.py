@@ -83,10 +83,11 @@ def test_step_weights_reduce_to_the_chosen_score_when_no_attention_falls_on_gene
 
 
 def test_step_weights_follow_their_definitions_on_the_records_log_c():
-    record = random_record(steps=7, layers=2, heads=3, n=41, seed=3)
-    candidates = whole_answer.layer_candidates(sample_of(41, [5] * 7), record)[0]
+    steps = 20  # more than the 16 first steps one candidate keeps
+    record = random_record(steps=steps, layers=2, heads=3, n=41, seed=3)
+    candidates = whole_answer.layer_candidates(sample_of(41, [5] * steps), record)[0]
     z = log_zscores(torch.from_numpy(macs_from_record(record)), sinkless=True).double().numpy()
-    discounted = [max(z[t, j] - 0.5 * np.log(t + 1) for t in range(7)) - z[:, j].mean() for j in range(41)]
+    discounted = [max(z[t, j] - 0.5 * np.log(t + 1) for t in range(steps)) - z[:, j].mean() for j in range(41)]
     np.testing.assert_allclose(candidates["later steps discounted: max of z - 0.5 log(step + 1), minus mean z"],
                                discounted, rtol=1e-9, atol=1e-9)
     fused = np.zeros(41)
@@ -95,13 +96,28 @@ def test_step_weights_follow_their_definitions_on_the_records_log_c():
             fused[j] += 1 / (place + 2)
     np.testing.assert_allclose(candidates["reciprocal-rank fusion over steps, sum of 1 / (rank + 2)"], fused)
     share = 1 - np.asarray(record["mass"]).mean((1, 2))
-    weighted = [max(share[t] * z[t, j] for t in range(7)) - z[:, j].mean() for j in range(41)]
+    weighted = [max(share[t] * z[t, j] for t in range(steps)) - z[:, j].mean() for j in range(41)]
     np.testing.assert_allclose(candidates["steps weighted by their attention on the prompt: max of w z, minus mean z"],
                                weighted, rtol=1e-9, atol=1e-9)
+    in_log_space = [max(z[t, j] + np.log(share[t]) for t in range(steps)) - z[:, j].mean() for j in range(41)]
+    np.testing.assert_allclose(candidates["the same weight in log space: max of z + log w, minus mean z"],
+                               in_log_space, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(candidates["the first 16 steps only: their max z minus their mean"],
+                               z[:16].max(0) - z[:16].mean(0), rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(candidates["mean excess of z over 2 (steps where the token stands out)"],
+                               [sum(max(z[t, j] - 2, 0) for t in range(steps)) / steps for j in range(41)])
+    # In proportion: each head's row over the prompt divided by its share of the prompt, i.e. a record whose rows
+    # carry all the mass, scored without redistribution.
+    rows = np.asarray(record["rows"], np.float64)
+    scaled = {"rows": rows / (1 - np.asarray(record["mass"]))[..., None], "mass": np.zeros_like(record["mass"])}
+    z_scaled = log_zscores(torch.from_numpy(macs_from_record(scaled)), sinkless=True).double().numpy()
+    np.testing.assert_allclose(
+        candidates["generated tokens' attention redistributed in proportion to the prompt row"],
+        z_scaled.max(0) - z_scaled.mean(0), rtol=1e-9, atol=1e-9)
     # The same weight on a record's norm-weighted rows, with their own mass.
-    other = random_record(steps=7, layers=2, heads=3, n=41, seed=5)
+    other = random_record(steps=steps, layers=2, heads=3, n=41, seed=5)
     record |= {"norm_rows": other["rows"], "norm_mass": other["mass"]}
-    with_norm = whole_answer.layer_candidates(sample_of(41, [5] * 7), record)[0]
+    with_norm = whole_answer.layer_candidates(sample_of(41, [5] * steps), record)[0]
     z_norm = log_zscores(torch.from_numpy(macs_from_record(record, attention="norm")), sinkless=True).double().numpy()
     share_norm = 1 - np.asarray(other["mass"]).mean((1, 2))
     np.testing.assert_allclose(with_norm[f"norm-weighted rows: {whole_answer.PROMPT_WEIGHTED}"],
