@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from macs_kernels.config import DEFAULT_AGGREGATION  # noqa: E402
+from macs_kernels.evaluation.record import macs_from_record  # noqa: E402
 from macs_kernels.evaluation.report import cell, indices_text, stats  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -49,7 +50,6 @@ DEV, CONFIRM = (0, 175), (175, 350)
 def extract(args) -> None:
     from macs_kernels.evaluation.alignment import align_qa
     from macs_kernels.evaluation.data import load_qa
-    from macs_kernels.evaluation.record import macs_from_record
     from macs_kernels.evaluation.record_cache import load_record, load_rows, records_dir
     from macs_kernels.evaluation.report import current_lines
     from macs_kernels.evaluation.store import read_results
@@ -410,25 +410,12 @@ def layer_candidates(sample: dict, record: dict) -> tuple[dict[str, np.ndarray],
     }
     candidates |= step_candidates(z, rows, mass)
     if "norm_rows" in record:  # the best step weight of the fifth round on the better row
-        norm_mass = np.asarray(record["norm_mass"], np.float64)
         candidates[f"norm-weighted rows: {PROMPT_WEIGHTED}"] = _prompt_weighted(
-            _step_z(np.asarray(record["norm_rows"], np.float64), norm_mass), norm_mass)
+            _sinkless_z(macs_from_record(record, attention="norm")), np.asarray(record["norm_mass"], np.float64))
     return candidates, _max_minus_mean(per_layer).T
 
 
 PROMPT_WEIGHTED = "steps weighted by their attention on the prompt: max of w z, minus mean z"
-
-
-def _macs_log_c(pooled: np.ndarray) -> np.ndarray:
-    """(steps, L, N) pooled rows -> (steps, N) log c: MACS's floor (alpha 0.8) and product over layers."""
-    from macs_kernels.ops.torch_backend import log_floor
-
-    return log_floor(torch.from_numpy(pooled), 0.8).numpy().sum(1)
-
-
-def _step_z(rows: np.ndarray, mass: np.ndarray) -> np.ndarray:
-    """The default configuration's sinkless step z-scores (steps, N) from recorded rows and mass."""
-    return _sinkless_z(_macs_log_c((rows + mass[..., None] / rows.shape[-1]).max(2)))
 
 
 def _prompt_share(mass: np.ndarray) -> np.ndarray:
@@ -462,10 +449,11 @@ def step_candidates(z: np.ndarray, rows: np.ndarray, mass: np.ndarray) -> dict[s
             (z + np.log(_prompt_share(mass))[:, None]).max(0) - mean,
         "later steps discounted: max of z - 0.5 log(step + 1), minus mean z": (z - 0.5 * np.log1p(step)).max(0) - mean,
         "the first 16 steps only: their max z minus their mean": first.max(0) - first.mean(0),
-        "generated tokens' attention left out (no redistribution)": _max_minus_mean(
-            _sinkless_z(_macs_log_c(rows.max(2)))),
+        "generated tokens' attention left out (no redistribution)": _max_minus_mean(_sinkless_z(
+            macs_from_record({"rows": rows, "mass": mass}, redistribute=False))),
         "generated tokens' attention redistributed in proportion to the prompt row": _max_minus_mean(_sinkless_z(
-            _macs_log_c((rows / np.maximum(1 - mass[..., None], 1e-6)).max(2)))),
+            macs_from_record({"rows": rows / np.maximum(1 - mass[..., None], 1e-6), "mass": mass},
+                             redistribute=False))),
         "reciprocal-rank fusion over steps, sum of 1 / (rank + 2)": (1 / (ranks + 2)).sum(0),
         "mean excess of z over 2 (steps where the token stands out)": np.maximum(z - 2, 0).mean(0),
     }
