@@ -62,7 +62,7 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
-        "transformers>=4.56,<5.24",  # 5.24 renames past_key_values to cache in every forward: not yet ported
+        "transformers>=4.56,<5.25",  # tested through 5.24; 5.24 renamed the cache keyword under every tracer
         "safetensors",
         "tqdm",
         "rich",

@@ -3,6 +3,7 @@
     python benchmarks/whole_answer.py extract --results R.jsonl   # per-step rows -> whole_answer_rows.npz
     python benchmarks/whole_answer.py study                        # candidate table -> whole_answer.{md,json}
     python benchmarks/whole_answer.py layers --results R.jsonl    # recorded-row candidates -> whole_answer_layers.*
+    python benchmarks/whole_answer.py logit                        # logit-scaled candidates -> whole_answer_logit.*
 
 extract reads an eval results stream (macs-kernels eval --out R.jsonl) and the record cache it filled, and
 keeps, per scored sample: the default MACS configuration's log c of every step over every prompt token
@@ -24,6 +25,11 @@ some layers, attention aggregated over steps before the floor and the product, s
 and a per-layer weighting fitted on the development half's gold labels (a supervised probe of what the rows
 hold, not a candidate for the default: it learns from the labels the metric uses). The fifth round adds, from the
 same records, candidates that weigh the steps unequally (step_candidates).
+
+logit (the sixth round) adds a row scaled by the logit, as AttnLRP's relevance is: the direct logit attribution
+through attention of each step's generated token (direct_logit_rows, one teacher-forced eager forward per sample,
+kept in the rows file), alone and added to the chosen score, and combinations of the softmax and norm-weighted rows
+and soft maxima over the steps (logit_candidates).
 """
 from __future__ import annotations
 
@@ -531,14 +537,152 @@ def layers(args) -> None:
     plot_layers(summary, stats([attnlrp[i] for i in held]), args.out.with_suffix(".png"))
 
 
-def plot_layers(summary: dict, attnlrp: dict, path: Path) -> None:
-    """Each candidate's whole-answer AUC-PR on dev and on AttnLRP's samples (95% CI), AttnLRP's as a line."""
+# ---- sixth round: a logit-scaled row, and the rows combined ---------------------------------------------------------
+@torch.no_grad()
+def direct_logit_rows(model, prompt, generated) -> np.ndarray:
+    """(K, N + K - 1) float64 direct logit attribution through attention of a generation's K tokens.
+
+    Row k (the query at token N - 1 + k, which made generated[k]) holds each key j's part of that token's logit
+    that the attention layers write straight into the residual stream: the sum over layers and heads of
+    a_kj <W_O^h v_j, g_k>, with g_k = gamma * W_U[generated[k]] / rms(x_k) and x_k the final norm's input (its
+    scale held fixed, as AttnLRP holds the norm's). Keys after the query are 0. A Llama-style model (RMSNorm,
+    o_proj without bias) in eager attention, so that the forward returns its attention probabilities."""
+    layers, norm = model.model.layers, model.model.norm
+    if type(norm).__name__ != "LlamaRMSNorm" or any(layer.self_attn.o_proj.bias is not None for layer in layers):
+        raise NotImplementedError("direct_logit_rows takes a Llama-style model (LlamaRMSNorm, o_proj without bias)")
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    n, steps = len(prompt), len(generated)
+    ids = torch.as_tensor(np.r_[prompt, generated[:-1]], dtype=torch.long)[None]
+    values, final = {}, {}
+    hooks = [layer.self_attn.v_proj.register_forward_hook(
+        lambda module, args, out, index=index: values.__setitem__(index, out)) for index, layer in enumerate(layers)]
+    hooks.append(norm.register_forward_pre_hook(lambda module, args: final.__setitem__("x", args[0])))
+    try:
+        attentions = model(ids, output_attentions=True).attentions
+    finally:
+        for hook in hooks:
+            hook.remove()
+    queries = torch.arange(n - 1, n - 1 + steps)
+    x = final["x"][0, queries].double()
+    unembedding = model.lm_head.weight.double()[torch.as_tensor(generated, dtype=torch.long)]
+    directions = norm.weight.double() * unembedding / torch.sqrt(x.square().mean(-1, keepdim=True)
+                                                                  + norm.variance_epsilon)
+    rows = torch.zeros(steps, ids.shape[1], dtype=torch.float64)
+    for index, layer in enumerate(layers):
+        read = (directions @ layer.self_attn.o_proj.weight.double()).view(steps, heads, head_dim)
+        keys = values[index][0].double().view(-1, kv_heads, head_dim).repeat_interleave(heads // kv_heads, dim=1)
+        rows += (attentions[index][0][:, queries].double().transpose(0, 1)
+                 * torch.einsum("khd,shd->khs", read, keys)).sum(1)
+    return rows.numpy()
+
+
+def _z(rows: np.ndarray) -> np.ndarray:
+    from macs_kernels.core.scores import log_zscores
+
+    return log_zscores(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float64))).double().numpy()
+
+
+DLA = "direct logit attribution through attention (DLA)"
+
+
+def logit_candidates(sample: dict) -> dict[str, np.ndarray]:
+    """Sixth round ({name: (N,) score}): the DLA rows of one sample (sample["logit"], (steps, N)) alone and added to
+    the chosen score; the softmax and norm-weighted rows together; soft maxima over the steps."""
+    z = _sinkless_z(sample["log_c"].astype(np.float64))
+    chosen, mean = _max_minus_mean(z), z.mean(0)
+    logit = sample["logit"].astype(np.float64)
+    dla_mean = _z(logit.mean(0)[None])[0]
+    candidates = {
+        "max z minus mean z, sink out of each step's statistics": chosen,
+        f"{DLA}: mean over steps (AttnLRP's aggregation)": logit.mean(0),
+        f"{DLA}: mean over steps of its positive part": np.maximum(logit, 0).mean(0),
+        f"{DLA}: max z minus mean z": _max_minus_mean(_z(logit)),
+        "chosen score + 0.5 z of the DLA mean": chosen + 0.5 * dla_mean,
+        "chosen score + z of the DLA mean": chosen + dla_mean,
+    }
+    for temperature in (0.5, 1.0):
+        soft = temperature * np.log(np.exp((z - z.max(0)) / temperature).mean(0)) + z.max(0)
+        candidates[f"soft maximum over steps, T log mean exp(z / T) minus mean z, T = {temperature}"] = soft - mean
+    if "norm_log_c" in sample:
+        norm_log_c = sample["norm_log_c"].astype(np.float64)
+        norm = _max_minus_mean(_sinkless_z(norm_log_c))
+        candidates |= {
+            "softmax and norm-weighted rows: their chosen scores summed": chosen + norm,
+            "softmax and norm-weighted rows: log c summed (c multiplied), then the chosen score":
+                _max_minus_mean(_sinkless_z(sample["log_c"].astype(np.float64) + norm_log_c)),
+            "norm-weighted rows' chosen score + 0.5 z of the DLA mean": norm + 0.5 * dla_mean,
+        }
+    return candidates
+
+
+def logit(args) -> None:
+    samples = load(args.rows)
+    missing = sorted(i for i, sample in samples.items() if "logit" not in sample)
+    if missing:  # one teacher-forced forward per sample, kept in the rows file for the next run
+        from tqdm import tqdm
+
+        from macs_kernels.models import load_model
+
+        model, _ = load_model(attn_implementation="eager")
+        with np.load(args.rows) as stored:
+            data = {key: stored[key] for key in stored.files}
+        for index in tqdm(missing, desc="DLA rows"):
+            sample = samples[index]
+            rows = direct_logit_rows(model, sample["prompt"], sample["generated"])[:, : len(sample["prompt"])]
+            sample["logit"] = data[f"s{index}_logit"] = rows.astype(np.float32)
+        np.savez_compressed(args.rows, **data)
+    aps: dict[str, dict[int, float]] = {}
+    for index, sample in samples.items():
+        start, stop = sample["context"]
+        for name, score in logit_candidates(sample).items():
+            aps.setdefault(name, {})[index] = _ap(score[start:stop], sample["labels"])
+        if "attnlrp" in sample:
+            aps.setdefault(ATTNLRP, {})[index] = _ap(baseline_candidates(sample["attnlrp"], sample["context"])[
+                "mean (relevance of the summed answer logits)"], sample["labels"])
+    chosen = "max z minus mean z, sink out of each step's statistics"
+    lrp = aps.get(ATTNLRP, {})
+    answered = [i for i in lrp if samples[i]["answer_step"] is not None]
+    parts = {"dev": [i for i in aps[chosen] if DEV[0] <= i < DEV[1]],
+             "confirm": [i for i in aps[chosen] if CONFIRM[0] <= i < CONFIRM[1]]}
+    summary = {"chosen": chosen, "attnlrp": stats(list(lrp.values())), "candidates": {}}
+    text = [f"Sixth round: whole-answer AUC-PR of logit-scaled and combined candidates, mean [95% CI]; dev "
+            f"{DEV[0]}-{DEV[1] - 1} (where a choice would be made), confirm {CONFIRM[0]}-{CONFIRM[1] - 1}; paired with "
+            f"the chosen score and with AttnLRP's whole answer ({cell(summary['attnlrp'])}, n={len(lrp)}) on all of "
+            f"its samples, on the confirmation half and on the {len(answered)} whose generation contains a gold "
+            f"answer.", "",
+            "| candidate | dev | dev minus chosen | confirm | confirm minus chosen | all minus AttnLRP "
+            "| confirm minus AttnLRP | answered minus AttnLRP |", "|---|---|---|---|---|---|---|---|"]
+    for name, by_index in aps.items():
+        if name == ATTNLRP:
+            continue
+        row = {}
+        for part, members in parts.items():
+            row[part] = stats([by_index[i] for i in members])
+            row[part + "_minus_chosen"] = stats([by_index[i] - aps[chosen][i] for i in members])
+        for part, members in (("all", sorted(lrp)), ("confirm", parts["confirm"]), ("answered", answered)):
+            row[part + "_minus_attnlrp"] = stats([by_index[i] - lrp[i] for i in members if i in lrp])
+        summary["candidates"][name] = row
+        text.append(f"| {name} | {cell(row['dev'])} | {cell(row['dev_minus_chosen'])} | {cell(row['confirm'])} | "
+                    f"{cell(row['confirm_minus_chosen'])} | {cell(row['all_minus_attnlrp'])} | "
+                    f"{cell(row['confirm_minus_attnlrp'])} | {cell(row['answered_minus_attnlrp'])} |")
+    report = "\n".join(text) + "\n"
+    print(report)
+    args.out.with_suffix(".md").write_text(report)
+    args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot_layers(summary, summary["attnlrp"], args.out.with_suffix(".png"), second=("confirm", "confirm 175-349"))
+
+
+def plot_layers(summary: dict, attnlrp: dict, path: Path, second=("held_out", "--expensive samples")) -> None:
+    """Each candidate's whole-answer AUC-PR on dev and on the `second` part (key in each candidate's row, label)
+    of the samples (95% CI), AttnLRP's as a line."""
     from macs_kernels.bench.common import pyplot, save_figure
 
     plt = pyplot()
     names = list(summary["candidates"])
     figure, axis = plt.subplots(figsize=(10, 0.45 * len(names) + 1.5))
-    for offset, (half, colour) in enumerate((("dev", "tab:blue"), ("held_out", "tab:orange"))):
+    for offset, (half, colour) in enumerate((("dev", "tab:blue"), (second[0], "tab:orange"))):
         for row, name in enumerate(names):
             stat = summary["candidates"][name][half]
             if stat["mean"] is None:
@@ -546,7 +690,7 @@ def plot_layers(summary: dict, attnlrp: dict, path: Path) -> None:
             low, high = stat["ci"] or (stat["mean"], stat["mean"])
             y = row + 0.2 * (offset - 0.5)
             axis.errorbar(stat["mean"], y, xerr=[[stat["mean"] - low], [high - stat["mean"]]], fmt="o", color=colour,
-                          label={"dev": "dev 0-174", "held_out": "--expensive samples"}[half] if row == 0 else None)
+                          label={"dev": "dev 0-174", second[0]: second[1]}[half] if row == 0 else None)
     axis.axvline(attnlrp["mean"], color="tab:red", linestyle="--", label=f"AttnLRP {attnlrp['mean']:.3f}")
     axis.set_yticks(range(len(names)), [name if len(name) < 60 else name[:57] + "..." for name in names], fontsize=8)
     axis.invert_yaxis()
@@ -576,13 +720,16 @@ def main() -> None:
     layer.add_argument("--out", type=Path, default=RESULTS / "whole_answer_layers")
     layer.add_argument("--expensive", type=lambda t: tuple(int(v) for v in t.split(":")), default=None,
                        metavar="START:STOP", help="the samples to compare with AttnLRP on (default: all it scored)")
+    g = sub.add_parser("logit")
+    g.add_argument("--rows", type=Path, default=ROWS)
+    g.add_argument("--out", type=Path, default=RESULTS / "whole_answer_logit")
     b = sub.add_parser("best-step")
     b.add_argument("--results", type=Path, required=True)
     b.add_argument("--method", default="macs")
     b.add_argument("--out", type=Path, default=RESULTS / "best_step_readings.md")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    {"extract": extract, "study": study, "layers": layers, "best-step": best_step}[args.command](args)
+    {"extract": extract, "study": study, "layers": layers, "logit": logit, "best-step": best_step}[args.command](args)
 
 
 

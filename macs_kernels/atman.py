@@ -27,6 +27,8 @@ import itertools
 
 import torch
 
+from .hf_models import returned_cache
+
 FACTOR = 0.1
 THRESHOLD = 0.7
 KWARG = "atman_factors"
@@ -156,7 +158,7 @@ def relevance(model, input_ids, generated_ids, *, factor: float = FACTOR, thresh
             raise ValueError(f"{type(model).__name__}'s attention does not go through transformers' "
                              "AttentionInterface in every layer: AtMan cannot suppress tokens in it")
         clean_ce = cross_entropy(clean.logits)[0]
-        layers = clean.past_key_values.layers
+        layers = returned_cache(clean).layers
         ordered = sorted(tokens, key=starts.get)
         for batch in (ordered[i:i + batch_size] for i in range(0, len(ordered), batch_size)):
             start, size = starts[batch[0]], len(batch)

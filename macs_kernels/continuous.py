@@ -45,6 +45,9 @@ __all__ = ["ContinuousTracer", "Segments", "attach_continuous", "macs_pool_packe
 # function a block table on decode steps instead of packed keys.
 WRAPPED_NAMES = ("sdpa", "paged|eager")
 _TRACER_ATTRIBUTE = "_macs_continuous_tracer"
+# From transformers 5.24 the attention module updates the paged cache itself and hands its attention function only
+# what it read: a pre-hook keeps the module's cache and its keywords before that update (the pass's layout).
+_MODULE_CALL_ATTRIBUTE = "_macs_continuous_call"
 _PER_REQUEST_FIELDS = ("alpha", "pooling", "redistribute", "attention", "fused_decode")
 AT2_FEATURES = "at2_features"
 
@@ -67,13 +70,18 @@ def _continuous_attention(original):
         )
 
         tracer = getattr(module, _TRACER_ATTRIBUTE, None)
-        cache = kwargs.get("cache")
+        call = None if "cache" in kwargs else getattr(module, _MODULE_CALL_ATTRIBUTE, None)
+        cache = kwargs.get("cache") if call is None else call.get("cache")
         if tracer is None or not isinstance(cache, PagedAttentionCache):
             return original(module, query, key, value, attention_mask, **kwargs)
-        return tracer.attention(module, query, key, value, attention_mask, original, **kwargs)
+        return tracer.attention(module, query, key, value, attention_mask, original, call, **kwargs)
 
     forward.__wrapped__ = original
     return forward
+
+
+def _keep_module_call(module, args, kwargs) -> None:
+    setattr(module, _MODULE_CALL_ATTRIBUTE, dict(kwargs))
 
 
 _install_lock = threading.Lock()
@@ -416,20 +424,28 @@ class ContinuousTracer:
             for j, r in enumerate(step.scorer.keep.tolist()):
                 self.store.add(step.keys[r][0], AT2_FEATURES, kept[:, j, :, : step.scorer.segments.n_input[r]])
 
-    def attention(self, module, query, key, value, attention_mask, inner, **kwargs):
+    def attention(self, module, query, key, value, attention_mask, inner, module_call=None, **kwargs):
         """One layer of a packed pass: the paged cache's update, the wrapped implementation on the keys it
         read (its output untouched) or, in a fused pass, the output from the probabilities MACS scores, and
-        this layer's MACS term for the rows that emit a token."""
+        this layer's MACS term for the rows that emit a token.
+
+        module_call: None when the paged cache comes in `kwargs` (transformers before 5.24: updated here); else
+        the module's own keywords before it updated the cache itself (from 5.24), `kwargs` being what that update
+        left."""
         layer = module.layer_idx
-        cache = kwargs.pop("cache")
-        updated = dict(kwargs)
-        key, value = cache.update(key_states=key, value_states=value, layer_idx=layer, kwargs=updated)
+        if module_call is None:
+            cache = kwargs.pop("cache")
+            updated = dict(kwargs)
+            key, value = cache.update(key_states=key, value_states=value, layer_idx=layer, kwargs=updated)
+            layout = kwargs
+        else:  # the pass's layout as it was before the module's update; the window comes with kwargs alone
+            cache, updated, layout = module_call["cache"], kwargs, {**kwargs, **module_call}
         if layer == 0:
-            self._begin_pass(cache, kwargs, key.device)
+            self._begin_pass(cache, layout, key.device)
         step = self._pass
         scale = kwargs.get("scaling")
         scale = float(scale if scale is not None else getattr(module, "scaling", query.shape[-1] ** -0.5))
-        variant = layer_variant(kwargs, 0)
+        variant = layer_variant(updated, 0)
         segments = None if step is None else self._window_segments(variant.window, updated["cu_seq_lens_k"])
         if step is not None and step.fused:
             result = (step.scorer.decode(layer, query, key, value, scale, variant, segments), None)
@@ -551,8 +567,10 @@ def attach_continuous(model, *, manager=None, keep_finished: int = 256, **config
         return created
 
     _install()
+    calls = []
     for module in modules.values():
         setattr(module, _TRACER_ATTRIBUTE, tracer)
+        calls.append(module.register_forward_pre_hook(_keep_module_call, with_kwargs=True))
     model.init_continuous_batching = init_continuous_batching
     try:
         yield tracer
@@ -563,5 +581,8 @@ def attach_continuous(model, *, manager=None, keep_finished: int = 256, **config
             model.init_continuous_batching = own_init
         for module in modules.values():
             delattr(module, _TRACER_ATTRIBUTE)
+            vars(module).pop(_MODULE_CALL_ATTRIBUTE, None)
+        for call in calls:
+            call.remove()
         _uninstall()
         tracer._close()

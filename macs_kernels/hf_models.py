@@ -7,10 +7,6 @@ import torch
 from .core import support
 from .ops.variant import PLAIN, Variant
 
-# transformers 5.24 hands the cache to every forward as `cache` (no longer `past_key_values`); the tracers read it
-# by the old name, so a window layer's keys would be placed at the wrong tokens. setup.py holds transformers below.
-FIRST_UNSUPPORTED_TRANSFORMERS = (5, 24)
-
 
 def _compiled(function) -> bool:
     return hasattr(function, "_torchdynamo_orig_callable") or hasattr(function, "_orig_mod")
@@ -26,7 +22,6 @@ def _attention_modules(model) -> dict[int, torch.nn.Module]:
 
 def check_model(model) -> dict[int, torch.nn.Module]:
     """The model's attention modules by layer, or a clear error when MACS cannot trace this model."""
-    check_transformers()
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "_attn_implementation"):
         raise TypeError(f"{type(model).__name__} is not a transformers model")
@@ -46,20 +41,17 @@ def check_model(model) -> dict[int, torch.nn.Module]:
     return modules
 
 
-def check_transformers(version: str | None = None) -> None:
-    """Refuse a transformers release whose cache hand-over the tracers do not read (default: the installed one)."""
-    from packaging.version import Version
+def passed_cache(kwargs: dict):
+    """The cache a forward or generate call was handed, or None: transformers 5.24 names it `cache`, earlier
+    releases `past_key_values` (5.24 still takes the old name)."""
+    cache = kwargs.get("cache")
+    return kwargs.get("past_key_values") if cache is None else cache
 
-    if version is None:
-        import transformers
 
-        version = transformers.__version__
-    if Version(version).release[:2] >= FIRST_UNSUPPORTED_TRANSFORMERS:
-        first = ".".join(map(str, FIRST_UNSUPPORTED_TRANSFORMERS))
-        raise NotImplementedError(
-            f"transformers {version} is not supported: from {first} on, models take their cache as `cache` rather "
-            f"than `past_key_values`, which the tracers read; install transformers<{first} (setup.py's pin)"
-        )
+def returned_cache(output):
+    """The cache a forward returned: `output.cache` from transformers 5.24 on, `output.past_key_values` before."""
+    cache = getattr(output, "cache", None)
+    return output.past_key_values if cache is None else cache
 
 
 def attention_variants(model) -> tuple[str, ...]:

@@ -11,6 +11,7 @@ import dataclasses
 import torch
 
 from .config import MacsConfig
+from .hf_models import returned_cache
 from .tracing import attach, check_model
 
 
@@ -67,7 +68,7 @@ def trace_tensors(model, input_ids, generated_ids, *, at2: bool = False, **confi
         hooks.append(capture)
     with attach(model, hooks=hooks, keep_pooled=True, **macs_config.as_dict()) as tracer:
         output = model(input_ids=prompt[None].to(device), use_cache=True, logits_to_keep=1)
-        cache = output.past_key_values
+        cache = returned_cache(output)
         for token in generated[:-1].tolist():
             model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True,
                   logits_to_keep=1)

@@ -43,7 +43,7 @@ import torch
 from .config import MacsConfig
 from .core import NAN_MESSAGE, DenseRows, Kernels, paper_zscores, support
 from .distributed import HeadShards, head_shards
-from .hf_models import check_model, check_variants, layer_variant, window_key_offset
+from .hf_models import check_model, check_variants, layer_variant, passed_cache, window_key_offset
 from .ops import torch_backend
 from .ops._dispatch import resolve_backend
 from .ops.variant import PLAIN
@@ -130,7 +130,7 @@ def check_generate(model, generate_kwargs: dict, *, attention: str = "softmax") 
             f"cache_implementation={cache_implementation!r} is not supported; use one of "
             f"{SUPPORTED_CACHE_IMPLEMENTATIONS}"
         )
-    cache = model_kwargs.get("past_key_values")
+    cache = passed_cache(model_kwargs)
     if cache is not None and type(cache) not in (DynamicCache, StaticCache):
         raise NotImplementedError(
             f"past_key_values of type {type(cache).__name__} is not supported; pass a DynamicCache or StaticCache"
@@ -787,7 +787,7 @@ def _cache_reader(tracer: Tracer):
     """A forward pre-hook on layer 0's attention module: the cache of the pass in progress (None without one)."""
 
     def read(module, args, kwargs):
-        tracer._cache = kwargs.get("past_key_values")
+        tracer._cache = passed_cache(kwargs)
 
     return read
 

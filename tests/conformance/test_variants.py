@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from macs_kernels.core import support
 from macs_kernels.explanation import encode_prompts
-from macs_kernels.hf_models import attention_variants
+from macs_kernels.hf_models import attention_variants, returned_cache
 from tests.helpers import eager_macs
 
 from .conftest import VARIANT_MODELS, WINDOW, eager_log_c, variant_model
@@ -162,7 +162,7 @@ def _window_efficient_reference(model, prompt_ids, generated_ids):
         layers = []
         for layer, attention in enumerate(out.attentions):
             first = max(0, query - config.sliding_window + 1) if kinds[layer] == "sliding_attention" else 0
-            values = out.past_key_values.layers[layer].values[0]
+            values = returned_cache(out).layers[layer].values[0]
             rows = torch.zeros(heads, query + 1, dtype=torch.float64)
             for h in range(heads):
                 rows[h, first:] = reference.efficient_row_reference(attention[0, h, query, first : query + 1],

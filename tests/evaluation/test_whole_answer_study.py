@@ -143,3 +143,62 @@ def test_the_goal_is_paired_with_attnlrp_on_each_part_of_its_samples():
         assert row["n"] == len(members)
         want = np.mean([aps[CHOSEN][i] - aps[whole_answer.ATTNLRP][i] for i in members])
         assert np.isclose(row["chosen (softmax rows) minus attnlrp"]["mean"], want)
+
+
+def test_direct_logit_rows_add_up_to_what_attention_writes_into_each_generated_tokens_logit():
+    """Sixth round: summed over keys, a step's DLA row is every layer's attention output (after o_proj, read from
+    the model) projected on the direction that the final norm and the unembedding give the generated token."""
+    from tests.helpers import tiny_llama
+
+    model = tiny_llama(heads=6, kv_heads=2, layers=3)  # GQA 3:1
+    model.set_attn_implementation("eager")
+    prompt, generated = np.arange(3, 3 + 17), np.array([5, 9, 2, 11, 7])
+    rows = whole_answer.direct_logit_rows(model, prompt, generated)
+    n, steps = len(prompt), len(generated)
+    assert rows.shape == (steps, n + steps - 1)
+    for k in range(steps):
+        assert not rows[k, n + k:].any()  # keys after the query
+    written, final = [], {}
+    hooks = [layer.self_attn.o_proj.register_forward_hook(lambda module, args, out: written.append(out[0].double()))
+             for layer in model.model.layers]
+    hooks.append(model.model.norm.register_forward_hook(
+        lambda module, args, out: final.update(x=args[0][0].double(), y=out[0].double())))
+    with torch.no_grad():
+        model(torch.as_tensor(np.r_[prompt, generated[:-1]])[None])
+    for hook in hooks:
+        hook.remove()
+    queries = torch.arange(n - 1, n - 1 + steps)
+    # y = (norm weight / rms) * x elementwise: the direction of token t is W_U[t] * y / x.
+    unembedding = model.lm_head.weight.detach().double()[torch.as_tensor(generated)]
+    directions = unembedding * final["y"][queries] / final["x"][queries]
+    want = sum((out[queries] * directions).sum(-1) for out in written).numpy()
+    np.testing.assert_allclose(rows.sum(1), want, rtol=1e-5, atol=1e-6)
+    assert np.abs(want).min() > 1e-3  # the identity is not 0 = 0
+
+
+def test_logit_candidates_follow_their_definitions():
+    generator = np.random.default_rng(3)
+    steps, n = 7, 113
+    sample = {"log_c": generator.normal(size=(steps, n)) - 5, "norm_log_c": generator.normal(size=(steps, n)) - 5,
+              "logit": generator.normal(size=(steps, n))}
+    candidates = whole_answer.logit_candidates(sample)
+
+    def shipped(log_c):
+        return whole_answer_scores(torch.from_numpy(log_c), "max_minus_mean_sinkless_z").double().numpy()
+
+    np.testing.assert_allclose(candidates[CHOSEN], shipped(sample["log_c"]), rtol=1e-5, atol=1e-5)
+    mean = sample["logit"].mean(0)
+    z_mean = (mean - mean.mean()) / mean.std()
+    np.testing.assert_allclose(candidates["chosen score + z of the DLA mean"] - candidates[CHOSEN], z_mean,
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        candidates["softmax and norm-weighted rows: log c summed (c multiplied), then the chosen score"],
+        shipped(sample["log_c"] + sample["norm_log_c"]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(candidates["softmax and norm-weighted rows: their chosen scores summed"],
+                               shipped(sample["log_c"]) + shipped(sample["norm_log_c"]), rtol=1e-5, atol=1e-5)
+    # A soft maximum lies between the mean and the maximum, nearer the maximum at the lower temperature.
+    cold = candidates["soft maximum over steps, T log mean exp(z / T) minus mean z, T = 0.5"]
+    warm = candidates["soft maximum over steps, T log mean exp(z / T) minus mean z, T = 1.0"]
+    assert (warm >= -1e-9).all() and (cold >= warm - 1e-9).all() and (cold <= candidates[CHOSEN] + 1e-9).all()
+    assert "norm-weighted rows' chosen score + 0.5 z of the DLA mean" not in whole_answer.logit_candidates(
+        {k: v for k, v in sample.items() if k != "norm_log_c"})

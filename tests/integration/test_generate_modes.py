@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache, StaticCache, StoppingCriteria, StoppingCriteriaList
 
 from macs_kernels import attach, explain, stream, trace_tensors
+from macs_kernels.hf_models import returned_cache
 from macs_kernels.ops import torch_beams
 from tests.helpers import default_model, eager_macs, eager_norm_log_c, qa, tiny_llama
 from tests.integration.test_integration_efficient import _efficient_reference as efficient_reference
@@ -452,7 +453,7 @@ def test_variant_backends_named_and_a_passed_window_cache():
     # (tests/conformance/test_variants.py has every generate mode with windows).
     ids = torch.randint(1, 50, (1, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        cache = mistral(ids[:, :6]).past_key_values
+        cache = returned_cache(mistral(ids[:, :6]))
     with torch.no_grad(), attach(mistral, backend="torch") as tracer:
         out = mistral.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
     assert_teacher_forced(mistral, ids[0], out[0, 9:], tracer.rows(0)[0])

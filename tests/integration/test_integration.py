@@ -234,24 +234,6 @@ def test_unsupported_architectures_are_named():
         del type(legacy)._supports_attention_backend
 
 
-def test_unsupported_transformers_releases_are_named(monkeypatch):
-    import transformers
-
-    from macs_kernels.hf_models import check_transformers
-
-    check_transformers("5.23.0")
-    check_transformers("4.57.6")
-    for version in ("5.24.0", "5.24.0.dev0", "6.0.0"):
-        with pytest.raises(NotImplementedError, match=rf"transformers {version} is not supported.*cache"):
-            check_transformers(version)
-    model = tiny_llama()
-    monkeypatch.setattr(transformers, "__version__", "5.24.0")
-    with pytest.raises(NotImplementedError, match="transformers<5.24"):
-        with attach(model):
-            pass
-    assert model.config._attn_implementation == "sdpa"
-
-
 def test_right_padding_is_refused():
     model = tiny_llama()
     with pytest.raises(ValueError, match="left padding"):

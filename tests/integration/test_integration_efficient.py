@@ -3,6 +3,7 @@ non-incremental op (itself checked against an SVD reference) applied to eager at
 import torch
 
 from macs_kernels import explain, ops, reference
+from macs_kernels.hf_models import returned_cache
 from tests.helpers import default_model, qa
 
 Z_TOLERANCE = 1e-4
@@ -23,7 +24,7 @@ def _efficient_reference(model, input_ids, generated_ids):
     queries = torch.arange(n - 1, n - 1 + steps)
     per_layer = []
     for layer, attention in enumerate(out.attentions):
-        values = out.past_key_values.layers[layer].values
+        values = returned_cache(out).layers[layer].values
         rows = attention[:, :, queries, :]  # (1, H, steps, S)
         a_eff, _ = ops.efficient_attention(rows, values, kv_len=full.shape[1], causal=True, backend="torch")
         per_layer.append(a_eff[0])
