@@ -654,9 +654,7 @@ def logit(args) -> None:
             f"answer.", "",
             "| candidate | dev | dev minus chosen | confirm | confirm minus chosen | all minus AttnLRP "
             "| confirm minus AttnLRP | answered minus AttnLRP |", "|---|---|---|---|---|---|---|---|"]
-    for name, by_index in aps.items():
-        if name == ATTNLRP:
-            continue
+    for name, by_index in aps.items():  # AttnLRP's own row too: its halves differ (the line is all its samples)
         row = {}
         for part, members in parts.items():
             row[part] = stats([by_index[i] for i in members])
@@ -667,6 +665,15 @@ def logit(args) -> None:
         text.append(f"| {name} | {cell(row['dev'])} | {cell(row['dev_minus_chosen'])} | {cell(row['confirm'])} | "
                     f"{cell(row['confirm_minus_chosen'])} | {cell(row['all_minus_attnlrp'])} | "
                     f"{cell(row['confirm_minus_attnlrp'])} | {cell(row['answered_minus_attnlrp'])} |")
+    # Per step, each row's best step (the eval's best-step column), to set DLA beside the rows it is compared with.
+    best = {}
+    for kind, label in (("log_c", "MACS (softmax rows)"), ("norm_log_c", "norm-weighted rows"), ("logit", DLA),
+                        ("attnlrp", "AttnLRP")):
+        best[label] = stats([max(_ap(row[s["context"][0]: s["context"][1]], s["labels"]) for row in s[kind])
+                             for s in samples.values() if kind in s])
+    summary["best_step"] = best
+    text += ["", "Best-step AUC-PR of each row (all samples that have it): "
+             + "; ".join(f"{label} {cell(value)}" for label, value in best.items()) + "."]
     report = "\n".join(text) + "\n"
     print(report)
     args.out.with_suffix(".md").write_text(report)
