@@ -578,12 +578,6 @@ def direct_logit_rows(model, prompt, generated) -> np.ndarray:
     return rows.numpy()
 
 
-def _z(rows: np.ndarray) -> np.ndarray:
-    from macs_kernels.core.scores import log_zscores
-
-    return log_zscores(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float64))).double().numpy()
-
-
 DLA = "direct logit attribution through attention (DLA)"
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import threading
 
 import torch
@@ -46,8 +47,10 @@ __all__ = ["ContinuousTracer", "Segments", "attach_continuous", "macs_pool_packe
 WRAPPED_NAMES = ("sdpa", "paged|eager")
 _TRACER_ATTRIBUTE = "_macs_continuous_tracer"
 # From transformers 5.24 the attention module updates the paged cache itself and hands its attention function only
-# what it read: a pre-hook keeps the module's cache and its keywords before that update (the pass's layout).
-_MODULE_CALL_ATTRIBUTE = "_macs_continuous_call"
+# what it read: a pre-hook keeps, for the thread running the module, its paged cache and the layout keywords that
+# update rewrites (the pass's layout as it was before), and the attention function takes them back.
+_REWRITTEN_BY_UPDATE = ("cu_seq_lens_k", "max_length_k", "block_table")
+_module_call = threading.local()
 _PER_REQUEST_FIELDS = ("alpha", "pooling", "redistribute", "attention", "fused_decode")
 AT2_FEATURES = "at2_features"
 
@@ -70,8 +73,10 @@ def _continuous_attention(original):
         )
 
         tracer = getattr(module, _TRACER_ATTRIBUTE, None)
-        call = None if "cache" in kwargs else getattr(module, _MODULE_CALL_ATTRIBUTE, None)
-        cache = kwargs.get("cache") if call is None else call.get("cache")
+        call = vars(_module_call).pop(module, None)
+        if "cache" in kwargs:
+            call = None
+        cache = kwargs.get("cache") if call is None else call["cache"]
         if tracer is None or not isinstance(cache, PagedAttentionCache):
             return original(module, query, key, value, attention_mask, **kwargs)
         return tracer.attention(module, query, key, value, attention_mask, original, call, **kwargs)
@@ -81,7 +86,10 @@ def _continuous_attention(original):
 
 
 def _keep_module_call(module, args, kwargs) -> None:
-    setattr(module, _MODULE_CALL_ATTRIBUTE, dict(kwargs))
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    if isinstance(kwargs.get("cache"), PagedAttentionCache):
+        vars(_module_call)[module] = {key: kwargs[key] for key in ("cache", *_REWRITTEN_BY_UPDATE) if key in kwargs}
 
 
 _install_lock = threading.Lock()
@@ -570,7 +578,8 @@ def attach_continuous(model, *, manager=None, keep_finished: int = 256, **config
     calls = []
     for module in modules.values():
         setattr(module, _TRACER_ATTRIBUTE, tracer)
-        calls.append(module.register_forward_pre_hook(_keep_module_call, with_kwargs=True))
+        if "cache" in inspect.signature(type(module).forward).parameters:  # transformers 5.24 on
+            calls.append(module.register_forward_pre_hook(_keep_module_call, with_kwargs=True))
     model.init_continuous_batching = init_continuous_batching
     try:
         yield tracer
@@ -579,10 +588,9 @@ def attach_continuous(model, *, manager=None, keep_finished: int = 256, **config
             del model.init_continuous_batching
         else:
             model.init_continuous_batching = own_init
-        for module in modules.values():
-            delattr(module, _TRACER_ATTRIBUTE)
-            vars(module).pop(_MODULE_CALL_ATTRIBUTE, None)
         for call in calls:
             call.remove()
+        for module in modules.values():
+            delattr(module, _TRACER_ATTRIBUTE)
         _uninstall()
         tracer._close()

@@ -152,6 +152,8 @@ def test_direct_logit_rows_add_up_to_what_attention_writes_into_each_generated_t
 
     model = tiny_llama(heads=6, kv_heads=2, layers=3)  # GQA 3:1
     model.set_attn_implementation("eager")
+    with torch.no_grad():  # the final norm's weight counts (it is all ones at initialisation)
+        model.model.norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
     prompt, generated = np.arange(3, 3 + 17), np.array([5, 9, 2, 11, 7])
     rows = whole_answer.direct_logit_rows(model, prompt, generated)
     n, steps = len(prompt), len(generated)
@@ -202,3 +204,17 @@ def test_logit_candidates_follow_their_definitions():
     assert (warm >= -1e-9).all() and (cold >= warm - 1e-9).all() and (cold <= candidates[CHOSEN] + 1e-9).all()
     assert "norm-weighted rows' chosen score + 0.5 z of the DLA mean" not in whole_answer.logit_candidates(
         {k: v for k, v in sample.items() if k != "norm_log_c"})
+
+
+def test_the_first_rounds_candidates_include_the_shipped_score():
+    """study's candidates (macs_candidates) run on a sample, and the chosen one is the shipped definition."""
+    generator = np.random.default_rng(4)
+    steps, n = 6, 41
+    sample = {"log_c": generator.normal(size=(steps, n)) - 5, "context": (3, n - 2),
+              "token_logp": np.log(generator.uniform(0.1, 1.0, size=steps)), "entropy": generator.uniform(size=steps),
+              "ended": True}
+    candidates = whole_answer.macs_candidates(sample)
+    shipped = whole_answer_scores(torch.from_numpy(sample["log_c"]), "max_minus_mean_sinkless_z").double().numpy()
+    np.testing.assert_allclose(candidates[CHOSEN], shipped, rtol=1e-5, atol=1e-5)
+    z = (sample["log_c"] - sample["log_c"].mean(-1, keepdims=True)) / sample["log_c"].std(-1, keepdims=True)
+    np.testing.assert_allclose(candidates["max z minus mean z"], z.max(0) - z.mean(0), rtol=1e-9, atol=1e-9)
