@@ -225,8 +225,12 @@ def test_a_sliding_window_model_on_the_multiprocessing_engine(tmp_path, monkeypa
     largest_difference(_windowed_reference(path), explanations)
 
 
-def test_a_quantised_kv_cache_is_refused_before_work(tiny_path):
-    _refused_at_attach(tiny_path, "kv_cache_dtype='fp8'", kv_cache_dtype="fp8")
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8"])
+def test_a_kv_cache_in_another_dtype_is_refused_before_work(tiny_path, kv_cache_dtype):
+    if kv_cache_dtype == "fp8" and not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+        pytest.skip("vLLM's CPU backend builds an FP8 KV cache on x86 with AVX-512 or AMX only (elsewhere it refuses "
+                    "it itself, before macs_kernels sees the engine)")
+    _refused_at_attach(tiny_path, f"kv_cache_dtype='{kv_cache_dtype}'", kv_cache_dtype=kv_cache_dtype)
 
 
 def test_speculative_decoding_is_refused_before_work(tiny_path):
