@@ -234,6 +234,22 @@ def test_unsupported_architectures_are_named():
         del type(legacy)._supports_attention_backend
 
 
+def test_the_cache_is_read_under_either_transformers_name():
+    """transformers 5.24 hands the cache over as `cache`, earlier releases as `past_key_values`."""
+    import types
+
+    from macs_kernels.hf_models import passed_cache, returned_cache
+
+    new, old = object(), object()
+    assert passed_cache({"cache": new}) is new and passed_cache({"past_key_values": old}) is old
+    assert passed_cache({"cache": None, "past_key_values": old}) is old and passed_cache({}) is None
+    assert returned_cache(types.SimpleNamespace(cache=new)) is new
+    assert returned_cache(types.SimpleNamespace(past_key_values=old)) is old
+    with torch.no_grad():
+        output = tiny_llama()(torch.tensor([[3, 4, 5]]), use_cache=True)
+    assert returned_cache(output).get_seq_length() == 3
+
+
 def test_right_padding_is_refused():
     model = tiny_llama()
     with pytest.raises(ValueError, match="left padding"):
