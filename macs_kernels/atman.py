@@ -27,7 +27,7 @@ import itertools
 
 import torch
 
-from .hf_models import returned_cache
+from .hf_models import cache_argument, returned_cache
 
 FACTOR = 0.1
 THRESHOLD = 0.7
@@ -170,7 +170,7 @@ def relevance(model, input_ids, generated_ids, *, factor: float = FACTOR, thresh
                 for index, layer in enumerate(layers):
                     cache.update(layer.keys[:, :, :start].expand(size, -1, -1, -1),
                                  layer.values[:, :, :start].expand(size, -1, -1, -1), index)
-            out = model(ids[start:][None].expand(size, -1), past_key_values=cache, use_cache=cache is not None,
+            out = model(ids[start:][None].expand(size, -1), **cache_argument(model, cache), use_cache=cache is not None,
                         position_ids=torch.arange(start, length, device=device)[None].expand(size, -1),
                         logits_to_keep=steps, **{KWARG: torch.stack([factors[t] for t in batch]).to(device)})
             result[:, batch] = (cross_entropy(out.logits) - clean_ce).T.cpu()

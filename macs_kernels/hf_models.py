@@ -2,6 +2,8 @@
 transformers' AttentionInterface, with attention the MACS rows can follow."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from .core import support
@@ -46,6 +48,12 @@ def passed_cache(kwargs: dict):
     releases `past_key_values` (5.24 still takes the old name)."""
     cache = kwargs.get("cache")
     return kwargs.get("past_key_values") if cache is None else cache
+
+
+def cache_argument(model, cache) -> dict:
+    """The keyword argument that hands `cache` to `model`'s forward: `cache` from transformers 5.24 on (which
+    still takes `past_key_values`, with a deprecation warning), `past_key_values` before."""
+    return {"cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values": cache}
 
 
 def returned_cache(output):

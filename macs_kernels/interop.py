@@ -11,7 +11,7 @@ import dataclasses
 import torch
 
 from .config import MacsConfig
-from .hf_models import returned_cache
+from .hf_models import cache_argument, returned_cache
 from .tracing import attach, check_model
 
 
@@ -70,7 +70,7 @@ def trace_tensors(model, input_ids, generated_ids, *, at2: bool = False, **confi
         output = model(input_ids=prompt[None].to(device), use_cache=True, logits_to_keep=1)
         cache = returned_cache(output)
         for token in generated[:-1].tolist():
-            model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True,
+            model(input_ids=torch.tensor([[token]], device=device), **cache_argument(model, cache), use_cache=True,
                   logits_to_keep=1)
     log_c, z_scores = tracer.rows(0)
     features = None

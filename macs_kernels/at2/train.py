@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..explanation import _eos_ids
+from ..hf_models import cache_argument
 from .coefficients import model_record, model_shape, save_coefficients
 from .features import response_token_features
 
@@ -67,7 +68,7 @@ def logit_prob_targets(model, prompt_ids, response_ids, keep, context_tokens, *,
     c0, c1 = context_tokens
     prefix = DynamicCache(config=model.config)
     if c0 > 0:
-        model(input_ids=ids[:, :c0], position_ids=positions[:, :c0], past_key_values=prefix, use_cache=True,
+        model(input_ids=ids[:, :c0], position_ids=positions[:, :c0], **cache_argument(model, prefix), use_cache=True,
               logits_to_keep=1)
     results = []
     for chunk in keep.split(batch_size):
@@ -77,7 +78,7 @@ def logit_prob_targets(model, prompt_ids, response_ids, keep, context_tokens, *,
         cache = copy.deepcopy(prefix)
         if c0 > 0:
             cache.batch_repeat_interleave(m)
-        logits = model(input_ids=ids[:, c0:].expand(m, -1), attention_mask=mask, past_key_values=cache,
+        logits = model(input_ids=ids[:, c0:].expand(m, -1), attention_mask=mask, **cache_argument(model, cache),
                        position_ids=positions[:, c0:].expand(m, -1), use_cache=True,
                        logits_to_keep=t + 1).logits[:, :t].double()
         chosen = logits.gather(2, target.expand(m, t, 1)).squeeze(2)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..hf_models import cache_argument
 from .metrics import FRACTIONS, curve_auc, srg
 
 ORDERS = ("mif", "lif")
@@ -88,7 +89,7 @@ def masked_variants(model, prompt_ids: torch.Tensor, generated_ids: torch.Tensor
     cache = DynamicCache(config=model.config)
     prefill = model(input_ids=prompt_ids.to(device).expand(rows, -1), attention_mask=mask,
                     position_ids=torch.arange(n, device=device).expand(rows, -1),
-                    past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+                    **cache_argument(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1]
     scores, regenerations = [], []
     if generated_ids is not None:
         target = generated_ids.to(device)[0].expand(rows, -1)
@@ -98,7 +99,8 @@ def masked_variants(model, prompt_ids: torch.Tensor, generated_ids: torch.Tensor
         if t > 1:
             forced = model(input_ids=target[:, :-1], attention_mask=torch.cat([mask, mask.new_ones(rows, t - 1)], 1),
                            position_ids=torch.arange(n, n + t - 1, device=device).expand(rows, -1),
-                           past_key_values=copy.deepcopy(cache) if regenerate_tokens else cache, use_cache=True)
+                           **cache_argument(model, copy.deepcopy(cache) if regenerate_tokens else cache),
+                           use_cache=True)
             logits = torch.cat([logits, forced.logits.double()], dim=1)
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none").mean(1)
         target_logits = logits.gather(2, target[..., None])[..., 0].mean(1)
@@ -118,7 +120,7 @@ def masked_variants(model, prompt_ids: torch.Tensor, generated_ids: torch.Tensor
                 break
             mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
             positions = torch.full((rows, 1), n + k, device=device)
-            logits = model(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache,
+            logits = model(input_ids=token, attention_mask=mask, position_ids=positions, **cache_argument(model, cache),
                            use_cache=True).logits[:, -1]
         tokens = torch.cat(tokens, dim=1)
         regenerations = [tokens[row:row + 1, :length] for row, length in enumerate(lengths.tolist())]
