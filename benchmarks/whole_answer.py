@@ -51,6 +51,8 @@ from macs_kernels.evaluation.report import cell, indices_text, stats  # noqa: E4
 RESULTS = ROOT / "benchmarks" / "results"
 ROWS = RESULTS / "whole_answer_rows.npz"
 DEV, CONFIRM = (0, 175), (175, 350)
+# The shipped whole-answer score (config.DEFAULT_AGGREGATION) under its name in the study's tables.
+CHOSEN = "max z minus mean z, sink out of each step's statistics"
 
 
 def extract(args) -> None:
@@ -204,7 +206,7 @@ def macs_candidates(sample: dict) -> dict[str, np.ndarray]:
         "max robust z (median/MAD)": _robust_z(log_c).max(0),
         "max z minus mean z": z.max(0) - z.mean(0),
         # the shipped definition (the z-scores' mean and spread without each step's top token, the sink)
-        "max z minus mean z, sink out of each step's statistics": whole_answer_scores(
+        CHOSEN: whole_answer_scores(
             torch.from_numpy(log_c), "max_minus_mean_sinkless_z").double().numpy(),
         "max z plus mean z": z.max(0) + z.mean(0),
         "top-2 mean z": _top_k_mean(z, 2),
@@ -321,6 +323,11 @@ HELD_OUT = (250, 350)  # the held-out samples of the first AttnLRP run (AtMan's 
 ATTNLRP = "attnlrp: mean (relevance of the summed answer logits)"
 
 
+def _attnlrp_ap(sample: dict) -> float:
+    """AttnLRP's whole-answer AP on one sample (its rows' mean: the relevance of the summed answer logits)."""
+    return _ap(baseline_candidates(sample["attnlrp"], sample["context"])[ATTNLRP.split(": ", 1)[1]], sample["labels"])
+
+
 def _versus_attnlrp(title: str, groups: dict[str, list[int]], aps: dict, chosen: str) -> tuple[list[str], dict]:
     """Markdown lines and summary of the chosen score on softmax and on norm-weighted rows against AttnLRP's on
     each group of samples (those of a group that AttnLRP and both scores cover), paired per sample."""
@@ -400,7 +407,7 @@ def layer_candidates(sample: dict, record: dict) -> tuple[dict[str, np.ndarray],
 
     peak = over_steps(pooled.max(0))
     candidates = {
-        "max z minus mean z, sink out of each step's statistics": _max_minus_mean(z),
+        CHOSEN: _max_minus_mean(z),
         "layers weighted alike (each layer's sinkless z summed)": _max_minus_mean(per_layer.sum(1)),
         "each layer's max minus mean, summed over layers": _max_minus_mean(per_layer).sum(0),
         f"later half of the layers only ({layers // 2}-{layers - 1})": _max_minus_mean(
@@ -507,9 +514,8 @@ def layers(args) -> None:
     weights = _fit_layer_weights([features[i] for i in dev], [labels[i].max(0) for i in dev])
     probe = "per-layer weights fitted to the dev half's gold labels (supervised probe)"
     aps[probe] = {i: _ap(features[i] @ weights, labels[i]) for i in features if i not in dev}
-    chosen = "max z minus mean z, sink out of each step's statistics"
-    attnlrp = {i: _ap(baseline_candidates(s["attnlrp"], s["context"])["mean (relevance of the summed answer logits)"],
-                      s["labels"]) for i, s in samples.items() if "attnlrp" in s and i in features
+    chosen = CHOSEN
+    attnlrp = {i: _attnlrp_ap(s) for i, s in samples.items() if "attnlrp" in s and i in features
                and (args.expensive is None or args.expensive[0] <= i < args.expensive[1])}
     held = sorted(attnlrp)
     summary = {"chosen": chosen, "held_out": held, "probe_weights": weights.tolist(), "candidates": {}}
@@ -589,7 +595,7 @@ def logit_candidates(sample: dict) -> dict[str, np.ndarray]:
     logit = sample["logit"].astype(np.float64)
     dla_mean = _z(logit.mean(0)[None])[0]
     candidates = {
-        "max z minus mean z, sink out of each step's statistics": chosen,
+        CHOSEN: chosen,
         f"{DLA}: mean over steps (AttnLRP's aggregation)": logit.mean(0),
         f"{DLA}: mean over steps of its positive part": np.maximum(logit, 0).mean(0),
         f"{DLA}: max z minus mean z": _max_minus_mean(_z(logit)),
@@ -633,9 +639,8 @@ def logit(args) -> None:
         for name, score in logit_candidates(sample).items():
             aps.setdefault(name, {})[index] = _ap(score[start:stop], sample["labels"])
         if "attnlrp" in sample:
-            aps.setdefault(ATTNLRP, {})[index] = _ap(baseline_candidates(sample["attnlrp"], sample["context"])[
-                "mean (relevance of the summed answer logits)"], sample["labels"])
-    chosen = "max z minus mean z, sink out of each step's statistics"
+            aps.setdefault(ATTNLRP, {})[index] = _attnlrp_ap(sample)
+    chosen = CHOSEN
     lrp = aps.get(ATTNLRP, {})
     answered = [i for i in lrp if samples[i]["answer_step"] is not None]
     parts = {"dev": [i for i in aps[chosen] if DEV[0] <= i < DEV[1]],
@@ -709,7 +714,7 @@ def main() -> None:
     e.add_argument("--out", type=Path, default=ROWS)
     s = sub.add_parser("study")
     s.add_argument("--rows", type=Path, default=ROWS)
-    s.add_argument("--chosen", default="max z minus mean z, sink out of each step's statistics")
+    s.add_argument("--chosen", default=CHOSEN)
     s.add_argument("--out", type=Path, default=RESULTS / "whole_answer")
     s.add_argument("--expensive", type=lambda t: tuple(int(v) for v in t.split(":")), default=None,
                    metavar="START:STOP", help="the samples of the last columns (default: every sample with "

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 import threading
 
 import torch
@@ -35,7 +34,7 @@ from .config import MacsConfig
 from .core import Kernels, PackedRows, RowStore, log_zscores, support
 from .distributed import head_shards
 from .efficient import GramState, efficient_rows
-from .hf_models import check_model, check_variants, layer_variant
+from .hf_models import check_model, check_variants, layer_variant, takes_cache
 from .ops import efficient_attention, torch_backend
 from .ops._dispatch import resolve_backend
 from .ops.torch_packed import Segments, macs_pool_packed
@@ -578,7 +577,7 @@ def attach_continuous(model, *, manager=None, keep_finished: int = 256, **config
     calls = []
     for module in modules.values():
         setattr(module, _TRACER_ATTRIBUTE, tracer)
-        if "cache" in inspect.signature(type(module).forward).parameters:  # transformers 5.24 on
+        if takes_cache(type(module)):  # transformers 5.24 on
             calls.append(module.register_forward_pre_hook(_keep_module_call, with_kwargs=True))
     model.init_continuous_batching = init_continuous_batching
     try:

@@ -2,6 +2,7 @@
 transformers' AttentionInterface, with attention the MACS rows can follow."""
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -50,10 +51,17 @@ def passed_cache(kwargs: dict):
     return kwargs.get("past_key_values") if cache is None else cache
 
 
+@functools.cache
+def takes_cache(module_class: type) -> bool:
+    """Whether the class's forward takes its cache as `cache` (transformers 5.24 on) rather than `past_key_values`;
+    looked up once per class, as forwards run per token."""
+    return "cache" in inspect.signature(module_class.forward).parameters
+
+
 def cache_argument(model, cache) -> dict:
     """The keyword argument that hands `cache` to `model`'s forward: `cache` from transformers 5.24 on (which
     still takes `past_key_values`, with a deprecation warning), `past_key_values` before."""
-    return {"cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values": cache}
+    return {"cache" if takes_cache(type(model)) else "past_key_values": cache}
 
 
 def returned_cache(output):
