@@ -64,15 +64,15 @@ class Problem:
 # --- providers: each builds, for one (op, problem), a no-argument callable that runs the op once ---------
 
 def backend_call(backend: str, fused: bool = True):
-    """A macs_kernels backend, called with validated arguments as the tracer does (no host sync)."""
+    """A macs_kernels backend, called with validated arguments as the tracer does (no host sync). Positionally,
+    as the ops call their kernels: torch before 2.13 finds a mutating operator's written arguments by position."""
     def build(op: str, p: Problem):
         function = implementation(backend, op)
-        macs = dict(alpha=0.8, pooling="max", redistribute=True)
+        macs = (0.8, "max", True)  # alpha, pooling, redistribute
         if op == "macs_update":
-            return lambda: function(p.q, p.k, p.log_c, input_start=p.start, input_end=p.input_end,
-                                    kv_len=p.kv_len, scale=p.scale, lse=None, **macs)
-        return lambda: function(p.q, p.k, p.v, kv_start=p.start, kv_len=p.kv_len, scale=p.scale,
-                                log_c=p.log_c if fused else None, input_end=p.input_end if fused else None, **macs)
+            return lambda: function(p.q, p.k, p.log_c, p.start, p.input_end, p.kv_len, p.scale, *macs, None)
+        log_c, input_end = (p.log_c, p.input_end) if fused else (None, None)
+        return lambda: function(p.q, p.k, p.v, p.start, p.kv_len, p.scale, log_c, input_end, *macs, None)
     return build
 
 

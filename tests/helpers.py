@@ -37,6 +37,31 @@ def tiny_llama(heads: int = 4, kv_heads: int = 2, layers: int = 3, seed: int = 0
     return LlamaForCausalLM(config).eval()
 
 
+TINY = "tiny-llama"  # the served name of the small random model the default-run tests use
+
+
+def tiny_chat_model(folder):
+    """A small random Llama (GQA 4:2, 2 layers) with the default model's tokenizer and chat template, saved
+    to `folder`: the server loads it in a second and answers in milliseconds, so the default run stays fast."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from macs_kernels.models import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        # Peaked attention: near-uniform rows make z-scores of nearly equal values, all float32 noise.
+        initializer_range=0.2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model, tokenizer
+
+
 def qa(i: int):
     return qa_messages(*QUESTIONS[i])
 

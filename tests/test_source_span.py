@@ -5,7 +5,7 @@ import torch
 
 from macs_kernels import explain
 from macs_kernels.alignment import user_span
-from tests.serve.conftest import tiny_chat_model
+from tests.helpers import tiny_chat_model
 
 
 @pytest.fixture(scope="module")

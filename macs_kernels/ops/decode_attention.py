@@ -15,7 +15,7 @@ operator = torch.library.custom_op(
 
 
 @operator.register_fake
-def _(q, k_cache, v_cache, kv_start, kv_len, scale, log_c, input_end, alpha, pooling, redistribute, pooled=None,
+def _(q, k_cache, v_cache, kv_start, kv_len, scale, log_c, input_end, alpha, pooling, redistribute, pooled,
       score_start=None, softcap=None, sinks=None):
     batch, heads, _ = q.shape
     return q.new_empty((batch, heads, v_cache.shape[-1])), q.new_empty((batch, heads), dtype=torch.float32)

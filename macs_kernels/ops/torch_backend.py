@@ -277,12 +277,16 @@ def macs_zscore(log_c: Tensor, n_input: Tensor) -> Tensor:
 
 def decode_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_start: Tensor, kv_len: Tensor, scale: float, log_c: Tensor | None,
-    input_end: Tensor | None, alpha: float, pooling: str, redistribute: bool, pooled: Tensor | None = None,
+    input_end: Tensor | None, alpha: float, pooling: str, redistribute: bool, pooled: Tensor | None,
     score_start: Tensor | None = None, softcap: float | None = None, sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """See ops.decode_attention; score_start, softcap, sinks: the layer's attention variant in key slots, as
     macs_pool takes them (score_start with pooled only). The output is the layer's (sink mass attends no
-    value)."""
+    value).
+
+    pooled has no default although it is optional: torch before 2.13 drops trailing arguments equal to their
+    defaults before the ADInplaceOrView kernel of a mutating custom op, which then indexes the missing
+    mutated argument (IndexError on every call without pooled)."""
     if score_start is not None and log_c is not None:
         raise ValueError("decode_attention: score_start (a sliding window's input columns) comes with pooled, "
                          "not log_c")

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import eager_attentions, eager_macs
-from tests.serve.conftest import TINY, Server, tiny_chat_model
+from tests.helpers import TINY, eager_attentions, eager_macs, tiny_chat_model
 
 __all__ = ["TINY", "eager_at2_features", "eager_log_c"]
 
@@ -51,6 +50,10 @@ def at2_theta(chat_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def conformance_server(chat_model_folder, at2_theta):
+    # Imported here: the server's extras (fastapi, uvicorn, httpx) are needed by the server's tests alone, and the
+    # serve conftest skips whatever imports it without them.
+    from tests.serve.conftest import Server
+
     # A 16-token pass budget chunks every prefill; 128 cache tokens hold two ~60-token requests, so four
     # concurrent ones make the engine offload and restart requests.
     running = Server("--model", str(chat_model_folder), "--served-name", TINY, "--max-batch-tokens", "16",

@@ -1,6 +1,6 @@
-"""Backend choice and the backend self-check (issue 15, "Unverified GPU paths"), on the CPU: with the Triton
-interpreter, the triton backend can be made a candidate of the automatic choice and its kernels made
-wrong by monkeypatching."""
+"""Backend choice and the backend self-check (issue 15, "Unverified GPU paths"), wherever Triton runs (the
+interpreter on a CPU, the GPU on a CUDA machine): the triton backend can be made a candidate of the automatic
+choice and its kernels made wrong by monkeypatching."""
 from __future__ import annotations
 
 import re
@@ -16,6 +16,7 @@ from tests.ops.cases import DEVICE, random_qk
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
 CPU = torch.device("cpu")
+HERE = torch.device(DEVICE)  # where the triton backend runs
 
 
 @pytest.fixture
@@ -27,7 +28,7 @@ def fresh_verdicts(monkeypatch):
 
 @pytest.fixture
 def triton_is_a_candidate(monkeypatch, fresh_verdicts):
-    """The automatic choice on the CPU tries triton (in the interpreter) before torch."""
+    """The automatic choice tries triton before torch (on a CPU, the interpreter)."""
     monkeypatch.setattr(verify, "candidates", lambda device: ("triton", "torch"))
 
 
@@ -40,29 +41,30 @@ def wrong_triton_zscore(monkeypatch):
 def test_automatic_choice_takes_a_backend_that_passes(triton_is_a_candidate):
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        assert ops.verified_backend(None, CPU, ops=("macs_zscore", "macs_update")) == "triton"
-    assert ops.self_check("triton", CPU, "macs_update") is None
+        assert ops.verified_backend(None, HERE, ops=("macs_zscore", "macs_update")) == "triton"
+    assert ops.self_check("triton", HERE, "macs_update") is None
 
 
 def test_automatic_choice_falls_back_with_one_warning(triton_is_a_candidate, wrong_triton_zscore):
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        chosen = [ops.verified_backend(None, CPU, ops=("macs_update", "macs_zscore")),
-                  ops.resolve_backend(None, CPU, "macs_zscore"), ops.verified_backend(None, CPU, ops=("macs_zscore",))]
+        chosen = [ops.verified_backend(None, HERE, ops=("macs_update", "macs_zscore")),
+                  ops.resolve_backend(None, HERE, "macs_zscore"),
+                  ops.verified_backend(None, HERE, ops=("macs_zscore",))]
     assert chosen == ["torch"] * 3
     messages = [str(w.message) for w in record if "self-check" in str(w.message)]
     assert len(messages) == 1
-    assert re.search(r"triton backend's macs_zscore failed its self-check on cpu: .*differs from the torch path by "
-                     r"0\.0\d+ .*falling back", messages[0])
+    assert re.search(rf"triton backend's macs_zscore failed its self-check on {HERE.type}[:\d]*: .*differs from the "
+                     r"torch path by 0\.0\d+ .*falling back", messages[0])
     # The public op, with backend=None, runs the torch path: exact z-scores, not 1% off.
-    log_c = torch.randn(2, 7)
+    log_c = torch.randn(2, 7, device=HERE)
     torch.testing.assert_close(ops.macs_zscore(log_c, [7, 3]), ops.macs_zscore(log_c, [7, 3], backend="torch"))
     # The other ops still pass: the verdict is per op.
-    assert ops.verified_backend(None, CPU, ops=("macs_update",)) == "triton"
+    assert ops.verified_backend(None, HERE, ops=("macs_update",)) == "triton"
 
 
 def test_an_explicit_backend_is_kept_but_its_check_is_reported(fresh_verdicts, wrong_triton_zscore):
-    log_c = torch.randn(2, 7)
+    log_c = torch.randn(2, 7, device=HERE)
     with pytest.warns(RuntimeWarning, match="macs_zscore failed its self-check.*named explicitly"):
         z = ops.macs_zscore(log_c, [7, 3], backend="triton")
     torch.testing.assert_close(z, ops.macs_zscore(log_c, [7, 3], backend="torch") * 1.01)
@@ -74,7 +76,7 @@ def test_a_backend_that_raises_fails_its_check(triton_is_a_candidate, monkeypatc
 
     monkeypatch.setattr(triton_backend, "decode_attention", broken)
     with pytest.warns(RuntimeWarning, match="decode_attention failed its self-check.*raised RuntimeError: no kernel"):
-        assert ops.verified_backend(None, CPU) == "torch"
+        assert ops.verified_backend(None, HERE) == "torch"
 
 
 def test_self_check_catches_a_wrong_pooled_decode(fresh_verdicts, monkeypatch):
@@ -88,7 +90,7 @@ def test_self_check_catches_a_wrong_pooled_decode(fresh_verdicts, monkeypatch):
         return result
 
     monkeypatch.setattr(triton_backend, "decode_attention", wrong_pooled)
-    assert "differs from the torch path" in ops.self_check("triton", CPU, "decode_attention")
+    assert "differs from the torch path" in ops.self_check("triton", HERE, "decode_attention")
 
 
 def test_verdicts_are_cached_per_process_and_device(fresh_verdicts, monkeypatch):
@@ -96,9 +98,9 @@ def test_verdicts_are_cached_per_process_and_device(fresh_verdicts, monkeypatch)
     compare = verify._compare
     monkeypatch.setattr(verify, "_compare", lambda *args: calls.append(args) or compare(*args))
     for _ in range(3):
-        assert ops.self_check("triton", "cpu", "macs_zscore") is None
+        assert ops.self_check("triton", HERE, "macs_zscore") is None
     assert len(calls) == 1
-    assert ops.self_check("torch", "cpu", "macs_zscore") is None and len(calls) == 1
+    assert ops.self_check("torch", HERE, "macs_zscore") is None and len(calls) == 1
 
 
 def test_named_backend_that_cannot_run_raises():
@@ -154,5 +156,5 @@ def test_launch_counter_counts_each_kernel():
 
 def test_self_check_launches_are_not_counted(fresh_verdicts):
     before = triton_backend.LAUNCHES.copy()
-    assert ops.self_check("triton", CPU, "macs_update") is None
+    assert ops.self_check("triton", HERE, "macs_update") is None
     assert triton_backend.LAUNCHES == before

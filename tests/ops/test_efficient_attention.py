@@ -163,7 +163,8 @@ def test_gram_state_matches_fresh_computation_after_many_tokens():
     assert a_rows.shape == p.shape and res_rows.shape == p.shape[:2]
     assert relative_error(a_rows, a_op[:, :, 0]) <= 1e-6 and res_rows.max() <= RELATIVE_ERROR[torch.float32]
     if importlib.util.find_spec("triton") is not None:
-        a_triton, _ = efficient_rows(p, cache[0], state.gram(0), pads, kv_len, backend="triton")
+        on_device = (x.to(DEVICE) for x in (p, cache[0], state.gram(0), pads, kv_len))
+        a_triton, _ = efficient_rows(*on_device, backend="triton")
         assert relative_error(a_triton, a_rows) <= RELATIVE_ERROR[torch.float32]
 
 
@@ -181,7 +182,7 @@ def test_triton_matches_torch(name, dtype):
 
     p, v, ranges, _, _ = make_case(name, dtype)
     launches = LAUNCHES["_efficient_back_projection_kernel"]
-    got = ops.efficient_attention(p, v, backend="triton", **ranges)
+    got = ops.efficient_attention(p.to(DEVICE), v.to(DEVICE), backend="triton", **ranges)
     assert LAUNCHES["_efficient_back_projection_kernel"] == launches + 1
     want = ops.efficient_attention(p, v, backend="torch", **ranges)
     tolerance = RELATIVE_ERROR[torch.float64 if dtype == torch.float64 else torch.float32]

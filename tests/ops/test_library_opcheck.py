@@ -28,7 +28,7 @@ SCHEMAS = {
                           "float? softcap=None, Tensor? sinks=None) -> Tensor",
     "decode_attention": "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_start, Tensor kv_len, float scale, "
                         "Tensor(a6!)? log_c, Tensor? input_end, float alpha, str pooling, bool redistribute, "
-                        "Tensor(a11!)? pooled=None, Tensor? score_start=None, float? softcap=None, "
+                        "Tensor(a11!)? pooled, Tensor? score_start=None, float? softcap=None, "
                         "Tensor? sinks=None) -> (Tensor, Tensor)",
     "macs_pool": "(Tensor q, Tensor k_cache, Tensor(a2!) out, Tensor input_start, Tensor input_end, Tensor kv_len, "
                  "float scale, str pooling, bool redistribute, Tensor? lse, Tensor? score_start=None, "

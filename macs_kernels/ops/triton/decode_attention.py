@@ -8,7 +8,7 @@ from .split_kv import split_kv_pass
 
 
 def decode_attention(
-    q, k_cache, v_cache, kv_start, kv_len, scale, log_c, input_end, alpha, pooling, redistribute, pooled=None
+    q, k_cache, v_cache, kv_start, kv_len, scale, log_c, input_end, alpha, pooling, redistribute, pooled
 ):
     """out (B, H, D) in q's dtype and lse (B, H) float32; with log_c or pooled (B, N_max), also the MACS
     update or m' (input_start = kv_start).
