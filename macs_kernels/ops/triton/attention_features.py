@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, MIN_SCORE, dot, dot_in_f32, features_tiles, head_block, launch, operand
+from .common import LOG2E, MIN_SCORE, cdiv, dot, dot_in_f32, features_tiles, head_block, launch, operand
 
 
 @triton.jit
@@ -132,7 +132,7 @@ def attention_features(q, k_cache, source_start, source_end, kv_start, kv_len, n
     if lse is None:
         lse = torch.empty(batch, heads, rows, device=q.device, dtype=torch.float32)
         sink_logits = lse if sinks is None else sinks.float().contiguous()
-        launch(_features_lse_kernel, (batch * heads, triton.cdiv(rows, block_r)),
+        launch(_features_lse_kernel, (batch * heads, cdiv(rows, block_r)),
                q, k_cache, kv_start, kv_len, n_rows, lse, sink_logits, *variant, heads, group, rows, *strides,
                HAS_SINKS=sinks is not None, **consts)
     else:
@@ -140,7 +140,7 @@ def attention_features(q, k_cache, source_start, source_end, kv_start, kv_len, n
         if lse.stride(-1) != 1:
             lse = lse.contiguous()
     out = torch.empty(batch, heads, n_max, device=q.device, dtype=torch.float32)
-    launch(_features_kernel, (batch * heads, triton.cdiv(n_max, block_n)),
+    launch(_features_kernel, (batch * heads, cdiv(n_max, block_n)),
            q, k_cache, lse, source_start, source_end, kv_len, n_rows, out, *variant, heads, group, rows, n_max,
            *strides, lse.stride(0), lse.stride(1), **consts)
     return out

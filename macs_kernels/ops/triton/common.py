@@ -20,10 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .._backends import triton_interpreted as interpreted
+from .._backends import triton_interpreted
 
 LOG2E = tl.constexpr(1.4426950408889634)
 MIN_SCORE = tl.constexpr(-1.0e30)
+
+# Whether the kernels below run in the interpreter: triton.jit decided it when this module was imported, and reading
+# the environment on every launch cost microseconds of host time per op.
+INTERPRETED = triton_interpreted()
 
 # Kernel name -> launches since import: lets an integration test prove that Triton really ran.
 LAUNCHES: collections.Counter = collections.Counter()
@@ -63,13 +67,19 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     kernel[grid](*args, **kwargs)
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for the launchers' host arithmetic: triton.cdiv is a constexpr_function in recent Triton and
+    costs about 7 us per host call, seven of them per fused decode."""
+    return -(-a // b)
+
+
 def next_pow2(value: int) -> int:
     return 1 << max(0, int(value) - 1).bit_length()
 
 
 def multiprocessors(device: torch.device) -> int:
     """Streaming multiprocessors to fill; the interpreter runs programs one by one, so a few suffice."""
-    if interpreted() or device.type != "cuda":
+    if INTERPRETED or device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -77,7 +87,7 @@ def multiprocessors(device: torch.device) -> int:
 def dot_in_f32(*tensors: torch.Tensor) -> bool:
     """True unless every operand is float16, or every one bfloat16 (then tensor cores run the product)."""
     dtypes = {tensor.dtype for tensor in tensors}
-    return interpreted() or len(dtypes) != 1 or not dtypes <= {torch.float16, torch.bfloat16}
+    return INTERPRETED or len(dtypes) != 1 or not dtypes <= {torch.float16, torch.bfloat16}
 
 
 def head_block(dim: int) -> int:
@@ -99,30 +109,30 @@ def split_kv_tiles(batch: int, kv_heads: int, group_rows: int, keys: int, device
     """Enough (row tile, key slice) programs to fill the GPU twice over, whole key blocks per slice; tl.dot
     needs 16 rows, and more than 64 rows per program would spill the accumulator."""
     block_m = min(64, max(16, next_pow2(group_rows)))
-    block_n = 128 if interpreted() else 64
-    programs = batch * kv_heads * triton.cdiv(group_rows, block_m)
-    blocks = triton.cdiv(keys, block_n)
-    splits = min(blocks, max(1, triton.cdiv(2 * multiprocessors(device), programs)))
-    per_split = triton.cdiv(blocks, splits)
-    return SplitKV(block_m, block_n, triton.cdiv(blocks, per_split), per_split * block_n)
+    block_n = 128 if INTERPRETED else 64
+    programs = batch * kv_heads * cdiv(group_rows, block_m)
+    blocks = cdiv(keys, block_n)
+    splits = min(blocks, max(1, cdiv(2 * multiprocessors(device), programs)))
+    per_split = cdiv(blocks, splits)
+    return SplitKV(block_m, block_n, cdiv(blocks, per_split), per_split * block_n)
 
 
 def pool_block(heads: int, n_max: int) -> int:
     """Inputs per program of the pooling kernel: one tile holds every head of BLOCK_I inputs; the
     interpreter prefers few, large tiles."""
-    return max(16, min(next_pow2(n_max), (16384 if interpreted() else 4096) // next_pow2(heads)))
+    return max(16, min(next_pow2(n_max), (16384 if INTERPRETED else 4096) // next_pow2(heads)))
 
 
 def row_block(length: int) -> int:
     """Elements per step of a kernel that sweeps one row (z-scores, generated mass)."""
-    return min(next_pow2(length), 4096 if interpreted() else 1024)
+    return min(next_pow2(length), 4096 if INTERPRETED else 1024)
 
 
 def features_tiles(rows: int) -> tuple[int, int]:
     """(BLOCK_R target rows, BLOCK_N source keys) of attention_features."""
-    return (16 if rows <= 16 else (32 if interpreted() else 64)), 64
+    return (16 if rows <= 16 else (32 if INTERPRETED else 64)), 64
 
 
 def back_projection_tiles(rows_m: int, keys: int) -> tuple[int, int]:
     """(BLOCK_M coefficient rows, BLOCK_S keys) of the efficient-attention back-projection."""
-    return max(16, min(next_pow2(rows_m), 64)), max(16, min(next_pow2(keys), 256 if interpreted() else 64))
+    return max(16, min(next_pow2(rows_m), 64)), max(16, min(next_pow2(keys), 256 if INTERPRETED else 64))

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..torch_efficient import project_rows
-from .common import back_projection_tiles, dot, head_block, launch, multiprocessors
+from .common import back_projection_tiles, cdiv, dot, head_block, launch, multiprocessors
 
 
 @triton.jit
@@ -75,8 +75,8 @@ def back_project(coefficients, v_cache, kv_start, kv_len, causal):
     rows_m = heads // kv_heads * rows
     block_m, block_s = back_projection_tiles(rows_m, keys)
     block_d = head_block(dim)
-    row_tiles = triton.cdiv(rows_m, block_m)
-    splits = max(1, min(triton.cdiv(keys, block_s), triton.cdiv(2 * multiprocessors(v_cache.device),
+    row_tiles = cdiv(rows_m, block_m)
+    splits = max(1, min(cdiv(keys, block_s), cdiv(2 * multiprocessors(v_cache.device),
                                                                   batch * kv_heads * row_tiles)))
     a_eff = torch.zeros(batch, heads, rows, keys, dtype=coefficients.dtype, device=coefficients.device)
     partial = torch.empty(splits, batch, heads, rows, width, dtype=coefficients.dtype, device=coefficients.device)

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import launch, next_pow2, pool_block, row_block
+from .common import cdiv, launch, next_pow2, pool_block, row_block
 
 
 @triton.jit
@@ -98,7 +98,7 @@ def pool(values, target, start, end, *, lse=None, generated=None, alpha=1.0, poo
     lse3 = lse if from_scores else values4
     block_i = pool_block(heads, n_target)
     launch(
-        _pool_kernel, (batch * rows, triton.cdiv(n_target, block_i)),
+        _pool_kernel, (batch * rows, cdiv(n_target, block_i)),
         values4, lse3, gen3, start, end, target3,
         float(alpha), heads, rows, n_target,
         values4.stride(0), values4.stride(1), values4.stride(2), lse3.stride(0), lse3.stride(1), lse3.stride(2),

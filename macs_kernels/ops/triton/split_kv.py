@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import MIN_SCORE, dot, dot_in_f32, head_block, launch, next_pow2, operand, split_kv_tiles
+from .common import MIN_SCORE, cdiv, dot, dot_in_f32, head_block, launch, next_pow2, operand, split_kv_tiles
 
 
 @triton.jit
@@ -192,7 +192,7 @@ def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores
         scores = m
     v = v_cache if with_v else k_cache
     launch(
-        _split_kv_kernel, (batch * kv_heads * triton.cdiv(group * rows, tiles.block_m), tiles.splits),
+        _split_kv_kernel, (batch * kv_heads * cdiv(group * rows, tiles.block_m), tiles.splits),
         q, k_cache, v, start, input_end, kv_len, block_table if paged else start,
         score_start if windowed else start, scores, m, l, l_gen, acc,
         scale, 1.0 if softcap is None else float(softcap), tiles.split_size, tiles.splits, kv_heads, rows,
