@@ -64,8 +64,8 @@ class Problem:
 # --- providers: each builds, for one (op, problem), a no-argument callable that runs the op once ---------
 
 def backend_call(backend: str, fused: bool = True):
-    """A macs_kernels backend, called with validated arguments as the tracer does (no host sync). Positionally,
-    as the ops call their kernels: torch before 2.13 finds a mutating operator's written arguments by position."""
+    """A macs_kernels backend, called with validated arguments as the tracer does (no host sync), every argument
+    given as the ops give them (`pooled` too: it has no default, see README "Ops: each declared once")."""
     def build(op: str, p: Problem):
         function = implementation(backend, op)
         macs = (0.8, "max", True)  # alpha, pooling, redistribute

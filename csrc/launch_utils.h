@@ -9,7 +9,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
-#include <c10/util/SmallVector.h>
 
 #include <optional>
 #include <string>
@@ -35,20 +34,15 @@ inline void check_float(const char* op, const char* name, const at::Tensor& t) {
               " must be float32, float16 or bfloat16, got ", type);
 }
 
-// Expected shapes arrive as braced lists and are copied (Shape) rather than viewed through an IntArrayRef onto the
-// list's backing array: on an H200 (nvcc 13.0, torch 2.11) a macs_pool call with a float64 `out` crashed inside
-// check_state while it streamed a shape into its message (a segfault instead of the RuntimeError).
-using Shape = c10::SmallVector<int64_t, 4>;
-
 // A float32 (leading..., N_max) tensor, contiguous, that the kernel writes in place (log_c, out, pooled).
-inline void check_state(const char* op, const char* name, const at::Tensor& t, const Shape leading,
+inline void check_state(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef leading,
                         const at::Tensor& like) {
   std::string expected = "(";
   for (const int64_t size : leading) expected += std::to_string(size) + ", ";
   expected += "N_max)";
   check_tensor(op, name, t, int64_t(leading.size()) + 1, like);
-  TORCH_CHECK(t.sizes().slice(0, leading.size()) == at::IntArrayRef(leading), op, ": ", name, " must have shape ",
-              expected, ", got ", t.sizes());
+  TORCH_CHECK(t.sizes().slice(0, leading.size()) == leading, op, ": ", name, " must have shape ", expected,
+              ", got ", t.sizes());
   TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous: it is written in place");
 }
@@ -70,10 +64,9 @@ inline Index index_arg(const char* op, const char* name, const at::Tensor& t, in
 }
 
 // A given log-sum-exp of `sizes`, any float dtype, as the float32 contiguous tensor the kernels read.
-inline at::Tensor lse_arg(const char* op, const at::Tensor& lse, const Shape sizes, const at::Tensor& like) {
+inline at::Tensor lse_arg(const char* op, const at::Tensor& lse, at::IntArrayRef sizes, const at::Tensor& like) {
   check_tensor(op, "lse", lse, int64_t(sizes.size()), like);
-  TORCH_CHECK(lse.sizes() == at::IntArrayRef(sizes), op, ": lse must have shape ", at::IntArrayRef(sizes), ", got ",
-              lse.sizes());
+  TORCH_CHECK(lse.sizes() == sizes, op, ": lse must have shape ", sizes, ", got ", lse.sizes());
   TORCH_CHECK(lse.is_floating_point(), op, ": lse must be floating point, got ", lse.scalar_type());
   return lse.to(at::kFloat).contiguous();
 }

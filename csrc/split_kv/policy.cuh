@@ -15,8 +15,9 @@ constexpr int kCombineThreads = 128;
 constexpr int64_t kMaxVectorsTimesDimV = int64_t(kMaxSplitThreads) * kMaxAccumulators;
 // Split blocks per multiprocessor. Each block keeps one K (and V) tile of 32 keys in flight, so bandwidth needs
 // several resident blocks per SM: at 2 per SM (the Triton launcher's rule, whose programs pipeline three 64-key
-// tiles) this kernel read 0.3-0.55 TB/s on an H200 at 64k keys against Triton's 2.2-3.4. 4 per SM stays within one
-// wave at the shared memory of a D = 128 block (about 35 KB: 6 fit in 228 KB); not yet measured on a GPU.
+// tiles) this kernel read 0.3-0.55 TB/s on an H200 at 64k keys against Triton's 1.7-3.4. A decode block at D = 128
+// takes about 35 KB of shared memory (6 fit in an SM's 228 KB), so 4 stay within one wave there; larger blocks
+// (macs_pool's 64 vectors, about 59 KB) run in two. Not yet measured on a GPU.
 constexpr int64_t kSplitBlocksPerSM = 4;
 // Query rows of one sequence are gathered into a block up to this many vectors (without V): more rows
 // share each K tile, and shared memory stays bounded.
@@ -55,7 +56,6 @@ __host__ inline SplitPolicy split_policy(int64_t batch, int64_t heads, int64_t k
   SplitPolicy policy;
   policy.rows_per_block = fit < 1 ? 1 : (fit < rows ? fit : (rows < 1 ? 1 : rows));
   policy.row_chunks = ceil_div(rows < 1 ? 1 : rows, policy.rows_per_block);
-  // kSplitBlocksPerSM blocks per multiprocessor, each with at least one tile.
   const int64_t wanted = ceil_div(kSplitBlocksPerSM * sm_count, batch * kv_heads * policy.row_chunks);
   const int64_t tiles = ceil_div(keys, kTileKeys);
   policy.splits = wanted < tiles ? wanted : tiles;

@@ -138,14 +138,14 @@ def test_automatic_choice_prefers_cuda_then_triton(monkeypatch, fresh_verdicts, 
 
 
 def test_launch_counter_counts_each_kernel():
-    ops.verified_backend("triton", DEVICE, ops=("decode_attention", "macs_update", "macs_update_rows", "macs_zscore"))
+    ops.verified_backend("triton", HERE, ops=("decode_attention", "macs_update", "macs_update_rows", "macs_zscore"))
     counts = triton_backend.LAUNCHES
     before = counts.copy()
     q, k = random_qk(1, 3, 1, 113, 64, torch.float32)
-    log_c = torch.zeros(1, 50, device=DEVICE)
+    log_c = torch.zeros(1, 50, device=HERE)
     ops.decode_attention(q, k, k, kv_len=113, scale=0.125, log_c=log_c, input_end=50, backend="triton")
     ops.macs_update(q, k, log_c, input_start=0, input_end=50, kv_len=113, scale=0.125, backend="triton")
-    ops.macs_update_rows(torch.rand(1, 3, 113, device=DEVICE), log_c, input_start=0, input_end=50, kv_len=113,
+    ops.macs_update_rows(torch.rand(1, 3, 113, device=HERE), log_c, input_start=0, input_end=50, kv_len=113,
                          backend="triton")
     ops.macs_zscore(log_c, [50], backend="triton")
     assert counts - before == {
