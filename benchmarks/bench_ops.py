@@ -64,15 +64,17 @@ class Problem:
 # --- providers: each builds, for one (op, problem), a no-argument callable that runs the op once ---------
 
 def backend_call(backend: str, fused: bool = True):
-    """A macs_kernels backend, called with validated arguments as the tracer does (no host sync), every argument
-    given as the ops give them (`pooled` too: it has no default, see README "Ops: each declared once")."""
+    """A macs_kernels backend, called with validated arguments as the tracer does (no host sync); decode_attention's
+    `pooled` is given too (it has no default, see README "Ops: each declared once")."""
     def build(op: str, p: Problem):
         function = implementation(backend, op)
-        macs = (0.8, "max", True)  # alpha, pooling, redistribute
+        macs = dict(alpha=0.8, pooling="max", redistribute=True)
         if op == "macs_update":
-            return lambda: function(p.q, p.k, p.log_c, p.start, p.input_end, p.kv_len, p.scale, *macs, None)
-        log_c, input_end = (p.log_c, p.input_end) if fused else (None, None)
-        return lambda: function(p.q, p.k, p.v, p.start, p.kv_len, p.scale, log_c, input_end, *macs, None)
+            return lambda: function(p.q, p.k, p.log_c, input_start=p.start, input_end=p.input_end,
+                                    kv_len=p.kv_len, scale=p.scale, lse=None, **macs)
+        return lambda: function(p.q, p.k, p.v, kv_start=p.start, kv_len=p.kv_len, scale=p.scale,
+                                log_c=p.log_c if fused else None, input_end=p.input_end if fused else None,
+                                pooled=None, **macs)
     return build
 
 

@@ -284,9 +284,9 @@ def decode_attention(
     macs_pool takes them (score_start with pooled only). The output is the layer's (sink mass attends no
     value).
 
-    pooled has no default although it is optional: torch before 2.13 drops trailing arguments equal to their
-    defaults before the ADInplaceOrView kernel of a mutating custom op, which then indexes the missing
-    mutated argument (IndexError on every call without pooled)."""
+    pooled has no default although it is optional: torch before 2.13 hands a Python kernel its arguments without
+    the trailing ones equal to their defaults, and its ADInplaceOrView kernel of this mutating op then indexes the
+    missing written argument (IndexError on every call that left pooled at None)."""
     if score_start is not None and log_c is not None:
         raise ValueError("decode_attention: score_start (a sliding window's input columns) comes with pooled, "
                          "not log_c")

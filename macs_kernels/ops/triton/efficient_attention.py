@@ -76,8 +76,7 @@ def back_project(coefficients, v_cache, kv_start, kv_len, causal):
     block_m, block_s = back_projection_tiles(rows_m, keys)
     block_d = head_block(dim)
     row_tiles = cdiv(rows_m, block_m)
-    splits = max(1, min(cdiv(keys, block_s), cdiv(2 * multiprocessors(v_cache.device),
-                                                                  batch * kv_heads * row_tiles)))
+    splits = max(1, min(cdiv(keys, block_s), cdiv(2 * multiprocessors(v_cache.device), batch * kv_heads * row_tiles)))
     a_eff = torch.zeros(batch, heads, rows, keys, dtype=coefficients.dtype, device=coefficients.device)
     partial = torch.empty(splits, batch, heads, rows, width, dtype=coefficients.dtype, device=coefficients.device)
     launch(
