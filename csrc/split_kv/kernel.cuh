@@ -191,6 +191,7 @@ __global__ void __launch_bounds__(kMaxSplitThreads) split_kernel(SplitParams<T> 
       const float new_mg = fmaxf(old_mg, warp_max(generated));
       const float generated_sum = warp_sum(exp2_diff(generated, new_mg));
       p_s[v * kTileKeys + lane] = weight;
+      __syncwarp();  // the shuffles converge the lanes but do not order their reads of m_s and mg_s before these writes
       if (lane == 0) {
         m_s[v] = new_m;
         l_s[v] = l_s[v] * factor + tile_sum;

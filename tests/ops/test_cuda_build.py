@@ -5,9 +5,11 @@ proves it torch-free), host code included, for sm_80 and sm_90 under the flags t
 adds; each architecture's cubin must hold the piece's kernels for float, half and bfloat16, and no other
 piece's kernels (the split-KV pass and head pooling have one copy, which the ops compose). Each op's
 launcher csrc/<op>/launch.cu registers the CUDA kernel of the operator Python defines; the launchers are
-compiled against the torch headers of the installed (CPU) wheel in a slow test.
+compiled against the torch headers of the installed (CPU) wheel in a slow test. setup.py links the extension
+against the shared C++ runtime even with a toolchain that only has the static one.
 """
 import concurrent.futures
+import importlib.util
 import os
 import re
 import shutil
@@ -128,3 +130,38 @@ def test_launchers_and_registrations_compile_against_the_torch_headers(tmp_path)
     result, seconds = _compile(command)
     print(f"launchers + bindings: {seconds:.1f}s")
     assert result.returncode == 0, f"nvcc failed on the launchers:\n{result.stderr[-6000:]}"
+
+
+def _setup_module():
+    """setup.py's helpers, without running setup() (it runs only as __main__)."""
+    spec = importlib.util.spec_from_file_location("macs_kernels_setup", CSRC.parent / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compiler_finding(folder, libraries):
+    """A compiler whose -print-file-name resolves only `libraries`, printing a bare name otherwise as gcc does."""
+    script = folder / "fake-g++"
+    found = "".join(f"  -print-file-name={name}) echo {folder}/{name} ;;\n" for name in libraries)
+    bare = '  -print-file-name=*) echo "${1#-print-file-name=}" ;;\n'
+    script.write_text(f'#!/bin/sh\ncase "$1" in\n{found}{bare}esac\n')
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.mark.parametrize(
+    "libraries, link_args",
+    [
+        (["libstdc++.so", "libstdc++.so.6", "libstdc++.a"], []),  # a usual toolchain: its default link is shared
+        (["libstdc++.so.6", "libstdc++.a"], ["-l:libstdc++.so.6"]),  # the H200 image's /opt/gcc
+        (["libstdc++.a"], None),  # only the static runtime: the extension is not built
+        ([], []),  # not a libstdc++ toolchain: left to the compiler
+    ],
+)
+def test_the_extension_links_the_shared_cpp_runtime(tmp_path, libraries, link_args):
+    setup_module = _setup_module()
+    assert setup_module.shared_libstdcxx_link_args(_compiler_finding(tmp_path, libraries)) == link_args
+    assert setup_module.shared_libstdcxx_link_args(str(tmp_path / "no-such-compiler")) == []
+    if shutil.which("g++"):  # this machine's compiler links the shared runtime by default
+        assert setup_module.shared_libstdcxx_link_args("g++") == []
