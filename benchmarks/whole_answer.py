@@ -4,6 +4,7 @@
     python benchmarks/whole_answer.py study                        # candidate table -> whole_answer.{md,json}
     python benchmarks/whole_answer.py layers --results R.jsonl    # recorded-row candidates -> whole_answer_layers.*
     python benchmarks/whole_answer.py logit                        # logit-scaled candidates -> whole_answer_logit.*
+    python benchmarks/whole_answer.py runs                         # copied runs -> whole_answer_runs.*
 
 extract reads an eval results stream (macs-kernels eval --out R.jsonl) and the record cache it filled, and
 keeps, per scored sample: the default MACS configuration's log c of every step over every prompt token
@@ -30,6 +31,11 @@ logit (the sixth round) adds a row scaled by the logit, as AttnLRP's relevance i
 through attention of each step's generated token (direct_logit_rows, one teacher-forced eager forward per sample,
 kept in the rows file), alone and added to the chosen score, and combinations of the softmax and norm-weighted rows
 and soft maxima over the steps (logit_candidates).
+
+runs (the seventh round) adds to the chosen score each token's best copied run (core.scores.StepStatistics): k
+consecutive steps attending to k consecutive prompt tokens, one token further at each step, worth the smallest
+of their sinkless z-scores, for k in RUN_LENGTHS and weights in RUN_WEIGHTS (run_candidates); the one best on the
+development half became the default whole-answer score (config.DEFAULT_AGGREGATION).
 """
 from __future__ import annotations
 
@@ -45,14 +51,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from macs_kernels.config import DEFAULT_AGGREGATION  # noqa: E402
+from macs_kernels.core.scores import RUN_STEPS, StepStatistics, log_zscores, whole_answer_scores  # noqa: E402
 from macs_kernels.evaluation.record import macs_from_record  # noqa: E402
 from macs_kernels.evaluation.report import cell, indices_text, stats  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 ROWS = RESULTS / "whole_answer_rows.npz"
 DEV, CONFIRM = (0, 175), (175, 350)
-# The shipped whole-answer score (config.DEFAULT_AGGREGATION) under its name in the study's tables.
+# The first six rounds' choice (CHOSEN_AGGREGATION in config.AGGREGATIONS, the default before the seventh round)
+# under its name in the study's tables.
 CHOSEN = "max z minus mean z, sink out of each step's statistics"
+CHOSEN_AGGREGATION = "max_minus_mean_sinkless_z"
 
 
 def extract(args) -> None:
@@ -170,8 +179,6 @@ def _eos_dropped(sample: dict, rows: np.ndarray) -> np.ndarray:
 
 def macs_candidates(sample: dict) -> dict[str, np.ndarray]:
     """Every candidate whole-answer score of one sample, (N,) over all prompt tokens."""
-    from macs_kernels.core import whole_answer_scores
-
     log_c = sample["log_c"].astype(np.float64)
     log_c = np.maximum(log_c, -1e4)  # alpha < 1 never underflows; a guard for the z-scores
     start, stop = sample["context"]
@@ -205,9 +212,8 @@ def macs_candidates(sample: dict) -> dict[str, np.ndarray]:
         "max z, EOS step dropped": z_no_eos.max(0),
         "max robust z (median/MAD)": _robust_z(log_c).max(0),
         "max z minus mean z": z.max(0) - z.mean(0),
-        # the shipped definition (the z-scores' mean and spread without each step's top token, the sink)
-        CHOSEN: whole_answer_scores(
-            torch.from_numpy(log_c), "max_minus_mean_sinkless_z").double().numpy(),
+        # the first six rounds' choice (the z-scores' mean and spread without each step's top token, the sink)
+        CHOSEN: whole_answer_scores(torch.from_numpy(log_c), CHOSEN_AGGREGATION).double().numpy(),
         "max z plus mean z": z.max(0) + z.mean(0),
         "top-2 mean z": _top_k_mean(z, 2),
         "max z, steps after the first": z[1:].max(0) if len(z) > 1 else z.max(0),
@@ -232,7 +238,6 @@ def macs_candidates(sample: dict) -> dict[str, np.ndarray]:
 def norm_candidates(sample: dict) -> dict[str, np.ndarray]:
     """The named whole-answer scores (config.AGGREGATIONS) of the norm-weighted rows' log c (fourth round)."""
     from macs_kernels.config import AGGREGATIONS
-    from macs_kernels.core import whole_answer_scores
 
     log_c = torch.from_numpy(np.maximum(sample["norm_log_c"].astype(np.float64), -1e4))
     return {f"norm-weighted rows (attention='norm'), {name}": whole_answer_scores(log_c, name).double().numpy()
@@ -311,8 +316,8 @@ def study(args) -> None:
         lines.append(f"| {name} | {cell(row['dev'])} | {cell(row['dev_minus_chosen'])} | {cell(row['confirm'])} "
                      f"| {cell(row['confirm_minus_chosen'])} | {cell(row['expensive'])} (n={row['expensive']['n']}) "
                      f"| {cell(row['expensive_minus_chosen'])} |")
-    lines += answered_split(samples, aps, chosen, summary)
-    lines += against_attnlrp(aps, chosen, summary)
+    lines += answered_split(samples, aps, chosen_names(chosen), summary)
+    lines += against_attnlrp(aps, chosen_names(chosen), summary)
     text = "\n".join(lines) + "\n"
     print(text)
     (args.out.with_suffix(".md")).write_text(text)
@@ -328,12 +333,19 @@ def _attnlrp_ap(sample: dict) -> float:
     return _ap(baseline_candidates(sample["attnlrp"], sample["context"])[ATTNLRP.split(": ", 1)[1]], sample["labels"])
 
 
-def _versus_attnlrp(title: str, groups: dict[str, list[int]], aps: dict, chosen: str) -> tuple[list[str], dict]:
-    """Markdown lines and summary of the chosen score on softmax and on norm-weighted rows against AttnLRP's on
-    each group of samples (those of a group that AttnLRP and both scores cover), paired per sample."""
+def chosen_names(softmax: str, aggregation: str = CHOSEN_AGGREGATION, label: str = "chosen") -> dict[str, str]:
+    """The columns of the AttnLRP tables: {label: candidate name} of a score on softmax and on norm-weighted rows."""
+    return {f"{label} (softmax rows)": softmax,
+            f"{label} (norm-weighted rows)": f"norm-weighted rows (attention='norm'), {aggregation}"}
+
+
+def _versus_attnlrp(title: str, groups: dict[str, list[int]], aps: dict, names: dict[str, str]) -> tuple[list[str],
+                                                                                                       dict]:
+    """Markdown lines and summary of the scores `names` (chosen_names) against AttnLRP's on each group of samples
+    (those of a group that AttnLRP and every score cover), paired per sample; a score no sample has (norm-weighted
+    rows where the eval did not record them) gets no column."""
     lrp = aps.get(ATTNLRP, {})
-    names = {"chosen (softmax rows)": chosen,
-             "chosen (norm-weighted rows)": f"norm-weighted rows (attention='norm'), {DEFAULT_AGGREGATION}"}
+    names = {label: key for label, key in names.items() if key in aps}
     lines = ["", title, "", "| samples | n | AttnLRP | " + " | ".join(f"{n} | minus AttnLRP" for n in names) + " |",
              "|---|---|---|" + "---|---|" * len(names)]
     table = {}
@@ -352,7 +364,7 @@ def _versus_attnlrp(title: str, groups: dict[str, list[int]], aps: dict, chosen:
     return lines, table
 
 
-def against_attnlrp(aps: dict, chosen: str, summary: dict) -> list[str]:
+def against_attnlrp(aps: dict, names: dict[str, str], summary: dict) -> list[str]:
     """The goal, "MACS's whole answer at least AttnLRP's on the same samples", on each part of the samples
     AttnLRP scored: the development half (where the aggregation was chosen, so biased towards MACS), the
     confirmation half (untouched by the choice), the held-out 250-349 and all of them."""
@@ -360,25 +372,23 @@ def against_attnlrp(aps: dict, chosen: str, summary: dict) -> list[str]:
              CONFIRM, f"held-out {HELD_OUT[0]}-{HELD_OUT[1] - 1}": HELD_OUT, "all": (DEV[0], CONFIRM[1])}
     groups = {label: [i for i in sorted(aps.get(ATTNLRP, {})) if a <= i < b] for label, (a, b) in parts.items()}
     lines, summary["against_attnlrp"] = _versus_attnlrp(
-        "The goal on each part of AttnLRP's samples, paired with AttnLRP:", groups, aps, chosen)
+        "The goal on each part of AttnLRP's samples, paired with AttnLRP:", groups, aps, names)
     return lines
 
 
-def answered_split(samples: dict[int, dict], aps: dict, chosen: str, summary: dict) -> list[str]:
+def answered_split(samples: dict[int, dict], aps: dict, names: dict[str, str], summary: dict) -> list[str]:
     """Where the gap to AttnLRP lies: its samples split by whether the generation contains a gold answer (the
     model answered from the context) or not."""
     groups = {label: [i for i in sorted(aps.get(ATTNLRP, {})) if (samples[i]["answer_step"] is not None) == answered]
               for label, answered in (("generation contains a gold answer", True), ("it does not", False))}
     lines, summary["answered_split"] = _versus_attnlrp(
         "On AttnLRP's samples, split by whether the generation contains a gold answer, paired with AttnLRP:",
-        groups, aps, chosen)
+        groups, aps, names)
     return lines
 
 
 # ---- third and fifth rounds: candidates from the recorded rows -------------------------------------------------------
 def _sinkless_z(log_c: np.ndarray) -> np.ndarray:
-    from macs_kernels.core.scores import log_zscores
-
     return log_zscores(torch.from_numpy(log_c), sinkless=True).double().numpy()
 
 
@@ -617,6 +627,47 @@ def logit_candidates(sample: dict) -> dict[str, np.ndarray]:
     return candidates
 
 
+def _paired_table(samples: dict[int, dict], aps: dict, title: str) -> tuple[dict, list[str]]:
+    """(summary, markdown lines) of every candidate in `aps` on the two halves, paired with CHOSEN and with
+    AttnLRP's whole answer on all its samples, on the confirmation half and on those whose generation contains a
+    gold answer."""
+    lrp = aps.get(ATTNLRP, {})
+    answered = [i for i in lrp if samples[i]["answer_step"] is not None]
+    parts = {"dev": [i for i in aps[CHOSEN] if DEV[0] <= i < DEV[1]],
+             "confirm": [i for i in aps[CHOSEN] if CONFIRM[0] <= i < CONFIRM[1]]}
+    summary = {"chosen": CHOSEN, "attnlrp": stats(list(lrp.values())), "candidates": {}}
+    text = [f"{title}, mean [95% CI]; dev {DEV[0]}-{DEV[1] - 1} (where a choice is made), confirm "
+            f"{CONFIRM[0]}-{CONFIRM[1] - 1}; paired with the chosen score ({CHOSEN}) and with AttnLRP's whole answer "
+            f"({cell(summary['attnlrp'])}, n={len(lrp)}) on all of its samples, on the confirmation half and on the "
+            f"{len(answered)} whose generation contains a gold answer.", "",
+            "| candidate | dev | dev minus chosen | confirm | confirm minus chosen | all minus AttnLRP "
+            "| confirm minus AttnLRP | answered minus AttnLRP |", "|---|---|---|---|---|---|---|---|"]
+    for name, by_index in aps.items():  # AttnLRP's own row too: its halves differ (the line is all its samples)
+        row = {}
+        for part, members in parts.items():
+            row[part] = stats([by_index[i] for i in members])
+            row[part + "_minus_chosen"] = stats([by_index[i] - aps[CHOSEN][i] for i in members])
+        for part, members in (("all", sorted(lrp)), ("confirm", parts["confirm"]), ("answered", answered)):
+            row[part + "_minus_attnlrp"] = stats([by_index[i] - lrp[i] for i in members if i in lrp])
+        summary["candidates"][name] = row
+        text.append(f"| {name} | {cell(row['dev'])} | {cell(row['dev_minus_chosen'])} | {cell(row['confirm'])} | "
+                    f"{cell(row['confirm_minus_chosen'])} | {cell(row['all_minus_attnlrp'])} | "
+                    f"{cell(row['confirm_minus_attnlrp'])} | {cell(row['answered_minus_attnlrp'])} |")
+    return summary, text
+
+
+def _candidate_aps(samples: dict[int, dict], candidates) -> dict[str, dict[int, float]]:
+    """{name: {sample: whole-answer AP over the context}} of `candidates(sample)`'s scores, AttnLRP's beside them."""
+    aps: dict[str, dict[int, float]] = {}
+    for index, sample in samples.items():
+        start, stop = sample["context"]
+        for name, score in candidates(sample).items():
+            aps.setdefault(name, {})[index] = _ap(score[start:stop], sample["labels"])
+        if "attnlrp" in sample:
+            aps.setdefault(ATTNLRP, {})[index] = _attnlrp_ap(sample)
+    return aps
+
+
 def logit(args) -> None:
     samples = load(args.rows)
     missing = sorted(i for i, sample in samples.items() if "logit" not in sample)
@@ -633,37 +684,9 @@ def logit(args) -> None:
             rows = direct_logit_rows(model, sample["prompt"], sample["generated"])[:, : len(sample["prompt"])]
             sample["logit"] = data[f"s{index}_logit"] = rows.astype(np.float32)
         np.savez_compressed(args.rows, **data)
-    aps: dict[str, dict[int, float]] = {}
-    for index, sample in samples.items():
-        start, stop = sample["context"]
-        for name, score in logit_candidates(sample).items():
-            aps.setdefault(name, {})[index] = _ap(score[start:stop], sample["labels"])
-        if "attnlrp" in sample:
-            aps.setdefault(ATTNLRP, {})[index] = _attnlrp_ap(sample)
-    chosen = CHOSEN
-    lrp = aps.get(ATTNLRP, {})
-    answered = [i for i in lrp if samples[i]["answer_step"] is not None]
-    parts = {"dev": [i for i in aps[chosen] if DEV[0] <= i < DEV[1]],
-             "confirm": [i for i in aps[chosen] if CONFIRM[0] <= i < CONFIRM[1]]}
-    summary = {"chosen": chosen, "attnlrp": stats(list(lrp.values())), "candidates": {}}
-    text = [f"Sixth round: whole-answer AUC-PR of logit-scaled and combined candidates, mean [95% CI]; dev "
-            f"{DEV[0]}-{DEV[1] - 1} (where a choice would be made), confirm {CONFIRM[0]}-{CONFIRM[1] - 1}; paired with "
-            f"the chosen score and with AttnLRP's whole answer ({cell(summary['attnlrp'])}, n={len(lrp)}) on all of "
-            f"its samples, on the confirmation half and on the {len(answered)} whose generation contains a gold "
-            f"answer.", "",
-            "| candidate | dev | dev minus chosen | confirm | confirm minus chosen | all minus AttnLRP "
-            "| confirm minus AttnLRP | answered minus AttnLRP |", "|---|---|---|---|---|---|---|---|"]
-    for name, by_index in aps.items():  # AttnLRP's own row too: its halves differ (the line is all its samples)
-        row = {}
-        for part, members in parts.items():
-            row[part] = stats([by_index[i] for i in members])
-            row[part + "_minus_chosen"] = stats([by_index[i] - aps[chosen][i] for i in members])
-        for part, members in (("all", sorted(lrp)), ("confirm", parts["confirm"]), ("answered", answered)):
-            row[part + "_minus_attnlrp"] = stats([by_index[i] - lrp[i] for i in members if i in lrp])
-        summary["candidates"][name] = row
-        text.append(f"| {name} | {cell(row['dev'])} | {cell(row['dev_minus_chosen'])} | {cell(row['confirm'])} | "
-                    f"{cell(row['confirm_minus_chosen'])} | {cell(row['all_minus_attnlrp'])} | "
-                    f"{cell(row['confirm_minus_attnlrp'])} | {cell(row['answered_minus_attnlrp'])} |")
+    aps = _candidate_aps(samples, logit_candidates)
+    summary, text = _paired_table(
+        samples, aps, "Sixth round: whole-answer AUC-PR of logit-scaled and combined candidates")
     # Per step, each row's best step (the eval's best-step column), to set DLA beside the rows it is compared with.
     best = {}
     for kind, label in (("log_c", "MACS (softmax rows)"), ("norm_log_c", "norm-weighted rows"), ("logit", DLA),
@@ -673,6 +696,61 @@ def logit(args) -> None:
     summary["best_step"] = best
     text += ["", "Best-step AUC-PR of each row (all samples that have it): "
              + "; ".join(f"{label} {cell(value)}" for label, value in best.items()) + "."]
+    report = "\n".join(text) + "\n"
+    print(report)
+    args.out.with_suffix(".md").write_text(report)
+    args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot_layers(summary, summary["attnlrp"], args.out.with_suffix(".png"), second=("confirm", "confirm 175-349"))
+
+
+# ---- seventh round: copied runs ---------------------------------------------------------------------------------
+RUN_LENGTHS = (2, 3, 4, 5)
+RUN_WEIGHTS = (0.5, 1.0, 2.0)
+SHIPPED = f"the default whole-answer score ({DEFAULT_AGGREGATION})"
+
+
+def run_name(length: int, weight: float) -> str:
+    return f"chosen + {weight:g} x (best run of {length} steps - mean z)"
+
+
+def run_candidates(sample: dict) -> dict[str, np.ndarray]:
+    """Seventh round ({name: (N,) score}): the chosen score plus weight x (each token's best run - its mean z) for
+    every run length and weight, the shipped default (which is one of them), and the default of the norm-weighted
+    rows where the sample has them."""
+    log_c = sample["log_c"].astype(np.float64)
+    z = _sinkless_z(log_c)
+    mean = z.mean(0)
+    chosen = _max_minus_mean(z)
+    candidates = {CHOSEN: chosen}
+    for length in RUN_LENGTHS:
+        steps = StepStatistics(run_steps=length)
+        for row in torch.from_numpy(z):
+            steps.add(row)
+        runs = steps.best_runs().numpy()
+        for weight in RUN_WEIGHTS:
+            candidates[run_name(length, weight)] = chosen + weight * (runs - mean)
+    candidates[SHIPPED] = whole_answer_scores(torch.from_numpy(log_c)).double().numpy()
+    if "norm_log_c" in sample:
+        norm = torch.from_numpy(sample["norm_log_c"].astype(np.float64))
+        candidates[f"norm-weighted rows (attention='norm'), {DEFAULT_AGGREGATION}"] = (
+            whole_answer_scores(norm).double().numpy())
+    return candidates
+
+
+def runs(args) -> None:
+    samples = load(args.rows)
+    aps = _candidate_aps(samples, run_candidates)
+    summary, text = _paired_table(samples, aps, "Seventh round: whole-answer AUC-PR of the chosen score plus each "
+                                                "token's best copied run")
+    family = [run_name(length, weight) for length in RUN_LENGTHS for weight in RUN_WEIGHTS]
+    best = max(family, key=lambda name: summary["candidates"][name]["dev"]["mean"])
+    summary["best_on_dev"] = best
+    default = run_name(RUN_STEPS, 1.0)
+    text += ["", f"Best on the development half: {best!r}; the default ({DEFAULT_AGGREGATION}) is {default!r}"
+                 + ("." if best == default else ": NOT the best on dev any more.")]
+    names = chosen_names(SHIPPED, DEFAULT_AGGREGATION, label="default")
+    text += against_attnlrp(aps, names, summary)
+    text += answered_split(samples, aps, names, summary)
     report = "\n".join(text) + "\n"
     print(report)
     args.out.with_suffix(".md").write_text(report)
@@ -729,13 +807,17 @@ def main() -> None:
     g = sub.add_parser("logit")
     g.add_argument("--rows", type=Path, default=ROWS)
     g.add_argument("--out", type=Path, default=RESULTS / "whole_answer_logit")
+    r = sub.add_parser("runs")
+    r.add_argument("--rows", type=Path, default=ROWS)
+    r.add_argument("--out", type=Path, default=RESULTS / "whole_answer_runs")
     b = sub.add_parser("best-step")
     b.add_argument("--results", type=Path, required=True)
     b.add_argument("--method", default="macs")
     b.add_argument("--out", type=Path, default=RESULTS / "best_step_readings.md")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    {"extract": extract, "study": study, "layers": layers, "logit": logit, "best-step": best_step}[args.command](args)
+    {"extract": extract, "study": study, "layers": layers, "logit": logit, "runs": runs,
+     "best-step": best_step}[args.command](args)
 
 
 

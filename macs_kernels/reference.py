@@ -71,6 +71,27 @@ def log_zscore_reference(log_c: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def best_runs_reference(z: torch.Tensor, length: int) -> torch.Tensor:
+    """Each token's best copied run, by brute force over the (steps, N) z-scores `z`: every diagonal of k =
+    min(length, steps, N) cells (step t + j, token i + j for j < k) is worth its smallest z-score, an underflowed
+    (-inf) cell counting as its row's lowest finite one, and each of its k tokens keeps the best diagonal it lies
+    on. Returns (N,) float64."""
+    z = _f64(z)
+    steps, n = z.shape
+    k = min(length, steps, n)
+    filled = z.clone()
+    for row in filled:
+        finite = torch.isfinite(row)
+        row[~finite] = row[finite].min() if finite.any() else 0.0
+    best = torch.full((n,), -math.inf, dtype=torch.float64)
+    for t in range(steps - k + 1):
+        for i in range(n - k + 1):
+            value = min(filled[t + j, i + j].item() for j in range(k))
+            for j in range(k):
+                best[i + j] = max(best[i + j].item(), value)
+    return best
+
+
 def macs_step_reference(
     rows_per_layer, n_input: int, *, alpha: float = 0.8, pooling: str = "max", redistribute: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,13 +78,20 @@ def test_top_k_steps_spans_and_ties():
     # max z - mean z over the steps (z of the finite entries): [0.046, 1.224, 0.635, 0.441, -inf, 0.928]
     assert [i for i, _, _ in explanation.top_k(6, how="max_minus_mean_z")] == [1, 5, 2, 3, 0, 4]
     assert explanation.top_k(1, how="max_minus_mean_z")[0][2] == pytest.approx(1.224, abs=1e-3)
-    # the default: the same with each step's mean and deviation taken without its top token (token 0 at both
-    # steps): z = [2.111, -1.508, 0.905, -0.302, -inf, 0.905] and [2.121, 1.414, -0.707, 0.707, 0, -1.414],
+    # the same with each step's mean and deviation taken without its top token (token 0 at both steps):
+    # z = [2.111, -1.508, 0.905, -0.302, -inf, 0.905] and [2.121, 1.414, -0.707, 0.707, 0, -1.414],
     # max - mean = [0.005, 1.461, 0.806, 0.504, -inf, 1.159]
-    assert [i for i, _, _ in explanation.top_k(6)] == [1, 5, 2, 3, 0, 4]
+    sinkless = explanation.top_k(6, how="max_minus_mean_sinkless_z")
+    assert [i for i, _, _ in sinkless] == [1, 5, 2, 3, 0, 4]
+    assert sinkless[0][2] == pytest.approx(1.461, abs=1e-3) and sinkless[1][2] == pytest.approx(1.159, abs=1e-3)
+    # the default adds each token's best run minus its mean; two steps make runs of 2, the first step's -inf
+    # counted at its lowest finite z (-1.508): runs from tokens 0-4 are worth [1.414, -1.508, 0.707, -0.302,
+    # -1.508], so the best run per token is [1.414, 1.414, 0.707, 0.707, -0.302, -1.508] and the scores
+    # [-0.697, 2.922, 1.414, 1.009, -inf, -0.095]
+    assert [i for i, _, _ in explanation.top_k(6)] == [1, 2, 3, 5, 0, 4]
     best = explanation.top_k(2)
-    assert best[0][:2] == (1, "t1") and best[0][2] == pytest.approx(1.461, abs=1e-3)
-    assert best[1][2] == pytest.approx(1.159, abs=1e-3)
+    assert best[0][:2] == (1, "t1") and best[0][2] == pytest.approx(2.922, abs=1e-3)
+    assert best[1][2] == pytest.approx(1.414, abs=1e-3)
     assert [i for i, _, _ in explanation.top_k(2, step=0)] == [0, 2]
     assert [i for i, _, _ in explanation.top_k(3, step=-1)] == [0, 1, 3]
     assert [i for i, _, _ in explanation.top_k(10, span=True)] == [1, 2, 3, 4]  # all of the span, -inf last
@@ -101,7 +108,8 @@ def test_top_k_steps_spans_and_ties():
     (lambda e: e.top_k(2, span=(0, 7)), r"span \[0, 7\)"),
     (lambda e: e.top_k(2, span="context"), "span must be None, True or a"),
     (lambda e: _explanation(e.step_log_c).top_k(2, span=True), "span=True needs a source_span"),
-    (lambda e: e.top_k(2, how="median"), "unknown aggregation 'median'; choose one of max_minus_mean_sinkless_z"),
+    (lambda e: e.top_k(2, how="median"),
+     "unknown aggregation 'median'; choose one of max_plus_run_minus_mean_sinkless_z, max_minus_mean_sinkless_z"),
     (lambda e: e.top_k(2, step=0, how="max_z"), "a step or an aggregation"),
 ])
 def test_bad_top_k_arguments_raise(call, message):
@@ -233,10 +241,13 @@ def _whole_answer_reference(log_c: torch.Tensor, how: str) -> torch.Tensor:
             c = np.exp(row - row.max())
             out.append((c - c.mean()) / c.std())
         return torch.from_numpy(np.mean(out, 0))
-    zs = np.stack([z(row, sinkless=how == "max_minus_mean_sinkless_z") for row in rows])
+    zs = np.stack([z(row, sinkless=how.endswith("_sinkless_z")) for row in rows])
     top, mean = zs.max(0), zs.mean(0)
     if how in ("max_minus_mean_z", "max_minus_mean_sinkless_z"):
         return torch.from_numpy(np.where(np.isfinite(mean), top - mean, -np.inf))
+    if how == "max_plus_run_minus_mean_sinkless_z":
+        runs = reference.best_runs_reference(torch.from_numpy(zs), 3).numpy()
+        return torch.from_numpy(np.where(np.isfinite(mean), top - mean + runs - mean, -np.inf))
     return torch.from_numpy({"max_z": top, "mean_z": mean}[how])
 
 
@@ -298,6 +309,24 @@ def test_the_score_family_is_consistent():
     peaked[:, 1] = -25.0  # always above the crowd
     peaked[:, 2] = -34.0
     peaked[3, 2] = -15.0  # far above it once
-    scores = _explanation(peaked).scores
-    assert scores[2] > scores[1]
+    for how in ("max_minus_mean_sinkless_z", "max_plus_run_minus_mean_sinkless_z"):
+        scores = _explanation(peaked).whole_answer(how)
+        assert scores[2] > scores[1]
     assert torch.equal(_explanation(torch.zeros(0, 6)).scores, torch.zeros(6))
+    assert _explanation(torch.zeros(2, 0)).scores.shape == (0,)
+
+
+def test_a_copied_run_outranks_a_lone_peak():
+    """Tokens 20-23 read one further at each of steps 1-4 (a span being copied) outrank token 8, attended far
+    more but at one step only, under the default; the score without runs ranks token 8 first."""
+    log_c = -30 + torch.randn(6, 40, generator=torch.Generator().manual_seed(6))
+    log_c[:, 0] = -0.01
+    for step, token in zip(range(1, 5), range(20, 24)):
+        log_c[step, token] = -26.0
+    log_c[2, 8] = -20.0
+    explanation = _explanation(log_c)
+    copied, lone = explanation.scores[20:24], explanation.scores[8]
+    assert (copied > lone).all()
+    assert torch.topk(explanation.scores, 4).indices.sort().values.tolist() == [20, 21, 22, 23]
+    without_runs = explanation.whole_answer("max_minus_mean_sinkless_z")
+    assert (without_runs[20:24] < without_runs[8]).all()

@@ -31,9 +31,11 @@ def test_html_heat_is_per_step_within_the_span():
     assert data["span"] == [1, 5]
     assert data["heat"][0] == [1.0, 0.0, 0.0, 0.5]       # step 0 over tokens A..D
     assert data["heat"][1] == [0.6667, 1.0, 0.0, 0.6667]  # step 1: B highest, C lowest
-    # whole answer (max z - mean z over the steps, each step's z standardised without its top token, "<s>"):
-    # [0.498, 1.186, -inf, 0.115] over A..D
-    assert data["heat_mean"] == [0.3575, 1.0, 0.0, 0.0]
+    # whole answer (max z - mean z over the steps, each step's z standardised without its top token, "<s>":
+    # [0.498, 1.186, -inf, 0.115] over A..D; plus the best run of 2 steps minus the mean, the runs (step 0 token i,
+    # step 1 token i + 1) worth [0.229, 1.147, -1.606, -1.225] from <s>, C's -inf counted as step 0's lowest
+    # finite z): [0.918, 2.372, -inf, -1.225]
+    assert data["heat_mean"] == [0.5957, 1.0, 0.0, 0.0]
     explanation = _explanation()
     assert data["scores"][3] is None and data["scores"][1] == round(float(explanation.scores[1]), 4)
     assert data["step_scores"][0][3] is None  # -inf: JSON has no infinities; the tooltip says underflow

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..config import AGGREGATIONS, DEFAULT_AGGREGATION
 from ..ops import torch_backend
@@ -16,7 +17,12 @@ SCORE_DEFINITION = (
 
 
 # The aggregations whose step z-scores leave each step's top token out of their statistics.
-SINKLESS = frozenset({"max_minus_mean_sinkless_z"})
+SINKLESS = frozenset({"max_minus_mean_sinkless_z", "max_plus_run_minus_mean_sinkless_z"})
+# The aggregations that add each token's best run: a copied span shows in the rows as RUN_STEPS consecutive steps
+# attending to as many consecutive prompt tokens, one token further at each step (a head reading the span it
+# repeats), and the tokens of such a run are the ones the answer came from.
+RUN_AGGREGATIONS = frozenset({"max_plus_run_minus_mean_sinkless_z"})
+RUN_STEPS = 3
 
 
 def log_zscores(log_c: torch.Tensor, sinkless: bool = False) -> torch.Tensor:
@@ -64,7 +70,8 @@ def json_values(values: torch.Tensor, digits: int | None = None) -> list:
 def whole_answer_scores(step_log_c: torch.Tensor, how: str = DEFAULT_AGGREGATION) -> torch.Tensor:
     """(N,) float32 whole-answer score of each prompt token from the (steps, N) rows log c, by the name `how`
     (AGGREGATIONS). Underflowed entries (-inf, alpha = 1 only): a token with one at any step scores -inf
-    under the means (its mean is -inf), and max_z takes the largest finite step; no steps: zeros."""
+    under the means (its mean is -inf), max_z takes the largest finite step, and a run through one counts it at
+    its step's lowest finite z-score; no steps: zeros."""
     if how not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {how!r}; choose one of {', '.join(AGGREGATIONS)}")
     if step_log_c.dim() != 2:
@@ -76,16 +83,67 @@ def whole_answer_scores(step_log_c: torch.Tensor, how: str = DEFAULT_AGGREGATION
     if how == "paper_mean_z":
         return paper_zscores(step_log_c).mean(dim=0)
     z = log_zscores(step_log_c, sinkless=how in SINKLESS).double()
-    return _from_z(z.amax(dim=0), z.mean(dim=0), how)
+    runs = None
+    if how in RUN_AGGREGATIONS:
+        steps = StepStatistics()
+        for row in z:
+            steps.add(row)
+        runs = steps.best_runs()
+    return _from_z(z.amax(dim=0), z.mean(dim=0), how, runs)
 
 
-def _from_z(top: torch.Tensor, mean: torch.Tensor, how: str) -> torch.Tensor:
-    """The step z-scores' aggregations from their max and mean over steps (float64)."""
+def _from_z(top: torch.Tensor, mean: torch.Tensor, how: str, runs: torch.Tensor | None = None) -> torch.Tensor:
+    """The step z-scores' aggregations from their max and mean over steps and, for RUN_AGGREGATIONS, each token's
+    best run (float64)."""
     if how == "max_z":
         return top.float()
     if how == "mean_z":
         return mean.float()
-    return torch.where(torch.isfinite(mean), top - mean, float("-inf")).float()
+    score = top - mean if runs is None else top + runs - 2 * mean
+    return torch.where(torch.isfinite(mean), score, float("-inf")).float()
+
+
+class StepStatistics:
+    """What the z-score aggregations need of the steps so far, taken one (N,) row of z-scores (float64) at a
+    time: their max and sum and the best run of k = min(run_steps, steps, N) steps starting at each token (the
+    smallest z-score along it), from the last run_steps - 1 rows. k only grows, and a run of k ends at a step
+    where k is already that long, so each step updates one length. A stream pays O(N * run_steps) per token."""
+
+    def __init__(self, run_steps: int = RUN_STEPS):
+        self.run_steps = run_steps
+        self.top = self.total = None
+        self.steps = 0
+        self.recent: list[torch.Tensor] = []  # underflow replaced by the row's lowest finite z-score
+        self.run_starts: dict[int, torch.Tensor] = {}  # k -> (N - k + 1,)
+
+    def add(self, z: torch.Tensor) -> None:
+        self.top = z if self.top is None else torch.maximum(self.top, z)
+        self.total = z if self.total is None else self.total + z
+        self.steps += 1
+        finite = torch.isfinite(z)
+        floor = z[finite].min() if finite.any() else 0.0
+        window = [*self.recent, torch.where(finite, z, floor)]
+        n = z.shape[0]
+        k = min(self.run_steps, n, len(window))
+        if k > 1:
+            runs = torch.stack([window[j - k][j:n - k + 1 + j] for j in range(k)]).amin(dim=0)
+            best = self.run_starts.get(k)
+            self.run_starts[k] = runs if best is None else torch.maximum(best, runs)
+        self.recent = window[1 - self.run_steps:] if self.run_steps > 1 else []
+
+    def score(self, how: str) -> torch.Tensor:
+        """(N,) float32 aggregation `how` of the z-scores added so far (at least one step)."""
+        runs = self.best_runs() if how in RUN_AGGREGATIONS else None
+        return _from_z(self.top, self.total / self.steps, how, runs)
+
+    def best_runs(self) -> torch.Tensor:
+        """(N,) the best run each token is part of, runs as long as the steps and tokens allow (<= run_steps); a
+        run of one step is the token's max (-inf where it underflowed: its mean is -inf and masks it anyway)."""
+        k = min(self.run_steps, self.steps, self.top.shape[0])
+        if k <= 1:
+            return self.top
+        padded = F.pad(self.run_starts[k], (k - 1, k - 1), value=float("-inf"))
+        return padded.unfold(0, k, 1).amax(dim=-1)
 
 
 class RunningWholeAnswer:
@@ -93,13 +151,9 @@ class RunningWholeAnswer:
     O(N) per token rather than re-aggregating every earlier row."""
 
     def __init__(self):
-        self.top = self.total = None
-        self.steps = 0
+        self.steps = StepStatistics()
 
     def add(self, log_c: torch.Tensor) -> torch.Tensor:
         """Take one step's (N,) row log c; return whole_answer_scores of every step so far."""
-        z = log_zscores(log_c, sinkless=DEFAULT_AGGREGATION in SINKLESS).double()
-        self.top = z if self.top is None else torch.maximum(self.top, z)
-        self.total = z if self.total is None else self.total + z
-        self.steps += 1
-        return _from_z(self.top, self.total / self.steps, DEFAULT_AGGREGATION)
+        self.steps.add(log_zscores(log_c, sinkless=DEFAULT_AGGREGATION in SINKLESS).double())
+        return self.steps.score(DEFAULT_AGGREGATION)

@@ -1,10 +1,14 @@
-"""The whole-answer study's recorded-row candidates (benchmarks/whole_answer.py layers) against the shipped score."""
+"""The whole-answer study's candidates (benchmarks/whole_answer.py) against their definitions and the shipped
+scores."""
+import json
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from macs_kernels import reference
+from macs_kernels.config import DEFAULT_AGGREGATION
 from macs_kernels.core import whole_answer_scores
 from macs_kernels.core.scores import log_zscores
 from macs_kernels.evaluation.record import macs_from_record
@@ -56,10 +60,10 @@ def test_the_answered_split_pairs_each_group_with_attnlrp():
     answered = {0: 3, 1: None, 2: 0, 3: None, 4: None}  # sample -> the step of its answer (None: no gold answer)
     samples = {i: {"answer_step": step} for i, step in answered.items()}
     lrp_name = "attnlrp: mean (relevance of the summed answer logits)"
-    norm_name = f"norm-weighted rows (attention='norm'), {whole_answer.DEFAULT_AGGREGATION}"
+    norm_name = f"norm-weighted rows (attention='norm'), {whole_answer.CHOSEN_AGGREGATION}"
     aps = {name: {i: float(generator.uniform()) for i in answered} for name in (lrp_name, norm_name, CHOSEN)}
     summary = {}
-    lines = whole_answer.answered_split(samples, aps, CHOSEN, summary)
+    lines = whole_answer.answered_split(samples, aps, whole_answer.chosen_names(CHOSEN), summary)
     assert len(lines) == 7 and lines[-2].startswith("| generation contains a gold answer | 2 |")
     for label, members in (("generation contains a gold answer", [0, 2]), ("it does not", [1, 3, 4])):
         row = summary["answered_split"][label]
@@ -130,11 +134,11 @@ def test_step_weights_follow_their_definitions_on_the_records_log_c():
 def test_the_goal_is_paired_with_attnlrp_on_each_part_of_its_samples():
     generator = np.random.default_rng(4)
     scored = [10, 120, 200, 260, 300]  # AttnLRP's samples; 30 and 340 have MACS's scores only
-    norm_name = f"norm-weighted rows (attention='norm'), {whole_answer.DEFAULT_AGGREGATION}"
+    norm_name = f"norm-weighted rows (attention='norm'), {whole_answer.CHOSEN_AGGREGATION}"
     aps = {name: {i: float(generator.uniform()) for i in [*scored, 30, 340]} for name in (norm_name, CHOSEN)}
     aps[whole_answer.ATTNLRP] = {i: float(generator.uniform()) for i in scored}
     summary = {}
-    lines = whole_answer.against_attnlrp(aps, CHOSEN, summary)
+    lines = whole_answer.against_attnlrp(aps, whole_answer.chosen_names(CHOSEN), summary)
     parts = {"development half 0-174": [10, 120], "confirmation half 175-349": [200, 260, 300],
              "held-out 250-349": [260, 300], "all": scored}
     assert list(summary["against_attnlrp"]) == list(parts) and len(lines) == 5 + len(parts)
@@ -218,3 +222,56 @@ def test_the_first_rounds_candidates_include_the_shipped_score():
     np.testing.assert_allclose(candidates[CHOSEN], shipped, rtol=1e-5, atol=1e-5)
     z = (sample["log_c"] - sample["log_c"].mean(-1, keepdims=True)) / sample["log_c"].std(-1, keepdims=True)
     np.testing.assert_allclose(candidates["max z minus mean z"], z.max(0) - z.mean(0), rtol=1e-9, atol=1e-9)
+
+
+def test_run_candidates_follow_their_definitions_and_the_default_is_one_of_them():
+    """Seventh round: each candidate is the chosen score plus weight x (best run - mean z), the runs by brute
+    force; the shipped default equals runs of 3 steps at weight 1 (the one the development half picked)."""
+    generator = np.random.default_rng(7)
+    steps, n = 6, 41
+    sample = {"log_c": generator.normal(size=(steps, n)) - 5, "norm_log_c": generator.normal(size=(steps, n)) - 5}
+    sample["log_c"][1:5, 20:24] += np.diag([3.0] * 4)  # a copied run, so the runs differ from the maxima
+    candidates = whole_answer.run_candidates(sample)
+    z = whole_answer._sinkless_z(sample["log_c"])
+    chosen, mean = z.max(0) - z.mean(0), z.mean(0)
+    np.testing.assert_allclose(candidates[CHOSEN], chosen, rtol=1e-12, atol=1e-12)
+    for length in whole_answer.RUN_LENGTHS:
+        runs = reference.best_runs_reference(torch.from_numpy(z), length).numpy()
+        assert not np.allclose(runs, z.max(0))
+        for weight in whole_answer.RUN_WEIGHTS:
+            want = chosen + weight * (runs - mean)
+            np.testing.assert_allclose(candidates[whole_answer.run_name(length, weight)], want, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(candidates[whole_answer.SHIPPED], candidates[whole_answer.run_name(3, 1.0)],
+                               rtol=1e-5, atol=1e-5)
+    norm_z = whole_answer._sinkless_z(sample["norm_log_c"])
+    norm_runs = reference.best_runs_reference(torch.from_numpy(norm_z), 3).numpy()
+    np.testing.assert_allclose(candidates[f"norm-weighted rows (attention='norm'), {DEFAULT_AGGREGATION}"],
+                               norm_z.max(0) + norm_runs - 2 * norm_z.mean(0), rtol=1e-5, atol=1e-5)
+
+
+def test_the_runs_round_picks_on_dev_and_pairs_the_default_with_attnlrp(monkeypatch, tmp_path):
+    """runs() on a small rows file: every candidate gets a row, the best on dev is named, and the goal tables pair
+    the default with AttnLRP on its samples."""
+    generator = np.random.default_rng(8)
+    samples = {}
+    for index in (10, 20, 200, 300):
+        steps, n = 5, 30
+        log_c = generator.normal(size=(steps, n)) - 5
+        samples[index] = {"log_c": log_c, "context": (3, n - 2), "labels": [generator.uniform(size=n - 5) > 0.8],
+                          "answer_step": 1 if index in (10, 200) else None,
+                          "attnlrp": generator.normal(size=(steps, n))}
+    monkeypatch.setattr(whole_answer, "load", lambda path: samples)
+    monkeypatch.setattr(whole_answer, "plot_layers", lambda *args, **kwargs: None)
+    whole_answer.runs(type("Args", (), {"rows": None, "out": tmp_path / "runs"})())
+    summary = json.loads((tmp_path / "runs.json").read_text())
+    family = [whole_answer.run_name(k, w) for k in whole_answer.RUN_LENGTHS for w in whole_answer.RUN_WEIGHTS]
+    assert set(family) | {CHOSEN, whole_answer.SHIPPED, whole_answer.ATTNLRP} == set(summary["candidates"])
+    dev = {name: summary["candidates"][name]["dev"]["mean"] for name in family}
+    assert summary["best_on_dev"] == max(dev, key=dev.get)
+    lrp = {i: whole_answer._attnlrp_ap(s) for i, s in samples.items()}
+    shipped = {i: whole_answer._ap(whole_answer.run_candidates(s)[whole_answer.SHIPPED][3:28], s["labels"])
+               for i, s in samples.items()}
+    row = summary["against_attnlrp"]["all"]
+    assert row["n"] == 4 and "default (norm-weighted rows)" not in row  # no norm rows recorded: no column
+    assert np.isclose(row["default (softmax rows) minus attnlrp"]["mean"], np.mean([shipped[i] - lrp[i] for i in lrp]))
+    assert summary["answered_split"]["generation contains a gold answer"]["n"] == 2
