@@ -5,6 +5,7 @@
     python benchmarks/whole_answer.py layers --results R.jsonl    # recorded-row candidates -> whole_answer_layers.*
     python benchmarks/whole_answer.py logit                        # logit-scaled candidates -> whole_answer_logit.*
     python benchmarks/whole_answer.py runs                         # copied runs -> whole_answer_runs.*
+    python benchmarks/whole_answer.py faithfulness                 # their masking curves -> whole_answer_faithfulness.*
 
 extract reads an eval results stream (macs-kernels eval --out R.jsonl) and the record cache it filled, and
 keeps, per scored sample: the default MACS configuration's log c of every step over every prompt token
@@ -35,7 +36,12 @@ and soft maxima over the steps (logit_candidates).
 runs (the seventh round) adds to the chosen score each token's best copied run (core.scores.StepStatistics): k
 consecutive steps attending to k consecutive prompt tokens, one token further at each step, worth the smallest
 of their sinkless z-scores, for k in RUN_LENGTHS and weights in RUN_WEIGHTS (run_candidates); the one best on the
-development half became the default whole-answer score (config.DEFAULT_AGGREGATION).
+development half became the default whole-answer score (config.DEFAULT_AGGREGATION), and the same with its bonus
+clipped at zero (CLIPPED) beside it.
+
+faithfulness masks each sample's context tokens in the order of the chosen score, the default and the clipped one
+(the eval's masking curves, evaluation.faithfulness) and reports their SRG paired with the default: what the runs
+cost in faithfulness and what clipping gives back. One line per sample is kept in --lines, so a rerun resumes.
 """
 from __future__ import annotations
 
@@ -707,6 +713,10 @@ def logit(args) -> None:
 RUN_LENGTHS = (2, 3, 4, 5)
 RUN_WEIGHTS = (0.5, 1.0, 2.0)
 SHIPPED = f"the default whole-answer score ({DEFAULT_AGGREGATION})"
+# The default with its run bonus clipped at zero: a token no run favours keeps its chosen score instead of losing
+# (its mean z minus its best run), so single-step peaks are not pushed below the copied span (measured by
+# faithfulness below).
+CLIPPED = f"chosen + max(0, best run of {RUN_STEPS} steps - mean z)"
 
 
 def run_name(length: int, weight: float) -> str:
@@ -729,6 +739,8 @@ def run_candidates(sample: dict) -> dict[str, np.ndarray]:
         runs = steps.best_runs().numpy()
         for weight in RUN_WEIGHTS:
             candidates[run_name(length, weight)] = chosen + weight * (runs - mean)
+        if length == RUN_STEPS:
+            candidates[CLIPPED] = chosen + np.maximum(runs - mean, 0.0)
     candidates[SHIPPED] = whole_answer_scores(torch.from_numpy(log_c)).double().numpy()
     if "norm_log_c" in sample:
         norm = torch.from_numpy(sample["norm_log_c"].astype(np.float64))
@@ -756,6 +768,108 @@ def runs(args) -> None:
     args.out.with_suffix(".md").write_text(report)
     args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
     plot_layers(summary, summary["attnlrp"], args.out.with_suffix(".png"), second=("confirm", "confirm 175-349"))
+
+
+# ---- masking faithfulness of the run candidates ---------------------------------------------------------------------
+FAITHFULNESS_CANDIDATES = (CHOSEN, SHIPPED, CLIPPED)
+
+
+def sample_srg(model, tokenizer, sample: dict, max_new_tokens: int) -> dict[str, dict[str, float]]:
+    """{candidate: {metric: SRG}} of one sample: its context tokens masked in the order of each of
+    FAITHFULNESS_CANDIDATES (metrics named as in the eval's table, methods.FAITHFULNESS_METRICS)."""
+    from macs_kernels.evaluation.faithfulness import faithfulness_curves
+    from macs_kernels.evaluation.methods import FAITHFULNESS_METRICS
+
+    start, stop = sample["context"]
+    prompt = torch.from_numpy(sample["prompt"])[None]
+    generated = torch.from_numpy(sample["generated"])[None]
+    candidates = run_candidates(sample)
+    result = {}
+    for name in FAITHFULNESS_CANDIDATES:
+        srg = faithfulness_curves(model, tokenizer, prompt, generated, (start, stop), candidates[name][start:stop],
+                                  max_new_tokens=max_new_tokens)["srg"]
+        result[name] = {metric: srg[key] for metric, key in FAITHFULNESS_METRICS.items()}
+    return result
+
+
+def faithfulness_table(samples: dict[int, dict], lines: dict[int, dict]) -> tuple[dict, list[str]]:
+    """(summary, markdown lines): each candidate's SRG per metric and its whole-answer AUC-PR on the samples of
+    `lines` ({index: sample_srg}), paired with the shipped default."""
+    from macs_kernels.evaluation.methods import FAITHFULNESS_METRICS
+
+    indices = sorted(lines)
+    aps = {name: {} for name in FAITHFULNESS_CANDIDATES}
+    for i in indices:
+        candidates = run_candidates(samples[i])
+        for name in FAITHFULNESS_CANDIDATES:
+            aps[name][i] = _ap(candidates[name][slice(*samples[i]["context"])], samples[i]["labels"])
+    summary = {"samples": indices, "candidates": {}}
+    header = " | ".join(f"SRG {metric} | minus default" for metric in FAITHFULNESS_METRICS)
+    text = [f"Masking faithfulness of the copied-run candidates on samples {indices_text(indices)} (the eval's "
+            "faithfulness samples): SRG (area between the curves of masking least and most important tokens first; "
+            "perplexity: lower is more faithful, ROUGE-L and logit: higher) and whole-answer AUC-PR, mean [95% CI], "
+            "paired with the default.", "", f"| candidate | n | {header} | AUC-PR | minus default |",
+            "|---|---|" + "---|---|" * (len(FAITHFULNESS_METRICS) + 1)]
+    for name in FAITHFULNESS_CANDIDATES:
+        row, cells = {}, [name, str(len(indices))]
+        for metric in FAITHFULNESS_METRICS:
+            row[metric] = stats([lines[i][name][metric] for i in indices])
+            row[metric + "_minus_default"] = stats([lines[i][name][metric] - lines[i][SHIPPED][metric]
+                                                    for i in indices])
+            cells += [cell(row[metric]), cell(row[metric + "_minus_default"])]
+        row["auc_pr"] = stats([aps[name][i] for i in indices])
+        row["auc_pr_minus_default"] = stats([aps[name][i] - aps[SHIPPED][i] for i in indices])
+        cells += [cell(row["auc_pr"]), cell(row["auc_pr_minus_default"])]
+        summary["candidates"][name] = row
+        text.append("| " + " | ".join(cells) + " |")
+    return summary, text
+
+
+def faithfulness(args) -> None:
+    from tqdm import tqdm
+
+    samples = load(args.rows)
+    wanted = [i for i in range(*args.samples) if i in samples]
+    lines = {}
+    if args.lines.is_file():  # a rerun resumes: a sample already measured is read back
+        lines = {line["index"]: line["srg"] for line in map(json.loads, args.lines.read_text().splitlines())}
+    todo = [i for i in wanted if i not in lines]
+    if todo:
+        from macs_kernels.models import load_model
+
+        model, tokenizer = load_model()
+        with args.lines.open("a") as out:
+            for index in tqdm(todo, desc="masking curves"):
+                lines[index] = sample_srg(model, tokenizer, samples[index], args.max_new_tokens)
+                out.write(json.dumps({"index": index, "srg": lines[index]}) + "\n")
+                out.flush()
+    summary, text = faithfulness_table(samples, {i: lines[i] for i in wanted})
+    report = "\n".join(text) + "\n"
+    print(report)
+    args.out.with_suffix(".md").write_text(report)
+    args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot_faithfulness(summary, args.out.with_suffix(".png"))
+
+
+def plot_faithfulness(summary: dict, path: Path) -> None:
+    """Each candidate's paired difference with the default (95% CI), one panel per SRG metric and AUC-PR."""
+    from macs_kernels.bench.common import pyplot, save_figure
+
+    plt = pyplot()
+    names = list(summary["candidates"])
+    suffix = "_minus_default"
+    measures = [key[: -len(suffix)] for key in summary["candidates"][names[0]] if key.endswith(suffix)]
+    figure, axes = plt.subplots(1, len(measures), figsize=(4 * len(measures), 0.5 * len(names) + 1.5), sharey=True)
+    for axis, measure in zip(axes, measures):
+        for row, name in enumerate(names):
+            stat = summary["candidates"][name][measure + "_minus_default"]
+            low, high = stat["ci"] or (stat["mean"], stat["mean"])
+            axis.errorbar(stat["mean"], row, xerr=[[stat["mean"] - low], [high - stat["mean"]]], fmt="o")
+        axis.axvline(0.0, color="grey", linewidth=0.8)
+        axis.set_title(f"{measure} minus default", fontsize=9)
+    axes[0].set_yticks(range(len(names)), [name if len(name) < 45 else name[:42] + "..." for name in names], fontsize=8)
+    axes[0].invert_yaxis()
+    save_figure(figure, path)
 
 
 def plot_layers(summary: dict, attnlrp: dict, path: Path, second=("held_out", "--expensive samples")) -> None:
@@ -810,6 +924,13 @@ def main() -> None:
     r = sub.add_parser("runs")
     r.add_argument("--rows", type=Path, default=ROWS)
     r.add_argument("--out", type=Path, default=RESULTS / "whole_answer_runs")
+    f = sub.add_parser("faithfulness")
+    f.add_argument("--rows", type=Path, default=ROWS)
+    f.add_argument("--samples", type=lambda t: tuple(int(v) for v in t.split(":")), default=HELD_OUT,
+                   metavar="START:STOP", help="the samples to mask (default: the eval's faithfulness samples)")
+    f.add_argument("--max-new-tokens", type=int, default=32, help="the eval's generation length (Table 2's: 32)")
+    f.add_argument("--lines", type=Path, default=RESULTS / "whole_answer_faithfulness.jsonl")
+    f.add_argument("--out", type=Path, default=RESULTS / "whole_answer_faithfulness")
     b = sub.add_parser("best-step")
     b.add_argument("--results", type=Path, required=True)
     b.add_argument("--method", default="macs")
@@ -817,7 +938,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     {"extract": extract, "study": study, "layers": layers, "logit": logit, "runs": runs,
-     "best-step": best_step}[args.command](args)
+     "faithfulness": faithfulness, "best-step": best_step}[args.command](args)
 
 
 

@@ -243,6 +243,10 @@ def test_run_candidates_follow_their_definitions_and_the_default_is_one_of_them(
             np.testing.assert_allclose(candidates[whole_answer.run_name(length, weight)], want, rtol=1e-9, atol=1e-9)
     np.testing.assert_allclose(candidates[whole_answer.SHIPPED], candidates[whole_answer.run_name(3, 1.0)],
                                rtol=1e-5, atol=1e-5)
+    runs = reference.best_runs_reference(torch.from_numpy(z), 3).numpy()
+    clipped = candidates[whole_answer.CLIPPED]
+    np.testing.assert_allclose(clipped, chosen + np.maximum(runs - mean, 0.0), rtol=1e-9, atol=1e-9)
+    assert (clipped >= chosen).all() and (clipped > chosen).any() and (runs < mean).any()
     norm_z = whole_answer._sinkless_z(sample["norm_log_c"])
     norm_runs = reference.best_runs_reference(torch.from_numpy(norm_z), 3).numpy()
     np.testing.assert_allclose(candidates[f"norm-weighted rows (attention='norm'), {DEFAULT_AGGREGATION}"],
@@ -265,7 +269,8 @@ def test_the_runs_round_picks_on_dev_and_pairs_the_default_with_attnlrp(monkeypa
     whole_answer.runs(type("Args", (), {"rows": None, "out": tmp_path / "runs"})())
     summary = json.loads((tmp_path / "runs.json").read_text())
     family = [whole_answer.run_name(k, w) for k in whole_answer.RUN_LENGTHS for w in whole_answer.RUN_WEIGHTS]
-    assert set(family) | {CHOSEN, whole_answer.SHIPPED, whole_answer.ATTNLRP} == set(summary["candidates"])
+    assert (set(family) | {CHOSEN, whole_answer.SHIPPED, whole_answer.CLIPPED, whole_answer.ATTNLRP}
+            == set(summary["candidates"]))
     dev = {name: summary["candidates"][name]["dev"]["mean"] for name in family}
     assert summary["best_on_dev"] == max(dev, key=dev.get)
     lrp = {i: whole_answer._attnlrp_ap(s) for i, s in samples.items()}
@@ -275,3 +280,55 @@ def test_the_runs_round_picks_on_dev_and_pairs_the_default_with_attnlrp(monkeypa
     assert row["n"] == 4 and "default (norm-weighted rows)" not in row  # no norm rows recorded: no column
     assert np.isclose(row["default (softmax rows) minus attnlrp"]["mean"], np.mean([shipped[i] - lrp[i] for i in lrp]))
     assert summary["answered_split"]["generation contains a gold answer"]["n"] == 2
+
+
+def test_faithfulness_masks_each_candidates_context_scores_pairs_them_with_the_default_and_resumes(monkeypatch,
+                                                                                                  tmp_path):
+    """faithfulness() hands each candidate's context slice to the masking curves (stubbed: SRGs that are functions
+    of the scores they get), reports SRG and AUC-PR paired with the default, and a rerun reads its lines back."""
+    import macs_kernels.evaluation.faithfulness as faithfulness_module
+    import macs_kernels.models as models_module
+
+    generator = np.random.default_rng(9)
+    samples = {}
+    for index in (250, 251, 252):
+        steps, n = 5, 30
+        log_c = generator.normal(size=(steps, n)) - 5
+        log_c[1:4, 10:13] += np.diag([3.0] * 3)
+        samples[index] = {"log_c": log_c, "context": (3, n - 2), "labels": [generator.uniform(size=n - 5) > 0.8],
+                          "prompt": np.arange(n), "generated": np.arange(steps)}
+    calls = []
+
+    def curves(model, tokenizer, prompt, generated, context, scores, *, max_new_tokens):
+        calls.append((context, max_new_tokens, np.asarray(scores)))
+        return {"srg": {"perplexity": float(scores[0]), "mean_logit": float(np.sum(scores)),
+                        "rouge_l": float(np.argmax(scores))}}
+
+    monkeypatch.setattr(whole_answer, "load", lambda path: samples)
+    monkeypatch.setattr(whole_answer, "plot_faithfulness", lambda *args: None)
+    monkeypatch.setattr(faithfulness_module, "faithfulness_curves", curves)
+    monkeypatch.setattr(models_module, "load_model", lambda: (None, None))
+    args = type("Args", (), {"rows": None, "samples": (251, 260), "max_new_tokens": 7,
+                             "lines": tmp_path / "lines.jsonl", "out": tmp_path / "faith"})()
+    whole_answer.faithfulness(args)
+    names = whole_answer.FAITHFULNESS_CANDIDATES
+    assert len(calls) == 2 * len(names) and all(c[0] == (3, 28) and c[1] == 7 for c in calls)
+    summary = json.loads((tmp_path / "faith.json").read_text())
+    assert summary["samples"] == [251, 252] and list(summary["candidates"]) == list(names)
+    candidates = {i: whole_answer.run_candidates(samples[i]) for i in (251, 252)}
+    for name in names:
+        context = {i: candidates[i][name][3:28] for i in candidates}
+        for i in candidates:
+            np.testing.assert_allclose(calls[(i - 251) * len(names) + names.index(name)][2], context[i])
+        shipped = {i: candidates[i][whole_answer.SHIPPED][3:28] for i in candidates}
+        row = summary["candidates"][name]
+        assert np.isclose(row["logit_minus_default"]["mean"],
+                          np.mean([context[i].sum() - shipped[i].sum() for i in candidates]))
+        assert np.isclose(row["auc_pr_minus_default"]["mean"], np.mean(
+            [whole_answer._ap(context[i], samples[i]["labels"]) - whole_answer._ap(shipped[i], samples[i]["labels"])
+             for i in candidates]))
+    calls.clear()
+    args.samples = (250, 253)
+    whole_answer.faithfulness(args)  # only sample 250 is new
+    assert len(calls) == len(names) and len((tmp_path / "lines.jsonl").read_text().splitlines()) == 3
+    assert json.loads((tmp_path / "faith.json").read_text())["samples"] == [250, 251, 252]
