@@ -106,15 +106,15 @@ def _from_z(top: torch.Tensor, mean: torch.Tensor, how: str, runs: torch.Tensor 
 class StepStatistics:
     """What the z-score aggregations need of the steps so far, taken one (N,) row of z-scores (float64) at a
     time: their max and sum and the best run of k = min(run_steps, steps, N) steps starting at each token (the
-    smallest z-score along it), from the last run_steps - 1 rows. k only grows, and a run of k ends at a step
-    where k is already that long, so each step updates one length. A stream pays O(N * run_steps) per token."""
+    smallest z-score along it), from the last run_steps - 1 rows. k only grows, so only the runs of the current
+    k are kept. A stream pays O(N * run_steps) per token."""
 
     def __init__(self, run_steps: int = RUN_STEPS):
         self.run_steps = run_steps
         self.top = self.total = None
         self.steps = 0
         self.recent: list[torch.Tensor] = []  # underflow replaced by the row's lowest finite z-score
-        self.run_starts: dict[int, torch.Tensor] = {}  # k -> (N - k + 1,)
+        self.run_starts: torch.Tensor | None = None  # (N - k + 1,) best run of the current k starting at each token
 
     def add(self, z: torch.Tensor) -> None:
         self.top = z if self.top is None else torch.maximum(self.top, z)
@@ -127,8 +127,8 @@ class StepStatistics:
         k = min(self.run_steps, n, len(window))
         if k > 1:
             runs = torch.stack([window[j - k][j:n - k + 1 + j] for j in range(k)]).amin(dim=0)
-            best = self.run_starts.get(k)
-            self.run_starts[k] = runs if best is None else torch.maximum(best, runs)
+            longer = self.run_starts is None or self.run_starts.shape[0] != runs.shape[0]
+            self.run_starts = runs if longer else torch.maximum(self.run_starts, runs)
         self.recent = window[1 - self.run_steps:] if self.run_steps > 1 else []
 
     def score(self, how: str) -> torch.Tensor:
@@ -142,7 +142,7 @@ class StepStatistics:
         k = min(self.run_steps, self.steps, self.top.shape[0])
         if k <= 1:
             return self.top
-        padded = F.pad(self.run_starts[k], (k - 1, k - 1), value=float("-inf"))
+        padded = F.pad(self.run_starts, (k - 1, k - 1), value=float("-inf"))
         return padded.unfold(0, k, 1).amax(dim=-1)
 
 
