@@ -725,8 +725,8 @@ def run_name(length: int, weight: float) -> str:
 
 def run_candidates(sample: dict) -> dict[str, np.ndarray]:
     """Seventh round ({name: (N,) score}): the chosen score plus weight x (each token's best run - its mean z) for
-    every run length and weight, the shipped default (which is one of them), and the default of the norm-weighted
-    rows where the sample has them."""
+    every run length and weight, the shipped default (which is one of them), CLIPPED, and the default of the
+    norm-weighted rows where the sample has them."""
     log_c = sample["log_c"].astype(np.float64)
     z = _sinkless_z(log_c)
     mean = z.mean(0)
@@ -798,11 +798,7 @@ def faithfulness_table(samples: dict[int, dict], lines: dict[int, dict]) -> tupl
     from macs_kernels.evaluation.methods import FAITHFULNESS_METRICS
 
     indices = sorted(lines)
-    aps = {name: {} for name in FAITHFULNESS_CANDIDATES}
-    for i in indices:
-        candidates = run_candidates(samples[i])
-        for name in FAITHFULNESS_CANDIDATES:
-            aps[name][i] = _ap(candidates[name][slice(*samples[i]["context"])], samples[i]["labels"])
+    aps = _candidate_aps({i: samples[i] for i in indices}, run_candidates)
     summary = {"samples": indices, "candidates": {}}
     header = " | ".join(f"SRG {metric} | minus default" for metric in FAITHFULNESS_METRICS)
     text = [f"Masking faithfulness of the copied-run candidates on samples {indices_text(indices)} (the eval's "
