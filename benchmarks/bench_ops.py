@@ -2,14 +2,19 @@
 
     python benchmarks/bench_ops.py            # full grid (on CPU: S <= 4k, the torch provider only)
     python benchmarks/bench_ops.py --quick    # a few seconds
-Writes benchmarks/results/ops_<device>.csv and .png (or under --out).
+    python benchmarks/bench_ops.py --host-only   # the eager host cost per public call only
+Writes benchmarks/results/ops_<device>.csv and .png, and ops_<device>_host.csv: the eager host cost of one public
+op call (host_us: the public op's time per call less its kernel's, on a tiny problem) (or under --out).
 
 Bytes that must move: K once for macs_update, K and V once for decode_attention (q, log_c and the
 outputs are under 1% of that). GB/s = those bytes / time, whatever a provider actually reads:
 torch's flash kernel and flash-attn compute attention only (no MACS) and are the floor to compare the
 fused decode with; torch's flash kernel has no GQA, so it reads K/V repeated to H heads.
 All providers attend keys [0, S) with the last 16 keys as generated tokens (N = S - 16 inputs).
-On GPU: triton.testing.do_bench, and for B = 1 also one replay of a captured CUDA graph.
+On GPU: triton.testing.do_bench, and for B = 1 also one replay of a captured CUDA graph. The cuda backend runs
+twice: its verified split kernel (cuda, cuda-attention-only) and the pipelined one (cuda-pipelined...); torch's
+scaled_dot_product_attention with enable_gqa is the anchor (torch-sdpa-gqa, column vs_sdpa = time over its time).
+    python benchmarks/bench_ops.py --shapes issue   # issue 43's shapes, graph replay at every batch, ratio table
 """
 from __future__ import annotations
 
@@ -28,10 +33,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from macs_kernels import ops  # noqa: E402
 from macs_kernels.bench import device_stem, environment, write_csv  # noqa: E402
+from macs_kernels.ops._backends import set_cuda_split_kv_kernel  # noqa: E402
 from macs_kernels.ops._dispatch import implementation, why_unavailable  # noqa: E402
 
 OPS = ("macs_update", "decode_attention")
+SDPA = "torch-sdpa-gqa"  # the provider every row's time is compared with (column vs_sdpa)
 GENERATED = 16
 
 
@@ -63,10 +71,13 @@ class Problem:
 
 # --- providers: each builds, for one (op, problem), a no-argument callable that runs the op once ---------
 
-def backend_call(backend: str, fused: bool = True):
+def backend_call(backend: str, fused: bool = True, split_kernel: str = "verified"):
     """A macs_kernels backend, called with validated arguments as the tracer does (no host sync); decode_attention's
-    `pooled` is given too (it has no default, see README "Ops: each declared once")."""
+    `pooled` is given too (it has no default, see docs/backends.md "Ops: each declared once"). On the cuda backend,
+    `split_kernel` is the split kernel chosen for the timings that follow the build (a CUDA graph keeps it)."""
     def build(op: str, p: Problem):
+        if backend == "cuda":
+            set_cuda_split_kv_kernel(split_kernel)
         function = implementation(backend, op)
         macs = dict(alpha=0.8, pooling="max", redistribute=True)
         if op == "macs_update":
@@ -76,6 +87,12 @@ def backend_call(backend: str, fused: bool = True):
                                 log_c=p.log_c if fused else None, input_end=p.input_end if fused else None,
                                 pooled=None, **macs)
     return build
+
+
+def torch_sdpa_gqa_call(op: str, p: Problem):
+    """torch's own GQA decode attention (the issue's anchor): K/V read once per KV head, whatever kernel it picks."""
+    q = p.q[:, :, None]
+    return lambda: torch.nn.functional.scaled_dot_product_attention(q, p.k, p.v, scale=p.scale, enable_gqa=True)
 
 
 def torch_flash_call(op: str, p: Problem):
@@ -125,6 +142,13 @@ PROVIDERS = (
     Provider("cuda", OPS, lambda d: gpu_with()(d) or why_unavailable("cuda", d), backend_call("cuda")),
     Provider("cuda-attention-only", ("decode_attention",),
              lambda d: gpu_with()(d) or why_unavailable("cuda", d), backend_call("cuda", fused=False)),
+    # The rewritten split kernel (csrc/split_kv_pipelined), selectable beside the verified default.
+    Provider("cuda-pipelined", OPS, lambda d: gpu_with()(d) or why_unavailable("cuda", d),
+             backend_call("cuda", split_kernel="pipelined")),
+    Provider("cuda-pipelined-attention-only", ("decode_attention",),
+             lambda d: gpu_with()(d) or why_unavailable("cuda", d),
+             backend_call("cuda", fused=False, split_kernel="pipelined")),
+    Provider(SDPA, ("decode_attention",), gpu_with(), torch_sdpa_gqa_call),
     Provider("torch-flash", ("decode_attention",), gpu_with(), torch_flash_call),
     Provider("flash-attn", ("decode_attention",), gpu_with("flash_attn"), flash_attn_call),
 )
@@ -151,12 +175,95 @@ def time_gpu(fn, graphed: bool) -> float:
     return triton.testing.do_bench(fn)
 
 
-def grid(quick: bool, device: torch.device):
+def grid(quick: bool, device: torch.device, shapes: str = "sweep"):
+    if shapes == "issue":
+        # Issue 43's shapes: >= 32k keys at batch 1 and 8, D 64 and 128, GQA 4:1 and 3:1; 4k keys at batch 1.
+        return [(b, h, hkv, d, s) for b, (h, hkv), d, s in
+                itertools.product((1, 8), ((32, 8), (24, 8)), (64, 128), (4096, 32768)) if s >= 32768 or b == 1]
     if quick:
         return [(1, 32, 8, 128, 1024), (1, 9, 3, 64, 4096)]
     keys = (1024, 4096) if device.type == "cpu" else (1024, 4096, 16384, 65536)
     return [(b, h, hkv, d, s) for b, (h, hkv), d, s in
             itertools.product((1, 8), ((32, 8), (9, 3)), (64, 128), keys)]
+
+
+def _config(row) -> tuple:
+    return row["B"], row["H"], row["H_kv"], row["D"], row["S"], row["mode"]
+
+
+def add_sdpa_ratio(rows) -> None:
+    """vs_sdpa: a row's time over torch sdpa's GQA decode on the same shape and timing mode (empty without it)."""
+    sdpa = {_config(r): r["ms"] for r in rows if r["provider"] == SDPA}
+    for row in rows:
+        reference = sdpa.get(_config(row))
+        row["vs_sdpa"] = round(row["ms"] / reference, 3) if reference else ""
+
+
+def print_ratio_table(rows) -> None:
+    """decode_attention per shape: sdpa's microseconds, then each provider's time over sdpa's (graph replay)."""
+    chosen = [r for r in rows if r["op"] == "decode_attention" and r["mode"] == "cudagraph"]
+    providers = sorted({r["provider"] for r in chosen} - {SDPA})
+    print("decode_attention, CUDA-graph replay: sdpa us, then time / sdpa's")
+    print("B  H/H_kv  D    S      sdpa_us  " + "  ".join(providers))
+    for config in sorted({_config(r) for r in chosen}):
+        by_provider = {r["provider"]: r for r in chosen if _config(r) == config}
+        if SDPA not in by_provider:
+            continue
+        ratios = "  ".join(f"{by_provider[p]['vs_sdpa']!s:>{len(p)}}" if p in by_provider else " " * len(p)
+                           for p in providers)
+        print(f"{config[0]:<2} {config[1]}/{config[2]:<4} {config[3]:<4} {config[4]:<6} "
+              f"{1e3 * by_provider[SDPA]['ms']:8.1f}  {ratios}")
+
+
+# --- eager host cost of a public op call (issue 42) --------------------------------------------------------------
+
+def public_call(backend: str):
+    """The public op (argument checks, backend choice, then the kernel), with the arguments backend_call gives."""
+    def build(op: str, p: Problem):
+        if op == "macs_update":
+            return lambda: ops.macs_update(p.q, p.k, p.log_c, input_start=p.start, input_end=p.input_end,
+                                           kv_len=p.kv_len, scale=p.scale, backend=backend)
+        return lambda: ops.decode_attention(p.q, p.k, p.v, kv_start=p.start, kv_len=p.kv_len, scale=p.scale,
+                                            log_c=p.log_c, input_end=p.input_end, backend=backend)
+    return build
+
+
+def time_calls(fn, device: torch.device, calls: int = 200) -> float:
+    """Microseconds per call of `calls` back-to-back calls, the best of five runs. On a GPU the calls queue
+    without waiting, so on kernels this small it is the host's time per call."""
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    best = float("inf")
+    for _ in range(5):
+        synchronize()
+        tick = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        synchronize()
+        best = min(best, (time.perf_counter() - tick) / calls)
+    return best * 1e6
+
+
+def host_costs(device: torch.device, dtype: torch.dtype, env: dict) -> list[dict]:
+    """Per backend and op, on a tiny problem (B=1, H=2/1, D=64, S=64): the public op's time per call, its
+    resolved kernel's called directly with validated arguments, and the difference, host_us: what the public
+    op adds per call (argument checks, backend choice; no host sync). Goal on a GPU: <= 20 us."""
+    problem = Problem(1, 2, 1, 64, 64, dtype, device)
+    rows = []
+    for backend in ("torch",) if device.type == "cpu" else ("torch", "triton", "cuda"):
+        if why_unavailable(backend, device):
+            continue
+        for op in OPS:
+            public_us = time_calls(public_call(backend)(op, problem), device)
+            kernel_us = time_calls(backend_call(backend)(op, problem), device)
+            rows.append({**env, "op": op, "backend": backend, "dtype": str(dtype)[6:], "public_us": round(public_us, 2),
+                         "kernel_us": round(kernel_us, 2), "host_us": round(public_us - kernel_us, 2)})
+            print(f"{op:17s} {backend:7s} public {public_us:8.2f} us  kernel {kernel_us:8.2f} us  "
+                  f"host cost {public_us - kernel_us:8.2f} us", flush=True)
+    return rows
 
 
 def plot(rows, path: Path):
@@ -199,12 +306,17 @@ def plot(rows, path: Path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="two small problems, a few seconds")
+    parser.add_argument("--shapes", choices=("sweep", "issue"), default="sweep",
+                        help="issue: issue 43's decode shapes (32k keys at B 1 and 8, 4k at B 1), every provider, "
+                             "CUDA-graph replay at every batch, and a last table of each provider's time over sdpa's")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--name", default=None, help="file stem (default ops_cpu / ops_<gpu>)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch (on a shared machine, 1 avoids OpenMP spin contention)")
+    parser.add_argument("--host-only", action="store_true",
+                        help="only the eager host cost per public call (<stem>_host.csv), a few seconds")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.threads:
@@ -212,6 +324,10 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     env = environment(device)  # after --threads: the CSV records the count used
     stem = args.name or device_stem("ops", env, device)
+    write_csv(host_costs(device, dtype, env), args.out / f"{stem}_host.csv")
+    print(f"wrote {args.out / stem}_host.csv")
+    if args.host_only:
+        return
     providers = []
     for provider in PROVIDERS:
         reason = provider.unavailable(device)
@@ -221,13 +337,14 @@ def main(argv=None):
             providers.append(provider)
 
     rows = []
-    for batch, heads, kv_heads, dim, keys in grid(args.quick, device):
+    for batch, heads, kv_heads, dim, keys in grid(args.quick, device, args.shapes):
         problem = Problem(batch, heads, kv_heads, dim, keys, dtype, device)
         for op, provider in itertools.product(OPS, providers):
             if op not in provider.ops:
                 continue
             fn = provider.build(op, problem)
-            modes = ["eager"] + (["cudagraph"] if device.type == "cuda" and batch == 1 else [])
+            graphed = device.type == "cuda" and (batch == 1 or args.shapes == "issue")
+            modes = ["eager"] + (["cudagraph"] if graphed else [])
             for mode in modes:
                 ms = time_cpu(fn) if device.type == "cpu" else time_gpu(fn, mode == "cudagraph")
                 moved = problem.bytes(op)
@@ -240,9 +357,12 @@ def main(argv=None):
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
+    add_sdpa_ratio(rows)
     write_csv(rows, args.out / f"{stem}.csv")
     plot(rows, args.out / f"{stem}.png")
     print(f"wrote {args.out / stem}.csv and .png")
+    if args.shapes == "issue":
+        print_ratio_table(rows)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@
 #include <string_view>
 
 #include "pool/kernel.cuh"
+#include "split_kv_choice.h"
+#include "split_kv_pipelined/kernel.cuh"
 
 namespace macs {
 
@@ -147,7 +149,7 @@ const T* pointer(const at::Tensor& t) {
 // q (B, H, D) or (B, H, R, D) against k_cache (B, H_kv, S, D) and v_cache (B, H_kv, S, D_v), or against
 // pages k_cache (P, page_size, H_kv, D) and their block_table (B, pages) int32 (then S = pages * page_size
 // per item, and no V), checked for the split-KV pass, with its tile policy for this GPU (which must fit
-// the block in shared memory).
+// the block in shared memory): the pipelined kernel's where it is chosen (split_kv_choice.h) and fits.
 struct SplitShape {
   int64_t batch, heads, kv_heads, rows, keys, dim, dim_v;
   int64_t page_size = 0;  // 0: contiguous keys
@@ -201,15 +203,25 @@ struct SplitShape {
       vectorized = vectorized && rows_aligned16(*v);
     }
     const int64_t group = heads / kv_heads;
+    const int choice = current_split_kernel();
+    TORCH_CHECK(choice >= 0, op, ": ", kSplitKernelVariable, "='", std::getenv(kSplitKernelVariable),
+                "' names no split kernel; choose '", kSplitKernelNames[0], "' or '", kSplitKernelNames[1], "'");
     TORCH_CHECK(group * dim_v <= kMaxVectorsTimesDimV, op, ": the cuda backend supports (H / H_kv) * D_v <= ",
                 kMaxVectorsTimesDimV, ", got ", group, " * ", dim_v);
     if (batch == 0 || heads == 0) {
       policy = SplitPolicy{1, 1, 1, 0, 0};
       return;
     }
-    policy = split_policy(batch, heads, kv_heads, rows, keys, dim, dim_v, v != nullptr,
-                          device_attribute(cudaDevAttrMultiProcessorCount, q));
+    const int64_t sm_count = device_attribute(cudaDevAttrMultiProcessorCount, q);
     const int64_t limit = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, q);
+    if (choice == int(SplitKernel::kPipelined) &&
+        pipelined_fits(group, dim, dim_v, v != nullptr, vectorized, q.element_size())) {
+      policy = pipelined_policy(batch, heads, kv_heads, rows, keys, dim, dim_v, v != nullptr, q.element_size(),
+                                sm_count, device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, q));
+    }
+    if (!policy.pipelined || int64_t(policy.smem_bytes) > limit) {  // its stages do not fit this GPU: split_kernel
+      policy = split_policy(batch, heads, kv_heads, rows, keys, dim, dim_v, v != nullptr, sm_count);
+    }
     TORCH_CHECK(int64_t(policy.smem_bytes) <= limit, op, ": a block of ", group, " query heads with D=", dim,
                 ", D_v=", dim_v, " needs ", policy.smem_bytes, " bytes of shared memory; this GPU allows ", limit);
   }
@@ -264,7 +276,7 @@ struct SplitRun {
           softcap > 0.0 ? float(scale / softcap) : 0.0f, float(softcap * double(kLog2e)),
           shape.batch, shape.heads, shape.kv_heads, shape.rows, shape.keys, shape.dim, shape.dim_v,
           policy.splits, policy.rows_per_block,
-          part_stats.data_ptr<float>(), data(part_acc), data(scores),
+          part_stats.data_ptr<float>(), data(part_acc), data(scores), policy.tile_keys, policy.key_groups,
       };
       const CombineParams<T> combine{
           part_stats.data_ptr<float>(), data(part_acc), shape.heads * shape.rows, policy.splits, shape.dim_v,
@@ -273,8 +285,9 @@ struct SplitRun {
           lse_out == nullptr ? nullptr : lse_out->data_ptr<float>(),
           out == nullptr ? nullptr : reinterpret_cast<T*>(out->data_ptr()),
       };
-      const cudaError_t error = v == nullptr ? split_kv_pool<T, false>(p, combine, pool, shape.vectorized, stream)
-                                             : split_kv_pool<T, true>(p, combine, pool, shape.vectorized, stream);
+      const cudaError_t error =
+          v == nullptr ? split_kv_pool<T, false>(p, combine, pool, policy.pipelined, shape.vectorized, stream)
+                       : split_kv_pool<T, true>(p, combine, pool, policy.pipelined, shape.vectorized, stream);
       check_launch(op, error);
     });
   }

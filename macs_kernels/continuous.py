@@ -35,7 +35,7 @@ from .core import Kernels, PackedRows, RowStore, log_zscores, support
 from .distributed import head_shards
 from .efficient import GramState, efficient_rows
 from .hf_models import check_model, check_variants, layer_variant, takes_cache
-from .ops import efficient_attention, torch_backend
+from .ops import efficient_attention, torch_row
 from .ops._dispatch import resolve_backend
 from .ops.torch_packed import Segments, macs_pool_packed
 
@@ -403,11 +403,10 @@ class ContinuousTracer:
             start, length = segments.starts[row], segments.lengths[row]
             values = value[:, :, start : start + length]
             q_row = query[:, :, int(step.scorer.rows[row])]
-            scores = torch_backend.grouped_scores(q_row, key[:, :, start : start + length], scale)
+            scores = torch_row.grouped_scores(q_row, key[:, :, start : start + length], scale)
             end = torch.tensor([length], device=scores.device)
-            attend = torch_backend.window_start(torch.zeros_like(end), end, variant.window)
-            softmax, _ = torch_backend.attended_softmax(scores, attend, end, softcap=variant.softcap,
-                                                        sinks=variant.sinks)
+            attend = torch_row.window_start(torch.zeros_like(end), end, variant.window)
+            softmax, _ = torch_row.attended_softmax(scores, attend, end, softcap=variant.softcap, sinks=variant.sinks)
             if variant.window is not None:
                 rows, _ = efficient_attention(softmax[:, :, None], values, kv_start=int(attend), kv_len=length)
                 offset = segments.offsets[row]
@@ -481,15 +480,13 @@ class ContinuousTracer:
 def capped_attention(query, key, value, attention_mask, scale: float, variant) -> torch.Tensor:
     """The attention output (1, T, H, D) of a packed pass's query (1, H, T, D) over the paged cache's keys and
     values (1, H_kv, S, D) with the engine's additive mask (1, 1, T, S), as the model's eager attention defines
-    it: logits capped to softcap * tanh(s / softcap) before the mask (Gemma 2), sink logits (variant.sinks) in the
-    denominator when the layer has them."""
-    group = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
-    scores = torch_backend.cap_logits_(torch.matmul(query, key.transpose(2, 3)).float() * scale, variant.softcap)
+    it (in float32): logits capped to softcap * tanh(s / softcap) before the mask (Gemma 2), sink logits
+    (variant.sinks) in the denominator when the layer has them."""
+    scores = torch_row.cap_logits_(torch_row.grouped_scores(query, key, scale), variant.softcap)
     if attention_mask is not None:
-        scores = scores + attention_mask
-    weights = torch.exp(scores - torch_backend.sink_lse(scores, variant.sinks).unsqueeze(-1))
-    return torch.matmul(weights.to(query.dtype), value).transpose(1, 2).contiguous()
+        scores += attention_mask
+    weights = torch_row.softmax(scores, variant.sinks)
+    return torch_row.grouped_output(weights, value, query.dtype).transpose(1, 2).contiguous()
 
 
 # ---- checks -----------------------------------------------------------------------------------------

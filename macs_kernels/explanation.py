@@ -7,12 +7,13 @@ import json
 import queue
 import threading
 
+import numpy as np
 import torch
 
 from .alignment import user_span
 from .config import AGGREGATIONS, DEFAULT_AGGREGATION, MacsConfig
 from .core import SCORE_DEFINITION, json_values, log_zscores, paper_zscores, support, whole_answer_scores
-from .hf_models import check_model
+from .hf_models import cache_argument, check_model
 from .prompts import plain_prompt
 from .tracing import attach, check_generate
 
@@ -40,8 +41,11 @@ class Explanation:
         steps (= whole_answer("paper_mean_z")), for comparison with the paper; they tie for every token but
         the attention sink.
     source_span: optional [start, end) token range of the prompt that the caller treats as the source
-        (for example the context inside a QA prompt); `top_k(span=True)` ranks inside it and the views show
-        it. explain() sets it to the last user message's text of a chat prompt (None for input_ids).
+        (for example the context inside a QA prompt); top_k ranks inside it and the views show it by default
+        (span="all" for the whole prompt). explain() sets it to the last user message's text of a chat prompt
+        (None for input_ids).
+    images: a prompt with images (explain(..., images=)): each image's tokens among the prompt tokens and its
+        token grid (macs_kernels.vision.ImageTokens, in prompt order); macs_kernels.vision maps scores onto them.
     """
 
     input_ids: torch.Tensor
@@ -52,6 +56,7 @@ class Explanation:
     config: dict
     text: str = ""
     source_span: tuple[int, int] | None = None
+    images: list | None = None
 
     @property
     def step_scores(self) -> torch.Tensor:
@@ -86,9 +91,13 @@ class Explanation:
         return self.step_scores[step]
 
     def span_range(self, span=None) -> tuple[int, int]:
-        """[start, end) of `span`: None is the whole prompt, True the source_span, or a (start, end) pair."""
+        """[start, end) of `span`: None is the default, the source_span when there is one (a chat prompt's user
+        text, a QA prompt's context) and else the whole prompt; True the source_span; "all" the whole prompt
+        (the chat template's tokens included); or a (start, end) pair. Every view ranks and colours this."""
         n = len(self.input_tokens)
         if span is None:
+            span = default_span(self.source_span, n)
+        if isinstance(span, str) and span == "all":
             return 0, n
         if span is True:
             if self.source_span is None:
@@ -96,7 +105,7 @@ class Explanation:
             span = self.source_span
         if (isinstance(span, bool) or not isinstance(span, (tuple, list)) or len(span) != 2
                 or not all(isinstance(i, int) and not isinstance(i, bool) for i in span)):
-            raise ValueError(f"span must be None, True or a (start, end) pair of token indices, got {span!r}")
+            raise ValueError(f"span must be None, True, \"all\" or a (start, end) pair of token indices, got {span!r}")
         start, end = span
         if not 0 <= start < end <= n:
             raise ValueError(f"span [{start}, {end}) is not a non-empty range of the {n} prompt tokens")
@@ -106,9 +115,10 @@ class Explanation:
         """The k highest-scoring prompt tokens as (token index, token text, score), best first.
 
         step: a generated token's row (default: `scores`, the whole answer; how: another aggregation of
-        AGGREGATIONS for the whole answer). span: None ranks every prompt
-        token, True only those in source_span, (start, end) those in that range; indices stay prompt indices.
-        Fewer than k tokens in the span return them all; equal scores keep prompt order.
+        AGGREGATIONS for the whole answer). span: as span_range's; by default the source_span when there is
+        one (a free chat prompt's user text: not the template's tokens), else every prompt token; "all" ranks
+        every prompt token. Indices stay prompt indices. Fewer than k tokens in the span return them all;
+        equal scores keep prompt order.
         """
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be an integer >= 1, got {k!r}")
@@ -118,6 +128,11 @@ class Explanation:
         return [(start + i, self.input_tokens[start + i], float(row[i])) for i in order]
 
     def as_dict(self) -> dict:
+        """The data and the views' scores, each once, at the precision it has: step_log_c to LOG_C_DIGITS
+        significant digits, the z-scores to SCORE_DIGITS decimals; the paper's scores, which step_log_c gives
+        (paper_zscores), are left out. top_tokens: the TOP_TOKENS best of `scores` in the default span
+        (top_k's)."""
+        best = self.top_k(TOP_TOKENS)
         return {
             "input_ids": self.input_ids.tolist(),
             "generated_ids": self.generated_ids.tolist(),
@@ -125,25 +140,56 @@ class Explanation:
             "generated_tokens": self.generated_tokens,
             "text": self.text,
             "score_definition": SCORE_DEFINITION,
-            "step_scores": json_values(self.step_scores),
-            "scores": json_values(self.scores),
+            "step_scores": json_values(self.step_scores, SCORE_DIGITS),
+            "scores": json_values(self.scores, SCORE_DIGITS),
             "aggregation": DEFAULT_AGGREGATION,
-            "step_log_c": json_values(self.step_log_c),
-            "paper_step_scores": self.paper_step_scores.tolist(),
-            "paper_scores": self.paper_scores.tolist(),
+            "top_tokens": [{"index": i, "token": token, "score": score} for (i, token, _), score in zip(
+                best, json_values(torch.tensor([score for _, _, score in best]), SCORE_DIGITS))],
+            "step_log_c": _significant(self.step_log_c, LOG_C_DIGITS),
             "config": self.config,
             "source_span": list(self.source_span) if self.source_span else None,
+            **({"images": [tokens.as_dict() for tokens in self.images]} if self.images else {}),
         }
 
     def to_json(self, **dumps_kwargs) -> str:
-        """The fields as JSON; -inf values (attention underflow at alpha = 1) become null."""
+        """The fields as JSON (as_dict); -inf values (attention underflow at alpha = 1) become null."""
         return json.dumps(self.as_dict(), **dumps_kwargs)
 
     def to_html(self, title: str = "MACS attribution") -> str:
-        """A self-contained page: hovering or clicking a generated token shows that step's heatmap."""
+        """A self-contained page: hovering or clicking a generated token shows that step's heatmap (with images:
+        on each image and on the text)."""
+        if self.images:
+            from .vision.render import image_html
+
+            return image_html(self, title=title)
         from .viz import explanation_html
 
         return explanation_html(self, title=title)
+
+
+def default_span(source_span, n: int) -> tuple[int, int]:
+    """[start, end) of the prompt tokens every view ranks and colours unless told otherwise (top_k, the
+    terminal, the pages, the server's heat): the source span when there is one, else all n prompt tokens."""
+    return (source_span[0], source_span[1]) if source_span else (0, n)
+
+
+# JSON's precision: a z-score to SCORE_DIGITS decimals (float32 noise in log c moves it by ~1e-5), log c to
+# LOG_C_DIGITS significant digits (float32's own precision; more digits would be float64 noise).
+SCORE_DIGITS = 4
+LOG_C_DIGITS = 7
+TOP_TOKENS = 10  # the best tokens as_dict lists and the page shows
+
+
+def _significant(values: torch.Tensor, digits: int) -> list:
+    """Nested lists of `values` rounded to `digits` significant digits (each the float closest to its short
+    decimal, so JSON writes it short), -inf as None."""
+    x = values.double().numpy()
+    rounded = np.isfinite(x) & (x != 0)
+    exponent = np.floor(np.log10(np.abs(np.where(rounded, x, 1.0)))) - (digits - 1)
+    # Scaled by exact powers of ten: the division (or product) gives the double nearest the short decimal.
+    up, down = 10.0 ** np.maximum(-exponent, 0), 10.0 ** np.maximum(exponent, 0)
+    short = np.where(exponent < 0, np.round(x * up) / up, np.round(x / down) * down)
+    return json_values(torch.from_numpy(np.where(rounded, short, x)))
 
 
 # ---- inputs ---------------------------------------------------------------------------------------
@@ -175,6 +221,8 @@ def encode_prompts(tokenizer, prompt=None, input_ids=None, *, vocab_size: int | 
     """
     if (prompt is None) == (input_ids is None):
         raise ValueError("give exactly one of prompt and input_ids")
+    if prompt is not None and tokenizer is None:
+        raise ValueError("a text prompt needs the model's tokenizer; without one, give the prompt as input_ids=")
     if input_ids is not None:
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
@@ -216,7 +264,7 @@ def _check_vocabulary(ids: torch.Tensor, vocab_size: int | None, what: str) -> N
 
 def _eos_ids(model, tokenizer) -> set[int]:
     ids = set()
-    for value in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+    for value in (getattr(model.generation_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
         if value is not None:
             ids.update(value if isinstance(value, (list, tuple)) else [value])
     return ids
@@ -231,26 +279,44 @@ def _generate_kwargs(model, tokenizer, max_new_tokens, generate_kwargs) -> dict:
             "strings with one and the explanation decode with the other; drop tokenizer= (generate gets explain's "
             "own when it needs one) or pass the same object"
         )
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if tokenizer is None and generate_kwargs.get("stop_strings") is not None:
+        raise ValueError("stop_strings= needs the model's tokenizer (explain's second argument) to read them")
+    # Without a tokenizer (input_ids given), the model's own generation config names the pad and end tokens.
+    source = model.generation_config if tokenizer is None else tokenizer
+    pad = source.pad_token_id if source.pad_token_id is not None else source.eos_token_id
     kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False, "pad_token_id": pad}
     # A sequence ends where generate stops it; the tokenizer's end-of-sequence token stops it too (as in the
     # serve engine and the at2 and evaluation responses), unless the caller's generation config says otherwise.
     eos = _eos_ids(model, tokenizer)
     if eos and "generation_config" not in generate_kwargs:
         kwargs["eos_token_id"] = sorted(eos)
-    kwargs.update(generate_kwargs)
+    caches = [name for name in ("cache", "past_key_values") if generate_kwargs.get(name) is not None]
+    if len(caches) > 1:
+        raise ValueError("cache= and past_key_values= both given: they name the same cache; pass one")
+    kwargs.update({name: value for name, value in generate_kwargs.items() if name not in ("cache", "past_key_values")})
+    if caches:  # by the keyword this model takes: transformers 5.24 warns on the old past_key_values
+        kwargs.update(cache_argument(model, generate_kwargs[caches[0]]))
     return kwargs
 
 
 def _decode_tokens(tokenizer, ids) -> list[str]:
+    """Each token's text; without a tokenizer, its id as "#id"."""
+    if tokenizer is None:
+        return [f"#{i}" for i in ids]
     return [tokenizer.decode([i]) for i in ids]
 
 
-def _explanations(tracer, tokenizer, ids, mask, generated, config, spans) -> list[Explanation]:
+def _decode_text(tokenizer, ids) -> str:
+    """The generated text; without a tokenizer there is none to give (generated_ids hold the answer)."""
+    return "" if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _explanations(tracer, tokenizer, ids, mask, generated, config, spans, layouts=None) -> list[Explanation]:
     """One Explanation per returned sequence, in generate's order (prompt-major: sequence i continues
     prompt i // k with k sequences per prompt). A sequence's tokens are its tracer rows': they end where
     generate stopped it (its end-of-sequence token or a stop string's last token, included), never on the
-    pads generate appends while other sequences go on. spans: each prompt's source span (or None)."""
+    pads generate appends while other sequences go on. spans: each prompt's source span (or None); layouts:
+    each prompt's ImageTokens (prompts with images)."""
     per_prompt = generated.shape[0] // ids.shape[0]
     result = []
     for i in range(generated.shape[0]):
@@ -266,8 +332,9 @@ def _explanations(tracer, tokenizer, ids, mask, generated, config, spans) -> lis
             generated_tokens=_decode_tokens(tokenizer, tokens),
             step_log_c=log_c,
             config=config.as_dict() | {"backend": tracer.backend},
-            text=tokenizer.decode(tokens, skip_special_tokens=True),
+            text=_decode_text(tokenizer, tokens),
             source_span=spans[b],
+            images=None if layouts is None else layouts[b],
         ))
     return result
 
@@ -279,12 +346,31 @@ def _user_spans(tokenizer, prompt, input_ids, batched) -> list:
     return [user_span(tokenizer, p) for p in (prompt if batched else [prompt])]
 
 
-def _prepare(model, tokenizer, prompt, input_ids, max_new_tokens, config_kwargs, generate_kwargs):
-    """Every check explain() and stream() make before any generation."""
+def _text_tokenizer(tokenizer, images):
+    """(tokenizer, processor): a vision-language model's processor (explain's second argument, needed with images=)
+    reads the text with its own tokenizer."""
+    if hasattr(tokenizer, "image_processor") and hasattr(tokenizer, "tokenizer"):
+        return tokenizer.tokenizer, tokenizer
+    return tokenizer, None if images is None else tokenizer
+
+
+def _prepare(model, tokenizer, prompt, input_ids, max_new_tokens, config_kwargs, generate_kwargs, processor=None,
+             images=None):
+    """Every check explain() and stream() make before any generation; with images, the processor's image inputs
+    join the generate arguments and the prompts' image layouts come back (else None)."""
     config = MacsConfig(**config_kwargs)
     check_model(model)
-    ids, mask, batched = encode_prompts(tokenizer, prompt, input_ids,
-                                        vocab_size=model.get_input_embeddings().num_embeddings)
+    layouts = None
+    if images is None:
+        ids, mask, batched = encode_prompts(tokenizer, prompt, input_ids,
+                                            vocab_size=model.get_input_embeddings().num_embeddings)
+    else:
+        from .vision.inputs import encode_image_prompts
+
+        if input_ids is not None:
+            raise ValueError("images= takes a text prompt= (the processor places the image tokens), not input_ids")
+        ids, mask, batched, image_inputs, layouts = encode_image_prompts(processor, model, prompt, images)
+        generate_kwargs = {**generate_kwargs, **image_inputs}
     if generate_kwargs.get("return_dict_in_generate"):
         raise ValueError("return_dict_in_generate=True is not supported: explain() and stream() return the "
                          "generated ids with their attributions (Explanation.generated_ids); drop the option")
@@ -295,23 +381,27 @@ def _prepare(model, tokenizer, prompt, input_ids, max_new_tokens, config_kwargs,
     if plan.stop_strings:
         kwargs["tokenizer"] = tokenizer
     device = next(model.parameters()).device
-    return config, ids.to(device), mask.to(device), batched, kwargs, plan
+    kwargs = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
+    return config, ids.to(device), mask.to(device), batched, kwargs, plan, layouts
 
 
 @torch.inference_mode()
-def explain(model, tokenizer, /, prompt=None, *, input_ids=None, max_new_tokens=64, alpha=0.8, pooling="max",
-            redistribute=True, attention="softmax", backend=None, fused_decode=None, **generate_kwargs):
+def explain(model, tokenizer, /, prompt=None, *, input_ids=None, images=None, max_new_tokens=64, alpha=0.8,
+            pooling="max", redistribute=True, attention="softmax", backend=None, fused_decode=None, **generate_kwargs):
     """Generate from `prompt` and explain every generated token with MACS.
 
     prompt: a string (wrapped in the chat template when the tokenizer has one), a list of chat messages,
         or a list of either (one left-padded batch).
-    input_ids: (N,) or (1, N) token ids used as the prompt as they are (instead of `prompt`).
+    input_ids: (N,) or (1, N) token ids used as the prompt as they are (instead of `prompt`). With them the
+        tokenizer may be None: the model's generation config then gives the pad and end-of-sequence ids, the
+        tokens are named by their ids ("#id") and `text` is empty.
     generate_kwargs: passed to `model.generate` (greedy decoding unless they say otherwise); stop_strings=
         hands generate this `tokenizer` (a tokenizer= among them must be the same object). Supported modes:
         greedy, sampling, beam search (num_beams, length_penalty, early_stopping), several returned sequences
         (num_return_sequences), static caches (cache_implementation="static" or a StaticCache),
         assisted decoding (assistant_model=, prompt_lookup_num_tokens=), and a continued conversation:
-        past_key_values=<the cache of the earlier turns> with input_ids = every token of all turns, whose
+        cache=<the cache of the earlier turns> (or past_key_values=, its name before transformers 5.24; either
+        reaches generate by the keyword the model takes) with input_ids = every token of all turns, whose
         inputs are then every token before the new generation. Other modes raise before generating.
     Returns one Explanation, or a list when there are several prompts or num_return_sequences > 1 (P
     prompts with k sequences each: P * k, prompt-major, in generate's order). Each sequence ends where
@@ -322,25 +412,34 @@ def explain(model, tokenizer, /, prompt=None, *, input_ids=None, max_new_tokens=
     continuous_batching=True: run the prompts through transformers' continuous-batching engine
         (`model.generate_batch`, greedy; macs_kernels.continuous.explain_continuous), one Explanation per
         prompt; `continuous_batching_config=` passes the engine's ContinuousBatchingConfig.
+    images: a vision-language model's prompt with images (PIL images or paths): one image or a list of them for
+        one prompt, one entry per prompt for a list of prompts; `tokenizer` is then the model's processor. The
+        inputs are every prompt token, image tokens included; Explanation.images says where each image's tokens
+        lie (macs_kernels.vision maps their scores onto the image).
     """
+    tokenizer, processor = _text_tokenizer(tokenizer, images)
     if generate_kwargs.pop("continuous_batching", False):
+        if images is not None:
+            raise NotImplementedError("continuous batching cannot take images: transformers' continuous-batching "
+                                      "engine (generate_batch) feeds the model token ids only, no pixel_values")
         # The engine runs its loop in a thread of its own, where tensors made in inference mode are read-only.
         with torch.inference_mode(False):
             return _explain_continuous(model, tokenizer, prompt, input_ids, max_new_tokens, generate_kwargs, dict(
                 alpha=alpha, pooling=pooling, redistribute=redistribute, attention=attention, backend=backend,
                 fused_decode=fused_decode))
-    config, ids, mask, batched, kwargs, plan = _prepare(
+    config, ids, mask, batched, kwargs, plan, layouts = _prepare(
         model, tokenizer, prompt, input_ids, max_new_tokens,
         dict(alpha=alpha, pooling=pooling, redistribute=redistribute, attention=attention, backend=backend,
              fused_decode=fused_decode),
-        generate_kwargs,
+        generate_kwargs, processor, images,
     )
     with attach(model, **config.as_dict()) as tracer:
         output = model.generate(ids, attention_mask=mask, **kwargs)
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
     generated = sequences[:, ids.shape[1]:]
-    explanations = _explanations(tracer, tokenizer, ids, mask, generated, config,
-                                 _user_spans(tokenizer, prompt, input_ids, batched))
+    # A prompt with images has no user span: the image tokens sit inside the user's message.
+    spans = _user_spans(tokenizer, prompt, input_ids, batched) if images is None else [None] * ids.shape[0]
+    explanations = _explanations(tracer, tokenizer, ids, mask, generated, config, spans, layouts)
     return explanations if batched or plan.num_return_sequences > 1 else explanations[0]
 
 
@@ -395,16 +494,18 @@ class _StepStreamer:
         self.sink.put(None)
 
 
-def stream(model, tokenizer, /, prompt=None, *, input_ids=None, max_new_tokens=64, alpha=0.8, pooling="max",
-           redistribute=True, attention="softmax", backend=None, fused_decode=None, **generate_kwargs):
+def stream(model, tokenizer, /, prompt=None, *, input_ids=None, images=None, max_new_tokens=64, alpha=0.8,
+           pooling="max", redistribute=True, attention="softmax", backend=None, fused_decode=None, **generate_kwargs):
     """Like explain() for one prompt and one sequence, but yields (token_id, scores (N,)) as each token is
     made: the row Explanation.step_scores would hold for that step. Beam search and num_return_sequences > 1
-    pick their sequences at the end: use explain()."""
-    config, ids, mask, batched, kwargs, plan = _prepare(
+    pick their sequences at the end: use explain(). images: as explain()'s (`tokenizer` is then the processor;
+    macs_kernels.vision.encode_image_prompts gives the image layouts)."""
+    tokenizer, processor = _text_tokenizer(tokenizer, images)
+    config, ids, mask, batched, kwargs, plan, _ = _prepare(
         model, tokenizer, prompt, input_ids, max_new_tokens,
         dict(alpha=alpha, pooling=pooling, redistribute=redistribute, attention=attention, backend=backend,
              fused_decode=fused_decode),
-        generate_kwargs,
+        generate_kwargs, processor, images,
     )
     if batched:
         raise ValueError("stream() takes one prompt; use explain() for a batch")
@@ -512,11 +613,11 @@ def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuo
             explanations.append(Explanation(
                 input_ids=torch.tensor(prompt_ids),
                 generated_ids=torch.tensor(generated, dtype=torch.long),
-                input_tokens=[tokenizer.decode([i]) for i in prompt_ids],
-                generated_tokens=[tokenizer.decode([i]) for i in generated],
+                input_tokens=_decode_tokens(tokenizer, prompt_ids),
+                generated_tokens=_decode_tokens(tokenizer, generated),
                 step_log_c=log_c,
                 config=macs_config.as_dict() | {"backend": tracer.backend},
-                text=tokenizer.decode(generated, skip_special_tokens=True),
+                text=_decode_text(tokenizer, generated),
                 source_span=user_span(tokenizer, prompt),
             ))
     return explanations

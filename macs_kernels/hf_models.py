@@ -15,9 +15,45 @@ def _compiled(function) -> bool:
     return hasattr(function, "_torchdynamo_orig_callable") or hasattr(function, "_orig_mod")
 
 
+def _text_config_key(model) -> str | None:
+    """The sub-config key of a multimodal model's language model (its text config); None for a text model."""
+    config = model.config
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if text is config:
+        return None
+    for key in config.sub_configs:
+        if getattr(config, key, None) is text:
+            return key
+    raise TypeError(f"{type(model).__name__}: its text config is none of its sub-configs {list(config.sub_configs)}")
+
+
+def language_model(model) -> torch.nn.Module:
+    """The module whose attention layers MACS traces: a multimodal model's language model (its vision tower may
+    use the same attention functions, and its layers are not the text's), else the model itself."""
+    if _text_config_key(model) is None:
+        return model
+    decoder = model.get_decoder()
+    if decoder.config is not model.config.get_text_config(decoder=True):
+        raise TypeError(f"{type(model).__name__}: could not find its language model (get_decoder() returned "
+                        f"{type(decoder).__name__}, which does not run its text config)")
+    return decoder
+
+
+def text_attention(model) -> str:
+    """The attention implementation of the model's language model."""
+    key = _text_config_key(model)
+    return (model.config if key is None else getattr(model.config, key))._attn_implementation
+
+
+def set_text_attention(model, implementation: str) -> None:
+    """Route the language model's attention through `implementation`; a vision tower keeps its own."""
+    key = _text_config_key(model)
+    model.set_attn_implementation(implementation if key is None else {key: implementation})
+
+
 def _attention_modules(model) -> dict[int, torch.nn.Module]:
     modules = {}
-    for module in model.modules():
+    for module in language_model(model).modules():
         if type(module).__name__.endswith("Attention") and isinstance(getattr(module, "layer_idx", None), int):
             modules[module.layer_idx] = module
     return modules
@@ -32,6 +68,12 @@ def check_model(model) -> dict[int, torch.nn.Module]:
         raise TypeError(
             f"{type(model).__name__}'s attention does not go through transformers' AttentionInterface, "
             "so macs_kernels cannot trace it"
+        )
+    text_model = language_model(model)
+    if text_model is not model and not getattr(text_model, "_supports_attention_backend", False):
+        raise TypeError(
+            f"{type(model).__name__}'s language model ({type(text_model).__name__}) does not run its attention "
+            "through transformers' AttentionInterface, so macs_kernels cannot trace it"
         )
     if _compiled(getattr(model, "forward", None)):
         raise NotImplementedError(

@@ -7,7 +7,7 @@ Not Only a Weight") weigh key j's attention p_hj by ||W_O^h v_hj||, the norm of 
 the head's share of the output projection. MACS takes the weighted row p_hj ||W_O^h v_hj|| / sum_k (...) in
 place of the softmax row (a distribution over the same keys, so redistribution, pooling and the floor apply
 unchanged). On stqa_350 with the default model it raises the best step's AUC-PR by +0.045 over the softmax rows
-(README, "Evaluation").
+(docs/evaluation.md).
 
 The norms are a property of each key, not of the query: `NormState` computes them once per key as it enters the
 cache, through each head's Gram matrix W_O^h^T W_O^h (D x D: O(H D^2) per key, not O(H D E)), and keeps them

@@ -43,7 +43,15 @@ import torch
 from .config import MacsConfig
 from .core import NAN_MESSAGE, DenseRows, Kernels, paper_zscores, support
 from .distributed import HeadShards, head_shards
-from .hf_models import check_model, check_variants, layer_variant, passed_cache, window_key_offset
+from .hf_models import (
+    check_model,
+    check_variants,
+    layer_variant,
+    passed_cache,
+    set_text_attention,
+    text_attention,
+    window_key_offset,
+)
 from .ops import torch_backend
 from .ops._dispatch import resolve_backend
 from .ops.variant import PLAIN
@@ -130,6 +138,10 @@ def check_generate(model, generate_kwargs: dict, *, attention: str = "softmax") 
             f"cache_implementation={cache_implementation!r} is not supported; use one of "
             f"{SUPPORTED_CACHE_IMPLEMENTATIONS}"
         )
+    videos = [name for name in ("pixel_values_videos", "video_grid_thw") if model_kwargs.get(name) is not None]
+    if videos:
+        raise NotImplementedError(f"video inputs ({', '.join(videos)}) are not supported by macs_kernels: it explains "
+                                  "text and image prompts")
     cache = passed_cache(model_kwargs)
     if cache is not None and type(cache) not in (DynamicCache, StaticCache):
         raise NotImplementedError(
@@ -193,6 +205,7 @@ class Tracer:
         self._norm_grams: dict = {}  # attention="norm": each layer's head Gram matrices, kept across sequences
         self.output_watch = None  # attention="norm": norm.OutputWatch, set by attach
         self._generation = None  # the GenerationPlan of the generate call in progress
+        self._nan = None  # whether a pass of the last generate call held a NaN: a bool tensor on the device
         self._start_pending = False
         self._prompt_length = None
         self._static = False
@@ -232,6 +245,7 @@ class Tracer:
         with any cached earlier turns)."""
         self._generation, self._start_pending, self._static = plan, True, plan.static_cache
         self._prompt_length = prompt_length
+        self._nan = None
 
     def end_generation(self, output, prompt_length: int) -> None:
         """Record what generate returned: per returned sequence its generated length (and beam ancestry)."""
@@ -240,6 +254,12 @@ class Tracer:
         self._beam_indices = beam_indices if self._generation.num_beams > 1 else None
         self._returned = (sequences.shape[0], sequences.shape[1] - prompt_length)
         self._generation = None
+        self._raise_on_nan()
+
+    def _raise_on_nan(self) -> None:
+        """Fail for a NaN row that a pass of the last generate call flagged on the device (a host sync)."""
+        if self._nan is not None and bool(self._nan):
+            raise FloatingPointError(NAN_MESSAGE)
 
     def record_stops(self, is_done: torch.Tensor, length: int) -> None:
         """generate's stopping criteria returned `is_done` (B,) with `length` tokens per row (prompt included):
@@ -385,9 +405,14 @@ class Tracer:
     def _end_pass(self) -> None:
         plan = self._plan
         log_c, broken = plan.scorer.finish()
-        # The caller of a generate or forward call waits for it: a NaN row fails that call at once.
-        if bool(broken.any()):
-            raise FloatingPointError(NAN_MESSAGE)
+        if self._generation is None:
+            # A plain forward's caller waits for its result anyway: a NaN row fails the call at once.
+            if bool(broken.any()):
+                raise FloatingPointError(NAN_MESSAGE)
+        else:
+            # Inside generate the flag stays on the device, so that a step makes no host sync; the call fails
+            # when generate returns (or when a streaming reader reads a row first).
+            self._nan = broken.any() if self._nan is None else self._nan | broken.any()
         batch, rows, n_max = log_c.shape
         flat = log_c.view(batch * rows, n_max)
         ids = self._stored + torch.arange(batch * rows, device=flat.device).view(batch, rows)
@@ -462,7 +487,9 @@ class Tracer:
         self._plan.scorer.pool_rows(layer, rows)
 
     def attention(self, module, query, key, value, attention_mask, inner, scaling=None, dropout=0.0, **kwargs):
-        if threading.get_ident() != self.owner:
+        # torch.compile cannot trace the thread's id (a graph break in every layer): a compiled forward is checked
+        # where it starts (generate's wrapper) instead.
+        if not torch.compiler.is_compiling() and threading.get_ident() != self.owner:
             raise RuntimeError(
                 f"{type(module).__name__} is attached to a macs_kernels tracer owned by another thread (an "
                 "explain() or a stream() that has not finished); run this call after it, or on another model instance"
@@ -574,6 +601,7 @@ class Tracer:
 
     def row_log_c(self, item: int, step: int) -> torch.Tensor:
         """log c (N_item,) of row `step` of batch row `item` while generating: a streaming reader's O(1) read."""
+        self._raise_on_nan()
         global_id = int(self._row_map[item, step])
         if global_id < 0:
             raise IndexError(f"row {step} of sequence {item} was not computed")
@@ -740,7 +768,7 @@ def _continuous_entry(model, tracer: Tracer, name: str, saved: dict, previous: s
                     setattr(model, entry, saved[entry])
                 else:
                     model.__dict__.pop(entry, None)
-            model.set_attn_implementation(previous)
+            set_text_attention(model, previous)
             config = tracer.config.as_dict() | {"fused_decode": None}
             tracer.continuous = stack.enter_context(attach_continuous(model, **config))
         return getattr(model, name)(*args, **kwargs)
@@ -815,7 +843,7 @@ def attach(model, *, hooks=(), keep_pooled=False, **config):
         if hook.method is not None:
             check_variants(model, "generate", hook.method)
     with _model_lock(model):
-        previous = model.config._attn_implementation
+        previous = text_attention(model)
         if previous in WRAPPED_NAMES.values():
             raise RuntimeError("a macs_kernels tracer is already attached to this model")
         if previous not in WRAPPED_NAMES:
@@ -837,7 +865,7 @@ def attach(model, *, hooks=(), keep_pooled=False, **config):
         continuous = contextlib.ExitStack()
         for name in _CONTINUOUS_ENTRIES:
             setattr(model, name, _continuous_entry(model, tracer, name, saved, previous, continuous))
-        model.set_attn_implementation(WRAPPED_NAMES[previous])
+        set_text_attention(model, WRAPPED_NAMES[previous])
         if macs_config.attention == "norm":
             from .norm import OutputWatch
 
@@ -846,7 +874,7 @@ def attach(model, *, hooks=(), keep_pooled=False, **config):
             yield tracer
         finally:
             continuous.close()
-            model.set_attn_implementation(previous)
+            set_text_attention(model, previous)
             for name in wrapped:
                 if name in saved:
                     setattr(model, name, saved[name])

@@ -148,3 +148,55 @@ def test_help_names_every_subcommand_and_each_option_default():
     assert "--port PORT default: 8000" in serve
     assert serve.count("default: float32") == 1  # a second --help does not repeat it
     assert " ".join(subcommands["serve"].format_help().split()) == serve
+
+
+def test_serve_arguments_are_checked_before_the_model_loads(monkeypatch, tmp_path):
+    import socket
+
+    def no_loading(args):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr("macs_kernels.cli.common.load_from_args", no_loading)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        refusals = [
+            (["--model", "/missing"], "--model /missing: the folder does not exist"),
+            (["--port", "99999"], r"--port 99999: a port is a number in \[0, 65535\]"),
+            (["--port", str(busy)], rf"--host 127.0.0.1 --port {busy}: cannot listen there \(the port is in use\)"),
+            (["--host", "no-such-host.invalid"], "--host no-such-host.invalid: cannot resolve it"),
+            (["--cache-tokens", "100"], r"--cache-tokens \(100\) must be a positive multiple of --page-size \(64\)"),
+            (["--page-size", "0"], "--page-size must be at least 1, got 0"),
+            (["--max-body-bytes", "0"], "--max-body-bytes must be at least 1, got 0"),
+            (["--at2-coefficients", str(tmp_path / "none.safetensors")], "--at2-coefficients .*: no such file"),
+            (["--device", "cdua"], "--device cdua: this torch cannot use it"),
+        ]
+        for argv, match in refusals:
+            with pytest.raises(SystemExit, match=match):
+                main(["serve", *argv])
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA machine can use --device cuda")
+def test_a_device_or_backend_this_machine_lacks_is_refused_before_loading(monkeypatch):
+    def no_loading(args):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr("macs_kernels.cli.explain.load_from_args", no_loading)
+    with pytest.raises(SystemExit, match=r"--device cuda: this torch cannot use it \(.+\)"):
+        main(_explain("--device", "cuda"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the tests run Triton in its interpreter
+    for backend, reason in (("triton", "the triton backend needs CUDA tensors"),
+                            ("cuda", "the cuda backend needs CUDA tensors")):
+        with pytest.raises(SystemExit, match=f"--backend {backend}: {reason}"):
+            main(_explain("--backend", backend))
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["serve", "--port", "99999"], "--port 99999: a port is a number in [0, 65535]"),
+    (["serve", "--model", "/missing"], "--model /missing: the folder does not exist"),
+])
+def test_serve_refusals_are_one_line_without_a_traceback(argv, line):
+    done = subprocess.run([sys.executable, "-m", "macs_kernels", *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [line]

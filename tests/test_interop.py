@@ -78,7 +78,7 @@ def test_bad_input_is_rejected():
 
 
 def test_inseq_method_gives_explains_scores(model_and_tokenizer):
-    inseq = pytest.importorskip("inseq", reason="inseq is not installed (see README: Other attribution tools)")
+    inseq = pytest.importorskip("inseq", reason="inseq is not installed (see docs/api.md: For other attribution tools)")
     import macs_kernels.integrations.inseq  # noqa: F401 - registers the method
 
     model, tokenizer = model_and_tokenizer

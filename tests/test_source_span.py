@@ -1,5 +1,7 @@
 """A free prompt's default source span is the user's own text: the chat template's special tokens and system
 prompt are still scored, but the views rank and colour the user's words."""
+import json
+
 import pytest
 import torch
 
@@ -52,3 +54,22 @@ def test_no_span_without_a_chat_template_or_user_text(chat_model):
     assert user_span(Plain(), "some text") is None
     assert user_span(tokenizer, [{"role": "system", "content": "only a system message"}]) is None
     assert user_span(tokenizer, [{"role": "user", "content": [{"type": "text", "text": "parts"}]}]) is None
+
+
+def test_every_view_ranks_the_user_text_by_default(chat_model):
+    """top_k, the JSON's top_tokens and the page rank a free prompt's own words unless asked for the whole
+    prompt; the chat template's tokens ('<|im_start|>', 'assistant', the system prompt) stay out."""
+    model, tokenizer = chat_model
+    explanation = explain(model, tokenizer, "Why is the sky blue on a clear day?", max_new_tokens=3)
+    start, end = explanation.source_span
+    n = len(explanation.input_ids)
+    assert 0 < start < end < n
+    ranked = [i for i, _, _ in explanation.top_k(n)]
+    assert sorted(ranked) == list(range(start, end))
+    assert ranked == [i for i, _, _ in explanation.top_k(n, span=True)]
+    assert sorted(i for i, _, _ in explanation.top_k(n, span="all")) == list(range(n))
+    data = explanation.as_dict()
+    assert [t["index"] for t in data["top_tokens"]] == ranked[:10]
+    assert [t["token"] for t in data["top_tokens"]] == [explanation.input_tokens[i] for i in ranked[:10]]
+    page = explanation.to_html()
+    assert f'"top": {json.dumps(ranked[:10])}' in page

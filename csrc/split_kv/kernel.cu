@@ -1,12 +1,13 @@
 // Torch-free definition and instantiations for every supported dtype, with and without V (plain nvcc
-// compiles this file alone). The only copy of the split-KV kernels.
-#include "split_kv/kernel.cuh"
+// compiles this file alone). The only copy of split_kernel and combine_kernel; pipelined_split_kernel has its own
+// piece (split_kv_pipelined/kernel.cu).
+#include "split_kv_pipelined/kernel.cuh"
 
 namespace macs {
+namespace {
 
 template <typename T, bool WITH_V>
-cudaError_t split_kv(const SplitParams<T>& p, const CombineParams<T>& combine, bool vectorized,
-                     cudaStream_t stream) {
+cudaError_t launch_split_kernel(const SplitParams<T>& p, bool vectorized, cudaStream_t stream) {
   const int64_t group = p.heads / p.kv_heads;
   const size_t smem = split_smem_bytes(group, p.rows_per_block, p.dim, p.dim_v, WITH_V);
   const int threads = split_threads(group * p.rows_per_block, WITH_V ? p.dim_v : 0);
@@ -21,14 +22,25 @@ cudaError_t split_kv(const SplitParams<T>& p, const CombineParams<T>& combine, b
     if (error != cudaSuccess) return error;
   }
   kernel<<<grid, threads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+template <typename T, bool WITH_V>
+cudaError_t split_kv(const SplitParams<T>& p, const CombineParams<T>& combine, bool pipelined, bool vectorized,
+                     cudaStream_t stream) {
+  const cudaError_t error =
+      pipelined ? pipelined_split<T, WITH_V>(p, stream) : launch_split_kernel<T, WITH_V>(p, vectorized, stream);
+  if (error != cudaSuccess) return error;
   const dim3 combine_grid(unsigned(combine.rows_per_item), unsigned(p.batch));
   combine_kernel<T><<<combine_grid, kCombineThreads, 0, stream>>>(combine);
   return cudaGetLastError();
 }
 
-#define MACS_INSTANTIATE_SPLIT_KV(T)                                                                           \
-  template cudaError_t split_kv<T, false>(const SplitParams<T>&, const CombineParams<T>&, bool, cudaStream_t); \
-  template cudaError_t split_kv<T, true>(const SplitParams<T>&, const CombineParams<T>&, bool, cudaStream_t);
+#define MACS_INSTANTIATE_SPLIT_KV(T)                                                                                 \
+  template cudaError_t split_kv<T, false>(const SplitParams<T>&, const CombineParams<T>&, bool, bool, cudaStream_t); \
+  template cudaError_t split_kv<T, true>(const SplitParams<T>&, const CombineParams<T>&, bool, bool, cudaStream_t);
 MACS_INSTANTIATE_SPLIT_KV(float)
 MACS_INSTANTIATE_SPLIT_KV(__half)
 MACS_INSTANTIATE_SPLIT_KV(__nv_bfloat16)

@@ -11,6 +11,8 @@
 // 2. combine_kernel, grid (H * R, B): merges the splits of each query row into out and lse, and the
 //    values head pooling needs: the normalising lse (given or computed) and the mass on generated keys.
 //    With per-head sink logits (gpt-oss), each sink joins its rows' denominator and attends no value.
+// split_kv_pipelined/kernel.cuh's pipelined_split_kernel is a rewrite of pass 1 that writes the same partials,
+// selectable beside split_kernel (split_kv_choice.h); pass 2 and head pooling serve both.
 // Row (b, r) attends keys [start, end) of item b; [input_end, end) are its generated keys (a sliding-window
 // row attends from its window's start: its pooled columns may start earlier, see pool/kernel.cuh). The keys of
 // an item are contiguous (B, H_kv, S, D) or in pages (P, page_size, H_kv, D) found through a block table.
@@ -39,6 +41,7 @@ struct SplitParams {
   float* part_stats;  // (B, H, R, splits, 4): base-2 max and sum over attended keys, then over generated keys
   float* part_acc;    // (B, H, R, splits, D_v): sum of 2^(score - split max) * v, null without V
   float* scores;      // (B, H, R, S) base-2 scores of the attended keys, or null
+  int64_t tile_keys = kTileKeys, key_groups = 1;  // from the policy; read by pipelined_split_kernel only
 };
 
 // Where the keys of one item and head live: key * key_stride from `head` in a contiguous cache; through
@@ -279,10 +282,11 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams<
   }
 }
 
-// Launches the split and combine passes on `stream` (defined and instantiated in kernel.cu).
-// `vectorized`: K (and V) rows start on 16-byte boundaries and D (and D_v) are multiples of 16 bytes.
+// Launches the split and combine passes on `stream` (defined and instantiated in kernel.cu). `pipelined`: the split
+// pass is pipelined_split_kernel (split_kv_pipelined/kernel.cuh, for a policy from pipelined_policy), else
+// split_kernel. `vectorized`: K (and V) rows start on 16-byte boundaries and D (and D_v) are multiples of 16 bytes.
 template <typename T, bool WITH_V>
-cudaError_t split_kv(const SplitParams<T>& p, const CombineParams<T>& combine, bool vectorized,
+cudaError_t split_kv(const SplitParams<T>& p, const CombineParams<T>& combine, bool pipelined, bool vectorized,
                      cudaStream_t stream);
 
 }  // namespace macs

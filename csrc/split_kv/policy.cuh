@@ -46,6 +46,10 @@ struct SplitPolicy {
   int64_t splits;          // blocks along the keys
   int threads;
   size_t smem_bytes;
+  // pipelined_split_kernel's (split_kv_pipelined/kernel.cuh): keys per staged tile and the key groups that share
+  // each tile; split_kernel's tiles are kTileKeys.
+  bool pipelined = false;
+  int64_t tile_keys = kTileKeys, key_groups = 1;
 };
 
 __host__ inline SplitPolicy split_policy(int64_t batch, int64_t heads, int64_t kv_heads, int64_t rows, int64_t keys,

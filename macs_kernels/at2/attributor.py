@@ -10,6 +10,10 @@ import torch
 from .coefficients import DEFAULT_COEFFICIENTS, load_coefficients, model_record, model_shape, save_coefficients
 from .sources import Source, aggregate, make_sources, source_index
 
+# What an AT2 score is, in the words every view uses.
+AT2_SCORE = ("AT2 score: the learned (layer, head) coefficients times the answer's attention on the source, "
+             "an estimate of how much the answer depends on it")
+
 
 @dataclasses.dataclass
 class AT2Explanation:
@@ -44,29 +48,38 @@ class AT2Explanation:
         return json.dumps(self.as_dict(), **dumps_kwargs)
 
     def to_html(self, title: str = "AT2 attribution") -> str:
-        """A self-contained page: the context with each source's background shaded by its score."""
+        """A self-contained page in the MACS page's style: the answer, the sources by score, and the context with
+        each source coloured by its score (heatmap.js's colour: white at the lowest, red at the highest)."""
         import html
+        from importlib import resources
 
-        top = max((abs(v) for v in self.scores.tolist()), default=0.0) or 1.0
+        from ..viz import PAGE_STYLE, _unit
+
         parts, at = [], 0
-        for source, score in sorted(zip(self.sources, self.scores.tolist()), key=lambda p: p[0].char_span):
+        shaded = zip(self.sources, self.scores.tolist(), _unit(self.scores))
+        for source, score, weight in sorted(shaded, key=lambda p: p[0].char_span):
             a, b = source.char_span
             if a < at:  # a token straddling two units: its characters are shown once
                 a = at
             parts.append(html.escape(self.context[at:a]))
-            colour = "0,128,255" if score >= 0 else "255,64,64"
-            parts.append(f'<span title="{score:.4g}" style="background:rgba({colour},{abs(score) / top:.3f})">'
+            parts.append(f'<span title="score = {score:.4f}" data-heat="{weight:.3f}">'
                          f"{html.escape(self.context[a:b])}</span>")
             at = max(at, b)
         parts.append(html.escape(self.context[at:]))
-        rows = "".join(f"<tr><td>{v:.4g}</td><td>{html.escape(s.text)}</td></tr>" for v, s in self.ranked())
+        rows = "".join(f'<tr><td>{rank}</td><td class="score">{v:+.4f}</td><td>{html.escape(s.text)}</td></tr>'
+                       for rank, (v, s) in enumerate(self.ranked(), 1))
+        heatmap_js = (resources.files("macs_kernels") / "data" / "heatmap.js").read_text()
+        paint = ('document.querySelectorAll("#context span").forEach(s => {'
+                 "s.style.background = macsHeatColour(Number(s.dataset.heat)); });")
         return (
-            f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto}p{line-height:1.8;white-space:pre-wrap}"
-            "td{padding:2px 8px;vertical-align:top}</style></head><body>"
-            f"<h1>{html.escape(title)}</h1><h2>Response</h2><p>{html.escape(self.response)}</p>"
-            f"<h2>Context ({self.source_type} sources)</h2><p>{''.join(parts)}</p>"
-            f"<h2>Sources by score</h2><table>{rows}</table></body></html>"
+            f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+            f"<style>{PAGE_STYLE}</style></head><body>\n<h1>{html.escape(title)}</h1>\n"
+            f'<p class="note">{html.escape(AT2_SCORE)}. Colour: the score within the {self.source_type} sources, '
+            "white at the lowest, red at the highest; the tooltip gives the score.</p>\n"
+            f'<h2>Answer</h2><div class="answer">{html.escape(self.response)}</div>\n'
+            f'<h2>Top sources</h2><table class="top">{rows}</table>\n'
+            f'<h2>Context ({self.source_type} sources)</h2><div class="prompt" id="context">{"".join(parts)}</div>\n'
+            f"<script>\n{heatmap_js}\n{paint}\n</script></body></html>\n"
         )
 
 

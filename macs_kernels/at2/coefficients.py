@@ -8,9 +8,14 @@ models (a fine-tune, another checkpoint of the architecture) load without error 
 The record is the model's name and its attention fingerprint: per layer, the L2 norm of the attention
 module's parameters (float64). Norms are compared with a relative tolerance, so the same weights in
 float32, float16 or bfloat16 agree, while a different model does not.
+
+A file also names the questions its coefficients were trained on (`training_record`: a digest of each
+question and its context), so an evaluation holds out exactly those questions, whatever file or position
+they come from.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import warnings
 from pathlib import Path
@@ -20,6 +25,8 @@ import torch
 DEFAULT_COEFFICIENTS = Path(__file__).resolve().parent.parent / "data" / "at2_smollm2_135m.safetensors"
 # Rounding float32 weights to bfloat16 moves a layer's norm by ~1e-5 relative; other models differ by far more.
 FINGERPRINT_TOLERANCE = 1e-3
+# Metadata key of the training record: a JSON list of the question_digest of every training question.
+TRAINING_QUESTIONS = "training_questions"
 
 
 def model_shape(model) -> tuple[int, int]:
@@ -48,6 +55,22 @@ def attention_fingerprint(model) -> list[float]:
 def model_record(model) -> dict:
     """The metadata that names `model` in a coefficient file."""
     return {"model": model_name(model), "attention_fingerprint": json.dumps(attention_fingerprint(model))}
+
+
+def question_digest(question: str, context: str) -> str:
+    """SHA-1 of one QA question by its content (question and context), independent of its file and position."""
+    return hashlib.sha1(json.dumps([question, context], ensure_ascii=False).encode()).hexdigest()
+
+
+def training_record(samples) -> dict:
+    """The metadata that names the questions (QASample or anything with .question and .context) trained on."""
+    return {TRAINING_QUESTIONS: json.dumps(sorted({question_digest(s.question, s.context) for s in samples}))}
+
+
+def training_questions(metadata: dict) -> frozenset[str] | None:
+    """The question digests a file's coefficients were trained on, or None when the file does not record them."""
+    recorded = metadata.get(TRAINING_QUESTIONS)
+    return None if recorded is None else frozenset(json.loads(recorded))
 
 
 def save_coefficients(path, theta: torch.Tensor, metadata: dict | None = None) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from ..explanation import _eos_ids
 from ..hf_models import cache_argument
-from .coefficients import model_record, model_shape, save_coefficients
+from .coefficients import model_record, model_shape, save_coefficients, training_record
 from .features import response_token_features
 
 N_MASKS = 32
@@ -216,7 +216,8 @@ def train_coefficients(model, tokenizer, samples, *, work, out=None, n_masks: in
 
     Resumable: collected examples and the fit checkpoint in WORK are reused. Returns (theta (L, H), metadata
     of strings);
-    the metadata records the model (model_record; `model_name` overrides its name) and the data (`data_name`).
+    the metadata records the model (model_record; `model_name` overrides its name), the data (`data_name`) and
+    its questions (training_record: an evaluation holds them out).
     """
     work = Path(work)
     paths = collect(model, tokenizer, samples, work, n_masks=n_masks, max_new_tokens=max_new_tokens, seed=seed,
@@ -227,7 +228,7 @@ def train_coefficients(model, tokenizer, samples, *, work, out=None, n_masks: in
                 progress=progress).view(*model_shape(model))
     record = model_record(model)
     # Strings, as a coefficient file stores and returns them.
-    metadata = {name: str(value) for name, value in (record | {
+    metadata = {name: str(value) for name, value in (record | training_record(samples) | {
         "model": model_name or record["model"], "data": data_name,
         "layers": theta.shape[0], "heads": theta.shape[1],
         "examples": len(examples), "masks": n_masks, "epochs": epochs, "lr": lr, "sources": "token",

@@ -569,7 +569,7 @@ SUMMARY_TABLE = (  # (header, summary column, format) of the printed table
 
 
 def print_summary(summary: list[dict]) -> None:
-    """The summary as a markdown table (what the README quotes)."""
+    """The summary as a markdown table (what docs/performance.md quotes)."""
     print("| " + " | ".join(header for header, _, _ in SUMMARY_TABLE) + " |")
     print("|" + "|".join("---" if column in ("mode", "method") else "---:" for _, column, _ in SUMMARY_TABLE) + "|")
     for r in summary:

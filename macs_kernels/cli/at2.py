@@ -67,6 +67,7 @@ def run_explain(args: argparse.Namespace) -> int:
     if args.coefficients is not None and not args.coefficients.is_file():
         raise SystemExit(f"--coefficients {args.coefficients}: no such file")
     from ..at2 import AT2Attributor
+    from ..viz import print_sources
 
     model, tokenizer = load_from_args(args)
     try:
@@ -75,8 +76,6 @@ def run_explain(args: argparse.Namespace) -> int:
         raise SystemExit(f"macs-kernels explain --method at2: {error}") from None
     explanation = attributor.explain(args.question, args.context, sources=args.sources,
                                      max_new_tokens=args.max_new_tokens, attention=args.attention)
-    print(f"response: {explanation.response}")
-    for score, source in explanation.ranked()[:10]:
-        print(f"{score:+.4f}  {source.text[:100]!r}")
+    print_sources(explanation)
     write_outputs(args, explanation)
     return 0

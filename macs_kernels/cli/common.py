@@ -34,6 +34,31 @@ def check_model_argument(name: str | None) -> None:
         raise SystemExit(f"--model {name}: the folder does not exist")
 
 
+def check_device_argument(device: str | None) -> None:
+    """Refuse a --device this torch cannot use (a misspelt one, cuda on a CPU-only build or without a GPU)
+    before loading starts."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as error:  # torch says "Torch not compiled with CUDA enabled" by assert
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise SystemExit(f"--device {device}: this torch cannot use it ({reason})") from None
+
+
+def check_backend_argument(backend: str | None, device: str | None) -> None:
+    """Refuse a --backend that cannot run on --device (triton or cuda without CUDA) before loading starts."""
+    if backend is None:
+        return
+    from ..ops._dispatch import why_unavailable
+
+    reason = why_unavailable(backend, device or "cpu")
+    if reason is not None:
+        raise SystemExit(f"--backend {backend}: {reason}")
+
+
 def load_from_args(args: argparse.Namespace):
     """(model, tokenizer) of --model/--dtype/--device; a model that cannot be loaded exits with the reason."""
     import torch
@@ -41,6 +66,7 @@ def load_from_args(args: argparse.Namespace):
     from ..models import load_model
 
     check_model_argument(args.model)
+    check_device_argument(args.device)
     try:
         return load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     except OSError as error:  # transformers' "not a valid model identifier", missing files, no network
@@ -71,7 +97,8 @@ def check_output_files(**paths: Path | None) -> None:
 def write_outputs(args: argparse.Namespace, explanation) -> None:
     """--json and --html of an explanation (anything with to_json and to_html)."""
     if args.json:
-        args.json.write_text(explanation.to_json(indent=1))
+        # One line: indented, every number of the (steps, N) rows would take a line of its own.
+        args.json.write_text(explanation.to_json(separators=(",", ":")))
         print(f"wrote {args.json}")
     if args.html:
         args.html.write_text(explanation.to_html())

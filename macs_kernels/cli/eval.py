@@ -19,6 +19,11 @@ def add_parser(subparsers) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--data", type=Path, help="QA JSON: a list of {question, context, answers} or SQuAD's nesting")
     source.add_argument("--hf-dataset", help="a datasets hub name, saved folder or .json/.jsonl file instead")
+    source.add_argument("--images", type=Path, help="an image data set folder (samples.jsonl: image with mask or box; "
+                        "macs_kernels.vision.evaluation) for a vision-language --model: AUC-PR of image patches")
+    parser.add_argument("--mask-threshold", type=float, default=None,
+                        help="with --images: a token cell is the object's when this share of it is in the mask "
+                             "(default 0.5)")
     parser.add_argument("--split", default="validation", help="split of --hf-dataset (default: validation)")
     parser.add_argument("--range", help="START:STOP positions of the samples to use, e.g. 250:350")
     parser.add_argument("--n", type=int, help="take the first N samples (of --range when given)")
@@ -39,8 +44,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--faithfulness-n", type=int, default=100,
                         help="masking curves on the first K samples (0: none)")
     parser.add_argument("--faithfulness-from", type=int, default=0, metavar="INDEX",
-                        help="masking curves start at this sample index (250 on stqa_350: AT2's held-out "
-                             "questions, so that every method's curves come from the same samples)")
+                        help="masking curves start at this sample index (250 on stqa_350: past the questions "
+                             "AT2's coefficients were trained on, 0-249)")
     parser.add_argument("--out", type=Path, default=Path("eval_results.jsonl"),
                         help="results JSONL (resumed if present)")
     parser.add_argument("--records", type=Path, default=None,
@@ -58,6 +63,10 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.images:
+        from ..vision.cli import evaluate_image_set
+
+        return evaluate_image_set(args)
     from ..evaluation.report import markdown, write_report
     from ..evaluation.store import check_outputs, summary_paths
 
@@ -84,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, shard) -> None:
     from ..evaluation.data import load_qa, parse_range
-    from ..evaluation.methods import parse_method_ranges, parse_methods
+    from ..evaluation.methods import method_skips, parse_method_ranges, parse_methods
+    from ..evaluation.report import skips_text
 
     if args.data is None and args.hf_dataset is None:
         raise SystemExit("give --data FILE or --hf-dataset NAME")
@@ -125,6 +135,9 @@ def _run(args: argparse.Namespace, shard) -> None:
     print(f"eval: {rank}{len(shard.take(samples))} of {len(samples)} samples, methods "
           f"{', '.join(m.name + (f' (samples {m.indices[0]}:{m.indices[1]})' if m.indices else '') for m in methods)}",
           flush=True)
+    skips = method_skips(methods, samples)
+    if skips:
+        print(f"eval: methods not scored on some samples: {skips_text(skips)}", flush=True)
     runner = run_eval(model, tokenizer, samples, methods, settings, args.out, progress=not args.no_progress,
                       shard=shard)
     print(f"eval: {rank}{runner.counts.describe()}", flush=True)

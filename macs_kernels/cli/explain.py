@@ -6,7 +6,15 @@ from pathlib import Path
 
 from ..config import AGGREGATIONS, AT2_ATTENTIONS, ATTENTIONS, DEFAULT_AGGREGATION
 from . import at2
-from .common import add_model_arguments, check_model_argument, check_output_files, load_from_args, write_outputs
+from .common import (
+    add_model_arguments,
+    check_backend_argument,
+    check_device_argument,
+    check_model_argument,
+    check_output_files,
+    load_from_args,
+    write_outputs,
+)
 
 
 def add_parser(subparsers) -> None:
@@ -14,6 +22,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--question", help="question of the paper's QA prompt (with --context)")
     parser.add_argument("--context", help="context of the paper's QA prompt (with --question)")
     parser.add_argument("--prompt", help="a free prompt instead of --question/--context")
+    parser.add_argument("--image", type=Path, action="append",
+                        help="an image the --prompt asks about (repeat for several); --model must be a "
+                             "vision-language model (Qwen2-VL/Qwen2.5-VL, Gemma 3, LLaVA)")
+    parser.add_argument("--heatmap", type=Path, help="with --image: write a PNG of the scores over the first image")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--step", type=int, default=None,
                         help="show this step's heatmap, zero-based; negative counts from the end (default: the "
@@ -29,6 +41,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--fused-decode", action=argparse.BooleanOptionalAction, default=None,
                         help="compute decode-step attention with the backend's fused kernel (default: on for "
                              "triton and cuda, off for torch)")
+    parser.add_argument("--full", action="store_true",
+                        help="print the whole heatmap however long the prompt (a long one is summarised as its top "
+                             "tokens in their neighbourhoods)")
     parser.add_argument("--json", type=Path, help="write the explanation as JSON here")
     parser.add_argument("--html", type=Path, help="write a self-contained HTML page here")
     add_model_arguments(parser)
@@ -50,7 +65,15 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.method == "at2" and args.attention not in AT2_ATTENTIONS:
         raise SystemExit(f"--method at2 takes --attention {' or '.join(AT2_ATTENTIONS)}, not {args.attention!r}")
     check_output_files(json=args.json, html=args.html)
+    if args.image:
+        from ..vision.cli import check_image_arguments
+
+        check_image_arguments(args)
+    elif args.heatmap:
+        raise SystemExit("--heatmap draws the scores over an --image; give one")
     check_model_argument(args.model)
+    check_device_argument(args.device)
+    check_backend_argument(args.backend, args.device)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,6 +91,10 @@ def run(args: argparse.Namespace) -> int:
                             attention=args.attention, backend=args.backend, fused_decode=args.fused_decode)
     except (TypeError, ValueError) as error:
         raise SystemExit(f"explain: {error}") from None
+    if args.image:
+        from ..vision.cli import explain_images
+
+        return explain_images(args, config)
 
     from ..explanation import explain
     from ..prompts import qa_messages
@@ -85,6 +112,6 @@ def run(args: argparse.Namespace) -> int:
         # The generation ended before --step: keep what was asked to be written, then say why nothing is shown.
         write_outputs(args, explanation)
         raise SystemExit(f"--step {args.step} is out of range: the generation stopped after {steps} tokens")
-    print_explanation(explanation, step=args.step, how=args.aggregation)
+    print_explanation(explanation, step=args.step, how=args.aggregation, full=args.full)
     write_outputs(args, explanation)
     return 0

@@ -139,3 +139,20 @@ def variant_backend(variants, named: str | None, resolved: str) -> str:
 
 
 VARIANT_BACKENDS = ("torch", "triton", "cuda")
+
+
+def markdown_table() -> str:
+    """The support table as Markdown (docs/architecture.md embeds it; tests/test_docs.py keeps the two equal):
+    one row per layout, one column per engine, each cell the methods that run there; then each refusal's
+    reason."""
+    header = ["layout", *ENGINES]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for layout, description in LAYOUTS.items():
+        cells = []
+        for engine in ENGINES:
+            running = [method for method in METHODS if not unsupported(engine, method, layout)]
+            cells.append("all" if len(running) == len(METHODS) else ", ".join(running) or "none")
+        lines.append(f"| {layout}: {description} | " + " | ".join(cells) + " |")
+    lines += ["", "| engine | method | layout | why it is refused |", "|---|---|---|---|"]
+    lines += [f"| {engine} | {method} | {layout} | {why} |" for (engine, method, layout), why in UNSUPPORTED.items()]
+    return "\n".join(lines) + "\n"

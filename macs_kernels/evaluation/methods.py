@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from ..config import MacsConfig
 
@@ -11,8 +12,8 @@ MODEL_METHODS = ("rollout", "attnlrp", "atman")
 FAITHFULNESS_METHODS = ("macs", "at2", "attention-mean", "random", "attnlrp", "atman")
 # Faithfulness metrics: name in the results -> name in faithfulness_curves' output.
 FAITHFULNESS_METRICS = {"perplexity": "perplexity", "rouge_l": "rouge_l", "logit": "mean_logit"}
-# AT2's coefficients are trained on stqa_350's questions 0-249: it is scored on the others only.
-AT2_FIRST_EVAL_INDEX = 250
+# Why AT2 is not scored on a question: its coefficient file records the questions it was trained on.
+AT2_TRAINED_ON = "AT2's coefficients were trained on these questions"
 _MACS_OPTIONS = {"alpha": "alpha", "pool": "pooling", "redistribute": "redistribute", "attention": "attention"}
 # attnlrp (a backward pass per step) and atman (a forward per context token) are opt-in: they would multiply
 # the cost of a default run.
@@ -46,12 +47,28 @@ class Method:
     def faithfulness(self) -> bool:
         return self.name in FAITHFULNESS_METHODS
 
-    def scores_sample(self, index: int) -> bool:
-        """Whether this method is scored on sample `index`: inside its --method-range, and AT2 not on the
-        questions its coefficients saw."""
-        if self.indices is not None and not self.indices[0] <= index < self.indices[1]:
-            return False
-        return self.kind != "at2" or index >= AT2_FIRST_EVAL_INDEX
+    def skip_reason(self, sample) -> str | None:
+        """Why this method is not scored on `sample` (a QASample), or None when it is: outside its
+        --method-range, or AT2 on a question its coefficients were trained on (by content, in any file)."""
+        if self.indices is not None and not self.indices[0] <= sample.index < self.indices[1]:
+            return f"outside --method-range {self.indices[0]}:{self.indices[1]}"
+        if self.kind == "at2" and _at2_trained_on(sample):
+            return AT2_TRAINED_ON
+        return None
+
+    def scores_sample(self, sample) -> bool:
+        return self.skip_reason(sample) is None
+
+
+def method_skips(methods, samples) -> dict[str, dict[str, list[int]]]:
+    """{method name: {reason: sample indices}} of the samples each method is not scored on (skip_reason)."""
+    skips: dict[str, dict[str, list[int]]] = {}
+    for method in methods:
+        for sample in samples:
+            reason = method.skip_reason(sample)
+            if reason is not None:
+                skips.setdefault(method.name, {}).setdefault(reason, []).append(sample.index)
+    return skips
 
 
 def parse_method(text: str) -> Method:
@@ -101,6 +118,24 @@ def _check_at2() -> None:
 
     if not DEFAULT_COEFFICIENTS.is_file():
         raise MethodUnavailable(f"at2 is not available yet: no trained coefficients at {DEFAULT_COEFFICIENTS}")
+    if _at2_training_questions(DEFAULT_COEFFICIENTS) is None:
+        raise MethodUnavailable(f"at2 cannot be evaluated: {DEFAULT_COEFFICIENTS} does not record the questions it "
+                                "was trained on, so they cannot be held out (train it again with `macs-kernels at2 "
+                                "train`, which records them)")
+
+
+@functools.cache
+def _at2_training_questions(path) -> frozenset[str] | None:
+    from ..at2.coefficients import load_coefficients, training_questions
+
+    return training_questions(load_coefficients(path)[1])
+
+
+def _at2_trained_on(sample) -> bool:
+    from ..at2 import DEFAULT_COEFFICIENTS
+    from ..at2.coefficients import question_digest
+
+    return question_digest(sample.question, sample.context) in _at2_training_questions(DEFAULT_COEFFICIENTS)
 
 
 def default_methods() -> list[str]:

@@ -1,4 +1,8 @@
-"""A folder of recorded generations (float16 rows, float32 masses), one .npz per generation key.
+"""A folder of recorded generations, one .npz per generation key, holding the recorder's float32 arrays unchanged.
+
+A record is stored exactly as RowRecorder returned it: a sample scored from a cached record gets the numbers
+of one scored right after its generation, bit for bit, so a resumed run equals an uninterrupted one (rows
+rounded to float16 moved per-sample scores by up to 5e-3 and changed tie counts).
 
 The key (runner.generation_key) covers everything a recording depends on: model, dtype, max_new_tokens and
 the prompt ids, plus RECORD_VERSION, so records are shared by every results file and data set that
@@ -11,8 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-# Bump when RowRecorder's fields or their meaning change: older records are then recorded again.
-RECORD_VERSION = 2
+# Bump when RowRecorder's fields, their meaning or their stored precision change: older records are then recorded
+# again, and every result computed from them scored again (3: float32 rows; 2 stored them as float16).
+RECORD_VERSION = 3
 
 
 def records_dir(root: str | os.PathLike | None) -> Path:
@@ -25,10 +30,9 @@ def records_dir(root: str | os.PathLike | None) -> Path:
 
 def save_record(folder: Path, key: str, record: dict, prompt_ids, generated_ids) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    arrays = {k: (v.astype(np.float16) if k.endswith("rows") else v) for k, v in record.items()}
     tmp = folder / f".{key}.{os.getpid()}.npz"
     with open(tmp, "wb") as f:
-        np.savez(f, prompt_ids=np.asarray(prompt_ids), generated_ids=np.asarray(generated_ids), **arrays)
+        np.savez(f, prompt_ids=np.asarray(prompt_ids), generated_ids=np.asarray(generated_ids), **record)
     tmp.rename(folder / f"{key}.npz")
 
 

@@ -12,7 +12,16 @@ from ..core import DEFAULT_AGGREGATION
 from .costs import GENERATION
 from .methods import FAITHFULNESS_METRICS
 from .metrics import mean_ci, share_before_answer
-from .store import SUMMARY_FORMAT, check_outputs, read_results, summary_paths
+from .store import (
+    EDITED,
+    SUMMARY_FORMAT,
+    UNCHECKED,
+    check_outputs,
+    checksum_problem,
+    describe_line,
+    read_results,
+    summary_paths,
+)
 
 # MACS paper, Llama-3.1-8B on stqa_350 (best-step AUC-PR).
 PAPER_AUC_PR = {
@@ -36,7 +45,7 @@ def stats(values) -> dict:
 
 def summarise(path) -> dict:
     """The table of a results file (see the module docstring of store for its lines)."""
-    lines = current_lines(read_results(path))
+    lines, edited = reportable_lines(path)
     run = lines.get(("run", None, None), {})
     samples = {k[1]: v for k, v in lines.items() if k[0] == "sample"}
     skipped = {k[1]: v for k, v in lines.items() if k[0] == "skipped"}
@@ -104,12 +113,23 @@ def summarise(path) -> dict:
             "samples": sum(line.get("relocated_answers", 0) > 0 for line in scored),
         },
         "answer_not_generated": sum(line["answer_step"] is None for line in scored),
+        "method_skips": run.get("method_skips", {}),
+        "edited_lines": [describe_line(key) for key in edited],
+        "unverified_lines": sum(key[0] != "run" and checksum_problem(line) == UNCHECKED for key, line in lines.items()),
         "methods": table,
         "generation_cost": _cost(costs.get(GENERATION, [])),
         "subsets": subsets,
         "macs_whole_answer_against": whole_answer_against,
         "claims": _claims(table),
     }
+
+
+def reportable_lines(path) -> tuple[dict[tuple, dict], list[tuple]]:
+    """The current lines (current_lines) of the results file `path`, less those that do not match their checksum
+    (changed after they were written), and the keys of those left out."""
+    lines = read_results(path)
+    edited = [key for key, line in lines.items() if checksum_problem(line) == EDITED]
+    return current_lines({key: line for key, line in lines.items() if key not in edited}), edited
 
 
 def current_lines(lines: dict[tuple, dict]) -> dict[tuple, dict]:
@@ -235,6 +255,12 @@ def indices_text(indices) -> str:
     return ", ".join(out) or "none"
 
 
+def skips_text(method_skips: dict) -> str:
+    """{"at2": {reason: [0, 1, 2]}} -> 'at2 on 3 samples (0-2): reason' (methods.method_skips)."""
+    return "; ".join(f"{name} on {len(indices)} samples ({indices_text(indices)}): {reason}"
+                     for name, reasons in method_skips.items() for reason, indices in reasons.items())
+
+
 def markdown(summary: dict) -> str:
     lines = [
         f"Model: {summary['model'] or 'default'} ({summary['dtype']}), data: {summary['data']}, "
@@ -299,9 +325,17 @@ def markdown(summary: dict) -> str:
                   + " | ".join(cell(row["minus"][name]) for name in names) + " |" for method, row in against.items()]
     unmatched = summary["unmatched_answers"]
     relocated = summary.get("relocated_answers", {"answers": 0, "samples": 0})
+    method_skips = summary.get("method_skips")
+    edited, unverified = summary.get("edited_lines"), summary.get("unverified_lines")
     lines += [
         "",
-        f"Skipped: {summary['skipped'] or 'none'}. Gold answers mapping to no context token (scored 0): "
+        f"Skipped: {summary['skipped'] or 'none'}"
+        + (f"; methods not scored on some samples: {skips_text(method_skips)}" if method_skips else "") + ". "
+        + (f"Left out, their content changed after they were written (it does not match their checksum): "
+           f"{', '.join(edited)}. " if edited else "")
+        + (f"{unverified} results lines have no checksum (written before results lines had one): reported "
+           "unverified. " if unverified else "")
+        + "Gold answers mapping to no context token (scored 0): "
         f"{unmatched['answers']} of {unmatched['of_answers']} in {unmatched['samples']} samples. "
         f"Gold answers not at their answer_start, moved to the nearest occurrence of their text: "
         f"{relocated['answers']} in {relocated['samples']} samples. "
@@ -318,7 +352,7 @@ def plot(path, out) -> None:
     from ..bench.common import pyplot
 
     plt = pyplot()
-    lines = current_lines(read_results(path))
+    lines = reportable_lines(path)[0]
     data: dict[str, dict[str, list]] = {"best": {}, "aggregate": {}}
     for (kind, _, method), line in lines.items():
         if kind == "auc":

@@ -22,7 +22,7 @@ import torch
 
 from ..parallel import SINGLE_PROCESS, Shard
 from .costs import COST_VERSION, GENERATION, cost_line, measure_in_generation, measured
-from .methods import FAITHFULNESS_METRICS, MODEL_METHODS, Method
+from .methods import FAITHFULNESS_METRICS, MODEL_METHODS, Method, method_skips
 from .record_cache import RECORD_VERSION, has_rows, load_record, load_rows, records_dir, save_record, save_rows
 from .scoring import RANDOM_SEED, method_identity, method_scores, score_auc
 from .store import RESULTS_FORMAT, Results, content_key, ids_digest
@@ -178,7 +178,8 @@ class Runner:
         if shard.leader:
             self.results.write({"kind": "run", "format": RESULTS_FORMAT, **self.settings.generation(),
                                 "data": self.settings.data, "samples": [[i, k] for i, k in self.keys.items()],
-                                "method_ranges": {m.name: list(m.indices) for m in self.methods if m.indices}})
+                                "method_ranges": {m.name: list(m.indices) for m in self.methods if m.indices},
+                                "method_skips": method_skips(self.methods, samples)})
         # A new stream must start with its run line (that is how a results stream is recognised).
         shard.barrier()
         # Faithfulness scores are kept for the samples phase 2 will reach: the first faithfulness_n with answers.
@@ -188,7 +189,7 @@ class Runner:
         # Each method's cost is measured on the first cost_n samples it scores (after-generation methods also
         # wherever their rows are computed anyway); plain generation on every one of the in-generation
         # methods' samples (the baseline on the same samples).
-        self.cost_indices = {m.name: {s.index for s in [s for s in answered if m.scores_sample(s.index)]
+        self.cost_indices = {m.name: {s.index for s in [s for s in answered if m.scores_sample(s)]
                                       [: self.settings.cost_n]} for m in self.methods}
         self.cost_indices[GENERATION] = set().union(
             *(self.cost_indices[m.name] for m in self.methods if m.kind not in MODEL_METHODS))
@@ -247,7 +248,7 @@ class Runner:
         return content_key({"sample": self.keys[sample.index], **method_identity(method)})
 
     def score_sample(self, sample) -> None:
-        methods = [m for m in self.methods if m.scores_sample(sample.index)]
+        methods = [m for m in self.methods if m.scores_sample(sample)]
         todo = [m for m in methods
                 if self.results.get("auc", sample.index, m.name, key=self._auc_key(sample, m)) is None]
         self.counts.auc_reused += len(methods) - len(todo)
@@ -319,7 +320,7 @@ class Runner:
             return
         key = self.keys[sample.index]
         todo = []
-        for method in (m for m in methods if m.scores_sample(sample.index)):
+        for method in (m for m in methods if m.scores_sample(sample)):
             line = self.results.get("faithfulness", sample.index, method.name,
                                     key=self._faithfulness_key(sample_line, method))
             if line is None:

@@ -8,6 +8,12 @@ sample), "faithfulness" (one method's masking curves of one sample). Every line 
 the digest of the content it was computed from (content_key), and "sample", the content key of its sample:
 a line is reused only while its key is the one the current run computes.
 
+Every line also carries "checksum", the digest of its own content (line_checksum). A line whose content no
+longer matches it (edited after it was written) is never reused nor reported: a resumed run warns, naming
+the line, and computes it again. Lines without a checksum, written before lines carried one, cannot be
+verified: a resumed run does not reuse them either (it warns and computes them again); a report of such a
+file counts them and says they are unverified.
+
 Outputs never overwrite anything else: the summary of results stream X.jsonl is X.json, X.md and X.png
 (X.summary.json, .md, .png for a stream X.EXT of another extension, X.json... for one without: never the
 stream itself), and an existing
@@ -18,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 
 from ..parallel import append_line, end_with_newline
@@ -25,6 +32,10 @@ from ..parallel import append_line, end_with_newline
 RESULTS_FORMAT = "macs-kernels eval results"
 SUMMARY_FORMAT = "macs-kernels eval summary"
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+CHECKSUM = "checksum"
+# Why a line read back is not trusted (checksum_problem).
+EDITED = "does not match its checksum (changed after it was written)"
+UNCHECKED = "carries no checksum (written before results lines had one)"
 
 
 def content_key(content) -> str:
@@ -40,6 +51,25 @@ def ids_digest(ids) -> str:
 
 def line_key(line: dict) -> tuple:
     return (line["kind"], line.get("index"), line.get("method"))
+
+
+def line_checksum(line: dict) -> str:
+    """The digest of a results line's content: every field but its checksum."""
+    return content_key({name: value for name, value in line.items() if name != CHECKSUM})
+
+
+def checksum_problem(line: dict) -> str | None:
+    """EDITED or UNCHECKED when a line read back cannot be trusted to be what this tool wrote, else None."""
+    if CHECKSUM not in line:
+        return UNCHECKED
+    return EDITED if line[CHECKSUM] != line_checksum(line) else None
+
+
+def describe_line(key: tuple) -> str:
+    """("auc", 3, "macs") -> 'the auc line of sample 3, method macs'."""
+    kind, index, method = key
+    return f"the {kind} line" + ("" if index is None else f" of sample {index}") + (
+        "" if method is None else f", method {method}")
 
 
 def read_results(path: str | os.PathLike) -> dict[tuple, dict]:
@@ -60,14 +90,31 @@ def read_results(path: str | os.PathLike) -> dict[tuple, dict]:
 
 
 class Results:
-    """The JSONL results stream, appended line by line and indexed by key."""
+    """The JSONL results stream, appended line by line and indexed by key.
+
+    Lines read back that fail their checksum (checksum_problem) are left out, so they are computed again;
+    each edited one draws a warning naming it, lines without a checksum one warning with their count.
+    """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         check_results_stream(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         end_with_newline(self.path)
-        self.lines = read_results(self.path)
+        lines = read_results(self.path)
+        # A run line is written anew by every run and never reused.
+        untrusted = {key: problem for key, line in lines.items()
+                     if key[0] != "run" and (problem := checksum_problem(line)) is not None}
+        self.lines = {key: line for key, line in lines.items() if key not in untrusted}
+        for key, problem in untrusted.items():
+            if problem == EDITED:
+                warnings.warn(f"{self.path}: {describe_line(key)} {EDITED}: it is not reused and is computed again",
+                              UserWarning, stacklevel=2)
+        unchecked = sum(problem == UNCHECKED for problem in untrusted.values())
+        if unchecked:
+            warnings.warn(f"{self.path}: {unchecked} results lines have no checksum (written before results lines "
+                          "had one): they cannot be verified, so they are not reused and are computed again",
+                          UserWarning, stacklevel=2)
 
     def get(self, kind: str, index=None, method=None, *, key: str | None = None):
         """The line of (kind, index, method); with `key`, only when it was computed from that content."""
@@ -77,6 +124,7 @@ class Results:
         return line
 
     def write(self, line: dict) -> None:
+        line = {**line, CHECKSUM: line_checksum(line)}
         # Data-parallel ranks append to the same stream: whole lines under a lock.
         append_line(self.path, json.dumps(line, ensure_ascii=False))
         self.lines[line_key(line)] = line

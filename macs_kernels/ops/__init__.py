@@ -10,8 +10,12 @@ Conventions shared by every op:
   its self-check there (never the Triton interpreter); a backend named but unavailable raises
   `BackendUnavailable`.
 
-Checks that read index values synchronise with the device once per call; the generation tracer resolves
-the kernel once and calls it directly, so it pays no such cost per layer.
+No op makes the host wait for the device (issue 42): index values are checked on the host only for CPU tensors
+outside torch.compile (a ValueError naming the row), else by an asynchronous device-side assertion with the same
+rule (see _checks). So each op compiles under torch.compile(fullgraph=True) and can be captured in a CUDA graph;
+there, give the outputs whose width depends on index values (`out` of macs_pool and macs_pool_paged,
+attention_features' `n_max`).
+The exception: efficient_attention on a GPU reads its Cholesky fallback's test and eigh's error code on the host.
 """
 from ._dispatch import BackendUnavailable, implementation, resolve_backend, why_unavailable
 from .attention_features import attention_features

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -92,20 +93,27 @@ def why_unavailable(backend: str, device: torch.device | str, op: str | None = N
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS} or None")
 
 
+def _module(name: str):
+    """The module `name`, imported on first use: looked up in sys.modules first, which torch.compile traces (it
+    cannot trace an import)."""
+    module = sys.modules.get(name)
+    return module if module is not None else importlib.import_module(name)
+
+
 def implementation(backend: str, op: str) -> Callable:
     """The function that computes `op` on `backend` (arguments already validated)."""
     _check_op(op)
     if backend == "torch":
-        return getattr(importlib.import_module(f"macs_kernels.ops.{_TORCH_MODULES.get(op, 'torch_backend')}"), op)
+        return getattr(_module(f"macs_kernels.ops.{_TORCH_MODULES.get(op, 'torch_backend')}"), op)
     if backend == "triton":
-        return getattr(importlib.import_module("macs_kernels.ops.triton"), op)
+        return getattr(_module("macs_kernels.ops.triton"), op)
     if backend == "cuda":
-        importlib.import_module(f"{NAMESPACE}._C")
+        _module(f"{NAMESPACE}._C")
         return getattr(getattr(torch.ops, NAMESPACE), op)
     if backend == "numba":
         if op not in NUMBA_OPS:
             raise BackendUnavailable(f"the numba backend implements {NUMBA_OPS} only, not {op}")
-        return getattr(importlib.import_module("macs_kernels.ops.numba"), op)
+        return getattr(_module("macs_kernels.ops.numba"), op)
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS} or None")
 
 
@@ -120,9 +128,36 @@ def variant_implementation(backend: str, op: str) -> Callable | None:
     if backend == "numba" and op not in NUMBA_OPS:
         return None
     if backend == "triton" and op == "decode_attention":
-        return importlib.import_module("macs_kernels.ops.triton").decode_attention_variant
-    torch_backend = importlib.import_module("macs_kernels.ops.torch_backend")
+        return _module("macs_kernels.ops.triton").decode_attention_variant
+    torch_backend = _module("macs_kernels.ops.torch_backend")
     return functools.partial(getattr(torch_backend, f"{op}_variant"), kernel=implementation(backend, op))
+
+
+# The cuda backend's split kernels (csrc/split_kv_choice.h): "verified", the default, passed the GPU tests and
+# compute-sanitizer; "pipelined" (csrc/split_kv_pipelined) is selectable until it has too. Chosen for the process by
+# MACS_KERNELS_CUDA_SPLIT_KV (read by the extension at its first split-KV launch) or by set_cuda_split_kv_kernel.
+CUDA_SPLIT_KV_KERNELS = ("verified", "pipelined")
+
+
+def _extension():
+    error = _import_error(f"{NAMESPACE}._C")
+    if error is not None:
+        raise BackendUnavailable(f"the compiled extension {NAMESPACE}._C is absent ({error})")
+    return importlib.import_module(f"{NAMESPACE}._C")
+
+
+def cuda_split_kv_kernel() -> str:
+    """The split kernel that the cuda backend's decode_attention, macs_update and macs_pool(_paged) launch."""
+    return _extension().split_kv_kernel()
+
+
+def set_cuda_split_kv_kernel(kernel: str) -> None:
+    """Launch `kernel` (one of CUDA_SPLIT_KV_KERNELS) from now on in this process; shapes that "pipelined" does
+    not cover (K/V rows not 16-byte aligned, D not a power-of-two multiple of 16 bytes up to 512 bytes, D_v != D,
+    (H / H_kv) * D / 16 bytes > 256) run "verified". A CUDA graph keeps the kernel it captured."""
+    if kernel not in CUDA_SPLIT_KV_KERNELS:
+        raise ValueError(f"unknown cuda split kernel {kernel!r}; choose one of {CUDA_SPLIT_KV_KERNELS}")
+    _extension().set_split_kv_kernel(kernel)
 
 
 def candidates(device: torch.device) -> tuple[str, ...]:

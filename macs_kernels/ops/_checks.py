@@ -1,4 +1,17 @@
-"""Argument checks shared by the public ops: readable errors before any kernel runs."""
+"""Argument checks shared by the public ops: readable errors before any kernel runs.
+
+Checks of shapes, dtypes and devices read metadata only. Checks of index VALUES (ranges, pages) never make
+the host wait for a device, so that an op costs no host sync and can run inside a CUDA graph or a
+torch.compile'd region (issue 42):
+- CPU tensors outside torch.compile: the values are already on the host; they are read there and a bad one
+  raises ValueError naming the item before any kernel runs;
+- device tensors, or any tensor while compiling: one asynchronous device-side assertion of the same rule
+  (`torch._assert_async`, which compiled graphs keep and CUDA graphs replay). It fails at the next
+  synchronisation: a RuntimeError with the rule on the CPU; on a GPU a device-side assert, which ends the CUDA
+  context (loud, where an unchecked bad index would read out of bounds or score silently wrong). Reading the
+  values on the host instead would cost a sync per call, and a capture cannot copy to the host at all; a
+  caller that wants recoverable errors on a GPU checks its ranges once per pass, outside the captured region.
+"""
 from __future__ import annotations
 
 import math
@@ -10,6 +23,33 @@ import torch
 # An index argument as the public ops accept it: a tensor (int32 or int64), a sequence of ints, or one int
 # repeated over the batch.
 IndexLike = torch.Tensor | Sequence[int] | int
+
+
+def host_readable(*tensors: torch.Tensor) -> bool:
+    """Whether reading these tensors' values costs neither a device sync nor a graph break: CPU tensors outside
+    torch.compile."""
+    return not torch.compiler.is_compiling() and all(tensor.device.type == "cpu" for tensor in tensors)
+
+
+def invalid_entry(valid: torch.Tensor, message: str) -> int | None:
+    """Where the bool tensor `valid` is False: on the host (host_readable), the flat index of its first False
+    entry, for the caller to raise a ValueError naming it (None when every entry holds); elsewhere an
+    asynchronous device-side assertion of `valid` with `message` (see the module's docstring), and None."""
+    if not host_readable(valid):
+        torch._assert_async(valid.all(), message)
+        return None
+    if bool(valid.all()):
+        return None
+    return int(valid.logical_not().flatten().nonzero()[0, 0])
+
+
+def values_readable(what: str, *tensors: torch.Tensor) -> None:
+    """Refuse, naming `what` to pass instead, a call whose output shape would depend on index values while they
+    cannot be read: inside torch.compile or a CUDA graph capture."""
+    capturing = any(tensor.is_cuda for tensor in tensors) and torch.cuda.is_current_stream_capturing()
+    if torch.compiler.is_compiling() or capturing:
+        raise ValueError(f"inside torch.compile or a CUDA graph capture, pass {what}: the default reads index "
+                         "values on the host")
 
 
 def check_tensor(name, tensor, ndim, *, float_dtype=True):
@@ -24,12 +64,16 @@ def check_tensor(name, tensor, ndim, *, float_dtype=True):
 
 
 def as_index(name, value, batch, device):
-    """A (B,) int64 index tensor from a tensor, a sequence or a Python int (repeated over the batch)."""
+    """A (B,) int64 index tensor from a tensor, a sequence or a Python int (repeated over the batch). A sequence
+    is copied from the host, which a CUDA graph cannot capture: captured calls pass tensors or ints."""
     if value is None:
         return None
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        # Filled on the device (a CUDA graph can capture a fill, not a copy from the host); a copy, not a
+        # stride-0 view: kernels index these by row.
+        return torch.full((batch,), int(value), dtype=torch.int64, device=device)
     tensor = torch.as_tensor(value, device=device)
     if tensor.dim() == 0:
-        # A copy, not a stride-0 view: kernels index these by row.
         tensor = tensor.repeat(batch)
     if tensor.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 or int64, got {tensor.dtype}")
@@ -55,16 +99,20 @@ def as_row_index(name, value, batch, rows, device):
 
 
 def check_ranges(input_start, input_end, kv_len, keys, n_max=None, state="log_c"):
-    """0 <= input_start < input_end <= kv_len <= keys per row, and N_b <= n_max (one host sync)."""
-    start, end, length = torch.stack([input_start, input_end, kv_len]).cpu().tolist()
-    for b, (s, e, n) in enumerate(zip(start, end, length)):
-        if not 0 <= s < e <= n <= keys:
-            raise ValueError(
-                f"row {b}: need 0 <= input_start < input_end <= kv_len <= S={keys}, "
-                f"got input_start={s}, input_end={e}, kv_len={n}"
-            )
-        if n_max is not None and e - s > n_max:
-            raise ValueError(f"row {b}: {e - s} input tokens do not fit {state}'s {n_max} columns")
+    """0 <= input_start < input_end <= kv_len <= keys per row, and N_b <= n_max (on the host or the device: see
+    the module's docstring)."""
+    valid = (input_start >= 0) & (input_start < input_end) & (input_end <= kv_len) & (kv_len <= keys)
+    if n_max is not None:
+        valid &= input_end - input_start <= n_max
+    rule = f"0 <= input_start < input_end <= kv_len <= S={keys}"
+    fits = "" if n_max is None else f" and input_end - input_start <= {state}'s {n_max} columns"
+    b = invalid_entry(valid, f"every row needs {rule}{fits}")
+    if b is None:
+        return
+    s, e, n = (int(index[b]) for index in (input_start, input_end, kv_len))
+    if not 0 <= s < e <= n <= keys:
+        raise ValueError(f"row {b}: need {rule}, got input_start={s}, input_end={e}, kv_len={n}")
+    raise ValueError(f"row {b}: {e - s} input tokens do not fit {state}'s {n_max} columns")
 
 
 def check_log_c(log_c, batch, device, name="log_c"):
@@ -122,17 +170,19 @@ def check_paged(q, k_pages, block_table):
 
 def check_pages_in_use(block_table, attend_start, kv_len, page_size, pages):
     """Every page that holds a key a row of item b attends (keys [min_r attend_start[b, r], max_r kv_len[b, r]))
-    is a page of the cache, in [0, pages) (one host sync). Entries past an item's last page may be anything:
-    transformers' tables hold -1 there; so may those before its first (a sliding window's freed pages)."""
+    is a page of the cache, in [0, pages) (on the host or the device: see the module's docstring). Entries past
+    an item's last page may be anything: transformers' tables hold -1 there; so may those before its first (a
+    sliding window's freed pages)."""
     if kv_len.numel() == 0:
         return
     needed = -(-kv_len.amax(dim=1) // page_size)
     page = torch.arange(block_table.shape[1], device=block_table.device)
     in_use = (page < needed[:, None]) & (page >= attend_start.amin(dim=1)[:, None] // page_size)
-    bad = (in_use & ((block_table < 0) | (block_table >= pages))).flatten()
-    first_bad = int(torch.where(bad.any(), bad.int().argmax(), -1))
-    if first_bad >= 0:
-        b, j = divmod(first_bad, block_table.shape[1])
+    bad = in_use & ((block_table < 0) | (block_table >= pages))
+    first = invalid_entry(~bad, f"every block_table entry through which an item attends keys must be a page of "
+                                f"k_pages (0 <= page < {pages})")
+    if first is not None:
+        b, j = divmod(first, block_table.shape[1])
         raise ValueError(
             f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page of k_pages (0 <= page < {pages}), "
             f"but item {b} attends keys [{j * page_size}, {(j + 1) * page_size}) through it"

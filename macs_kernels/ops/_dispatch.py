@@ -20,6 +20,9 @@ from ._backends import (  # noqa: F401 - the dispatch API, re-exported
 from .verify import verified_backend
 
 
+# The choice runs Python that torch.compile cannot trace (imports, self-checks): while tracing a public op it
+# calls this eagerly and keeps the name returned, the backend an eager call would have run.
+@torch.compiler.assume_constant_result
 def resolve_backend(backend: str | None, device: torch.device | str, op: str | None = None) -> str:
     """The backend to run `op` (the tracer's ops when None) on `device`.
 

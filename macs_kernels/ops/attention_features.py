@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import torch_features
-from ._checks import IndexLike, as_index, as_scale, check_lse, check_q_k
+from ._checks import IndexLike, as_index, as_scale, check_lse, check_q_k, invalid_entry, values_readable
 from ._dispatch import NAMESPACE, kernel
 from .variant import Variant
 
@@ -20,14 +20,17 @@ def _(q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, n_max, sca
     return q.new_empty((q.shape[0], q.shape[1], n_max), dtype=torch.float32)
 
 
-def check_features_args(q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, lse):
-    """Validate attention_features' arguments (one host sync).
+def check_features_args(q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, lse, n_max=None):
+    """Validate attention_features' arguments (values on the host or the device: see ops._checks).
 
-    Returns (source_start, source_end, kv_start, kv_len, n_rows) as (B,) int64 and N_max.
+    Returns (source_start, source_end, kv_start, kv_len, n_rows) as (B,) int64 and N_max: `n_max` when given
+    (every span must fit it), else the longest span (read on the host: refused inside a capture).
     """
     check_q_k(q, k_cache, q_dims=4)
     batch, heads, rows, _ = q.shape
     check_lse(lse, (batch, heads, rows), q.device)
+    if n_max is not None and (isinstance(n_max, bool) or not isinstance(n_max, int) or n_max < 1):
+        raise ValueError(f"n_max must be an int >= 1 or None, got {n_max!r}")
     index = {
         name: as_index(name, value, batch, q.device)
         for name, value in (
@@ -35,27 +38,34 @@ def check_features_args(q, k_cache, source_start, source_end, kv_start, kv_len, 
             ("kv_start", 0 if kv_start is None else kv_start), ("n_rows", rows if n_rows is None else n_rows),
         )
     }
+    s0, s1, length, start, count = index.values()
     keys = k_cache.shape[2]
-    table = torch.stack(list(index.values())).cpu().tolist()
-    for b, (s0, s1, length, start, count) in enumerate(zip(*table)):
+    spans = (0 <= start) & (start <= s0) & (s0 < s1) & (s1 <= length) & (length <= keys)
+    counts = (0 <= count) & (count <= rows) & (length - count >= start)
+    valid = spans & counts if n_max is None else spans & counts & (s1 - s0 <= n_max)
+    spans_rule = f"0 <= kv_start <= source_start < source_end <= kv_len <= S={keys}"
+    counts_rule = (f"n_rows must lie in [0, R={rows}] and the first valid row must attend a key "
+                   "(kv_len - n_rows >= kv_start)")
+    b = invalid_entry(valid, f"every item needs {spans_rule}; {counts_rule}"
+                      + ("" if n_max is None else f"; source_end - source_start <= n_max={n_max}"))
+    if b is not None:
+        s0, s1, length, start, count = (int(value[b]) for value in index.values())
         if not 0 <= start <= s0 < s1 <= length <= keys:
-            raise ValueError(
-                f"item {b}: need 0 <= kv_start <= source_start < source_end <= kv_len <= S={keys}, got "
-                f"kv_start={start}, source_start={s0}, source_end={s1}, kv_len={length}"
-            )
+            raise ValueError(f"item {b}: need {spans_rule}, got kv_start={start}, source_start={s0}, "
+                             f"source_end={s1}, kv_len={length}")
         if not 0 <= count <= rows or length - count < start:
-            raise ValueError(
-                f"item {b}: n_rows={count} must lie in [0, R={rows}] and the first valid row must attend a key "
-                f"(kv_len - n_rows >= kv_start), got kv_len={length}, kv_start={start}"
-            )
-    n_max = max(s1 - s0 for s0, s1 in zip(table[0], table[1]))
-    return index["source_start"], index["source_end"], index["kv_start"], index["kv_len"], index["n_rows"], n_max
+            raise ValueError(f"item {b}: {counts_rule}, got n_rows={count}, kv_len={length}, kv_start={start}")
+        raise ValueError(f"item {b}: its {s1 - s0} source keys do not fit n_max={n_max}")
+    if n_max is None:
+        values_readable("n_max", q)
+        n_max = int((s1 - s0).max())
+    return s0, s1, start, length, count, n_max
 
 
 def attention_features(
     q: torch.Tensor, k_cache: torch.Tensor, *, source_start: IndexLike, source_end: IndexLike, kv_len: IndexLike,
     scale: float, kv_start: IndexLike | None = None, n_rows: IndexLike | None = None, lse: torch.Tensor | None = None,
-    backend: str | None = None, variant: Variant | None = None,
+    backend: str | None = None, variant: Variant | None = None, n_max: int | None = None,
 ) -> torch.Tensor:
     """Per query head, the attention of R target rows on the source keys, summed over the valid rows.
 
@@ -68,12 +78,14 @@ def attention_features(
         Need kv_start <= source_start < source_end <= kv_len.
     lse: optional (B, H, R) natural-log log-sum-exp of each row's scores q.k * scale over its attended keys
         (as FlashAttention returns it); given, the kernels read only the source keys, once.
-    Returns (B, H, N_max) float32 with N_max = max(source_end - source_start): entry [b, h, i] is the sum
+    n_max: the output's width N_max, at least every source_end - source_start; default the largest of them, which
+        reads the index values on the host (a sync on a GPU; pass n_max inside torch.compile or a CUDA graph).
+    Returns (B, H, N_max) float32: entry [b, h, i] is the sum
     over valid rows of softmax probability on key source_start[b] + i (a key after a row's causal end gets
     0 from that row); entries i >= source_end[b] - source_start[b] are 0.
     """
     source_start, source_end, kv_start, kv_len, n_rows, n_max = check_features_args(
-        q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, lse
+        q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, lse, n_max
     )
     extra = {}
     if variant is not None and not variant.plain:

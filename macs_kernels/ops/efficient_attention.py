@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import torch_efficient
-from ._checks import IndexLike, as_index, check_ranges, check_tensor
+from ._checks import IndexLike, as_index, check_ranges, check_tensor, invalid_entry
 from ._dispatch import NAMESPACE, kernel
 from .torch_efficient import DEFAULT_RCOND
 
@@ -20,7 +20,8 @@ def _(p, v_cache, kv_start, kv_len, causal, rcond, gram=None):
 
 
 def check_efficient_args(p, v_cache, kv_start, kv_len, rcond, *, causal=False):
-    """Validate efficient_attention's arguments; returns (kv_start, kv_len) as (B,) int64 (one host sync)."""
+    """Validate efficient_attention's arguments (values on the host or the device: see ops._checks); returns
+    (kv_start, kv_len) as (B,) int64."""
     check_tensor("p", p, 4)
     check_tensor("v_cache", v_cache, 4)
     batch, heads, rows, keys = p.shape
@@ -37,8 +38,10 @@ def check_efficient_args(p, v_cache, kv_start, kv_len, rcond, *, causal=False):
     kv_len = as_index("kv_len", kv_len, batch, p.device)
     kv_start = as_index("kv_start", 0 if kv_start is None else kv_start, batch, p.device)
     check_ranges(kv_start, kv_len, kv_len, keys)
-    if causal and rows > int(kv_len.min()):
-        raise ValueError(f"causal rows are the last R={rows} queries of the cache: kv_len must be >= {rows}")
+    if causal:
+        message = f"causal rows are the last R={rows} queries of the cache: kv_len must be >= {rows}"
+        if invalid_entry(kv_len >= rows, message) is not None:
+            raise ValueError(message)
     return kv_start, kv_len
 
 

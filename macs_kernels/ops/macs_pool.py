@@ -6,7 +6,7 @@ import torch
 
 from ..config import MacsConfig
 from . import torch_backend
-from ._checks import IndexLike, as_row_index, as_scale, check_lse, check_q_k, check_ranges
+from ._checks import IndexLike, as_row_index, as_scale, check_lse, check_q_k, check_ranges, values_readable
 from ._dispatch import NAMESPACE, kernel, variant_kernel
 from .variant import Variant
 
@@ -30,7 +30,8 @@ def macs_pool(
         [input_end, kv_len) generated tokens whose attention is spread evenly over the inputs when
         `redistribute`.
     lse: optional (B, H) or (B, H, R) natural-log log-sum-exp over each row's attended keys.
-    out: optional float32 (B, N_max) or (B, R, N_max) buffer (q's rank minus one), written and returned.
+    out: optional float32 (B, N_max) or (B, R, N_max) buffer (q's rank minus one), written and returned; without
+        it N_max is the largest N, read on the host (a sync on a GPU; pass out inside torch.compile or a CUDA graph).
     variant: the layer's attention variant (`ops.Variant`: sliding window, the token key slot 0 holds, softcap,
         sinks; torch, triton and cuda backends); the ranges are then token positions and p the variant's probabilities
         (inputs outside the window get 0 before the spread).
@@ -75,6 +76,8 @@ def row_arguments(q, keys, input_start, input_end, kv_len, lse, out):
     if out is not None and (not isinstance(out, torch.Tensor) or out.dim() != expected_rank):
         raise ValueError(f"out must be a float32 tensor with {expected_rank} dimensions (q's rank minus one)")
     check_ranges(*(index.flatten() for index in ranges), keys, None if out is None else out.shape[-1], state="out")
+    if out is None:
+        values_readable("out", q)
     n_max = int((ranges[1] - ranges[0]).max()) if out is None else out.shape[-1]
     if lse is not None:
         check_lse(lse, (batch, heads) if single_row else (batch, heads, rows), q.device)

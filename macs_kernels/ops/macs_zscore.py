@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import torch_backend
-from ._checks import IndexLike, as_index, check_log_c, check_tensor
+from ._checks import IndexLike, as_index, check_log_c, check_tensor, invalid_entry
 from ._dispatch import NAMESPACE, kernel
 
 operator = torch.library.custom_op(f"{NAMESPACE}::macs_zscore", torch_backend.macs_zscore, mutates_args=())
@@ -25,7 +25,7 @@ def macs_zscore(log_c: torch.Tensor, n_input: IndexLike, *, backend: str | None 
     check_tensor("log_c", log_c, 2)
     check_log_c(log_c, log_c.shape[0], log_c.device)
     n_input = as_index("n_input", n_input, log_c.shape[0], log_c.device)
-    counts = n_input.cpu()
-    if bool(((counts < 1) | (counts > log_c.shape[1])).any()):
-        raise ValueError(f"n_input must lie in [1, {log_c.shape[1]}], got {counts.tolist()}")
+    rule = f"n_input must lie in [1, {log_c.shape[1]}]"
+    if invalid_entry((n_input >= 1) & (n_input <= log_c.shape[1]), rule) is not None:
+        raise ValueError(f"{rule}, got {n_input.tolist()}")
     return kernel(backend, log_c.device, "macs_zscore")(log_c, n_input)

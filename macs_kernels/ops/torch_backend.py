@@ -5,91 +5,42 @@ Arguments arrive validated and positional in the operator's order; index tensors
 (B, R)) int64 on the data's device.
 Nothing here materialises more than one (B, H, S) row block per call: the O(S^2) attention matrix
 never exists.
+
+The row's formulas (scores, the variant, the softmax, the output, the spread, the pooling, the floor) are
+torch_row's; this module supplies the layouts of a batch-major cache: per-row ranges, the dense fast paths and a
+paged cache gathered into one block.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-# Pooling over heads (dim 1); `out=` lets a caller write the pooled row in place.
-_POOL = {
-    "max": lambda x, **out: torch.amax(x, dim=1, **out),
-    "mean": lambda x, **out: torch.mean(x, dim=1, **out),
-    "min": lambda x, **out: torch.amin(x, dim=1, **out),
-}
+from ._checks import host_readable
+from .torch_row import POOLS as _POOL
+from .torch_row import (
+    attended_softmax,
+    grouped_output,
+    grouped_scores,
+    log_floor,
+    pooled_inputs,
+    softmax,
+    spread,
+    window_ranges,
+)
+from .torch_row import window_start as window_start  # re-exported for the modules that take it from here
 
 
 def _column(index: torch.Tensor) -> torch.Tensor:
     return index.view(-1, 1)
 
 
-def grouped_scores(q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> torch.Tensor:
-    """q (B, H, D) . k (B, H_kv, S, D) -> float32 scores (B, H, S); query head h reads KV head h // G."""
-    batch, heads, dim = q.shape
-    kv_heads = k_cache.shape[1]
-    # Scaling the queries, not the scores: D values per row instead of S.
-    q_grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim).float().mul(scale)
-    scores = torch.matmul(q_grouped, k_cache.float().transpose(-1, -2))
-    return scores.reshape(batch, heads, -1)
-
-
-def cap_logits_(scores: Tensor, softcap: float | None) -> Tensor:
-    """Gemma 2's logit cap, softcap * tanh(s / softcap), in place (no cap when softcap is None)."""
-    return scores if softcap is None else scores.div_(softcap).tanh_().mul_(softcap)
-
-
-def sink_lse(scores: Tensor, sinks: Tensor | None, head_dim: int = 1) -> Tensor:
-    """The softmax's natural-log normaliser over the last dimension of scores, with gpt-oss's per-head sink
-    logits sinks (H,) (heads at `head_dim`) in the denominator only, so the probabilities sum to less than 1."""
-    lse = torch.logsumexp(scores, dim=-1)
-    if sinks is None:
-        return lse
-    shape = [1] * lse.dim()
-    shape[head_dim] = -1
-    return torch.logaddexp(lse, sinks.float().view(shape))
-
-
-def attended_softmax(scores, kv_start, kv_len, lse=None, *, softcap=None, sinks=None):
-    """Probabilities over keys [kv_start, kv_len) (zero elsewhere) and their natural-log lse: scores (B, H, [R,]
-    S) float32 (written over) with (B, [R]) ranges, lse (B, H, [R]).
-
-    The layer's own softmax (`ops.Variant`): logits capped (cap_logits_) and sink logits in the denominator
-    (sink_lse)."""
-    cap_logits_(scores, softcap)
-    positions = torch.arange(scores.shape[-1], device=scores.device)
-    outside = (positions < kv_start.unsqueeze(-1)) | (positions >= kv_len.unsqueeze(-1))
-    scores.masked_fill_(outside.unsqueeze(1), float("-inf"))
-    if lse is None:
-        lse = sink_lse(scores, sinks)
-    return scores.sub_(lse.float().unsqueeze(-1)).exp_(), lse
-
-
 def macs_update_rows(
     rows: Tensor, log_c: Tensor, input_start: Tensor, input_end: Tensor, kv_len: Tensor, alpha: float, pooling: str,
     redistribute: bool,
 ) -> None:
-    batch, heads, keys = rows.shape
-    n_max = log_c.shape[1]
-    rows = rows.float()
-    n_input = input_end - input_start
-    offsets = torch.arange(n_max, device=rows.device)
-    input_keys = (_column(input_start) + offsets).clamp_max(keys - 1)
-    inputs = rows.gather(2, input_keys[:, None, :].expand(batch, heads, n_max))
-    if redistribute:
-        positions = torch.arange(keys, device=rows.device)
-        generated = (positions >= _column(input_end)) & (positions < _column(kv_len))
-        spill = (rows * generated[:, None, :]).sum(dim=-1, keepdim=True)
-        inputs = inputs + spill / n_input.view(-1, 1, 1)
-    term = log_floor(_POOL[pooling](inputs), alpha)
-    log_c.add_(term.masked_fill_(offsets >= _column(n_input), 0.0))
-
-
-def log_floor(pooled, alpha):
-    """MACS's floor and log, log(alpha * m' + 1 - alpha), of pooled m' (any shape; a new tensor, pooled is kept:
-    callers keep the rows before the floor); alpha a float or a tensor that broadcasts (one alpha per row).
-    The one torch form of the formula: every engine's rows and this backend's update ops take it from here."""
-    # Efficient-attention rows can pool below zero; clamping keeps the floor's log defined.
-    return pooled.clamp_min(0.0).mul_(alpha).add_(1.0 - alpha).log_()
+    pooled, past_inputs = pooled_inputs(rows.float(), input_start, input_end, kv_len, log_c.shape[1], pooling,
+                                        redistribute)
+    log_c.add_(log_floor(pooled, alpha).masked_fill_(past_inputs, 0.0))
 
 
 def macs_pool_dense(q, k_cache, out, *, n_input, scale, pooling, redistribute):
@@ -103,45 +54,24 @@ def macs_pool_dense(q, k_cache, out, *, n_input, scale, pooling, redistribute):
 
 def _dense_rows(q, k_cache, scale):
     """Softmax rows (B, H, [R,] S) float32 of `macs_pool_dense`'s causal ranges."""
-    scores = grouped_scores(q, k_cache, scale) if q.dim() == 3 else _causal_block_scores(q, k_cache, scale)
-    return torch.softmax(scores, dim=-1)
-
-
-def _block_scores(q, k_cache, scale):
-    """q (B, H, R, D) . k (B, H_kv, S, D) -> float32 scores (B, H, R, S); query head h reads KV head h // G."""
-    batch, heads, rows, dim = q.shape
-    kv_heads, keys = k_cache.shape[1], k_cache.shape[2]
-    grouped = q.reshape(batch, kv_heads, heads // kv_heads * rows, dim).float().mul(scale)
-    return torch.matmul(grouped, k_cache.float().transpose(-1, -2)).view(batch, heads, rows, keys)
-
-
-def _causal_block_scores(q, k_cache, scale):
-    """`_block_scores`, -inf past row r's causal range [0, S - R + 1 + r)."""
-    rows, keys = q.shape[2], k_cache.shape[2]
-    scores = _block_scores(q, k_cache, scale)
+    scores = grouped_scores(q, k_cache, scale)
+    rows, keys = (q.shape[2] if q.dim() == 4 else 1), k_cache.shape[2]
     if rows > 1:  # only the last R - 1 keys lie past some row's range: mask that (R, R - 1) corner
         past_range = torch.ones(rows, rows - 1, dtype=torch.bool, device=q.device).triu_()
         scores[..., keys - rows + 1:].masked_fill_(past_range, float("-inf"))
-    return scores
+    return softmax(scores)
 
 
 def _pool_dense_rows(rows, out, n_input, pooling, redistribute):
     """Rows (B, H, [R,] S) of keys whose first n_input are the inputs -> m' into out (B, [R,] N_max)."""
-    # A decode step pays per kernel launch on a CPU: the spread (add's alpha) and the pooling (out=) are one
+    # A decode step pays per kernel launch on a CPU: the spread (an int n_input) and the pooling (out=) are one
     # kernel each.
     inputs = rows[..., :n_input]
     if redistribute and rows.shape[-1] > n_input:
-        inputs = torch.add(inputs, rows[..., n_input:].sum(dim=-1, keepdim=True), alpha=1.0 / n_input)
+        inputs = spread(inputs, rows[..., n_input:].sum(dim=-1, keepdim=True), n_input)
     _POOL[pooling](inputs, out=out[..., :n_input])
     if out.shape[-1] > n_input:
         out[..., n_input:].zero_()
-
-
-def grouped_output(probabilities, v_cache, dtype):
-    """p (B, H, [R,] S) . v (B, H_kv, S, D) -> (B, H, [R,] D) in `dtype`, the query heads of a group sharing V."""
-    batch, kv_heads, keys = probabilities.shape[0], v_cache.shape[1], probabilities.shape[-1]
-    out = torch.matmul(probabilities.reshape(batch, kv_heads, -1, keys), v_cache.float())
-    return out.reshape(*probabilities.shape[:-1], -1).to(dtype)
 
 
 def decode_attention_dense(q, k_cache, v_cache, pooled, *, n_input, scale, pooling, redistribute):
@@ -171,27 +101,19 @@ def macs_pool(
     The layer's attention variant, in key slots (what `macs_pool_variant` makes of an ops.Variant): the row
     attends [input_start, kv_len) and its N inputs are [score_start, input_end) (default input_start; a
     sliding window starts later than its inputs, which may precede slot 0); softcap; sinks (H,)."""
-    scores = _block_scores(q, k_cache, scale)
+    scores = grouped_scores(q, k_cache, scale)
     probabilities, _ = attended_softmax(scores, input_start, kv_len, lse, softcap=softcap, sinks=sinks)
+    _pool_rows(probabilities, out, input_start, score_start, input_end, kv_len, pooling, redistribute)
+
+
+def _pool_rows(probabilities, out, attend_start, score_start, input_end, kv_len, pooling, redistribute):
+    """m' of rows (B, H, [R,] S) over ranges (B, [R]) into out (B, [R,] N_max), 0 past each row's N. The inputs
+    are [score_start, input_end) when score_start is given (a sliding window's: slots before 0, tokens the cache
+    dropped, get 0), else [attend_start, input_end)."""
     windowed = score_start is not None
-    _pool_rows(probabilities, out, score_start if windowed else input_start, input_end, kv_len, pooling,
-               redistribute, windowed=windowed)
-
-
-def window_start(start, end, window):
-    """The first key a row ending at `end` (exclusive) attends when it may attend from `start`: a sliding window
-    of `window` keys starts at end - window (tensors, broadcast; no window: start)."""
-    return start if window is None else torch.maximum(start, end - window)
-
-
-def window_ranges(input_start, input_end, kv_len, key_offset=0, window=None):
-    """A row's ranges in token positions -> the same in key slots of a cache that holds tokens from key_offset on
-    (a sliding-window layer's), with the attended start: (attend_start, input_start, input_end, kv_len) slots.
-
-    The row attends tokens [max(input_start, kv_len - window), kv_len); input tokens before that get no
-    attention, and their slots may lie before slot 0 (not in the cache at all)."""
-    attend = window_start(input_start, kv_len, window)
-    return tuple(bound - key_offset for bound in (attend, input_start, input_end, kv_len))
+    pooled, past_inputs = pooled_inputs(probabilities, score_start if windowed else attend_start, input_end, kv_len,
+                                        out.shape[-1], pooling, redistribute, windowed)
+    out.copy_(pooled.masked_fill_(past_inputs, 0.0))
 
 
 def macs_pool_variant(q, k_cache, out, input_start, input_end, kv_len, scale, pooling, redistribute, lse=None, *,
@@ -224,7 +146,11 @@ def macs_pool_paged(
     """macs_pool over a paged cache: the pages the rows attend, gathered into one (B, H_kv, S, D) block
     (S = the longest row's kv_len), then macs_pool (score_start, softcap, sinks: the layer's variant as
     macs_pool takes it)."""
-    keys = int(kv_len.max()) if kv_len.numel() else 0
+    # The longest row's keys when its length can be read for free; else every key the table reaches (no sync).
+    if not host_readable(kv_len):
+        keys = block_table.shape[1] * k_pages.shape[1]
+    else:
+        keys = int(kv_len.max()) if kv_len.numel() else 0
     macs_pool(q, gather_pages(k_pages, block_table, keys), out, input_start, input_end, kv_len, scale, pooling,
               redistribute, lse, score_start, softcap, sinks)
 
@@ -236,29 +162,6 @@ def macs_pool_paged_variant(q, k_pages, block_table, out, *arguments, kernel=mac
         kernel(q, k_pages, block_table, out, *rest)
 
     macs_pool_variant(q, None, out, *arguments, kernel=keys_in_pages, **variant)
-
-
-def _pool_rows(probabilities, out, input_start, input_end, kv_len, pooling, redistribute, windowed=False):
-    """m' of rows (B, H, [R,] S) over ranges (B, [R]) into out (B, [R,] N_max): the inputs' probabilities plus
-    (when redistributing) the row's mass on generated keys / N, pooled over heads; 0 past each row's N.
-    windowed: input slots may lie before slot 0 (a sliding-window cache dropped those tokens): they get 0."""
-    keys, n_max = probabilities.shape[-1], out.shape[-1]
-    heads_dim = 1
-    start, end, length = (index.unsqueeze(-1) for index in (input_start, input_end, kv_len))
-    offsets = torch.arange(n_max, device=out.device)
-    n_input = end - start
-    input_keys = start + offsets
-    dropped = (input_keys < 0).unsqueeze(heads_dim) if windowed else None
-    input_keys = input_keys.clamp(0 if windowed else None, keys - 1).unsqueeze(heads_dim)
-    inputs = probabilities.gather(-1, input_keys.expand(*probabilities.shape[:-1], n_max))
-    if windowed:
-        inputs.masked_fill_(dropped, 0.0)
-    if redistribute:
-        positions = torch.arange(keys, device=out.device)
-        generated = ((positions >= end) & (positions < length)).unsqueeze(heads_dim)
-        spill = (probabilities * generated).sum(dim=-1, keepdim=True)
-        inputs = inputs + spill / n_input.unsqueeze(heads_dim)
-    out.copy_(_POOL[pooling](inputs).masked_fill_(offsets >= n_input, 0.0))
 
 
 def macs_zscore(log_c: Tensor, n_input: Tensor) -> Tensor:
@@ -295,9 +198,7 @@ def decode_attention(
     if log_c is not None and pooled is None:
         macs_update_rows(probabilities, log_c, kv_start, input_end, kv_len, alpha, pooling, redistribute)
     elif pooled is not None:
-        windowed = score_start is not None
-        _pool_rows(probabilities, pooled, score_start if windowed else kv_start, input_end, kv_len, pooling,
-                   redistribute, windowed=windowed)
+        _pool_rows(probabilities, pooled, kv_start, score_start, input_end, kv_len, pooling, redistribute)
     return grouped_output(probabilities, v_cache, q.dtype), lse
 
 

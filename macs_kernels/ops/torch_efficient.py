@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .torch_row import outside_range
+
 # Eigenvalues of G below DEFAULT_RCOND * max eigenvalue are treated as zero: singular values of X below
 # 1e-5 of the largest. float64 Gram matrices of n keys carry rounding of about n * 1e-16 relative.
 DEFAULT_RCOND = 1e-10
@@ -26,8 +28,7 @@ def key_ends(kv_start, kv_len, rows, causal):
 
 def key_mask(kv_start, ends, keys):
     """(B, R, S) True where key j lies in row r's range [kv_start, ends[:, r])."""
-    positions = torch.arange(keys, device=ends.device)
-    return (positions >= kv_start[:, None, None]) & (positions < ends[:, :, None])
+    return ~outside_range(keys, kv_start[:, None], ends)
 
 
 def augmented(values, dtype):
@@ -61,20 +62,30 @@ def solve_coefficients(gram, rhs, rcond):
     Cholesky when it succeeds and every pivot exceeds rcond * max diag(G) (a pivot is the squared distance
     of one column of X from the span of the previous ones, so an exactly rank-deficient X, e.g. a constant
     or duplicated value channel, always fails this test). Otherwise the eigendecomposition pseudo-inverse,
-    dropping eigenvalues below rcond * the largest. Checking for that case costs one host sync.
+    dropping eigenvalues below rcond * the largest. Eagerly, the decomposition runs on the failed matrices only,
+    which costs a host sync on a GPU to find them; inside torch.compile it runs on every matrix, and the
+    Cholesky solve is kept where it succeeded (no data-dependent branch or shape). On a GPU eigh itself reads
+    its error code on the host, so this op cannot be captured in a CUDA graph there.
     """
     factor, info = torch.linalg.cholesky_ex(gram)
     pivots = factor.diagonal(dim1=-2, dim2=-1).square()
     scale = gram.diagonal(dim1=-2, dim2=-1).amax(dim=-1)
     solvable = (info == 0) & (pivots.amin(dim=-1) > rcond * scale)
     out = torch.cholesky_solve(rhs, factor)
+    if torch.compiler.is_compiling():
+        return torch.where(solvable[..., None, None], out, _pseudo_inverse_solve(gram, rhs, rcond))
     if not bool(solvable.all()):
         singular = ~solvable
-        eigenvalues, vectors = torch.linalg.eigh(gram[singular])
-        keep = eigenvalues > rcond * eigenvalues.amax(dim=-1, keepdim=True)
-        inverse = torch.where(keep, 1.0 / torch.where(keep, eigenvalues, 1.0), 0.0)
-        out[singular] = vectors @ (inverse[..., None] * (vectors.transpose(-1, -2) @ rhs[singular]))
+        out[singular] = _pseudo_inverse_solve(gram[singular], rhs[singular], rcond)
     return out
+
+
+def _pseudo_inverse_solve(gram, rhs, rcond):
+    """G^+ rhs through the eigendecomposition of G, eigenvalues below rcond * the largest taken as zero."""
+    eigenvalues, vectors = torch.linalg.eigh(gram)
+    keep = eigenvalues > rcond * eigenvalues.amax(dim=-1, keepdim=True)
+    inverse = torch.where(keep, 1.0 / torch.where(keep, eigenvalues, 1.0), 0.0)
+    return vectors @ (inverse[..., None] * (vectors.transpose(-1, -2) @ rhs))
 
 
 def torch_back_project(coefficients, v_cache, kv_start, kv_len, causal):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .torch_backend import attended_softmax, window_start
+from .torch_row import attended_softmax, grouped_scores, window_start
 
 # Rows per chunk: bounds the (B, H, rows, S) float32 block (64 rows x 8k keys x 9 heads = 19 MB per item).
 ROW_CHUNK = 64
@@ -17,19 +17,17 @@ def attention_features(
 ) -> Tensor:
     """window, softcap, sinks (H,): the layer's attention variant (`ops.Variant`); row r then attends
     [max(kv_start, end_r - window), end_r)."""
-    batch, heads, rows, dim = q.shape
-    kv_heads, keys = k_cache.shape[1], k_cache.shape[2]
-    group = heads // kv_heads
+    batch, heads, rows, _ = q.shape
+    keys = k_cache.shape[2]
     device = q.device
     # Row r's causal end, per item: the last valid row ends at kv_len.
     first_end = (kv_len - n_rows + 1).view(-1, 1, 1)
-    keys_f = k_cache.float().transpose(-1, -2)
+    keys_f = k_cache.float()  # once, not per chunk
     summed = torch.zeros(batch, heads, keys, dtype=torch.float32, device=device)
     for r0 in range(0, rows, ROW_CHUNK):
         r = torch.arange(r0, min(rows, r0 + ROW_CHUNK), device=device)
         chunk = len(r)
-        q_grouped = q[:, :, r0:r0 + chunk].float().reshape(batch, kv_heads, group * chunk, dim)
-        scores = torch.matmul(q_grouped, keys_f).view(batch, heads, chunk, keys).mul_(scale)
+        scores = grouped_scores(q[:, :, r0:r0 + chunk], keys_f, scale)
         ends = first_end[:, :, 0] + r.view(1, -1)
         starts = window_start(kv_start.view(-1, 1), ends, window)
         valid = (r.view(1, -1) < n_rows.view(-1, 1))[:, None, :]

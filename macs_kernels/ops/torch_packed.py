@@ -1,5 +1,6 @@
 """The torch form of MACS rows over a packed key tensor (continuous batching's layout, B = 1): every request's
-keys back to back, each query row scored against its own request's keys only."""
+keys back to back, each query row scored against its own request's keys only; and over a paged cache. These
+classes say where each row's keys lie; the row's formulas are torch_row's."""
 from __future__ import annotations
 
 import functools
@@ -7,7 +8,20 @@ import functools
 import torch
 
 from ..config import MacsConfig
-from .torch_backend import _POOL, cap_logits_, sink_lse
+from .torch_row import (
+    POOLS,
+    cap_logits_,
+    generated_mass,
+    grouped_output,
+    grouped_queries,
+    input_probabilities,
+    input_slots,
+    key_scores,
+    outside_range,
+    softmax,
+    spread,
+    window_start,
+)
 
 
 class Segments:
@@ -30,21 +44,21 @@ class Segments:
         self.offsets, self.window = offsets, window
         self.n_max, self.length_max = max(self.n_input), max(self.lengths)
         self.device = device
-        positions = torch.arange(self.length_max, device=device)
-        lengths_t = torch.tensor(self.lengths, device=device).view(-1, 1)
-        n_input_t = torch.tensor(self.n_input, device=device).view(-1, 1)
-        offsets_t = torch.tensor(offsets, device=device).view(-1, 1)
-        spread = torch.tensor(redistribute, dtype=torch.float32, device=device).view(-1, 1) / n_input_t
-        # (R, L_max, 1): weight of each key's probability in the spill every input receives, 1/N on generated
-        # keys, so that one batched product sums a row's spill.
-        self.spill_weight = (((positions >= n_input_t - offsets_t) & (positions < lengths_t)) * spread).unsqueeze(-1)
-        # (R, 1, L_max) keys of a row before its window, and (R, 1, N_max) each input's key (inputs that slid out
-        # of the cache get no attention): None when every row attends all its keys and they are its tokens.
-        self.before_window = None if window is None else (positions < lengths_t - window).unsqueeze(1)
+        lengths_t = torch.tensor(self.lengths, device=device)
+        offsets_t = torch.tensor(offsets, device=device)
+        self.n_input_t = torch.tensor(self.n_input, device=device).view(-1, 1, 1)
+        # (R, L_max): each row's generated keys (slots from its N-th token on) where it redistributes.
+        redistributes = torch.tensor(redistribute, dtype=torch.bool, device=device).view(-1, 1)
+        self.generated = ~outside_range(self.length_max, self.n_input_t.view(-1) - offsets_t, lengths_t) & redistributes
+        # (R, 1, L_max) keys of a row outside its window, and each input's slot (inputs that slid out of the cache
+        # get no attention): None when every row attends all its keys and they are its tokens.
+        self.before_window = None
+        if window is not None:
+            attended = window_start(torch.zeros_like(lengths_t), lengths_t, window)
+            self.before_window = outside_range(self.length_max, attended, lengths_t).unsqueeze(1)
         self.input_keys = None
         if any(offsets):
-            keys = torch.arange(self.n_max, device=device) - offsets_t
-            self.input_keys = (keys.clamp(0, self.length_max - 1).unsqueeze(1), (keys < 0).unsqueeze(1))
+            self.input_keys = input_slots(-offsets_t, self.n_max, self.length_max, windowed=True)
         as_index = functools.partial(torch.tensor, dtype=torch.int64, device=device)
         self.input_start = as_index([self.starts])
         self.input_end = as_index([[s + n for s, n in zip(self.starts, self.n_input)]])
@@ -77,46 +91,39 @@ class Segments:
         zeros past a row's length and before its window. One product per row over its own keys: R x S for the
         whole packed tensor would cost R times more. softcap, sinks: the layer's logit cap and (H,) sink
         logits (`ops.Variant`)."""
-        heads, rows, dim = q.shape
+        heads, rows, _ = q.shape
         kv_heads = key.shape[0]
-        grouped = (q.float() * scale).reshape(kv_heads, heads // kv_heads, rows, dim).permute(2, 0, 1, 3)
-        keys_t = key.transpose(-1, -2)
+        grouped = grouped_queries(q.transpose(0, 1), kv_heads, scale)  # (R, H_kv, G, D)
         scores, row_scores = self._score_buffer(kv_heads, heads // kv_heads)
         for r, (start, length) in enumerate(zip(self.starts, self.lengths)):
-            torch.bmm(grouped[r], keys_t[:, :, start : start + length].float(), out=row_scores[r])
-            cap_logits_(row_scores[r], softcap)
+            key_scores(grouped[r], key[:, start : start + length], out=row_scores[r])
+            cap_logits_(row_scores[r], softcap)  # the row's own keys only: the padding stays -inf
         scores = scores.view(rows, heads, self.length_max)
         if self.before_window is not None:
             scores = scores.masked_fill(self.before_window, float("-inf"))
-        if sinks is None:
-            return torch.softmax(scores, dim=-1)
-        return torch.exp(scores - sink_lse(scores, sinks).unsqueeze(-1))
+        return softmax(scores, sinks)
 
     def outputs(self, probabilities, value) -> torch.Tensor:
         """Attention outputs (R, H, D) float32 of softmax rows (R, H, L_max) over each row's own values of
-        value (H_kv, S, D): what the engine's attention returns for these query rows. Call it before
-        `spread_inputs`, which writes over the rows."""
+        value (H_kv, S, D): what the engine's attention returns for these query rows."""
         rows, heads, _ = probabilities.shape
-        kv_heads, _, dim = value.shape
-        grouped = probabilities.view(rows, kv_heads, heads // kv_heads, self.length_max)
-        out = torch.empty(rows, kv_heads, heads // kv_heads, dim, dtype=torch.float32, device=value.device)
+        out = torch.empty(rows, heads, value.shape[-1], dtype=torch.float32, device=value.device)
         for r, (start, length) in enumerate(zip(self.starts, self.lengths)):
-            torch.bmm(grouped[r, :, :, :length], value[:, start : start + length].float(), out=out[r])
-        return out.view(rows, heads, dim)
+            grouped_output(probabilities[r : r + 1, :, :length], value[None, :, start : start + length],
+                           out=out[r : r + 1])
+        return out
 
     def input_rows(self, probabilities) -> torch.Tensor:
         """(R, H, N_max): each input token's probability (a view of `probabilities` when the keys are the
         tokens; inputs that slid out of a window's cache get 0); entries past a row's N are not inputs."""
         if self.input_keys is None:
             return probabilities[:, :, : self.n_max]
-        keys, dropped = self.input_keys
-        return probabilities.gather(-1, keys.expand(-1, probabilities.shape[1], -1)).masked_fill_(dropped, 0.0)
+        return input_probabilities(probabilities, self.input_keys)
 
     def spread_inputs(self, probabilities) -> torch.Tensor:
-        """(R, H, N_max): each input's probability plus the row's spill, written over `probabilities`' input
-        columns; entries past a row's N are not inputs."""
-        spill = torch.bmm(probabilities, self.spill_weight)
-        return self.input_rows(probabilities).add_(spill)
+        """(R, H, N_max): each input's probability plus, where the row redistributes, an N-th of its mass on
+        generated keys; entries past a row's N are not inputs."""
+        return spread(self.input_rows(probabilities), generated_mass(probabilities, self.generated), self.n_input_t)
 
 
 def macs_pool_packed(q, key, segments: Segments, *, scale, pooling="max") -> torch.Tensor:
@@ -134,9 +141,7 @@ def macs_pool_packed(q, key, segments: Segments, *, scale, pooling="max") -> tor
     ends = [start + length for start, length in zip(segments.starts, segments.lengths)]
     if q.shape[1] != len(segments.starts) or max(ends) > key.shape[1]:
         raise ValueError("segments must give one key range per query row, inside the key tensor")
-    return _POOL[pooling](segments.spread_inputs(segments.probabilities(q, key, float(scale))))
-
-
+    return POOLS[pooling](segments.spread_inputs(segments.probabilities(q, key, float(scale))))
 
 
 class Pages:
@@ -162,11 +167,10 @@ class Pages:
         column = torch.cat([torch.arange(count, device=device) for count in counts])
         self.owner, self.column = owner, column
         self.pages = block_table[owner, column].long()
-        positions = torch.arange(self.pages_max * page_size, device=device)
         # (R, 1, L) keys past a row's length (its last page's tail, and the pages it does not have)
-        self.lengths = torch.tensor(lengths, device=device).view(-1, 1)
-        self.positions = positions
-        self.outside = (positions >= self.lengths).unsqueeze(1)
+        self.lengths = torch.tensor(lengths, device=device)
+        keys = self.pages_max * page_size
+        self.outside = outside_range(keys, torch.zeros_like(self.lengths), self.lengths).unsqueeze(1)
 
     def probabilities(self, q, k_pages, scale: float, window: int | None = None,
                       sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
@@ -175,21 +179,18 @@ class Pages:
         zeros before its last `window` keys (pages there may be freed: read, never attended); with (H,) sink
         logits in the denominator (gpt-oss) a row sums to less than 1; logits capped to softcap * tanh(s /
         softcap) first when softcap is set (Gemma 2)."""
-        rows, heads, dim = q.shape
+        rows, heads, _ = q.shape
         kv_heads = k_pages.shape[2]
-        group = heads // kv_heads
-        # (pages, H_kv, D, page_size): the matmul's right operand; free for a page-transposed cache (vLLM's
+        # (pages, H_kv, D, page_size): the product's right operand; free for a page-transposed cache (vLLM's
         # CPU layout), one copy of the attended pages otherwise.
-        keys = k_pages.permute(0, 2, 3, 1).index_select(0, self.pages).float()
-        grouped = (q.float() * scale).view(rows, kv_heads, group, dim).index_select(0, self.owner)
-        page_scores = torch.matmul(grouped, keys).view(len(self.pages), heads, self.page_size)
+        keys = k_pages.permute(0, 2, 3, 1).index_select(0, self.pages)
+        grouped = grouped_queries(q, kv_heads, scale).index_select(0, self.owner)
+        page_scores = key_scores(grouped, keys.transpose(-1, -2)).view(len(self.pages), heads, self.page_size)
         scores = torch.empty(rows, heads, self.pages_max, self.page_size, dtype=torch.float32, device=q.device)
         scores[self.owner, :, self.column] = page_scores
         cap_logits_(scores, softcap)
         outside = self.outside
         if window is not None:
-            outside = outside | (self.positions < self.lengths - window).unsqueeze(1)
-        scores = scores.view(rows, heads, -1).masked_fill_(outside, float("-inf"))
-        if sinks is None:
-            return torch.softmax(scores, dim=-1)
-        return scores.sub_(sink_lse(scores, sinks).unsqueeze(-1)).exp_()
+            attended = window_start(torch.zeros_like(self.lengths), self.lengths, window)
+            outside = outside_range(self.pages_max * self.page_size, attended, self.lengths).unsqueeze(1)
+        return softmax(scores.view(rows, heads, -1).masked_fill_(outside, float("-inf")), sinks)

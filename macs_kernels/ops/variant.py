@@ -6,6 +6,9 @@ import math
 
 import torch
 
+from ._checks import invalid_entry
+from .torch_row import window_start
+
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
@@ -38,10 +41,11 @@ class Variant:
 
     @property
     def plain(self) -> bool:
-        """Whether this is plain softmax attention over a cache whose slots are the tokens."""
-        offset = self.key_offset
+        """Whether this is plain softmax attention over a cache whose slots are the tokens. A tensor key_offset
+        counts as a variant whatever it holds: reading it would cost a host sync (the variant kernels take any
+        offset, 0 included)."""
         return (self.window is None and self.softcap is None and self.sinks is None
-                and (offset == 0 if isinstance(offset, int) else not bool(offset.any())))
+                and isinstance(self.key_offset, int) and self.key_offset == 0)
 
     def kwargs(self) -> dict:
         """The keyword arguments of the torch variant kernels."""
@@ -49,16 +53,18 @@ class Variant:
 
     def check(self, heads: int, input_start: torch.Tensor, kv_len: torch.Tensor, keys: int) -> int:
         """Check against an op's arguments (ranges in token positions, `keys` cache slots); returns the token
-        count the cache covers (key_offset + keys): what kv_len may reach. One host sync."""
+        count the cache covers (key_offset + keys): what kv_len may reach. Values are checked on the host or the
+        device (see ops._checks)."""
         if self.sinks is not None and (self.sinks.shape[0] != heads or self.sinks.device != input_start.device):
             raise ValueError(f"sinks must hold one logit per query head ({heads}) on {input_start.device}, got "
                              f"{tuple(self.sinks.shape)} on {self.sinks.device}")
         if not isinstance(self.key_offset, int) or self.key_offset < 0:
             raise ValueError(f"an op's key_offset must be an int >= 0, got {self.key_offset!r}")
-        attend = input_start if self.window is None else torch.maximum(input_start, kv_len - self.window)
-        if bool((attend < self.key_offset).any()):
-            raise ValueError(f"a row attends tokens before key_offset={self.key_offset}, which the cache does not "
-                             "hold (a sliding-window cache keeps the window's tokens only)")
+        attend = window_start(input_start, kv_len, self.window)
+        message = (f"a row attends tokens before key_offset={self.key_offset}, which the cache does not hold (a "
+                   "sliding-window cache keeps the window's tokens only)")
+        if invalid_entry(attend >= self.key_offset, message) is not None:
+            raise ValueError(message)
         return self.key_offset + keys
 
 

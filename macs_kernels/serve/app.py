@@ -18,14 +18,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..alignment import align_context, user_span
 from ..core import RunningWholeAnswer, support
-from ..explanation import Explanation, _decode_tokens, log_zscores
+from ..explanation import Explanation, _decode_tokens, default_span, log_zscores
 from ..prompts import QA_TEMPLATE
 from ..viz import _unit
+from .cli import DEFAULT_MAX_BODY_BYTES
 from .engine import Engine, Job, RequestRejected, Step
 from .schemas import AttributionOptions, ChatCompletionRequest, CompletionRequest
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-                503: "service_unavailable", 500: "server_error"}
+                413: "invalid_request_error", 503: "service_unavailable", 500: "server_error"}
 
 
 def error_body(message: str, status: int, *, param: str | None = None, code: str | None = None) -> dict:
@@ -48,11 +49,56 @@ def _finite(value):
     return value
 
 
-class PromptSpan:
-    """A request's prompt ids, with the source span (token range) its attribution colours."""
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets a 413 before any of it is parsed, whether it
+    declares its length or arrives in chunks; a body within the limit is handed on as it came."""
 
-    def __init__(self, ids: list[int], source_span: tuple[int, int] | None = None):
-        self.ids, self.source_span = ids, source_span
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(send, f"{int(declared)} bytes")
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: nothing to answer
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._refuse(send, f"more than {self.max_bytes} bytes")
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:  # after the body: the client's disconnect, which a stream listens for
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send, size: str) -> None:
+        message = (f"the request body is too large ({size}); this server accepts up to {self.max_bytes} bytes "
+                   "(macs-kernels serve --max-body-bytes)")
+        body = json.dumps(error_body(message, 413, code="request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class PromptSpan:
+    """A request's prompt ids, with the source span (token range) its attribution colours, and its tokens'
+    texts when the request is attributed."""
+
+    def __init__(self, ids: list[int], source_span: tuple[int, int] | None = None, tokens: list[str] | None = None):
+        self.ids, self.source_span, self.tokens = ids, source_span, tokens
 
 
 class AttributionPayloads:
@@ -62,14 +108,14 @@ class AttributionPayloads:
         self.tokenizer, self.prompt = tokenizer, prompt
         config = options.macs_config()
         self.config = config.as_dict() | {"engine": "continuous", "method": options.method}
-        self.span = prompt.source_span or (0, len(prompt.ids))
+        self.span = default_span(prompt.source_span, len(prompt.ids))
         self.steps: list[Step] = []
         self.whole = RunningWholeAnswer()
         self.at2_scores = None
 
     def header(self) -> dict:
         return {
-            "input_ids": self.prompt.ids, "input_tokens": _decode_tokens(self.tokenizer, self.prompt.ids),
+            "input_ids": self.prompt.ids, "input_tokens": self.prompt.tokens,
             "source_span": list(self.span), "config": self.config,
         }
 
@@ -100,7 +146,7 @@ class AttributionPayloads:
         n = len(self.prompt.ids)
         explanation = Explanation(
             input_ids=torch.tensor(self.prompt.ids), generated_ids=torch.tensor(generated, dtype=torch.long),
-            input_tokens=_decode_tokens(self.tokenizer, self.prompt.ids),
+            input_tokens=self.prompt.tokens,
             generated_tokens=_decode_tokens(self.tokenizer, generated),
             step_log_c=torch.stack([s.log_c for s in self.steps]) if self.steps else torch.zeros(0, n),
             config=self.config, text=text, source_span=self.prompt.source_span,
@@ -191,8 +237,9 @@ class _Choice:
         return released
 
 
-def create_app(engine: Engine) -> FastAPI:
-    """The application around a (not yet started) engine; its lifespan starts and drains it."""
+def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The application around a (not yet started) engine; its lifespan starts and drains it. A request body
+    over max_body_bytes is refused unread (413)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -204,6 +251,7 @@ def create_app(engine: Engine) -> FastAPI:
             engine.stop()
 
     app = FastAPI(title="macs-kernels serve", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     tokenizer = engine.tokenizer
 
     @app.exception_handler(RequestValidationError)
@@ -272,8 +320,19 @@ def create_app(engine: Engine) -> FastAPI:
             return PromptSpan(list(tokenizer(body.prompt)["input_ids"]))
         return PromptSpan(list(body.prompt))
 
+    async def prepared(make_prompt, body, options) -> PromptSpan:
+        """The request's prompt, tokenized (and its tokens decoded) in a worker thread: a long prompt takes
+        the tokenizer seconds, during which the event loop goes on serving every other client."""
+
+        def work() -> PromptSpan:
+            prompt = make_prompt(body, options)
+            if options is not None:
+                prompt.tokens = _decode_tokens(tokenizer, prompt.ids)
+            return prompt
+
+        return await asyncio.to_thread(work)
+
     async def run(body, prompt: PromptSpan, options, chat: bool):
-        check_model(body.model)
         at2 = options is not None and options.method == "at2"
         try:
             for method in [] if options is None else [support.method_of(options.macs_config())] + ["at2"] * at2:
@@ -304,10 +363,13 @@ def create_app(engine: Engine) -> FastAPI:
                         choice.attribution.record(step)
 
         await _gather(collect(job, choice) for job, choice in zip(jobs, choices))
-        response = meta | {"object": "chat.completion" if chat else "text_completion",
-                           "choices": [_whole(choice, chat) for choice in choices],
-                           "usage": _usage(len(prompt.ids), sum(c.generated for c in choices))}
-        return JSONResponse(response)
+
+        def respond() -> JSONResponse:  # the attribution's scores and JSON, in a worker thread: O(steps x N)
+            return JSONResponse(meta | {"object": "chat.completion" if chat else "text_completion",
+                                        "choices": [_whole(choice, chat) for choice in choices],
+                                        "usage": _usage(len(prompt.ids), sum(c.generated for c in choices))})
+
+        return await asyncio.to_thread(respond)
 
     async def _released(job: Job, choice: _Choice):
         """(steps released with their pieces, the text no token claimed) as the choice's generation goes on;
@@ -369,12 +431,14 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
         options = body.attribution
-        return await run(body, chat_prompt(body, options), options, chat=True)
+        check_model(body.model)
+        return await run(body, await prepared(chat_prompt, body, options), options, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
         options = body.attribution
-        return await run(body, completion_prompt(body, options), options, chat=False)
+        check_model(body.model)
+        return await run(body, await prepared(completion_prompt, body, options), options, chat=False)
 
     static = resources.files(__package__) / "static"
     page = (static / "index.html").read_text().replace("{{QA_TEMPLATE}}", json.dumps(QA_TEMPLATE)).replace(

@@ -2,6 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
+from pathlib import Path
+
+from ..cli.common import add_model_arguments
+
+# A request body larger than this is refused unread (413): far above any prompt the KV cache holds (a token
+# is a few bytes of JSON), far below what keeps the parser and the tokenizer busy for seconds.
+DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -17,10 +26,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="transformers model id or folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default=None, help="torch device, e.g. cuda (default: cpu)")
+    add_model_arguments(parser)
     parser.add_argument("--served-name", default=None,
                         help="the model name clients send and /v1/models lists (default: --model, or the "
                              "default model's name)")
@@ -32,29 +38,77 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=256, help="query tokens per batched forward pass")
     parser.add_argument("--default-max-tokens", type=int, default=256,
                         help="max_tokens of a request that does not give one")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="largest request body accepted; a larger one gets 413 before it is read")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--at2-coefficients", default=None, metavar="PATH",
+    parser.add_argument("--at2-coefficients", type=Path, default=None, metavar="PATH",
                         help="AT2 coefficients for attribution.method='at2' (default: the packaged ones, when they "
                              "were trained for the served model; else that method is refused)")
 
 
+def check_arguments(args) -> None:
+    """Everything about the arguments that can be known before the model loads (which takes seconds)."""
+    from ..cli.common import check_device_argument, check_model_argument
+    from .engine import check_sizes
+
+    for option, value in (("--threads", args.threads), ("--max-body-bytes", args.max_body_bytes)):
+        if value is not None and value < 1:
+            raise SystemExit(f"{option} must be at least 1, got {value}")
+    try:
+        check_sizes(cache_tokens=args.cache_tokens, page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
+                    default_max_tokens=args.default_max_tokens, name=lambda field: "--" + field.replace("_", "-"))
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    if args.at2_coefficients is not None and not args.at2_coefficients.is_file():
+        raise SystemExit(f"--at2-coefficients {args.at2_coefficients}: no such file")
+    check_model_argument(args.model)
+    check_device_argument(args.device)
+    check_address(args.host, args.port)
+
+
+def check_address(host: str, port: int) -> None:
+    """Refuse a port out of range, or an address this process cannot listen on (a host name that does not
+    resolve, a port in use or reserved), before the model loads."""
+    if not 0 <= port <= 65535:
+        raise SystemExit(f"--port {port}: a port is a number in [0, 65535]")
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as error:
+        raise SystemExit(f"--host {host}: cannot resolve it ({error.strerror})") from None
+    with socket.socket(family, kind) as probe:
+        # As uvicorn binds: an address in TIME_WAIT from an earlier server is free to take.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as error:
+            why = "the port is in use" if error.errno == errno.EADDRINUSE else error.strerror
+            raise SystemExit(f"--host {host} --port {port}: cannot listen there ({why})") from None
+
+
 def run_serve(args) -> int:
+    check_arguments(args)
     import torch
     import uvicorn
 
-    from ..models import DEFAULT_MODEL, load_model
+    from ..cli.common import load_from_args
+    from ..models import DEFAULT_MODEL
     from .app import create_app
     from .engine import Engine
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
-    engine = Engine(model, tokenizer, name=args.served_name or args.model or DEFAULT_MODEL,
-                    cache_tokens=args.cache_tokens, page_size=args.page_size, max_batch_tokens=args.max_batch_tokens,
-                    default_max_tokens=args.default_max_tokens, at2_coefficients=args.at2_coefficients)
+    model, tokenizer = load_from_args(args)
+    try:
+        engine = Engine(model, tokenizer, name=args.served_name or args.model or DEFAULT_MODEL,
+                        cache_tokens=args.cache_tokens, page_size=args.page_size,
+                        max_batch_tokens=args.max_batch_tokens, default_max_tokens=args.default_max_tokens,
+                        at2_coefficients=args.at2_coefficients)
+    except (TypeError, ValueError, NotImplementedError) as error:  # a model MACS cannot trace, AT2 for another
+        raise SystemExit(f"macs-kernels serve: {error}") from None
     # Uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight responses finish, then runs the
     # lifespan's shutdown, which drains and stops the engine.
-    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="info")
+    uvicorn.run(create_app(engine, max_body_bytes=args.max_body_bytes), host=args.host, port=args.port,
+                log_level="info")
     return 0
 
 

@@ -65,8 +65,8 @@ class Engine:
         from ..explanation import _eos_ids
         from ..tracing import check_model
 
-        if cache_tokens < page_size or cache_tokens % page_size:
-            raise ValueError(f"cache_tokens ({cache_tokens}) must be a positive multiple of page_size ({page_size})")
+        check_sizes(cache_tokens=cache_tokens, page_size=page_size, max_batch_tokens=max_batch_tokens,
+                    default_max_tokens=default_max_tokens)
         self.model, self.tokenizer, self.name = model, tokenizer, name
         check_model(model)
         self.eos_ids = _eos_ids(model, tokenizer)  # where explain() stops, so answers agree
@@ -206,6 +206,21 @@ class Engine:
                     manager.output_router.result_handlers.pop(request_id, None)
             self.tracer.release(request_id)
             self.sampler.release(request_id)
+
+
+def check_sizes(*, cache_tokens: int, page_size: int, max_batch_tokens: int, default_max_tokens: int,
+                name=str) -> None:
+    """The engine's sizes, checked before any model is loaded (`macs-kernels serve` calls this first).
+
+    name: how the errors name a size (the command line names "--cache-tokens" what Engine calls cache_tokens).
+    """
+    for field, value in (("page_size", page_size), ("max_batch_tokens", max_batch_tokens),
+                         ("default_max_tokens", default_max_tokens)):
+        if value < 1:
+            raise ValueError(f"{name(field)} must be at least 1, got {value}")
+    if cache_tokens < page_size or cache_tokens % page_size:
+        raise ValueError(f"{name('cache_tokens')} ({cache_tokens}) must be a positive multiple of "
+                         f"{name('page_size')} ({page_size})")
 
 
 def _request_config(config: MacsConfig) -> dict:

@@ -25,6 +25,22 @@ from ..config import ATTENTIONS, POOLINGS, MacsConfig
 from .sampling import Sampling
 
 
+def _unicode(value):
+    """`value` if every string in it is Unicode text; JSON's \\uD800-\\uDFFF escapes can make a string that
+    is not (a lone UTF-16 surrogate), which no tokenizer reads. Checked before the field's own validation, so
+    the error names the field, not a member of its type."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError(f"the text holds a lone surrogate U+{ord(value[error.start]):04X} at character "
+                             f"{error.start}, which is not Unicode text; send it as a pair or drop it") from None
+    elif isinstance(value, (list, dict)):
+        for item in value.values() if isinstance(value, dict) else value:
+            _unicode(item)
+    return value
+
+
 class AttributionOptions(BaseModel):
     """`"attribution": true` or an object of these (any object means: attribute this request).
 
@@ -41,6 +57,8 @@ class AttributionOptions(BaseModel):
     fused_decode: StrictBool = False
     method: Literal["macs", "at2"] = "macs"
     source: StrictStr | None = None
+
+    _check_unicode = field_validator("source", mode="before")(_unicode)
 
     @field_validator("alpha", mode="before")
     @classmethod
@@ -125,6 +143,7 @@ class _Request(BaseModel):
 
     _check_unhonoured = field_validator(*(name for name in _NEUTRAL if name not in _CHAT_ONLY + _COMPLETIONS_ONLY),
                                         mode="before")(_unhonoured)
+    _check_unicode = field_validator("model", "stop", "prompt", mode="before", check_fields=False)(_unicode)
 
     @field_validator("attribution", mode="before")
     @classmethod
@@ -186,6 +205,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
     content: StrictStr | list[dict]
+
+    _check_unicode = field_validator("content", mode="before")(_unicode)
 
     @field_validator("content")
     @classmethod

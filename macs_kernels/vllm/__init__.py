@@ -20,7 +20,7 @@ import torch
 
 from ..config import MacsConfig
 from .tracer import OPTION, OPTIONS, parse_options
-from .worker import WORKER_EXTENSION, decode_rows
+from .worker import WORKER_EXTENSION, decode_rows, has_worker_extension, model_dtype
 
 __all__ = ["OPTION", "OPTIONS", "WORKER_EXTENSION", "attach", "attribution", "explain", "release", "request_key",
            "rows"]
@@ -30,14 +30,11 @@ def attach(llm, keep_finished: int = 256) -> str:
     """Make `llm`'s workers record rows for the requests that ask for them (idempotent); returns the backend
     that reads the paged KV cache ("numba": in place; "torch": a gather per layer). Raises, naming it, for an
     engine the integration cannot follow, or one built without the worker extension."""
-    try:
-        return llm.collective_rpc("macs_attach", args=(keep_finished,))[0]
-    except Exception as error:  # the in-process engine raises NotImplementedError, the others wrap it
-        if "'macs_attach' is not implemented" not in str(error):
-            raise
+    if not has_worker_extension(llm.llm_engine.vllm_config):
         raise RuntimeError(
             f"this LLM has no macs_kernels worker extension: build it with worker_extension_cls={WORKER_EXTENSION!r}"
-        ) from None
+        )
+    return llm.collective_rpc("macs_attach", args=(keep_finished,))[0]
 
 
 def attribution(**config) -> dict:
@@ -83,14 +80,17 @@ def explain(llm, prompts, sampling_params=None, **config) -> list:
     released from the workers once read.
     """
     from vllm import SamplingParams
+    from vllm.renderers.inputs.preprocess import prompt_to_seq
 
     from ..explanation import Explanation
 
     extra = attribution(**config)
     macs_config = MacsConfig(**config).as_dict()
     backend = attach(llm)
+    dtype = model_dtype(llm.llm_engine.vllm_config)
     if sampling_params is None:
         sampling_params = llm.get_default_sampling_params()
+    prompts = list(prompt_to_seq(prompts))
     single = isinstance(sampling_params, SamplingParams)
     asked = [sampling_params] if single else list(sampling_params)
     for params in asked:
@@ -101,10 +101,16 @@ def explain(llm, prompts, sampling_params=None, **config) -> list:
         params = params.clone()
         params.extra_args = {**(params.extra_args or {}), **extra}
         traced.append(params)
-    outputs = llm.generate(prompts, traced[0] if single else traced)
-    keys = [request_key(output.request_id, sequence.index, len(output.outputs))
-            for output in outputs for sequence in output.outputs]
-    found = rows(llm, keys, release=True)
+    # Every sequence's rows are read once the whole call has run: the workers keep that many finished ones more.
+    sequences = len(prompts) * asked[0].n if single else sum(params.n for params in asked)
+    llm.collective_rpc("macs_keep_more", args=(sequences,))
+    try:
+        outputs = llm.generate(prompts, traced[0] if single else traced)
+        keys = [request_key(output.request_id, sequence.index, len(output.outputs))
+                for output in outputs for sequence in output.outputs]
+        found = rows(llm, keys, release=True)
+    finally:
+        llm.collective_rpc("macs_keep_more", args=(-sequences,))
     tokenizer = llm.get_tokenizer()
     explanations = []
     for output in outputs:
@@ -121,6 +127,7 @@ def explain(llm, prompts, sampling_params=None, **config) -> list:
                 input_ids=torch.tensor(prompt_ids), generated_ids=torch.tensor(generated),
                 input_tokens=[tokenizer.decode([i]) for i in prompt_ids],
                 generated_tokens=[tokenizer.decode([i]) for i in generated],
-                step_log_c=log_c, config=macs_config | {"backend": backend, "engine": "vllm"}, text=sequence.text,
+                step_log_c=log_c, config=macs_config | {"backend": backend, "engine": "vllm", "dtype": dtype},
+                text=sequence.text,
             ))
     return explanations

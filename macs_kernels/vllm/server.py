@@ -26,17 +26,19 @@ import uuid
 
 import anyio
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
 from ..alignment import align_context, user_span
 from ..core import support
 from ..serve.app import AttributionPayloads, PromptSpan, error_body, error_field
 from ..serve.engine import Step
 from ..serve.schemas import AttributionOptions
-from .tracer import OPTION, OPTIONS, parse_options
-from .worker import WORKER_EXTENSION, decode_rows
+from .tracer import OPTION, OPTIONS, TICKET, parse_options
+from .worker import WORKER_EXTENSION, decode_rows, has_worker_extension, model_dtype
 
 ROUTE = "/v1/chat/completions"
 
@@ -75,6 +77,14 @@ def options_of(value) -> AttributionOptions:
     return options
 
 
+def revalidated(body: dict) -> ChatCompletionRequest:
+    """vLLM's request model of a body the route changed, its errors in the form FastAPI gives vLLM's handler."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as error:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in error.errors()]) from None
+
+
 def vllm_options(options: AttributionOptions) -> dict:
     return {name: getattr(options, name) for name in OPTIONS}
 
@@ -103,17 +113,22 @@ class AttributionEndpoints:
         self.engine = None
         self.tokenizer = None
         self.backend = None
+        self.dtype = None
 
     # ---- the protocol -----------------------------------------------------------------------------------
     def attach_router(self, app) -> None:
-        original = next((route.endpoint for route in app.routes if isinstance(route, APIRoute)
-                         and route.path == ROUTE and "POST" in route.methods), None)
-        if original is None:  # a model without chat completions
+        route = next((route for route in app.routes if isinstance(route, APIRoute) and route.path == ROUTE
+                      and "POST" in route.methods), None)
+        if route is None:  # a model without chat completions
             return
+        original = route.endpoint
 
-        @app.post(ROUTE)
-        async def chat_completions(raw_request: Request):
-            return await self.chat_completions(raw_request, original)
+        # vLLM's own checks first, as its route runs them: its dependencies (a JSON content type), then the body
+        # parsed and validated into its request model (errors: RequestValidationError, which vLLM's handler
+        # answers with its 400 and `param`).
+        @app.post(ROUTE, dependencies=route.dependencies)
+        async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
+            return await self.chat_completions(request, raw_request, original)
 
         @app.get("/v1/attribution/{request_id}")
         async def attribution_rows(request_id: str):
@@ -127,30 +142,23 @@ class AttributionEndpoints:
             return
         from transformers import AutoTokenizer
 
-        try:
-            self.backend = (await engine_client.collective_rpc("macs_attach"))[0]
-        except Exception as error:  # noqa: BLE001 - any failure means attribution cannot be served
+        if not has_worker_extension(engine_client.vllm_config):
             raise RuntimeError(f"macs_kernels' endpoint plugin needs its worker extension: start vllm serve with "
-                               f"--worker-extension-cls {WORKER_EXTENSION} ({error})") from error
+                               f"--worker-extension-cls {WORKER_EXTENSION}")
+        self.backend = (await engine_client.collective_rpc("macs_attach"))[0]
+        self.dtype = model_dtype(engine_client.vllm_config)
         self.engine = engine_client
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model,
                                                        trust_remote_code=args.trust_remote_code)
 
     # ---- the route ----------------------------------------------------------------------------------------
-    async def chat_completions(self, raw_request, original):
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
-        try:
-            body = await raw_request.json()
-        except ValueError:
-            return JSONResponse(error_body("the request body is not JSON", 400), status_code=400)
-        asked = body.pop("attribution", None) if isinstance(body, dict) else None
-        if asked in (None, False):
-            try:
-                request = ChatCompletionRequest.model_validate(body)
-            except ValidationError as error:
-                return JSONResponse(error_body(str(error), 400), status_code=400)
+    async def chat_completions(self, request, raw_request, original):
+        if "attribution" not in (request.model_extra or {}):
             return await original(request, raw_request)
+        body = await raw_request.json()  # validated already; read again to be validated with vLLM's extra fields
+        asked = body.pop("attribution")
+        if asked is None or asked is False:
+            return await original(revalidated(body), raw_request)
         try:
             if self.engine is None:
                 raise Refused("this server has no engine to attribute with")
@@ -161,33 +169,29 @@ class AttributionEndpoints:
         except Refused as error:
             return JSONResponse(error_body(str(error), 400, param=error.param), status_code=400)
         client_ids = bool(body.get("return_token_ids"))
+        # Clients may send one id (X-Request-Id, request_id) with several requests, as vLLM allows: the workers
+        # name this request's rows by a ticket of its own, known up front so that a request whose client leaves
+        # before the response still has its rows freed.
+        ticket = uuid.uuid4().hex
         xargs = dict(body.get("vllm_xargs") or {})
-        xargs[OPTION] = json.dumps(vllm_options(options))
-        # The id vLLM will give the request (its X-Request-Id header wins over the body's), known up front so
-        # that a request whose client leaves before the response still has its rows freed.
-        base = raw_request.headers.get("X-Request-Id") or body.get("request_id") or uuid.uuid4().hex
-        body |= {"vllm_xargs": xargs, "return_token_ids": True, "request_id": base}
-        request_id = f"chatcmpl-{base}"
-        try:
-            request = ChatCompletionRequest.model_validate(body)
-        except ValidationError as error:
-            return JSONResponse(error_body(str(error), 400), status_code=400)
+        xargs |= {OPTION: json.dumps(vllm_options(options)), TICKET: ticket}
+        request = revalidated(body | {"vllm_xargs": xargs, "return_token_ids": True})
         response = None
         try:
             response = await original(request, raw_request)
         finally:
             if response is None or getattr(response, "status_code", 200) != 200:  # disconnected, failed
                 with anyio.CancelScope(shield=True):
-                    await self._release(request_id)
+                    await self._release(ticket)
         if response is None or response.status_code != 200:  # None: vLLM's answer to a client that left
             return response
         if hasattr(response, "body_iterator"):
-            events = self._stream(response.body_iterator, options, span, client_ids)
+            events = self._stream(response.body_iterator, options, span, client_ids, ticket)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         data = json.loads(response.body)
         choice = data["choices"][0]
         attribution = self._attribution(data["prompt_token_ids"], span, options)
-        entry = (await self._rows([request_id], release=True))[request_id]
+        entry = (await self._rows([ticket], release=True))[ticket]
         if "error" in entry:
             return JSONResponse(error_body(f"attribution failed: {entry['error']}", 500), status_code=500)
         for token_id, row in zip(choice["token_ids"], decode_rows(entry)):
@@ -198,8 +202,8 @@ class AttributionEndpoints:
             choice.pop("token_ids", None)
         return JSONResponse(data)
 
-    async def _stream(self, events, options, span, client_ids: bool):
-        request_id, attribution, cursor = None, None, 0
+    async def _stream(self, events, options, span, client_ids: bool, ticket: str):
+        attribution, cursor = None, 0
         try:
             async for text in events:
                 out = []
@@ -208,7 +212,6 @@ class AttributionEndpoints:
                         out.append(event)
                         continue
                     chunk = json.loads(event[len("data: "):])
-                    request_id = chunk.get("id", request_id)
                     if "prompt_token_ids" in chunk and chunk["prompt_token_ids"] is not None:
                         attribution = self._attribution(chunk["prompt_token_ids"], span, options)
                         chunk["attribution"] = attribution.header()
@@ -216,11 +219,14 @@ class AttributionEndpoints:
                     tokens = choices[0].get("token_ids") or []
                     rows = []
                     if tokens and attribution is not None:
-                        entry = (await self._rows([request_id], start=cursor, stop=cursor + len(tokens)))[request_id]
+                        entry = (await self._rows([ticket], start=cursor, stop=cursor + len(tokens)))[ticket]
                         if "error" in entry:
+                            # How vLLM ends a stream that fails: one error event, then [DONE]; the request is
+                            # aborted (below) rather than run on without its rows.
                             out.append("data: " + json.dumps(error_body(f"attribution failed: {entry['error']}",
                                                                         500)))
-                            break
+                            yield "\n\n".join(out + ["data: [DONE]", ""])
+                            return
                         rows = [attribution.step(Step(t, row)) for t, row in zip(tokens, decode_rows(entry))]
                         cursor += len(tokens)
                     if not client_ids:
@@ -245,13 +251,12 @@ class AttributionEndpoints:
             with anyio.CancelScope(shield=True):
                 if hasattr(events, "aclose"):
                     await events.aclose()
-                if request_id is not None:
-                    await self._release(request_id)
+                await self._release(ticket)
 
     # ---- the workers ---------------------------------------------------------------------------------------
     def _attribution(self, prompt_ids, span, options) -> AttributionPayloads:
         attribution = AttributionPayloads(self.tokenizer, PromptSpan(list(prompt_ids), span), options)
-        attribution.config |= {"engine": "vllm", "backend": self.backend}
+        attribution.config |= {"engine": "vllm", "backend": self.backend, "dtype": self.dtype}
         return attribution
 
     async def _rows(self, request_ids, release: bool = False, start: int = 0, stop: int | None = None) -> dict:

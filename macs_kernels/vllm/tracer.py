@@ -27,6 +27,9 @@ from ..distributed import HeadShards
 from ..ops import resolve_backend
 
 OPTION = "attribution"  # the key of SamplingParams.extra_args that asks for attribution
+# The key of SamplingParams.extra_args whose (unique) text names one engine request to readers: clients may send
+# one request id for several requests (vLLM accepts that), and the endpoint reads each request's rows by its ticket.
+TICKET = "attribution_ticket"
 OPTIONS = ("alpha", "pooling", "redistribute", "attention")
 ACTIVE: VllmTracer | None = None  # this worker process's tracer, once the worker extension attached it
 
@@ -143,7 +146,8 @@ class VllmTracer:
         self._configs: dict[str, MacsConfig | None] = {}  # None: the request did not ask
         self._errors: dict[str, str] = {}  # requests whose options were refused
         self._running: set[str] = set()  # requests with rows open in the store
-        self._external: dict[str, str] = {}  # external id -> the worker-side id of its latest request
+        # Ids readers may ask by (vLLM's external id, a ticket) -> the worker-side ids of the requests they named.
+        self._names: dict[str, list[str]] = {}
         self._released: set[str] = set()
         self._pass: _Pass | None = None
 
@@ -156,15 +160,28 @@ class VllmTracer:
 
     # ---- readers (collective_rpc) -------------------------------------------------------------------
     def worker_id(self, request_id: str) -> str:
-        """The worker-side id of `request_id`, given as either."""
+        """The worker-side id of `request_id`, given as either (or as the request's ticket). Raises KeyError for
+        an external id that more than one request still held here was sent with: whose rows are meant is
+        unknowable."""
         with self._lock:
             if request_id in self._errors or request_id in self.store:
                 return request_id
-            return self._external.get(request_id, request_id)
+            named = self._names.get(request_id)
+            if not named:
+                return request_id
+            held = [key for key in named if self._held(key)]
+            if len(held) > 1:
+                raise KeyError(f"request id {request_id!r} was sent with {len(held)} requests whose rows are held: "
+                               f"ask by their worker-side ids {held}")
+            return held[0] if held else named[-1]
+
+    def _held(self, key: str) -> bool:
+        """Whether a request is running here, or its rows or refusal wait for a reader (callers hold the lock)."""
+        return (key in self._configs and key not in self._released) or key in self._errors or key in self.store
 
     def rows(self, request_id: str, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, int]:
-        """(log c (steps, N) float32 of steps [start, stop) (stop: every step so far), N) of a request (external
-        or worker-side id)."""
+        """(log c (steps, N) float32 of steps [start, stop) (stop: every step so far), N) of a request (by any id
+        `worker_id` takes)."""
         key = self.worker_id(request_id)
         with self._lock:
             error = self._errors.get(key)
@@ -180,6 +197,13 @@ class VllmTracer:
                 self._released.add(key)
         self.store.release(key)
 
+    def keep_more(self, count: int) -> None:
+        """Keep `count` more finished requests' rows (negative: give them back)."""
+        with self.store.lock:
+            if self.store.keep_finished + count < 0:
+                raise ValueError(f"keep_finished {self.store.keep_finished} cannot give back {-count}")
+            self.store.keep_finished += count
+
     # ---- one forward pass -----------------------------------------------------------------------------
     def _config(self, request_id: str, state) -> MacsConfig | None:
         """The request's options (parsed once); a refused option records an error for the reader, never a
@@ -189,10 +213,12 @@ class VllmTracer:
         extra = getattr(state.sampling_params, "extra_args", None) or {}
         config = None
         if OPTION in extra and extra[OPTION] is not False:
-            self._external[request_id.rsplit("-", 1)[0]] = request_id
+            names = [request_id.rsplit("-", 1)[0]] + ([str(extra[TICKET])] if TICKET in extra else [])
+            for name in names:  # the requests a name held no more are forgotten
+                self._names[name] = [key for key in self._names.pop(name, ()) if self._held(key)] + [request_id]
             # Kept past release, so a late read says the rows were released; bounded like the store's record.
-            if len(self._external) > 4 * self.store.keep_finished + 64:
-                del self._external[next(iter(self._external))]
+            while len(self._names) > 4 * self.store.keep_finished + 64:
+                del self._names[next(iter(self._names))]
             try:
                 config = parse_options(extra[OPTION])
             except (TypeError, ValueError, NotImplementedError) as error:

@@ -16,7 +16,8 @@ WORKER_EXTENSION = "macs_kernels.vllm.worker.AttributionWorker"
 def attention_layers(vllm_config) -> dict:
     """The model's attention layers by name, in forward order, after refusing (naming it) what the backend
     cannot follow: speculative decoding, pipeline parallelism, a quantised KV cache, layers that
-    are not vLLM's standard decoder attention on the MACS backend, non-causal windows, ALiBi. Sliding
+    are not vLLM's standard decoder attention on the MACS backend, non-causal windows, ALiBi, a KV-cache
+    layout it cannot read (vLLM's AMX packing of bfloat16 keys). Sliding
     windows, sinks (gpt-oss) and logit soft caps (Gemma 2) are followed."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
@@ -35,6 +36,10 @@ def attention_layers(vllm_config) -> dict:
     if parallel.pipeline_parallel_size > 1:
         raise NotImplementedError("pipeline parallelism splits the layers over workers; macs_kernels needs every "
                                   "layer's rows in one worker")
+    if vllm_config.model_config.is_multimodal_model:
+        raise NotImplementedError("vLLM with a multimodal model: macs_kernels' vLLM backend is not checked on image "
+                                  "inputs; explain images with transformers (explain(model, processor, prompt, "
+                                  "images=...))")
     if vllm_config.cache_config.cache_dtype != "auto":
         raise NotImplementedError(f"kv_cache_dtype={vllm_config.cache_config.cache_dtype!r}: macs_kernels reads "
                                   "the KV cache in the model's dtype only (kv_cache_dtype='auto')")
@@ -57,7 +62,26 @@ def attention_layers(vllm_config) -> dict:
         tracing.layer_window(impl)  # refuses a window it cannot follow
         if impl.alibi_slopes is not None:
             raise NotImplementedError(f"layer {name} uses ALiBi; macs_kernels scores softmax rows without biases")
+        impl.macs_key_pages(layer, layer.kv_cache)  # refuses a cache layout it cannot read (AMX's bf16 pairs)
     return dict(sorted(layers.items(), key=lambda item: extract_layer_index(item[0])))
+
+
+def has_worker_extension(vllm_config) -> bool:
+    """Whether vLLM built its workers with this package's worker extension (or a subclass of it)."""
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    name = vllm_config.parallel_config.worker_extension_cls
+    if name == WORKER_EXTENSION:
+        return True
+    try:
+        return bool(name) and issubclass(resolve_obj_by_qualname(name), AttributionWorker)
+    except (ImportError, AttributeError, ValueError, TypeError):  # vLLM itself names what it cannot import
+        return False
+
+
+def model_dtype(vllm_config) -> str:
+    """The dtype the engine runs the model in ("bfloat16", "float32"), which the rows are computed in too."""
+    return str(vllm_config.model_config.dtype).removeprefix("torch.")
 
 
 def head_shards(vllm_config) -> HeadShards | None:
@@ -93,21 +117,35 @@ class AttributionWorker:
         return active.kernels.paged_backend
 
     def macs_rows(self, request_ids: list, release: bool = False, start: int = 0, stop: int | None = None) -> dict:
-        """Each request's rows [start, stop) (stop: every row so far), by the id it was asked by (external or
-        worker-side): {"n_input": N, "steps": steps, "log_c": float32 bytes of (steps, N)} or {"error": why}."""
+        """Each request's rows [start, stop) (stop: every row so far), by the id it was asked by (external,
+        worker-side or its ticket): {"n_input": N, "steps": steps, "log_c": float32 bytes of (steps, N)} or
+        {"error": why}."""
         active = tracing.ACTIVE
         if active is None:
             raise RuntimeError("macs_kernels is not attached to this engine: call macs_kernels.vllm.attach(llm)")
         found = {}
         for request_id in request_ids:
             try:
-                log_c, n_input = active.rows(request_id, start, stop)
+                key = active.worker_id(request_id)
+            except KeyError as error:  # an id several held requests were sent with: neither read nor released
+                found[request_id] = {"error": f"{type(error).__name__}: {error}"}
+                continue
+            try:
+                log_c, n_input = active.rows(key, start, stop)
                 found[request_id] = {"n_input": n_input, "steps": log_c.shape[0], "log_c": log_c.numpy().tobytes()}
             except (KeyError, ValueError, FloatingPointError, RuntimeError) as error:
                 found[request_id] = {"error": f"{type(error).__name__}: {error}"}
             if release:
-                active.release(request_id)
+                active.release(key)
         return found
+
+    def macs_keep_more(self, count: int) -> None:
+        """Keep `count` more finished requests' rows until released (negative: give them back), for a caller
+        that reads a batch of requests only once all have run."""
+        active = tracing.ACTIVE
+        if active is None:
+            raise RuntimeError("macs_kernels is not attached to this engine: call macs_kernels.vllm.attach(llm)")
+        active.keep_more(count)
 
     def macs_release(self, request_ids: list) -> None:
         if tracing.ACTIVE is not None:

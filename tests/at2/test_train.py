@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from macs_kernels.at2 import load_coefficients, model_record, train, train_coefficients
+from macs_kernels.at2.coefficients import question_digest, training_questions
 from macs_kernels.at2.train import collect, fit, load_examples, mean_loss, pearson_loss
 from macs_kernels.evaluation.data import QASample
 from tests.helpers import QUESTIONS, default_model
@@ -90,4 +91,6 @@ def test_trained_coefficients_record_their_model(collected, model_and_tokenizer,
     assert metadata == load_coefficients(out, model)[1]
     assert metadata["model"] == "SmolLM2-135M-Instruct" and metadata["data"] == "three"
     assert metadata["attention_fingerprint"] == model_record(model)["attention_fingerprint"]
+    # The questions trained on, by content: an evaluation holds them out (evaluation.methods).
+    assert training_questions(metadata) == {question_digest(q, c) for q, c in QUESTIONS}
 

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from macs_kernels.core import support
 from macs_kernels.explanation import encode_prompts
-from macs_kernels.hf_models import attention_variants, returned_cache
+from macs_kernels.hf_models import attention_variants, cache_argument, returned_cache
 from tests.helpers import eager_macs
 
 from .conftest import VARIANT_MODELS, WINDOW, eager_log_c, variant_model
@@ -150,7 +150,7 @@ def _window_efficient_reference(model, prompt_ids, generated_ids):
     model.set_attn_implementation("eager")
     try:
         full = torch.cat([prompt_ids, generated_ids])[None, :-1]
-        out = model(full, output_attentions=True, use_cache=True, past_key_values=DynamicCache())
+        out = model(full, output_attentions=True, use_cache=True, **cache_argument(model, DynamicCache()))
     finally:
         model.set_attn_implementation(previous)
     kinds = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
@@ -237,10 +237,10 @@ def _cache_mode_sequences(name: str, model, tokenizer, mode: str, method: str) -
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
             first = model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
-                                   past_key_values=cache, pad_token_id=pad)
+                                   **cache_argument(model, cache), pad_token_id=pad)
         both = torch.cat([first, prompt[-6:].expand(2, -1)], dim=1)
         mask = torch.cat([mask, torch.ones(2, both.shape[1] - mask.shape[1], dtype=torch.long)], dim=1)
-        return traced_generate(model, both, mask, method, past_key_values=cache, pad_token_id=pad)[0]
+        return traced_generate(model, both, mask, method, **cache_argument(model, cache), pad_token_id=pad)[0]
     # A prompt that holds its own greedy continuation: prompt lookup finds candidates; a perturbed copy of the
     # model proposes tokens the model sometimes rejects.
     with torch.no_grad():

@@ -3,6 +3,7 @@ touch, and what a resumed run reuses (only results computed from the same conten
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -145,3 +146,95 @@ def test_summary_paths_are_never_the_stream_nor_each_other(name):
     paths = list(summary_paths(stream).values())
     assert stream not in paths and len(set(paths)) == 3
     assert all(p.parent == stream.parent for p in paths)
+
+
+def test_a_record_comes_back_from_the_cache_bit_for_bit(tmp_path):
+    from macs_kernels.evaluation.record_cache import load_record, save_record
+
+    rng = np.random.default_rng(0)
+    # Attention weights far below float16's resolution near 1 and below its smallest normal number (6e-5).
+    record = {"rows": rng.dirichlet(np.full(40, 0.05), size=(3, 2, 4)).astype(np.float32),
+              "mass": rng.random((3, 2, 4), dtype=np.float32), "residual_max": np.float32(3e-7)}
+    prompt, generated = np.arange(40), np.array([5, 6, 7])
+    save_record(tmp_path, "key", record, prompt, generated)
+    loaded, loaded_generated = load_record(tmp_path, "key", prompt)
+    assert set(loaded) == set(record) and np.array_equal(loaded_generated, generated)
+    for name, array in record.items():
+        assert loaded[name].dtype == array.dtype and np.array_equal(loaded[name], array), name
+
+
+def test_a_run_from_the_record_cache_gives_the_numbers_of_a_fresh_one_bit_for_bit(tmp_path, capsys):
+    data = write_data(tmp_path / "qa.json", QUESTIONS)
+    records = tmp_path / "records"
+    # Methods scored from the recorded rows; every line holds only numbers that do not depend on timing.
+    methods = ["--methods", "macs,macs:alpha=1.0,attention-mean", "--cost-n", "0", "--max-new-tokens", "8"]
+    fresh, cached = tmp_path / "fresh.jsonl", tmp_path / "cached.jsonl"
+    assert main(eval_command(data, fresh, records, *methods)) == 0
+    assert "3 generations this run, 0 taken from the record cache" in capsys.readouterr().out
+    assert main(eval_command(data, cached, records, *methods)) == 0
+    assert "0 generations this run, 3 taken from the record cache" in capsys.readouterr().out
+    fresh_lines, cached_lines = (sorted((line for line in results(out) if line["kind"] != "run"), key=json.dumps)
+                                 for out in (fresh, cached))
+    assert sum(line["kind"] == "auc" for line in fresh_lines) == 9
+    assert fresh_lines == cached_lines  # scores, aggregates, tie counts: equal floats, not close ones
+
+
+def _rewrite(out, lines):
+    out.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_an_edited_results_line_is_recomputed_and_reported_not_reused(tmp_path, capsys):
+    out, records = tmp_path / "r.jsonl", tmp_path / "records"
+    data = write_data(tmp_path / "qa.json", QUESTIONS[:2])
+    command = eval_command(data, out, records, "--cost-n", "0")  # no timings: lines computed again are equal
+    assert main(command) == 0
+    written = results(out)
+    computed = json.loads(out.with_suffix(".json").read_text())["methods"]
+    target = next(line for line in written if line["kind"] == "auc" and line["best"] < 1.0)
+    name = f"the auc line of sample {target['index']}, method {target['method']}"
+    # Another valid JSON line with a better score, as a hand edit would leave it.
+    _rewrite(out, [dict(line, best=1.0) if line is target else line for line in written])
+    capsys.readouterr()
+
+    # A report of the edited file leaves the line out and names it.
+    assert main(["eval", "--report-only", "--out", str(out)]) == 0
+    assert f"Left out, their content changed after they were written (it does not match their checksum): {name}." in (
+        capsys.readouterr().out)
+    summary = json.loads(out.with_suffix(".json").read_text())
+    assert summary["methods"][target["method"]]["n"] == 1 and summary["edited_lines"] == [name]
+
+    # A resumed run warns, naming the line, and computes it again (from the record cache).
+    with pytest.warns(UserWarning, match=f"{name} does not match its checksum"):
+        assert main(command) == 0
+    printed = capsys.readouterr().out
+    assert "0 generations this run, 1 taken from the record cache" in printed
+    assert "AUC-PR lines: 1 scored, 3 reused" in printed
+    assert results(out)[-1] == target
+    summary = json.loads(out.with_suffix(".json").read_text())
+    assert summary["methods"] == computed and summary["edited_lines"] == []
+
+
+def test_results_lines_without_a_checksum_are_recomputed_and_reported(tmp_path, capsys):
+    out, records = tmp_path / "r.jsonl", tmp_path / "records"
+    data = write_data(tmp_path / "qa.json", QUESTIONS[:2])
+    command = eval_command(data, out, records, "--cost-n", "0")  # no timings: lines computed again are equal
+    assert main(command) == 0
+    written = results(out)
+    computed = json.loads(out.with_suffix(".json").read_text())["methods"]["macs"]["auc_pr"]["mean"]
+    # As a results file written before lines carried a checksum.
+    _rewrite(out, [{name: value for name, value in line.items() if name != "checksum"} for line in written])
+    capsys.readouterr()
+
+    assert main(["eval", "--report-only", "--out", str(out)]) == 0
+    assert "6 results lines have no checksum (written before results lines had one): reported unverified" in (
+        capsys.readouterr().out)
+    assert json.loads(out.with_suffix(".json").read_text())["unverified_lines"] == 6  # 2 samples, 4 AUC-PR lines
+
+    with pytest.warns(UserWarning, match="6 results lines have no checksum"):
+        assert main(command) == 0
+    printed = capsys.readouterr().out
+    assert "0 generations this run, 2 taken from the record cache" in printed
+    assert "samples reused from the results file: 0; AUC-PR lines: 4 scored, 0 reused" in printed
+    assert results(out)[len(written):] == written  # computed again: the same lines, with their checksums
+    summary = json.loads(out.with_suffix(".json").read_text())
+    assert summary["methods"]["macs"]["auc_pr"]["mean"] == computed and summary["unverified_lines"] == 0

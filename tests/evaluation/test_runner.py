@@ -177,6 +177,7 @@ def test_method_names():
 
 
 def test_all_methods_and_method_ranges():
+    from macs_kernels.evaluation.data import QASample
     from macs_kernels.evaluation.methods import ALL_METHODS, parse_method_ranges, parse_methods
 
     try:
@@ -186,8 +187,9 @@ def test_all_methods_and_method_ranges():
     assert [m.name for m in methods] == [parse_method(n).name for n in ALL_METHODS]
     ranged = {m.name: m for m in methods}
     assert ranged["attnlrp"].indices == (250, 260) and ranged["macs"].indices == (0, 5)  # canonical name
-    assert ranged["attnlrp"].scores_sample(250) and not ranged["attnlrp"].scores_sample(260)
-    assert not ranged["at2"].scores_sample(249) and ranged["at2"].scores_sample(349)
+    at = [QASample(index, "a question?", "a context.", ()) for index in (250, 260)]
+    assert ranged["attnlrp"].scores_sample(at[0]) and not ranged["attnlrp"].scores_sample(at[1])
+    assert ranged["at2"].scores_sample(at[0])  # a question its coefficients never saw (test_at2_holdout)
     assert ranged["atman"].indices is None and ranged["attnlrp"] == parse_method("attnlrp")  # not in its identity
     for bad, match in ((["attnlrp"], "METHOD=START:STOP"), (["attnlrp=5:2"], "START must be below STOP"),
                        (["attnlrp=1:2", "attnlrp=3:4"], "twice"), (["atman=a:b"], "METHOD=START:STOP")):

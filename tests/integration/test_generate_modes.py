@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache, StaticCache, StoppingCriteria, StoppingCriteriaList
 
 from macs_kernels import attach, explain, stream, trace_tensors
-from macs_kernels.hf_models import returned_cache
+from macs_kernels.hf_models import cache_argument, returned_cache
 from macs_kernels.ops import torch_beams
 from tests.helpers import default_model, eager_macs, eager_norm_log_c, qa, tiny_llama
 from tests.integration.test_integration_efficient import _efficient_reference as efficient_reference
@@ -122,7 +122,7 @@ def test_static_cache_rows_equal_the_dynamic_cache_run(gqa_model):
     dynamic, _ = traced_sequences(gqa_model, PROMPTS, MASK)
     static, _ = traced_sequences(gqa_model, PROMPTS, MASK, cache_implementation="static")
     cache = StaticCache(config=gqa_model.config, max_cache_len=40)
-    passed_in, _ = traced_sequences(gqa_model, PROMPTS, MASK, past_key_values=cache)
+    passed_in, _ = traced_sequences(gqa_model, PROMPTS, MASK, **cache_argument(gqa_model, cache))
     for (_, tokens, log_c), (_, tokens_s, log_c_s), (_, tokens_p, log_c_p) in zip(dynamic, static, passed_in):
         assert torch.equal(tokens, tokens_s) and torch.equal(tokens, tokens_p)
         assert log_c_s.shape == log_c.shape == log_c_p.shape  # unused cache slots are not inputs
@@ -188,7 +188,7 @@ def test_continued_conversation_inputs_are_every_earlier_token(gqa_model, attent
     cache = DynamicCache(config=gqa_model.config)
     with torch.no_grad():
         turn_1 = gqa_model.generate(PROMPTS[1:2], max_new_tokens=4, do_sample=False, pad_token_id=0,
-                                    past_key_values=cache)
+                                    **cache_argument(gqa_model, cache))
     both_turns = torch.cat([turn_1[0], torch.tensor([3, 8, 12, 60])])[None]
     explanation = explain(gqa_model, IdTokenizer(), input_ids=both_turns, max_new_tokens=5,
                           past_key_values=cache, backend="torch", attention=attention)
@@ -455,7 +455,7 @@ def test_variant_backends_named_and_a_passed_window_cache():
     with torch.no_grad():
         cache = returned_cache(mistral(ids[:, :6]))
     with torch.no_grad(), attach(mistral, backend="torch") as tracer:
-        out = mistral.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
+        out = mistral.generate(ids, **cache_argument(mistral, cache), max_new_tokens=3, do_sample=False)
     assert_teacher_forced(mistral, ids[0], out[0, 9:], tracer.rows(0)[0])
 
 
@@ -502,7 +502,7 @@ def test_default_model_continued_conversation(real):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         turn_1 = model.generate(encoded, attention_mask=torch.ones_like(encoded), max_new_tokens=6, do_sample=False,
-                                past_key_values=cache, pad_token_id=tokenizer.eos_token_id)
+                                **cache_argument(model, cache), pad_token_id=tokenizer.eos_token_id)
     follow_up = tokenizer("<|im_end|>\n<|im_start|>user\nWhen?<|im_end|>\n<|im_start|>assistant\n",
                           add_special_tokens=False, return_tensors="pt")["input_ids"]
     both_turns = torch.cat([turn_1, follow_up], dim=1)

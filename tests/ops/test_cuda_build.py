@@ -7,6 +7,11 @@ piece's kernels (the split-KV pass and head pooling have one copy, which the ops
 launcher csrc/<op>/launch.cu registers the CUDA kernel of the operator Python defines; the launchers are
 compiled against the torch headers of the installed (CPU) wheel in a slow test. setup.py links the extension
 against the shared C++ runtime even with a toolchain that only has the static one.
+
+The pipelined split kernel (csrc/split_kv_pipelined, selectable beside the verified split_kernel) is held to the
+evidence that needs no GPU: no spills or local memory, registers within its budget, and in its SASS the
+asynchronous 16-byte copies (LDGSTS) into shared memory and the 16-byte shared-memory reads (LDS.128) it was written
+for. benchmarks/results/cuda_split_kv_resources.md records these figures.
 """
 import concurrent.futures
 import importlib.util
@@ -19,6 +24,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from macs_kernels.ops._backends import CUDA_SPLIT_KV_KERNELS, BackendUnavailable, set_cuda_split_kv_kernel
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 ARCHES = ("sm_80", "sm_90")
@@ -36,11 +43,18 @@ OPS = (
 # csrc/<piece>/kernel.cu -> the kernels only it holds; True: instantiated for every dtype.
 PIECES = {
     "split_kv": {"split_kernel": True, "combine_kernel": True},
+    "split_kv_pipelined": {"pipelined_split_kernel": True},
     "pool": {"pool_kernel": True},
     "macs_update_rows": {"generated_mass_kernel": True},
     "macs_zscore": {"zscore_kernel": False},  # log_c is float32 whatever the model's dtype
     "attention_features": {"features_kernel": True, "features_lse_kernel": True},
 }
+# pipelined_split_kernel's __launch_bounds__(256, 2) (kPipelinedMaxRegisters): two 256-thread blocks, or four of
+# 128 threads, per multiprocessor; its launch policy counts on it.
+PIPELINED_MAX_REGISTERS = 128
+PTXAS_ENTRY = re.compile(
+    r"Compiling entry function '(\w+)' for '(sm_\d+)'.*?(\d+) bytes stack frame, (\d+) bytes spill stores, "
+    r"(\d+) bytes spill loads.*?Used (\d+) registers", re.S)
 REGISTRATION = re.compile(r'TORCH_LIBRARY_IMPL\(macs_kernels, CUDA, m\) \{ m\.impl\("(\w+)", &macs::(\w+)\); \}')
 
 
@@ -80,29 +94,116 @@ def test_each_op_is_registered_once_by_its_own_launcher_and_kernels_are_torch_fr
     assert "m.impl" not in (CSRC / "bindings.cpp").read_text()
 
 
-def test_kernels_compile_for_sm80_and_sm90_in_every_dtype_with_one_copy_each(tmp_path):
+@pytest.fixture(scope="module")
+def compiled_pieces(tmp_path_factory):
+    """Every piece's kernel.cu compiled for sm_80 and sm_90 with ptxas's resource report: (folder, {piece: result})."""
     nvcc = _nvcc()
+    folder = tmp_path_factory.mktemp("pieces")
     gencode = [f"-gencode=arch=compute_{arch[3:]},code={arch}" for arch in ARCHES]
     jobs = {
-        piece: [nvcc, "-std=c++17", "-O3", "-c", *gencode, "--keep", f"--keep-dir={tmp_path / piece}", "-I",
-                str(CSRC), *TORCH_NVCC_FLAGS, "-o", str(tmp_path / piece / "kernel.o"), str(CSRC / piece / "kernel.cu")]
+        piece: [nvcc, "-std=c++17", "-O3", "-c", *gencode, "-Xptxas=-v", "--keep", f"--keep-dir={folder / piece}",
+                "-I", str(CSRC), *TORCH_NVCC_FLAGS, "-o", str(folder / piece / "kernel.o"),
+                str(CSRC / piece / "kernel.cu")]
         for piece in PIECES
     }
     for piece in PIECES:
-        (tmp_path / piece).mkdir()
+        (folder / piece).mkdir()
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         results = dict(zip(jobs, pool.map(_compile, jobs.values())))
     print("nvcc times: " + ", ".join(f"{piece} {seconds:.1f}s" for piece, (_, seconds) in results.items()))
-    every_kernel = {kernel for kernels in PIECES.values() for kernel in kernels}
     for piece, (result, _) in results.items():
         assert result.returncode == 0, f"nvcc {piece}/kernel.cu failed:\n{result.stderr}"
+    return folder, {piece: result for piece, (result, _) in results.items()}
+
+
+def test_kernels_compile_for_sm80_and_sm90_in_every_dtype_with_one_copy_each(compiled_pieces):
+    folder, _ = compiled_pieces
+    every_kernel = {kernel for kernels in PIECES.values() for kernel in kernels}
+    for piece in PIECES:
         for arch in ARCHES:
-            cubin = (tmp_path / piece / f"kernel.compute_{arch[3:]}.cubin").read_bytes()
+            cubin = (folder / piece / f"kernel.compute_{arch[3:]}.cubin").read_bytes()
             assert _kernels_in(cubin, every_kernel) == set(PIECES[piece]), f"{piece}/{arch}: wrong kernels"
             for kernel, every_dtype in PIECES[piece].items():
                 for dtype, mangled in DTYPES.items() if every_dtype else ():
                     symbol = f"{len(kernel)}{kernel}I{mangled}".encode()
                     assert symbol in cubin, f"{piece}/{arch}: {kernel} is not instantiated for {dtype}"
+
+
+def _cuobjdump():
+    """cuobjdump from the CUDA toolkit, or the copy Triton's wheel ships; None when neither is here."""
+    found = shutil.which("cuobjdump")
+    if found is None:
+        spec = importlib.util.find_spec("triton")
+        if spec is not None and spec.origin is not None:
+            candidate = Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+            found = str(candidate) if candidate.exists() else None
+    return found
+
+
+def _sass_by_function(cubin: Path) -> dict:
+    dump = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, timeout=300)
+    assert dump.returncode == 0, dump.stderr
+    sections = re.split(r"\n\s*Function : (\w+)\n", dump.stdout)
+    return dict(zip(sections[1::2], sections[2::2]))
+
+
+def test_pipelined_split_kernel_copies_16_bytes_asynchronously_without_spills(compiled_pieces):
+    folder, results = compiled_pieces
+    entries = PTXAS_ENTRY.findall(results["split_kv_pipelined"].stderr)
+    kernels = {(name, arch) for name, arch, *_ in entries if "pipelined_split_kernel" in name}
+    assert len(kernels) == 2 * len(DTYPES) * len(ARCHES), f"one kernel per dtype, with and without V: {kernels}"
+    for name, arch, stack, spill_stores, spill_loads, registers in entries:
+        assert (int(stack), int(spill_stores), int(spill_loads)) == (0, 0, 0), f"{name} {arch}: local memory"
+        assert int(registers) <= PIPELINED_MAX_REGISTERS, f"{name} {arch}: {registers} registers"
+    if _cuobjdump() is None:
+        pytest.skip("no cuobjdump (neither the CUDA toolkit's nor Triton's) to read the SASS")
+    for arch in ARCHES:
+        sass = _sass_by_function(folder / "split_kv_pipelined" / f"kernel.compute_{arch[3:]}.cubin")
+        assert {name for name, _ in kernels} <= set(sass), f"{arch}: kernels missing from the SASS"
+        for name, code in sass.items():
+            assert re.search(r"\bLDGSTS\.E\.BYPASS(\.\w+)*\.128\b", code), f"{name} {arch}: no 16-byte cp.async"
+            assert re.search(r"\bLDGDEPBAR\b", code) and re.search(r"\bDEPBAR\.LE\b", code), f"{name} {arch}: no wait"
+            assert re.search(r"\bLDS\.128\b", code), f"{name} {arch}: no 16-byte shared-memory reads"
+            assert not re.search(r"\b(LDL|STL)\b", code), f"{name} {arch}: local memory"
+            # K and V reach the kernel only through the asynchronous copies: no plain 16-byte global loads.
+            assert not re.search(r"\bLDG\.E\.(\w+\.)*128\b", code), f"{name} {arch}: plain 16-byte loads of K/V"
+
+
+def test_unknown_split_kernel_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"unknown cuda split kernel 'flash'; choose one of \('verified', "
+                                         r"'pipelined'\)"):
+        set_cuda_split_kv_kernel("flash")
+    assert CUDA_SPLIT_KV_KERNELS[0] == "verified", "the default kernel is the one verified on a GPU"
+    if importlib.util.find_spec("macs_kernels._C") is None:
+        with pytest.raises(BackendUnavailable, match="extension macs_kernels._C is absent"):
+            set_cuda_split_kv_kernel("pipelined")
+
+
+def test_selection_state_defaults_to_the_verified_kernel_and_reads_the_variable_once(tmp_path):
+    """split_kv_choice.h on its own (host code): unset or empty is "verified"; the variable is read at the first
+    call, later changes to it are not; a bad value is -1 (the launchers and _C turn it into an error naming it)."""
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no host C++ compiler")
+    program = tmp_path / "choice.cpp"
+    program.write_text(
+        '#include <cstdio>\n#include <cstdlib>\n#include "split_kv_choice.h"\n'
+        "int main(int argc, char** argv) {\n"
+        "  const int first = macs::current_split_kernel();\n"
+        '  setenv(macs::kSplitKernelVariable, "verified", 1);\n'
+        '  std::printf("%d %d\\n", first, macs::current_split_kernel());\n'
+        "}\n")
+    binary = tmp_path / "choice"
+    build = subprocess.run([compiler, "-std=c++17", "-I", str(CSRC), "-o", str(binary), str(program)],
+                           capture_output=True, text=True, timeout=120)
+    assert build.returncode == 0, build.stderr
+    for value, expected in ((None, "0 0"), ("", "0 0"), ("verified", "0 0"), ("pipelined", "1 1"),
+                            ("Pipelined", "-1 0")):
+        env = {k: v for k, v in os.environ.items() if k != "MACS_KERNELS_CUDA_SPLIT_KV"}
+        if value is not None:
+            env["MACS_KERNELS_CUDA_SPLIT_KV"] = value
+        run = subprocess.run([str(binary)], capture_output=True, text=True, env=env, timeout=60)
+        assert run.stdout.split() == expected.split(), f"{value!r}: {run.stdout}"
 
 
 @pytest.mark.slow

@@ -1,12 +1,16 @@
 """The cuda backend (macs_kernels._C) against the float64 references, on a pairwise grid of shapes and options.
 
-Needs a CUDA device and the built extension; skips with the reason otherwise, so a GPU session runs it as is.
+The split-KV ops run over both split kernels (the `split_kernel` fixture): the verified default and the pipelined
+one (csrc/split_kv_pipelined), which must pass here and under compute-sanitizer (.ci/gpu) before it may become
+the default. Needs a CUDA device and the built extension; skips with the reason otherwise, so a GPU session runs it
+as is.
 """
 import pytest
 import torch
 
 from macs_kernels import ops, reference
 from macs_kernels.ops import why_unavailable
+from macs_kernels.ops._backends import CUDA_SPLIT_KV_KERNELS, cuda_split_kv_kernel, set_cuda_split_kv_kernel
 from tests.grids import pairwise
 from tests.ops.cases import assert_close_log_c
 from tests.tolerances import RELATIVE_ERROR, relative_error
@@ -19,6 +23,15 @@ def _why_skip():
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_why_skip() is not None, reason=str(_why_skip()))]
+
+@pytest.fixture(params=CUDA_SPLIT_KV_KERNELS)
+def split_kernel(request):
+    """The test runs once per split kernel of the cuda backend; the process's choice is restored afterwards."""
+    previous = cuda_split_kv_kernel()
+    set_cuda_split_kv_kernel(request.param)
+    yield request.param
+    set_cuda_split_kv_kernel(previous)
+
 
 FACTORS = {
     "keys": (1, 113, 1023),
@@ -67,6 +80,7 @@ def reference_lse(q, k_cache, start, length, scale):
     ], dtype=torch.float32, device=q.device)
 
 
+@pytest.mark.usefixtures("split_kernel")
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_macs_update(case):
     q, k_cache, _, log_c, start, end, length = make_inputs(case)
@@ -95,6 +109,7 @@ def test_macs_update_rows(case):
     assert_close_log_c(log_c, expected, case["dtype"])
 
 
+@pytest.mark.usefixtures("split_kernel")
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_decode_attention(case):
     q, k_cache, v_cache, log_c, start, end, length = make_inputs(case)
@@ -119,6 +134,7 @@ def test_decode_attention(case):
         assert_close_log_c(log_c, expected_log_c, case["dtype"])
 
 
+@pytest.mark.usefixtures("split_kernel")
 @pytest.mark.parametrize(
     "batch, kv_heads, group, keys, dim, dtype",
     [
@@ -161,6 +177,7 @@ def test_macs_zscore(n_max):
     assert relative_error(z, reference.macs_zscore_reference(log_c, counts)) < RELATIVE_ERROR[torch.float32]
 
 
+@pytest.mark.usefixtures("split_kernel")
 def test_cuda_equals_torch_backend_through_the_operators():
     case = dict(CASES[0], keys=113, batch=3)
     q, k_cache, v_cache, log_c, start, end, length = make_inputs(case)
@@ -187,6 +204,7 @@ def test_launcher_errors_are_readable():
                                            "max", True, None)
 
 
+@pytest.mark.usefixtures("split_kernel")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "window, softcap, with_sinks",

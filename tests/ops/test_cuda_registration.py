@@ -1,7 +1,8 @@
 """macs_kernels._C registers a CUDA kernel for every operator macs_kernels/ops defines, and the launchers'
 own behaviour that the per-op backend grids do not reach: query rows spread over several blocks and key
 splits (macs_pool), the pooled mode of decode_attention, the attention-variant arguments against the torch
-kernels, and argument errors naming the argument.
+kernels, and argument errors naming the argument; the split-KV cases over both split kernels (`split_kernel`),
+and the kernel chosen is the kernel launched.
 
 Needs a CUDA device and the built extension; skips with the reason otherwise.
 """
@@ -13,6 +14,7 @@ import torch
 import macs_kernels.ops  # noqa: F401 - defines the operators whose CUDA kernels _C registers
 from macs_kernels import reference
 from tests.ops.test_cuda_build import OPS
+from tests.ops.test_cuda_ops import split_kernel  # noqa: F401 - the fixture that runs a test over both kernels
 from tests.ops.test_library_opcheck import CASES
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
@@ -49,6 +51,7 @@ def _verify_block(batch, kv_heads, group, rows, keys, dim, dtype):
     return q, k_cache, start.unsqueeze(1).expand(batch, rows), input_end.unsqueeze(1).expand(batch, rows), kv_len
 
 
+@pytest.mark.usefixtures("split_kernel")
 @pytest.mark.parametrize(
     "batch, kv_heads, group, rows, keys, dim, dtype",
     [
@@ -90,6 +93,7 @@ def _paged(k_cache, page_size):
     return spare[:, :, :, :dim], table.int()
 
 
+@pytest.mark.usefixtures("split_kernel")
 @pytest.mark.parametrize(
     "batch, kv_heads, group, rows, keys, dim, dtype, page_size",
     [
@@ -109,6 +113,7 @@ def test_macs_pool_paged_equals_macs_pool(batch, kv_heads, group, rows, keys, di
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.usefixtures("split_kernel")
 @pytest.mark.parametrize("redistribute", [True, False])
 def test_decode_attention_pooled_writes_macs_pool_and_the_same_output(redistribute):
     batch, kv_heads, group, keys, dim = 3, 2, 4, 700, 64
@@ -181,6 +186,7 @@ def test_launcher_errors_name_the_argument():
         macs_pool(q, k_cache, out, start, input_end, kv_len, 0.1, "max", True, None, start[:, 0].contiguous())
 
 
+@pytest.mark.usefixtures("split_kernel")
 @pytest.mark.parametrize("case", ["macs_pool/variant", "decode_attention/log_c+variant",
                                   "decode_attention/pooled+variant", "attention_features/variant"])
 def test_variant_arguments_equal_the_torch_kernel(case):
@@ -194,3 +200,36 @@ def test_variant_arguments_equal_the_torch_kernel(case):
     for expected, actual in zip([*want, *args], [*got, *on_gpu]):
         if isinstance(expected, torch.Tensor) and expected.is_floating_point():
             assert relative_error(actual, expected) < RELATIVE_ERROR[torch.float32]
+
+
+@pytest.mark.usefixtures("split_kernel")
+@pytest.mark.parametrize(
+    "dim, dtype, pipelined_fits",
+    [(128, torch.bfloat16, True), (64, torch.float16, True), (128, torch.float32, True), (66, torch.float32, False)],
+)
+def test_the_chosen_split_kernel_is_launched(dim, dtype, pipelined_fits):
+    """The profiler names the split kernel each op launched: the pipelined one where it is chosen and fits (16-byte
+    rows), split_kernel otherwise; so that the tests over both kernels cannot pass on one of them twice."""
+    from macs_kernels.ops._backends import cuda_split_kv_kernel
+
+    q, k_cache, start, input_end, kv_len = _verify_block(2, 2, 4, 1, 300, dim, dtype)
+    v_cache = torch.randn_like(k_cache)
+    log_c = torch.zeros(2, int((input_end - start).max()), device="cuda")
+    out = torch.zeros(2, 1, log_c.shape[1], device="cuda")
+    k_pages, table = _paged(k_cache, 16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        torch.ops.macs_kernels.decode_attention(
+            q[:, :, 0], k_cache, v_cache, start[:, 0].contiguous(), kv_len[:, 0].contiguous(), 0.1, log_c,
+            input_end[:, 0].contiguous(), 0.8, "max", True, None,
+        )
+        torch.ops.macs_kernels.macs_update(q[:, :, 0], k_cache, log_c, start[:, 0].contiguous(),
+                                           input_end[:, 0].contiguous(), kv_len[:, 0].contiguous(), 0.1, 0.8, "max",
+                                           True, None)
+        torch.ops.macs_kernels.macs_pool(q, k_cache, out, start, input_end, kv_len, 0.1, "max", True, None)
+        torch.ops.macs_kernels.macs_pool_paged(q, k_pages, table, out, start, input_end, kv_len, 0.1, "max", True,
+                                               None)
+        torch.cuda.synchronize()
+    launched = [event.name for event in profile.events() if "split_kernel<" in event.name]
+    expected = "pipelined" if cuda_split_kv_kernel() == "pipelined" and pipelined_fits else "verified"
+    assert len(launched) == 4, launched
+    assert all(("pipelined_split_kernel<" in name) == (expected == "pipelined") for name in launched), launched

@@ -40,6 +40,27 @@ def test_chat_with_attribution_equals_explain(client, lm):
     assert response.usage.completion_tokens == len(reference.generated_ids)
 
 
+def test_top_tokens_are_the_users_own_words(client):
+    """A free prompt's top tokens come from the user's text (the source span), not the chat template's tokens;
+    they are the best of the response's own scores there."""
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Why is the sky blue on a clear day?"}], max_tokens=3,
+        extra_body={"attribution": True},
+    )
+    attribution = response.choices[0].model_extra["attribution"]
+    start, end = attribution["source_span"]
+    assert 0 < start < end < len(attribution["input_ids"])
+    scores = [float("-inf") if v is None else v for v in attribution["scores"]]
+    top = attribution["top_tokens"]
+    assert len(top) == min(10, end - start)
+    assert all(start <= t["index"] < end and t["token"] == attribution["input_tokens"][t["index"]] for t in top)
+    listed = [scores[t["index"]] for t in top]
+    assert listed == [float("-inf") if t["score"] is None else t["score"] for t in top]
+    assert listed == sorted(listed, reverse=True)
+    rest = [scores[i] for i in range(start, end) if i not in {t["index"] for t in top}]
+    assert all(score <= listed[-1] for score in rest)
+
+
 def test_streamed_rows_equal_explain_with_request_options(client, lm):
     options = {"alpha": 0.5, "pooling": "mean", "redistribute": False}
     stream = client.chat.completions.create(
@@ -155,6 +176,14 @@ LONG = "word " * 5000  # ~5000 tokens: beyond the test server's 4096-token cache
     ("/v1/chat/completions", _chat(n=0), 400, "n", "invalid_value"),
     ("/v1/chat/completions", _chat(frobnicate=1), 400, "frobnicate", "invalid_value"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 10 ** 9], "max_tokens": 1}, 400, "prompt", "invalid_value"),
+    # A lone surrogate (valid JSON, not Unicode text): json.dumps writes it as the escape \ud800.
+    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": "a\ud800b"}]), 400, "messages.0.content",
+     "invalid_value"),
+    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]),
+     400, "messages.0.content", "invalid_value"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a\ud800b", "max_tokens": 1}, 400, "prompt", "invalid_value"),
+    ("/v1/chat/completions", _chat(stop=["\ud800"]), 400, "stop", "invalid_value"),
+    ("/v1/chat/completions", _chat(attribution={"source": "\ud800"}), 400, "attribution.source", "invalid_value"),
 ])
 def test_bad_input_gets_an_openai_error(server, path, body, status, param, code):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -164,6 +193,16 @@ def test_bad_input_gets_an_openai_error(server, path, body, status, param, code)
     error = response.json()["error"]
     assert error["param"] == param and error["code"] == code and error["message"]
     assert error["type"] == "invalid_request_error"
+
+
+def test_a_lone_surrogate_is_named(server):
+    body = b'{"model": "%s", "messages": [{"role": "user", "content": "a\\ud800b"}]}' % MODEL.encode()
+    response = httpx.post(server.url + "/v1/chat/completions", content=body, timeout=60,
+                          headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"] == (
+        "messages.0.content: the text holds a lone surrogate U+D800 at character 1, which is not Unicode text; "
+        "send it as a pair or drop it")
 
 
 def test_at2_without_coefficients_for_the_model_is_refused_naming_the_option(client):

@@ -97,8 +97,12 @@ def test_page_streams_the_answer_and_follows_the_pointer(server, browser, tmp_pa
     ActionChains(browser).move_to_element(browser.find_element(By.ID, "prompt")).perform()
     assert browser.find_element(By.TAG_NAME, "body").get_attribute("data-view") == hoverable[0].get_attribute(
         "data-step")
+    assert browser.find_element(By.ID, "mean").find_element(By.XPATH, "..").text.startswith(
+        f"Prompt: step {hoverable[0].get_attribute('data-step')} (")
     browser.find_element(By.ID, "mean").click()
     assert browser.find_element(By.TAG_NAME, "body").get_attribute("data-view") == "mean"
+    # The heading names the view once: the button back to the whole answer hides while it is shown.
+    assert browser.find_element(By.ID, "mean").find_element(By.XPATH, "..").text == "Prompt: whole answer"
     whole = whole_answer_scores(log_c)[start:end]  # the default view: Explanation.scores
     marked = [i for i, c in enumerate(cells) if "top" in c.get_attribute("class").split()]
     assert marked == sorted(sorted(range(start, end), key=lambda i: (-whole[i - start].item(), i))[:TOP_K])

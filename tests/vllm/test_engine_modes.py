@@ -233,6 +233,22 @@ def test_a_kv_cache_in_another_dtype_is_refused_before_work(tiny_path, kv_cache_
     _refused_at_attach(tiny_path, f"kv_cache_dtype='{kv_cache_dtype}'", kv_cache_dtype=kv_cache_dtype)
 
 
+def test_a_cache_layout_it_cannot_read_is_refused_at_attach(tiny_path, monkeypatch):
+    """vLLM's AMX kernels pack bfloat16 key blocks in pairs, which the rows cannot read: attach refuses such an
+    engine, before any request runs. On a CPU without AMX (vLLM runs bfloat16 in a layout the rows read) the layout
+    probe answers as it does on AMX."""
+    from macs_kernels.vllm import tracer
+    from macs_kernels.vllm.backend import MacsCPUAttentionImpl
+
+    monkeypatch.setattr(MacsCPUAttentionImpl, "_transposed", {})  # probe again, in this engine
+    if not torch.cpu._is_amx_tile_supported():
+        def probe_as_on_amx(isa, dtype, block_size, head_size):
+            raise NotImplementedError(f"vLLM's CPU attention ISA 'amx' packs {dtype} key blocks in pairs")
+
+        monkeypatch.setattr(tracer, "probe_layout", probe_as_on_amx)
+    _refused_at_attach(tiny_path, "ISA 'amx' packs torch.bfloat16 key blocks", dtype="bfloat16")
+
+
 def test_speculative_decoding_is_refused_before_work(tiny_path):
     _refused_at_attach(tiny_path, r"speculative decoding \(speculative_config\) is not supported under macs_kernels' "
                                   "vllm engine", speculative_config={"method": "ngram", "num_speculative_tokens": 2,

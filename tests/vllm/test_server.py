@@ -23,6 +23,7 @@ from tests.helpers import eager_macs  # noqa: E402
 
 from .conftest import TOLERANCE  # noqa: E402
 
+ROUTE_PATH = "/v1/chat/completions"
 QUESTION = [{"role": "user", "content": "Which river flows through Paris, and what is the city's oldest bridge?"}]
 
 
@@ -83,6 +84,7 @@ def test_a_response_carries_its_attribution(client, tiny_reference):
     attribution = response.choices[0].model_extra["attribution"]  # in its choice, as macs-kernels serve puts it
     assert attribution["generated_ids"] and len(attribution["generated_ids"]) == response.usage.completion_tokens
     assert attribution["config"]["engine"] == "vllm" and attribution["config"]["alpha"] == 0.6
+    assert attribution["config"]["dtype"] == "float32"  # what the rows were computed in (the server's --dtype)
     assert attribution["text"] == response.choices[0].message.content
     # The source span is the user's own text (macs-kernels serve's default), inside the templated prompt.
     start, end = attribution["source_span"]
@@ -109,6 +111,42 @@ def test_a_stream_carries_the_header_then_one_row_per_token(client, tiny_referen
     assert set(steps[0]) >= {"step", "token_id", "log_c", "scores", "heat", "heat_mean"}
     check_rows(tiny_reference, header | {"rows": [step["log_c"] for step in steps]},
                [step["token_id"] for step in steps])
+
+
+def test_concurrent_requests_sent_with_one_id_get_their_own_rows(client, tiny_reference):
+    """vLLM takes one client id (the X-Request-Id header, or the body's request_id) for several requests at once:
+    each response, whole or streamed, carries the rows of its own request, equal to the eager reference of its
+    own tokens."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    openai_client, model = client
+    questions = ["Name a river.", "Which river flows through Paris, and what is the city's oldest bridge? Answer "
+                 "in one long sentence, please, and name the architect too.", "Hello?",
+                 "What is the tallest mountain in Europe, and how high is it?"]
+    for sent in ({"extra_headers": {"X-Request-Id": "one-id"}}, {"extra_body": {"request_id": "one-id"}}):
+        start = threading.Barrier(len(questions))
+
+        def ask(index, sent=sent, start=start):
+            options = {"model": model, "messages": [{"role": "user", "content": questions[index]}],
+                       "max_tokens": 40, "temperature": 0, "extra_headers": sent.get("extra_headers"),
+                       "extra_body": sent.get("extra_body", {}) | {"attribution": True}}
+            start.wait()
+            if index % 2 == 0:
+                response = openai_client.chat.completions.create(**options)
+                attribution = response.choices[0].model_extra["attribution"]
+                return response.id, attribution, attribution["generated_ids"]
+            chunks = list(openai_client.chat.completions.create(**options, stream=True))
+            header = chunks[0].model_extra["attribution"]
+            steps = [c.model_extra["attribution"] for c in chunks[1:] if c.model_extra.get("attribution")]
+            return chunks[0].id, header | {"rows": [s["log_c"] for s in steps]}, [s["token_id"] for s in steps]
+
+        with ThreadPoolExecutor(len(questions)) as pool:
+            answers = list(pool.map(ask, range(len(questions))))
+        assert {answer[0] for answer in answers} == {"chatcmpl-one-id"}  # vLLM's ids, as the client sent them
+        assert len({len(attribution["input_ids"]) for _, attribution, _ in answers}) == len(questions)
+        for _, attribution, generated in answers:
+            check_rows(tiny_reference, attribution, generated)
 
 
 def test_an_unknown_or_refused_option_is_a_400_naming_it(client):
@@ -213,7 +251,7 @@ def test_a_chunk_of_several_tokens_becomes_one_row_per_chunk():
         yield "data: [DONE]\n\n"
 
     async def run():
-        return [piece async for piece in endpoints._stream(vllm_stream(), options_of(True), None, False)]
+        return [piece async for piece in endpoints._stream(vllm_stream(), options_of(True), None, False, "ticket")]
 
     events = [json.loads(e[6:]) for piece in asyncio.run(run()) for e in piece.split("\n\n") if e.startswith("data: {")]
     assert set(events[0]["attribution"]) == {"input_ids", "input_tokens", "source_span", "config"}
@@ -225,3 +263,108 @@ def test_a_chunk_of_several_tokens_becomes_one_row_per_chunk():
     assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert all("token_ids" not in e["choices"][0] and "prompt_token_ids" not in e for e in events)
     assert asked == [(0, 1), (1, 4), (4, 5), "released"]
+
+
+def test_a_stream_whose_rows_fail_sends_one_error_event_then_ends():
+    """Rows that fail mid-stream (here: the second chunk's) end the stream as vLLM ends a failing one: the chunks
+    before, one error event, `[DONE]`, each event closed by its blank line; vLLM's stream is closed (which aborts
+    the request) and the rows are freed."""
+    import asyncio
+
+    from macs_kernels.models import load_tokenizer
+    from macs_kernels.vllm.server import AttributionEndpoints, options_of
+
+    asked, closed = [], []
+
+    class Endpoints(AttributionEndpoints):
+        async def _rows(self, request_ids, release=False, start=0, stop=None):
+            asked.append(request_ids)
+            if start > 0:
+                return {request_ids[0]: {"error": "FloatingPointError: the attention held a NaN"}}
+            return {request_ids[0]: {"steps": 1, "n_input": 3, "log_c": torch.zeros(1, 3).numpy().tobytes()}}
+
+        async def _release(self, request_id):
+            asked.append(("released", request_id))
+
+    endpoints = Endpoints()
+    endpoints.tokenizer, endpoints.backend = load_tokenizer(), "numba"
+
+    class VllmStream:
+        def __init__(self):
+            self.chunks = iter([{"index": 0, "delta": {"role": "assistant", "content": ""}}]
+                               + [{"index": 0, "delta": {"content": c}, "token_ids": [20 + i]} for i, c in
+                                  enumerate("abcde")])
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            choice = next(self.chunks, None)
+            if choice is None:
+                raise StopAsyncIteration
+            extra = {"prompt_token_ids": [5, 6, 7]} if "role" in choice["delta"] else {}
+            return "data: " + json.dumps({"id": "chatcmpl-1", "choices": [choice]} | extra) + "\n\n"
+
+        async def aclose(self):
+            closed.append(True)
+
+    async def run():
+        stream = endpoints._stream(VllmStream(), options_of(True), None, False, "ticket-1")
+        return "".join([piece async for piece in stream])
+
+    text = asyncio.run(run())
+    assert text.endswith("\n\n")
+    events = text[:-2].split("\n\n")
+    assert all(event.startswith("data: ") and "\n" not in event for event in events), events
+    errors = [event for event in events if event.startswith('data: {"error"')]
+    assert len(errors) == 1 and "NaN" in json.loads(errors[0][6:])["error"]["message"]
+    assert events[-2:] == [errors[0], "data: [DONE]"]
+    assert [json.loads(e[6:])["attribution"]["step"] for e in events[1:-2]] == [0]  # the first token's row
+    assert closed == [True]
+    assert asked == [["ticket-1"], ["ticket-1"], ("released", "ticket-1")]
+
+
+def _chat_app(plugin: bool, monkeypatch):
+    """vLLM's chat completions route and error handlers in an app of their own, with or without the plugin's route
+    put in its place as vLLM's server does it (no engine: only requests that fail before one is needed)."""
+    from argparse import Namespace
+
+    from fastapi import FastAPI
+    from vllm import plugins
+    from vllm.entrypoints.openai.chat_completion.api_router import attach_router
+    from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
+    from vllm.plugins.endpoint_plugins.interface import attach_endpoint_plugins
+
+    from macs_kernels.vllm.server import AttributionEndpoints
+
+    app = FastAPI()
+    app.state.args = Namespace(log_error_stack=False)
+    attach_router(app)
+    monkeypatch.setattr(plugins, "load_endpoint_plugins", lambda tasks: [AttributionEndpoints()] if plugin else [])
+    attach_endpoint_plugins(app, ("generate",))
+    init_exception_handler(app)
+    return app
+
+
+def test_the_route_answers_bad_requests_as_vllm_does(monkeypatch):
+    """A body that is not JSON, sent as another content type, or that fails vLLM's request model gets vLLM's own
+    400 (message and `param`), with or without `attribution`."""
+    from fastapi.testclient import TestClient
+
+    vllm_app, plugin_app = (TestClient(_chat_app(plugin, monkeypatch)) for plugin in (False, True))
+    question = {"model": "m", "messages": QUESTION}
+    cases = [
+        ("text/plain", json.dumps(question | {"attribution": True})),
+        ("text/plain", json.dumps(question)),
+        ("application/json", '{"model": "m", "messages": [}'),
+        ("application/json", json.dumps({"model": "m", "messages": "not a list", "attribution": True})),
+        ("application/json", json.dumps(question | {"max_tokens": "many", "attribution": {"alpha": 0.5}})),
+        ("application/json", json.dumps(question | {"n": "two"})),
+    ]
+    for content_type, body in cases:
+        answers = [app.post(ROUTE_PATH, content=body, headers={"content-type": content_type})
+                   for app in (vllm_app, plugin_app)]
+        assert [a.status_code for a in answers] == [400, 400], (body, [a.text for a in answers])
+        assert answers[1].json() == answers[0].json(), body
+    param = plugin_app.post(ROUTE_PATH, json=question | {"max_tokens": "many", "attribution": True}).json()
+    assert param["error"]["param"] == "body.max_tokens"

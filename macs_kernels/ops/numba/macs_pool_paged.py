@@ -14,12 +14,34 @@ import math
 import numba
 import numpy as np
 import torch
+from numba.core import caching
 
 _POOLINGS = {"max": 0, "mean": 1, "min": 2}
 _LOG2E, _LN2_HIGH, _LN2_LOW = 1.44269504088896341, 0.693359375, -2.12194440e-4
 
 
-@numba.njit(nogil=True, fastmath=True, cache=True)
+class _UserCacheImpl(caching.CompileResultCacheImpl):
+    # numba's own choice for a source tree it cannot write (its user-wide cache directory; NUMBA_CACHE_DIR where
+    # set), never the package's folder, which numba would write into by default (an installed package's files).
+    _locator_classes = [caching.UserProvidedCacheLocator, caching.UserWideCacheLocator]
+
+
+class _UserCache(caching.FunctionCache):
+    _impl_class = _UserCacheImpl
+
+
+def _compiled(function):
+    """numba.njit(nogil, fastmath) of `function`, its machine code cached in the user's cache directory (compiling
+    a kernel takes seconds, once per signature); without a writable one, compiled once per process."""
+    kernel = numba.njit(nogil=True, fastmath=True)(function)
+    try:
+        kernel._cache = _UserCache(function)  # what njit(cache=True) sets, with numba's in-tree locator left out
+    except RuntimeError:  # no cache directory numba can write
+        pass
+    return kernel
+
+
+@_compiled
 def _exp_in_place(x, bits):
     """x <- exp(x) for x <= 0 (float32), Cephes' expf split so that every loop vectorizes: libm's exp is a
     scalar call per element, which would cost more than the scores. bits: an int32 scratch as long as x."""
@@ -40,7 +62,7 @@ def _exp_in_place(x, bits):
         x[i] *= powers[i]
 
 
-@numba.njit(nogil=True, fastmath=True, cache=True)
+@_compiled
 def _macs_pool_paged_kernel(q, keys, strides, table, out, attend_start, input_start, input_end, kv_len, scale,
                             pooling, redistribute, lse, has_lse, sinks, has_sinks, softcap):
     batch, heads, rows, dim = q.shape

@@ -37,6 +37,7 @@ function paint(k) {  // k: a step, or null for the whole answer (Explanation.sco
   $("caption").textContent = k === null ? "Prompt: whole answer" :
     `Prompt: step ${k} (${token})` + (state.pinned === k ? ", pinned" : "");
   document.body.dataset.view = k === null ? "mean" : String(k);
+  $("mean").hidden = k === null;  // the caption already says "whole answer"
 }
 
 function showPrompt(header) {

@@ -1,0 +1,43 @@
+// Which split kernel the cuda backend's split-KV ops launch (torch-free, CUDA-free: bindings.cpp includes it too).
+// "verified" (split_kv/kernel.cuh's split_kernel) is the default: it passed the GPU tests and compute-sanitizer.
+// "pipelined" (split_kv_pipelined/kernel.cuh) is chosen by MACS_KERNELS_CUDA_SPLIT_KV=pipelined, read at the first
+// launch, or at run time through macs_kernels.ops._backends.set_cuda_split_kv_kernel; shapes it does not cover
+// (pipelined_fits) still run split_kernel.
+#pragma once
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+namespace macs {
+
+enum class SplitKernel : int { kVerified = 0, kPipelined = 1 };
+constexpr const char* kSplitKernelNames[] = {"verified", "pipelined"};
+constexpr const char* kSplitKernelVariable = "MACS_KERNELS_CUDA_SPLIT_KV";
+
+// The kernel named `name`, or -1.
+inline int split_kernel_from_name(const char* name) {
+  for (int i = 0; i < 2; ++i) {
+    if (std::strcmp(name, kSplitKernelNames[i]) == 0) return i;
+  }
+  return -1;
+}
+
+// The choice of this process: -1 until the environment is read or a kernel is set (one copy in the extension).
+inline std::atomic<int>& split_kernel_choice() {
+  static std::atomic<int> choice{-1};
+  return choice;
+}
+
+// The chosen kernel, reading MACS_KERNELS_CUDA_SPLIT_KV (unset or empty: verified) on the first call; -1 when the
+// variable names no kernel.
+inline int current_split_kernel() {
+  int choice = split_kernel_choice().load();
+  if (choice >= 0) return choice;
+  const char* value = std::getenv(kSplitKernelVariable);
+  choice = value == nullptr || *value == '\0' ? int(SplitKernel::kVerified) : split_kernel_from_name(value);
+  if (choice >= 0) split_kernel_choice().store(choice);
+  return choice;
+}
+
+}  // namespace macs

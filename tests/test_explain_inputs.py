@@ -1,0 +1,56 @@
+"""explain() on token ids without a tokenizer, and a continued conversation's cache handed to generate by the
+keyword the model takes (transformers 5.24 warns on the old past_key_values)."""
+import warnings
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from macs_kernels import explain
+from macs_kernels.hf_models import cache_argument
+from tests.helpers import tiny_chat_model
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    return tiny_chat_model(tmp_path_factory.mktemp("inputs_model"))
+
+
+def test_token_ids_need_no_tokenizer(chat_model):
+    model, tokenizer = chat_model
+    ids = torch.tensor(tokenizer("Why is the sky blue?")["input_ids"])
+    with_tokenizer = explain(model, tokenizer, input_ids=ids, max_new_tokens=4)
+    without = explain(model, None, input_ids=ids, max_new_tokens=4)
+    assert torch.equal(without.generated_ids, with_tokenizer.generated_ids)
+    assert torch.equal(without.step_log_c, with_tokenizer.step_log_c)
+    assert without.input_tokens == [f"#{i}" for i in ids.tolist()] and without.text == ""
+    assert without.generated_tokens == [f"#{i}" for i in with_tokenizer.generated_ids.tolist()]
+    assert without.top_k(2) == [(i, f"#{ids[i]}", score) for i, _, score in with_tokenizer.top_k(2)]
+    with pytest.raises(ValueError, match="a text prompt needs the model's tokenizer; without one, give the prompt as"):
+        explain(model, None, "Why is the sky blue?")
+    with pytest.raises(ValueError, match="stop_strings= needs the model's tokenizer"):
+        explain(model, None, input_ids=ids, stop_strings=["."])
+
+
+def test_a_continued_conversation_hands_its_cache_without_a_deprecation(chat_model):
+    """The first turn, then explain() of the second with the first's cache under either name: no FutureWarning
+    about past_key_values, and both names give the rows of the same generation."""
+    model, tokenizer = chat_model
+    first = torch.tensor([tokenizer("Name a colour.")["input_ids"]])
+    results = []
+    for name in ("past_key_values", "cache"):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*past_key_values.* is deprecated", category=FutureWarning)
+            cache = DynamicCache(config=model.config)
+            with torch.no_grad():
+                turn_1 = model.generate(first, max_new_tokens=3, do_sample=False, pad_token_id=2,
+                                        **cache_argument(model, cache))
+            both = torch.cat([turn_1[0], torch.tensor(tokenizer(" Another?")["input_ids"])])
+            results.append(explain(model, tokenizer, input_ids=both, max_new_tokens=3, **{name: cache}))
+    by_old_name, by_new_name = results
+    assert torch.equal(by_old_name.input_ids, by_new_name.input_ids)
+    assert torch.equal(by_old_name.generated_ids, by_new_name.generated_ids)
+    assert by_old_name.step_log_c.shape == (len(by_old_name.generated_ids), len(both))  # every earlier token
+    torch.testing.assert_close(by_old_name.step_log_c, by_new_name.step_log_c, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="cache= and past_key_values= both given"):
+        explain(model, tokenizer, input_ids=both, max_new_tokens=2, cache=cache, past_key_values=cache)
