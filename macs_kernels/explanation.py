@@ -13,8 +13,9 @@ import torch
 from .alignment import user_span
 from .config import AGGREGATIONS, DEFAULT_AGGREGATION, MacsConfig
 from .core import SCORE_DEFINITION, json_values, log_zscores, paper_zscores, support, whole_answer_scores
+from .core.scores import LOG_C_DIGITS, SCORE_DIGITS, TOP_TOKENS
 from .hf_models import cache_argument, check_model
-from .prompts import plain_prompt
+from .prompts import is_messages, plain_prompt
 from .tracing import attach, check_generate
 
 __all__ = ["AGGREGATIONS", "DEFAULT_AGGREGATION", "SCORE_DEFINITION", "Explanation", "explain", "explain_continuous",
@@ -173,13 +174,6 @@ def default_span(source_span, n: int) -> tuple[int, int]:
     return (source_span[0], source_span[1]) if source_span else (0, n)
 
 
-# JSON's precision: a z-score to SCORE_DIGITS decimals (float32 noise in log c moves it by ~1e-5), log c to
-# LOG_C_DIGITS significant digits (float32's own precision; more digits would be float64 noise).
-SCORE_DIGITS = 4
-LOG_C_DIGITS = 7
-TOP_TOKENS = 10  # the best tokens as_dict lists and the page shows
-
-
 def _significant(values: torch.Tensor, digits: int) -> list:
     """Nested lists of `values` rounded to `digits` significant digits (each the float closest to its short
     decimal, so JSON writes it short), -inf as None."""
@@ -193,12 +187,8 @@ def _significant(values: torch.Tensor, digits: int) -> list:
 
 
 # ---- inputs ---------------------------------------------------------------------------------------
-def _is_messages(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
-
-
 def _prompt_text(tokenizer, prompt) -> str:
-    if _is_messages(prompt):
+    if is_messages(prompt):
         if not getattr(tokenizer, "chat_template", None):
             return plain_prompt(prompt)
         return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
@@ -237,7 +227,7 @@ def encode_prompts(tokenizer, prompt=None, input_ids=None, *, vocab_size: int | 
         ids = input_ids.long().unsqueeze(0)
         _check_vocabulary(ids, vocab_size, "input_ids")
         return ids, torch.ones_like(ids), False
-    batched = isinstance(prompt, list) and not _is_messages(prompt)
+    batched = isinstance(prompt, list) and not is_messages(prompt)
     prompts = prompt if batched else [prompt]
     if not prompts:
         raise ValueError("the list of prompts is empty")
@@ -468,7 +458,7 @@ def _explain_continuous(model, tokenizer, prompt, input_ids, max_new_tokens, gen
     if input_ids is not None or prompt is None:
         raise ValueError("continuous_batching=True takes prompt= (a string, chat messages or a list of them), "
                          "not input_ids")
-    batched = isinstance(prompt, list) and not _is_messages(prompt)
+    batched = isinstance(prompt, list) and not is_messages(prompt)
     prompts = prompt if batched else [prompt]
     explanations = explain_continuous(model, tokenizer, prompts, max_new_tokens=max_new_tokens, **engine, **config)
     return explanations if batched else explanations[0]

@@ -32,3 +32,8 @@ def plain_prompt(messages: list[dict], add_generation_prompt: bool = True) -> st
     their contents one after another, then PLAIN_GENERATION_CUE when a generation follows."""
     text = "\n\n".join(str(m.get("content", "")) for m in messages)
     return text + (PLAIN_GENERATION_CUE if add_generation_prompt else "")
+
+
+def is_messages(value) -> bool:
+    """Whether a prompt is one chat (a non-empty list of message dicts) rather than a string or a batch."""
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)

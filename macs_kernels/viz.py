@@ -12,6 +12,7 @@ from importlib import resources
 import torch
 
 from .core import json_values
+from .core.scores import SCORE_DIGITS, TOP_TOKENS
 
 
 def _unit(values: torch.Tensor) -> list[float]:
@@ -125,13 +126,11 @@ def print_sources(explanation, *, top: int = 10, console=None) -> None:
     from rich.console import Console
     from rich.markup import escape
 
-    from .at2.attributor import AT2_SCORE
-
     console = console or Console()
     console.print(f"[bold]Answer:[/bold] {escape(explanation.response)}", highlight=False)
     console.print(f"[bold]AT2 attribution[/bold] ({escape(explanation.source_type)} sources of the context):",
                   highlight=False)
-    console.print(f"[bold]Top sources[/bold] (score = {escape(AT2_SCORE)}):", highlight=False)
+    console.print(f"[bold]Top sources[/bold] (score = {escape(explanation.score_definition)}):", highlight=False)
     for rank, (score, source) in enumerate(explanation.ranked()[:top], 1):
         text = source.text if len(source.text) <= 100 else source.text[:99] + "…"
         console.print(f"{rank:>2}. {score:+.4f}  {escape(repr(text))}", highlight=False)
@@ -212,8 +211,6 @@ def page_script(data: dict) -> str:
 def explanation_html(explanation, *, title: str = "MACS attribution") -> str:
     """The page for one Explanation; the JSON payload is embedded, so the file stands alone. It holds each
     number once at the precision it shows: the scores to SCORE_DIGITS decimals, the heat to HEAT_DIGITS."""
-    from .explanation import SCORE_DIGITS, TOP_TOKENS
-
     start, end = explanation.span_range()
     step_scores, scores = explanation.step_scores, explanation.scores
     data = {

@@ -171,7 +171,7 @@ def test_score_definitions():
 LAYERS = {  # a module may import its own layer and the layers after it in this list, never one before
     # vllm: an engine adapter (its tracer feeds the core) packaged with its plugin, worker extension and explain()
     "apps": ("serve", "cli", "evaluation", "at2", "bench", "integrations", "interop", "parallel", "vllm", "__main__"),
-    "api": ("explanation", "viz", "prompts", "models", "alignment", "attnlrp", "atman"),
+    "api": ("explanation", "viz", "prompts", "models", "alignment", "attnlrp", "atman", "vision"),
     "engines": ("tracing", "continuous", "hf_models", "efficient", "norm"),
     "core": ("core",),
     "ops": ("ops", "distributed", "reference", "config"),

@@ -28,6 +28,7 @@ class AT2Explanation:
     source_type: str
     sources: list[Source]
     scores: torch.Tensor
+    score_definition = AT2_SCORE
 
     def ranked(self) -> list[tuple[float, Source]]:
         return sorted(zip(self.scores.tolist(), self.sources), key=lambda pair: -pair[0])

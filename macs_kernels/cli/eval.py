@@ -20,7 +20,7 @@ def add_parser(subparsers) -> None:
     source.add_argument("--data", type=Path, help="QA JSON: a list of {question, context, answers} or SQuAD's nesting")
     source.add_argument("--hf-dataset", help="a datasets hub name, saved folder or .json/.jsonl file instead")
     source.add_argument("--images", type=Path, help="an image data set folder (samples.jsonl: image with mask or box; "
-                        "macs_kernels.vision.evaluation) for a vision-language --model: AUC-PR of image patches")
+                        "macs_kernels.evaluation.images) for a vision-language --model: AUC-PR of image patches")
     parser.add_argument("--mask-threshold", type=float, default=None,
                         help="with --images: a token cell is the object's when this share of it is in the mask "
                              "(default 0.5)")
@@ -64,7 +64,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.images:
-        from ..vision.cli import evaluate_image_set
+        from .images import evaluate_image_set
 
         return evaluate_image_set(args)
     from ..evaluation.report import markdown, write_report

@@ -66,7 +66,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise SystemExit(f"--method at2 takes --attention {' or '.join(AT2_ATTENTIONS)}, not {args.attention!r}")
     check_output_files(json=args.json, html=args.html)
     if args.image:
-        from ..vision.cli import check_image_arguments
+        from .images import check_image_arguments
 
         check_image_arguments(args)
     elif args.heatmap:
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as error:
         raise SystemExit(f"explain: {error}") from None
     if args.image:
-        from ..vision.cli import explain_images
+        from .images import explain_images
 
         return explain_images(args, config)
 

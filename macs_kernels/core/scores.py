@@ -60,6 +60,13 @@ def paper_zscores(log_c: torch.Tensor) -> torch.Tensor:
     return torch_backend.macs_zscore(log_c.float(), torch.full((steps,), n, device=log_c.device))
 
 
+# JSON's precision: a z-score to SCORE_DIGITS decimals (float32 noise in log c moves it by ~1e-5), log c to
+# LOG_C_DIGITS significant digits (float32's own precision; more digits would be float64 noise).
+SCORE_DIGITS = 4
+LOG_C_DIGITS = 7
+TOP_TOKENS = 10  # the best tokens as_dict lists and the page shows
+
+
 def json_values(values: torch.Tensor, digits: int | None = None) -> list:
     """Nested lists of `values` (rounded to `digits` when given) with -inf as None: JSON has no infinities."""
     if values.dim() > 1:

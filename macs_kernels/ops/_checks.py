@@ -28,7 +28,7 @@ IndexLike = torch.Tensor | Sequence[int] | int
 def host_readable(*tensors: torch.Tensor) -> bool:
     """Whether reading these tensors' values costs neither a device sync nor a graph break: CPU tensors outside
     torch.compile."""
-    return not torch.compiler.is_compiling() and all(tensor.device.type == "cpu" for tensor in tensors)
+    return not torch.compiler.is_compiling() and all(tensor.is_cpu for tensor in tensors)
 
 
 def invalid_entry(valid: torch.Tensor, message: str) -> int | None:
@@ -98,21 +98,26 @@ def as_row_index(name, value, batch, rows, device):
     return as_index(name, value, batch, device)[:, None].repeat(1, rows)
 
 
+def _in_range(start, end, length, keys, n_max=None):
+    """0 <= start < end <= length <= keys, and end - start <= n_max: of Python ints, or per entry of tensors."""
+    valid = (start >= 0) & (start < end) & (end <= length) & (length <= keys)
+    return valid if n_max is None else valid & (end - start <= n_max)
+
+
 def check_ranges(input_start, input_end, kv_len, keys, n_max=None, state="log_c"):
     """0 <= input_start < input_end <= kv_len <= keys per row, and N_b <= n_max (on the host or the device: see
     the module's docstring)."""
-    valid = (input_start >= 0) & (input_start < input_end) & (input_end <= kv_len) & (kv_len <= keys)
-    if n_max is not None:
-        valid &= input_end - input_start <= n_max
     rule = f"0 <= input_start < input_end <= kv_len <= S={keys}"
-    fits = "" if n_max is None else f" and input_end - input_start <= {state}'s {n_max} columns"
-    b = invalid_entry(valid, f"every row needs {rule}{fits}")
-    if b is None:
+    if not host_readable(input_start, input_end, kv_len):
+        fits = "" if n_max is None else f" and input_end - input_start <= {state}'s {n_max} columns"
+        invalid_entry(_in_range(input_start, input_end, kv_len, keys, n_max), f"every row needs {rule}{fits}")
         return
-    s, e, n = (int(index[b]) for index in (input_start, input_end, kv_len))
-    if not 0 <= s < e <= n <= keys:
-        raise ValueError(f"row {b}: need {rule}, got input_start={s}, input_end={e}, kv_len={n}")
-    raise ValueError(f"row {b}: {e - s} input tokens do not fit {state}'s {n_max} columns")
+    # One copy of the three (already host) tensors to Python ints: cheaper than the tensor form's kernels.
+    for b, (s, e, n) in enumerate(zip(*torch.stack([input_start, input_end, kv_len]).tolist())):
+        if not _in_range(s, e, n, keys):
+            raise ValueError(f"row {b}: need {rule}, got input_start={s}, input_end={e}, kv_len={n}")
+        if not _in_range(s, e, n, keys, n_max):
+            raise ValueError(f"row {b}: {e - s} input tokens do not fit {state}'s {n_max} columns")
 
 
 def check_log_c(log_c, batch, device, name="log_c"):

@@ -21,9 +21,8 @@ from ..core import RunningWholeAnswer, support
 from ..explanation import Explanation, _decode_tokens, default_span, log_zscores
 from ..prompts import QA_TEMPLATE
 from ..viz import _unit
-from .cli import DEFAULT_MAX_BODY_BYTES
 from .engine import Engine, Job, RequestRejected, Step
-from .schemas import AttributionOptions, ChatCompletionRequest, CompletionRequest
+from .schemas import DEFAULT_MAX_BODY_BYTES, AttributionOptions, ChatCompletionRequest, CompletionRequest
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
                 413: "invalid_request_error", 503: "service_unavailable", 500: "server_error"}

@@ -7,10 +7,7 @@ import socket
 from pathlib import Path
 
 from ..cli.common import add_model_arguments
-
-# A request body larger than this is refused unread (413): far above any prompt the KV cache holds (a token
-# is a few bytes of JSON), far below what keeps the parser and the tokenizer busy for seconds.
-DEFAULT_MAX_BODY_BYTES = 1 << 20
+from .schemas import DEFAULT_MAX_BODY_BYTES
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from ..prompts import is_messages
 from .layout import QWEN_TYPES, image_layouts, model_type
 
 # Processor outputs that are the prompt itself; the rest go to generate as the model's image inputs.
@@ -45,10 +46,9 @@ def placeholder(processor, model_config) -> str:
 
 def _prompt_text(processor, model_config, prompt, count: int) -> tuple[str, bool]:
     """(text with the images' placeholders, whether a chat template made it)."""
-    from ..explanation import _is_messages
 
     tokenizer = processor.tokenizer
-    if _is_messages(prompt):
+    if is_messages(prompt):
         if not getattr(processor, "chat_template", None):
             raise ValueError("chat messages with images need the processor's chat template; this processor has none: "
                              "give the prompt as a string")
@@ -70,14 +70,13 @@ def encode_image_prompts(processor, model, prompt, images):
     """(input_ids (B, N_max) left-padded, attention_mask, batched, image inputs for generate, per prompt its
     ImageTokens) of prompts with images, through the model's processor (its chat template when it has one, else
     the tokenizer's around the images' placeholders and the text)."""
-    from ..explanation import _is_messages
 
     if not hasattr(processor, "image_processor") or not hasattr(processor, "tokenizer"):
         raise TypeError(f"prompts with images need the model's processor (image processor and tokenizer), got "
                         f"{type(processor).__name__}")
     config = model.config
     model_type(config)
-    batched = isinstance(prompt, list) and not _is_messages(prompt)
+    batched = isinstance(prompt, list) and not is_messages(prompt)
     prompts = prompt if batched else [prompt]
     per_prompt = _per_prompt(images, len(prompts), batched)
     texts, templated = zip(*(_prompt_text(processor, config, p, len(i)) for p, i in zip(prompts, per_prompt)))

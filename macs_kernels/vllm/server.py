@@ -7,9 +7,11 @@ Through vLLM's official extension points only: this `vllm.endpoint_plugins` entr
 endpoint plugins named in VLLM_PLUGINS only) replaces the POST /v1/chat/completions route by one that hands a
 request without `"attribution"` to vLLM's own handler untouched. A request with it:
 
-- has its options checked before any work (HTTP 400 naming an unknown or refused one, `n` other than 1);
+- passes vLLM's own checks first (content type, its request model: vLLM's 400s), then has its options checked
+  before any work (HTTP 400 naming an unknown or refused one, `n` other than 1);
 - goes to vLLM's handler with the options in `vllm_xargs` (they reach the workers as
-  SamplingParams.extra_args["attribution"], as JSON text: vllm_xargs carries flat values only) and with
+  SamplingParams.extra_args["attribution"], as JSON text: vllm_xargs carries flat values only), a ticket of its
+  own there (the rows are read by it: clients may send one id with several requests) and with
   `return_token_ids` (the token ids the rows belong to; removed again unless the client asked for them);
 - gets macs-kernels serve's fields back: non-streaming, the choice's `attribution` (Explanation.as_dict());
   streaming, the first chunk's `attribution` header (input ids and tokens, source span, config) and on each

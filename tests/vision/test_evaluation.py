@@ -11,8 +11,7 @@ from sklearn.metrics import average_precision_score
 
 from macs_kernels import explain
 from macs_kernels.cli import main
-from macs_kernels.vision import ImageTokens
-from macs_kernels.vision.evaluation import (
+from macs_kernels.evaluation.images import (
     cell_labels,
     load_image_set,
     object_mask,
@@ -20,6 +19,7 @@ from macs_kernels.vision.evaluation import (
     summarise,
     synthetic_set,
 )
+from macs_kernels.vision import ImageTokens
 from tests.vision.tiny import tiny_vlm
 
 

@@ -16,7 +16,7 @@ def load_vision_model(name, *, dtype, device=None):
 
 def check_image_arguments(args: argparse.Namespace) -> None:
     """What --image needs, checked before the model loads."""
-    from ..cli.common import check_output_files
+    from .common import check_output_files
 
     if args.method != "macs":
         raise SystemExit(f"--image explains with MACS; --method {args.method} takes text prompts only")
@@ -37,10 +37,10 @@ def explain_images(args: argparse.Namespace, config) -> int:
     --html."""
     import torch
 
-    from ..cli.common import write_outputs
     from ..explanation import explain
+    from ..vision import image_scores, load_image
     from ..viz import print_explanation
-    from . import image_scores, load_image
+    from .common import write_outputs
     from .render import save_heatmap
 
     images = []
@@ -84,9 +84,9 @@ def evaluate_image_set(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ..cli.common import check_model_argument
     from ..config import MacsConfig
-    from .evaluation import DEFAULT_THRESHOLD, evaluate_images, load_image_set, summarise
+    from ..evaluation.images import DEFAULT_THRESHOLD, evaluate_images, load_image_set, summarise
+    from .common import check_model_argument
 
     if args.model is None:
         raise SystemExit("--images needs --model naming a vision-language model (a folder or a hub id)")

@@ -95,7 +95,7 @@ def cell_labels(tokens, mask: np.ndarray, threshold: float = DEFAULT_THRESHOLD) 
 def score_explanation(explanation, labels: np.ndarray, image: int = 0) -> dict:
     """The paper's per-sample AUC-PR over one image's tokens: per step (ranked by log c, which ranks as the step's
     z-scores do without their ties), its best step, and the whole answer's (Explanation.scores)."""
-    from ..evaluation.metrics import auc_pr_sample
+    from .metrics import auc_pr_sample
 
     positions = list(explanation.images[image].positions)
     result = auc_pr_sample(explanation.step_log_c[:, positions].double().clamp_min(-1e30).numpy(), [labels],
@@ -138,7 +138,7 @@ def evaluate_images(model, processor, samples, *, done: dict | None = None, on_r
 
 def summarise(results: list[dict]) -> dict:
     """Mean AUC-PR of the best step and of the whole answer with 95% intervals, over the scored samples."""
-    from ..evaluation.metrics import mean_ci
+    from .metrics import mean_ci
 
     scored = [r for r in results if "skipped" not in r]
     summary = {"samples": len(results), "scored": len(scored), "skipped": len(results) - len(scored)}
