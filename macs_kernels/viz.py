@@ -184,20 +184,7 @@ function paint(k, label) {{
     const cell = row.insertCell(); cell.className = "score"; cell.textContent = shown(z[i]);
     row.insertCell().textContent = "token " + i; }});
 }}
-let pinned = null;
-data.generated_tokens.forEach((tok, k) => {{
-  const s = document.createElement("span"); s.textContent = tok; answer.appendChild(s);
-  s.addEventListener("mouseenter", () => {{
-    if (pinned === null) paint(k, `step ${{k}} (${{JSON.stringify(tok)}})`);
-  }});
-  s.addEventListener("mouseleave", () => {{ if (pinned === null) paint(null, "whole answer"); }});
-  s.addEventListener("click", () => {{
-    answer.querySelectorAll("span").forEach(x => x.classList.remove("active"));
-    if (pinned === k) {{ pinned = null; paint(null, "whole answer"); return; }}
-    pinned = k; s.classList.add("active"); paint(k, `step ${{k}} (${{JSON.stringify(tok)}}), pinned`);
-  }});
-}});
-paint(null, "whole answer");
+macsAnswerTokens(data.generated_tokens, answer, paint);
 </script></body></html>
 """
 HEAT_DIGITS = 3  # a heat weight picks one of 256 colours

@@ -17,11 +17,13 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..alignment import align_context, user_span
-from ..core import RunningWholeAnswer, support
+from ..core import RunningWholeAnswer, json_values, support
+from ..core.scores import SCORE_DIGITS
 from ..explanation import Explanation, _decode_tokens, default_span, log_zscores
 from ..prompts import QA_TEMPLATE
 from ..viz import _unit
-from .engine import Engine, Job, RequestRejected, Step
+from .engine import Engine, Job, RequestRejected, Step, VisionEngine
+from .images import DEFAULT_MAX_IMAGE_PIXELS, decode_image
 from .schemas import DEFAULT_MAX_BODY_BYTES, AttributionOptions, ChatCompletionRequest, CompletionRequest
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
@@ -94,29 +96,41 @@ class BodyLimit:
 
 class PromptSpan:
     """A request's prompt ids, with the source span (token range) its attribution colours, and its tokens'
-    texts when the request is attributed."""
+    texts when the request is attributed; a prompt with images also has each image's tokens and grid (ImageTokens)
+    and the processor's tensors for them."""
 
-    def __init__(self, ids: list[int], source_span: tuple[int, int] | None = None, tokens: list[str] | None = None):
+    def __init__(self, ids: list[int], source_span: tuple[int, int] | None = None, tokens: list[str] | None = None,
+                 images: list | None = None, image_inputs: dict | None = None):
         self.ids, self.source_span, self.tokens = ids, source_span, tokens
+        self.images, self.image_inputs = images, image_inputs
 
 
 class AttributionPayloads:
-    """Builds a request's attribution payloads from its steps: one per streamed token, and the whole object."""
+    """Builds a request's attribution payloads from its steps: one per streamed token, and the whole object.
 
-    def __init__(self, tokenizer, prompt: PromptSpan, options: AttributionOptions):
+    With images, the text heat covers the prompt's text tokens (the images' tokens are coloured on their own
+    grids, as Explanation.to_html() colours them), and each image gets its scores and heat on its token grid."""
+
+    def __init__(self, tokenizer, prompt: PromptSpan, options: AttributionOptions, engine: str = "continuous"):
         self.tokenizer, self.prompt = tokenizer, prompt
         config = options.macs_config()
-        self.config = config.as_dict() | {"engine": "continuous", "method": options.method}
+        self.config = config.as_dict() | {"engine": engine, "method": options.method}
         self.span = default_span(prompt.source_span, len(prompt.ids))
+        in_images = {i for tokens in prompt.images or () for i in tokens.positions}
+        self.text_positions = [i for i in range(*self.span) if i not in in_images]
         self.steps: list[Step] = []
         self.whole = RunningWholeAnswer()
         self.at2_scores = None
 
     def header(self) -> dict:
-        return {
+        header = {
             "input_ids": self.prompt.ids, "input_tokens": self.prompt.tokens,
             "source_span": list(self.span), "config": self.config,
         }
+        if self.prompt.images:
+            header |= {"text_positions": self.text_positions,
+                       "images": [tokens.as_dict() for tokens in self.prompt.images]}
+        return header
 
     def record(self, step: Step) -> None:
         """Keep a step for the whole object (a response that is not streamed needs no per-step payload)."""
@@ -125,22 +139,30 @@ class AttributionPayloads:
             self.at2_scores = step.at2_scores.tolist()
 
     def step(self, step: Step) -> dict:
-        """The step's row, with the heat weights Explanation.to_html() colours by (viz._unit over the span)."""
+        """The step's row, with the heat weights Explanation.to_html() colours by (viz._unit over the span's
+        text; with images, also over each image's tokens, on its grid)."""
         self.record(step)
         log_c = step.log_c.double()
-        start, end = self.span
+        scores = log_zscores(step.log_c)
         # The page's default view: the whole answer so far, as Explanation.scores.
         whole = self.whole.add(step.log_c)
         payload = {
             "step": len(self.steps) - 1, "token_id": step.token_id, "log_c": step.log_c.tolist(),
-            "scores": log_zscores(step.log_c).tolist(), "heat": _unit(log_c[start:end]),
-            "whole_scores": whole.tolist(), "heat_mean": _unit(whole[start:end]),
+            "scores": scores.tolist(), "heat": _unit(log_c[self.text_positions]),
+            "whole_scores": whole.tolist(), "heat_mean": _unit(whole[self.text_positions]),
         }
+        if self.prompt.images:
+            payload["images"] = [{
+                "scores": tokens.grid_of(scores).tolist(), "heat": _grid_heat(tokens, log_c),
+                "whole_scores": tokens.grid_of(whole).tolist(), "heat_mean": _grid_heat(tokens, whole),
+            } for tokens in self.prompt.images]
         if step.at2_scores is not None:
             payload["at2_scores"] = self.at2_scores
         return _finite(payload)
 
     def explanation(self, text: str) -> dict:
+        """Explanation.as_dict() of the steps; with images, each image's entry adds its scores on its grid:
+        step_scores (steps, rows, cols) and the whole answer's scores (rows, cols)."""
         generated = [s.token_id for s in self.steps]
         n = len(self.prompt.ids)
         explanation = Explanation(
@@ -148,10 +170,23 @@ class AttributionPayloads:
             input_tokens=self.prompt.tokens,
             generated_tokens=_decode_tokens(self.tokenizer, generated),
             step_log_c=torch.stack([s.log_c for s in self.steps]) if self.steps else torch.zeros(0, n),
-            config=self.config, text=text, source_span=self.prompt.source_span,
+            config=self.config, text=text, source_span=self.prompt.source_span, images=self.prompt.images,
         )
+        whole = explanation.as_dict()
+        if self.prompt.images:
+            step_scores, scores = explanation.step_scores, explanation.scores
+            whole["images"] = [entry | {
+                "step_scores": json_values(torch.stack([tokens.grid_of(row) for row in step_scores])
+                                           if len(step_scores) else torch.zeros(0, *tokens.grid), SCORE_DIGITS),
+                "scores": json_values(tokens.grid_of(scores), SCORE_DIGITS),
+            } for entry, tokens in zip(whole["images"], self.prompt.images)]
         extra = {} if self.at2_scores is None else {"at2_scores": self.at2_scores}
-        return _finite(explanation.as_dict() | extra)
+        return _finite(whole | extra)
+
+
+def _grid_heat(tokens, row: torch.Tensor) -> list:
+    """viz._unit weights of an image's tokens in `row`, on the image's token grid."""
+    return torch.tensor(_unit(row[list(tokens.positions)]), dtype=torch.float64).reshape(tokens.grid).tolist()
 
 
 class _Text:
@@ -236,9 +271,10 @@ class _Choice:
         return released
 
 
-def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def create_app(engine: Engine | VisionEngine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> FastAPI:
     """The application around a (not yet started) engine; its lifespan starts and drains it. A request body
-    over max_body_bytes is refused unread (413)."""
+    over max_body_bytes is refused unread (413); an image over max_image_pixels pixels with a 400."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -294,6 +330,8 @@ def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
                                   param="model", code="model_not_found", status=404)
 
     def chat_prompt(body: ChatCompletionRequest, options: AttributionOptions | None) -> PromptSpan:
+        if any(message.image_urls() for message in body.messages):
+            return image_prompt(body, options)
         if not getattr(tokenizer, "chat_template", None):
             raise RequestRejected("this model has no chat template; use /v1/completions", param="messages")
         messages = [m.as_template() for m in body.messages]
@@ -308,6 +346,30 @@ def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         except ValueError as error:
             raise RequestRejected(f"attribution.source: {error}", param="attribution.source") from None
         return PromptSpan(ids, alignment.context_tokens)
+
+    def image_prompt(body: ChatCompletionRequest, options: AttributionOptions | None) -> PromptSpan:
+        """A chat prompt with images through the model's processor (its chat template), as explain(model,
+        processor, messages, images=...) encodes it: every prompt token is an input, image tokens included."""
+        from ..vision import encode_image_prompts
+
+        engine.check_images()  # before any decoding
+        if options is not None and options.source is not None:
+            raise RequestRejected("attribution.source takes text prompts: a prompt with images has no source span",
+                                  param="attribution.source")
+        images = []
+        for m, message in enumerate(body.messages):
+            for p, url in message.image_urls():
+                try:
+                    images.append(decode_image(url, max_pixels=max_image_pixels))
+                except ValueError as error:
+                    raise RequestRejected(f"messages.{m}.content.{p}.image_url: {error}",
+                                          param=f"messages.{m}.content.{p}.image_url", code="invalid_image") from None
+        messages = [message.as_image_template() for message in body.messages]
+        try:
+            ids, _, _, image_inputs, layouts = encode_image_prompts(engine.processor, engine.model, messages, images)
+        except (ValueError, NotImplementedError) as error:
+            raise RequestRejected(f"messages: {error}", param="messages") from None
+        return PromptSpan(ids[0].tolist(), images=layouts[0], image_inputs=image_inputs)
 
     def completion_prompt(body: CompletionRequest, options: AttributionOptions | None) -> PromptSpan:
         if options is not None and options.source is not None:
@@ -343,11 +405,12 @@ def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
             raise RequestRejected(support.message("server", "at2", "stop_strings"), param="stop")
         jobs: list[Job] = [
             engine.job(prompt.ids, body.max_tokens, options.macs_config() if options else None,
-                       prompt_param="messages" if chat else "prompt", at2=at2, sampling=sampling)
+                       prompt_param="messages" if chat else "prompt", at2=at2, sampling=sampling,
+                       image_inputs=prompt.image_inputs)
             for sampling in body.sampling()
         ]
-        choices = [_Choice(tokenizer, i, stops, AttributionPayloads(tokenizer, prompt, options) if options else None)
-                   for i in range(len(jobs))]
+        choices = [_Choice(tokenizer, i, stops, AttributionPayloads(tokenizer, prompt, options, engine.kind)
+                           if options else None) for i in range(len(jobs))]
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": engine.name}
         if body.stream:

@@ -7,7 +7,13 @@ import socket
 from pathlib import Path
 
 from ..cli.common import add_model_arguments
+from .images import DEFAULT_MAX_IMAGE_PIXELS
 from .schemas import DEFAULT_MAX_BODY_BYTES
+
+# Images travel inline as base64: a photograph of a few megabytes is a request of a few more.
+DEFAULT_MAX_IMAGE_BODY_BYTES = 16 << 20
+# Options of the continuous-batching engine (and AT2), which a vision-language model's server does not run.
+_BATCHING = {"page_size": 64, "max_batch_tokens": 256, "at2_coefficients": None}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -31,12 +37,17 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--cache-tokens", type=int, default=8192,
                         help="KV-cache capacity in tokens, all requests together (a multiple of --page-size)")
-    parser.add_argument("--page-size", type=int, default=64, help="tokens per KV-cache page")
-    parser.add_argument("--max-batch-tokens", type=int, default=256, help="query tokens per batched forward pass")
+    parser.add_argument("--page-size", type=int, default=_BATCHING["page_size"], help="tokens per KV-cache page")
+    parser.add_argument("--max-batch-tokens", type=int, default=_BATCHING["max_batch_tokens"],
+                        help="query tokens per batched forward pass")
     parser.add_argument("--default-max-tokens", type=int, default=256,
                         help="max_tokens of a request that does not give one")
-    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                        help="largest request body accepted; a larger one gets 413 before it is read")
+    parser.add_argument("--max-body-bytes", type=int, default=None,
+                        help=f"largest request body accepted; a larger one gets 413 before it is read (default: "
+                             f"{DEFAULT_MAX_BODY_BYTES}, or {DEFAULT_MAX_IMAGE_BODY_BYTES} for a vision-language "
+                             "model, whose requests carry images)")
+    parser.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                        help="largest image (width x height) a request may send a vision-language model")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--at2-coefficients", type=Path, default=None, metavar="PATH",
                         help="AT2 coefficients for attribution.method='at2' (default: the packaged ones, when they "
@@ -48,7 +59,8 @@ def check_arguments(args) -> None:
     from ..cli.common import check_device_argument, check_model_argument
     from .engine import check_sizes
 
-    for option, value in (("--threads", args.threads), ("--max-body-bytes", args.max_body_bytes)):
+    for option, value in (("--threads", args.threads), ("--max-body-bytes", args.max_body_bytes),
+                          ("--max-image-pixels", args.max_image_pixels)):
         if value is not None and value < 1:
             raise SystemExit(f"{option} must be at least 1, got {value}")
     try:
@@ -82,6 +94,49 @@ def check_address(host: str, port: int) -> None:
             raise SystemExit(f"--host {host} --port {port}: cannot listen there ({why})") from None
 
 
+def vision_language_type(name: str | None) -> str | None:
+    """The model type of --model when it is a vision-language model (transformers' image-text-to-text kind),
+    else None; a model type whose image tokens macs_kernels cannot map back to the image exits naming those it
+    can."""
+    if name is None:  # the default model reads text
+        return None
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    from ..vision.layout import model_type
+
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except (OSError, ValueError):  # the model loader says why, in the words it has for every model
+        return None
+    if config.model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return None
+    try:
+        return model_type(config)
+    except NotImplementedError as error:
+        raise SystemExit(f"--model {name}: a vision-language model this server cannot serve: {error}") from None
+
+
+def _vision_engine(args):
+    """The engine of a vision-language --model (loaded as `macs-kernels explain --image` loads it)."""
+    import torch
+
+    from ..cli.images import load_vision_model
+    from .engine import VisionEngine
+
+    batching = ["--" + name.replace("_", "-") for name, default in _BATCHING.items() if getattr(args, name) != default]
+    if batching:
+        raise SystemExit(f"{', '.join(batching)}: a vision-language model is served one request at a time through "
+                         "generate (continuous batching takes no images) and without AT2; drop them")
+    try:
+        model, processor = load_vision_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--model {args.model}: cannot load it as a vision-language model: "
+                         f"{str(error).splitlines()[0]}") from None
+    return VisionEngine(model, processor, name=args.served_name or args.model, cache_tokens=args.cache_tokens,
+                        default_max_tokens=args.default_max_tokens)
+
+
 def run_serve(args) -> int:
     check_arguments(args)
     import torch
@@ -94,18 +149,23 @@ def run_serve(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_from_args(args)
+    vision = vision_language_type(args.model) is not None
     try:
-        engine = Engine(model, tokenizer, name=args.served_name or args.model or DEFAULT_MODEL,
-                        cache_tokens=args.cache_tokens, page_size=args.page_size,
-                        max_batch_tokens=args.max_batch_tokens, default_max_tokens=args.default_max_tokens,
-                        at2_coefficients=args.at2_coefficients)
+        if vision:
+            engine = _vision_engine(args)
+        else:
+            model, tokenizer = load_from_args(args)
+            engine = Engine(model, tokenizer, name=args.served_name or args.model or DEFAULT_MODEL,
+                            cache_tokens=args.cache_tokens, page_size=args.page_size,
+                            max_batch_tokens=args.max_batch_tokens, default_max_tokens=args.default_max_tokens,
+                            at2_coefficients=args.at2_coefficients)
     except (TypeError, ValueError, NotImplementedError) as error:  # a model MACS cannot trace, AT2 for another
         raise SystemExit(f"macs-kernels serve: {error}") from None
+    max_body_bytes = args.max_body_bytes or (DEFAULT_MAX_IMAGE_BODY_BYTES if vision else DEFAULT_MAX_BODY_BYTES)
     # Uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight responses finish, then runs the
     # lifespan's shutdown, which drains and stops the engine.
-    uvicorn.run(create_app(engine, max_body_bytes=args.max_body_bytes), host=args.host, port=args.port,
-                log_level="info")
+    uvicorn.run(create_app(engine, max_body_bytes=max_body_bytes, max_image_pixels=args.max_image_pixels),
+                host=args.host, port=args.port, log_level="info")
     return 0
 
 

@@ -112,3 +112,20 @@ class RequestSampler:
                 scores[row] = float("-inf")
                 scores[row, token] = 0.0
         return scores
+
+
+class SequenceSampler:
+    """A generate() logits processor for one sequence drawn as `RequestSampler` draws a request's tokens (its
+    own generator, warpers and seed): generate decodes greedily and takes the one token left finite, so the same
+    request with the same seed gets the same tokens on either engine."""
+
+    def __init__(self, sampling: Sampling):
+        self.draw = _Draw(sampling)
+
+    def __call__(self, _input_ids, scores: torch.Tensor) -> torch.Tensor:
+        if scores.shape[0] != 1:
+            raise RuntimeError(f"SequenceSampler draws one sequence; generate passed {scores.shape[0]} rows")
+        token = self.draw.token(scores[0])
+        drawn = torch.full_like(scores, float("-inf"))
+        drawn[0, token] = 0.0
+        return drawn

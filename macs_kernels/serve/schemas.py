@@ -214,24 +214,62 @@ class ChatMessage(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _parts(cls, value):
-        """Content parts: text parts joined (as OpenAI reads them); any other kind is refused by its type."""
+    def _parts(cls, value, info: ValidationInfo):
+        """Content parts: text parts joined (as OpenAI reads them) unless the message holds images, whose parts
+        are then kept in order; image parts are base64 data URLs in user messages; any other kind is refused by
+        its type."""
         if isinstance(value, str):
             return value
-        texts = []
+        images = False
         for part in value:
             kind = part.get("type")
-            if kind != "text":
+            if kind == "text":
+                if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+                    raise ValueError(f"a text part is {{\"type\": \"text\", \"text\": <string>}}, got keys "
+                                     f"{sorted(part)}")
+            elif kind == "image_url":
+                _check_image_part(part, info.data.get("role"))
+                images = True
+            else:
                 raise ValueError(f"content parts of type {kind!r} are not supported by this server: it reads text "
-                                 "parts only")
-            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
-                raise ValueError(f"a text part is {{\"type\": \"text\", \"text\": <string>}}, got keys {sorted(part)}")
-            texts.append(part["text"])
-        return "".join(texts)
+                                 "and image_url parts only")
+        return value if images else "".join(part["text"] for part in value)
+
+    def image_urls(self) -> list[tuple[int, str]]:
+        """(part index, data URL) of the message's image parts, in order."""
+        return [] if isinstance(self.content, str) else [
+            (p, part["image_url"]["url"]) for p, part in enumerate(self.content) if part["type"] == "image_url"]
 
     def as_template(self) -> dict:
+        """The message for the tokenizer's chat template (a message without images)."""
         # OpenAI's developer messages are the system messages of newer models; chat templates know "system".
         return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+
+    def as_image_template(self) -> dict:
+        """The message for a vision-language processor's chat template: its parts in order, an image as
+        {"type": "image"} (the processor takes the pictures separately, in the same order)."""
+        parts = [{"type": "text", "text": self.content}] if isinstance(self.content, str) else [
+            {"type": "image"} if part["type"] == "image_url" else part for part in self.content]
+        return self.as_template() | {"content": parts}
+
+
+def _check_image_part(part: dict, role: str | None) -> None:
+    """An image part is {"type": "image_url", "image_url": {"url": <base64 data URL>, "detail": "auto"}}, in a
+    user message (OpenAI's rule); the pictures are decoded later, in a worker thread."""
+    from .images import check_image_url
+
+    image = part.get("image_url")
+    if set(part) != {"type", "image_url"} or not isinstance(image, dict) or not isinstance(image.get("url"), str):
+        raise ValueError("an image part is {\"type\": \"image_url\", \"image_url\": {\"url\": <data URL>}}, got "
+                         f"keys {sorted(part)}")
+    if not set(image) <= {"url", "detail"}:
+        raise ValueError(f"image_url takes url and detail, got {sorted(image)}")
+    if image.get("detail", "auto") != "auto":
+        raise ValueError(f"image_url.detail={image['detail']!r} is not supported by this server (the model's "
+                         "processor sizes the image); omit it or send \"auto\"")
+    if role != "user":
+        raise ValueError(f"image_url parts are allowed in user messages only, not in a {role} message")
+    check_image_url(image["url"])
 
 
 class ChatCompletionRequest(_Request):

@@ -115,20 +115,7 @@ function paint(k, label) {{
   }});
   caption.textContent = "Image and prompt: " + label;
 }}
-let pinned = null;
-data.generated_tokens.forEach((tok, k) => {{
-  const s = document.createElement("span"); s.textContent = tok; answer.appendChild(s);
-  s.addEventListener("mouseenter", () => {{
-    if (pinned === null) paint(k, `step ${{k}} (${{JSON.stringify(tok)}})`);
-  }});
-  s.addEventListener("mouseleave", () => {{ if (pinned === null) paint(null, "whole answer"); }});
-  s.addEventListener("click", () => {{
-    answer.querySelectorAll("span").forEach(x => x.classList.remove("active"));
-    if (pinned === k) {{ pinned = null; paint(null, "whole answer"); return; }}
-    pinned = k; s.classList.add("active"); paint(k, `step ${{k}} (${{JSON.stringify(tok)}}), pinned`);
-  }});
-}});
-paint(null, "whole answer");
+macsAnswerTokens(data.generated_tokens, answer, paint);
 </script></body></html>
 """
 

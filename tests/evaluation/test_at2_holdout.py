@@ -11,16 +11,8 @@ from macs_kernels.cli import main
 from macs_kernels.evaluation.data import QASample, load_qa
 from macs_kernels.evaluation.methods import AT2_TRAINED_ON, MethodUnavailable, method_skips, parse_method
 from tests.evaluation import stqa_350
-from tests.evaluation.test_resume import eval_command, write_data
+from tests.evaluation.test_resume import _one_thread, eval_command, write_data  # noqa: F401 (autouse)
 from tests.helpers import QUESTIONS
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_at2_skips_its_training_questions_by_content_wherever_they_stand():

@@ -132,7 +132,8 @@ def test_input_ids_prompt_and_serialisation(model_and_tokenizer, tmp_path):
     assert torch.equal(from_ids.step_scores, from_messages.step_scores)
     data = json.loads(from_ids.to_json())
     assert data["generated_ids"] == from_ids.generated_ids.tolist()
-    assert torch.allclose(torch.tensor(data["step_scores"]), from_ids.step_scores)
+    torch.testing.assert_close(torch.tensor(data["step_scores"]), from_ids.step_scores, rtol=0, atol=6e-5)  # 4 decimals
+    torch.testing.assert_close(torch.tensor(data["step_log_c"]), from_ids.step_log_c, rtol=1e-6, atol=0)  # 7 digits
     assert data["config"]["alpha"] == 0.8 and data["config"]["pooling"] == "max"
     page = from_ids.to_html()
     assert page.startswith("<!doctype html>") and "step_scores" in page and "<script" in page

@@ -174,7 +174,7 @@ def _chat(**fields):
      "stream_options.include_obfuscation", "False"),
     ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [
         {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
-     "messages.0.content", "'image_url'"),
+     "messages.0.content", "no network"),
     ("/v1/chat/completions", _chat(messages=[{"role": "tool", "content": "x"}]), "messages.0.role", "user"),
     ("/v1/chat/completions", _chat(max_tokens=3, max_completion_tokens=4), "max_completion_tokens", "disagree"),
     ("/v1/chat/completions", _chat(max_completion_tokens=0), "max_completion_tokens", "at least 1"),
