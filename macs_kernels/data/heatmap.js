@@ -24,3 +24,18 @@ function macsAnswerTokens(tokens, answer, paint) {
   });
   paint(null, "whole answer");
 }
+
+// An image with its token grid over the part of the image the grid covers (ImageTokens.as_dict(): size, box,
+// grid, positions), appended to `container`; returns the grid's cells, one per image token in raster order.
+// Both image pages use it: Explanation.to_html()'s and the server's live page.
+function macsImageGrid(picture, src, container) {
+  const frame = document.createElement("div"), img = document.createElement("img"), grid = document.createElement("div");
+  frame.className = "picture"; img.src = src; grid.className = "grid";
+  const [w, h] = picture.size, [l, t, r, b] = picture.box;
+  Object.assign(grid.style, { left: 100 * l / w + "%", top: 100 * t / h + "%", width: 100 * (r - l) / w + "%",
+    height: 100 * (b - t) / h + "%", gridTemplateRows: `repeat(${picture.grid[0]}, 1fr)`,
+    gridTemplateColumns: `repeat(${picture.grid[1]}, 1fr)` });
+  frame.append(img, grid);
+  container.appendChild(frame);
+  return picture.positions.map(() => grid.appendChild(document.createElement("div")));
+}

@@ -319,15 +319,15 @@ class VisionEngine(_Requests):
         if cancelled.is_set():  # the client left while the request waited
             return
         self._active += 1
-        device = next(self.model.parameters()).device
-        kwargs = {"max_new_tokens": job.max_new_tokens, "do_sample": False, "pad_token_id": self.pad_id,
-                  "eos_token_id": sorted(self.eos_ids), "stopping_criteria": StoppingCriteriaList([Cancelled()]),
-                  "return_dict_in_generate": False}
-        if not job.sampling.greedy:
-            kwargs["logits_processor"] = LogitsProcessorList([SequenceSampler(job.sampling)])
-        kwargs |= {key: value.to(device) for key, value in (job.image_inputs or {}).items()}
-        ids = torch.tensor([job.input_ids], device=device)
         try:
+            device = next(self.model.parameters()).device
+            kwargs = {"max_new_tokens": job.max_new_tokens, "do_sample": False, "pad_token_id": self.pad_id,
+                      "eos_token_id": sorted(self.eos_ids), "stopping_criteria": StoppingCriteriaList([Cancelled()]),
+                      "return_dict_in_generate": False}
+            if not job.sampling.greedy:
+                kwargs["logits_processor"] = LogitsProcessorList([SequenceSampler(job.sampling)])
+            kwargs |= {key: value.to(device) for key, value in (job.image_inputs or {}).items()}
+            ids = torch.tensor([job.input_ids], device=device)
             with torch.inference_mode(), contextlib.ExitStack() as stack:
                 tracer = None if job.attribution is None else stack.enter_context(
                     attach(self.model, **job.attribution.as_dict()))

@@ -91,17 +91,8 @@ const answer = document.getElementById("answer"), caption = document.getElementB
 const textCells = data.text_positions.map(i => {{
   const s = document.createElement("span"); s.textContent = data.input_tokens[i];
   document.getElementById("prompt").appendChild(s); return s; }});
-const imageCells = data.images.map(picture => {{
-  const frame = document.createElement("div"); frame.className = "picture";
-  const img = document.createElement("img"); img.src = picture.src; frame.appendChild(img);
-  const [w, h] = picture.size, [l, t, r, b] = picture.box, grid = document.createElement("div");
-  grid.className = "grid";
-  Object.assign(grid.style, {{ left: 100 * l / w + "%", top: 100 * t / h + "%", width: 100 * (r - l) / w + "%",
-    height: 100 * (b - t) / h + "%", gridTemplateRows: `repeat(${{picture.grid[0]}}, 1fr)`,
-    gridTemplateColumns: `repeat(${{picture.grid[1]}}, 1fr)` }});
-  frame.appendChild(grid); document.getElementById("pictures").appendChild(frame);
-  return picture.positions.map(() => {{ const c = document.createElement("div"); grid.appendChild(c); return c; }});
-}});
+const imageCells = data.images.map(picture => macsImageGrid(picture, picture.src,
+                                                            document.getElementById("pictures")));
 function paint(k, label) {{
   const z = k === null ? data.scores : data.step_scores[k];
   const tip = i => "score = " + (z[i] === null ? "-inf (underflow)" : z[i].toFixed(3));

@@ -114,6 +114,22 @@ def test_text_request_on_a_vision_language_model(vlm):
     reference = explain(model, processor, messages, max_new_tokens=3, backend="torch")
     assert_matches(choice["attribution"], reference, choice["message"]["content"])
     assert "images" not in choice["attribution"]
+    health = client.get("/health").json()
+    assert health["status"] == "ok" and health["requests"] == {"active": 0, "waiting": 0, "streams": 0}
+
+
+def test_stop_string_cancels_the_generation(vlm):
+    """A stop string ends the answer and stops its generate at the next token: the next request is served."""
+    model, processor, client = vlm
+    image = random_image(16, 16, seed=6)
+    reference = explain(model, processor, REFERENCE_MESSAGES, images=[image], max_new_tokens=4, backend="torch")
+    stop = reference.generated_tokens[1]
+    assert stop.strip() and stop not in reference.generated_tokens[0]
+    response = client.post("/v1/chat/completions", json=image_body(data_url(image), stop=stop, max_tokens=200))
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == reference.generated_tokens[0]
+    assert choice["attribution"]["generated_ids"] == reference.generated_ids[:1].tolist()
+    assert response.json()["usage"]["completion_tokens"] < 200
 
 
 def test_seeded_sampling_equals_teacher_forced(vlm):

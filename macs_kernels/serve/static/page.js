@@ -59,19 +59,7 @@ function showPrompt(header) {
     box.appendChild(s);
     return s;
   });
-  state.imageCells = (header.images || []).map(picture => showPicture(picture, state.imageURL));
-}
-
-function showPicture(picture, src) {  // the image with its token grid over the box the grid covers
-  const frame = document.createElement("div"), img = document.createElement("img"), grid = document.createElement("div");
-  frame.className = "picture"; img.src = src; grid.className = "grid";
-  const [w, h] = picture.size, [l, t, r, b] = picture.box;
-  Object.assign(grid.style, { left: 100 * l / w + "%", top: 100 * t / h + "%", width: 100 * (r - l) / w + "%",
-    height: 100 * (b - t) / h + "%", gridTemplateRows: `repeat(${picture.grid[0]}, 1fr)`,
-    gridTemplateColumns: `repeat(${picture.grid[1]}, 1fr)` });
-  frame.append(img, grid);
-  $("pictures").appendChild(frame);
-  return picture.positions.map(() => grid.appendChild(document.createElement("div")));
+  state.imageCells = (header.images || []).map(picture => macsImageGrid(picture, state.imageURL, $("pictures")));
 }
 
 function readImage(file) {  // a data URL, as the server takes image_url parts
