@@ -34,7 +34,7 @@ from .config import MacsConfig
 from .core import Kernels, PackedRows, RowStore, log_zscores, support
 from .distributed import head_shards
 from .efficient import GramState, efficient_rows
-from .hf_models import check_model, check_variants, layer_variant, takes_cache
+from .hf_models import check_model, check_variants, compiled_forward, layer_variant, takes_cache
 from .ops import efficient_attention, torch_row
 from .ops._dispatch import resolve_backend
 from .ops.torch_packed import Segments, macs_pool_packed
@@ -541,6 +541,9 @@ def attach_continuous(model, *, manager=None, keep_finished: int = 256, **config
     if isinstance(keep_finished, bool) or not isinstance(keep_finished, int) or keep_finished < 0:
         raise ValueError(f"keep_finished must be an int >= 0, got {keep_finished!r}")
     modules = check_model(model)
+    if compiled_forward(model):
+        raise NotImplementedError("continuous batching with a torch.compile'd forward is not supported: the "
+                                  "tracer keeps host-side state per pass; use the uncompiled forward")
     shards = head_shards(model, modules)
     support.check_method("continuous", support.method_of(macs_config))
     variants = check_variants(model, "continuous", support.method_of(macs_config))

@@ -11,7 +11,9 @@ from .core import support
 from .ops.variant import PLAIN, Variant
 
 
-def _compiled(function) -> bool:
+def compiled_forward(model) -> bool:
+    """Whether the model's forward was replaced by a torch.compile'd one."""
+    function = getattr(model, "forward", None)
     return hasattr(function, "_torchdynamo_orig_callable") or hasattr(function, "_orig_mod")
 
 
@@ -74,11 +76,6 @@ def check_model(model) -> dict[int, torch.nn.Module]:
         raise TypeError(
             f"{type(model).__name__}'s language model ({type(text_model).__name__}) does not run its attention "
             "through transformers' AttentionInterface, so macs_kernels cannot trace it"
-        )
-    if _compiled(getattr(model, "forward", None)):
-        raise NotImplementedError(
-            "the model's forward is torch.compile'd: the tracer keeps host-side state per pass and cannot run "
-            "inside a compiled graph; use the uncompiled forward (drop torch.compile)"
         )
     modules = _attention_modules(model)
     if sorted(modules) != list(range(len(modules))) or not modules:

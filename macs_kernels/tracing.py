@@ -26,7 +26,10 @@ cache and `generate` say:
   generate appends to finished rows of a batch get no rows.
 
 Generation modes the tracer is tested on are allowed by name; anything else raises before generation,
-naming the option (`check_generate`). Per-layer extensions (AT2 query capture, row recording for
+naming the option (`check_generate`). Under torch.compile (generate's own compile of a static-cache generation,
+or a user's compiled forward) greedy and sampled generation with a static cache and softmax rows are traced:
+each pass's bookkeeping runs outside the compiled region (`torch.compiler.disable`), the per-layer scoring
+inside it. Per-layer extensions (AT2 query capture, row recording for
 evaluation) hang on the same tracer as `TraceHook`s.
 """
 from __future__ import annotations
@@ -37,6 +40,7 @@ import dataclasses
 import functools
 import sys
 import threading
+import weakref
 
 import torch
 
@@ -46,6 +50,7 @@ from .distributed import HeadShards, head_shards
 from .hf_models import (
     check_model,
     check_variants,
+    compiled_forward,
     layer_variant,
     passed_cache,
     set_text_attention,
@@ -86,6 +91,9 @@ _MODE_OPTIONS = {
     "group_beam_search": "num_beam_groups (group beam search)",
 }
 SUPPORTED_CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
+# Under torch.compile (HF's own compile of a static-cache generate, or a compiled forward) the tracer's per-pass
+# bookkeeping runs outside the compiled region; the modes whose rows tests prove equal to the eager reference.
+COMPILED_MODES = ("greedy_search", "sample")
 _GENERATE_ARGUMENTS = (
     "inputs", "generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
     "synced_gpus", "assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask",
@@ -102,13 +110,15 @@ class GenerationPlan:
     num_beams: int
     static_cache: bool
     stop_strings: bool  # generate stops sequences at stop strings, which it needs `tokenizer=` to read
+    compiled: bool = False  # the forward runs under torch.compile (HF's automatic compile or the user's)
 
 
 def check_generate(model, generate_kwargs: dict, *, attention: str = "softmax") -> GenerationPlan:
     """The plan of `model.generate(**generate_kwargs)`, or an error naming the option that the tracer cannot
     follow. An allow-list: greedy, sampling, beam search (with sampling, num_return_sequences,
     length_penalty, early_stopping), assisted decoding with `assistant_model` or `prompt_lookup_num_tokens`,
-    dynamic and static caches, a cache passed in (continued conversation)."""
+    dynamic and static caches, a cache passed in (continued conversation); under torch.compile (`COMPILED_MODES`)
+    greedy and sampled generation with a static cache and softmax rows."""
     from transformers import DynamicCache, StaticCache
 
     if generate_kwargs.get("custom_generate") is not None:
@@ -148,16 +158,43 @@ def check_generate(model, generate_kwargs: dict, *, attention: str = "softmax") 
             f"past_key_values of type {type(cache).__name__} is not supported; pass a DynamicCache or StaticCache"
         )
     static = cache_implementation == "static" or isinstance(cache, StaticCache)
-    device = next(model.parameters()).device
-    if static and device.type != "cpu" and not getattr(config, "disable_compile", False):
-        raise NotImplementedError(
-            "a static cache on an accelerator makes generate torch.compile the forward, which the tracer does not "
-            "support: pass disable_compile=True"
-        )
+    compiled = compiled_forward(model) or (static and _generate_compiles(model, config))
+    if compiled:
+        _check_compiled(static, mode, method)
     if mode == "assisted_generation":
         support.check("generate", method, "assisted")
     beams = config.num_beams or 1
-    return GenerationPlan(mode, config.num_return_sequences or 1, beams, static, config.stop_strings is not None)
+    return GenerationPlan(mode, config.num_return_sequences or 1, beams, static, config.stop_strings is not None,
+                          compiled)
+
+
+def _generate_compiles(model, config) -> bool:
+    """Whether generate will torch.compile the decode steps of a static-cache generation: on an accelerator, or
+    anywhere when its compile_config asks for all devices, unless disable_compile."""
+    if getattr(config, "disable_compile", False):
+        return False
+    compile_config = getattr(config, "compile_config", None)
+    everywhere = bool(compile_config is not None and getattr(compile_config, "_compile_all_devices", False))
+    return everywhere or next(model.parameters()).device.type != "cpu"
+
+
+def _check_compiled(static: bool, mode: str, method: str) -> None:
+    """Refuse, before generate starts, what the tracer does not follow under torch.compile."""
+    if not static:
+        raise NotImplementedError(
+            "a torch.compile'd forward is traced with a static cache only (cache_implementation='static'): a "
+            "growing cache changes the compiled shapes every step"
+        )
+    if mode not in COMPILED_MODES:
+        raise NotImplementedError(
+            f"{mode} under torch.compile is not supported by macs_kernels; supported compiled modes: "
+            f"{COMPILED_MODES} (or pass disable_compile=True, or use the uncompiled forward)"
+        )
+    if method != "exact":
+        raise NotImplementedError(
+            f"attention={method!r} under torch.compile is not supported by macs_kernels (softmax only); pass "
+            "disable_compile=True or use the uncompiled forward"
+        )
 
 
 # ---- the tracer -----------------------------------------------------------------------------------
@@ -211,6 +248,7 @@ class Tracer:
         self._static = False
         self._suspended = 0
         self.prefill = False  # whether the pass in progress starts a sequence
+        self.forward_compiled = lambda: False  # whether the model's forward is torch.compile'd now (set by attach)
         self.reset()
 
     def reset(self) -> None:
@@ -278,8 +316,26 @@ class Tracer:
             if state is not None:
                 state.reorder(beam_idx)
 
+    def check_compiled(self) -> None:
+        """Refuse what this tracer does not follow under torch.compile (see check_generate for the modes)."""
+        unsupported = [name for name, applies in (("per-layer hooks", self.hooks), ("tensor parallelism", self.shards),
+                                                  ("sliding-window layers", self.windowed)) if applies]
+        if unsupported:
+            raise NotImplementedError(
+                f"{', '.join(unsupported)} under torch.compile: not supported by macs_kernels; pass "
+                "disable_compile=True or use the uncompiled forward"
+            )
+
     # ---- one forward pass -------------------------------------------------------------------------
+    # Under torch.compile a pass's bookkeeping (its plan from the mask, the rows stored per step) runs outside the
+    # compiled region: it changes Python state every step, which the compiled code would guard on and recompile for.
+    @torch.compiler.disable
     def _begin_pass(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask, positions) -> None:
+        if self._generation is None and self.forward_compiled():
+            raise NotImplementedError(
+                "a torch.compile'd forward is traced inside generate with a static cache only; call the uncompiled "
+                "forward for plain forward passes"
+            )
         batch, q_len, slots = query.shape[0], query.shape[2], key.shape[2]
         # Layer 0's mask is over its own key slots; a window layer's slot j holds token j + offset.
         offset = self._key_offset(0, slots)
@@ -402,6 +458,7 @@ class Tracer:
         index = (self.kv_len - 1).view(-1, 1, 1, 1).expand(-1, value.shape[1], 1, value.shape[3])
         return value.gather(2, index), torch.ones(value.shape[0], 1, dtype=torch.bool, device=value.device)
 
+    @torch.compiler.disable
     def _end_pass(self) -> None:
         plan = self._plan
         log_c, broken = plan.scorer.finish()
@@ -732,6 +789,8 @@ def _traced_generate(model, tracer: Tracer, generate):
         for hook in tracer.hooks:
             for layout in layouts if hook.method is not None else ():
                 support.check("generate", hook.method, layout)
+        if plan.compiled:
+            tracer.check_compiled()
         wants_dict = kwargs.get("return_dict_in_generate", False)
         if plan.num_beams > 1:
             kwargs["return_dict_in_generate"] = True  # the returned beams' ancestry: beam_indices
@@ -851,6 +910,8 @@ def attach(model, *, hooks=(), keep_pooled=False, **config):
         device = next(model.parameters()).device
         tracer = Tracer(macs_config, len(modules), device, hooks, keep_pooled=keep_pooled, shards=shards,
                         variants=variants)
+        model_ref = weakref.ref(model)  # the tracer outlives the block: it must not keep the model alive
+        tracer.forward_compiled = lambda: compiled_forward(model_ref())
         _register()
         wrapped = ("generate", "_reorder_cache", "_get_stopping_criteria", *_CONTINUOUS_ENTRIES)
         saved = {name: model.__dict__[name] for name in wrapped if name in model.__dict__}

@@ -39,9 +39,9 @@ def explain_images(args: argparse.Namespace, config) -> int:
 
     from ..explanation import explain
     from ..vision import image_scores, load_image
+    from ..vision.render import save_heatmap
     from ..viz import print_explanation
     from .common import write_outputs
-    from .render import save_heatmap
 
     images = []
     for path in args.image:

@@ -109,7 +109,7 @@ def evaluate_sample(model, processor, sample: ImageSample, *, max_new_tokens: in
     """One greedy explain() of the sample's prompt about its image, scored against its mask (score_explanation);
     a sample whose mask reaches no token cell is marked skipped (its AUC-PR is undefined)."""
     from ..explanation import explain
-    from .inputs import load_image
+    from ..vision.inputs import load_image
 
     image = load_image(sample.image)
     labels = object_mask(sample, image.size)  # checked before generating

@@ -24,7 +24,8 @@ from ..prompts import QA_TEMPLATE
 from ..viz import _unit
 from .engine import Engine, Job, RequestRejected, Step, VisionEngine
 from .images import DEFAULT_MAX_IMAGE_PIXELS, decode_image
-from .schemas import DEFAULT_MAX_BODY_BYTES, AttributionOptions, ChatCompletionRequest, CompletionRequest
+from .limits import DEFAULT_MAX_BODY_BYTES
+from .schemas import AttributionOptions, ChatCompletionRequest, CompletionRequest
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
                 413: "invalid_request_error", 503: "service_unavailable", 500: "server_error"}

@@ -8,10 +8,8 @@ from pathlib import Path
 
 from ..cli.common import add_model_arguments
 from .images import DEFAULT_MAX_IMAGE_PIXELS
-from .schemas import DEFAULT_MAX_BODY_BYTES
+from .limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_IMAGE_BODY_BYTES
 
-# Images travel inline as base64: a photograph of a few megabytes is a request of a few more.
-DEFAULT_MAX_IMAGE_BODY_BYTES = 16 << 20
 # Options of the continuous-batching engine (and AT2), which a vision-language model's server does not run.
 _BATCHING = {"page_size": 64, "max_batch_tokens": 256, "at2_coefficients": None}
 

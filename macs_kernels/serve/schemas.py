@@ -24,10 +24,6 @@ from pydantic import (
 from ..config import ATTENTIONS, POOLINGS, MacsConfig
 from .sampling import Sampling
 
-# A request body larger than this is refused unread (413): far above any prompt the KV cache holds (a token
-# is a few bytes of JSON), far below what keeps the parser and the tokenizer busy for seconds.
-DEFAULT_MAX_BODY_BYTES = 1 << 20
-
 
 def _unicode(value):
     """`value` if every string in it is Unicode text; JSON's \\uD800-\\uDFFF escapes can make a string that
