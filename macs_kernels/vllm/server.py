@@ -36,6 +36,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 
 from ..alignment import align_context, user_span
 from ..core import support
+from ..explanation import _decode_tokens
 from ..serve.app import AttributionPayloads, PromptSpan, error_body, error_field
 from ..serve.engine import Step
 from ..serve.schemas import AttributionOptions
@@ -257,7 +258,9 @@ class AttributionEndpoints:
 
     # ---- the workers ---------------------------------------------------------------------------------------
     def _attribution(self, prompt_ids, span, options) -> AttributionPayloads:
-        attribution = AttributionPayloads(self.tokenizer, PromptSpan(list(prompt_ids), span), options)
+        ids = list(prompt_ids)
+        attribution = AttributionPayloads(self.tokenizer, PromptSpan(ids, span, _decode_tokens(self.tokenizer, ids)),
+                                          options)
         attribution.config |= {"engine": "vllm", "backend": self.backend, "dtype": self.dtype}
         return attribution
 

@@ -183,12 +183,17 @@ def _rewrite(out, lines):
     out.write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
-def test_an_edited_results_line_is_recomputed_and_reported_not_reused(tmp_path, capsys):
+def _finished_run(tmp_path):
+    """A finished two-sample run: its results path, its command and its lines."""
     out, records = tmp_path / "r.jsonl", tmp_path / "records"
     data = write_data(tmp_path / "qa.json", QUESTIONS[:2])
     command = eval_command(data, out, records, "--cost-n", "0")  # no timings: lines computed again are equal
     assert main(command) == 0
-    written = results(out)
+    return out, command, results(out)
+
+
+def test_an_edited_results_line_is_recomputed_and_reported_not_reused(tmp_path, capsys):
+    out, command, written = _finished_run(tmp_path)
     computed = json.loads(out.with_suffix(".json").read_text())["methods"]
     target = next(line for line in written if line["kind"] == "auc" and line["best"] < 1.0)
     name = f"the auc line of sample {target['index']}, method {target['method']}"
@@ -215,11 +220,7 @@ def test_an_edited_results_line_is_recomputed_and_reported_not_reused(tmp_path, 
 
 
 def test_results_lines_without_a_checksum_are_recomputed_and_reported(tmp_path, capsys):
-    out, records = tmp_path / "r.jsonl", tmp_path / "records"
-    data = write_data(tmp_path / "qa.json", QUESTIONS[:2])
-    command = eval_command(data, out, records, "--cost-n", "0")  # no timings: lines computed again are equal
-    assert main(command) == 0
-    written = results(out)
+    out, command, written = _finished_run(tmp_path)
     computed = json.loads(out.with_suffix(".json").read_text())["methods"]["macs"]["auc_pr"]["mean"]
     # As a results file written before lines carried a checksum.
     _rewrite(out, [{name: value for name, value in line.items() if name != "checksum"} for line in written])
