@@ -35,8 +35,12 @@ sys.path.insert(0, str(ROOT))
 
 from macs_kernels import ops  # noqa: E402
 from macs_kernels.bench import device_stem, environment, write_csv  # noqa: E402
-from macs_kernels.ops._backends import set_cuda_split_kv_kernel  # noqa: E402
-from macs_kernels.ops._dispatch import implementation, why_unavailable  # noqa: E402
+from macs_kernels.ops.registry import (  # noqa: E402
+    implementation,
+    set_cuda_split_kv_kernel,
+    set_triton_split_kv_pass,
+    why_unavailable,
+)
 
 OPS = ("macs_update", "decode_attention")
 SDPA = "torch-sdpa-gqa"  # the provider every row's time is compared with (column vs_sdpa)
@@ -73,11 +77,14 @@ class Problem:
 
 def backend_call(backend: str, fused: bool = True, split_kernel: str = "verified"):
     """A macs_kernels backend, called with validated arguments as the tracer does (no host sync); decode_attention's
-    `pooled` is given too (it has no default, see docs/backends.md "Ops: each declared once"). On the cuda backend,
-    `split_kernel` is the split kernel chosen for the timings that follow the build (a CUDA graph keeps it)."""
+    `pooled` is given too (it has no default, see docs/backends.md "Ops: each declared once"). `split_kernel` is the
+    cuda backend's split kernel, or the triton backend's fused pass, chosen for the timings that follow the build (a
+    CUDA graph keeps it)."""
     def build(op: str, p: Problem):
         if backend == "cuda":
             set_cuda_split_kv_kernel(split_kernel)
+        if backend == "triton":
+            set_triton_split_kv_pass(split_kernel)
         function = implementation(backend, op)
         macs = dict(alpha=0.8, pooling="max", redistribute=True)
         if op == "macs_update":
@@ -139,6 +146,10 @@ PROVIDERS = (
     Provider("triton", OPS, lambda d: gpu_with()(d) or why_unavailable("triton", d), backend_call("triton")),
     Provider("triton-attention-only", ("decode_attention",),
              lambda d: gpu_with()(d) or why_unavailable("triton", d), backend_call("triton", fused=False)),
+    # The two-launch fused pass (pool folded into the combine), selectable beside the verified default; its
+    # attention-only call is triton-attention-only's.
+    Provider("triton-two-launch", OPS, lambda d: gpu_with()(d) or why_unavailable("triton", d),
+             backend_call("triton", split_kernel="two-launch")),
     Provider("cuda", OPS, lambda d: gpu_with()(d) or why_unavailable("cuda", d), backend_call("cuda")),
     Provider("cuda-attention-only", ("decode_attention",),
              lambda d: gpu_with()(d) or why_unavailable("cuda", d), backend_call("cuda", fused=False)),

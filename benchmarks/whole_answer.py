@@ -18,7 +18,7 @@ study scores each candidate aggregation by its whole-answer AUC-PR (one score pe
 over the gold answers, as the eval's aggregate column) on the development half (samples 0-174, where the
 choice is made) and the confirmation half (175-349, looked at once the choice is made), and on the samples
 that AttnLRP and AtMan scored, with paired differences against the chosen one; the fourth round adds the named
-whole-answer scores (config.AGGREGATIONS) of the norm-weighted rows (a better row rather than another
+whole-answer scores (core.AGGREGATIONS) of the norm-weighted rows (a better row rather than another
 aggregation).
 
 layers (the third round) reads the per-layer rows from the record cache (each step's last-query rows per layer
@@ -36,7 +36,7 @@ and soft maxima over the steps (logit_candidates).
 runs (the seventh round) adds to the chosen score each token's best copied run (core.scores.StepStatistics): k
 consecutive steps attending to k consecutive prompt tokens, one token further at each step, worth the smallest
 of their sinkless z-scores, for k in RUN_LENGTHS and weights in RUN_WEIGHTS (run_candidates); the one best on the
-development half became the default whole-answer score (config.DEFAULT_AGGREGATION), and the same with its bonus
+development half became the default whole-answer score (core.DEFAULT_AGGREGATION), and the same with its bonus
 clipped at zero (CLIPPED) beside it.
 
 faithfulness masks each sample's context tokens in the order of the chosen score, the default and the clipped one
@@ -56,7 +56,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from macs_kernels.config import DEFAULT_AGGREGATION  # noqa: E402
+from macs_kernels.core import DEFAULT_AGGREGATION  # noqa: E402
 from macs_kernels.core.scores import RUN_STEPS, StepStatistics, log_zscores, whole_answer_scores  # noqa: E402
 from macs_kernels.evaluation.record import macs_from_record  # noqa: E402
 from macs_kernels.evaluation.report import cell, indices_text, stats  # noqa: E402
@@ -64,7 +64,7 @@ from macs_kernels.evaluation.report import cell, indices_text, stats  # noqa: E4
 RESULTS = ROOT / "benchmarks" / "results"
 ROWS = RESULTS / "whole_answer_rows.npz"
 DEV, CONFIRM = (0, 175), (175, 350)
-# The first six rounds' choice (CHOSEN_AGGREGATION in config.AGGREGATIONS, the default before the seventh round)
+# The first six rounds' choice (CHOSEN_AGGREGATION in core.AGGREGATIONS, the default before the seventh round)
 # under its name in the study's tables.
 CHOSEN = "max z minus mean z, sink out of each step's statistics"
 CHOSEN_AGGREGATION = "max_minus_mean_sinkless_z"
@@ -82,10 +82,10 @@ def extract(args) -> None:
     lines = read_results(args.results)
     run = lines[("run", None, None)]
     samples = {s.index: s for s in load_qa(run["data"])}
-    from macs_kernels.explanation import _eos_ids
+    from macs_kernels.generation import eos_ids
 
     model, tokenizer = load_model()
-    eos = _eos_ids(model, tokenizer)
+    eos = eos_ids(model, tokenizer)
     folder = records_dir(args.records)
     out: dict[str, np.ndarray] = {}
     if args.out.is_file():  # samples already extracted are kept; only their AttnLRP/AtMan rows may be new
@@ -242,8 +242,8 @@ def macs_candidates(sample: dict) -> dict[str, np.ndarray]:
 
 
 def norm_candidates(sample: dict) -> dict[str, np.ndarray]:
-    """The named whole-answer scores (config.AGGREGATIONS) of the norm-weighted rows' log c (fourth round)."""
-    from macs_kernels.config import AGGREGATIONS
+    """The named whole-answer scores (core.AGGREGATIONS) of the norm-weighted rows' log c (fourth round)."""
+    from macs_kernels.core import AGGREGATIONS
 
     log_c = torch.from_numpy(np.maximum(sample["norm_log_c"].astype(np.float64), -1e4))
     return {f"norm-weighted rows (attention='norm'), {name}": whole_answer_scores(log_c, name).double().numpy()

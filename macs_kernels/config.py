@@ -9,34 +9,6 @@ ATTENTIONS = ("softmax", "efficient", "norm")
 AT2_ATTENTIONS = ("softmax", "efficient")
 BACKENDS = ("torch", "triton", "cuda", "numba")
 
-# Whole-answer scores: how the per-step rows become one score per prompt token. Each name is one definition
-# (core.scores.whole_answer_scores); Explanation.scores is the default, Explanation.whole_answer(name) any of them.
-AGGREGATIONS = {
-    "max_plus_run_minus_mean_sinkless_z": "per prompt token, max_minus_mean_sinkless_z plus its best run minus its "
-                                          "mean: a run is 3 consecutive steps attending to 3 consecutive prompt "
-                                          "tokens, one token further at each step (how a model reads a span it "
-                                          "copies), worth the smallest of its 3 sinkless z-scores (shorter runs when "
-                                          "fewer steps or tokens), and a token's best run is the largest of those it "
-                                          "is part of (default; chosen on stqa_350 "
-                                          "samples 0-174, confirmed on 175-349: "
-                                          "benchmarks/results/whole_answer_runs.md)",
-    "max_minus_mean_sinkless_z": "per prompt token, the largest of its sinkless step z-scores minus their mean over "
-                                 "steps: how far it stood out at the step that attended to it most, above its usual "
-                                 "level; each step's z-scores standardised by the mean and spread of the prompt tokens "
-                                 "other than the step's top one (the attention sink, whose log c lies far above the "
-                                 "rest and would otherwise set the scale) (Explanation.scores before the copied runs; "
-                                 "benchmarks/results/whole_answer.md)",
-    "max_minus_mean_z": "per prompt token, the largest of its step_scores minus their mean over steps "
-                        "(Explanation.scores before the sinkless z-scores)",
-    "max_z": "per prompt token, the largest of its step_scores over the steps",
-    "mean_z": "per prompt token, the mean of its step_scores over the steps",
-    "mean_log_c": "z-scores of the mean over steps of log c (the log of c's geometric mean over steps; "
-                  "Explanation.scores before the whole-answer study)",
-    "paper_mean_z": "the mean over steps of the paper's z-scores of c = exp(log c) (paper_step_scores), which "
-                    "tie for every token but the attention sink (Explanation.paper_scores)",
-}
-DEFAULT_AGGREGATION = "max_plus_run_minus_mean_sinkless_z"
-
 
 @dataclasses.dataclass(frozen=True)
 class MacsConfig:

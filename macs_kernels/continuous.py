@@ -31,12 +31,12 @@ import threading
 import torch
 
 from .config import MacsConfig
-from .core import Kernels, PackedRows, RowStore, log_zscores, support
+from .core import PackedRows, RowStore, step_scores, support
+from .core.requests import Requests
 from .distributed import head_shards
 from .efficient import GramState, efficient_rows
 from .hf_models import check_model, check_variants, compiled_forward, layer_variant, takes_cache
-from .ops import efficient_attention, torch_row
-from .ops._dispatch import resolve_backend
+from .ops import efficient_attention, registry, torch_row
 from .ops.torch_packed import Segments, macs_pool_packed
 
 __all__ = ["ContinuousTracer", "Segments", "attach_continuous", "macs_pool_packed"]
@@ -169,17 +169,16 @@ class ContinuousTracer:
         self.config = config
         self.num_layers = num_layers
         self.variants = variants
-        self.backend = support.variant_backend(variants, config.backend,
-                                               resolve_backend(config.backend, device, "macs_pool"))
-        self.kernels = Kernels.of(self.backend)
+        self.kernels = registry.engine_kernels(config.backend, device, variants, "macs_pool")
+        self.backend = self.kernels.backend
         self.shards = shards
         self.store = RowStore(keep_finished)
         self.keep_finished = keep_finished
         self._lock = threading.Lock()
         self._managers: list = []
-        self._configs: dict[str, tuple] = {}  # request id -> (MacsConfig, AT2 features?) given before it starts
-        self._skipped: set[str] = set()
-        self._running: dict[str, tuple] = {}  # request id -> (its RequestState, the scheduler that runs it)
+        # Per request: its config (MacsConfig, AT2 features?) in the store, its RequestState as the run's handle.
+        self.requests = Requests(self.store, default=(config, False), finished=_finished)
+        self._schedulers: dict[str, object] = {}  # request id -> the scheduler that runs it
         self._grams: dict[str, GramState] = {}  # efficient attention: each request's Gram state per layer
         self._untracked_passes = 0
         self._pass: _Pass | None = None
@@ -199,21 +198,18 @@ class ContinuousTracer:
             support.check("continuous", support.method_of(merged), variant)
             if at2_features:
                 support.check("continuous", "at2", variant)
-        with self._lock:
-            if self._runs(request_id):
-                raise RuntimeError(f"request {request_id!r} is already running; configure it before adding it")
-            self._configs[request_id] = (merged, bool(at2_features))
+        self.requests.configure(request_id, (merged, bool(at2_features)))
 
     def skip(self, request_id: str) -> None:
         """No MACS work for this request (a server's request that did not ask for attribution), until release."""
-        with self._lock:
-            self._skipped.add(request_id)
+        self.requests.skip(request_id)
 
     def request_rows(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(step_log_c, step_scores), each (steps, N) float32 on the CPU, steps = tokens generated so far;
-        step_scores are Explanation's: the z-scores of each row's log c (`log_zscores`)."""
+        step_scores are Explanation's: the z-scores of each row's log c (core.SCORES["log_z"]), as Tracer.rows
+        returns."""
         log_c = self._rows(lambda: self.store.rows(request_id), request_id)
-        return log_c, log_zscores(log_c)
+        return log_c, step_scores(log_c)
 
     def read_rows(self, request_id: str, cursor: int = 0, stop: int | None = None) -> tuple[torch.Tensor, int]:
         """(step_log_c rows [cursor, stop), the new cursor); stop defaults to every row so far. A streaming
@@ -233,14 +229,10 @@ class ContinuousTracer:
     def release(self, request_id: str) -> None:
         """Free a finished or cancelled request's rows (a no-op for a request already released or never seen)."""
         with self._lock:
-            self._configs.pop(request_id, None)
             self._grams.pop(request_id, None)
-            if self._runs(request_id):  # cancelled while the engine runs it: no more work for it
-                self._skipped.add(request_id)
-            else:
-                self._running.pop(request_id, None)
-                self._skipped.discard(request_id)
-        self.store.release(request_id)
+            self.requests.release(request_id)
+            if not self.requests.running(request_id):
+                self._schedulers.pop(request_id, None)
 
     def track(self, manager) -> None:
         """Trace the passes of `manager` (one created before attach_continuous; those created inside it are
@@ -273,37 +265,20 @@ class ContinuousTracer:
                 return processor.inputs_and_outputs.requests_in_batch, processor.scheduler
         return None
 
-    def _runs(self, request_id: str) -> bool:
-        """Whether the engine is running `request_id` as far as the tracer has seen (callers hold the lock)."""
-        known = self._running.get(request_id)
-        return known is not None and not _finished(known[0])
-
     def _retire_finished(self) -> None:
         """Tell the store which requests the engine finished. A request the engine offloaded and re-queued
         under its id is not finished: its old state is, but the scheduler holds a new one."""
-        for request_id, (state, scheduler) in list(self._running.items()):
+        for request_id, state in self.requests.runs():
             if not _finished(state):
                 continue
+            scheduler = self._schedulers[request_id]
             live = scheduler.waiting_requests.get(request_id) or scheduler.active_requests.get(request_id)
             if live is not None and live is not state and not _finished(live):
-                self._running[request_id] = (live, scheduler)
+                self.requests.replace(request_id, live)
                 continue
-            del self._running[request_id]
+            del self._schedulers[request_id]
             self._grams.pop(request_id, None)
-            if request_id in self._skipped:  # released while it ran
-                self._skipped.discard(request_id)
-            else:
-                self.store.finish(request_id)
-
-    def _start(self, state, scheduler, n_input: int, step: int) -> None:
-        """A request the tracer has not seen run yet, or whose state the engine replaced (a restart)."""
-        request_id = state.request_id
-        if step == 0:
-            self.store.open(request_id, n_input, self._configs.pop(request_id, (self.config, False)))
-            self._grams.pop(request_id, None)
-        else:
-            self.store.open(request_id, n_input, step=step)
-        self._running[request_id] = (state, scheduler)
+            self.requests.finish(request_id)
 
     def _begin_pass(self, cache, kwargs, device) -> None:
         self._pass = None
@@ -335,16 +310,13 @@ class ContinuousTracer:
                 emitting.append(cu_q[i + 1] - 1)
                 state = future.state
                 request_id = state.request_id
-                if request_id in self._skipped:
-                    continue
                 n_input = _prompt_length(state)
                 step = len(state.initial_tokens) - n_input + len(state.generated_tokens)
-                known = self._running.get(request_id)
-                if known is None or known[0] is not state:
-                    if step > 0 and request_id not in self.store:  # released while the engine restarted it
-                        self._skipped.add(request_id)
-                        continue
-                    self._start(state, scheduler, n_input, step)
+                if not self.requests.admit(request_id, n_input, step, state):
+                    continue
+                self._schedulers[request_id] = scheduler
+                if step == 0:  # the request's first scored row: no Gram state of an earlier run applies
+                    self._grams.pop(request_id, None)
                 if window is None and cu_k[i + 1] - cu_k[i] != n_input + step:
                     raise RuntimeError(
                         f"request {request_id!r} emits token {step} after {cu_k[i + 1] - cu_k[i]} keys; its "
@@ -421,10 +393,7 @@ class ContinuousTracer:
 
     def _end_pass(self) -> None:
         step, self._pass = self._pass, None
-        log_c, broken = step.scorer.finish()
-        log_c, broken = log_c.cpu(), broken.tolist()
-        # One request's non-finite attention fails that request (its reads raise), not the engine.
-        self.store.put((key, index, None if broken[r] else log_c[r]) for r, (key, index) in enumerate(step.keys))
+        self.requests.put(step.keys, *step.scorer.finish())
         if step.scorer.keep is not None:
             kept = step.scorer.kept.cpu()
             for j, r in enumerate(step.scorer.keep.tolist()):

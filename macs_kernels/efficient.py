@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .ops._dispatch import kernel
 from .ops.efficient_attention import check_efficient_args
+from .ops.registry import kernel
 from .ops.torch_efficient import DEFAULT_RCOND, augmented
 
 __all__ = ["DEFAULT_RCOND", "GramState", "efficient_rows"]

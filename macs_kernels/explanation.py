@@ -11,33 +11,45 @@ import numpy as np
 import torch
 
 from .alignment import user_span
-from .config import AGGREGATIONS, DEFAULT_AGGREGATION, MacsConfig
-from .core import SCORE_DEFINITION, json_values, log_zscores, paper_zscores, support, whole_answer_scores
+from .config import MacsConfig
+from .core import (
+    AGGREGATIONS,
+    DEFAULT_AGGREGATION,
+    SCORE_DEFINITION,
+    json_values,
+    log_zscores,
+    paper_zscores,
+    support,
+    whole_answer_scores,
+)
 from .core.scores import LOG_C_DIGITS, SCORE_DIGITS, TOP_TOKENS
-from .hf_models import cache_argument, check_model
-from .prompts import is_messages, plain_prompt
+from .generation import decode_text, decode_tokens, encode_prompts, eos_ids, generation_kwargs, pad_id
+from .hf_models import check_model
+from .prompts import is_messages
 from .tracing import attach, check_generate
 
-__all__ = ["AGGREGATIONS", "DEFAULT_AGGREGATION", "SCORE_DEFINITION", "Explanation", "explain", "explain_continuous",
-           "json_values", "log_zscores", "stream", "whole_answer_scores"]
+__all__ = ["AGGREGATIONS", "DEFAULT_AGGREGATION", "SCORE_DEFINITION", "Explanation", "build_explanation", "explain",
+           "explain_continuous", "json_values", "log_zscores", "stream", "whole_answer_scores"]
 
 
 @dataclasses.dataclass
 class Explanation:
     """MACS attributions of one generation.
 
-    The score family, each derived from step_log_c by one definition (macs_kernels.core.scores):
+    The score family, each derived from step_log_c by one named score of the registry macs_kernels.core.SCORES
+    (its definition there, next to its code):
     step_log_c: (steps, N) float32; row k is the log consistency of the N prompt tokens in the forward pass
         that produced generated_ids[k] (row 0 comes from the prefill's last query). The data.
-    step_scores: (steps, N) float32, log_zscores(step_log_c): the z-scores of each row's log c: which prompt
-        tokens step k looked at. They rank the prompt tokens exactly as step_log_c does.
+    step_scores: (steps, N) float32, "log_z": the z-scores of each row's log c: which prompt tokens step k looked
+        at. They rank the prompt tokens exactly as step_log_c does; the engines' row readers (Tracer.rows,
+        request_rows) return the same.
     scores: (N,) float32, the whole-answer score (DEFAULT_AGGREGATION, "max_plus_run_minus_mean_sinkless_z":
         the largest of a token's step z-scores minus their mean over steps, each step standardised without its
         top token, the attention sink; plus the token's best copied run minus that mean, a run being 3
         consecutive steps attending to 3 consecutive prompt tokens), what the CLI and the pages show by default.
     whole_answer(how): the whole-answer score by another name of AGGREGATIONS: "max_minus_mean_sinkless_z" (the
-        same without the runs), "max_minus_mean_z" (that over step_scores), "max_z", "mean_z", "mean_log_c" (what
-        `scores` was before the whole-answer study: z-scores of the mean log c), "paper_mean_z".
+        same without the runs), "max_minus_mean_z" (that over step_scores), "max_z", "mean_z", "mean_log_c"
+        (z-scores of the mean log c), "paper_mean_z".
     paper_step_scores, paper_scores: the paper's z-scores of c = exp(log c) per step and their mean over
         steps (= whole_answer("paper_mean_z")), for comparison with the paper; they tie for every token but
         the attention sink.
@@ -186,119 +198,26 @@ def _significant(values: torch.Tensor, digits: int) -> list:
     return json_values(torch.from_numpy(np.where(rounded, short, x)))
 
 
-# ---- inputs ---------------------------------------------------------------------------------------
-def _prompt_text(tokenizer, prompt) -> str:
-    if is_messages(prompt):
-        if not getattr(tokenizer, "chat_template", None):
-            return plain_prompt(prompt)
-        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-    if not isinstance(prompt, str):
-        raise TypeError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
-    if not prompt.strip():
-        raise ValueError("the prompt is empty")
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-        )
-    return prompt
+def build_explanation(tokenizer, input_ids, generated_ids, step_log_c: torch.Tensor, config: dict, *, text=None,
+                      input_tokens=None, source_span=None, images=None, label: str = "the generation") -> Explanation:
+    """The Explanation of one generation, however it ran (generate, continuous batching, vLLM, the server).
 
-
-def encode_prompts(tokenizer, prompt=None, input_ids=None, *, vocab_size: int | None = None):
-    """(input_ids (B, N_max) left-padded, attention_mask (B, N_max), batched) from the explain() inputs.
-
-    vocab_size: the model's embedding rows; every id (pads included: they are embedded too) must be in
-    [0, vocab_size), or a ValueError names the first offending ones.
-    """
-    if (prompt is None) == (input_ids is None):
-        raise ValueError("give exactly one of prompt and input_ids")
-    if prompt is not None and tokenizer is None:
-        raise ValueError("a text prompt needs the model's tokenizer; without one, give the prompt as input_ids=")
-    if input_ids is not None:
-        if not isinstance(input_ids, torch.Tensor):
-            raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
-        if input_ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"input_ids must be int64 or int32 token ids, got {input_ids.dtype}")
-        if input_ids.dim() == 2 and input_ids.shape[0] == 1:
-            input_ids = input_ids[0]
-        if input_ids.dim() != 1:
-            raise ValueError(f"input_ids must have shape (N,) or (1, N), got {tuple(input_ids.shape)}")
-        if input_ids.numel() == 0:
-            raise ValueError("input_ids is empty")
-        ids = input_ids.long().unsqueeze(0)
-        _check_vocabulary(ids, vocab_size, "input_ids")
-        return ids, torch.ones_like(ids), False
-    batched = isinstance(prompt, list) and not is_messages(prompt)
-    prompts = prompt if batched else [prompt]
-    if not prompts:
-        raise ValueError("the list of prompts is empty")
-    texts = [_prompt_text(tokenizer, p) for p in prompts]
-    # The chat template already carries the special tokens.
-    special = not getattr(tokenizer, "chat_template", None)
-    encoded = tokenizer(texts, padding=True, padding_side="left", add_special_tokens=special, return_tensors="pt")
-    if encoded["input_ids"].shape[1] == 0:
-        raise ValueError("the prompt encodes to no tokens")
-    _check_vocabulary(encoded["input_ids"], vocab_size, "the tokenizer's ids (is it the model's tokenizer?)")
-    return encoded["input_ids"], encoded["attention_mask"], batched
-
-
-def _check_vocabulary(ids: torch.Tensor, vocab_size: int | None, what: str) -> None:
-    if vocab_size is None:
-        return
-    outside = (ids < 0) | (ids >= vocab_size)
-    if bool(outside.any()):
-        found = ", ".join(f"{int(ids[b, i])} (prompt {b}, position {i})" for b, i in outside.nonzero()[:5].tolist())
-        raise ValueError(
-            f"{what}: {int(outside.sum())} token id(s) outside the model's vocabulary [0, {vocab_size}): {found}"
-        )
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids = set()
-    for value in (getattr(model.generation_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if value is not None:
-            ids.update(value if isinstance(value, (list, tuple)) else [value])
-    return ids
-
-
-def _generate_kwargs(model, tokenizer, max_new_tokens, generate_kwargs) -> dict:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if generate_kwargs.get("tokenizer", tokenizer) is not tokenizer:
-        raise ValueError(
-            "tokenizer= is another tokenizer than explain's own (its second argument): generate would read stop "
-            "strings with one and the explanation decode with the other; drop tokenizer= (generate gets explain's "
-            "own when it needs one) or pass the same object"
-        )
-    if tokenizer is None and generate_kwargs.get("stop_strings") is not None:
-        raise ValueError("stop_strings= needs the model's tokenizer (explain's second argument) to read them")
-    # Without a tokenizer (input_ids given), the model's own generation config names the pad and end tokens.
-    source = model.generation_config if tokenizer is None else tokenizer
-    pad = source.pad_token_id if source.pad_token_id is not None else source.eos_token_id
-    kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False, "pad_token_id": pad}
-    # A sequence ends where generate stops it; the tokenizer's end-of-sequence token stops it too (as in the
-    # serve engine and the at2 and evaluation responses), unless the caller's generation config says otherwise.
-    eos = _eos_ids(model, tokenizer)
-    if eos and "generation_config" not in generate_kwargs:
-        kwargs["eos_token_id"] = sorted(eos)
-    caches = [name for name in ("cache", "past_key_values") if generate_kwargs.get(name) is not None]
-    if len(caches) > 1:
-        raise ValueError("cache= and past_key_values= both given: they name the same cache; pass one")
-    kwargs.update({name: value for name, value in generate_kwargs.items() if name not in ("cache", "past_key_values")})
-    if caches:  # by the keyword this model takes: transformers 5.24 warns on the old past_key_values
-        kwargs.update(cache_argument(model, generate_kwargs[caches[0]]))
-    return kwargs
-
-
-def _decode_tokens(tokenizer, ids) -> list[str]:
-    """Each token's text; without a tokenizer, its id as "#id"."""
-    if tokenizer is None:
-        return [f"#{i}" for i in ids]
-    return [tokenizer.decode([i]) for i in ids]
-
-
-def _decode_text(tokenizer, ids) -> str:
-    """The generated text; without a tokenizer there is none to give (generated_ids hold the answer)."""
-    return "" if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=True)
+    input_ids, generated_ids: the prompt's and the answer's token ids (sequences or tensors); step_log_c: one row
+    per generated token over the prompt tokens, else a RuntimeError names the mismatch and `label` (whose). Token
+    texts come from the tokenizer (or "#id" without one) unless given: input_tokens (the caller decoded the prompt
+    already), text (the engine's own detokenised answer)."""
+    input_ids = torch.as_tensor(input_ids, dtype=torch.long).cpu()
+    generated_ids = torch.as_tensor(generated_ids, dtype=torch.long).cpu()
+    if tuple(step_log_c.shape) != (len(generated_ids), len(input_ids)):
+        raise RuntimeError(f"{label}: {tuple(step_log_c.shape)} MACS rows for {len(generated_ids)} generated tokens "
+                           f"of a {len(input_ids)}-token prompt")
+    generated = generated_ids.tolist()
+    return Explanation(
+        input_ids=input_ids, generated_ids=generated_ids,
+        input_tokens=decode_tokens(tokenizer, input_ids.tolist()) if input_tokens is None else input_tokens,
+        generated_tokens=decode_tokens(tokenizer, generated), step_log_c=step_log_c, config=config,
+        text=decode_text(tokenizer, generated) if text is None else text, source_span=source_span, images=images,
+    )
 
 
 def _explanations(tracer, tokenizer, ids, mask, generated, config, spans, layouts=None) -> list[Explanation]:
@@ -312,18 +231,9 @@ def _explanations(tracer, tokenizer, ids, mask, generated, config, spans, layout
     for i in range(generated.shape[0]):
         b = i // per_prompt
         log_c, _ = tracer.rows(i)
-        steps = len(log_c)
-        tokens = generated[i, :steps].tolist()
-        prompt_ids = ids[b][mask[b].bool()]
-        result.append(Explanation(
-            input_ids=prompt_ids.cpu(),
-            generated_ids=generated[i, :steps].cpu(),
-            input_tokens=_decode_tokens(tokenizer, prompt_ids.tolist()),
-            generated_tokens=_decode_tokens(tokenizer, tokens),
-            step_log_c=log_c,
-            config=config.as_dict() | {"backend": tracer.backend},
-            text=_decode_text(tokenizer, tokens),
-            source_span=spans[b],
+        result.append(build_explanation(
+            tokenizer, ids[b][mask[b].bool()], generated[i, :len(log_c)], log_c,
+            config.as_dict() | {"backend": tracer.backend}, source_span=spans[b],
             images=None if layouts is None else layouts[b],
         ))
     return result
@@ -364,7 +274,7 @@ def _prepare(model, tokenizer, prompt, input_ids, max_new_tokens, config_kwargs,
     if generate_kwargs.get("return_dict_in_generate"):
         raise ValueError("return_dict_in_generate=True is not supported: explain() and stream() return the "
                          "generated ids with their attributions (Explanation.generated_ids); drop the option")
-    kwargs = _generate_kwargs(model, tokenizer, max_new_tokens, generate_kwargs)
+    kwargs = generation_kwargs(model, tokenizer, max_new_tokens, generate_kwargs)
     # A model whose generation config asks for a dict would make generate return one.
     kwargs["return_dict_in_generate"] = False
     plan = check_generate(model, kwargs, attention=config.attention)
@@ -577,12 +487,13 @@ def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuo
         continuous_batching_config.num_blocks = sum(-(-(len(ids) + max_new_tokens) // page) for ids in inputs) + 1
     # explain() generates with the model's own generation config, greedy: so does this.
     generation_config = copy.deepcopy(model.generation_config)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     sampling = {name: value for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p))
                 if value is not None}
-    generation_config.update(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad, **sampling)
-    if generation_config.eos_token_id is None:
-        generation_config.eos_token_id = tokenizer.eos_token_id
+    generation_config.update(max_new_tokens=max_new_tokens, do_sample=do_sample,
+                             pad_token_id=pad_id(model, tokenizer), **sampling)
+    ends = eos_ids(model, tokenizer)  # where explain() stops, so their answers agree
+    if ends:
+        generation_config.eos_token_id = sorted(ends)
     with attach_continuous(model, **macs_config.as_dict()) as tracer:
         outputs = model.generate_batch(
             inputs, generation_config=generation_config, continuous_batching_config=continuous_batching_config,
@@ -595,19 +506,11 @@ def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuo
                 raise RuntimeError(f"request {request_id} failed in generate_batch: {output.error}")
             log_c, _ = tracer.request_rows(request_id)
             tracer.release(request_id)
-            generated = list(output.generated_tokens)
-            if list(output.prompt_ids) != prompt_ids or log_c.shape[0] != len(generated):
-                raise RuntimeError(
-                    f"request {request_id}: {log_c.shape[0]} MACS rows for {len(generated)} generated tokens"
-                )
-            explanations.append(Explanation(
-                input_ids=torch.tensor(prompt_ids),
-                generated_ids=torch.tensor(generated, dtype=torch.long),
-                input_tokens=_decode_tokens(tokenizer, prompt_ids),
-                generated_tokens=_decode_tokens(tokenizer, generated),
-                step_log_c=log_c,
-                config=macs_config.as_dict() | {"backend": tracer.backend},
-                text=_decode_text(tokenizer, generated),
-                source_span=user_span(tokenizer, prompt),
+            if list(output.prompt_ids) != prompt_ids:
+                raise RuntimeError(f"request {request_id}: generate_batch answered another prompt than it was given")
+            explanations.append(build_explanation(
+                tokenizer, prompt_ids, output.generated_tokens, log_c,
+                macs_config.as_dict() | {"backend": tracer.backend}, source_span=user_span(tokenizer, prompt),
+                label=f"request {request_id}",
             ))
     return explanations

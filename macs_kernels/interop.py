@@ -11,6 +11,7 @@ import dataclasses
 import torch
 
 from .config import MacsConfig
+from .core import paper_zscores
 from .hf_models import cache_argument, returned_cache
 from .tracing import attach, check_model
 
@@ -72,7 +73,7 @@ def trace_tensors(model, input_ids, generated_ids, *, at2: bool = False, **confi
         for token in generated[:-1].tolist():
             model(input_ids=torch.tensor([[token]], device=device), **cache_argument(model, cache), use_cache=True,
                   logits_to_keep=1)
-    log_c, z_scores = tracer.rows(0)
+    log_c = tracer.rows(0)[0]
     features = None
     if at2:
         n = prompt.numel()
@@ -82,6 +83,6 @@ def trace_tensors(model, input_ids, generated_ids, *, at2: bool = False, **confi
             for k in range(generated.numel())
         ]).cpu()
     return TraceTensors(
-        pooled=tracer.pooled_rows(0), log_c=log_c, z_scores=z_scores,
+        pooled=tracer.pooled_rows(0), log_c=log_c, z_scores=paper_zscores(log_c),
         at2_features=features,
     )

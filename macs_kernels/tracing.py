@@ -45,7 +45,7 @@ import weakref
 import torch
 
 from .config import MacsConfig
-from .core import NAN_MESSAGE, DenseRows, Kernels, paper_zscores, support
+from .core import NAN_MESSAGE, DenseRows, RowStore, step_scores, support
 from .distributed import HeadShards, head_shards
 from .hf_models import (
     check_model,
@@ -57,8 +57,7 @@ from .hf_models import (
     text_attention,
     window_key_offset,
 )
-from .ops import torch_backend
-from .ops._dispatch import resolve_backend
+from .ops import registry, torch_backend
 from .ops.variant import PLAIN
 
 # Registered names must contain neither "flash" nor "sdpa": transformers treats those specially.
@@ -213,8 +212,11 @@ class Tracer:
     """MACS state of the sequences that pass through one model.
 
     After a generate call, `rows(i)` gives (step_log_c, step_scores) of returned sequence i (generate's
-    order); after plain forward calls, of batch row i. `passes` holds every pass's rows; `input_start`,
-    `input_end`, `kv_len` (B,) and `n_input_list` describe the current pass (its last query) for hooks.
+    order); after plain forward calls, of batch row i. Those rows live in `store` (a RowStore keyed by i, as
+    every engine keeps its finished rows; `pooled_store` holds keep_pooled's m' rows flattened to L*N): generate
+    writes them when it returns, a plain forward after each pass. `passes` holds every pass's rows on the device
+    as they are computed (what streaming reads while generate runs); `input_start`, `input_end`, `kv_len` (B,)
+    and `n_input_list` describe the current pass (its last query) for hooks.
     """
 
     def __init__(self, config: MacsConfig, num_layers: int, device: torch.device, hooks=(), keep_pooled=False,
@@ -233,11 +235,13 @@ class Tracer:
         self.num_layers = num_layers
         self.hooks = list(hooks)
         self.keep_pooled = keep_pooled
-        self.backend = support.variant_backend(variants, config.backend, resolve_backend(config.backend, device))
-        self.kernels = Kernels.of(self.backend)
+        # A compiled pass and an eager one may run different kernels (registry.default_backend): each pass takes
+        # those of how it runs.
+        self._kernel_choice = functools.cache(functools.partial(registry.engine_kernels, config.backend, device,
+                                                                variants))
+        self.kernels = self._kernel_choice(captured=False)
         self._fused = config.fused_decode if config.fused_decode is not None else self.backend != "torch"
-        # Efficient rows have torch and Triton kernels; with cuda named, the best of those runs them.
-        self._efficient_backend = config.backend if config.backend in ("torch", "triton") else None
+        self._efficient_backend = registry.op_backend(config.backend, device, "efficient_attention")
         self.owner = threading.get_ident()
         self._norm_grams: dict = {}  # attention="norm": each layer's head Gram matrices, kept across sequences
         self.output_watch = None  # attention="norm": norm.OutputWatch, set by attach
@@ -251,11 +255,18 @@ class Tracer:
         self.forward_compiled = lambda: False  # whether the model's forward is torch.compile'd now (set by attach)
         self.reset()
 
+    @property
+    def backend(self) -> str:
+        """The backend of the kernels that scored the last pass (before any: an eager pass's)."""
+        return self.kernels.backend
+
     def reset(self) -> None:
         self.passes: list[dict] = []
         self._bases: list[int] = []
         self._stored = 0
-        self._flat = None
+        # A generate call keeps every sequence it returned until the next sequence starts (keep_more).
+        self.store = RowStore(keep_finished=0)
+        self.pooled_store = RowStore(keep_finished=0) if self.keep_pooled else None
         self.input_start = self.input_end = self.kv_len = self.n_input = None
         self.n_input_list: list[int] | None = None
         self._unpadded = False  # every item's inputs are keys [0, N) with one N (set per sequence)
@@ -292,6 +303,7 @@ class Tracer:
         self._beam_indices = beam_indices if self._generation.num_beams > 1 else None
         self._returned = (sequences.shape[0], sequences.shape[1] - prompt_length)
         self._generation = None
+        self._store_returned()
         self._raise_on_nan()
 
     def _raise_on_nan(self) -> None:
@@ -371,6 +383,7 @@ class Tracer:
         causal_block = rows > 1 and self._unpadded and bool(
             (kv_len == torch.arange(keys - rows + 1, keys + 1, device=kv_len.device)).all()
         )
+        self.kernels = self._kernel_choice(captured=self._generation is not None and self._generation.compiled)
         has_dense = self.kernels.pool_dense is not None
         scorer = DenseRows(
             self.kernels, self.num_layers, input_start=self.input_start, input_end=self.input_end, kv_len=kv_len,
@@ -481,7 +494,13 @@ class Tracer:
         self._bases.append(self._stored)
         self._stored += batch * rows
         self.passes.append(record)
-        self._flat = None
+        if self._generation is None and self._returned is None:
+            # A plain forward's sequence may go on in the next call: its rows are stored as they come. (One that
+            # continues a generate call's cache adds no rows to the sequences generate returned.)
+            steps, pooled = plan.step.tolist(), record.get("pooled")
+            for item, n in enumerate(self.n_input_list):
+                own = None if pooled is None else pooled[item * rows:(item + 1) * rows]
+                self._store_rows(item, n, steps[item], log_c[item], own)
         self._cache = None  # the model's cache is the caller's to free once generate returns
         for hook in self.hooks:
             hook.end_pass(self)
@@ -568,7 +587,7 @@ class Tracer:
             elif self._norms is not None:
                 self._norm_pool(layer, module, query[:, :, -1, :], key, value, scale)
             else:
-                plan.scorer.pool(layer, query[:, :, -plan.rows:, :], key, scale, variant)
+                plan.scorer.pool(layer, query, key, scale, variant)
         if self.output_watch is not None:
             self.output_watch.saw(layer, result[0])
         for hook in self.hooks:
@@ -578,24 +597,48 @@ class Tracer:
         return result
 
     # ---- results ----------------------------------------------------------------------------------
-    def _stacked(self) -> dict[str, torch.Tensor]:
-        if self._flat is None:
-            names = ["log_c"] + (["pooled"] if self.keep_pooled else [])
-            self._flat = {name: torch.cat([p[name] for p in self.passes]) for name in names}
-        return self._flat
-
     def sequences(self) -> int:
         """How many sequences there are rows for: generate's returned sequences, or the batch rows."""
         if self._returned is not None:
             return self._returned[0]
         return 0 if self._row_map is None else self._row_map.shape[0]
 
-    def _row_ids(self, item: int) -> tuple[torch.Tensor, int]:
-        """(global ids of sequence `item`'s rows, the batch row whose inputs it explains)."""
+    def _store_rows(self, item: int, n: int, steps, log_c: torch.Tensor, pooled: torch.Tensor | None) -> None:
+        """Write sequence `item`'s rows at `steps` into the stores: log c (R, >= n) and, with keep_pooled, m'
+        (R, L, >= n)."""
+        if item not in self.store:
+            self.store.open(item, n)
+            if self.pooled_store is not None:
+                self.pooled_store.open(item, self.num_layers * n)
+        self.store.put(zip([item] * len(steps), steps, log_c.cpu()))
+        if pooled is not None:
+            flat = pooled[:, :, :n].cpu().reshape(len(steps), -1)
+            self.pooled_store.put(zip([item] * len(steps), steps, flat))
+
+    def _store_returned(self) -> None:
+        """Resolve each sequence generate returned to its rows and store them (host syncs once generate is done,
+        never in a step). A NaN flagged in any pass fails every sequence's rows, as RowStore does."""
+        count = self._returned[0]
+        for store in (self.store, self.pooled_store):
+            if store is not None:
+                store.keep_more(count)
         if not self.passes:
-            raise RuntimeError("nothing was traced: run a forward or generate call inside attach()")
-        if not 0 <= item < self.sequences():
-            raise IndexError(f"sequence {item} is outside [0, {self.sequences()})")
+            return
+        log_c = torch.cat([p["log_c"] for p in self.passes])
+        pooled = torch.cat([p["pooled"] for p in self.passes]) if self.keep_pooled else None
+        broken = self._nan is not None and bool(self._nan)
+        for item in range(count):
+            ids, batch_row = self._row_ids(item)
+            own = None if pooled is None else pooled[ids]
+            self._store_rows(item, self.n_input_list[batch_row], range(ids.numel()), log_c[ids], own)
+            if broken:
+                self.store.put([(item, 0, None)])
+            for store in (self.store, self.pooled_store):
+                if store is not None:
+                    store.finish(item)
+
+    def _row_ids(self, item: int) -> tuple[torch.Tensor, int]:
+        """(global ids of returned sequence `item`'s rows, the batch row whose inputs it explains)."""
         if self._beam_indices is not None:
             # Beam search: the token of step t came from pass t at batch row beam_indices[item, t].
             beams = self._beam_indices[item].to(self._row_map.device).long()
@@ -604,9 +647,15 @@ class Tracer:
             return bases + beams[:steps], int(beams[0])
         row = self._row_map[item]
         written = int((row >= 0).long().cumprod(0).sum())
-        steps = written if self._returned is None else min(written, self._returned[1])
+        steps = min(written, self._returned[1])
         stop = -1 if self._stops is None else int(self._stops[item])
         return row[:steps if stop < 0 else min(steps, stop)], item
+
+    def _check_item(self, item: int) -> None:
+        if not self.passes:
+            raise RuntimeError("nothing was traced: run a forward or generate call inside attach()")
+        if not 0 <= item < self.sequences():
+            raise IndexError(f"sequence {item} is outside [0, {self.sequences()})")
 
     # ---- continuous batching (after generate_batch / init_continuous_batching ran in the attach block) ----
     def _continuous(self):
@@ -628,33 +677,30 @@ class Tracer:
         self._continuous().release(request_id)
 
     def rows(self, item: int, steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(step_log_c, the paper's z-scores of c per step) of sequence `item`: (steps, N_item) float32 tensors
-        on the CPU (rank with step_log_c; Explanation's step_scores are z-scores of log c).
+        """(step_log_c, step_scores) of sequence `item`: (steps, N_item) float32 tensors on the CPU; step_scores
+        are Explanation's, the z-scores of each row's log c (core.SCORES["log_z"]), as request_rows returns.
 
         Default steps: every token of the sequence (generate: up to where its stopping criteria finished it,
         not the pads generate appends while other rows go on) or every scored row (plain forwards)."""
-        ids, batch_row = self._row_ids(item)
-        if steps is not None:
-            if steps > ids.numel():
-                raise ValueError(f"sequence {item} has {ids.numel()} rows, fewer than the {steps} asked for")
-            ids = ids[:steps]
-        n = self.n_input_list[batch_row]
-        log_c = self._stacked()["log_c"][ids, :n].cpu()
-        return log_c, paper_zscores(log_c)
+        self._check_item(item)
+        if steps is not None and steps > self.store.count(item):
+            raise ValueError(f"sequence {item} has {self.store.count(item)} rows, fewer than the {steps} asked for")
+        log_c = self.store.rows(item, 0, steps)
+        return log_c, step_scores(log_c)
 
     def pooled_rows(self, item: int, steps: int | None = None) -> torch.Tensor:
         """(steps, L, N_item) float32 m' per layer of sequence `item` (needs keep_pooled=True)."""
         if not self.keep_pooled:
             raise RuntimeError("pooled rows are kept only with keep_pooled=True")
-        ids, batch_row = self._row_ids(item)
-        ids = ids if steps is None else ids[:steps]
-        return self._stacked()["pooled"][ids, :, : self.n_input_list[batch_row]].cpu()
+        self._check_item(item)
+        flat = self.pooled_store.rows(item, 0, steps)
+        return flat.view(flat.shape[0], self.num_layers, -1)
 
     def row(self, item: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log_c, the paper's z-scores of c) (N_item,) of row `step` of batch row `item` while generating (one
-        host sync)."""
+        """(log_c, its z-scores as in `rows`) (N_item,) of row `step` of batch row `item` while generating (one host
+        sync)."""
         log_c = self.row_log_c(item, step)
-        return log_c, paper_zscores(log_c)
+        return log_c, step_scores(log_c)
 
     def row_log_c(self, item: int, step: int) -> torch.Tensor:
         """log c (N_item,) of row `step` of batch row `item` while generating: a streaming reader's O(1) read."""

@@ -90,7 +90,7 @@ def print_explanation(explanation, *, step: int | None = None, span=None, top: i
     from rich.markup import escape
     from rich.text import Text
 
-    from .config import DEFAULT_AGGREGATION
+    from .core import DEFAULT_AGGREGATION
 
     console = console or Console()
     scores = explanation.score_row(step, how)

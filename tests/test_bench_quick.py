@@ -35,7 +35,7 @@ def test_quick_mode_writes_every_method_and_mode_with_the_schema(quick_run):
     # The output_attentions ways score greedy batch-1 rows only; assisted decoding takes one sequence.
     expected = {("greedy", m, 1) for m in bench.EAGER_METHODS} | {
         (mode, m, b) for m in generating for mode, batches in
-        (("greedy", (1, 2)), ("beam4", (1, 2)), ("prompt-lookup", (1,))) for b in batches}
+        (("greedy", (1, 2)), ("static", (1, 2)), ("beam4", (1, 2)), ("prompt-lookup", (1,))) for b in batches}
     for n in bench.QUICK_LENGTHS:
         assert {(r["mode"], r["method"], int(r["batch"])) for r in rows if r["prompt_len"] == str(n)} == expected
     for r in rows:
@@ -94,8 +94,10 @@ def test_beam_and_prompt_lookup_rows_have_sane_ratios_to_plain_in_their_mode(qui
                 assert float(s["mem_vs_plain"]) == pytest.approx(1.0, abs=0.1)
 
 
-@pytest.mark.parametrize("mode, option, value",
-                         [("beam4", "num_beams", 4), ("prompt-lookup", "prompt_lookup_num_tokens", 3)])
+@pytest.mark.parametrize("mode, option, value", [
+    ("beam4", "num_beams", 4), ("static", "cache_implementation", "static"),
+    ("prompt-lookup", "prompt_lookup_num_tokens", 3),
+])
 def test_each_mode_reaches_generate_with_its_options_under_macs(mode, option, value):
     spec = bench.Spec(None, "tiny", "float32", "cpu", "macs-torch", 1, 24, 5, 1, mode)
     model, pad = bench.load(spec)
@@ -150,8 +152,9 @@ def test_modes_option():
     assert parse() == ["greedy"]  # today's figures stay comparable
     assert parse("--quick") == list(bench.MODES)
     assert parse("--modes", "greedy,beam4", "prompt-lookup") == ["greedy", "beam4", "prompt-lookup"]
-    with pytest.raises(SystemExit, match="--modes beam: choose from greedy, beam4, prompt-lookup"):
+    with pytest.raises(SystemExit, match="--modes beam: choose from greedy, static, beam4, prompt-lookup"):
         parse("--modes", "beam")
+    assert parse("--config", "Llama-3.1-8B") == ["greedy", "static"]  # issue 42's side by side: eager, compiled
 
 
 def test_methods_never_include_the_triton_interpreter():
@@ -170,7 +173,8 @@ def test_peak_memory_comes_from_a_fresh_process_with_fixed_malloc_thresholds():
 
 def test_a_cpu_run_times_in_process_and_takes_memory_from_fresh_processes(tmp_path):
     argv = ["--config", "tiny", "--lengths", "16", "--batches", "1", "--methods", "plain-sdpa", "macs-torch",
-            "--new-tokens", "3", "--repeats", "1", "--threads", "1", "--out", str(tmp_path), "--name", "cpu"]
+            "--modes", "greedy", "--new-tokens", "3", "--repeats", "1", "--threads", "1", "--out", str(tmp_path),
+            "--name", "cpu"]
     assert bench.main(argv) == 0
     _, rows = read(tmp_path / "cpu.csv")
     assert [r["method"] for r in rows] == ["plain-sdpa", "macs-torch"]
@@ -261,3 +265,136 @@ def test_serving_quick_mode_streams_every_token_and_pairs_throughput(tmp_path):
     assert float(summary["throughput_on_vs_off_paired_cpu"]) == pytest.approx(sum(on) / sum(off), rel=1e-6)
     assert 0 < float(summary["read_ratio_late_vs_64"]) < 100
     assert (tmp_path / "serving.png").stat().st_size > 0
+
+
+def test_a_config_run_compares_eager_and_static_cache_side_by_side_with_profiled_time(tmp_path):
+    """Issue 42's side-by-side grid in miniature: --config's default modes (eager dynamic cache, static cache), plain
+    and MACS with the backend attach picks, the profiler's time per token; ratios to plain in the same mode."""
+    argv = ["--config", "tiny", "--lengths", "16", "--batches", "1", "--methods", "plain-sdpa", bench.AUTO,
+            "--new-tokens", "3", "--repeats", "1", "--threads", "1", "--profile", "--in-process",
+            "--out", str(tmp_path), "--name", "side"]
+    assert bench.main(argv) == 0
+    _, rows = read(tmp_path / "side.csv")
+    assert {(r["mode"], r["method"]) for r in rows} == {(m, x) for m in ("greedy", "static")
+                                                        for x in ("plain-sdpa", bench.AUTO)}
+    for r in rows:
+        assert r["status"] == "ok", r["status"]
+        assert r["compiled"] == "False"  # generate compiles a static cache on an accelerator only
+        assert r["timed_compiles"] == "0"
+        assert r["backend"] == ("torch" if r["method"] == bench.AUTO else "")
+        assert r["profiled"] == "cpu ops" and float(r["profiled_s"]) > 0
+        assert float(r["profiled_ms_per_token"]) == pytest.approx(1e3 * float(r["profiled_s"]) / 3, rel=1e-3)
+    _, summary = read(tmp_path / "side_summary.csv")
+    by = {(s["mode"], s["method"]): s for s in summary}
+    for mode in ("greedy", "static"):
+        macs, plain = by[(mode, bench.AUTO)], by[(mode, "plain-sdpa")]
+        for ratio, field in (("profiled_vs_plain", "profiled_ms_per_token"), ("decode_vs_plain", "decode_tok_s"),
+                             ("mem_vs_plain", "peak_mem_bytes")):
+            assert float(macs[ratio]) == pytest.approx(float(macs[field]) / float(plain[field]), abs=1e-3)
+    assert (tmp_path / "side.png").stat().st_size > 0
+
+
+def test_each_static_cell_gets_a_cache_of_its_own_size_warmed_at_its_shape():
+    """generate keeps the largest static cache length any call asked for; a short prompt measured after a long
+    one would then attend a long cache. The warm-up runs the timed shape: compiled graphs are per cache size."""
+    spec = bench.Spec(None, "tiny", "float32", "cpu", "plain-sdpa", 1, 40, 4, 1, "static")
+    model, pad = bench.load(spec)
+    calls = []
+    generate = model.generate
+
+    def recording_generate(ids, **kwargs):
+        calls.append((ids.shape, kwargs["max_new_tokens"]))
+        return generate(ids, **kwargs)
+
+    model.generate = recording_generate
+    assert bench.measure(spec, model, pad)["status"] == "ok"
+    assert model._previous_max_cache_length == 40 + 4 - 1  # the last new token is never fed back
+    short = dataclasses.replace(spec, prompt_len=12)
+    assert bench.measure(short, model, pad)["status"] == "ok"
+    assert model._previous_max_cache_length == 12 + 4 - 1
+    assert calls[2:] == [((1, 12), 4), ((1, 12), 4)]
+
+
+def test_an_unknown_method_is_refused_before_any_model_loads(monkeypatch):
+    monkeypatch.setattr(bench, "load", lambda spec: pytest.fail("loaded a model"))
+    with pytest.raises(SystemExit, match="--methods macs-numba: choose from plain-sdpa"):
+        bench.main(["--config", "tiny", "--methods", "plain-sdpa", "macs-numba"])
+
+
+def test_a_cell_that_fails_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
+    """A GPU session has minutes: one method refused or crashing in one mode must not cost the rest of the grid."""
+    import macs_kernels.tracing
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("refused in this mode\nsecond line")
+
+    monkeypatch.setattr(macs_kernels.tracing, "attach", refuse)
+    argv = ["--config", "tiny", "--lengths", "16", "--batches", "1", "--methods", "plain-sdpa", "macs-torch",
+            "--modes", "greedy", "--new-tokens", "3", "--repeats", "1", "--in-process", "--out", str(tmp_path),
+            "--name", "failing"]
+    assert bench.main(argv) == 0
+    _, rows = read(tmp_path / "failing.csv")
+    assert [(r["method"], r["status"]) for r in rows] == [
+        ("plain-sdpa", "ok"), ("macs-torch", "failed: NotImplementedError: refused in this mode")]
+    _, summary = read(tmp_path / "failing_summary.csv")
+    assert [s["method"] for s in summary] == ["plain-sdpa"]
+
+
+def test_vllm_summary_puts_engine_modes_side_by_side_and_keeps_a_refusal(tmp_path):
+    """One row per engine mode of the latest run: paired on/off ratios where attribution ran, the refusal where the
+    engine refused it (its plain runs still summarised), plain throughput over the eager engine's."""
+    from macs_kernels.bench import vllm_engine
+
+    def row(run, engine, mode, repeat, tok_s, status="ok"):
+        return {"run": run, "engine": engine, "status": status, "plugin": "macs_kernels", "paged_backend": "numba",
+                "mode": mode, "repeat": repeat, "requests": 4, "prompt_min": 64, "prompt_max": 256, "new_tokens": 8,
+                "tokens_per_s": tok_s, "tokens_per_cpu_s": 2 * tok_s, "engine_rss_mib": 100.0}
+
+    old = [row("old", "eager", "off", 0, 1.0), row("old", "eager", "on", 0, 1.0)]  # another run: left out
+    rows = old + [row("new", "eager", mode, repeat, value) for mode, repeat, value in
+                  (("off", 0, 10.0), ("on", 0, 9.0), ("on", 1, 8.0), ("off", 1, 10.0))]
+    rows += [row("new", "compiled", "on", "", "", status="refused: NotImplementedError: not in compiled mode"),
+             row("new", "compiled", "off", 0, 15.0), row("new", "compiled", "off", 1, 25.0)]
+    eager, compiled = vllm_engine.summarise([{k: str(v) for k, v in r.items()} for r in rows], serving=[])
+    assert eager["engine"] == "eager" and eager["attribution"] == "ok" and eager["repeats"] == 2
+    assert eager["tokens_per_s_off"] == 10.0 and eager["tokens_per_s_on"] == 8.5
+    assert eager["on_vs_off_tokens_per_s_paired"] == pytest.approx(0.85)  # median of 0.9 and 0.8
+    assert eager["on_vs_off_tokens_per_cpu_s_paired"] == pytest.approx(0.85)
+    assert compiled["attribution"] == "refused: NotImplementedError: not in compiled mode"
+    assert compiled["tokens_per_s_on"] == "" and compiled["on_vs_off_tokens_per_s_paired"] == ""
+    assert compiled["off_vs_eager_off_tokens_per_s"] == pytest.approx(2.0)
+    vllm_engine.plot([eager, compiled], tmp_path / "vllm.png")
+    assert (tmp_path / "vllm.png").stat().st_size > 0
+
+
+def test_vllm_summary_reads_a_csv_written_before_engine_modes():
+    from macs_kernels.bench import vllm_engine
+
+    with open(Path(__file__).parents[1] / "benchmarks" / "results" / "vllm_cpu_throughput.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    (summary,) = vllm_engine.summarise(rows, serving=[])
+    # What that run's summary said (vllm_cpu_throughput_summary.csv): its latest paged backend's 6 repeats.
+    with open(Path(__file__).parents[1] / "benchmarks" / "results" / "vllm_cpu_throughput_summary.csv") as handle:
+        (recorded,) = csv.DictReader(handle)
+    assert summary["engine"] == "eager" and summary["attribution"] == "ok"
+    assert summary["paged_backend"] == recorded["paged_backend"] and summary["repeats"] == int(recorded["repeats"])
+    for field in ("on_vs_off_tokens_per_s_paired", "on_vs_off_tokens_per_cpu_s_paired", "tokens_per_s_on"):
+        assert summary[field] == pytest.approx(float(recorded[field]), rel=1e-9)
+
+
+@pytest.mark.slow  # dynamo traces the forward of each method (about a minute on a busy 2-core machine)
+def test_a_compiled_static_cache_is_compiled_in_the_warm_up_not_in_the_timed_run(tmp_path, monkeypatch):
+    """generate compiles a static cache only on an accelerator; its compile config can ask for it here too, which
+    takes the benchmark through the path a GPU run takes (dynamo's eager backend: no CUDA graphs on a CPU)."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    config = CompileConfig(backend="eager")
+    config._compile_all_devices = True
+    monkeypatch.setitem(bench.MODES, bench.STATIC, {"cache_implementation": "static", "compile_config": config})
+    argv = ["--config", "tiny", "--lengths", "16", "--batches", "1", "--methods", "plain-sdpa", bench.AUTO,
+            "--modes", "static", "--new-tokens", "4", "--repeats", "1", "--threads", "1", "--in-process",
+            "--out", str(tmp_path), "--name", "compiled"]
+    assert bench.main(argv) == 0
+    _, rows = read(tmp_path / "compiled.csv")
+    assert [(r["method"], r["status"], r["compiled"], r["timed_compiles"]) for r in rows] == [
+        ("plain-sdpa", "ok", "True", "0"), (bench.AUTO, "ok", "True", "0")]

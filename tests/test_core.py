@@ -1,5 +1,6 @@
 """The attribution core: the row store every engine writes, the pass accumulator's floor, log and NaN check,
-paged rows over vLLM's and FLASH_ATTN's KV layouts, and the package's layering (no import cycle; each layer
+the row plans (one protocol over dense, packed and paged caches; paged rows over vLLM's and FLASH_ATTN's KV
+layouts), and the package's layering (no import cycle; each layer
 imports only the layers below it)."""
 import ast
 import math
@@ -10,9 +11,20 @@ import pytest
 import torch
 
 from macs_kernels.config import MacsConfig
-from macs_kernels.core import NAN_MESSAGE, Kernels, PagedRows, PassRows, RowStore, log_zscores, paper_zscores
+from macs_kernels.core import (
+    NAN_MESSAGE,
+    DenseRows,
+    Kernels,
+    PackedRows,
+    PagedRows,
+    PassRows,
+    RowStore,
+    log_zscores,
+    paper_zscores,
+)
 from macs_kernels.ops import macs_pool, torch_backend
 from macs_kernels.ops.torch_backend import log_floor
+from macs_kernels.ops.torch_packed import Segments
 from macs_kernels.ops.variant import Variant
 from macs_kernels.vllm.tracer import key_pages
 
@@ -171,7 +183,7 @@ def test_score_definitions():
 LAYERS = {  # a module may import its own layer and the layers after it in this list, never one before
     # vllm: an engine adapter (its tracer feeds the core) packaged with its plugin, worker extension and explain()
     "apps": ("serve", "cli", "evaluation", "at2", "bench", "integrations", "interop", "parallel", "vllm", "__main__"),
-    "api": ("explanation", "viz", "prompts", "models", "alignment", "attnlrp", "atman", "vision"),
+    "api": ("explanation", "generation", "viz", "prompts", "models", "alignment", "attnlrp", "atman", "vision"),
     "engines": ("tracing", "continuous", "hf_models", "efficient", "norm"),
     "core": ("core",),
     "ops": ("ops", "distributed", "reference", "config"),
@@ -283,7 +295,7 @@ def test_paged_rows_equal_the_dense_op_per_row(layout, backend, variant):
     layer_queries = [query, query * 0.5]
     extra = {} if variant == "plain" else dict(window=45, sinks=torch.linspace(-1.0, 4.0, heads), softcap=2.0)
     for layer, q in enumerate(layer_queries):
-        scorer.pool(layer, q, k_pages, 0.3, **extra)
+        scorer.pool(layer, q, k_pages, 0.3, Variant(**extra))
     log_c, broken = scorer.finish()
     assert not broken.any()
     for r, (config, length, n) in enumerate(zip(configs, lengths, n_input)):
@@ -295,3 +307,58 @@ def test_paged_rows_equal_the_dense_op_per_row(layout, backend, variant):
             expected += log_floor(pooled[0], config.alpha)
         torch.testing.assert_close(log_c[r, :n], expected, rtol=1e-5, atol=1e-5)
         assert (log_c[r, n:] == 0).all()
+
+
+@pytest.mark.parametrize("variant", ["plain", "window+sinks+softcap"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_three_row_plans_take_one_signature_and_agree(backend, variant):
+    """One RowPlan protocol: the same two sequences' last queries scored over a dense batch-major cache, a packed
+    key tensor and a paged cache, each through `pool(layer, query, keys, scale, variant, gather)`, give the rows
+    of ops.macs_pool run on each sequence alone (a window shorter than the first sequence's inputs)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    heads, kv_heads, dim, page_size, layers = 4, 2, 8, 4, 2
+    lengths, n_input = [13, 9], [8, 5]
+    config = MacsConfig(pooling="mean", alpha=0.5)
+    window = None if variant == "plain" else 6
+    layer_variant = Variant() if variant == "plain" else Variant(window=window, softcap=2.0,
+                                                                 sinks=torch.linspace(-1.0, 2.0, heads))
+    keys = [torch.randn(kv_heads, length, dim) for length in lengths]
+    queries = [torch.randn(2, heads, dim) for _ in range(layers)]  # per layer: each sequence's last query
+    kernels = Kernels.of(backend)
+
+    dense_keys = torch.zeros(2, kv_heads, max(lengths), dim)
+    for r, k in enumerate(keys):
+        dense_keys[r, :, : k.shape[1]] = k
+    dense_keys[1, :, lengths[1]:] = 1e4  # slots past the second sequence: never attended
+    dense = DenseRows(kernels, layers, input_start=torch.tensor([0, 0]), input_end=torch.tensor(n_input),
+                      kv_len=torch.tensor(lengths)[:, None], n_max=max(n_input), pooling=config.pooling,
+                      redistribute=config.redistribute, alpha=config.alpha)
+    segments = Segments([0, lengths[0]], lengths, n_input, [config.redistribute] * 2, "cpu", window=window)
+    packed = PackedRows(kernels, layers, torch.tensor([0, 1]), segments, [config] * 2)
+    k_pages, table = _paged(keys, page_size, 8, "flash_attn")
+    paged = PagedRows(kernels, layers, torch.tensor([0, 1]), table, lengths, n_input, page_size, [config] * 2)
+    plans = {
+        "dense": (dense, lambda q: q[:, :, None], dense_keys, None),
+        "packed": (packed, lambda q: q.transpose(0, 1)[None], torch.cat(keys, dim=1)[None], segments),
+        "paged": (paged, lambda q: q, k_pages, None),
+    }
+    for name, (plan, query_of, layer_keys, gather) in plans.items():
+        for layer, q in enumerate(queries):
+            plan.pool(layer, query_of(q), layer_keys, 0.3, layer_variant, gather)
+        log_c, broken = plan.finish()
+        assert not broken.any()
+        for r, (length, n) in enumerate(zip(lengths, n_input)):
+            expected = sum(log_floor(macs_pool(
+                q[r][None], keys[r][None], input_start=0, input_end=n, kv_len=length, scale=0.3,
+                pooling=config.pooling, redistribute=config.redistribute, backend="torch", variant=layer_variant,
+            )[0], config.alpha) for q in queries)
+            torch.testing.assert_close(log_c.reshape(2, -1)[r, :n], expected, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_a_dense_plan_refuses_a_gather():
+    plan = DenseRows(Kernels.of("torch"), 1, input_start=torch.tensor([0]), input_end=torch.tensor([2]),
+                     kv_len=torch.tensor([[3]]), n_max=2, pooling="max", redistribute=True, alpha=0.8)
+    with pytest.raises(ValueError, match="dense cache's keys are the layer's own"):
+        plan.pool(0, torch.randn(1, 2, 1, 4), torch.randn(1, 1, 3, 4), 0.5, gather=object())
+

@@ -164,29 +164,29 @@ class AT2Attributor:
         chosen = make_sources(alignment, context, sources)
         index = source_index(chosen, alignment.context_tokens)
         scores = self.source_scores(features[0].flatten(0, 1), index, len(chosen))
+        from ..generation import decode_text, decode_tokens
+
         ids = response_ids.tolist()
         return AT2Explanation(
-            prompt_ids=prompt_ids, response_ids=response_ids,
-            response_tokens=[self.tokenizer.decode([i]) for i in ids],
-            response=self.tokenizer.decode(ids, skip_special_tokens=True), context=context, target=(start, end),
+            prompt_ids=prompt_ids, response_ids=response_ids, response_tokens=decode_tokens(self.tokenizer, ids),
+            response=decode_text(self.tokenizer, ids), context=context, target=(start, end),
             source_type=sources, sources=chosen, scores=scores,
         )
 
     def _generate(self, prompt_ids, max_new_tokens):
         """Greedy generation with the queries captured on the way: (capture, response ids without EOS)."""
-        from ..explanation import _eos_ids
+        from ..generation import eos_ids, generation_kwargs
         from ..tracing import attach
         from .features import QueryCapture
 
         device = next(self.model.parameters()).device
         ids = prompt_ids.to(device)[None]
         capture = QueryCapture()
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         with attach(self.model, hooks=[capture]):
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                      do_sample=False, pad_token_id=pad)
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids),
+                                      **generation_kwargs(self.model, self.tokenizer, max_new_tokens, {}))
         response = out[0, ids.shape[1]:].cpu()
-        eos = _eos_ids(self.model, self.tokenizer)
+        eos = eos_ids(self.model, self.tokenizer)
         length = next((i for i, t in enumerate(response.tolist()) if t in eos), response.numel())
         if length == 0:
             raise ValueError("the model's response is empty (it ended at once): nothing to attribute")

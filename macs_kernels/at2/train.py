@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..explanation import _eos_ids
+from ..generation import eos_ids, generation_kwargs
 from ..hf_models import cache_argument
 from .coefficients import model_record, model_shape, save_coefficients, training_record
 from .features import response_token_features
@@ -34,12 +34,11 @@ MAX_NEW_TOKENS = 32
 def greedy_response(model, tokenizer, prompt_ids: torch.Tensor, max_new_tokens: int = MAX_NEW_TOKENS) -> torch.Tensor:
     """Greedy continuation of prompt_ids (N,) without its end-of-sequence token: (T,) int64 (T may be 0)."""
     device = next(model.parameters()).device
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ids = prompt_ids.to(device)[None]
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=pad)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                         **generation_kwargs(model, tokenizer, max_new_tokens, {}))
     response = out[0, prompt_ids.numel():].cpu()
-    eos = _eos_ids(model, tokenizer)
+    eos = eos_ids(model, tokenizer)
     for i, token in enumerate(response.tolist()):
         if token in eos:
             return response[:i]

@@ -8,7 +8,8 @@ same number of new tokens (end-of-sequence suppressed) from the same random prom
 - plain-sdpa (plain-fa2 where flash-attn is installed on a GPU): `model.generate`, no attribution;
 - macs-<backend>: the same generate inside `macs_kernels.attach` (every backend that runs natively on
   the device: never the Triton interpreter); macs-torch-fused: the torch backend with fused_decode=True
-  (it computes decode attention itself, reading K once, instead of calling sdpa);
+  (it computes decode attention itself, reading K once, instead of calling sdpa); macs-auto (on request,
+  --methods): the backend and fused_decode that attach chooses by itself, the `backend` column names it;
 - output-attentions (batch 1 only): eager attention, `generate(output_attentions=True)`, then MACS
   computed from the returned attention rows, as attention-based attribution tools do today. It keeps
   every step's attentions: at 2k tokens the prefill's alone take 30 x 9 x 2k^2 x 4 bytes = 4.4 GB on the
@@ -17,11 +18,16 @@ same number of new tokens (end-of-sequence suppressed) from the same random prom
   re-runs the whole sequence through eager attention with output_attentions=True and scores the last row
   of every layer. Each of its steps costs a full forward, so only its first RERUN_STEPS steps are timed.
 
-Generation modes: greedy; beam4 (num_beams=4, the best beam returned); prompt-lookup
-(prompt_lookup_num_tokens=3, greedy, batch 1 only as transformers requires). Each non-greedy mode is timed
-for plain and MACS, and its ratios are to plain-sdpa in the same mode (the output_attentions methods run
-greedy only). Tokens count per returned sequence: beam search's 4 beams per sequence are its cost, not
-extra tokens.
+Generation modes: greedy; static (greedy with cache_implementation="static", which generate compiles on an
+accelerator: torch.compile, CUDA graphs; the `compiled` column says whether it did, `timed_compiles` how many
+graphs dynamo compiled during the timed run, 0 when the warm-up took them all); beam4 (num_beams=4, the best
+beam returned); prompt-lookup (prompt_lookup_num_tokens=3, greedy, batch 1 only as transformers requires).
+Each non-greedy mode is timed for plain and MACS, and its ratios are to plain-sdpa in the same mode (the
+output_attentions methods run greedy only). Tokens count per returned sequence: beam search's 4 beams per sequence
+are its cost, not extra tokens.
+
+--profile runs every measurement once more under torch.profiler: profiled_ms_per_token is the GPU kernels' time
+(on a CPU: the CPU time of the profiled ops) of that whole generate, prefill included, over its B x new tokens.
 
 Prefill tokens/s = B x N / (time to the first new token); decode tokens/s = B x (new - 1) / the rest
 (for the output-attentions methods the rest includes scoring). End-to-end tokens/s = B x new / (prefill +
@@ -61,9 +67,17 @@ RERUN = "output-attentions-rerun"
 EAGER_METHODS = (OUTPUT_ATTENTIONS, RERUN)  # batch 1 only: their attentions alone take GBs per sequence
 RERUN_STEPS = 4
 GREEDY = "greedy"
+STATIC = "static"
 # generate kwargs of each mode (on top of greedy's: do_sample=False, EOS suppressed by min_new_tokens).
-MODES = {GREEDY: {}, "beam4": {"num_beams": 4}, "prompt-lookup": {"prompt_lookup_num_tokens": 3}}
+MODES = {GREEDY: {}, STATIC: {"cache_implementation": "static"}, "beam4": {"num_beams": 4},
+         "prompt-lookup": {"prompt_lookup_num_tokens": 3}}
 SINGLE_SEQUENCE_MODES = ("prompt-lookup",)  # transformers' assisted decoding takes batch 1 only
+# --config runs without --lengths / --modes: issue 42's side-by-side grid (a 4k context with 64 new tokens
+# and room to spare), eager and compiled static cache.
+CONFIG_LENGTHS = (512, 2048, 3936)
+CONFIG_MODES = (GREEDY, STATIC)
+AUTO = "macs-auto"
+BACKENDS = ("torch", "triton", "cuda")  # those that run generate's attention
 
 # Shapes of real architectures for --config (no weights travel to a GPU machine; random weights cost
 # the same). A config.json path or folder works too.
@@ -94,19 +108,20 @@ COLUMNS = (
     "machine", "device", "python", "torch", "transformers", "triton", "threads", "commit", "loadavg",
     "model", "dtype", "mode", "method", "batch", "prompt_len", "new_tokens", "repeat", "status",
     "prefill_s", "decode_s", "decode_steps", "prefill_cpu_s", "decode_cpu_s", "prefill_tok_s", "decode_tok_s",
-    "decode_cpu_tok_s", "e2e_tok_s", "peak_mem_bytes", "memory", "isolated",
+    "decode_cpu_tok_s", "e2e_tok_s", "peak_mem_bytes", "memory", "isolated", "backend", "compiled",
+    "timed_compiles", "mem_at_start_bytes", "profiled", "profiled_s", "profiled_ms_per_token",
 )
 SUMMARY_COLUMNS = (
     "machine", "device", "torch", "transformers", "commit", "model", "dtype", "mode", "method", "batch", "prompt_len",
-    "new_tokens", "repeats", "prefill_tok_s", "decode_tok_s", "decode_cpu_tok_s", "e2e_tok_s", "peak_mem_bytes",
-    "prefill_vs_plain", "decode_vs_plain", "decode_cpu_vs_plain", "decode_cpu_vs_plain_paired", "e2e_vs_plain",
-    "mem_vs_plain", "decode_vs_output_attentions", "decode_cpu_vs_output_attentions", "e2e_vs_output_attentions",
-    "mem_vs_output_attentions", "decode_vs_output_attentions_rerun", "e2e_vs_output_attentions_rerun",
-    "mem_vs_output_attentions_rerun",
+    "new_tokens", "repeats", "backend", "compiled", "prefill_tok_s", "decode_tok_s", "decode_cpu_tok_s", "e2e_tok_s",
+    "peak_mem_bytes", "profiled", "profiled_ms_per_token", "prefill_vs_plain", "decode_vs_plain", "decode_cpu_vs_plain",
+    "decode_cpu_vs_plain_paired", "e2e_vs_plain", "mem_vs_plain", "profiled_vs_plain", "decode_vs_output_attentions",
+    "decode_cpu_vs_output_attentions", "e2e_vs_output_attentions", "mem_vs_output_attentions",
+    "decode_vs_output_attentions_rerun", "e2e_vs_output_attentions_rerun", "mem_vs_output_attentions_rerun",
 )
-# Ratio columns: (prefix, median field).
+# Ratio columns: (prefix, median field). profiled_ms_per_token is empty in runs without --profile.
 RATIOS = (("prefill", "prefill_tok_s"), ("decode", "decode_tok_s"), ("decode_cpu", "decode_cpu_tok_s"),
-          ("e2e", "e2e_tok_s"), ("mem", "peak_mem_bytes"))
+          ("e2e", "e2e_tok_s"), ("mem", "peak_mem_bytes"), ("profiled", "profiled_ms_per_token"))
 
 
 # ---- one measurement ----------------------------------------------------------------------------------
@@ -124,6 +139,7 @@ class Spec:
     new_tokens: int
     threads: int | None = None
     mode: str = GREEDY
+    profile: bool = False
 
 
 def methods_for(device) -> list[str]:
@@ -132,18 +148,26 @@ def methods_for(device) -> list[str]:
 
     import torch
 
-    from ..ops._dispatch import why_unavailable
+    from ..ops.registry import why_unavailable
 
     device = torch.device(device)
     methods = ["plain-sdpa"]
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         methods.append("plain-fa2")
     # why_unavailable would accept the Triton interpreter on a CPU: a test tool, not a contender.
-    for backend in ("torch", "triton", "cuda"):
+    for backend in BACKENDS:
         if (backend == "torch" or device.type == "cuda") and why_unavailable(backend, device) is None:
             methods.append(f"macs-{backend}")
     methods.append("macs-torch-fused")  # the torch backend computing decode attention itself
     return methods + list(EAGER_METHODS)
+
+
+def check_methods(methods: list[str]) -> None:
+    """Refuse, before any model loads, a method that the benchmark does not know."""
+    known = ["plain-sdpa", "plain-fa2", *(f"macs-{b}" for b in BACKENDS), "macs-torch-fused", AUTO, *EAGER_METHODS]
+    unknown = [method for method in methods if method not in known]
+    if unknown:
+        raise SystemExit(f"--methods {' '.join(unknown)}: choose from {', '.join(known)}")
 
 
 def applies(method: str, mode: str, batch: int) -> bool:
@@ -163,11 +187,11 @@ def load(spec: Spec):
     implementation = "eager" if spec.method in EAGER_METHODS else (
         "flash_attention_2" if spec.method == "plain-fa2" else "sdpa")
     if spec.config is None:
+        from ..generation import pad_id
         from ..models import load_model
 
         model, tokenizer = load_model(spec.model, dtype=dtype, device=spec.device, attn_implementation=implementation)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return model, pad
+        return model, pad_id(model, tokenizer)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if spec.config in ARCHITECTURES:
@@ -243,6 +267,7 @@ def _generate(model, ids, spec: Spec, pad: int):
         kwargs.update(output_attentions=True, return_dict_in_generate=True)
     macs = spec.method.startswith("macs-")
     backend, _, fused = spec.method[5:].partition("-")
+    backend = None if spec.method == AUTO else backend
     context = attach(model, backend=backend, fused_decode=bool(fused) or None) if macs else contextlib.nullcontext()
     _synchronize(spec.device)
     start, start_cpu = time.perf_counter(), time.process_time()
@@ -328,9 +353,32 @@ def _available_bytes(device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def _profiled_seconds(timed, model, ids, spec: Spec, pad: int) -> tuple[str, float, int]:
+    """(what was summed, seconds, tokens generated) of one more run under torch.profiler: the self time of every
+    GPU kernel on a GPU (the sum the profiler's own table totals), of every profiled op on a CPU."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = torch.device(spec.device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=activities) as profiler:
+        _, _, steps = timed(model, ids, spec, pad)
+    events = [e for e in profiler.key_averages() if not e.is_user_annotation]
+    if gpu:
+        microseconds = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
+    else:
+        microseconds = sum(e.self_cpu_time_total for e in events if e.device_type == DeviceType.CPU)
+    return ("gpu kernels" if gpu else "cpu ops"), microseconds / 1e6, steps + 1
+
+
 def measure(spec: Spec, model=None, pad=None) -> dict:
     """One measurement: the result columns of a CSV row."""
     import torch
+    from torch._dynamo.utils import counters
+
+    from ..ops.registry import resolve_backend
+    from ..tracing import check_generate
 
     if spec.threads:
         torch.set_num_threads(spec.threads)
@@ -340,22 +388,44 @@ def measure(spec: Spec, model=None, pad=None) -> dict:
     if spec.method in EAGER_METHODS and oa_bytes(model, spec) > 0.8 * _available_bytes(spec.device):
         return {"status": f"skipped: its attentions need {oa_bytes(model, spec) / 2**30:.1f} GiB"}
     timed = _rerun_without_cache if spec.method == RERUN else _generate
+    compiled = spec.method not in EAGER_METHODS and check_generate(model, dict(MODES[spec.mode])).compiled
+    static = "cache_implementation" in MODES[spec.mode]
+    if static:
+        # generate sizes a static cache at the largest length any earlier call on this model asked for (to spare a
+        # recompile); forgetting it gives every cell a cache of its own prompt and new tokens, the same for plain
+        # and MACS whatever ran before.
+        vars(model).pop("_previous_max_cache_length", None)
     with torch.inference_mode():
         # On a GPU the first pass at a shape compiles (Triton specialisations, cuBLAS and sdpa kernel choices), so
         # the warm-up takes the measured prompt; on a CPU a short one warms the same code at a fraction of the cost.
-        warm = spec.prompt_len if torch.device(spec.device).type == "cuda" else 16
-        timed(model, ids[:, :warm], dataclasses.replace(spec, prompt_len=warm, new_tokens=2), pad)
+        # A static cache's warm-up is the timed run's shape exactly: generate's compiled graphs (and CUDA graphs)
+        # are specialised to the cache's size.
+        warm = spec.prompt_len if torch.device(spec.device).type == "cuda" or static else 16
+        warm_spec = spec if static else dataclasses.replace(spec, prompt_len=warm, new_tokens=2)
+        timed(model, ids[:, :warm], warm_spec, pad)
         memory = _reset_peak(spec.device)
+        at_start = torch.cuda.memory_allocated(spec.device) if torch.device(spec.device).type == "cuda" else ""
+        graphs = counters["stats"]["unique_graphs"]
         (prefill_s, decode_s), (prefill_cpu_s, decode_cpu_s), steps = timed(model, ids, spec, pad)
+        timed_compiles = counters["stats"]["unique_graphs"] - graphs
+        peak = _peak(spec.device)
+        profiled = _profiled_seconds(timed, model, ids, spec, pad) if spec.profile else ("", "", 0)
     decoded = spec.batch * steps
     e2e_s = prefill_s + decode_s * (spec.new_tokens - 1) / steps  # the rerun's untimed steps extrapolated
+    backend = ""
+    if spec.method.startswith("macs-"):
+        backend = resolve_backend(None, spec.device, captured=compiled) if spec.method == AUTO else spec.method[5:]
+    what, profiled_s, profiled_tokens = profiled
     return {
         "status": "ok", "prefill_s": round(prefill_s, 6), "decode_s": round(decode_s, 6), "decode_steps": steps,
         "prefill_cpu_s": round(prefill_cpu_s, 6), "decode_cpu_s": round(decode_cpu_s, 6),
         "prefill_tok_s": round(spec.batch * spec.prompt_len / prefill_s, 2),
         "decode_tok_s": round(decoded / decode_s, 3), "decode_cpu_tok_s": round(decoded / decode_cpu_s, 3),
         "e2e_tok_s": round(spec.batch * spec.new_tokens / e2e_s, 3),
-        "peak_mem_bytes": _peak(spec.device), "memory": memory,
+        "peak_mem_bytes": peak, "memory": memory, "backend": backend, "compiled": compiled,
+        "timed_compiles": timed_compiles, "mem_at_start_bytes": at_start, "profiled": what,
+        "profiled_s": round(profiled_s, 6) if what else "",
+        "profiled_ms_per_token": round(1e3 * profiled_s / (spec.batch * profiled_tokens), 4) if what else "",
     }
 
 
@@ -370,7 +440,7 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131
 def _fresh_process_memory(spec: Spec) -> dict:
     """Peak memory of one measurement in a fresh process with MALLOC_ENV (its timings are discarded: the page
     faults slow it down)."""
-    memory = _measure_in_fresh_process(spec, MALLOC_ENV)
+    memory = _measure_in_fresh_process(dataclasses.replace(spec, profile=False), MALLOC_ENV)
     if memory["status"] != "ok":
         return {"status": memory["status"]}
     return {"peak_mem_bytes": memory["peak_mem_bytes"], "memory": f"{memory['memory']}_fixed_mmap_threshold"}
@@ -391,7 +461,8 @@ def _measure_in_fresh_process(spec: Spec, env: dict | None = None) -> dict:
 
 # ---- the grid -------------------------------------------------------------------------------------------
 def grid(args, device, max_positions: int) -> list[tuple[int, int]]:
-    lengths = args.lengths or (QUICK_LENGTHS if args.quick else CPU_LENGTHS if device.type == "cpu" else GPU_LENGTHS)
+    lengths = args.lengths or (QUICK_LENGTHS if args.quick else CONFIG_LENGTHS if args.config else
+                               CPU_LENGTHS if device.type == "cpu" else GPU_LENGTHS)
     batches = args.batches or ((1, 2) if args.quick else BATCHES)
     usable = [n for n in lengths if n + args.new_tokens <= max_positions]
     skipped = sorted(set(lengths) - set(usable))
@@ -411,7 +482,8 @@ def summarise(rows: list[dict]) -> list[dict]:
             cells.setdefault((mode, row["method"], row["batch"], row["prompt_len"]), []).append(row)
     medians = {}
     for key, group in cells.items():
-        medians[key] = {field: statistics.median(r[field] for r in group) for _, field in RATIOS}
+        medians[key] = {field: _median([r[field] for r in group if r.get(field) not in ("", None)])
+                        for _, field in RATIOS}
         medians[key]["repeats"] = len(group)
     summary = []
     mode_order = {mode: i for i, mode in enumerate(MODES)}
@@ -427,13 +499,18 @@ def summarise(rows: list[dict]) -> list[dict]:
             for short, field in RATIOS:
                 column = f"{short}_vs_{name}"
                 if column in SUMMARY_COLUMNS:
-                    row[column] = round(values[field] / base[field], 3) if base else ""
+                    row[column] = round(values[field] / base[field], 3) if base and "" not in (
+                        values[field], base[field]) else ""
         row["decode_cpu_vs_plain_paired"] = _paired_ratio(
             cells[(mode, method, batch, length)], cells.get((mode, "plain-sdpa", batch, length), []),
             "decode_cpu_tok_s",
         )
         summary.append(row)
     return summary
+
+
+def _median(values: list):
+    return statistics.median(values) if values else ""
 
 
 def _paired_ratio(group: list[dict], plain: list[dict], field: str):
@@ -452,6 +529,9 @@ def plot(summary: list[dict], path: Path) -> None:
     fields = (("decode_tok_s", "decode tokens/s"), ("decode_cpu_tok_s", "decode tokens per CPU-second"),
               ("prefill_tok_s", "prefill tokens/s"), ("e2e_tok_s", "end-to-end tokens/s"),
               ("peak_mem_bytes", "peak memory (GiB)"))
+    profiled = [r["profiled"] for r in summary if r.get("profiled")]
+    if profiled:
+        fields += (("profiled_ms_per_token", f"profiled ms per token ({profiled[0]})"),)
     fig, axes = plt.subplots(len(batches), len(fields), figsize=(4.2 * len(fields), 3.2 * len(batches)), squeeze=False)
     modes = [mode for mode in MODES if any(r["mode"] == mode for r in summary)]
     one_length = len({r["prompt_len"] for r in summary}) == 1
@@ -463,7 +543,8 @@ def plot(summary: list[dict], path: Path) -> None:
             continue
         for mode, method in sorted({(r["mode"], r["method"]) for r in summary}):
             points = sorted((r["prompt_len"], r[field] / (2**30 if field == "peak_mem_bytes" else 1))
-                            for r in summary if (r["mode"], r["method"]) == (mode, method) and r["batch"] == batch)
+                            for r in summary if (r["mode"], r["method"]) == (mode, method) and r["batch"] == batch
+                            and r.get(field) not in ("", None))
             if points:
                 ax.plot(*zip(*points), marker="o", label=method if mode == GREEDY else f"{method}, {mode}")
         ax.set_xscale("log", base=2)
@@ -481,7 +562,7 @@ def _mode_bars(ax, summary: list[dict], modes: list[str], field: str) -> None:
     width = 0.8 / len(methods)
     for k, method in enumerate(methods):
         values = {r["mode"]: r[field] / (2**30 if field == "peak_mem_bytes" else 1)
-                  for r in summary if r["method"] == method}
+                  for r in summary if r["method"] == method and r.get(field) not in ("", None)}
         ax.bar([x + k * width for x, mode in enumerate(modes) if mode in values],
                [values[mode] for mode in modes if mode in values], width, label=method)
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(modes))], modes)
@@ -500,7 +581,13 @@ def run(args) -> int:
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     config = "tiny" if args.quick and args.model is None and args.config is None else args.config
     methods = args.methods or methods_for(device)
-    base = Spec(args.model, config, dtype, str(device), methods[0], 1, 1, args.new_tokens, args.threads)
+    check_methods(methods)
+    if STATIC in args.modes:
+        # Every (batch, length, method) of a compiled static cache may compile its own graphs; past dynamo's
+        # default limit of 8 it would run the rest uncompiled, without a word in the figures.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    base = Spec(args.model, config, dtype, str(device), methods[0], 1, 1, args.new_tokens, args.threads,
+                profile=args.profile)
     # On a GPU the peak is reset per measurement; on a CPU only a fresh process gives a clean peak RSS.
     # Timings come from this process, every method of a repeat back to back: this machine's speed drifts by up
     # to 2x between fresh processes, so only neighbouring runs in one process compare.
@@ -522,7 +609,10 @@ def run(args) -> int:
                 # In one process the eager way needs its own attention implementation.
                 model.set_attn_implementation("eager" if method in EAGER_METHODS else
                                               "flash_attention_2" if method == "plain-fa2" else "sdpa")
-                result = measure(spec, model, pad)
+                try:
+                    result = measure(spec, model, pad)
+                except Exception as error:  # noqa: BLE001 - a cell's failure is its row; the other cells still run
+                    result = {"status": f"failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"}
                 if isolate_memory and result["status"] == "ok":
                     result.update(_fresh_process_memory(spec))
                 row = {**env, "loadavg": os.getloadavg()[0], "model": model_name, "dtype": dtype, "mode": mode,
@@ -562,7 +652,8 @@ SUMMARY_TABLE = (  # (header, summary column, format) of the printed table
     ("e2e tok/s", "e2e_tok_s", "{:.3f}"), ("peak GiB", "peak_mem_bytes", "{:.2f}"),
     ("decode vs plain", "decode_vs_plain", "{}"), ("decode (CPU) vs plain", "decode_cpu_vs_plain", "{}"),
     ("paired", "decode_cpu_vs_plain_paired", "{}"),
-    ("mem vs plain", "mem_vs_plain", "{}"), ("e2e vs OA", "e2e_vs_output_attentions", "{}"),
+    ("mem vs plain", "mem_vs_plain", "{}"), ("profiled ms/token", "profiled_ms_per_token", "{}"),
+    ("profiled vs plain", "profiled_vs_plain", "{}"), ("e2e vs OA", "e2e_vs_output_attentions", "{}"),
     ("mem vs OA", "mem_vs_output_attentions", "{}"), ("e2e vs OA rerun", "e2e_vs_output_attentions_rerun", "{}"),
     ("mem vs OA rerun", "mem_vs_output_attentions_rerun", "{}"),
 )
@@ -591,22 +682,27 @@ def add_arguments(parser: argparse.ArgumentParser, default_out: Path = Path(".")
                         help="default: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--lengths", type=int, nargs="+", default=None,
-                        help=f"prompt lengths (default CPU {CPU_LENGTHS}, GPU {GPU_LENGTHS})")
+                        help=f"prompt lengths (default CPU {CPU_LENGTHS}, GPU {GPU_LENGTHS}, --config "
+                             f"{CONFIG_LENGTHS})")
     parser.add_argument("--batches", type=int, nargs="+", default=None, help=f"batch sizes (default {BATCHES})")
     parser.add_argument("--methods", nargs="+", default=None, help="subset of the methods (default: all available)")
     parser.add_argument("--modes", nargs="+", default=None,
                         help=f"generation modes, space- or comma-separated: {', '.join(MODES)} (default greedy; "
-                             "--quick: all)")
+                             f"--config: {' '.join(CONFIG_MODES)}; --quick: all)")
     parser.add_argument("--new-tokens", type=int, default=None, help="new tokens per generate (default 64; --quick 4)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (on a shared machine 1 avoids OpenMP spin contention)")
+    parser.add_argument("--profile", action="store_true",
+                        help="run each measurement once more under torch.profiler: GPU kernel time (CPU: op time) per "
+                             "token, prefill included")
     parser.add_argument("--in-process", action="store_true",
                         help="on CPU, measure peak memory in this process too (faster; peak RSS then carries earlier "
                              "runs' heap)")
     where = "the working directory" if default_out == Path(".") else default_out
     parser.add_argument("--out", type=Path, default=default_out, help=f"results folder (default: {where})")
-    parser.add_argument("--name", default=None, help="file stem (default generate_cpu / generate_<gpu>)")
+    parser.add_argument("--name", default=None,
+                        help="file stem (default generate_cpu / generate_<gpu>; --vllm: vllm_cpu_throughput)")
     parser.add_argument("--summarise", type=Path, default=None, metavar="CSV",
                         help="only summarise this run's CSV (e.g. of a run stopped midway) into _summary.csv and .png")
 
@@ -619,7 +715,7 @@ def finish_args(args) -> argparse.Namespace:
     if args.new_tokens < 2:
         raise SystemExit("--new-tokens must be at least 2 (prefill and decode are timed apart)")
     if args.modes is None:
-        args.modes = list(MODES) if args.quick else [GREEDY]
+        args.modes = list(MODES) if args.quick else list(CONFIG_MODES) if args.config else [GREEDY]
     else:
         args.modes = [mode for value in args.modes for mode in value.split(",") if mode]
     if not args.modes or set(args.modes) - set(MODES):

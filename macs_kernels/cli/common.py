@@ -52,7 +52,7 @@ def check_backend_argument(backend: str | None, device: str | None) -> None:
     """Refuse a --backend that cannot run on --device (triton or cuda without CUDA) before loading starts."""
     if backend is None:
         return
-    from ..ops._dispatch import why_unavailable
+    from ..ops.registry import why_unavailable
 
     reason = why_unavailable(backend, device or "cpu")
     if reason is not None:

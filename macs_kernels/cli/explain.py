@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..config import AGGREGATIONS, AT2_ATTENTIONS, ATTENTIONS, DEFAULT_AGGREGATION
+from ..config import AT2_ATTENTIONS, ATTENTIONS
+from ..core import AGGREGATIONS, DEFAULT_AGGREGATION
 from . import at2
 from .common import (
     add_model_arguments,

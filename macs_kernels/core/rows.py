@@ -123,6 +123,13 @@ class RowStore:
                 self._drop(oldest, f"dropped: more than keep_finished={self.keep_finished} finished sequences "
                                    "were kept")
 
+    def keep_more(self, count: int) -> None:
+        """Keep `count` more finished sequences (negative: give them back)."""
+        with self.lock:
+            if self.keep_finished + count < 0:
+                raise ValueError(f"keep_finished {self.keep_finished} cannot give back {-count}")
+            self.keep_finished += count
+
     def release(self, key) -> None:
         """Free `key`'s rows (a no-op for a key released already or never seen)."""
         with self.lock:

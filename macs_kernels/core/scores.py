@@ -1,27 +1,18 @@
-"""The score definitions, each written once: what every engine's rows (log c) become for a user."""
+"""The scores a user reads, each a named object whose definition sits next to the code that computes it: what
+every engine's rows (log c) become. `SCORES` is the registry; `Explanation` exposes them."""
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from ..config import AGGREGATIONS, DEFAULT_AGGREGATION
 from ..ops import torch_backend
 
-SCORE_DEFINITION = (
-    "step_scores[k]: z-scores over the prompt tokens of step k's log consistency log c (rank-faithful to "
-    "step_log_c); scores: the whole-answer score, " + DEFAULT_AGGREGATION + ": "
-    + AGGREGATIONS[DEFAULT_AGGREGATION].split(" (default")[0]
-    + "; -inf (null in JSON) is an underflowed token. paper_step_scores / paper_scores: the paper's z-scores "
-    "of c = exp(log c) and their mean over steps, which tie for every token but the attention sink."
-)
-
-
-# The aggregations whose step z-scores leave each step's top token out of their statistics.
-SINKLESS = frozenset({"max_minus_mean_sinkless_z", "max_plus_run_minus_mean_sinkless_z"})
-# The aggregations that add each token's best run: a copied span shows in the rows as RUN_STEPS consecutive steps
-# attending to as many consecutive prompt tokens, one token further at each step (a head reading the span it
-# repeats), and the tokens of such a run are the ones the answer came from.
-RUN_AGGREGATIONS = frozenset({"max_plus_run_minus_mean_sinkless_z"})
+# A copied span shows in the rows as RUN_STEPS consecutive steps attending to as many consecutive prompt tokens,
+# one token further at each step (a head reading the span it repeats): the tokens of such a run are the ones the
+# answer came from.
 RUN_STEPS = 3
 
 
@@ -74,6 +65,115 @@ def json_values(values: torch.Tensor, digits: int | None = None) -> list:
     return [None if v == float("-inf") else v if digits is None else round(v, digits) for v in values.tolist()]
 
 
+@dataclasses.dataclass(frozen=True)
+class ZAggregation:
+    """A whole-answer score that aggregates each token's step z-scores of log c: from their max and mean over the
+    steps and, with `runs`, each token's best copied run (float64, `StepStatistics`). sinkless: each step is
+    standardised without its top token (`log_zscores(sinkless=True)`)."""
+
+    sinkless: bool
+    runs: bool
+    combine: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # (top, mean, runs) -> (N,)
+
+    def of(self, step_log_c: torch.Tensor) -> torch.Tensor:
+        z = log_zscores(step_log_c, sinkless=self.sinkless).double()
+        runs = None
+        if self.runs:
+            steps = StepStatistics()
+            for row in z:
+                steps.add(row)
+            runs = steps.best_runs()
+        return self.finish(z.amax(dim=0), z.mean(dim=0), runs)
+
+    def finish(self, top: torch.Tensor, mean: torch.Tensor, runs: torch.Tensor | None) -> torch.Tensor:
+        return self.combine(top, mean, runs).float()
+
+
+def _above_mean(score: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """`score` less the mean; a token that underflowed at some step (mean -inf) stays -inf, below everything."""
+    return torch.where(torch.isfinite(mean), score, float("-inf"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Score:
+    """A named score of the prompt tokens computed from the rows log c (steps, N) by `of`: per step ((steps, N),
+    per_step) or for the whole answer ((N,)). definition: what it computes, in the words users read."""
+
+    name: str
+    definition: str
+    of: Callable[[torch.Tensor], torch.Tensor]
+    per_step: bool = False
+    over_z: ZAggregation | None = None  # how a stream keeps a whole-answer score of step z-scores running
+
+
+def _z_score(name: str, definition: str, aggregation: ZAggregation) -> Score:
+    return Score(name, definition, aggregation.of, over_z=aggregation)
+
+
+def _mean_log_c(step_log_c: torch.Tensor) -> torch.Tensor:
+    return log_zscores(step_log_c.double().mean(dim=0))
+
+
+def _paper_mean_z(step_log_c: torch.Tensor) -> torch.Tensor:
+    return paper_zscores(step_log_c).mean(dim=0)
+
+
+_RUN_DEFINITION = (f"a run is {RUN_STEPS} consecutive steps attending to {RUN_STEPS} consecutive prompt tokens, one "
+                   "token further at each step (how a model reads a span it copies), worth the smallest of its "
+                   f"{RUN_STEPS} z-scores (shorter runs when fewer steps or tokens); a token's best run is the "
+                   "largest of those it is part of")
+_SINKLESS_DEFINITION = ("each step's z-scores standardised by the mean and spread of the prompt tokens other than "
+                        "the step's top one (the attention sink, whose log c lies far above the rest and would "
+                        "otherwise set the scale)")
+
+SCORES = {score.name: score for score in (
+    Score("log_z", "per step, the z-scores over the prompt tokens of the step's log consistency log c (an affine map "
+          "of log c: they rank tokens exactly as log c does); -inf is an underflowed token (Explanation.step_scores)",
+          log_zscores, per_step=True),
+    Score("paper_z", "per step, the paper's z-scores of c = exp(log c), which tie for every token but the attention "
+          "sink (Explanation.paper_step_scores)", paper_zscores, per_step=True),
+    _z_score("max_plus_run_minus_mean_sinkless_z",
+             "per prompt token, (the largest of its sinkless step z-scores minus their mean over steps) plus (its "
+             f"best run minus that mean): {_RUN_DEFINITION}; {_SINKLESS_DEFINITION} (Explanation.scores; "
+             "benchmarks/results/whole_answer_runs.md)",
+             ZAggregation(True, True, lambda top, mean, runs: _above_mean(top + runs - 2 * mean, mean))),
+    _z_score("max_minus_mean_sinkless_z",
+             "per prompt token, the largest of its sinkless step z-scores minus their mean over steps: how far it "
+             f"stood out at the step that attended to it most, above its usual level; {_SINKLESS_DEFINITION}",
+             ZAggregation(True, False, lambda top, mean, runs: _above_mean(top - mean, mean))),
+    _z_score("max_minus_mean_z", "per prompt token, the largest of its step z-scores (log_z) minus their mean over "
+             "steps", ZAggregation(False, False, lambda top, mean, runs: _above_mean(top - mean, mean))),
+    _z_score("max_z", "per prompt token, the largest of its step z-scores (log_z) over the steps",
+             ZAggregation(False, False, lambda top, mean, runs: top)),
+    _z_score("mean_z", "per prompt token, the mean of its step z-scores (log_z) over the steps",
+             ZAggregation(False, False, lambda top, mean, runs: mean)),
+    Score("mean_log_c", "z-scores of the mean over steps of log c (the log of c's geometric mean over steps)",
+          _mean_log_c),
+    Score("paper_mean_z", "the mean over steps of the paper's z-scores of c = exp(log c) (paper_z), which tie for "
+          "every token but the attention sink (Explanation.paper_scores)", _paper_mean_z),
+)}
+DEFAULT_STEP_SCORE = "log_z"
+DEFAULT_AGGREGATION = "max_plus_run_minus_mean_sinkless_z"
+# The whole-answer scores by name, with their definitions: Explanation.whole_answer(name) takes any of them.
+AGGREGATIONS = {name: score.definition for name, score in SCORES.items() if not score.per_step}
+SCORE_DEFINITION = (
+    "step_scores[k]: " + SCORES[DEFAULT_STEP_SCORE].definition.removeprefix("per step, ") + "; scores: the "
+    "whole-answer score, " + DEFAULT_AGGREGATION + ": " + SCORES[DEFAULT_AGGREGATION].definition
+    + "; -inf (null in JSON) is an underflowed token. paper_step_scores / paper_scores: the paper's z-scores of "
+    "c = exp(log c) and their mean over steps, which tie for every token but the attention sink."
+)
+
+
+def step_scores(step_log_c: torch.Tensor, name: str = DEFAULT_STEP_SCORE) -> torch.Tensor:
+    """(steps, N) float32 per-step score `name` of the rows log c (steps, N): what every engine's readers return
+    next to the rows."""
+    score = SCORES.get(name)
+    if score is None or not score.per_step:
+        raise ValueError(f"unknown step score {name!r}; choose one of "
+                         f"{', '.join(n for n, s in SCORES.items() if s.per_step)}")
+    return score.of(step_log_c)
+
+
 def whole_answer_scores(step_log_c: torch.Tensor, how: str = DEFAULT_AGGREGATION) -> torch.Tensor:
     """(N,) float32 whole-answer score of each prompt token from the (steps, N) rows log c, by the name `how`
     (AGGREGATIONS). Underflowed entries (-inf, alpha = 1 only): a token with one at any step scores -inf
@@ -85,29 +185,7 @@ def whole_answer_scores(step_log_c: torch.Tensor, how: str = DEFAULT_AGGREGATION
         raise ValueError(f"step_log_c must be (steps, N), got shape {tuple(step_log_c.shape)}")
     if step_log_c.shape[0] == 0:
         return torch.zeros(step_log_c.shape[1])
-    if how == "mean_log_c":
-        return log_zscores(step_log_c.double().mean(dim=0))
-    if how == "paper_mean_z":
-        return paper_zscores(step_log_c).mean(dim=0)
-    z = log_zscores(step_log_c, sinkless=how in SINKLESS).double()
-    runs = None
-    if how in RUN_AGGREGATIONS:
-        steps = StepStatistics()
-        for row in z:
-            steps.add(row)
-        runs = steps.best_runs()
-    return _from_z(z.amax(dim=0), z.mean(dim=0), how, runs)
-
-
-def _from_z(top: torch.Tensor, mean: torch.Tensor, how: str, runs: torch.Tensor | None = None) -> torch.Tensor:
-    """The step z-scores' aggregations from their max and mean over steps and, for RUN_AGGREGATIONS, each token's
-    best run (float64)."""
-    if how == "max_z":
-        return top.float()
-    if how == "mean_z":
-        return mean.float()
-    score = top - mean if runs is None else top + runs - 2 * mean
-    return torch.where(torch.isfinite(mean), score, float("-inf")).float()
+    return SCORES[how].of(step_log_c)
 
 
 class StepStatistics:
@@ -138,10 +216,9 @@ class StepStatistics:
             self.run_starts = runs if longer else torch.maximum(self.run_starts, runs)
         self.recent = window[1 - self.run_steps:] if self.run_steps > 1 else []
 
-    def score(self, how: str) -> torch.Tensor:
-        """(N,) float32 aggregation `how` of the z-scores added so far (at least one step)."""
-        runs = self.best_runs() if how in RUN_AGGREGATIONS else None
-        return _from_z(self.top, self.total / self.steps, how, runs)
+    def score(self, aggregation: ZAggregation) -> torch.Tensor:
+        """(N,) float32 `aggregation` of the z-scores added so far (at least one step)."""
+        return aggregation.finish(self.top, self.total / self.steps, self.best_runs() if aggregation.runs else None)
 
     def best_runs(self) -> torch.Tensor:
         """(N,) the best run each token is part of, runs as long as the steps and tokens allow (<= run_steps); a
@@ -158,9 +235,10 @@ class RunningWholeAnswer:
     O(N) per token rather than re-aggregating every earlier row."""
 
     def __init__(self):
+        self.aggregation = SCORES[DEFAULT_AGGREGATION].over_z
         self.steps = StepStatistics()
 
     def add(self, log_c: torch.Tensor) -> torch.Tensor:
         """Take one step's (N,) row log c; return whole_answer_scores of every step so far."""
-        self.steps.add(log_zscores(log_c, sinkless=DEFAULT_AGGREGATION in SINKLESS).double())
-        return self.steps.score(DEFAULT_AGGREGATION)
+        self.steps.add(log_zscores(log_c, sinkless=self.aggregation.sinkless).double())
+        return self.steps.score(self.aggregation)

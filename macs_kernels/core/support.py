@@ -4,6 +4,8 @@ work by `check`, with one message naming the options.
 """
 from __future__ import annotations
 
+from ..ops import variant
+
 ENGINES = ("generate", "continuous", "server", "vllm")
 METHODS = {  # method -> the option that selects it
     "exact": "softmax rows",
@@ -24,9 +26,7 @@ LAYOUTS = {  # layout -> the options that select it
     "shared_prefix": "shared prefixes",
     "cache_pressure": "cache pressure (requests offloaded and restarted)",
     "tensor_parallel": "tensor parallelism",
-    "sliding_window": "sliding-window attention layers",
-    "softcap": "attention logit softcapping (attn_logit_softcapping)",
-    "sinks": "attention sinks (per-head sink logits)",
+    **variant.LAYOUTS,
     "speculative": "speculative decoding (speculative_config)",
     "stop_strings": "stop strings (stop_strings= / the server's stop)",
 }
@@ -122,23 +122,6 @@ def check_method(engine: str, method: str) -> None:
     """Raise NotImplementedError, naming the option, when `engine` refuses `method` in every layout (a rule whose
     layout is "*"): asked before any work, whatever the request's layout."""
     check(engine, method, "greedy")
-
-
-def variant_backend(variants, named: str | None, resolved: str) -> str:
-    """The backend that scores a model whose layers have attention variants (layouts such as "sliding_window"):
-    the torch, Triton and CUDA kernels take a window, a softcap and sinks (VARIANT_BACKENDS), so an automatic choice
-    of another falls back to torch and a named other backend is refused before work."""
-    if not variants or resolved in VARIANT_BACKENDS:
-        return resolved
-    if named is not None:
-        raise NotImplementedError(
-            f"backend={named!r} has no kernels for {', '.join(LAYOUTS[v] for v in variants)} yet; use one of "
-            f"{VARIANT_BACKENDS} or leave backend unset"
-        )
-    return "torch"
-
-
-VARIANT_BACKENDS = ("torch", "triton", "cuda")
 
 
 def markdown_table() -> str:

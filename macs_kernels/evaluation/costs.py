@@ -74,7 +74,8 @@ def measure_in_generation(method: Method | None, model, tokenizer, sample, promp
                           max_new_tokens: int, backend: str | None, steps: int) -> tuple[dict, int]:
     """({"seconds", "peak_bytes"}, generated tokens) of one greedy generation with `method` attached (None:
     plain generation; random: drawing its scores for the `steps` tokens of the sample's generation)."""
-    from ..explanation import _eos_ids, _generate_kwargs, explain
+    from ..explanation import explain
+    from ..generation import eos_ids, generation_kwargs
 
     device = next(model.parameters()).device
     if method is not None and method.kind == "random":
@@ -88,9 +89,9 @@ def measure_in_generation(method: Method | None, model, tokenizer, sample, promp
             ids = prompt_ids.to(device)[None]
             with torch.inference_mode():
                 out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                     **_generate_kwargs(model, tokenizer, max_new_tokens, {}))
+                                     **generation_kwargs(model, tokenizer, max_new_tokens, {}))
             generated = out[0, ids.shape[1]:].tolist()
-            eos = _eos_ids(model, tokenizer)
+            eos = eos_ids(model, tokenizer)
             steps = next((k + 1 for k, t in enumerate(generated) if t in eos), len(generated))
         elif method.kind == "macs":
             config = method.macs

@@ -125,7 +125,7 @@ def generate_record(model, tokenizer, prompt_ids: torch.Tensor, *, max_new_token
     Returns (record, generated_ids (T,), step_log_c (T, N) of the tracer's own paper-default MACS); the
     rows stop at the first end-of-sequence token (included), as explain()'s do.
     """
-    from ..explanation import _eos_ids, _generate_kwargs, encode_prompts
+    from ..generation import encode_prompts, eos_ids, generation_kwargs
 
     ids, mask, _ = encode_prompts(tokenizer, input_ids=prompt_ids)
     device = next(model.parameters()).device
@@ -137,9 +137,9 @@ def generate_record(model, tokenizer, prompt_ids: torch.Tensor, *, max_new_token
 
             recorder.watching = stack.enter_context(OutputWatch(recorder.modules))
         tracer = stack.enter_context(attach(model, hooks=[recorder], **MacsConfig(backend=backend).as_dict()))
-        output = model.generate(ids, attention_mask=mask, **_generate_kwargs(model, tokenizer, max_new_tokens, {}))
+        output = model.generate(ids, attention_mask=mask, **generation_kwargs(model, tokenizer, max_new_tokens, {}))
     generated = output[0, ids.shape[1]:].cpu()
-    eos = _eos_ids(model, tokenizer)
+    eos = eos_ids(model, tokenizer)
     steps = next((k + 1 for k, t in enumerate(generated.tolist()) if t in eos), len(generated))
     step_log_c, _ = tracer.rows(0, steps)
     record = recorder.record(steps)

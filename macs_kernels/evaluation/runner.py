@@ -302,10 +302,10 @@ class Runner:
             "cost", sample.index, name, key=self._cost_key(sample_line["generation"], name)) is None]
 
     def _scores(self, method: Method, item: _Sample) -> dict:
-        from ..explanation import _eos_ids
+        from ..generation import eos_ids
 
         line = item.line
-        ended = line["generated_ids"][-1] in _eos_ids(self.model, self.tokenizer)
+        ended = line["generated_ids"][-1] in eos_ids(self.model, self.tokenizer)
         return method_scores(
             method, item.sample.index, item.record() if method.needs_record else None,
             item.model_rows(method.kind)[0] if method.kind in MODEL_METHODS else None, line["steps"], line["n_input"],

@@ -17,7 +17,6 @@ there, give the outputs whose width depends on index values (`out` of macs_pool 
 attention_features' `n_max`).
 The exception: efficient_attention on a GPU reads its Cholesky fallback's test and eigh's error code on the host.
 """
-from ._dispatch import BackendUnavailable, implementation, resolve_backend, why_unavailable
 from .attention_features import attention_features
 from .decode_attention import decode_attention
 from .efficient_attention import efficient_attention
@@ -26,8 +25,15 @@ from .macs_pool_paged import macs_pool_paged
 from .macs_update import macs_update
 from .macs_update_rows import macs_update_rows
 from .macs_zscore import macs_zscore
+from .registry import (
+    BackendUnavailable,
+    implementation,
+    resolve_backend,
+    self_check,
+    verified_backend,
+    why_unavailable,
+)
 from .variant import Variant
-from .verify import self_check, verified_backend
 
 __all__ = [
     "BackendUnavailable",

@@ -6,7 +6,7 @@ import torch
 
 from . import torch_features
 from ._checks import IndexLike, as_index, as_scale, check_lse, check_q_k, invalid_entry, values_readable
-from ._dispatch import NAMESPACE, kernel
+from .registry import NAMESPACE, kernel
 from .variant import Variant
 
 operator = torch.library.custom_op(

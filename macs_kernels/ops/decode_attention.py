@@ -6,7 +6,7 @@ import torch
 from ..config import MacsConfig
 from . import torch_backend
 from ._checks import IndexLike, as_index, as_scale, check_log_c, check_q_k, check_ranges
-from ._dispatch import NAMESPACE, kernel, variant_kernel
+from .registry import NAMESPACE, kernel, variant_kernel
 from .variant import Variant
 
 operator = torch.library.custom_op(

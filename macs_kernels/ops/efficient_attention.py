@@ -5,7 +5,7 @@ import torch
 
 from . import torch_efficient
 from ._checks import IndexLike, as_index, check_ranges, check_tensor, invalid_entry
-from ._dispatch import NAMESPACE, kernel
+from .registry import NAMESPACE, kernel
 from .torch_efficient import DEFAULT_RCOND
 
 operator = torch.library.custom_op(

@@ -7,7 +7,7 @@ import torch
 from ..config import MacsConfig
 from . import torch_backend
 from ._checks import IndexLike, as_row_index, as_scale, check_lse, check_q_k, check_ranges, values_readable
-from ._dispatch import NAMESPACE, kernel, variant_kernel
+from .registry import NAMESPACE, kernel, variant_kernel
 from .variant import Variant
 
 # Writes `out` and returns nothing: the trivial fake kernel torch.library generates is the right one.

@@ -7,8 +7,8 @@ import torch
 from ..config import MacsConfig
 from . import torch_backend
 from ._checks import IndexLike, as_scale, check_paged, check_pages_in_use
-from ._dispatch import NAMESPACE, kernel, variant_kernel
 from .macs_pool import row_arguments
+from .registry import NAMESPACE, kernel, variant_kernel
 from .variant import Variant
 
 # Writes `out` and returns nothing: the trivial fake kernel torch.library generates is the right one.

@@ -6,7 +6,7 @@ import torch
 from ..config import MacsConfig
 from . import torch_backend
 from ._checks import IndexLike, as_index, as_scale, check_log_c, check_lse, check_q_k, check_ranges
-from ._dispatch import NAMESPACE, kernel
+from .registry import NAMESPACE, kernel
 
 # Schema from torch_backend.macs_update's type hints; the torch path is the kernel on every device unless
 # the compiled extension registers its CUDA kernel. Mutating and returning nothing, the op's fake kernel is

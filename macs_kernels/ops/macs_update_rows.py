@@ -6,7 +6,7 @@ import torch
 from ..config import MacsConfig
 from . import torch_backend
 from ._checks import IndexLike, as_index, check_log_c, check_ranges, check_tensor
-from ._dispatch import NAMESPACE, kernel
+from .registry import NAMESPACE, kernel
 
 # Mutating and returning nothing: the trivial fake kernel torch.library generates is the right one.
 operator = torch.library.custom_op(

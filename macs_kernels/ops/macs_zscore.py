@@ -5,7 +5,7 @@ import torch
 
 from . import torch_backend
 from ._checks import IndexLike, as_index, check_log_c, check_tensor, invalid_entry
-from ._dispatch import NAMESPACE, kernel
+from .registry import NAMESPACE, kernel
 
 operator = torch.library.custom_op(f"{NAMESPACE}::macs_zscore", torch_backend.macs_zscore, mutates_args=())
 

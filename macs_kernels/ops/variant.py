@@ -9,6 +9,13 @@ import torch
 from ._checks import invalid_entry
 from .torch_row import window_start
 
+# The variants as the support table's layouts (core.support.LAYOUTS), each described for a refusal.
+LAYOUTS = {
+    "sliding_window": "sliding-window attention layers",
+    "softcap": "attention logit softcapping (attn_logit_softcapping)",
+    "sinks": "attention sinks (per-head sink logits)",
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class Variant:

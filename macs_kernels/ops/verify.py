@@ -2,35 +2,24 @@
 with the torch path there.
 
 The CUDA and Triton kernels are tested in CI only by compilation and in the Triton interpreter; a user's
-GPU, driver or compiler can still make them wrong. So, once per process, device and op, `self_check`
-runs the backend and the torch path on a few small cases (GQA 3:1, left pads, unused cache slots,
-float32 and bfloat16; a few milliseconds on a GPU) and compares them. The automatic choice
-(`verified_backend(None, ...)`) skips a backend that disagrees, with one warning naming the op and the
+GPU, driver or compiler can still make them wrong. So, once per process, device and op, the registry's
+`self_check` has `compare` run the backend and the torch path on a few small cases (GQA 3:1, left pads, unused
+cache slots, float32 and bfloat16; a few milliseconds on a GPU). The automatic choice
+(`registry.default_backend`) skips a backend that disagrees, with one warning naming the op and the
 difference; a backend named explicitly is used anyway, and the disagreement is reported the same way.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-import warnings
+from collections.abc import Callable
 
 import torch
-
-from ._backends import TRACER_OPS, BackendUnavailable, candidates, implementation, why_unavailable
 
 # Relative difference (max |backend - torch| / max |torch|) allowed per input dtype: float32 paths differ
 # by summation order only; bfloat16 paths may round p to bfloat16 before p @ V (tensor cores).
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
-_verdicts: dict[tuple[str, str, str], str | None] = {}
-_warned: set[tuple[str, str, str, bool]] = set()
-
-
-def _device_key(device: torch.device | str) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def _cases(op: str, device: torch.device, dtype: torch.dtype):
@@ -124,16 +113,6 @@ def relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
     return difference if math.isfinite(difference) else math.inf
 
 
-def self_check(backend: str, device: torch.device | str, op: str) -> str | None:
-    """None when `backend` computes `op` like the torch path on `device`, else the difference in words.
-    Computed once per process, backend, device and op."""
-    device = _device_key(device)
-    key = (backend, str(device), op)
-    if key not in _verdicts:
-        _verdicts[key] = None if backend == "torch" else _compare(backend, device, op)
-    return _verdicts[key]
-
-
 @contextlib.contextmanager
 def _exact_float32_matmuls():
     """The torch path's float32 matmuls in full precision, whatever the user allowed (TF32 would make a correct
@@ -146,17 +125,9 @@ def _exact_float32_matmuls():
         torch.set_float32_matmul_precision(previous)
 
 
-def _compare(backend: str, device: torch.device, op: str) -> str | None:
-    if backend != "triton":
-        return _run_cases(backend, device, op)
-    from .triton.common import uncounted
-
-    with uncounted():
-        return _run_cases(backend, device, op)
-
-
-def _run_cases(backend: str, device: torch.device, op: str) -> str | None:
-    function, reference = implementation(backend, op), implementation("torch", op)
+def compare(function: Callable, reference: Callable, device: torch.device, op: str) -> str | None:
+    """None when `function` computes `op` like `reference` (the torch path) on the cases, else the difference in
+    words."""
     # On the CPU the backend runs in the Triton interpreter, where every dtype takes the float32 path.
     dtypes = (torch.float32,) if device.type == "cpu" else tuple(TOLERANCE)
     for dtype in dtypes:
@@ -175,41 +146,3 @@ def _run_cases(backend: str, device: torch.device, op: str) -> str | None:
                 return (f"case {case} in {str(dtype).removeprefix('torch.')} differs from the torch path by "
                         f"{worst:.3g} (max relative; allowed {tolerance:g})")
     return None
-
-
-def _warn_once(backend: str, device: torch.device, op: str, difference: str, explicit: bool) -> None:
-    key = (backend, str(device), op, explicit)
-    if key in _warned:
-        return
-    _warned.add(key)
-    outcome = "using it because it was named explicitly" if explicit else "falling back to the next backend"
-    warnings.warn(f"macs_kernels: the {backend} backend's {op} failed its self-check on {device}: {difference}; "
-                  f"{outcome}", RuntimeWarning, stacklevel=4)
-
-
-def verified_backend(backend: str | None, device: torch.device | str, ops: tuple[str, ...] = TRACER_OPS) -> str:
-    """The backend to run `ops` on `device`.
-
-    backend named: it, if it can run every op here (else BackendUnavailable); each op's self-check runs and
-    a disagreement is warned about, but the named backend is kept. backend None: the first of cuda, triton
-    (on CUDA devices) that can run every op and passes every op's self-check, else torch.
-    """
-    device = _device_key(device)
-    if backend is not None:
-        for op in ops:
-            reason = why_unavailable(backend, device, op)
-            if reason is not None:
-                raise BackendUnavailable(f"backend {backend!r} is unavailable: {reason}")
-        for op in ops:
-            difference = self_check(backend, device, op)
-            if difference is not None:
-                _warn_once(backend, device, op, difference, explicit=True)
-        return backend
-    for candidate in candidates(device):
-        if candidate == "torch" or any(why_unavailable(candidate, device, op) for op in ops):
-            continue
-        failed = next(((op, diff) for op in ops if (diff := self_check(candidate, device, op)) is not None), None)
-        if failed is None:
-            return candidate
-        _warn_once(candidate, device, *failed, explicit=False)
-    return "torch"

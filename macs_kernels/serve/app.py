@@ -19,7 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..alignment import align_context, user_span
 from ..core import RunningWholeAnswer, json_values, support
 from ..core.scores import SCORE_DIGITS
-from ..explanation import Explanation, _decode_tokens, default_span, log_zscores
+from ..explanation import build_explanation, default_span, log_zscores
+from ..generation import decode_tokens
 from ..prompts import QA_TEMPLATE
 from ..viz import _unit
 from .engine import Engine, Job, RequestRejected, Step, VisionEngine
@@ -166,12 +167,10 @@ class AttributionPayloads:
         step_scores (steps, rows, cols) and the whole answer's scores (rows, cols)."""
         generated = [s.token_id for s in self.steps]
         n = len(self.prompt.ids)
-        explanation = Explanation(
-            input_ids=torch.tensor(self.prompt.ids), generated_ids=torch.tensor(generated, dtype=torch.long),
-            input_tokens=self.prompt.tokens,
-            generated_tokens=_decode_tokens(self.tokenizer, generated),
-            step_log_c=torch.stack([s.log_c for s in self.steps]) if self.steps else torch.zeros(0, n),
-            config=self.config, text=text, source_span=self.prompt.source_span, images=self.prompt.images,
+        explanation = build_explanation(
+            self.tokenizer, self.prompt.ids, generated,
+            torch.stack([s.log_c for s in self.steps]) if self.steps else torch.zeros(0, n), self.config, text=text,
+            input_tokens=self.prompt.tokens, source_span=self.prompt.source_span, images=self.prompt.images,
         )
         whole = explanation.as_dict()
         if self.prompt.images:
@@ -389,7 +388,7 @@ def create_app(engine: Engine | VisionEngine, *, max_body_bytes: int = DEFAULT_M
         def work() -> PromptSpan:
             prompt = make_prompt(body, options)
             if options is not None:
-                prompt.tokens = _decode_tokens(tokenizer, prompt.ids)
+                prompt.tokens = decode_tokens(tokenizer, prompt.ids)
             return prompt
 
         return await asyncio.to_thread(work)

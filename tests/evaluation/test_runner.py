@@ -113,7 +113,7 @@ def test_macs_from_record_equals_the_layer_reference(config):
 def test_macs_aggregate_is_the_explanations_whole_answer_score():
     """The eval's aggregate row is Explanation.scores (the named default), cut to the context; every named
     whole-answer score's AUC-PR is kept beside it."""
-    from macs_kernels.config import AGGREGATIONS, DEFAULT_AGGREGATION
+    from macs_kernels.core import AGGREGATIONS, DEFAULT_AGGREGATION
     from macs_kernels.evaluation.metrics import average_precision
     from macs_kernels.evaluation.scoring import method_scores, score_auc
     from macs_kernels.explanation import Explanation
@@ -200,13 +200,22 @@ def test_all_methods_and_method_ranges():
 
 
 def test_eval_command_smoke_report_and_resume(tmp_path, capsys):
+    _eval_smoke_report_and_resume(tmp_path, capsys, faithfulness=False)
+
+
+@pytest.mark.slow  # the masking curves rerun the model on every masked variant of a SQuAD context: minutes here
+def test_eval_command_smoke_report_and_resume_with_faithfulness(tmp_path, capsys):
+    _eval_smoke_report_and_resume(tmp_path, capsys, faithfulness=True)
+
+
+def _eval_smoke_report_and_resume(tmp_path, capsys, faithfulness: bool):
     from macs_kernels.cli import main
 
     data = stqa_350()
     out, records = tmp_path / "eval.jsonl", tmp_path / "records"
     command = ["eval", "--data", str(data), "--n", "3", "--max-new-tokens", "8", "--methods", "macs,random",
-               "--faithfulness-n", "1", "--out", str(out), "--records", str(records), "--no-progress",
-               "--threads", "1", "--cost-n", "1"]
+               "--faithfulness-n", str(int(faithfulness)), "--out", str(out), "--records", str(records),
+               "--no-progress", "--threads", "1", "--cost-n", "1"]
     threads = torch.get_num_threads()
     try:
         assert main(command) == 0
@@ -223,10 +232,11 @@ def test_eval_command_smoke_report_and_resume(tmp_path, capsys):
             assert {"auc_pr", "auc_pr_step_mean", "auc_pr_aggregate", "srg", "ties"} <= set(row)
             assert 0 <= row["auc_pr"]["mean"] <= 1 and row["auc_pr"]["ci"][0] <= row["auc_pr"]["mean"]
             assert row["auc_pr_step_mean"]["mean"] <= row["auc_pr"]["mean"]
-            assert set(row["srg"]) == {"perplexity", "rouge_l", "logit"} and row["srg"]["logit"]["n"] == 1
+            if faithfulness:
+                assert set(row["srg"]) == {"perplexity", "rouge_l", "logit"} and row["srg"]["logit"]["n"] == 1
         lines = out.read_text().splitlines()
         # run, samples, AUC per (sample, method), faithfulness, cost of macs, random and plain generation on sample 0
-        assert len(lines) == 1 + 3 + 6 + 2 + 3
+        assert len(lines) == 1 + 3 + 6 + 2 * faithfulness + 3
         costs = [line for line in map(json.loads, lines) if line["kind"] == "cost"]
         steps = {line["index"]: line["steps"] for line in map(json.loads, lines) if line["kind"] == "sample"}
         assert sorted(c["method"] for c in costs) == ["generation", "macs", "random"]
@@ -242,12 +252,12 @@ def test_eval_command_smoke_report_and_resume(tmp_path, capsys):
         assert main(resumed + ["--faithfulness-from", "2"]) == 0
         second = capsys.readouterr().out
         assert "eval: 0 generations this run" in second
-        assert "AUC-PR lines: 3 scored, 6 reused; faithfulness curves: 2 computed, 0 reused" in second
+        assert f"AUC-PR lines: 3 scored, 6 reused; faithfulness curves: {2 * faithfulness} computed, 0 reused" in second
         assert out.read_text().splitlines()[: len(lines)] == lines
         assert json.loads(out.with_suffix(".json").read_text())["methods"]["macs:pool=mean"]["n"] == 3
         curves = [line for line in map(json.loads, out.read_text().splitlines()) if line["kind"] == "faithfulness"]
-        assert sorted((c["index"], c["method"]) for c in curves) == [(0, "macs"), (0, "random"), (2, "macs"),
-                                                                      (2, "random")]
+        assert sorted((c["index"], c["method"]) for c in curves) == (
+            [(0, "macs"), (0, "random"), (2, "macs"), (2, "random")] if faithfulness else [])
 
         assert main(["eval", "--report-only", "--out", str(out)]) == 0
         assert "| macs:pool=mean | 3 |" in capsys.readouterr().out

@@ -8,8 +8,7 @@ import numpy as np
 import torch
 
 from macs_kernels import reference
-from macs_kernels.config import DEFAULT_AGGREGATION
-from macs_kernels.core import whole_answer_scores
+from macs_kernels.core import DEFAULT_AGGREGATION, whole_answer_scores
 from macs_kernels.core.scores import log_zscores
 from macs_kernels.evaluation.record import macs_from_record
 

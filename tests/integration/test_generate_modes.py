@@ -431,8 +431,8 @@ def test_variant_backends_named_and_a_passed_window_cache():
     cache passed in is followed."""
     from transformers import GptOssConfig, GptOssForCausalLM, MistralConfig, MistralForCausalLM
 
-    from macs_kernels.core import support
     from macs_kernels.hf_models import check_variants
+    from macs_kernels.ops import registry
 
     gpt_oss = GptOssForCausalLM(GptOssConfig(
         vocab_size=50, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -441,10 +441,10 @@ def test_variant_backends_named_and_a_passed_window_cache():
     assert check_variants(gpt_oss, "generate", "exact") == ("sliding_window", "sinks")
     # numba's kernels take no variant: named, it is refused; chosen automatically, the torch kernels run instead.
     with pytest.raises(NotImplementedError, match="backend='numba' has no kernels for attention logit softcapping"):
-        support.variant_backend(("softcap",), "numba", "numba")
-    assert support.variant_backend(("softcap",), None, "numba") == "torch"
-    assert support.variant_backend(("sinks",), "triton", "triton") == "triton"
-    assert support.variant_backend(("sliding_window", "softcap"), "cuda", "cuda") == "cuda"
+        registry.variant_backend(("softcap",), "numba", "numba")
+    assert registry.variant_backend(("softcap",), None, "numba") == "torch"
+    assert registry.variant_backend(("sinks",), "triton", "triton") == "triton"
+    assert registry.variant_backend(("sliding_window", "softcap"), "cuda", "cuda") == "cuda"
     mistral = MistralForCausalLM(MistralConfig(
         vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, sliding_window=4, pad_token_id=0,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from macs_kernels import explain
-from macs_kernels.ops._dispatch import why_unavailable
+from macs_kernels.ops.registry import why_unavailable
 from tests.helpers import default_model
 
 

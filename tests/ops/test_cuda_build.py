@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from macs_kernels.ops._backends import CUDA_SPLIT_KV_KERNELS, BackendUnavailable, set_cuda_split_kv_kernel
+from macs_kernels.ops.registry import CUDA_SPLIT_KV_KERNELS, BackendUnavailable, set_cuda_split_kv_kernel
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 ARCHES = ("sm_80", "sm_90")

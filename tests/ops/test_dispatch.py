@@ -11,7 +11,7 @@ import torch
 
 import macs_kernels.ops.triton as triton_backend
 from macs_kernels import ops
-from macs_kernels.ops import _dispatch, verify
+from macs_kernels.ops import registry, verify
 from tests.ops.cases import DEVICE, random_qk
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
@@ -22,14 +22,14 @@ HERE = torch.device(DEVICE)  # where the triton backend runs
 @pytest.fixture
 def fresh_verdicts(monkeypatch):
     """An empty self-check cache, as in a new process."""
-    monkeypatch.setattr(verify, "_verdicts", {})
-    monkeypatch.setattr(verify, "_warned", set())
+    monkeypatch.setattr(registry, "_verdicts", {})
+    monkeypatch.setattr(registry, "_warned", set())
 
 
 @pytest.fixture
 def triton_is_a_candidate(monkeypatch, fresh_verdicts):
     """The automatic choice tries triton before torch (on a CPU, the interpreter)."""
-    monkeypatch.setattr(verify, "candidates", lambda device: ("triton", "torch"))
+    monkeypatch.setitem(registry.PREFERENCE, (HERE.type, False), ("triton", "torch"))
 
 
 @pytest.fixture
@@ -95,8 +95,8 @@ def test_self_check_catches_a_wrong_pooled_decode(fresh_verdicts, monkeypatch):
 
 def test_verdicts_are_cached_per_process_and_device(fresh_verdicts, monkeypatch):
     calls = []
-    compare = verify._compare
-    monkeypatch.setattr(verify, "_compare", lambda *args: calls.append(args) or compare(*args))
+    compare = verify.compare
+    monkeypatch.setattr(verify, "compare", lambda *args: calls.append(args) or compare(*args))
     for _ in range(3):
         assert ops.self_check("triton", HERE, "macs_zscore") is None
     assert len(calls) == 1
@@ -120,7 +120,7 @@ def test_cuda_backend_absent_without_extension():
         pass
     else:
         pytest.skip("macs_kernels._C is built here")
-    reason = _dispatch.why_unavailable("cuda", torch.device("cuda"), "macs_update")
+    reason = registry.why_unavailable("cuda", torch.device("cuda"), "macs_update")
     assert "macs_kernels._C is absent" in reason
 
 
@@ -129,10 +129,10 @@ def test_cuda_backend_absent_without_extension():
     [({"cuda", "triton", "torch"}, "cuda"), ({"triton", "torch"}, "triton"), ({"torch"}, "torch")],
 )
 def test_automatic_choice_prefers_cuda_then_triton(monkeypatch, fresh_verdicts, available, expected):
-    monkeypatch.setattr(verify, "why_unavailable",
+    monkeypatch.setattr(registry, "why_unavailable",
                         lambda name, device, op=None: None if name in available else "absent")
-    monkeypatch.setattr(verify, "self_check", lambda backend, device, op: None)
-    monkeypatch.setattr(verify, "_device_key", torch.device)
+    monkeypatch.setattr(registry, "self_check", lambda backend, device, op: None)
+    monkeypatch.setattr(registry, "device_key", torch.device)
     assert ops.resolve_backend(None, torch.device("cuda")) == expected
     assert ops.resolve_backend(None, torch.device("cpu")) == "torch"
 

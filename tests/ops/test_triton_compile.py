@@ -28,10 +28,12 @@ SPLIT_INDEX = {"start_ptr": "i64", "input_end_ptr": "i64", "kv_len_ptr": "i64", 
 
 
 def _split_kv(dtype, *, D, GROUP, BLOCK_M, WITH_V=False, WITH_SCORES=True, DOT_F32=False, PAGE_SIZE=0,
-              SOFTCAP=False):
-    """A `_split_kv_kernel` variant: q, k and v in `dtype`, one tile over the head dimension."""
+              SOFTCAP=False, scores="fp32"):
+    """A `_split_kv_kernel` variant: q, k and v in `dtype`, one tile over the head dimension; scores "fp16" are the
+    two-launch pass's relative ones."""
     return (
-        "split_kv", "_split_kv_kernel", {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, **SPLIT_INDEX},
+        "split_kv", "_split_kv_kernel",
+        {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "scores_ptr": scores, **SPLIT_INDEX},
         dict(D=D, BLOCK_D=D, GROUP=GROUP, BLOCK_M=BLOCK_M, BLOCK_N=64, WITH_V=WITH_V, WITH_SCORES=WITH_SCORES,
              DOT_F32=DOT_F32, PAGE_SIZE=PAGE_SIZE, SOFTCAP=SOFTCAP),
         dict(num_warps=4, num_stages=3),
@@ -60,6 +62,21 @@ VARIANTS = {
                                                           SOFTCAP=True),
     "pool_paged_softcap_fp16_gqa4_d128_page256": _split_kv("fp16", D=128, GROUP=4, BLOCK_M=16, PAGE_SIZE=256,
                                                            SOFTCAP=True),
+    # The two-launch fused pass (ops.registry.TRITON_SPLIT_KV_PASSES): float16 relative scores, then the combine
+    # with the head pooling folded in.
+    "two_launch_decode_bf16_gqa4_d128": _split_kv("bf16", D=128, GROUP=4, BLOCK_M=16, WITH_V=True, scores="fp16"),
+    "two_launch_update_bf16_gqa3_d64": _split_kv("bf16", D=64, GROUP=3, BLOCK_M=16, scores="fp16"),
+    "two_launch_combine_pool_bf16": (
+        "split_kv", "_combine_pool_kernel",
+        {"out_ptr": "bf16", "scores_ptr": "fp16", "pool_start_ptr": "i64", "input_end_ptr": "i64"},
+        dict(D=128, BLOCK_D=128, SPLITS_PAD=128, H_PAD=32, BLOCK_I=128, KEY_BLOCK=64, WITH_V=True, HAS_SINKS=False,
+             LSE_GIVEN=False, REDISTRIBUTE=True, POOLING="max", INTO_LOG_C=True), dict(num_warps=4),
+    ),
+    "two_launch_combine_pool_sinks_out": (
+        "split_kv", "_combine_pool_kernel", {"sinks_ptr": "bf16", "pool_start_ptr": "i64", "input_end_ptr": "i64"},
+        dict(D=64, BLOCK_D=64, SPLITS_PAD=64, H_PAD=16, BLOCK_I=256, KEY_BLOCK=64, WITH_V=False, HAS_SINKS=True,
+             LSE_GIVEN=True, REDISTRIBUTE=True, POOLING="mean", INTO_LOG_C=False), dict(num_warps=4),
+    ),
     "combine_bf16": (
         "split_kv", "_split_kv_combine_kernel", {"out_ptr": "bf16"},
         dict(D=128, BLOCK_D=128, SPLITS_PAD=64, WITH_V=True, HAS_SINKS=False), dict(num_warps=4),
@@ -180,7 +197,7 @@ def test_kernel_compiles(compiled, variant, arch):
     "decode_bf16_gqa4_d128", "update_fp16_gqa3_d64", "pool_block_bf16_gqa9_d64", "pool_paged_bf16_gqa3_d64_page16",
     "pool_paged_fp16_gqa9_d128_page256", "pool_paged_bf16_gqa4_d128_page16", "pool_softcap_bf16_gqa2_d256",
     "decode_softcap_fp16_gqa4_d128", "pool_paged_softcap_bf16_gqa2_d256_page16",
-    "pool_paged_softcap_fp16_gqa4_d128_page256",
+    "pool_paged_softcap_fp16_gqa4_d128_page256", "two_launch_decode_bf16_gqa4_d128", "two_launch_update_bf16_gqa3_d64",
 ])
 def test_split_pass_uses_tensor_cores_and_16_byte_loads(compiled, variant, arch):
     """The GQA group's scores come from one tensor-core product per K tile, fed by 128-bit loads."""

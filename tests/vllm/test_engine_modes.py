@@ -155,11 +155,11 @@ def test_a_sliding_window_model_follows_its_window(tmp_path, kind, paged, monkey
     row's denominator, Gemma 2's logits are capped."""
     from transformers import AutoModelForCausalLM
 
-    from macs_kernels.core import Kernels
-    from macs_kernels.vllm.tracer import VllmTracer
+    from macs_kernels.ops import registry
 
     path = _windowed_model(tmp_path, kind)
-    monkeypatch.setattr(VllmTracer, "kernels_on", staticmethod(lambda device: Kernels.of("torch", paged=paged)))
+    monkeypatch.setattr(registry, "paged_kernels",
+                        lambda device, captured=False: registry.Kernels.of("torch", paged=paged))
     llm = make_llm(path, block_size=32)
     try:
         explanations = macs_vllm.explain(llm, token_prompts([25, 150, 260]), greedy(10))

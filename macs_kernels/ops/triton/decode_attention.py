@@ -3,8 +3,7 @@ of K, the head pooling into log_c (macs_update) or into a pooled buffer (macs_po
 from __future__ import annotations
 
 from ..torch_backend import window_ranges
-from .pool import pool
-from .split_kv import split_kv_pass
+from .split_kv import fused_pass, split_kv_pass
 
 
 def decode_attention(
@@ -18,12 +17,11 @@ def decode_attention(
     state = log_c if pooled is None else pooled
     start, length = kv_start[:, None], kv_len[:, None]
     end = length if state is None else input_end[:, None]
-    out, lse, lse_gen, scores = split_kv_pass(
-        q[:, :, None], k_cache, v_cache, start, end, length, scale, n_scores=0 if state is None else state.shape[1]
-    )
-    if state is not None:
-        pool(scores, state, start, end, lse=lse, generated=lse_gen, alpha=alpha, pooling=pooling,
-             redistribute=redistribute, into_log_c=pooled is None)
+    if state is None:
+        out, lse, _, _ = split_kv_pass(q[:, :, None], k_cache, v_cache, start, end, length, scale, n_scores=0)
+    else:
+        out, lse = fused_pass(q[:, :, None], k_cache, v_cache, start, end, length, scale, state, pool_start=start,
+                              alpha=alpha, pooling=pooling, redistribute=redistribute, into_log_c=pooled is None)
     return out[:, :, 0], lse[:, :, 0]
 
 
@@ -34,11 +32,11 @@ def decode_attention_variant(q, k_cache, v_cache, kv_start, kv_len, scale, input
     end = kv_len if input_end is None else input_end
     attend, start, end, length = (bound[:, None].contiguous() for bound in window_ranges(
         kv_start, end, kv_len, key_offset, window))
-    out, lse, lse_gen, scores = split_kv_pass(
-        q[:, :, None], k_cache, v_cache, attend, end, length, scale,
-        n_scores=0 if pooled is None else pooled.shape[1], score_start=start, softcap=softcap, sinks=sinks,
-    )
-    if pooled is not None:
-        pool(scores, pooled, start, end, lse=lse, generated=lse_gen, pooling=pooling, redistribute=redistribute,
-             into_log_c=False)
+    variant = dict(score_start=start, softcap=softcap, sinks=sinks)
+    if pooled is None:
+        out, lse, _, _ = split_kv_pass(q[:, :, None], k_cache, v_cache, attend, end, length, scale, n_scores=0,
+                                       **variant)
+    else:
+        out, lse = fused_pass(q[:, :, None], k_cache, v_cache, attend, end, length, scale, pooled, pool_start=start,
+                              pooling=pooling, redistribute=redistribute, into_log_c=False, **variant)
     return out[:, :, 0], lse[:, :, 0]

@@ -2,8 +2,7 @@
 written out before the floor."""
 from __future__ import annotations
 
-from .pool import pool
-from .split_kv import split_kv_pass
+from .split_kv import fused_pass
 
 
 def macs_pool(q, k_cache, out, input_start, input_end, kv_len, scale, pooling, redistribute, lse, score_start=None,
@@ -12,10 +11,7 @@ def macs_pool(q, k_cache, out, input_start, input_end, kv_len, scale, pooling, r
     k_cache (B, H_kv, S, D), or (P, page_size, H_kv, D) pages read through block_table (B, pages) int32.
     score_start (B, R) contiguous, softcap, sinks (H,): the layer's attention variant in key slots, as
     torch_backend.macs_pool takes it (torch_backend.macs_pool_variant makes them of an ops.Variant)."""
-    _, own_lse, lse_gen, scores = split_kv_pass(
-        q, k_cache, None, input_start, input_end, kv_len, scale, n_scores=out.shape[-1], block_table=block_table,
-        score_start=score_start, softcap=softcap, sinks=sinks,
-    )
-    pool(scores, out, input_start if score_start is None else score_start, input_end,
-         lse=own_lse if lse is None else lse, generated=lse_gen, pooling=pooling, redistribute=redistribute,
-         into_log_c=False)
+    fused_pass(q, k_cache, None, input_start, input_end, kv_len, scale, out,
+               pool_start=input_start if score_start is None else score_start, lse=lse, pooling=pooling,
+               redistribute=redistribute, into_log_c=False, block_table=block_table, score_start=score_start,
+               softcap=softcap, sinks=sinks)

@@ -6,15 +6,12 @@ p = exp(s - lse), as the op's contract says.
 """
 from __future__ import annotations
 
-from .pool import pool
-from .split_kv import split_kv_pass
+from .split_kv import fused_pass
 
 
 def macs_update(q, k_cache, log_c, input_start, input_end, kv_len, scale, alpha, pooling, redistribute, lse):
     """q (B, H, D), k_cache (B, H_kv, S, D); log_c (B, N_max) float32 updated in place; lse (B, H) or None."""
     start, end, length = (index[:, None] for index in (input_start, input_end, kv_len))
-    _, own_lse, lse_gen, scores = split_kv_pass(
-        q[:, :, None], k_cache, None, start, end, length, scale, n_scores=log_c.shape[1]
-    )
-    pool(scores, log_c, start, end, lse=own_lse if lse is None else lse[:, :, None], generated=lse_gen,
-         alpha=alpha, pooling=pooling, redistribute=redistribute)
+    fused_pass(q[:, :, None], k_cache, None, start, end, length, scale, log_c, pool_start=start,
+               lse=None if lse is None else lse[:, :, None], alpha=alpha, pooling=pooling, redistribute=redistribute,
+               into_log_c=True)

@@ -11,6 +11,12 @@ input keys, key start + i in column i of (B, H, R, N_max) float32: H x R x N x 4
 H_kv x S x 2D bytes of K.
 `_split_kv_combine_kernel` (grid (B * H * R,)): merges the slices into lse, lse_gen and out.
 
+The fused MACS pass (`fused_pass`) pools the input keys' probabilities over heads after that, in one of two ways
+(registry.TRITON_SPLIT_KV_PASSES): "verified", the default, launches the combine and then pool.py's `_pool_kernel`;
+"two-launch" launches `_combine_pool_kernel`, the combine with the pooling folded in, and for the log c update of
+half-precision inputs has the split kernel write each score as s - m in float16 (m: the row's running max after the
+key block, float32 beside them), half the score bytes (benchmarks/results/triton_two_launch_pass.md).
+
 Attention variants (ops.Variant): a sliding window is a row whose attended start lies after its input start
 (its score columns count from the input start, `score_start`, which may precede the cache's first slot: the
 inputs that slid out); SOFTCAP caps the scores to softcap * tanh(s / softcap) before anything else reads them;
@@ -18,11 +24,28 @@ HAS_SINKS adds each head's sink logit to the denominator in the combine (the sin
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
-from .common import MIN_SCORE, cdiv, dot, dot_in_f32, head_block, launch, next_pow2, operand, split_kv_tiles
+from ..registry import triton_split_kv_pass
+from .common import (
+    MIN_SCORE,
+    SplitKV,
+    cdiv,
+    dot,
+    dot_in_f32,
+    head_block,
+    launch,
+    multiprocessors,
+    next_pow2,
+    operand,
+    pool_block,
+    split_kv_tiles,
+)
+from .pool import pool, pool_tile
 
 
 @triton.jit
@@ -42,8 +65,8 @@ def _key_slots(n, in_slice, b, block_table_ptr, stride_tb, PAGE_SIZE: tl.constex
 @triton.jit
 def _split_kv_kernel(
     q_ptr, k_ptr, v_ptr, start_ptr, input_end_ptr, kv_len_ptr, block_table_ptr, score_start_ptr,
-    scores_ptr, m_ptr, l_ptr, l_gen_ptr, acc_ptr,
-    scale, softcap, split_size, splits, kv_heads, rows,
+    scores_ptr, tile_max_ptr, m_ptr, l_ptr, l_gen_ptr, acc_ptr,
+    scale, softcap, split_size, splits, kv_heads, rows, key_tiles,
     stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ib, stride_ir, stride_tb, stride_sb, stride_sh, stride_sr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -82,11 +105,19 @@ def _split_kv_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)
     l_gen = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
+    relative = scores_ptr.dtype.element_ty == tl.float16
+    first = lo
+    if relative:
+        # Whole key blocks, so that the combine finds the block of key n at n // BLOCK_N.
+        first = lo - lo % BLOCK_N
+    row_index = (b * kv_heads * GROUP + head) * rows + r
+    for n0 in range(first, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         # Keys past the slice load as 0, not as whatever an unused cache slot holds (0 * NaN would poison
         # the dot).
         in_slice = n < hi
+        if relative:
+            in_slice = in_slice & (n >= lo)
         kv_mask = in_slice[:, None] & d_mask[None, :]
         page, slot = _key_slots(n, in_slice, b, block_table_ptr, stride_tb, PAGE_SIZE)
         k_rows = k_head + page * stride_kb + slot * stride_ks
@@ -98,11 +129,19 @@ def _split_kv_kernel(
         s = tl.where(attended, s, float("-inf"))
         if WITH_SCORES:
             is_input = attended & (n[None, :] < input_end[:, None])
-            tl.store(scores_ptr + b * stride_sb + head[:, None] * stride_sh + r[:, None] * stride_sr
-                     + (n[None, :] - score_start[:, None]), s, mask=is_input)
+            columns = scores_ptr + b * stride_sb + head[:, None] * stride_sh + r[:, None] * stride_sr + (
+                n[None, :] - score_start[:, None])
+            if not relative:
+                tl.store(columns, s, mask=is_input)
         m_new = tl.maximum(m, tl.max(s, 1))
         correction = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
+        shifted = s - m_new[:, None]
+        if WITH_SCORES and relative:
+            # Each score as s - m_new in float16, the block's m_new in float32 beside it: m_new is at most lse, so
+            # log p = s - lse keeps float16's relative precision (2^-11), in half the bytes.
+            tl.store(columns, shifted.to(tl.float16), mask=is_input)
+            tl.store(tile_max_ptr + row_index * key_tiles + n0 // BLOCK_N, m_new, mask=row_ok)
+        p = tl.exp(shifted)
         l = l * correction + tl.sum(p, 1)
         l_gen = l_gen * correction + tl.sum(tl.where(n[None, :] >= input_end[:, None], p, 0.0), 1)
         if WITH_V:
@@ -111,12 +150,57 @@ def _split_kv_kernel(
             acc = acc * correction[:, None] + dot(p.to(v.dtype), v, DOT_F32)
         m = m_new
 
-    partial = ((b * kv_heads * GROUP + head) * rows + r) * splits + split
+    partial = row_index * splits + split
     tl.store(m_ptr + partial, m, mask=row_ok)
     tl.store(l_ptr + partial, l, mask=row_ok)
     tl.store(l_gen_ptr + partial, l_gen, mask=row_ok)
     if WITH_V:
         tl.store(acc_ptr + partial[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _merge_splits(m, l, l_gen, sink, HAS_SINKS: tl.constexpr, AXIS: tl.constexpr):
+    """Merge the key slices of rows along AXIS of (m, l, l_gen): (weight of each slice, lse, lse_gen)."""
+    top = tl.max(m, AXIS)
+    # Slices in which the row attends no key have l = 0; every row attends a key somewhere.
+    weight = tl.exp(m - tl.expand_dims(top, AXIS))
+    l = tl.sum(weight * l, AXIS)
+    l_gen = tl.sum(weight * l_gen, AXIS)
+    if HAS_SINKS:
+        rescale = tl.exp(top - tl.maximum(top, sink))
+        weight = weight * tl.expand_dims(rescale, AXIS)
+        l = l * rescale + tl.exp(sink - tl.maximum(top, sink))
+        l_gen = l_gen * rescale
+        top = tl.maximum(top, sink)
+    return weight, top + tl.log(l), top + tl.log(l_gen), l
+
+
+@triton.jit
+def _combine_row(
+    row, m_ptr, l_ptr, l_gen_ptr, acc_ptr, out_ptr, lse_ptr, lse_gen_ptr, sinks_ptr,
+    splits, heads, rows, stride_ob, stride_oh, stride_or,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr, WITH_V: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    """Row `row` of (B, H, R): its lse, lse_gen and (WITH_V) out from the slices' partials."""
+    sp = tl.arange(0, SPLITS_PAD)
+    sp_mask = sp < splits
+    sink = 0.0
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + row // rows % heads).to(tl.float32)
+    weight, lse, lse_gen, l = _merge_splits(
+        tl.load(m_ptr + row * splits + sp, mask=sp_mask, other=MIN_SCORE),
+        tl.load(l_ptr + row * splits + sp, mask=sp_mask, other=0.0),
+        tl.load(l_gen_ptr + row * splits + sp, mask=sp_mask, other=0.0), sink, HAS_SINKS, 0)
+    tl.store(lse_ptr + row, lse)
+    tl.store(lse_gen_ptr + row, lse_gen)
+    if WITH_V:
+        d = tl.arange(0, BLOCK_D)
+        acc = tl.load(acc_ptr + (row * splits + sp)[:, None] * D + d[None, :],
+                      mask=sp_mask[:, None] & (d < D)[None, :], other=0.0)
+        out = tl.sum(weight[:, None] * acc, 0) / l
+        target = out_ptr + row // (heads * rows) * stride_ob + row // rows % heads * stride_oh + row % rows * stride_or
+        tl.store(target + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
 @triton.jit
@@ -126,31 +210,63 @@ def _split_kv_combine_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr, WITH_V: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    sp = tl.arange(0, SPLITS_PAD)
-    sp_mask = sp < splits
-    m = tl.load(m_ptr + row * splits + sp, mask=sp_mask, other=MIN_SCORE)
-    top = tl.max(m, 0)
-    # Slices in which the row attends no key have l = 0; every row attends a key somewhere.
-    weight = tl.exp(m - top)
-    l = tl.sum(weight * tl.load(l_ptr + row * splits + sp, mask=sp_mask, other=0.0), 0)
-    l_gen = tl.sum(weight * tl.load(l_gen_ptr + row * splits + sp, mask=sp_mask, other=0.0), 0)
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + row // rows % heads).to(tl.float32)
-        rescale = tl.exp(top - tl.maximum(top, sink))
-        weight = weight * rescale
-        l = l * rescale + tl.exp(sink - tl.maximum(top, sink))
-        l_gen = l_gen * rescale
-        top = tl.maximum(top, sink)
-    tl.store(lse_ptr + row, top + tl.log(l))
-    tl.store(lse_gen_ptr + row, top + tl.log(l_gen))
-    if WITH_V:
-        d = tl.arange(0, BLOCK_D)
-        acc = tl.load(acc_ptr + (row * splits + sp)[:, None] * D + d[None, :],
-                      mask=sp_mask[:, None] & (d < D)[None, :], other=0.0)
-        out = tl.sum(weight[:, None] * acc, 0) / l
-        target = out_ptr + row // (heads * rows) * stride_ob + row // rows % heads * stride_oh + row % rows * stride_or
-        tl.store(target + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+    _combine_row(tl.program_id(0).to(tl.int64), m_ptr, l_ptr, l_gen_ptr, acc_ptr, out_ptr, lse_ptr, lse_gen_ptr,
+                 sinks_ptr, splits, heads, rows, stride_ob, stride_oh, stride_or, D, BLOCK_D, SPLITS_PAD, WITH_V,
+                 HAS_SINKS)
+
+
+@triton.jit
+def _combine_pool_kernel(
+    m_ptr, l_ptr, l_gen_ptr, acc_ptr, out_ptr, lse_ptr, lse_gen_ptr, sinks_ptr,
+    scores_ptr, tile_max_ptr, given_lse_ptr, pool_start_ptr, input_end_ptr, target_ptr,
+    alpha, splits, heads, rows, n_target, pool_programs, tiles_per_program, key_tiles,
+    stride_ob, stride_oh, stride_or, stride_sb, stride_sh, stride_sr, stride_gb, stride_gh, stride_gr,
+    stride_ib, stride_ir, stride_tb, stride_tr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr, H_PAD: tl.constexpr, BLOCK_I: tl.constexpr,
+    KEY_BLOCK: tl.constexpr, WITH_V: tl.constexpr, HAS_SINKS: tl.constexpr, LSE_GIVEN: tl.constexpr,
+    REDISTRIBUTE: tl.constexpr, POOLING: tl.constexpr, INTO_LOG_C: tl.constexpr,
+):
+    """The combine and the head pooling in one launch: grid (B * R, pool_programs + H). Programs from
+    pool_programs on are `_combine_row` for head program_id(1) - pool_programs; the others each merge the slices of
+    all H heads of their query row again (H x splits partials, read from L2) and pool tiles_per_program tiles of
+    BLOCK_I inputs, which `pool` would do in a third launch after the combine."""
+    b = (tl.program_id(0) // rows).to(tl.int64)
+    r = (tl.program_id(0) % rows).to(tl.int64)
+    program = tl.program_id(1)
+    if program >= pool_programs:
+        _combine_row((b * heads + program - pool_programs) * rows + r, m_ptr, l_ptr, l_gen_ptr, acc_ptr, out_ptr,
+                     lse_ptr, lse_gen_ptr, sinks_ptr, splits, heads, rows, stride_ob, stride_oh, stride_or, D, BLOCK_D,
+                     SPLITS_PAD, WITH_V, HAS_SINKS)
+    else:
+        h = tl.arange(0, H_PAD)
+        h_mask = h < heads
+        sp = tl.arange(0, SPLITS_PAD)
+        row_index = (b * heads + h) * rows + r
+        partial = row_index[:, None] * splits + sp[None, :]
+        partial_mask = h_mask[:, None] & (sp < splits)[None, :]
+        sink = tl.zeros([H_PAD], tl.float32)
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + h, mask=h_mask, other=0.0).to(tl.float32)
+        _, lse, lse_gen, _ = _merge_splits(
+            tl.load(m_ptr + partial, mask=partial_mask, other=MIN_SCORE),
+            tl.load(l_ptr + partial, mask=partial_mask, other=1.0),  # padding heads: a finite lse, never used
+            tl.load(l_gen_ptr + partial, mask=partial_mask, other=0.0), sink, HAS_SINKS, 1)
+        if LSE_GIVEN:
+            lse = tl.load(given_lse_ptr + b * stride_gb + h * stride_gh + r * stride_gr, mask=h_mask, other=0.0)
+            lse = lse.to(tl.float32)
+        gen = tl.exp(lse_gen - lse)
+        start = tl.load(pool_start_ptr + b * stride_ib + r * stride_ir)
+        n_input = tl.load(input_end_ptr + b * stride_ib + r * stride_ir) - start
+        score_rows = scores_ptr + b * stride_sb + r * stride_sr + h[:, None] * stride_sh
+        for t in range(0, tiles_per_program):
+            i = (program * tiles_per_program + t) * BLOCK_I + tl.arange(0, BLOCK_I)
+            tile_mask = h_mask[:, None] & (i < n_input)[None, :]
+            s = tl.load(score_rows + i[None, :], mask=tile_mask, other=float("-inf")).to(tl.float32)
+            if scores_ptr.dtype.element_ty == tl.float16:  # relative to their key block's max
+                s += tl.load(tile_max_ptr + row_index[:, None] * key_tiles + ((start + i) // KEY_BLOCK)[None, :],
+                             mask=tile_mask, other=0.0)
+            pool_tile(tl.exp(s - lse[:, None]), gen, h_mask, i, n_input, heads, n_target,
+                      target_ptr + b * stride_tb + r * stride_tr, alpha, REDISTRIBUTE, POOLING, INTO_LOG_C)
 
 
 def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block_table=None, *,
@@ -165,6 +281,90 @@ def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores
     Returns (out (B, H, R, D) in q's dtype or None, lse (B, H, R) float32, lse_gen (B, H, R) float32 (-inf
     where no generated key), scores (B, H, R, n_scores) float32 or None).
     """
+    split = _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block_table, score_start, softcap,
+                   relative_scores=False)
+    out, lse, lse_gen = _outputs(q, split)
+    target = out if split.with_v else lse
+    launch(
+        _split_kv_combine_kernel, (q.shape[0] * q.shape[1] * q.shape[2],),
+        split.m, split.l, split.l_gen, split.acc, target, lse, lse_gen, split.m if sinks is None else sinks,
+        split.tiles.splits, q.shape[1], q.shape[2], *(target.stride(i) if split.with_v else 0 for i in range(3)),
+        D=q.shape[3], BLOCK_D=head_block(q.shape[3]), SPLITS_PAD=next_pow2(split.tiles.splits), WITH_V=split.with_v,
+        HAS_SINKS=sinks is not None, num_warps=4,
+    )
+    return out, lse, lse_gen, split.scores if n_scores else None
+
+
+def fused_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, target, *, pool_start, lse=None, alpha=1.0,
+               pooling, redistribute, into_log_c, block_table=None, score_start=None, softcap=None, sinks=None):
+    """The split-KV pass and the head pooling of its input keys' probabilities into target (pool's
+    log_c or out), by the pass that _backends.triton_split_kv_pass() names: "verified" launches split_kv_pass
+    and pool; "two-launch" the split kernel and `_combine_pool_kernel`. Arguments as split_kv_pass's and pool's
+    (pool_start, input_end: the pooled input range; lse (B, H, R) given replaces the computed one in the
+    probabilities). Returns (out or None, lse (B, H, R) computed)."""
+    pooled = dict(alpha=alpha, pooling=pooling, redistribute=redistribute, into_log_c=into_log_c)
+    if triton_split_kv_pass() == "verified":
+        out, own_lse, lse_gen, scores = split_kv_pass(
+            q, k_cache, v_cache, start, input_end, kv_len, scale, target.shape[-1], block_table,
+            score_start=score_start, softcap=softcap, sinks=sinks)
+        pool(scores, target, pool_start, input_end, lse=own_lse if lse is None else lse, generated=lse_gen, **pooled)
+        return out, own_lse
+    batch, heads, rows, dim = q.shape
+    n_target = target.shape[-1]
+    # log c of half-precision inputs is held to their dtype's tolerance (2e-3 for float16), which float16 relative
+    # scores keep (log p within 2^-11 of itself, see _split_kv_kernel); m' written out is held to float32's.
+    relative = into_log_c and k_cache.dtype in (torch.float16, torch.bfloat16)
+    split = _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_target, block_table, score_start, softcap,
+                   relative_scores=relative)
+    out, own_lse, lse_gen = _outputs(q, split)
+    given = own_lse if lse is None else lse
+    target3 = target.view(batch, rows, n_target)
+    block_i = pool_block(heads, n_target)
+    tiles = cdiv(n_target, block_i)
+    per_program = cdiv(tiles, min(tiles, max(1, cdiv(2 * multiprocessors(q.device), batch * rows))))
+    pool_programs = cdiv(tiles, per_program)
+    scores = split.scores
+    launch(
+        _combine_pool_kernel, (batch * rows, pool_programs + heads),
+        split.m, split.l, split.l_gen, split.acc, out if split.with_v else own_lse, own_lse, lse_gen,
+        split.m if sinks is None else sinks, scores, split.tile_max, given, pool_start, input_end, target3,
+        float(alpha), split.tiles.splits, heads, rows, n_target, pool_programs, per_program, split.key_tiles,
+        *(out.stride(i) if split.with_v else 0 for i in range(3)), scores.stride(0), scores.stride(1),
+        scores.stride(2), given.stride(0), given.stride(1), given.stride(2), pool_start.stride(0),
+        pool_start.stride(1), target3.stride(0), target3.stride(1),
+        D=dim, BLOCK_D=head_block(dim), SPLITS_PAD=next_pow2(split.tiles.splits), H_PAD=next_pow2(heads),
+        BLOCK_I=block_i, KEY_BLOCK=split.tiles.block_n, WITH_V=split.with_v, HAS_SINKS=sinks is not None,
+        LSE_GIVEN=lse is not None, REDISTRIBUTE=redistribute, POOLING=pooling, INTO_LOG_C=into_log_c, num_warps=4,
+    )
+    return out, own_lse
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """What the split kernel left for the combine: per (row, slice) partials and the input keys' scores (float16
+    relative to tile_max (B, H, R, key_tiles), the max of each row's key block, or float32)."""
+    tiles: SplitKV
+    with_v: bool
+    m: torch.Tensor
+    l: torch.Tensor
+    l_gen: torch.Tensor
+    acc: torch.Tensor
+    scores: torch.Tensor
+    tile_max: torch.Tensor
+    key_tiles: int
+
+
+def _outputs(q, split: _Split):
+    """Empty out (B, H, R, D) in q's dtype (None without V), lse and lse_gen (B, H, R) float32."""
+    batch, heads, rows, dim = q.shape
+    out = torch.empty(batch, heads, rows, dim, device=q.device, dtype=q.dtype) if split.with_v else None
+    lse, lse_gen = (torch.empty(batch, heads, rows, device=q.device, dtype=torch.float32) for _ in range(2))
+    return out, lse, lse_gen
+
+
+def _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block_table, score_start, softcap, *,
+           relative_scores):
+    """Launch `_split_kv_kernel` (arguments as split_kv_pass's; relative_scores: float16 scores, see _Split)."""
     batch, heads, rows, dim = q.shape
     paged = block_table is not None
     if paged:
@@ -180,37 +380,31 @@ def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores
     with_v = v_cache is not None
     dot_f32 = dot_in_f32(q, k_cache, *((v_cache,) if with_v else ()))
     tiles = split_kv_tiles(batch, kv_heads, group * rows, keys, q.device)
-    block_d = head_block(dim)
     f32 = dict(device=q.device, dtype=torch.float32)
     m, l, l_gen = (torch.empty(batch, heads, rows, tiles.splits, **f32) for _ in range(3))
     acc = torch.empty(batch, heads, rows, tiles.splits, dim, **f32) if with_v else m
     windowed = score_start is not None
+    relative = relative_scores and bool(n_scores)
+    key_tiles = cdiv(keys, tiles.block_n) if relative else 0
     if n_scores:
+        kind = dict(f32, dtype=torch.float16 if relative else torch.float32)
         scores = (torch.full if windowed else torch.empty)(
-            (batch, heads, rows, max(n_scores, 1)), *((float("-inf"),) if windowed else ()), **f32)
+            (batch, heads, rows, max(n_scores, 1)), *((float("-inf"),) if windowed else ()), **kind)
     else:
         scores = m
+    # A window's columns before its first attended key stay -inf: the max of their block must be finite.
+    tile_max = (torch.zeros if windowed else torch.empty)(batch, heads, rows, key_tiles, **f32) if relative else m
     v = v_cache if with_v else k_cache
     launch(
         _split_kv_kernel, (batch * kv_heads * cdiv(group * rows, tiles.block_m), tiles.splits),
         q, k_cache, v, start, input_end, kv_len, block_table if paged else start,
-        score_start if windowed else start, scores, m, l, l_gen, acc,
-        scale, 1.0 if softcap is None else float(softcap), tiles.split_size, tiles.splits, kv_heads, rows,
+        score_start if windowed else start, scores, tile_max, m, l, l_gen, acc,
+        scale, 1.0 if softcap is None else float(softcap), tiles.split_size, tiles.splits, kv_heads, rows, key_tiles,
         q.stride(0), q.stride(1), q.stride(2), *k_strides, *(v_strides if with_v else k_strides),
         start.stride(0), start.stride(1), block_table.stride(0) if paged else 0,
         scores.stride(0), scores.stride(1), scores.stride(2),
-        D=dim, BLOCK_D=block_d, GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        D=dim, BLOCK_D=head_block(dim), GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         WITH_V=with_v, WITH_SCORES=bool(n_scores), DOT_F32=dot_f32, PAGE_SIZE=page_size,
         SOFTCAP=softcap is not None, num_warps=4, num_stages=3,
     )
-    out = torch.empty(batch, heads, rows, dim, device=q.device, dtype=q.dtype) if with_v else None
-    lse, lse_gen = (torch.empty(batch, heads, rows, **f32) for _ in range(2))
-    target = out if with_v else lse
-    launch(
-        _split_kv_combine_kernel, (batch * heads * rows,),
-        m, l, l_gen, acc, target, lse, lse_gen, m if sinks is None else sinks,
-        tiles.splits, heads, rows, *(target.stride(i) if with_v else 0 for i in range(3)),
-        D=dim, BLOCK_D=block_d, SPLITS_PAD=next_pow2(tiles.splits), WITH_V=with_v, HAS_SINKS=sinks is not None,
-        num_warps=4,
-    )
-    return out, lse, lse_gen, scores if n_scores else None
+    return _Split(tiles, with_v, m, l, l_gen, acc, scores, tile_max, key_tiles)

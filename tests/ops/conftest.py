@@ -1,0 +1,36 @@
+"""The triton backend's fused ops run under both of its fused passes (ops.registry.TRITON_SPLIT_KV_PASSES): the
+tests of the modules below that take a `backend` run once more with backend "triton" and the "two-launch" pass."""
+from __future__ import annotations
+
+import pytest
+
+from macs_kernels.ops.registry import TRITON_SPLIT_KV_PASSES, set_triton_split_kv_pass, triton_split_kv_pass
+
+FUSED_OP_MODULES = {
+    "test_decode_attention", "test_macs_update", "test_macs_pool", "test_macs_pool_paged", "test_variants",
+    "test_properties",
+}
+
+
+def pytest_generate_tests(metafunc):
+    if "backend" in metafunc.fixturenames and metafunc.module.__name__.rsplit(".", 1)[-1] in FUSED_OP_MODULES:
+        metafunc.parametrize("triton_split_kv", TRITON_SPLIT_KV_PASSES, indirect=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Another pass changes only what the triton backend runs: drop its copies of the other backends' tests."""
+    redundant = [item for item in items if getattr(item, "callspec", None) is not None
+                 and item.callspec.params.get("triton_split_kv", "verified") != "verified"
+                 and item.callspec.params.get("backend") != "triton"]
+    if redundant:
+        config.hook.pytest_deselected(items=redundant)
+        items[:] = [item for item in items if item not in redundant]
+
+
+@pytest.fixture(autouse=True)
+def triton_split_kv(request):
+    """The triton fused pass a test runs (the default unless parametrized)."""
+    previous = triton_split_kv_pass()
+    set_triton_split_kv_pass(getattr(request, "param", previous))
+    yield triton_split_kv_pass()
+    set_triton_split_kv_pass(previous)

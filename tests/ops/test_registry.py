@@ -1,0 +1,119 @@
+"""The registry's default backend (issue 42, point 4): the fastest correct backend for how the pass runs. No GPU is
+needed: which backends can run here and what their self-checks say are monkeypatched; the detection of a
+compiled pass runs under torch.compile on the CPU."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from macs_kernels.ops import registry
+
+CUDA = torch.device("cuda")
+OPS = ("macs_pool", "decode_attention")
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """A CUDA machine on which the backends in `available` run and those in `wrong` fail their self-check."""
+    state = {"available": {"cuda", "triton", "torch"}, "wrong": set(), "checks": []}
+    monkeypatch.setattr(registry, "_verdicts", {})
+    monkeypatch.setattr(registry, "_warned", set())
+    monkeypatch.setattr(registry, "device_key", torch.device)
+
+    def why_unavailable(name, device, op=None):
+        if name not in state["available"]:
+            return "absent here"
+        return None if name != "numba" or op in registry.NUMBA_OPS else "numba has the paged op only"
+
+    monkeypatch.setattr(registry, "why_unavailable", why_unavailable)
+
+    def compare(backend, device, op):
+        state["checks"].append((backend, op))
+        return "it differs" if backend in state["wrong"] else None
+
+    monkeypatch.setattr(registry, "_compare", compare)
+    return state
+
+
+@pytest.mark.parametrize("available, eager, captured", [
+    ({"cuda", "triton", "torch"}, "cuda", "triton"),
+    ({"triton", "torch"}, "triton", "triton"),
+    ({"cuda", "torch"}, "cuda", "cuda"),
+    ({"torch"}, "torch", "torch"),
+])
+def test_the_default_on_cuda_follows_how_the_pass_runs(machine, available, eager, captured):
+    machine["available"] = available
+    assert registry.default_backend(CUDA, OPS, captured=False) == eager
+    assert registry.default_backend(CUDA, OPS, captured=True) == captured
+    assert registry.resolve_backend(None, CUDA, "macs_pool", True) == captured
+
+
+@pytest.mark.parametrize("wrong, eager, captured", [
+    ({"triton"}, "cuda", "cuda"),
+    ({"cuda"}, "triton", "triton"),
+    ({"cuda", "triton"}, "torch", "torch"),
+])
+def test_a_backend_failing_its_self_check_is_passed_over(machine, wrong, eager, captured):
+    machine["wrong"] = wrong
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert registry.default_backend(CUDA, OPS, captured=False) == eager
+        assert registry.default_backend(CUDA, OPS, captured=True) == captured
+    failed = sorted({str(w.message).split()[2] for w in record if "failed its self-check" in str(w.message)})
+    assert failed == sorted(wrong)
+
+
+def test_cpu_runs_torch_and_numba_only_for_the_paged_op(machine):
+    machine["available"] = {"numba", "triton", "torch"}  # triton in the interpreter: never a default
+    cpu = torch.device("cpu")
+    for captured in (False, True):
+        assert registry.default_backend(cpu, OPS, captured) == "torch"
+        assert registry.default_backend(cpu, ("macs_pool_paged",), captured) == "numba"
+    machine["available"] = {"triton", "torch"}
+    assert registry.default_backend(cpu, ("macs_pool_paged",), True) == "torch"
+
+
+def test_a_named_backend_is_kept_whatever_the_pass(machine):
+    machine["wrong"] = {"cuda"}
+    with pytest.warns(RuntimeWarning, match="cuda backend's macs_pool failed its self-check.*named explicitly"):
+        assert registry.resolve_backend("cuda", CUDA, "macs_pool", True) == "cuda"
+    machine["available"] = {"torch"}
+    with pytest.raises(registry.BackendUnavailable, match="backend 'triton' is unavailable: absent here"):
+        registry.resolve_backend("triton", CUDA, "macs_pool", False)
+
+
+def test_inside_a_cuda_graph_capture_no_self_check_runs(machine, monkeypatch):
+    """A self-check reads results on the host, which a capture forbids: a backend whose verdict is unknown is
+    passed over with a warning saying how to have it; one checked before the capture is taken."""
+    monkeypatch.setattr(registry, "_stream_capturing", lambda: True)
+    registry._verdicts.update({("cuda", "cuda", op): None for op in OPS})
+    with pytest.warns(RuntimeWarning, match="triton backend is passed over in this CUDA graph capture.*captured=True"):
+        assert registry.default_backend(CUDA, OPS, captured=True) == "cuda"
+    assert machine["checks"] == []
+    registry._verdicts.update({("triton", "cuda", op): None for op in OPS})
+    assert registry.default_backend(CUDA, OPS, captured=True) == "triton"
+    assert machine["checks"] == []
+
+
+def test_a_compiled_pass_is_told_from_an_eager_one(monkeypatch):
+    """captured_pass() is what the public ops hand the registry: under torch.compile the compiled code keeps the
+    captured choice, eagerly the eager one (here: torch eagerly, the Triton interpreter compiled)."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(registry, "_verdicts", {})
+    monkeypatch.setitem(registry.PREFERENCE, ("cpu", False), ("torch",))
+    monkeypatch.setitem(registry.PREFERENCE, ("cpu", True), ("triton", "torch"))
+
+    def chosen(x):
+        backend = registry.resolve_backend(None, x.device, "macs_zscore", registry.captured_pass())
+        return x + (1.0 if backend == "triton" else 0.0)
+
+    x = torch.zeros(2)
+    torch._dynamo.reset()
+    try:
+        assert chosen(x).tolist() == [0.0, 0.0]
+        assert torch.compile(chosen, fullgraph=True, backend="eager")(x).tolist() == [1.0, 1.0]
+    finally:
+        torch._dynamo.reset()
+    assert not registry.captured_pass()
