@@ -372,13 +372,16 @@ def test_vllm_summary_reads_a_csv_written_before_engine_modes():
 
     with open(Path(__file__).parents[1] / "benchmarks" / "results" / "vllm_cpu_throughput.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
-    (summary,) = vllm_engine.summarise(rows, serving=[])
+    with open(Path(__file__).parents[1] / "benchmarks" / "results" / "serving_cpu.csv", newline="") as handle:
+        serving = list(csv.DictReader(handle))  # `bench --serving`'s runs of the same workload (8 x 32 tokens)
+    (summary,) = vllm_engine.summarise(rows, serving)
     # What that run's summary said (vllm_cpu_throughput_summary.csv): its latest paged backend's 6 repeats.
     with open(Path(__file__).parents[1] / "benchmarks" / "results" / "vllm_cpu_throughput_summary.csv") as handle:
         (recorded,) = csv.DictReader(handle)
     assert summary["engine"] == "eager" and summary["attribution"] == "ok"
     assert summary["paged_backend"] == recorded["paged_backend"] and summary["repeats"] == int(recorded["repeats"])
-    for field in ("on_vs_off_tokens_per_s_paired", "on_vs_off_tokens_per_cpu_s_paired", "tokens_per_s_on"):
+    for field in ("on_vs_off_tokens_per_s_paired", "on_vs_off_tokens_per_cpu_s_paired", "tokens_per_s_on",
+                  "serve_on_tokens_per_s", "vllm_on_vs_serve_on_tokens_per_cpu_s"):
         assert summary[field] == pytest.approx(float(recorded[field]), rel=1e-9)
 
 

@@ -185,7 +185,6 @@ def summarise(rows: list[dict], serving: list[dict]) -> list[dict]:
             | {k: v for k, v in row.items() if v is not None} for row in rows]
     latest = rows[-1]["run"]
     rows = [row for row in rows if row["run"] == latest]
-    served = [row for row in serving if row["kind"] == "throughput" and row["attribution"] == "True"]
     summaries = []
     for engine, plugin in dict.fromkeys((row["engine"], row["plugin"]) for row in rows):
         group = [row for row in rows if (row["engine"], row["plugin"]) == (engine, plugin)]
@@ -202,6 +201,10 @@ def summarise(rows: list[dict], serving: list[dict]) -> list[dict]:
         summary["on_vs_off_tokens_per_s_paired"] = _paired(runs, "tokens_per_s")
         summary["on_vs_off_tokens_per_cpu_s_paired"] = _paired(runs, "tokens_per_cpu_s")
         summary["on_vs_off_rss"] = _paired(runs, "engine_rss_mib")
+        # `bench --serving`'s runs of the same workload only (its CSV names requests and tokens, not prompt lengths).
+        served = [row for row in serving if row["kind"] == "throughput" and row["attribution"] == "True"
+                  and row["requests"] == str(first["requests"])
+                  and row["generated"] == str(int(first["requests"]) * int(first["new_tokens"]))]
         if served and summary["tokens_per_s_on"] != "":
             serve_tok_s = statistics.median(float(row["tok_s"]) for row in served)
             serve_cpu_tok_s = statistics.median(float(row["cpu_tok_s"]) for row in served)

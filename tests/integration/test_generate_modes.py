@@ -615,3 +615,30 @@ def test_default_model_batch_sequences_end_where_generate_stopped_them(real, pad
         reference, _ = eager_macs(model, item.input_ids, item.generated_ids)
         assert item.step_log_c.shape == reference.shape == (len(item.generated_ids), len(item.input_ids))
         assert (item.step_log_c.double() - reference).abs().max() <= LOG_TOLERANCE
+
+
+def test_the_returned_sequences_rows_live_in_the_tracers_row_store(gqa_model):
+    """generate resolves its returned sequences (beam ancestry, stops) once it returns and writes their rows into
+    `tracer.store`, the RowStore every engine keeps finished rows in: `rows(i)` reads it, so a released sequence
+    is gone for both, and the next sequence starts a store of its own."""
+    with torch.no_grad(), attach(gqa_model, backend="torch", keep_pooled=True) as tracer:
+        out = gqa_model.generate(PROMPTS[:2], attention_mask=MASK[:2], max_new_tokens=4, num_beams=3,
+                                 num_return_sequences=2, pad_token_id=0, do_sample=False)
+        stored = [tracer.store.rows(i) for i in range(out.shape[0])]
+        for i, rows in enumerate(stored):
+            assert torch.equal(tracer.rows(i)[0], rows)
+            pooled = tracer.pooled_store.rows(i).view(len(rows), gqa_model.config.num_hidden_layers, -1)
+            assert torch.equal(tracer.pooled_rows(i), pooled)
+        tracer.store.release(0)
+        with pytest.raises(KeyError, match="sequence 0 was released"):
+            tracer.rows(0)
+        assert 1 in tracer.store
+        gqa_model.generate(PROMPTS[2:], attention_mask=MASK[2:], max_new_tokens=2, pad_token_id=0, do_sample=False)
+        assert tracer.store.count(0) == 2 and 1 not in tracer.store
+        with pytest.raises(IndexError, match="outside"):
+            tracer.rows(1)
+    assert out.shape[0] == 4
+    for i, sequence in enumerate(out):
+        prompt, generated = PROMPTS[i // 2][MASK[i // 2].bool()], sequence[PROMPTS.shape[1]:].tolist()
+        generated = generated[: generated.index(EOS) + 1] if EOS in generated else generated
+        assert_teacher_forced(gqa_model, prompt, torch.tensor(generated), stored[i])

@@ -19,9 +19,9 @@ def test_a_refused_engine_is_recorded_and_its_plain_runs_go_on(tiny_path, tmp_pa
     assert args.run(args) == 0
     with open(tmp_path / "refused.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
-    assert [(r["engine"], r["mode"], r["status"][:60]) for r in rows] == [
-        ("eager", "on", "refused: RuntimeError: this LLM has no macs_kernels worker exte"),
-        ("eager", "off", "ok")]
+    assert [(r["engine"], r["mode"]) for r in rows] == [("eager", "on"), ("eager", "off")]
+    assert rows[0]["status"].startswith("refused: RuntimeError: this LLM has no macs_kernels worker extension")
+    assert rows[1]["status"] == "ok"
     assert float(rows[1]["tokens_per_s"]) > 0 and float(rows[1]["tokens_per_cpu_s"]) > 0
     with open(tmp_path / "refused_summary.csv", newline="") as handle:
         (summary,) = csv.DictReader(handle)
