@@ -95,7 +95,7 @@ if __name__ == "__main__":  # setuptools runs this file as __main__; tests impor
         description="Token attribution from attention (MACS, AT2, efficient attention) inside FlashAttention-style "
                     "inference",
         packages=find_packages(include=["macs_kernels", "macs_kernels.*"]),
-        package_data={"macs_kernels": ["data/*"], "macs_kernels.serve": ["static/*"]},
+        package_data={"macs_kernels": ["data/*"], "macs_kernels.apps.serve": ["static/*"]},
         python_requires=">=3.10",
         install_requires=[
             "torch>=2.4",
@@ -120,7 +120,7 @@ if __name__ == "__main__":  # setuptools runs this file as __main__; tests impor
                      "selenium>=4.11"],
         },
         entry_points={
-            "console_scripts": ["macs-kernels=macs_kernels.cli:main"],
+            "console_scripts": ["macs-kernels=macs_kernels.apps.cli:main"],
             # vLLM loads these in its front end, engine core and every worker: the attribution backend is
             # registered before any engine picks its attention backend.
             "vllm.general_plugins": ["macs_kernels = macs_kernels.vllm.plugin:register"],

@@ -40,9 +40,9 @@ def _spearman(a, b) -> float:
 
 
 def evaluate_example(model, tokenizer, sample, example, thetas) -> dict:
-    from macs_kernels.at2.sources import aggregate, make_sources, source_index
-    from macs_kernels.at2.train import logit_prob_targets, pearson_loss
-    from macs_kernels.evaluation.alignment import align_qa
+    from macs_kernels.apps.at2.sources import aggregate, make_sources, source_index
+    from macs_kernels.apps.at2.train import logit_prob_targets, pearson_loss
+    from macs_kernels.apps.evaluation.alignment import align_qa
 
     alignment = align_qa(tokenizer, sample.question, sample.context)
     context_tokens = tuple(example["context_tokens"].tolist())
@@ -73,7 +73,7 @@ def evaluate_example(model, tokenizer, sample, example, thetas) -> dict:
 
 
 def summarise(rows, names) -> dict:
-    from macs_kernels.evaluation.metrics import mean_ci
+    from macs_kernels.apps.evaluation.metrics import mean_ci
 
     metrics = ["pearson_loss", "lds", *(f"top{k}_drop" for k in KS)]
     summary = {}
@@ -107,10 +107,10 @@ def main(argv=None) -> int:
 
     from tqdm.auto import tqdm
 
-    from macs_kernels.at2 import DEFAULT_COEFFICIENTS, load_coefficients
-    from macs_kernels.at2.train import collect, load_examples
-    from macs_kernels.evaluation.data import load_qa, parse_range
-    from macs_kernels.models import cache_dir, load_model
+    from macs_kernels.api.models import cache_dir, load_model
+    from macs_kernels.apps.at2 import DEFAULT_COEFFICIENTS, load_coefficients
+    from macs_kernels.apps.at2.train import collect, load_examples
+    from macs_kernels.apps.evaluation.data import load_qa, parse_range
 
     model, tokenizer = load_model()
     path = args.coefficients or DEFAULT_COEFFICIENTS

@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         ours_row, dense_row = rows[-2], rows[-1]
         if abs(ours_row["checksum"] - dense_row["checksum"]) > 1e-3 * abs(dense_row["checksum"]):
             raise SystemExit(f"N={n}: the two methods disagree ({ours_row['checksum']} vs {dense_row['checksum']})")
-    from macs_kernels.bench.common import pyplot, save_figure, write_csv
+    from macs_kernels.apps.bench.common import pyplot, save_figure, write_csv
 
     stem = args.out / ("at2_features_cpu_quick" if args.quick else "at2_features_cpu")
     write_csv(rows, stem.with_suffix(".csv"))

@@ -53,8 +53,8 @@ def _child(mode: str, requests: int, shortest: int, longest: int, new_tokens: in
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    from macs_kernels.continuous import attach_continuous
-    from macs_kernels.models import load_model
+    from macs_kernels.api.models import load_model
+    from macs_kernels.engines.continuous import attach_continuous
 
     if threads:
         torch.set_num_threads(threads)

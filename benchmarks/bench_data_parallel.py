@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from macs_kernels.bench.common import environment, pyplot, save_figure, write_csv
+from macs_kernels.apps.bench.common import environment, pyplot, save_figure, write_csv
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

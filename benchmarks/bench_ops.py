@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from macs_kernels import ops  # noqa: E402
-from macs_kernels.bench import device_stem, environment, write_csv  # noqa: E402
+from macs_kernels.apps.bench import device_stem, environment, write_csv  # noqa: E402
 from macs_kernels.ops.registry import (  # noqa: E402
     implementation,
     set_cuda_split_kv_kernel,

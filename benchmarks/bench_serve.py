@@ -53,7 +53,7 @@ def free_port() -> int:
 def start_server(port: int, args) -> subprocess.Popen:
     import httpx
 
-    command = [sys.executable, "-m", "macs_kernels.serve", "--port", str(port), "--cache-tokens",
+    command = [sys.executable, "-m", "macs_kernels.apps.serve", "--port", str(port), "--cache-tokens",
                str(args.cache_tokens)]
     if args.threads:
         command += ["--threads", str(args.threads)]
@@ -75,8 +75,8 @@ def start_server(port: int, args) -> subprocess.Popen:
 
 def references(max_tokens: int) -> list:
     from macs_kernels import explain
-    from macs_kernels.models import load_model
-    from macs_kernels.prompts import qa_messages
+    from macs_kernels.api.models import load_model
+    from macs_kernels.api.prompts import qa_messages
 
     model, tokenizer = load_model()
     return [explain(model, tokenizer, qa_messages(q, c), max_new_tokens=max_tokens) for q, c in QA]
@@ -98,7 +98,7 @@ def check(body: dict, reference, attribution: bool) -> bool:
 async def phase(url: str, model: str, args, refs, attribution: bool) -> tuple[list[dict], float]:
     import httpx
 
-    from macs_kernels.prompts import qa_messages
+    from macs_kernels.api.prompts import qa_messages
 
     queue: asyncio.Queue = asyncio.Queue()
     for i in range(args.requests):
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
 
-    from macs_kernels.models import DEFAULT_MODEL
+    from macs_kernels.api.models import DEFAULT_MODEL
 
     refs = references(args.max_tokens)
     port = free_port()

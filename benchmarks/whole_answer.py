@@ -56,10 +56,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from macs_kernels.core import DEFAULT_AGGREGATION  # noqa: E402
-from macs_kernels.core.scores import RUN_STEPS, StepStatistics, log_zscores, whole_answer_scores  # noqa: E402
-from macs_kernels.evaluation.record import macs_from_record  # noqa: E402
-from macs_kernels.evaluation.report import cell, indices_text, stats  # noqa: E402
+from macs_kernels.apps.evaluation.record import macs_from_record  # noqa: E402
+from macs_kernels.apps.evaluation.report import cell, indices_text, stats  # noqa: E402
+from macs_kernels.core.scores import (  # noqa: E402
+    DEFAULT_AGGREGATION,  # noqa: E402
+    RUN_STEPS,
+    StepStatistics,
+    log_zscores,
+    whole_answer_scores,
+)
 
 RESULTS = ROOT / "benchmarks" / "results"
 ROWS = RESULTS / "whole_answer_rows.npz"
@@ -71,18 +76,18 @@ CHOSEN_AGGREGATION = "max_minus_mean_sinkless_z"
 
 
 def extract(args) -> None:
-    from macs_kernels.evaluation.alignment import align_qa
-    from macs_kernels.evaluation.data import load_qa
-    from macs_kernels.evaluation.record_cache import load_record, load_rows, records_dir
-    from macs_kernels.evaluation.report import current_lines
-    from macs_kernels.evaluation.store import read_results
-    from macs_kernels.models import load_model
+    from macs_kernels.api.models import load_model
+    from macs_kernels.apps.evaluation.alignment import align_qa
+    from macs_kernels.apps.evaluation.data import load_qa
+    from macs_kernels.apps.evaluation.record_cache import load_record, load_rows, records_dir
+    from macs_kernels.apps.evaluation.report import current_lines
+    from macs_kernels.apps.evaluation.store import read_results
 
     # Every sample line, not only the latest run's: the expensive methods' run lists just their samples.
     lines = read_results(args.results)
     run = lines[("run", None, None)]
     samples = {s.index: s for s in load_qa(run["data"])}
-    from macs_kernels.generation import eos_ids
+    from macs_kernels.api.generation import eos_ids
 
     model, tokenizer = load_model()
     eos = eos_ids(model, tokenizer)
@@ -243,7 +248,7 @@ def macs_candidates(sample: dict) -> dict[str, np.ndarray]:
 
 def norm_candidates(sample: dict) -> dict[str, np.ndarray]:
     """The named whole-answer scores (core.AGGREGATIONS) of the norm-weighted rows' log c (fourth round)."""
-    from macs_kernels.core import AGGREGATIONS
+    from macs_kernels.core.scores import AGGREGATIONS
 
     log_c = torch.from_numpy(np.maximum(sample["norm_log_c"].astype(np.float64), -1e4))
     return {f"norm-weighted rows (attention='norm'), {name}": whole_answer_scores(log_c, name).double().numpy()
@@ -265,7 +270,7 @@ def baseline_candidates(rows: np.ndarray, context) -> dict[str, np.ndarray]:
 
 
 def _ap(score: np.ndarray, labels: np.ndarray) -> float:
-    from macs_kernels.evaluation.metrics import average_precision
+    from macs_kernels.apps.evaluation.metrics import average_precision
 
     return float(np.mean([average_precision(score, y) for y in labels]))
 
@@ -404,7 +409,7 @@ def _max_minus_mean(z: np.ndarray) -> np.ndarray:
 
 def layer_candidates(sample: dict, record: dict) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """({name: (N,) score}, (N, L) per-layer max-minus-mean features) of one sample, from its eval record."""
-    from macs_kernels.ops.torch_backend import log_floor
+    from macs_kernels.ops.torch.backend import log_floor
 
     rows = np.asarray(record["rows"], np.float64)  # (steps, L, H, N)
     mass = np.asarray(record["mass"], np.float64)  # (steps, L, H)
@@ -507,8 +512,8 @@ def _fit_layer_weights(features: list[np.ndarray], labels: list[np.ndarray]) -> 
 
 
 def layers(args) -> None:
-    from macs_kernels.evaluation.record_cache import load_record, records_dir
-    from macs_kernels.evaluation.store import read_results
+    from macs_kernels.apps.evaluation.record_cache import load_record, records_dir
+    from macs_kernels.apps.evaluation.store import read_results
 
     samples = load(args.rows)
     lines = read_results(args.results)
@@ -680,7 +685,7 @@ def logit(args) -> None:
     if missing:  # one teacher-forced forward per sample, kept in the rows file for the next run
         from tqdm import tqdm
 
-        from macs_kernels.models import load_model
+        from macs_kernels.api.models import load_model
 
         model, _ = load_model(attn_implementation="eager")
         with np.load(args.rows) as stored:
@@ -777,8 +782,8 @@ FAITHFULNESS_CANDIDATES = (CHOSEN, SHIPPED, CLIPPED)
 def sample_srg(model, tokenizer, sample: dict, max_new_tokens: int) -> dict[str, dict[str, float]]:
     """{candidate: {metric: SRG}} of one sample: its context tokens masked in the order of each of
     FAITHFULNESS_CANDIDATES (metrics named as in the eval's table, methods.FAITHFULNESS_METRICS)."""
-    from macs_kernels.evaluation.faithfulness import faithfulness_curves
-    from macs_kernels.evaluation.methods import FAITHFULNESS_METRICS
+    from macs_kernels.apps.evaluation.faithfulness import faithfulness_curves
+    from macs_kernels.apps.evaluation.methods import FAITHFULNESS_METRICS
 
     start, stop = sample["context"]
     prompt = torch.from_numpy(sample["prompt"])[None]
@@ -795,7 +800,7 @@ def sample_srg(model, tokenizer, sample: dict, max_new_tokens: int) -> dict[str,
 def faithfulness_table(samples: dict[int, dict], lines: dict[int, dict]) -> tuple[dict, list[str]]:
     """(summary, markdown lines): each candidate's SRG per metric and its whole-answer AUC-PR on the samples of
     `lines` ({index: sample_srg}), paired with the shipped default."""
-    from macs_kernels.evaluation.methods import FAITHFULNESS_METRICS
+    from macs_kernels.apps.evaluation.methods import FAITHFULNESS_METRICS
 
     indices = sorted(lines)
     aps = _candidate_aps({i: samples[i] for i in indices}, run_candidates)
@@ -831,7 +836,7 @@ def faithfulness(args) -> None:
         lines = {line["index"]: line["srg"] for line in map(json.loads, args.lines.read_text().splitlines())}
     todo = [i for i in wanted if i not in lines]
     if todo:
-        from macs_kernels.models import load_model
+        from macs_kernels.api.models import load_model
 
         model, tokenizer = load_model()
         with args.lines.open("a") as out:
@@ -849,7 +854,7 @@ def faithfulness(args) -> None:
 
 def plot_faithfulness(summary: dict, path: Path) -> None:
     """Each candidate's paired difference with the default (95% CI), one panel per SRG metric and AUC-PR."""
-    from macs_kernels.bench.common import pyplot, save_figure
+    from macs_kernels.apps.bench.common import pyplot, save_figure
 
     plt = pyplot()
     names = list(summary["candidates"])
@@ -871,7 +876,7 @@ def plot_faithfulness(summary: dict, path: Path) -> None:
 def plot_layers(summary: dict, attnlrp: dict, path: Path, second=("held_out", "--expensive samples")) -> None:
     """Each candidate's whole-answer AUC-PR on dev and on the `second` part (key in each candidate's row, label)
     of the samples (95% CI), AttnLRP's as a line."""
-    from macs_kernels.bench.common import pyplot, save_figure
+    from macs_kernels.apps.bench.common import pyplot, save_figure
 
     plt = pyplot()
     names = list(summary["candidates"])
@@ -956,9 +961,9 @@ def _answer_tokens(tokenizer, generated, gold_texts) -> tuple[int, int] | None:
 
 def best_step(args) -> None:
     """Share of samples whose best step (per-step AUC-PR) comes before the answer, under several readings."""
-    from macs_kernels.evaluation.data import load_qa
-    from macs_kernels.evaluation.store import read_results
-    from macs_kernels.models import load_tokenizer
+    from macs_kernels.api.models import load_tokenizer
+    from macs_kernels.apps.evaluation.data import load_qa
+    from macs_kernels.apps.evaluation.store import read_results
 
     lines = read_results(args.results)
     run = lines[("run", None, None)]

@@ -6,20 +6,24 @@ from __future__ import annotations
 
 import importlib
 
-from .config import MacsConfig
+from macs_kernels.core.config import MacsConfig
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "explain": "macs_kernels.explanation",
-    "stream": "macs_kernels.explanation",
-    "Explanation": "macs_kernels.explanation",
-    "attach": "macs_kernels.tracing",
-    "Tracer": "macs_kernels.tracing",
-    "qa_prompt": "macs_kernels.prompts",
-    "load_model": "macs_kernels.models",
-    "trace_tensors": "macs_kernels.interop",
-    "TraceTensors": "macs_kernels.interop",
+    "explain": "macs_kernels.api.explanation",
+    "stream": "macs_kernels.api.explanation",
+    "Explanation": "macs_kernels.api.explanation",
+    "attach": "macs_kernels.engines.generate",
+    "Tracer": "macs_kernels.engines.generate",
+    "qa_prompt": "macs_kernels.api.prompts",
+    "load_model": "macs_kernels.api.models",
+    "trace_tensors": "macs_kernels.apps.interop",
+    "TraceTensors": "macs_kernels.apps.interop",
+    "qa_messages": "macs_kernels.api.prompts",
+    "attach_continuous": "macs_kernels.engines.continuous",
+    "AT2Attributor": "macs_kernels.apps.at2",
+    "default_model_path": "macs_kernels.api.models",
 }
 
 __all__ = ["MacsConfig", "__version__", *_LAZY]

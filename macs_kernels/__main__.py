@@ -1,6 +1,6 @@
 """`python -m macs_kernels` is the `macs-kernels` command."""
 import sys
 
-from macs_kernels.cli import main
+from macs_kernels.apps.cli import main
 
 sys.exit(main())

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import macs_kernels
+from macs_kernels import qa_messages
 from macs_kernels.ops import macs_update, macs_zscore
-from macs_kernels.prompts import qa_messages
 
 FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 

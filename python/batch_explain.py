@@ -19,9 +19,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 import macs_kernels
-from macs_kernels.evaluation.alignment import align_qa
-from macs_kernels.parallel import append_line, data_parallel, end_with_newline
-from macs_kernels.prompts import qa_messages
+from macs_kernels import qa_messages
+from macs_kernels.apps.data_parallel import append_line, data_parallel, end_with_newline
+from macs_kernels.apps.evaluation.alignment import align_qa
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -9,8 +9,8 @@ import argparse
 from pathlib import Path
 
 import macs_kernels
-from macs_kernels.evaluation.alignment import align_qa
-from macs_kernels.prompts import qa_messages
+from macs_kernels import qa_messages
+from macs_kernels.apps.evaluation.alignment import align_qa
 
 QUESTION = "In which city was the author of the Principia born?"
 CONTEXT = (

@@ -33,7 +33,7 @@ def main() -> int:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = os.environ | {"PYTHONPATH": str(ROOT)}
-    server = subprocess.Popen([sys.executable, "-m", "macs_kernels.serve", "--port", str(port)], env=env,
+    server = subprocess.Popen([sys.executable, "-m", "macs_kernels.apps.serve", "--port", str(port)], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     options = webdriver.ChromeOptions()

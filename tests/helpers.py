@@ -6,8 +6,8 @@ import functools
 
 import torch
 
-from macs_kernels import reference
-from macs_kernels.prompts import qa_messages
+from macs_kernels.api.prompts import qa_messages
+from macs_kernels.ops import reference
 
 QUESTIONS = [
     ("Who wrote Hamlet?", "Hamlet is a tragedy written by William Shakespeare around 1600. It is set in Denmark."),
@@ -18,7 +18,7 @@ QUESTIONS = [
 
 @functools.cache
 def default_model():
-    from macs_kernels.models import load_model
+    from macs_kernels.api.models import load_model
 
     return load_model()
 
@@ -45,7 +45,7 @@ def tiny_chat_model(folder):
     to `folder`: the server loads it in a second and answers in milliseconds, so the default run stays fast."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from macs_kernels.models import load_tokenizer
+    from macs_kernels.api.models import load_tokenizer
 
     tokenizer = load_tokenizer()
     torch.manual_seed(0)

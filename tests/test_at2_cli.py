@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from macs_kernels.at2 import save_coefficients
-from macs_kernels.cli import main
+from macs_kernels.apps.at2 import save_coefficients
+from macs_kernels.apps.cli import main
 from tests.helpers import QUESTIONS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -35,9 +35,9 @@ def test_explain_at2_writes_sources_and_scores(tmp_path):
 
 
 def test_sources_partition_the_context_at_every_granularity():
-    from macs_kernels.at2.sources import make_sources, sentence_spans, source_index
-    from macs_kernels.evaluation.alignment import align_qa
-    from macs_kernels.models import load_tokenizer
+    from macs_kernels.api.models import load_tokenizer
+    from macs_kernels.apps.at2.sources import make_sources, sentence_spans, source_index
+    from macs_kernels.apps.evaluation.alignment import align_qa
 
     context = 'Dr. Smith arrived. "Is it late?" she asked!\n\nThe train left at 5.30 pm.  It was full.'
     assert [context[a:b] for a, b in sentence_spans(context)] == [
@@ -57,7 +57,7 @@ def test_sources_partition_the_context_at_every_granularity():
 def test_attributor_generation_and_given_response_agree():
     """explain() on a generation (queries captured while generating) and on the same response given
     (one forward) give the same source scores, also for a sub-range of target tokens."""
-    from macs_kernels.at2 import AT2Attributor
+    from macs_kernels.apps.at2 import AT2Attributor
     from tests.helpers import default_model
 
     model, tokenizer = default_model()

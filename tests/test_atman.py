@@ -4,7 +4,7 @@ nothing left registered afterwards."""
 import pytest
 import torch
 
-from macs_kernels import atman
+from macs_kernels.apps.evaluation.baselines import atman
 from tests.helpers import tiny_llama
 
 REFERENCE = "test_atman_reference"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from macs_kernels import attnlrp
+from macs_kernels.apps.evaluation.baselines import attnlrp
 from tests.helpers import default_model, qa, tiny_llama
 
 LXT_PYTHON = os.environ.get("MACS_KERNELS_LXT_PYTHON", "/opt/lxt-venv/bin/python")
@@ -232,8 +232,8 @@ def test_equals_lxt_on_a_tiny_model(variant, tmp_path):
 
 @pytest.mark.slow
 def test_equals_lxt_on_the_default_model(tmp_path):
-    from macs_kernels.explanation import encode_prompts
-    from macs_kernels.models import default_model_path
+    from macs_kernels.api.explanation import encode_prompts
+    from macs_kernels.api.models import default_model_path
 
     model, tokenizer = default_model()
     ids, _, _ = encode_prompts(tokenizer, qa(0))

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from macs_kernels.bench import generate as bench
-from macs_kernels.bench.common import PACKAGE_DIR, source_commit
-from macs_kernels.cli import build_parser
+from macs_kernels.apps.bench import generate as bench
+from macs_kernels.apps.bench.common import PACKAGE_DIR, source_commit
+from macs_kernels.apps.cli import build_parser
 
 
 def read(path):
@@ -219,7 +219,7 @@ def test_the_commit_is_this_checkouts_when_run_from_it():
 
 def test_no_commit_is_taken_from_a_repository_that_merely_encloses_the_package(tmp_path, monkeypatch):
     """A virtual environment inside someone's project: git there answers with the project's commit."""
-    from macs_kernels.bench import common
+    from macs_kernels.apps.bench import common
 
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=x", "-c", "user.email=x@y", "commit", "-q",
@@ -323,12 +323,12 @@ def test_an_unknown_method_is_refused_before_any_model_loads(monkeypatch):
 
 def test_a_cell_that_fails_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
     """A GPU session has minutes: one method refused or crashing in one mode must not cost the rest of the grid."""
-    import macs_kernels.tracing
+    import macs_kernels.engines.generate
 
     def refuse(*args, **kwargs):
         raise NotImplementedError("refused in this mode\nsecond line")
 
-    monkeypatch.setattr(macs_kernels.tracing, "attach", refuse)
+    monkeypatch.setattr(macs_kernels.engines.generate, "attach", refuse)
     argv = ["--config", "tiny", "--lengths", "16", "--batches", "1", "--methods", "plain-sdpa", "macs-torch",
             "--modes", "greedy", "--new-tokens", "3", "--repeats", "1", "--in-process", "--out", str(tmp_path),
             "--name", "failing"]
@@ -343,7 +343,7 @@ def test_a_cell_that_fails_is_recorded_and_the_others_still_run(tmp_path, monkey
 def test_vllm_summary_puts_engine_modes_side_by_side_and_keeps_a_refusal(tmp_path):
     """One row per engine mode of the latest run: paired on/off ratios where attribution ran, the refusal where the
     engine refused it (its plain runs still summarised), plain throughput over the eager engine's."""
-    from macs_kernels.bench import vllm_engine
+    from macs_kernels.apps.bench import vllm_engine
 
     def row(run, engine, mode, repeat, tok_s, status="ok"):
         return {"run": run, "engine": engine, "status": status, "plugin": "macs_kernels", "paged_backend": "numba",
@@ -368,7 +368,7 @@ def test_vllm_summary_puts_engine_modes_side_by_side_and_keeps_a_refusal(tmp_pat
 
 
 def test_vllm_summary_reads_a_csv_written_before_engine_modes():
-    from macs_kernels.bench import vllm_engine
+    from macs_kernels.apps.bench import vllm_engine
 
     with open(Path(__file__).parents[1] / "benchmarks" / "results" / "vllm_cpu_throughput.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))

@@ -6,14 +6,14 @@ import sys
 
 import pytest
 
-from macs_kernels.cli import SUBCOMMAND_MODULES, build_parser, main
+from macs_kernels.apps.cli import SUBCOMMAND_MODULES, build_parser, main
 from tests.helpers import QUESTIONS
 
 HEAVY = ("torch", "transformers", "numpy", "triton")
 
 
-@pytest.mark.parametrize("argv", [["-m", "macs_kernels", "--help"], ["-m", "macs_kernels.cli", "eval", "--help"],
-                                  ["-m", "macs_kernels.cli", "at2", "train", "--help"]])
+@pytest.mark.parametrize("argv", [["-m", "macs_kernels", "--help"], ["-m", "macs_kernels.apps.cli", "eval", "--help"],
+                                  ["-m", "macs_kernels.apps.cli", "at2", "train", "--help"]])
 def test_help_imports_neither_torch_nor_transformers(argv):
     probe = ("import runpy, sys\n"
              "sys.argv = ['macs-kernels', *sys.argv[1:]]\n"
@@ -32,10 +32,14 @@ def test_every_subcommand_module_registers_and_nothing_imports_back():
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices
     assert {"explain", "eval", "bench", "at2"} <= set(commands) and len(SUBCOMMAND_MODULES) == len(commands)
-    for module in ("macs_kernels.at2", "macs_kernels.evaluation", "macs_kernels.bench"):
+    for module in ("macs_kernels.apps.at2", "macs_kernels.apps.evaluation", "macs_kernels.apps.bench"):
         # The library never imports its command line (the old at2/cli.py <-> cli.py cycle).
-        done = subprocess.run([sys.executable, "-c", f"import sys, {module}; print('macs_kernels.cli' in sys.modules)"],
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-c", f"import sys, {module}; print('macs_kernels.apps.cli' in sys.modules)"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.stdout.strip() == "False", done.stderr
 
 
@@ -62,7 +66,7 @@ def test_step_and_output_files_are_checked_before_generation(tmp_path, monkeypat
     def no_loading(args):
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr("macs_kernels.cli.explain.load_from_args", no_loading)
+    monkeypatch.setattr("macs_kernels.apps.cli.explain.load_from_args", no_loading)
     refusals = [
         (("--step", "3"), "--step 3 is out of range: at most 3 tokens"),
         (("--step", "-4"), "--step -4 is out of range"),
@@ -81,8 +85,8 @@ def test_an_empty_prompt_question_or_context_is_refused_before_loading(monkeypat
     def no_loading(args):
         raise AssertionError("the model was loaded before the prompt was checked")
 
-    monkeypatch.setattr("macs_kernels.cli.explain.load_from_args", no_loading)
-    monkeypatch.setattr("macs_kernels.cli.at2.load_from_args", no_loading)
+    monkeypatch.setattr("macs_kernels.apps.cli.explain.load_from_args", no_loading)
+    monkeypatch.setattr("macs_kernels.apps.cli.at2.load_from_args", no_loading)
     question, context = QUESTIONS[0]
     refusals = [
         (["--prompt", "   "], "--prompt is empty"),
@@ -122,7 +126,7 @@ def test_a_subcommand_module_is_added_by_one_line(monkeypatch):
     """What the serve package does: a module with add_parser(subparsers), named once in SUBCOMMAND_MODULES."""
     import types
 
-    import macs_kernels.cli as cli
+    import macs_kernels.apps.cli as cli
 
     module = types.ModuleType("fake_subcommand")
 
@@ -156,7 +160,7 @@ def test_serve_arguments_are_checked_before_the_model_loads(monkeypatch, tmp_pat
     def no_loading(args):
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr("macs_kernels.cli.common.load_from_args", no_loading)
+    monkeypatch.setattr("macs_kernels.apps.cli.common.load_from_args", no_loading)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -182,7 +186,7 @@ def test_a_device_or_backend_this_machine_lacks_is_refused_before_loading(monkey
     def no_loading(args):
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr("macs_kernels.cli.explain.load_from_args", no_loading)
+    monkeypatch.setattr("macs_kernels.apps.cli.explain.load_from_args", no_loading)
     with pytest.raises(SystemExit, match=r"--device cuda: this torch cannot use it \(.+\)"):
         main(_explain("--device", "cuda"))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the tests run Triton in its interpreter

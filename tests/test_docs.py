@@ -214,7 +214,7 @@ def test_command_block(block, tmp_path):
 
 @pytest.mark.parametrize("block", _of_kind(PARSE))
 def test_parsed_command_block(block, capsys):
-    from macs_kernels.cli import build_parser
+    from macs_kernels.apps.cli import build_parser
 
     for command in commands(block.text):
         try:

@@ -30,7 +30,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
 
 @pytest.fixture(scope="module")
 def model_and_ids():
-    models = pytest.importorskip("macs_kernels.models")
+    models = pytest.importorskip("macs_kernels.api.models")
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 

@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from macs_kernels import explain
-from macs_kernels.hf_models import cache_argument
+from macs_kernels.engines.hf_models import cache_argument
 from tests.helpers import tiny_chat_model
 
 

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from macs_kernels import explain, reference
-from macs_kernels.core import RunningWholeAnswer
-from macs_kernels.evaluation.alignment import align_qa
-from macs_kernels.explanation import AGGREGATIONS, DEFAULT_AGGREGATION, Explanation, log_zscores
+from macs_kernels import explain
+from macs_kernels.api.explanation import AGGREGATIONS, DEFAULT_AGGREGATION, Explanation, log_zscores
+from macs_kernels.apps.evaluation.alignment import align_qa
+from macs_kernels.core.scores import RunningWholeAnswer
+from macs_kernels.ops import reference
 from tests.helpers import QUESTIONS, default_model, tiny_llama
 
 TOLERANCE = 1e-5

@@ -4,8 +4,8 @@ import types
 import pytest
 import torch
 
-from macs_kernels.explanation import build_explanation
-from macs_kernels.generation import eos_ids, pad_id
+from macs_kernels.api.explanation import build_explanation
+from macs_kernels.api.generation import eos_ids, pad_id
 
 
 def _model(pad=None, eos=None):

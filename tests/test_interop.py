@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from macs_kernels import explain, reference, trace_tensors
+from macs_kernels import explain, trace_tensors
+from macs_kernels.ops import reference
 from tests.helpers import default_model, eager_attentions, eager_macs, qa, tiny_llama
 
 ALPHA = 0.8
@@ -79,7 +80,7 @@ def test_bad_input_is_rejected():
 
 def test_inseq_method_gives_explains_scores(model_and_tokenizer):
     inseq = pytest.importorskip("inseq", reason="inseq is not installed (see docs/api.md: For other attribution tools)")
-    import macs_kernels.integrations.inseq  # noqa: F401 - registers the method
+    import macs_kernels.apps.integrations.inseq  # noqa: F401 - registers the method
 
     model, tokenizer = model_and_tokenizer
     assert "macs" in inseq.list_feature_attribution_methods()

@@ -1,4 +1,4 @@
-"""Named models (macs_kernels.models.NAMED_MODELS): their GGUF is assembled from chunk packages, checked against the
+"""Named models (macs_kernels.api.models.NAMED_MODELS): their GGUF is assembled from chunk packages, checked against the
 package's SHA256SUMS, before any conversion."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from macs_kernels import models
+from macs_kernels.api import models
 
 
 def test_unknown_and_missing_named_models_are_named(monkeypatch, tmp_path):

@@ -3,11 +3,12 @@ every engine's row reader returns (core.scores.SCORES)."""
 import pytest
 import torch
 
-from macs_kernels.config import MacsConfig
-from macs_kernels.continuous import ContinuousTracer
-from macs_kernels.core import SCORES, RowStore, step_scores
+from macs_kernels.core.config import MacsConfig
 from macs_kernels.core.requests import Requests
-from macs_kernels.tracing import attach
+from macs_kernels.core.rows import RowStore
+from macs_kernels.core.scores import SCORES, step_scores
+from macs_kernels.engines.continuous import ContinuousTracer
+from macs_kernels.engines.generate import attach
 from tests.helpers import tiny_llama
 
 

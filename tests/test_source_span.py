@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from macs_kernels import explain
-from macs_kernels.alignment import user_span
+from macs_kernels.api.alignment import user_span
 from tests.helpers import tiny_chat_model
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from rich.console import Console
 
-from macs_kernels.explanation import DEFAULT_AGGREGATION, Explanation
-from macs_kernels.viz import _unit, print_explanation
+from macs_kernels.api.explanation import DEFAULT_AGGREGATION, Explanation
+from macs_kernels.api.viz import _unit, print_explanation
 
 
 def _explanation():
@@ -134,7 +134,7 @@ def test_files_hold_each_number_once_at_its_precision(tmp_path):
     z-scores to 4 decimals, heat to 3, nothing derived twice; a few bytes per (step, token)."""
     import argparse
 
-    from macs_kernels.cli.common import write_outputs
+    from macs_kernels.apps.cli.common import write_outputs
 
     explanation = _long_explanation()
     args = argparse.Namespace(json=tmp_path / "e.json", html=tmp_path / "e.html")
@@ -160,9 +160,9 @@ def test_the_page_lists_the_top_tokens_of_each_view():
 
 def test_at2_speaks_as_macs_does():
     """AT2's terminal output and page use MACS's words and look: an answer, labelled scores, one style."""
-    from macs_kernels.at2.attributor import AT2_SCORE, AT2Explanation
-    from macs_kernels.at2.sources import Source
-    from macs_kernels.viz import PAGE_STYLE, print_sources
+    from macs_kernels.api.viz import PAGE_STYLE, print_sources
+    from macs_kernels.apps.at2.attributor import AT2_SCORE, AT2Explanation
+    from macs_kernels.apps.at2.sources import Source
 
     context = "Paris is in France. It is big."
     result = AT2Explanation(

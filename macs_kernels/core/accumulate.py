@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed import HeadShards, reduce_pooled
-from ..ops.torch_backend import log_floor
+from macs_kernels.core.shards import HeadShards, reduce_pooled
+from macs_kernels.ops.torch.backend import log_floor
 
 
 class PassRows:

@@ -18,13 +18,13 @@ from typing import Protocol
 
 import torch
 
-from ..distributed import HeadShards
-from ..ops import torch_beams
-from ..ops.registry import Kernels
-from ..ops.torch_backend import _POOL
-from ..ops.torch_packed import Pages, Segments
-from ..ops.variant import PLAIN, Variant
-from .accumulate import PassRows
+from macs_kernels.core.accumulate import PassRows
+from macs_kernels.core.shards import HeadShards
+from macs_kernels.ops.registry import Kernels
+from macs_kernels.ops.torch import beams as torch_beams
+from macs_kernels.ops.torch.backend import _POOL
+from macs_kernels.ops.torch.packed import Pages, Segments
+from macs_kernels.ops.variant import PLAIN, Variant
 
 
 class RowPlan(Protocol):

@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from .rows import RowStore
+from macs_kernels.core.rows import RowStore
 
 
 class Requests:

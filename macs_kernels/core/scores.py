@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..ops import torch_backend
+from macs_kernels.ops.torch import backend as torch_backend
 
 # A copied span shows in the rows as RUN_STEPS consecutive steps attending to as many consecutive prompt tokens,
 # one token further at each step (a head reading the span it repeats): the tokens of such a run are the ones the

@@ -4,7 +4,7 @@ work by `check`, with one message naming the options.
 """
 from __future__ import annotations
 
-from ..ops import variant
+from macs_kernels.ops import variant
 
 ENGINES = ("generate", "continuous", "server", "vllm")
 METHODS = {  # method -> the option that selects it

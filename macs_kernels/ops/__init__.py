@@ -17,15 +17,16 @@ there, give the outputs whose width depends on index values (`out` of macs_pool 
 attention_features' `n_max`).
 The exception: efficient_attention on a GPU reads its Cholesky fallback's test and eigh's error code on the host.
 """
-from .attention_features import attention_features
-from .decode_attention import decode_attention
-from .efficient_attention import efficient_attention
-from .macs_pool import macs_pool
-from .macs_pool_paged import macs_pool_paged
-from .macs_update import macs_update
-from .macs_update_rows import macs_update_rows
-from .macs_zscore import macs_zscore
-from .registry import (
+from macs_kernels.ops._checks import BACKENDS, POOLINGS
+from macs_kernels.ops.attention_features import attention_features
+from macs_kernels.ops.decode_attention import decode_attention
+from macs_kernels.ops.efficient_attention import efficient_attention
+from macs_kernels.ops.macs_pool import macs_pool
+from macs_kernels.ops.macs_pool_paged import macs_pool_paged
+from macs_kernels.ops.macs_update import macs_update
+from macs_kernels.ops.macs_update_rows import macs_update_rows
+from macs_kernels.ops.macs_zscore import macs_zscore
+from macs_kernels.ops.registry import (
     BackendUnavailable,
     implementation,
     resolve_backend,
@@ -33,9 +34,11 @@ from .registry import (
     verified_backend,
     why_unavailable,
 )
-from .variant import Variant
+from macs_kernels.ops.variant import Variant
 
 __all__ = [
+    "BACKENDS",
+    "POOLINGS",
     "BackendUnavailable",
     "Variant",
     "attention_features",

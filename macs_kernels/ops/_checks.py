@@ -20,6 +20,26 @@ from collections.abc import Sequence
 
 import torch
 
+POOLINGS = ("max", "mean", "min")
+BACKENDS = ("torch", "triton", "cuda", "numba")
+
+
+def check_options(*, alpha: float = 1.0, pooling: str = "max", redistribute: bool = True,
+                  backend: str | None = None) -> None:
+    """The options the ops share with MacsConfig (which calls this for its own): the floor weight alpha, the
+    pooling over heads, whether generated tokens' mass is spread, and the backend (None: the best available)."""
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise TypeError(f"alpha must be a number in (0, 1], got {alpha!r}")
+    if not 0.0 < float(alpha) <= 1.0:
+        raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+    if pooling not in POOLINGS:
+        raise ValueError(f"unknown pooling {pooling!r}; choose one of {POOLINGS}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS} or None")
+    if not isinstance(redistribute, bool):
+        raise TypeError(f"redistribute must be True or False, got {redistribute!r}")
+
+
 # An index argument as the public ops accept it: a tensor (int32 or int64), a sequence of ints, or one int
 # repeated over the batch.
 IndexLike = torch.Tensor | Sequence[int] | int

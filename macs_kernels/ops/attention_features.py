@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from . import torch_features
-from ._checks import IndexLike, as_index, as_scale, check_lse, check_q_k, invalid_entry, values_readable
-from .registry import NAMESPACE, kernel
-from .variant import Variant
+from macs_kernels.ops._checks import IndexLike, as_index, as_scale, check_lse, check_q_k, invalid_entry, values_readable
+from macs_kernels.ops.registry import NAMESPACE, kernel
+from macs_kernels.ops.torch import features as torch_features
+from macs_kernels.ops.variant import Variant
 
 operator = torch.library.custom_op(
     f"{NAMESPACE}::attention_features", torch_features.attention_features, mutates_args=()

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config import MacsConfig
-from . import torch_backend
-from ._checks import IndexLike, as_index, as_scale, check_log_c, check_q_k, check_ranges
-from .registry import NAMESPACE, kernel, variant_kernel
-from .variant import Variant
+from macs_kernels.ops._checks import IndexLike, as_index, as_scale, check_log_c, check_options, check_q_k, check_ranges
+from macs_kernels.ops.registry import NAMESPACE, kernel, variant_kernel
+from macs_kernels.ops.torch import backend as torch_backend
+from macs_kernels.ops.variant import Variant
 
 operator = torch.library.custom_op(
     f"{NAMESPACE}::decode_attention", torch_backend.decode_attention, mutates_args=("log_c", "pooled")
@@ -37,7 +36,7 @@ def decode_attention(
     variant: the layer's attention variant (`ops.Variant`, torch, triton and cuda backends; not with log_c):
     positions are then tokens, the output and lse are the variant's (sink mass attends no value).
     """
-    MacsConfig(alpha=alpha, pooling=pooling, redistribute=redistribute, backend=backend)
+    check_options(alpha=alpha, pooling=pooling, redistribute=redistribute, backend=backend)
     check_q_k(q, k_cache, v_cache)
     batch = q.shape[0]
     kv_len = as_index("kv_len", kv_len, batch, q.device)

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from . import torch_efficient
-from ._checks import IndexLike, as_index, check_ranges, check_tensor, invalid_entry
-from .registry import NAMESPACE, kernel
-from .torch_efficient import DEFAULT_RCOND
+from macs_kernels.ops._checks import IndexLike, as_index, check_ranges, check_tensor, invalid_entry
+from macs_kernels.ops.registry import NAMESPACE, kernel
+from macs_kernels.ops.torch import efficient as torch_efficient
+from macs_kernels.ops.torch.efficient import DEFAULT_RCOND
 
 operator = torch.library.custom_op(
     f"{NAMESPACE}::efficient_attention", torch_efficient.efficient_attention, mutates_args=()

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import torch
 
-from ..config import MacsConfig
-from . import torch_backend
-from ._checks import IndexLike, as_row_index, as_scale, check_lse, check_q_k, check_ranges, values_readable
-from .registry import NAMESPACE, kernel, variant_kernel
-from .variant import Variant
+from macs_kernels.ops._checks import (
+    IndexLike,
+    as_row_index,
+    as_scale,
+    check_lse,
+    check_options,
+    check_q_k,
+    check_ranges,
+    values_readable,
+)
+from macs_kernels.ops.registry import NAMESPACE, kernel, variant_kernel
+from macs_kernels.ops.torch import backend as torch_backend
+from macs_kernels.ops.variant import Variant
 
 # Writes `out` and returns nothing: the trivial fake kernel torch.library generates is the right one.
 operator = torch.library.custom_op(f"{NAMESPACE}::macs_pool", torch_backend.macs_pool, mutates_args=("out",))
@@ -38,7 +46,7 @@ def macs_pool(
     Returns float32 (B, N_max) or (B, R, N_max): m'[b, r, i] = pool over heads of (p[h, input_start + i] +
     the row's mass on generated keys / N) for i < N of that row, 0 after. N_max defaults to the largest N.
     """
-    MacsConfig(pooling=pooling, redistribute=redistribute, backend=backend)
+    check_options(pooling=pooling, redistribute=redistribute, backend=backend)
     check_q_k(q, k_cache, q_dims=q.dim() if isinstance(q, torch.Tensor) and q.dim() in (3, 4) else 3)
     keys = k_cache.shape[2]
     if variant is not None and not variant.plain:

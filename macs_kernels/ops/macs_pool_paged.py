@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from ..config import MacsConfig
-from . import torch_backend
-from ._checks import IndexLike, as_scale, check_paged, check_pages_in_use
-from .macs_pool import row_arguments
-from .registry import NAMESPACE, kernel, variant_kernel
-from .variant import Variant
+from macs_kernels.ops._checks import IndexLike, as_scale, check_options, check_paged, check_pages_in_use
+from macs_kernels.ops.macs_pool import row_arguments
+from macs_kernels.ops.registry import NAMESPACE, kernel, variant_kernel
+from macs_kernels.ops.torch import backend as torch_backend
+from macs_kernels.ops.variant import Variant
 
 # Writes `out` and returns nothing: the trivial fake kernel torch.library generates is the right one.
 operator = torch.library.custom_op(
@@ -41,7 +40,7 @@ def macs_pool_paged(
     Returns float32 (B, N_max) or (B, R, N_max), equal to ops.macs_pool on the item's keys laid out
     contiguously.
     """
-    MacsConfig(pooling=pooling, redistribute=redistribute, backend=backend)
+    check_options(pooling=pooling, redistribute=redistribute, backend=backend)
     check_paged(q, k_pages, block_table)
     variant = Variant(window=window, softcap=softcap, sinks=sinks)
     if sinks is not None and lse is not None:

@@ -3,10 +3,18 @@ from __future__ import annotations
 
 import torch
 
-from ..config import MacsConfig
-from . import torch_backend
-from ._checks import IndexLike, as_index, as_scale, check_log_c, check_lse, check_q_k, check_ranges
-from .registry import NAMESPACE, kernel
+from macs_kernels.ops._checks import (
+    IndexLike,
+    as_index,
+    as_scale,
+    check_log_c,
+    check_lse,
+    check_options,
+    check_q_k,
+    check_ranges,
+)
+from macs_kernels.ops.registry import NAMESPACE, kernel
+from macs_kernels.ops.torch import backend as torch_backend
 
 # Schema from torch_backend.macs_update's type hints; the torch path is the kernel on every device unless
 # the compiled extension registers its CUDA kernel. Mutating and returning nothing, the op's fake kernel is
@@ -30,7 +38,7 @@ def macs_update(
     lse: optional (B, H) natural-log log-sum-exp of q.k * scale over the attended keys (as FlashAttention
         returns it); given, the op makes one pass over K.
     """
-    MacsConfig(alpha=alpha, pooling=pooling, redistribute=redistribute, backend=backend)
+    check_options(alpha=alpha, pooling=pooling, redistribute=redistribute, backend=backend)
     check_q_k(q, k_cache)
     batch, heads, _ = q.shape
     check_log_c(log_c, batch, q.device)

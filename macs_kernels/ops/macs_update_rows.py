@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from ..config import MacsConfig
-from . import torch_backend
-from ._checks import IndexLike, as_index, check_log_c, check_ranges, check_tensor
-from .registry import NAMESPACE, kernel
+from macs_kernels.ops._checks import IndexLike, as_index, check_log_c, check_options, check_ranges, check_tensor
+from macs_kernels.ops.registry import NAMESPACE, kernel
+from macs_kernels.ops.torch import backend as torch_backend
 
 # Mutating and returning nothing: the trivial fake kernel torch.library generates is the right one.
 operator = torch.library.custom_op(
@@ -24,7 +23,7 @@ def macs_update_rows(
         (efficient attention): a negative pooled value is clamped to 0 before the floor.
     log_c: (B, N_max) float32, updated in place as in macs_update.
     """
-    MacsConfig(alpha=alpha, pooling=pooling, redistribute=redistribute, backend=backend)
+    check_options(alpha=alpha, pooling=pooling, redistribute=redistribute, backend=backend)
     check_tensor("rows", rows, 3)
     batch = rows.shape[0]
     check_log_c(log_c, batch, rows.device)

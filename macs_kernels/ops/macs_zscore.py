@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from . import torch_backend
-from ._checks import IndexLike, as_index, check_log_c, check_tensor, invalid_entry
-from .registry import NAMESPACE, kernel
+from macs_kernels.ops._checks import IndexLike, as_index, check_log_c, check_tensor, invalid_entry
+from macs_kernels.ops.registry import NAMESPACE, kernel
+from macs_kernels.ops.torch import backend as torch_backend
 
 operator = torch.library.custom_op(f"{NAMESPACE}::macs_zscore", torch_backend.macs_zscore, mutates_args=())
 

@@ -1,7 +1,7 @@
 """Which kernels run here: the one answer for (backend, device, variants, op), for the public ops and the engines.
 
 The table (backend x op -> the function that computes it):
-- "torch": the functions of torch_backend.py (and torch_features.py, torch_efficient.py), called directly;
+- "torch": the functions of ops/torch/backend.py (and ops/torch/features.py, ops/torch/efficient.py), called directly;
   they are also each operator's default kernel.
 - "triton": the launchers of ops/triton/, called directly (a `register_kernel` per device type could not
   coexist with the extension's CUDA kernels).
@@ -32,8 +32,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..config import BACKENDS
-from . import variant, verify
+from macs_kernels.ops import variant, verify
+from macs_kernels.ops._checks import BACKENDS
 
 NAMESPACE = "macs_kernels"
 OPS = (
@@ -46,7 +46,7 @@ TRACER_OPS = ("macs_pool", "macs_update_rows", "macs_zscore", "decode_attention"
 # The ops whose kernels take an attention variant (ops.Variant), and the backends that have them.
 VARIANT_OPS = ("macs_pool", "macs_pool_paged", "decode_attention")
 VARIANT_BACKENDS = ("torch", "triton", "cuda")
-_TORCH_MODULES = {"attention_features": "torch_features", "efficient_attention": "torch_efficient"}
+_TORCH_MODULES = {"attention_features": "features", "efficient_attention": "efficient"}
 
 
 class BackendUnavailable(RuntimeError):
@@ -125,7 +125,7 @@ def implementation(backend: str, op: str) -> Callable:
     """The function that computes `op` on `backend` (arguments already validated)."""
     _check_op(op)
     if backend == "torch":
-        return getattr(_module(f"macs_kernels.ops.{_TORCH_MODULES.get(op, 'torch_backend')}"), op)
+        return getattr(_module(f"macs_kernels.ops.torch.{_TORCH_MODULES.get(op, 'backend')}"), op)
     if backend == "triton":
         return getattr(_module("macs_kernels.ops.triton"), op)
     if backend == "cuda":
@@ -150,7 +150,7 @@ def variant_implementation(backend: str, op: str) -> Callable | None:
         return None
     if backend == "triton" and op == "decode_attention":
         return _module("macs_kernels.ops.triton").decode_attention_variant
-    torch_backend = _module("macs_kernels.ops.torch_backend")
+    torch_backend = _module("macs_kernels.ops.torch.backend")
     return functools.partial(getattr(torch_backend, f"{op}_variant"), kernel=implementation(backend, op))
 
 
@@ -339,7 +339,7 @@ class Kernels:
     @staticmethod
     def of(backend: str, paged: str | None = None) -> Kernels:
         """`backend`'s kernels, the paged op's from `paged` (default: `backend`)."""
-        module = {"torch": "macs_kernels.ops.torch_backend", "triton": "macs_kernels.ops.triton"}.get(backend)
+        module = {"torch": "macs_kernels.ops.torch.backend", "triton": "macs_kernels.ops.triton"}.get(backend)
         special = None if module is None else importlib.import_module(module)
         paged = paged or backend
         return Kernels(

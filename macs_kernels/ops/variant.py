@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from ._checks import invalid_entry
-from .torch_row import window_start
+from macs_kernels.ops._checks import invalid_entry
+from macs_kernels.ops.torch.row import window_start
 
 # The variants as the support table's layouts (core.support.LAYOUTS), each described for a refusal.
 LAYOUTS = {

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config import MacsConfig
-from .engine_config import WORKER_EXTENSION, has_worker_extension, model_dtype
-from .tracer import OPTION, OPTIONS, parse_options
-from .worker import decode_rows
+from macs_kernels.core.config import MacsConfig
+from macs_kernels.engines.vllm.engine_config import WORKER_EXTENSION, has_worker_extension, model_dtype
+from macs_kernels.engines.vllm.tracer import OPTION, OPTIONS, parse_options
+from macs_kernels.engines.vllm.worker import decode_rows
 
 __all__ = ["OPTION", "OPTIONS", "WORKER_EXTENSION", "attach", "attribution", "explain", "release", "request_key",
            "rows"]
@@ -83,7 +83,7 @@ def explain(llm, prompts, sampling_params=None, **config) -> list:
     from vllm import SamplingParams
     from vllm.renderers.inputs.preprocess import prompt_to_seq
 
-    from ..explanation import build_explanation
+    from macs_kernels.api.explanation import build_explanation
 
     extra = attribution(**config)
     macs_config = MacsConfig(**config).as_dict()

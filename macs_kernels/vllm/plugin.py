@@ -6,8 +6,8 @@ import sys
 
 # The MACS-aware backend that takes each wrapped vLLM backend's place, by vLLM's backend name.
 BACKENDS = {
-    "CPU_ATTN": "macs_kernels.vllm.backend.MacsCPUAttentionBackend",
-    "FLASH_ATTN": "macs_kernels.vllm.flash.MacsFlashAttentionBackend",
+    "CPU_ATTN": "macs_kernels.engines.vllm.backend.MacsCPUAttentionBackend",
+    "FLASH_ATTN": "macs_kernels.engines.vllm.flash.MacsFlashAttentionBackend",
 }
 # A module whose attribute `lib` answers every attribute name, `__dict__` with a function: vLLM's scan below
 # cannot read it.

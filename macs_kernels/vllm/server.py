@@ -1,7 +1,7 @@
 """`vllm serve MODEL` with MACS attribution on /v1/chat/completions, in `macs-kernels serve`'s request and
 response shape (so the live page and its clients work against either):
 
-    VLLM_PLUGINS=macs_kernels vllm serve MODEL --worker-extension-cls macs_kernels.vllm.worker.AttributionWorker
+    VLLM_PLUGINS=macs_kernels vllm serve MODEL --worker-extension-cls macs_kernels.engines.vllm.worker.AttributionWorker
 
 Through vLLM's official extension points only: this `vllm.endpoint_plugins` entry point (opt-in: vLLM loads
 endpoint plugins named in VLLM_PLUGINS only) replaces the POST /v1/chat/completions route by one that hands a
@@ -34,15 +34,15 @@ from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-from ..alignment import align_context, user_span
-from ..core import support
-from ..generation import decode_tokens
-from ..serve.app import AttributionPayloads, PromptSpan, error_body, error_field
-from ..serve.engine import Step
-from ..serve.schemas import AttributionOptions
-from .engine_config import WORKER_EXTENSION, has_worker_extension, model_dtype
-from .tracer import OPTION, OPTIONS, TICKET, parse_options
-from .worker import decode_rows
+from macs_kernels.api.alignment import align_context, user_span
+from macs_kernels.api.generation import decode_tokens
+from macs_kernels.apps.serve.app import AttributionPayloads, PromptSpan, error_body, error_field
+from macs_kernels.apps.serve.engine import Step
+from macs_kernels.apps.serve.schemas import AttributionOptions
+from macs_kernels.core import support
+from macs_kernels.engines.vllm.engine_config import WORKER_EXTENSION, has_worker_extension, model_dtype
+from macs_kernels.engines.vllm.tracer import OPTION, OPTIONS, TICKET, parse_options
+from macs_kernels.engines.vllm.worker import decode_rows
 
 ROUTE = "/v1/chat/completions"
 

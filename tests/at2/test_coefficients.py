@@ -8,15 +8,15 @@ import warnings
 import pytest
 import torch
 
-from macs_kernels.at2 import (
+from macs_kernels.apps.at2 import (
     DEFAULT_COEFFICIENTS,
     AT2Attributor,
     load_coefficients,
     model_record,
     save_coefficients,
 )
-from macs_kernels.at2.coefficients import attention_fingerprint
-from macs_kernels.tracing import check_model
+from macs_kernels.apps.at2.coefficients import attention_fingerprint
+from macs_kernels.engines.generate import check_model
 from tests.helpers import default_model, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -66,7 +66,7 @@ def reordered_fingerprint(model) -> list[float]:
 def test_the_packaged_coefficients_are_trained_for_the_default_model(model_and_tokenizer, no_warnings, fingerprint,
                                                                       monkeypatch):
     model, tokenizer = model_and_tokenizer
-    monkeypatch.setattr("macs_kernels.at2.coefficients.attention_fingerprint", fingerprint)
+    monkeypatch.setattr("macs_kernels.apps.at2.coefficients.attention_fingerprint", fingerprint)
     theta, metadata = load_coefficients(DEFAULT_COEFFICIENTS, model)
     assert theta.shape == (30, 9) and theta.abs().sum().item() == pytest.approx(1.0, abs=1e-5)
     assert theta.std() > 0.1 * theta.abs().mean()  # trained: far from the uniform start

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from macs_kernels import attach, ops, reference
-from macs_kernels.at2.features import QueryCapture, forward_capture
-from macs_kernels.explanation import encode_prompts
+from macs_kernels import attach, ops
+from macs_kernels.api.explanation import encode_prompts
+from macs_kernels.apps.at2.features import QueryCapture, forward_capture
+from macs_kernels.ops import reference
 from tests.helpers import default_model, eager_attentions, qa
 from tests.tolerances import RELATIVE_ERROR, relative_error
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from macs_kernels import trace_tensors
-from macs_kernels.at2 import AT2Attributor
-from macs_kernels.at2.features import forward_capture, response_token_features
-from macs_kernels.at2.sources import make_sources
-from macs_kernels.evaluation.alignment import align_qa
-from macs_kernels.models import load_tokenizer
+from macs_kernels.api.models import load_tokenizer
+from macs_kernels.apps.at2 import AT2Attributor
+from macs_kernels.apps.at2.features import forward_capture, response_token_features
+from macs_kernels.apps.at2.sources import make_sources
+from macs_kernels.apps.evaluation.alignment import align_qa
 from tests.helpers import QUESTIONS, eager_attentions
 from tests.tolerances import RELATIVE_ERROR, relative_error
 

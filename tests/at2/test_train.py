@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from macs_kernels.at2 import load_coefficients, model_record, train, train_coefficients
-from macs_kernels.at2.coefficients import question_digest, training_questions
-from macs_kernels.at2.train import collect, fit, load_examples, mean_loss, pearson_loss
-from macs_kernels.evaluation.data import QASample
+from macs_kernels.apps.at2 import load_coefficients, model_record, train, train_coefficients
+from macs_kernels.apps.at2.coefficients import question_digest, training_questions
+from macs_kernels.apps.at2.train import collect, fit, load_examples, mean_loss, pearson_loss
+from macs_kernels.apps.evaluation.data import QASample
 from tests.helpers import QUESTIONS, default_model
 
 SAMPLES = [QASample(i, q, c, ()) for i, (q, c) in enumerate(QUESTIONS)]

@@ -9,9 +9,10 @@ import functools
 import pytest
 import torch
 
-from macs_kernels import attach, ops, reference
-from macs_kernels.at2.features import QueryCapture, forward_capture
-from macs_kernels.explanation import encode_prompts
+from macs_kernels import attach, ops
+from macs_kernels.api.explanation import encode_prompts
+from macs_kernels.apps.at2.features import QueryCapture, forward_capture
+from macs_kernels.ops import reference
 from macs_kernels.ops.variant import Variant
 from tests.conformance.conftest import WINDOW, variant_model
 from tests.conformance.test_conformance import PROMPTS
@@ -173,7 +174,7 @@ def _efficient_reference(model, prompt_ids, response_ids, values, start, end):
 def test_efficient_features_of_a_variant_model_project_each_row_onto_its_window(name, monkeypatch):
     """attention="efficient": a window row projects onto its window's values (sinks: the layer's own rows, the
     sink mass left out), in one forward and during generation; the 6 rows in chunks of 4."""
-    from macs_kernels.at2 import features as features_module
+    from macs_kernels.apps.at2 import features as features_module
 
     monkeypatch.setattr(features_module, "ROW_CHUNK", 4)
     model, tokenizer = models(name)
@@ -196,8 +197,8 @@ def test_efficient_features_of_a_variant_model_project_each_row_onto_its_window(
 def test_at2_attributor_explains_a_variant_model():
     """AT2Attributor on a window + softcap model: the one-forward scores of a response equal those of the
     generation that produced it."""
-    from macs_kernels.at2 import AT2Attributor
-    from macs_kernels.at2.coefficients import model_shape
+    from macs_kernels.apps.at2 import AT2Attributor
+    from macs_kernels.apps.at2.coefficients import model_shape
 
     model, tokenizer = models("gemma2")
     theta = torch.randn(*model_shape(model), generator=torch.Generator().manual_seed(3))

@@ -31,7 +31,7 @@ def chat_model_folder(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def chat_model(chat_model_folder):
-    from macs_kernels.models import load_model
+    from macs_kernels.api.models import load_model
 
     return load_model(str(chat_model_folder))
 
@@ -39,7 +39,7 @@ def chat_model(chat_model_folder):
 @pytest.fixture(scope="session")
 def at2_theta(chat_model, tmp_path_factory):
     """(path, theta): random AT2 coefficients recorded for the conformance model, for the server's AT2 scores."""
-    from macs_kernels.at2.coefficients import model_record, model_shape, save_coefficients
+    from macs_kernels.apps.at2.coefficients import model_record, model_shape, save_coefficients
 
     model, _ = chat_model
     theta = torch.randn(*model_shape(model), generator=torch.Generator().manual_seed(5))
@@ -100,7 +100,7 @@ def variant_model(name: str):
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from macs_kernels.models import load_tokenizer
+    from macs_kernels.api.models import load_tokenizer
 
     tokenizer = load_tokenizer()
     models = VARIANT_MODELS | FULL_VARIANT_MODELS | EFFICIENT_WINDOW_MODELS | CAPPED_MODELS

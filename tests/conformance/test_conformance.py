@@ -18,7 +18,7 @@ from transformers.generation.continuous_batching.offloading_manager import Offlo
 
 from macs_kernels import explain
 from macs_kernels.core import support
-from macs_kernels.hf_models import attention_variants
+from macs_kernels.engines.hf_models import attention_variants
 from tests.helpers import eager_norm_log_c
 from tests.integration.test_integration_efficient import _efficient_reference as efficient_reference
 
@@ -107,7 +107,7 @@ def generate_engine(model, tokenizer, _server):
 
 def _generate_at2(model, tokenizer, prompts, options):
     """AT2's features of generate: queries captured in the pass (QueryCapture), keys from the cache."""
-    from macs_kernels.explanation import encode_prompts
+    from macs_kernels.api.explanation import encode_prompts
 
     ids, mask, _ = encode_prompts(tokenizer, prompts)
     return traced_generate(model, ids, mask, AT2, pad_token_id=tokenizer.pad_token_id, **options)[0]
@@ -118,7 +118,7 @@ def traced_generate(model, ids, mask, method: str, **options):
     attach(): per returned sequence (prompt ids, generated ids, step log c) of a MACS method, or (prompt ids,
     generated ids, AT2 features, steps) with queries captured in the pass (QueryCapture), keys from the cache."""
     from macs_kernels import attach
-    from macs_kernels.at2.features import QueryCapture
+    from macs_kernels.apps.at2.features import QueryCapture
 
     capture = QueryCapture() if method == AT2 else None
     config = {} if method == AT2 else METHODS[method]
@@ -169,8 +169,8 @@ def _continuous_at2(model, tokenizer, prompts, options, cb_config):
     """AT2's features under continuous batching: configure(request, at2_features=True), read per request."""
     from transformers import GenerationConfig
 
-    from macs_kernels.continuous import attach_continuous
-    from macs_kernels.explanation import encode_prompts
+    from macs_kernels.api.explanation import encode_prompts
+    from macs_kernels.engines.continuous import attach_continuous
 
     inputs = [encode_prompts(tokenizer, prompt)[0][0].tolist() for prompt in prompts]
     generation = GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_id=tokenizer.eos_token_id,

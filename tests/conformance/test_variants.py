@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from macs_kernels.api.explanation import encode_prompts
 from macs_kernels.core import support
-from macs_kernels.explanation import encode_prompts
-from macs_kernels.hf_models import attention_variants, cache_argument, returned_cache
+from macs_kernels.engines.hf_models import attention_variants, cache_argument, returned_cache
 from tests.helpers import eager_macs
 
 from .conftest import VARIANT_MODELS, WINDOW, eager_log_c, variant_model
@@ -71,7 +71,7 @@ def test_variant_rows_equal_the_teacher_forced_reference_or_are_refused(name, en
 def test_evaluation_record_of_a_variant_model_equals_the_reference(name, variant_models):
     """The evaluation's recorded rows (every configuration scored from one generation) of window, softcap and sink
     layers are in token positions: any MACS configuration from the record equals the eager reference."""
-    from macs_kernels.evaluation.record import generate_record, macs_from_record
+    from macs_kernels.apps.evaluation.record import generate_record, macs_from_record
 
     model, tokenizer = variant_models(name)
     prompt_ids = encode_prompts(tokenizer, PROMPTS["one"][0])[0][0]
@@ -143,7 +143,7 @@ def _window_efficient_reference(model, prompt_ids, generated_ids):
     its last `sliding_window` tokens) by reference.efficient_row_reference."""
     from transformers import DynamicCache
 
-    from macs_kernels import reference
+    from macs_kernels.ops import reference
 
     config = model.config
     previous = config._attn_implementation

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from macs_kernels import explain
+from macs_kernels.api.models import load_tokenizer
 from macs_kernels.core import support
-from macs_kernels.models import load_tokenizer
 from tests.conformance.test_conformance import METHODS, NEW_TOKENS, PROMPTS
 
 SINK_PLAN = {**{f"model.layers.*.self_attn.{name}": "colwise" for name in ("q_proj", "k_proj", "v_proj", "sinks")},

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from macs_kernels import distributed
+from macs_kernels.core import shards as distributed
 
 RANKS, HEADS, LAYERS, ROWS, N = 3, 9, 4, 2, 11
 POOL = {"max": lambda x: x.amax(1), "min": lambda x: x.amin(1), "mean": lambda x: x.mean(1)}

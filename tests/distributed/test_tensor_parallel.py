@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from macs_kernels import explain, trace_tensors
-from macs_kernels.prompts import qa_messages
+from macs_kernels.api.prompts import qa_messages
 from tests.helpers import QUESTIONS, default_model
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 import macs_kernels
-from macs_kernels.models import default_model_path, load_tokenizer
-from macs_kernels.prompts import qa_messages
+from macs_kernels.api.models import default_model_path, load_tokenizer
+from macs_kernels.api.prompts import qa_messages
 from tests.helpers import QUESTIONS
 
 

@@ -1,4 +1,4 @@
-"""Tests of macs_kernels.evaluation and the `macs-kernels eval` command."""
+"""Tests of macs_kernels.apps.evaluation and the `macs-kernels eval` command."""
 from __future__ import annotations
 
 import os

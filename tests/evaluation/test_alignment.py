@@ -3,13 +3,13 @@ import copy
 import numpy as np
 import pytest
 
-from macs_kernels.evaluation.alignment import align_context, align_qa, answer_step, encode_chat
+from macs_kernels.apps.evaluation.alignment import align_context, align_qa, answer_step, encode_chat
 from tests.evaluation import stqa_350
 
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from macs_kernels.models import load_tokenizer
+    from macs_kernels.api.models import load_tokenizer
 
     return load_tokenizer()
 
@@ -32,7 +32,7 @@ def _assert_minimal_cover(tok, alignment, labels, answer):
 
 
 def test_context_tokens_of_the_qa_prompt(tokenizer):
-    from macs_kernels.prompts import qa_messages
+    from macs_kernels.api.prompts import qa_messages
 
     question, context = "What is the capital of France?", "Paris is the capital of France."
     alignment = align_qa(tokenizer, question, context)
@@ -116,7 +116,7 @@ def test_answer_step(tokenizer):
 
 
 def test_gold_answers_of_stqa_350_map_to_their_tokens(tokenizer):
-    from macs_kernels.evaluation.data import load_qa
+    from macs_kernels.apps.evaluation.data import load_qa
 
     path = stqa_350()
     for sample in load_qa(path, n=25):

@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from macs_kernels.at2.coefficients import question_digest, save_coefficients, training_questions, training_record
-from macs_kernels.cli import main
-from macs_kernels.evaluation.data import QASample, load_qa
-from macs_kernels.evaluation.methods import AT2_TRAINED_ON, MethodUnavailable, method_skips, parse_method
+from macs_kernels.apps.at2.coefficients import question_digest, save_coefficients, training_questions, training_record
+from macs_kernels.apps.cli import main
+from macs_kernels.apps.evaluation.data import QASample, load_qa
+from macs_kernels.apps.evaluation.methods import AT2_TRAINED_ON, MethodUnavailable, method_skips, parse_method
 from tests.evaluation import stqa_350
 from tests.evaluation.test_resume import _one_thread, eval_command, write_data  # noqa: F401 (autouse)
 from tests.helpers import QUESTIONS
@@ -37,7 +37,7 @@ def test_at2_skips_its_training_questions_by_content_wherever_they_stand():
 
 
 def test_training_record_names_the_questions_and_a_file_without_one_refuses_at2(tmp_path, monkeypatch):
-    import macs_kernels.at2
+    import macs_kernels.apps.at2
 
     samples = [QASample(i, question, context, ()) for i, (question, context) in enumerate(QUESTIONS)]
     record = training_record([*samples, dataclasses.replace(samples[0], index=7)])  # a repeat counts once
@@ -46,7 +46,7 @@ def test_training_record_names_the_questions_and_a_file_without_one_refuses_at2(
 
     unnamed = tmp_path / "theta.safetensors"
     save_coefficients(unnamed, torch.rand(30, 9), {"model": "SmolLM2-135M-Instruct"})
-    monkeypatch.setattr(macs_kernels.at2, "DEFAULT_COEFFICIENTS", unnamed)
+    monkeypatch.setattr(macs_kernels.apps.at2, "DEFAULT_COEFFICIENTS", unnamed)
     with pytest.raises(MethodUnavailable, match="does not record the questions it was trained on"):
         parse_method("at2")
 

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from macs_kernels.evaluation.data import QASample, load_qa, parse_range
+from macs_kernels.apps.evaluation.data import QASample, load_qa, parse_range
 from tests.evaluation import stqa_350
 
 FLAT = [

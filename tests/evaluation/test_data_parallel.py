@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from macs_kernels.cli import main
-from macs_kernels.evaluation.store import read_results
+from macs_kernels.apps.cli import main
+from macs_kernels.apps.evaluation.store import read_results
 from tests.evaluation.test_resume import eval_command, results, write_data
 from tests.helpers import QUESTIONS
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from macs_kernels.evaluation.faithfulness import (
+from macs_kernels.apps.evaluation.faithfulness import (
     faithfulness_curves,
     greedy_generate,
     masked_positions,
@@ -13,7 +13,7 @@ from macs_kernels.evaluation.faithfulness import (
     rouge_l_f1,
     teacher_forced_scores,
 )
-from macs_kernels.evaluation.metrics import FRACTIONS, curve_auc
+from macs_kernels.apps.evaluation.metrics import FRACTIONS, curve_auc
 
 N, T = 23, 5
 
@@ -217,8 +217,8 @@ def test_faithfulness_curves(models):
 
 @pytest.mark.slow
 def test_default_model_masking_the_context_of_a_qa_prompt():
-    from macs_kernels.evaluation.alignment import align_qa
-    from macs_kernels.models import load_model
+    from macs_kernels.api.models import load_model
+    from macs_kernels.apps.evaluation.alignment import align_qa
 
     model, tokenizer = load_model()
     context = "The Rhine flows through Cologne. Cologne Cathedral is a Gothic church."

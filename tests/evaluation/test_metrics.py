@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import average_precision_score
 
-from macs_kernels.evaluation.metrics import (
+from macs_kernels.apps.evaluation.metrics import (
     auc_pr_sample,
     average_precision,
     count_ties,

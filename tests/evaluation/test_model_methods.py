@@ -5,19 +5,19 @@ import json
 import numpy as np
 import torch
 
-from macs_kernels import atman, attnlrp
-from macs_kernels.evaluation.alignment import align_qa
-from macs_kernels.evaluation.data import QASample
-from macs_kernels.evaluation.methods import DEFAULT_METHODS, parse_methods
-from macs_kernels.evaluation.runner import EvalSettings, run_eval
-from macs_kernels.evaluation.scoring import score_auc
+from macs_kernels.apps.evaluation.alignment import align_qa
+from macs_kernels.apps.evaluation.baselines import atman, attnlrp
+from macs_kernels.apps.evaluation.data import QASample
+from macs_kernels.apps.evaluation.methods import DEFAULT_METHODS, parse_methods
+from macs_kernels.apps.evaluation.runner import EvalSettings, run_eval
+from macs_kernels.apps.evaluation.scoring import score_auc
 from tests.helpers import QUESTIONS
 
 
 def _tiny_model_for_the_default_tokenizer():
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from macs_kernels.models import default_model_path
+    from macs_kernels.api.models import default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     torch.manual_seed(0)

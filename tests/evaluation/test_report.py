@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from macs_kernels.evaluation.report import markdown, summarise
+from macs_kernels.apps.evaluation.report import markdown, summarise
 
 TIES = {"rows": 4, "tied_tokens": 0, "rows_with_ties": 0}
 

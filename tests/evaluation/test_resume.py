@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from macs_kernels.cli import main
-from macs_kernels.evaluation.store import summary_paths
+from macs_kernels.apps.cli import main
+from macs_kernels.apps.evaluation.store import summary_paths
 from tests.helpers import QUESTIONS
 
 ANSWERS = ["William Shakespeare", "blue", "Paris"]
@@ -42,7 +42,7 @@ def results(out):
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
-@pytest.mark.slow  # eight runs of the command; the path rule itself is test_summary_paths_are_never_the_stream_nor_each_other
+@pytest.mark.slow  # eight runs of the command; the rule itself: test_summary_paths_are_never_the_stream_nor_each_other
 def test_summary_never_shares_the_results_streams_path(tmp_path, capsys):
     data = write_data(tmp_path / "qa.json", QUESTIONS[:2])
     for name in ("results.json", "results.md", "results", "results.jsonl"):
@@ -150,7 +150,7 @@ def test_summary_paths_are_never_the_stream_nor_each_other(name):
 
 
 def test_a_record_comes_back_from_the_cache_bit_for_bit(tmp_path):
-    from macs_kernels.evaluation.record_cache import load_record, save_record
+    from macs_kernels.apps.evaluation.record_cache import load_record, save_record
 
     rng = np.random.default_rng(0)
     # Attention weights far below float16's resolution near 1 and below its smallest normal number (6e-5).

@@ -6,10 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from macs_kernels import explain, ops, reference
-from macs_kernels.evaluation.methods import MethodUnavailable, parse_method
-from macs_kernels.evaluation.record import attention_mean_from_record, generate_record, macs_from_record, rollout_rows
-from macs_kernels.evaluation.scoring import at2_from_record
+from macs_kernels import explain, ops
+from macs_kernels.apps.evaluation.methods import MethodUnavailable, parse_method
+from macs_kernels.apps.evaluation.record import (
+    attention_mean_from_record,
+    generate_record,
+    macs_from_record,
+    rollout_rows,
+)
+from macs_kernels.apps.evaluation.scoring import at2_from_record
+from macs_kernels.ops import reference
 from tests.evaluation import stqa_350
 from tests.helpers import default_model, qa, tiny_llama
 
@@ -57,8 +63,8 @@ def test_recorded_norm_rows_give_explains_norm_log_c_and_the_eager_reference():
 
 
 def test_at2_from_the_record_equals_at2_attributor_token_scores():
-    from macs_kernels.at2 import AT2Attributor
-    from macs_kernels.evaluation.alignment import align_qa
+    from macs_kernels.apps.at2 import AT2Attributor
+    from macs_kernels.apps.evaluation.alignment import align_qa
     from tests.helpers import QUESTIONS
 
     model, tokenizer = default_model()
@@ -113,10 +119,10 @@ def test_macs_from_record_equals_the_layer_reference(config):
 def test_macs_aggregate_is_the_explanations_whole_answer_score():
     """The eval's aggregate row is Explanation.scores (the named default), cut to the context; every named
     whole-answer score's AUC-PR is kept beside it."""
-    from macs_kernels.core import AGGREGATIONS, DEFAULT_AGGREGATION
-    from macs_kernels.evaluation.metrics import average_precision
-    from macs_kernels.evaluation.scoring import method_scores, score_auc
-    from macs_kernels.explanation import Explanation
+    from macs_kernels.api.explanation import Explanation
+    from macs_kernels.apps.evaluation.metrics import average_precision
+    from macs_kernels.apps.evaluation.scoring import method_scores, score_auc
+    from macs_kernels.core.scores import AGGREGATIONS, DEFAULT_AGGREGATION
 
     _, record = _synthetic_record(np.random.default_rng(5), steps=4, n=9)
     log_c = macs_from_record(record)
@@ -177,8 +183,8 @@ def test_method_names():
 
 
 def test_all_methods_and_method_ranges():
-    from macs_kernels.evaluation.data import QASample
-    from macs_kernels.evaluation.methods import ALL_METHODS, parse_method_ranges, parse_methods
+    from macs_kernels.apps.evaluation.data import QASample
+    from macs_kernels.apps.evaluation.methods import ALL_METHODS, parse_method_ranges, parse_methods
 
     try:
         methods = parse_methods("all", parse_method_ranges(["attnlrp=250:260", "macs:pool=max=0:5"]))
@@ -209,7 +215,7 @@ def test_eval_command_smoke_report_and_resume_with_faithfulness(tmp_path, capsys
 
 
 def _eval_smoke_report_and_resume(tmp_path, capsys, faithfulness: bool):
-    from macs_kernels.cli import main
+    from macs_kernels.apps.cli import main
 
     data = stqa_350()
     out, records = tmp_path / "eval.jsonl", tmp_path / "records"

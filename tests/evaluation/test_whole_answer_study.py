@@ -7,10 +7,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from macs_kernels import reference
-from macs_kernels.core import DEFAULT_AGGREGATION, whole_answer_scores
-from macs_kernels.core.scores import log_zscores
-from macs_kernels.evaluation.record import macs_from_record
+from macs_kernels.apps.evaluation.record import macs_from_record
+from macs_kernels.core.scores import DEFAULT_AGGREGATION, log_zscores, whole_answer_scores
+from macs_kernels.ops import reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import whole_answer  # noqa: E402
@@ -285,8 +284,8 @@ def test_faithfulness_masks_each_candidates_context_scores_pairs_them_with_the_d
                                                                                                   tmp_path):
     """faithfulness() hands each candidate's context slice to the masking curves (stubbed: SRGs that are functions
     of the scores they get), reports SRG and AUC-PR paired with the default, and a rerun reads its lines back."""
-    import macs_kernels.evaluation.faithfulness as faithfulness_module
-    import macs_kernels.models as models_module
+    import macs_kernels.api.models as models_module
+    import macs_kernels.apps.evaluation.faithfulness as faithfulness_module
 
     generator = np.random.default_rng(9)
     samples = {}

@@ -13,7 +13,7 @@ from transformers import StaticCache
 from transformers.generation.configuration_utils import CompileConfig
 
 from macs_kernels import attach, explain
-from macs_kernels.hf_models import cache_argument
+from macs_kernels.engines.hf_models import cache_argument
 from tests.helpers import default_model, eager_macs, tiny_llama
 
 LOG_TOLERANCE = 1e-3
@@ -131,7 +131,7 @@ def test_unsupported_compiled_modes_are_refused_before_work(generate_kwargs, att
 
 
 def test_generate_compile_with_a_hook_is_refused_before_work():
-    from macs_kernels.tracing import TraceHook
+    from macs_kernels.engines.generate import TraceHook
 
     model = small_gqa_model()
     calls, handle = _count_forwards(model)
@@ -154,7 +154,7 @@ def test_a_compiled_plain_forward_is_refused():
 
 
 def test_continuous_batching_with_a_compiled_forward_is_refused():
-    from macs_kernels.continuous import attach_continuous
+    from macs_kernels.engines.continuous import attach_continuous
 
     model = small_gqa_model()
     model.forward = torch.compile(model.forward, backend="eager")

@@ -11,14 +11,15 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from macs_kernels import explain, reference
-from macs_kernels.continuous import (
+from macs_kernels import explain
+from macs_kernels.api.explanation import explain_continuous
+from macs_kernels.engines.continuous import (
     Segments,
     _check_manager,
     attach_continuous,
     macs_pool_packed,
 )
-from macs_kernels.explanation import explain_continuous
+from macs_kernels.ops import reference
 from tests.helpers import default_model, eager_macs, qa, tiny_llama
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
@@ -414,7 +415,7 @@ def test_capped_attention_of_a_packed_pass_equals_the_reference(sinks):
     """The attention output the tracer computes for a softcap layer of a packed pass (two requests, one
     prefill chunk after 3 cached tokens, one decode row), with the engine's additive mask: each query row's
     float64 reference probabilities (capped logits, a sink logit per head) times its own request's values."""
-    from macs_kernels.continuous import capped_attention
+    from macs_kernels.engines.continuous import capped_attention
     from macs_kernels.ops import Variant
 
     torch.manual_seed(0)

@@ -6,8 +6,8 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.requests import RequestState
 
-from macs_kernels.continuous import attach_continuous
-from macs_kernels.ops.torch_packed import Segments
+from macs_kernels.engines.continuous import attach_continuous
+from macs_kernels.ops.torch.packed import Segments
 from tests.helpers import eager_macs, tiny_llama
 from tests.integration.test_integration_efficient import _efficient_reference as efficient_reference
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from macs_kernels import explain
-from macs_kernels.prompts import PLAIN_GENERATION_CUE, qa_messages
+from macs_kernels.api.prompts import PLAIN_GENERATION_CUE, qa_messages
 from tests.helpers import eager_macs
 
 pytestmark = [
@@ -28,7 +28,7 @@ CONTEXT = " ".join([
 
 @pytest.fixture(scope="module")
 def gemma3():
-    from macs_kernels.models import load_model
+    from macs_kernels.api.models import load_model
 
     return load_model("gemma3-270m")
 

@@ -12,8 +12,8 @@ import torch
 from transformers import DynamicCache, StaticCache, StoppingCriteria, StoppingCriteriaList
 
 from macs_kernels import attach, explain, stream, trace_tensors
-from macs_kernels.hf_models import cache_argument, returned_cache
-from macs_kernels.ops import torch_beams
+from macs_kernels.engines.hf_models import cache_argument, returned_cache
+from macs_kernels.ops.torch import beams as torch_beams
 from tests.helpers import default_model, eager_macs, eager_norm_log_c, qa, tiny_llama
 from tests.integration.test_integration_efficient import _efficient_reference as efficient_reference
 
@@ -140,7 +140,7 @@ def _repetitive_prompt(model):
 @pytest.mark.parametrize("fused_decode", [False, True], ids=["exact", "fused"])
 @pytest.mark.parametrize("assistant", ["prompt_lookup", "second_model", "itself"])
 def test_assisted_decoding_scores_every_verified_row(gqa_model, assistant, fused_decode, monkeypatch):
-    from macs_kernels.ops import torch_backend
+    from macs_kernels.ops.torch import backend as torch_backend
 
     # Verify passes of an unpadded prompt take the torch path's causal block (no gathers; fused: the block's
     # attention output too, without sdpa); the rows and tokens below prove it exact.
@@ -431,7 +431,7 @@ def test_variant_backends_named_and_a_passed_window_cache():
     cache passed in is followed."""
     from transformers import GptOssConfig, GptOssForCausalLM, MistralConfig, MistralForCausalLM
 
-    from macs_kernels.hf_models import check_variants
+    from macs_kernels.engines.hf_models import check_variants
     from macs_kernels.ops import registry
 
     gpt_oss = GptOssForCausalLM(GptOssConfig(
@@ -513,7 +513,7 @@ def test_default_model_continued_conversation(real):
 
 # ---- stop strings: a sequence ends where generate stopped it -------------------------------------------
 def test_default_model_stop_strings_end_the_explanation_at_the_stop_string(real):
-    from macs_kernels.models import load_tokenizer
+    from macs_kernels.api.models import load_tokenizer
 
     model, tokenizer = real
     prompt = "Count from one to ten."  # greedy: "1. 1\n2. 2\n..."
@@ -589,7 +589,7 @@ def _first_stop(tokenizer, generated_ids: list[int], eos: int) -> int:
     ("<|endoftext|>", dict(num_beams=2, num_return_sequences=2, length_penalty=0.0)),
 ], ids=["pad-is-eos-greedy", "greedy", "sample-k2", "beams-k2"])
 def test_default_model_batch_sequences_end_where_generate_stopped_them(real, pad, generate_kwargs):
-    from macs_kernels.models import load_tokenizer
+    from macs_kernels.api.models import load_tokenizer
 
     model, _ = real
     tokenizer = load_tokenizer()

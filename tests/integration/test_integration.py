@@ -5,8 +5,9 @@ import pytest
 import torch
 
 import macs_kernels
-from macs_kernels import attach, explain, reference, stream
-from macs_kernels.core import paper_zscores
+from macs_kernels import attach, explain, stream
+from macs_kernels.core.scores import paper_zscores
+from macs_kernels.ops import reference
 from tests.helpers import default_model, eager_macs, qa, tiny_llama
 
 Z_TOLERANCE = 1e-4
@@ -142,7 +143,7 @@ def test_input_ids_prompt_and_serialisation(model_and_tokenizer, tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_models_keep_a_float32_state(model_and_tokenizer, dtype):
-    from macs_kernels.models import load_model
+    from macs_kernels.api.models import load_model
 
     model, tokenizer = model_and_tokenizer
     # Its own copy: converting the shared model there and back would round every later test's weights.
@@ -241,7 +242,7 @@ def test_the_cache_is_read_under_either_transformers_name():
     """transformers 5.24 hands the cache over as `cache`, earlier releases as `past_key_values`."""
     import types
 
-    from macs_kernels.hf_models import passed_cache, returned_cache
+    from macs_kernels.engines.hf_models import passed_cache, returned_cache
 
     new, old = object(), object()
     assert passed_cache({"cache": new}) is new and passed_cache({"past_key_values": old}) is old

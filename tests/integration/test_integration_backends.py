@@ -76,7 +76,7 @@ def test_cuda_backend_equals_torch_backend_on_a_model_of_the_default_shape():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from macs_kernels import attach
-    from macs_kernels.bench import ARCHITECTURES
+    from macs_kernels.apps.bench import ARCHITECTURES
 
     torch.manual_seed(0)
     shape = dict(ARCHITECTURES["SmolLM2-135M"])

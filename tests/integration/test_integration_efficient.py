@@ -2,8 +2,9 @@
 non-incremental op (itself checked against an SVD reference) applied to eager attention rows."""
 import torch
 
-from macs_kernels import explain, ops, reference
-from macs_kernels.hf_models import returned_cache
+from macs_kernels import explain, ops
+from macs_kernels.engines.hf_models import returned_cache
+from macs_kernels.ops import reference
 from tests.helpers import default_model, qa
 
 Z_TOLERANCE = 1e-4

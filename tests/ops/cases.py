@@ -5,9 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from macs_kernels import reference
-from macs_kernels.config import BACKENDS
-from macs_kernels.ops import why_unavailable
+from macs_kernels.ops import BACKENDS, reference, why_unavailable
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

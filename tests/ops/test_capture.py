@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from macs_kernels import ops
-from macs_kernels.config import BACKENDS
-from macs_kernels.ops import Variant, why_unavailable
+from macs_kernels.ops import BACKENDS, Variant, why_unavailable
 
 BATCH, HEADS, KV_HEADS, KEYS, DIM, ROWS = 2, 4, 2, 24, 8, 3
 N_MAX = 12  # the width of every state and output: fits every row's inputs in both index sets below

@@ -11,9 +11,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from macs_kernels import attach
-from macs_kernels.config import BACKENDS
-from macs_kernels.core import DenseRows, Kernels
-from macs_kernels.ops import Variant, why_unavailable
+from macs_kernels.core.plans import DenseRows
+from macs_kernels.ops import BACKENDS, Variant, why_unavailable
+from macs_kernels.ops.registry import Kernels
 from tests.helpers import tiny_llama
 
 # Tensor methods that read values on the host, or give a shape that depends on them.

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import macs_kernels.ops  # noqa: F401 - defines the operators whose CUDA kernels _C registers
-from macs_kernels import reference
+from macs_kernels.ops import reference
 from tests.ops.test_cuda_build import OPS
 from tests.ops.test_cuda_ops import split_kernel  # noqa: F401 - the fixture that runs a test over both kernels
 from tests.ops.test_library_opcheck import CASES

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from macs_kernels import ops, reference
+from macs_kernels import ops
+from macs_kernels.ops import reference
 from tests.grids import case_ids, pairwise
 from tests.ops.cases import (
     ALPHAS,

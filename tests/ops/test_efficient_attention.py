@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from macs_kernels import ops
-from macs_kernels.efficient import GramState, efficient_rows
-from macs_kernels.ops import torch_efficient
-from macs_kernels.reference import efficient_attention_reference, macs_update_rows_reference
+from macs_kernels.core.methods.efficient import GramState, efficient_rows
+from macs_kernels.ops.reference import efficient_attention_reference, macs_update_rows_reference
+from macs_kernels.ops.torch import efficient as torch_efficient
 from tests.ops.cases import DEVICE, backends
 from tests.tolerances import RELATIVE_ERROR, relative_error
 

@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from macs_kernels import ops as public_ops  # noqa: F401 - importing the ops declares the operators
-from macs_kernels import reference
-from macs_kernels.ops import why_unavailable
+from macs_kernels.ops import reference, why_unavailable
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
 ops = torch.ops.macs_kernels

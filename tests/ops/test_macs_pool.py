@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from macs_kernels import ops, reference
+from macs_kernels import ops
+from macs_kernels.ops import reference
 from tests.grids import case_ids, pairwise
 from tests.ops.cases import DEVICE, POOLINGS, backends
 from tests.tolerances import RELATIVE_ERROR, relative_error
@@ -166,7 +167,7 @@ def test_torch_dense_rows_equal_the_reference_over_every_causal_slot(case):
     """The torch tracer's launch-light paths for unpadded batches (inputs [0, N), row r of R attends
     [0, S - R + 1 + r); R = 1 as (B, H, D)), pooled rows and the fused attention output, against the float64
     references with those ranges."""
-    from macs_kernels.ops import torch_backend
+    from macs_kernels.ops.torch import backend as torch_backend
 
     (heads, kv_heads), rows, (keys, dim), batch = case["heads"], case["rows"], case["shape"], case["batch"]
     generator = torch.Generator().manual_seed(keys + rows + heads)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from macs_kernels import ops, reference
+from macs_kernels import ops
+from macs_kernels.ops import reference
 from tests.grids import case_ids, pairwise
 from tests.ops.cases import (
     BATCHES,

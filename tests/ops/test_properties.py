@@ -8,7 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from macs_kernels import ops, reference
+from macs_kernels import ops
+from macs_kernels.ops import reference
 from tests.ops.cases import DEVICE, backends
 from tests.tolerances import RELATIVE_ERROR, relative_error
 

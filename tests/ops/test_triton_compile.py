@@ -49,7 +49,7 @@ VARIANTS = {
     # macs_pool_paged: keys gathered through the block table, transformers' page size and flash_attn's.
     "pool_paged_bf16_gqa3_d64_page16": _split_kv("bf16", D=64, GROUP=3, BLOCK_M=16, PAGE_SIZE=16),
     "pool_paged_fp16_gqa9_d128_page256": _split_kv("fp16", D=128, GROUP=9, BLOCK_M=64, PAGE_SIZE=256),
-    # vLLM's FLASH_ATTN cache (macs_kernels.vllm.flash): 16-slot blocks, a Llama-style GQA 4:1 at D = 128.
+    # vLLM's FLASH_ATTN cache (macs_kernels.engines.vllm.flash): 16-slot blocks, a Llama-style GQA 4:1 at D = 128.
     "pool_paged_bf16_gqa4_d128_page16": _split_kv("bf16", D=128, GROUP=4, BLOCK_M=16, PAGE_SIZE=16),
     "decode_fp32_mha_d128": _split_kv("fp32", D=128, GROUP=1, BLOCK_M=16, WITH_V=True, WITH_SCORES=False,
                                       DOT_F32=True),

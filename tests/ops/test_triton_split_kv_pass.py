@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from macs_kernels import ops, reference
-from macs_kernels.ops import registry
+from macs_kernels import ops
+from macs_kernels.ops import reference, registry
 from tests.ops.cases import DEVICE, row_ranges
 
 pytest.importorskip("triton")

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from macs_kernels import reference
-from macs_kernels.core import Kernels
-from macs_kernels.ops import why_unavailable
-from macs_kernels.ops.torch_packed import Segments
+from macs_kernels.ops import reference, why_unavailable
+from macs_kernels.ops.registry import Kernels
+from macs_kernels.ops.torch.packed import Segments
 from macs_kernels.ops.variant import Variant
 from tests.ops.cases import DEVICE
 

@@ -32,7 +32,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.TemporaryFile("w+")
-        command = [sys.executable, "-m", "macs_kernels.serve", "--host", "127.0.0.1", "--port", str(self.port),
+        command = [sys.executable, "-m", "macs_kernels.apps.serve", "--host", "127.0.0.1", "--port", str(self.port),
                    "--threads", "1", "--cache-tokens", "4096", *args]
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=os.environ.copy())
         deadline = time.monotonic() + startup_s
@@ -66,7 +66,7 @@ class Server:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """(folder, model, tokenizer) of the tiny chat model, loaded back from its folder as the server loads it."""
-    from macs_kernels.models import load_model
+    from macs_kernels.api.models import load_model
 
     folder = tmp_path_factory.mktemp("tiny_chat_model")
     tiny_chat_model(folder)

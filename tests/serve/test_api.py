@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from macs_kernels import explain
-from macs_kernels.explanation import whole_answer_scores
+from macs_kernels.api.explanation import whole_answer_scores
 from tests.helpers import qa
 
 from .conftest import TINY as MODEL
@@ -251,7 +251,7 @@ def test_a_client_leaving_mid_stream_frees_its_request(server, client, fields):
 
 def test_the_page_and_to_html_share_one_colouring(server):
     """The live page loads the very script Explanation.to_html() inlines to colour its heatmap."""
-    from macs_kernels.explanation import Explanation
+    from macs_kernels.api.explanation import Explanation
 
     script = httpx.get(server.url + "/static/heatmap.js").text
     assert "function macsHeatColour" in script

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from macs_kernels import explain
-from macs_kernels.models import DEFAULT_MODEL
+from macs_kernels.api.models import DEFAULT_MODEL
 from tests.helpers import default_model, qa
 
 from .conftest import Server, assert_matches

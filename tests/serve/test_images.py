@@ -13,9 +13,9 @@ import torch
 from fastapi.testclient import TestClient
 
 from macs_kernels import explain
-from macs_kernels.serve.app import create_app
-from macs_kernels.serve.engine import Engine, VisionEngine
-from macs_kernels.vision import encode_image_prompts, image_scores
+from macs_kernels.api.vision import encode_image_prompts, image_scores
+from macs_kernels.apps.serve.app import create_app
+from macs_kernels.apps.serve.engine import Engine, VisionEngine
 from tests.vision.tiny import eager_vlm_log_c, random_image, tiny_vlm
 
 from .conftest import LOG_C_TOL, Server, assert_matches, rows
@@ -56,7 +56,7 @@ def stream_chunks(client, body: dict) -> list[dict]:
 
 
 def assert_grids(entry_grids, reference, steps):
-    """Each (rows, cols) grid equals the image's tokens' scores in place (macs_kernels.vision.image_scores)."""
+    """Each (rows, cols) grid equals the image's tokens' scores in place (macs_kernels.api.vision.image_scores)."""
     for step, grid in zip(steps, entry_grids):
         expected = image_scores(reference, step=step)
         assert torch.tensor(grid).shape == expected.shape
@@ -208,7 +208,9 @@ def test_image_options_refused(refusing_client):
 
 def test_image_to_a_text_model(tiny_model, monkeypatch):
     _, model, tokenizer = tiny_model
-    monkeypatch.setattr("macs_kernels.serve.app.decode_image", lambda *a, **k: pytest.fail("the image was decoded"))
+    monkeypatch.setattr(
+        "macs_kernels.apps.serve.app.decode_image", lambda *a, **k: pytest.fail("the image was decoded")
+    )
     client = TestClient(create_app(Engine(model, tokenizer, name=NAME, cache_tokens=1024)))  # never started
     response = client.post("/v1/chat/completions", json=image_body(PNG))
     assert_refused(response, "need a vision-language model", f"{NAME!r} reads text only")

@@ -85,9 +85,9 @@ class _GatedTokenizer:
 def test_health_answers_while_a_long_prompt_is_tokenized(tiny_model):
     """The long request's tokenization is held open until /health has answered: with tokenization on the
     event loop, /health could not answer until the hold timed out, after the long request's own answer."""
-    from macs_kernels.models import load_model
-    from macs_kernels.serve.app import create_app
-    from macs_kernels.serve.engine import Engine
+    from macs_kernels.api.models import load_model
+    from macs_kernels.apps.serve.app import create_app
+    from macs_kernels.apps.serve.engine import Engine
 
     model, tokenizer = load_model(str(tiny_model[0]))
     gated = _GatedTokenizer(tokenizer, long=100_000)

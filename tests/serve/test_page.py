@@ -9,9 +9,9 @@ import httpx
 import pytest
 import torch
 
-from macs_kernels.explanation import whole_answer_scores
-from macs_kernels.prompts import qa_messages
-from macs_kernels.viz import _unit
+from macs_kernels.api.explanation import whole_answer_scores
+from macs_kernels.api.prompts import qa_messages
+from macs_kernels.api.viz import _unit
 from tests.helpers import QUESTIONS
 
 from .conftest import TINY, rows

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from macs_kernels.serve.app import _Choice
-from macs_kernels.serve.engine import Step
+from macs_kernels.apps.serve.app import _Choice
+from macs_kernels.apps.serve.engine import Step
 
 PIECES = ["He", "llo", " wor", "ld", "!", " The", " end"]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
-from macs_kernels.continuous import attach_continuous
+from macs_kernels.engines.continuous import attach_continuous
 from tests.helpers import eager_macs, tiny_llama
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from macs_kernels import explain
-from macs_kernels.cli import main
-from macs_kernels.cli.images import load_vision_model
+from macs_kernels.apps.cli import main
+from macs_kernels.apps.cli.images import load_vision_model
 from tests.vision.tiny import random_image, tiny_vlm
 
 
@@ -47,6 +47,6 @@ def test_explain_an_image(folder, tmp_path, capsys):
     (["--image", "x.png", "--prompt", "What?", "--method", "at2"], "--method at2 takes text prompts only"),
 ])
 def test_image_arguments_refused_before_loading(argv, message, monkeypatch):
-    monkeypatch.setattr("macs_kernels.cli.images.load_vision_model", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr("macs_kernels.apps.cli.images.load_vision_model", lambda *a, **k: pytest.fail("loaded a model"))
     with pytest.raises(SystemExit, match=message):
         main(["explain", *argv])

@@ -10,8 +10,9 @@ from PIL import Image
 from sklearn.metrics import average_precision_score
 
 from macs_kernels import explain
-from macs_kernels.cli import main
-from macs_kernels.evaluation.images import (
+from macs_kernels.api.vision import ImageTokens
+from macs_kernels.apps.cli import main
+from macs_kernels.apps.evaluation.images import (
     cell_labels,
     load_image_set,
     object_mask,
@@ -19,7 +20,6 @@ from macs_kernels.evaluation.images import (
     summarise,
     synthetic_set,
 )
-from macs_kernels.vision import ImageTokens
 from tests.vision.tiny import tiny_vlm
 
 

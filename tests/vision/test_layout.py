@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from macs_kernels.vision import encode_image_prompts
+from macs_kernels.api.vision import encode_image_prompts
 from tests.vision.tiny import random_image, tiny_vlm
 
 

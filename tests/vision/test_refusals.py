@@ -6,7 +6,7 @@ import types
 import pytest
 
 from macs_kernels import attach, explain
-from macs_kernels.vision import encode_image_prompts
+from macs_kernels.api.vision import encode_image_prompts
 from tests.vision.tiny import random_image, tiny_vlm
 
 

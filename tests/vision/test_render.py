@@ -8,8 +8,8 @@ import torch
 from PIL import Image
 
 from macs_kernels import explain
-from macs_kernels.vision import image_scores
-from macs_kernels.vision.render import heatmap_figure, save_heatmap
+from macs_kernels.api.vision import image_scores
+from macs_kernels.api.vision.render import heatmap_figure, save_heatmap
 from tests.vision.tiny import random_image, tiny_vlm
 
 

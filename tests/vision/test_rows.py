@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from macs_kernels import attach, explain, stream
-from macs_kernels.vision import encode_image_prompts, image_scores
+from macs_kernels.api.vision import encode_image_prompts, image_scores
 from tests.vision.tiny import FAMILIES, eager_vlm_log_c, random_image, tiny_vlm
 
 LOG_TOLERANCE = 1e-3

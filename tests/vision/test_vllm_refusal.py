@@ -10,7 +10,7 @@ pytest.importorskip("vllm")
 
 
 def test_multimodal_model_refused_naming_the_engine():
-    from macs_kernels.vllm.worker import attention_layers
+    from macs_kernels.engines.vllm.worker import attention_layers
 
     config = types.SimpleNamespace(
         model_config=types.SimpleNamespace(enforce_eager=True, is_multimodal_model=True),

@@ -15,7 +15,7 @@ FAMILIES = ("qwen2_5_vl", "qwen2_vl", "gemma3", "llava")
 
 @functools.cache
 def _base_tokenizer():
-    from macs_kernels.models import load_tokenizer
+    from macs_kernels.api.models import load_tokenizer
 
     return load_tokenizer()
 
@@ -140,7 +140,7 @@ def eager_vlm_log_c(model, prompt_ids: torch.Tensor, image_inputs: dict, generat
     """(steps, N) float64 log c recomputed independently: one eager forward with output_attentions over the prompt
     (with its images) and the generated tokens but the last; step k's row is the query at N - 1 + k over its causal
     prefix. Per-token inputs of the processor (token type ids) extend over the generated tokens as text (0)."""
-    from macs_kernels import reference
+    from macs_kernels.ops import reference
 
     n, full = len(prompt_ids), torch.cat([prompt_ids, generated_ids[:-1]])[None]
     inputs = {key: torch.cat([value, value.new_zeros(1, full.shape[1] - n)], dim=1)

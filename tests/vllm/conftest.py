@@ -23,7 +23,7 @@ def tiny_llama(folder):
     attention takes head sizes of 32 and up."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from macs_kernels.models import load_tokenizer
+    from macs_kernels.api.models import load_tokenizer
 
     tokenizer = load_tokenizer()
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from macs_kernels.cli import build_parser  # noqa: E402
+from macs_kernels.apps.cli import build_parser  # noqa: E402
 
 
 @pytest.mark.slow  # starts a vLLM engine (a minute or more on a busy 2-core machine)

@@ -12,7 +12,7 @@ import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
 import macs_kernels.vllm as macs_vllm  # noqa: E402
-from macs_kernels.explanation import Explanation  # noqa: E402
+from macs_kernels.api.explanation import Explanation  # noqa: E402
 
 from .conftest import engine_error, largest_difference, make_llm, metric, shut_down  # noqa: E402
 
@@ -187,7 +187,7 @@ def test_an_engine_without_the_worker_extension_is_refused(tiny_path):
     run = subprocess.run([sys.executable, "-c", NO_EXTENSION, tiny_path], capture_output=True, text=True, timeout=300,
                          env=os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     assert "REFUSED this LLM has no macs_kernels worker extension: build it with worker_extension_cls=" \
-           "'macs_kernels.vllm.worker.AttributionWorker'" in run.stdout, run.stderr[-3000:]
+           "'macs_kernels.engines.vllm.worker.AttributionWorker'" in run.stdout, run.stderr[-3000:]
 
 
 def test_the_multiprocessing_engine_without_the_worker_extension_is_refused(tiny_path, monkeypatch):
@@ -195,8 +195,11 @@ def test_the_multiprocessing_engine_without_the_worker_extension_is_refused(tiny
     monkeypatch.setitem(os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     llm = make_llm(tiny_path, worker_extension_cls="")
     try:
-        with pytest.raises(RuntimeError, match="this LLM has no macs_kernels worker extension: build it with "
-                                               "worker_extension_cls='macs_kernels.vllm.worker.AttributionWorker'"):
+        with pytest.raises(
+            RuntimeError,
+            match="this LLM has no macs_kernels worker extension: build it with "
+            "worker_extension_cls='macs_kernels.engines.vllm.worker.AttributionWorker'",
+        ):
             macs_vllm.attach(llm)
     finally:
         shut_down(llm)

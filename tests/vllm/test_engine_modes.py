@@ -40,8 +40,8 @@ def test_preemption_and_recompute(tiny_path, tiny_reference):
 def test_the_default_model():
     from transformers import AutoModelForCausalLM
 
-    from macs_kernels.models import default_model_path
-    from macs_kernels.prompts import qa_messages
+    from macs_kernels.api.models import default_model_path
+    from macs_kernels.api.prompts import qa_messages
 
     path = str(default_model_path())
     llm = make_llm(path)
@@ -108,7 +108,7 @@ def _windowed_model(folder, kind):
         MistralForCausalLM,
     )
 
-    from macs_kernels.models import load_tokenizer
+    from macs_kernels.api.models import load_tokenizer
 
     tokenizer = load_tokenizer()
     torch.manual_seed(0)
@@ -237,8 +237,8 @@ def test_a_cache_layout_it_cannot_read_is_refused_at_attach(tiny_path, monkeypat
     """vLLM's AMX kernels pack bfloat16 key blocks in pairs, which the rows cannot read: attach refuses such an
     engine, before any request runs. On a CPU without AMX (vLLM runs bfloat16 in a layout the rows read) the layout
     probe answers as it does on AMX."""
-    from macs_kernels.vllm import tracer
-    from macs_kernels.vllm.backend import MacsCPUAttentionImpl
+    from macs_kernels.engines.vllm import tracer
+    from macs_kernels.engines.vllm.backend import MacsCPUAttentionImpl
 
     monkeypatch.setattr(MacsCPUAttentionImpl, "_transposed", {})  # probe again, in this engine
     if not torch.cpu._is_amx_tile_supported():

@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from macs_kernels import reference
-from macs_kernels.config import MacsConfig
-from macs_kernels.ops import registry
-from macs_kernels.ops.torch_backend import log_floor
-from macs_kernels.vllm import graphs
-from macs_kernels.vllm.tracer import OPTION, VllmTracer, flash_key_pages
+from macs_kernels.core.config import MacsConfig
+from macs_kernels.engines.vllm import graphs
+from macs_kernels.engines.vllm.tracer import OPTION, VllmTracer, flash_key_pages
+from macs_kernels.ops import reference, registry
+from macs_kernels.ops.torch.backend import log_floor
 
 HEADS, KV_HEADS, DIM, BLOCK, BLOCKS, LAYERS, MAX_SEQS, MAX_PAGES = 4, 2, 32, 16, 40, 2, 4, 6
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -243,7 +242,7 @@ def test_the_persistent_plan_follows_vllm_cpus_compiled_engine(tiny_path, tiny_r
     from vllm import SamplingParams
 
     import macs_kernels.vllm as macs_vllm
-    from macs_kernels.explanation import Explanation
+    from macs_kernels.api.explanation import Explanation
 
     from .conftest import largest_difference, make_llm, shut_down
     from .test_engine import token_prompts

@@ -7,7 +7,7 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 from vllm import _custom_ops as ops  # noqa: E402
 
-from macs_kernels.vllm.tracer import key_pages, probe_layout  # noqa: E402
+from macs_kernels.engines.vllm.tracer import key_pages, probe_layout  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -53,10 +53,11 @@ def _flash_cache(keys, slots, blocks, block_size, order):
 @pytest.mark.parametrize("order", [(0, 1, 2, 3), (0, 2, 1, 3)], ids=["LBHNC", "LBNHC"])
 @pytest.mark.parametrize("backend", ["torch", "numba"])
 def test_flash_attn_keys_read_in_place_give_the_reference_rows(order, backend):
-    from macs_kernels import reference
-    from macs_kernels.config import MacsConfig
-    from macs_kernels.core import Kernels, PagedRows
-    from macs_kernels.vllm.tracer import flash_key_pages
+    from macs_kernels.core.config import MacsConfig
+    from macs_kernels.core.plans import PagedRows
+    from macs_kernels.engines.vllm.tracer import flash_key_pages
+    from macs_kernels.ops import reference
+    from macs_kernels.ops.registry import Kernels
 
     generator = torch.Generator().manual_seed(3)
     kv_heads, dim, block_size, blocks, lengths, n_input = 2, 64, 16, 40, [150, 77], [140, 60]
@@ -101,8 +102,8 @@ def test_the_plugin_wraps_the_backend_the_platform_runs_under_its_name(monkeypat
     import vllm.platforms
     from vllm.v1.attention.backends import registry
 
+    from macs_kernels.engines.vllm.backend import MacsAttention
     from macs_kernels.vllm import plugin
-    from macs_kernels.vllm.backend import MacsAttention
 
     registered = []
     monkeypatch.setattr(vllm.platforms, "current_platform", _Platform(kind))
@@ -124,7 +125,7 @@ def test_layer_windows_in_both_backends_conventions():
     (window - 1, 0); both read as the same window, no window as None, a non-causal one refused."""
     from types import SimpleNamespace
 
-    from macs_kernels.vllm.tracer import layer_window
+    from macs_kernels.engines.vllm.tracer import layer_window
 
     windows = [layer_window(SimpleNamespace(sliding_window=w)) for w in (-1, 40, (-1, -1), (39, 0))]
     assert windows == [None, 40, None, 40]

@@ -220,9 +220,9 @@ def test_a_chunk_of_several_tokens_becomes_one_row_per_chunk():
     own row, in order, and the text and finish reason stay on the merged chunk."""
     import asyncio
 
-    from macs_kernels.models import load_tokenizer
+    from macs_kernels.api.models import load_tokenizer
+    from macs_kernels.engines.vllm.worker import decode_rows
     from macs_kernels.vllm.server import AttributionEndpoints, options_of
-    from macs_kernels.vllm.worker import decode_rows
 
     rows = torch.arange(5 * 4, dtype=torch.float32).view(5, 4).neg()
     asked = []
@@ -271,7 +271,7 @@ def test_a_stream_whose_rows_fail_sends_one_error_event_then_ends():
     the request) and the rows are freed."""
     import asyncio
 
-    from macs_kernels.models import load_tokenizer
+    from macs_kernels.api.models import load_tokenizer
     from macs_kernels.vllm.server import AttributionEndpoints, options_of
 
     asked, closed = [], []

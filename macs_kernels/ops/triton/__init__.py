@@ -3,15 +3,15 @@
 Each launcher takes the validated positional arguments of its operator (see ops/<op>.py).
 LAUNCHES counts launches per kernel name.
 """
-from .attention_features import attention_features
-from .common import LAUNCHES
-from .decode_attention import decode_attention, decode_attention_variant
-from .efficient_attention import efficient_attention
-from .macs_pool import macs_pool
-from .macs_pool_paged import macs_pool_paged
-from .macs_update import macs_update
-from .macs_update_rows import macs_update_rows
-from .macs_zscore import macs_zscore
+from macs_kernels.ops.triton.attention_features import attention_features
+from macs_kernels.ops.triton.common import LAUNCHES
+from macs_kernels.ops.triton.decode_attention import decode_attention, decode_attention_variant
+from macs_kernels.ops.triton.efficient_attention import efficient_attention
+from macs_kernels.ops.triton.macs_pool import macs_pool
+from macs_kernels.ops.triton.macs_pool_paged import macs_pool_paged
+from macs_kernels.ops.triton.macs_update import macs_update
+from macs_kernels.ops.triton.macs_update_rows import macs_update_rows
+from macs_kernels.ops.triton.macs_zscore import macs_zscore
 
 __all__ = [
     "LAUNCHES", "attention_features", "decode_attention", "decode_attention_variant", "efficient_attention",

@@ -17,7 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, MIN_SCORE, cdiv, dot, dot_in_f32, features_tiles, head_block, launch, operand
+from macs_kernels.ops.triton.common import (
+    LOG2E,
+    MIN_SCORE,
+    cdiv,
+    dot,
+    dot_in_f32,
+    features_tiles,
+    head_block,
+    launch,
+    operand,
+)
 
 
 @triton.jit

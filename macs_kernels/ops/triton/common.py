@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..registry import triton_interpreted
+from macs_kernels.ops.registry import triton_interpreted
 
 LOG2E = tl.constexpr(1.4426950408889634)
 MIN_SCORE = tl.constexpr(-1.0e30)

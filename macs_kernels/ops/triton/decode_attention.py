@@ -2,8 +2,8 @@
 of K, the head pooling into log_c (macs_update) or into a pooled buffer (macs_pool's m')."""
 from __future__ import annotations
 
-from ..torch_backend import window_ranges
-from .split_kv import fused_pass, split_kv_pass
+from macs_kernels.ops.torch.backend import window_ranges
+from macs_kernels.ops.triton.split_kv import fused_pass, split_kv_pass
 
 
 def decode_attention(

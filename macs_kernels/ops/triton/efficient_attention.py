@@ -1,7 +1,7 @@
 """Efficient attention, Triton back-projection: a_eff = W X^T over key tiles, with a_eff X on the way.
 
 The Gram matrices of X = [V, 1], the float64 solve W = o G^+ and the residual are shared with the torch
-backend (ops/torch_efficient.py); only the pass over the cache runs here.
+backend (ops/torch/efficient.py); only the pass over the cache runs here.
 `_efficient_back_projection_kernel` (grid (B * H_kv, key splits, row tiles)): the G query heads x R rows
 of one KV head form M = G * R rows of W; per key tile it computes the (BLOCK_M x BLOCK_S) block
 W[:, :D] V^T + W[:, D] (the ones column of X is a bias), zeroes keys outside each row's range, stores it,
@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..torch_efficient import project_rows
-from .common import back_projection_tiles, cdiv, dot, head_block, launch, multiprocessors
+from macs_kernels.ops.torch.efficient import project_rows
+from macs_kernels.ops.triton.common import back_projection_tiles, cdiv, dot, head_block, launch, multiprocessors
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 written out before the floor."""
 from __future__ import annotations
 
-from .split_kv import fused_pass
+from macs_kernels.ops.triton.split_kv import fused_pass
 
 
 def macs_pool(q, k_cache, out, input_start, input_end, kv_len, scale, pooling, redistribute, lse, score_start=None,

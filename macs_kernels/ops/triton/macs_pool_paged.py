@@ -1,7 +1,7 @@
 """macs_pool_paged in Triton: macs_pool's split-KV pass reading keys through the block table."""
 from __future__ import annotations
 
-from .macs_pool import macs_pool
+from macs_kernels.ops.triton.macs_pool import macs_pool
 
 
 def macs_pool_paged(q, k_pages, block_table, out, input_start, input_end, kv_len, scale, pooling, redistribute,

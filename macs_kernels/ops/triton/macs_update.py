@@ -6,7 +6,7 @@ p = exp(s - lse), as the op's contract says.
 """
 from __future__ import annotations
 
-from .split_kv import fused_pass
+from macs_kernels.ops.triton.split_kv import fused_pass
 
 
 def macs_update(q, k_cache, log_c, input_start, input_end, kv_len, scale, alpha, pooling, redistribute, lse):

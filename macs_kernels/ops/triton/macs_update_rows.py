@@ -1,7 +1,7 @@
 """macs_update_rows in Triton: each head's generated mass, then the head pooling into log_c."""
 from __future__ import annotations
 
-from .pool import generated_mass, pool
+from macs_kernels.ops.triton.pool import generated_mass, pool
 
 
 def macs_update_rows(rows, log_c, input_start, input_end, kv_len, alpha, pooling, redistribute):

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import launch, row_block
+from macs_kernels.ops.triton.common import launch, row_block
 
 
 @triton.jit

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, launch, next_pow2, pool_block, row_block
+from macs_kernels.ops.triton.common import cdiv, launch, next_pow2, pool_block, row_block
 
 
 @triton.jit

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..registry import triton_split_kv_pass
-from .common import (
+from macs_kernels.ops.registry import triton_split_kv_pass
+from macs_kernels.ops.triton.common import (
     MIN_SCORE,
     SplitKV,
     cdiv,
@@ -45,7 +45,7 @@ from .common import (
     pool_block,
     split_kv_tiles,
 )
-from .pool import pool, pool_tile
+from macs_kernels.ops.triton.pool import pool, pool_tile
 
 
 @triton.jit

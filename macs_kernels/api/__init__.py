@@ -1,0 +1,1 @@
+"""The Python API: explain/stream and Explanation, prompts, models, visualisation, images."""

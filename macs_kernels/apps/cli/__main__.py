@@ -1,0 +1,5 @@
+import sys
+
+from macs_kernels.apps.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Attribution baselines the evaluation compares MACS with: AtMan and AttnLRP."""

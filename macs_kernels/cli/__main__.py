@@ -1,5 +1,0 @@
-import sys
-
-from macs_kernels.cli import main
-
-sys.exit(main())

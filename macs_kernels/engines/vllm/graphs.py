@@ -1,0 +1,223 @@
+"""MACS rows in a vLLM engine that runs CUDA graphs (its default on GPUs: FULL_AND_PIECEWISE).
+
+A full CUDA graph captures the attention layers once per batch size, at engine start, and replays them: the
+Python of a layer's forward runs at capture only. So the rows' kernels are captured too, reading fixed-address
+device buffers (`PersistentPagedRows`, sized for vLLM's largest batch), and each step's plan is written into
+those buffers in place where vLLM builds the step's attention metadata, outside any graph (the FLASH_ATTN
+metadata builder's `build`, from `CommonAttentionMetadata`'s host copies: no device sync). A step's rows are
+finished and copied out when the next step is planned, or when a reader asks (`collect`).
+
+The kernels score every slot of the buffers in every step: slots without a scored row hold a one-key dummy (page
+0, which vLLM reserves as its null block) and are never read back, and each (pooling, redistribute) pair
+runs as its own kernel call over all slots, so per-request options need no shape that depends on the step.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from macs_kernels.core.accumulate import PassRows
+from macs_kernels.core.shards import HeadShards
+from macs_kernels.engines.vllm import tracer as tracing
+from macs_kernels.engines.vllm.engine_config import has_worker_extension, head_shards, layer_order
+from macs_kernels.engines.vllm.tracer import StepPlan, layer_variant
+from macs_kernels.ops import POOLINGS, registry
+from macs_kernels.ops.registry import Kernels
+from macs_kernels.ops.variant import PLAIN, Variant
+
+# vLLM 0.32's CUDAGraphMode names (config/compilation.py) the rows follow, its default first. Attention runs
+# inside a graph for FULL batches (decode batches for the *_DECODE_ONLY and *_AND_PIECEWISE modes, every batch
+# for FULL) and eagerly otherwise; both read the same buffers.
+SUPPORTED_CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "FULL")
+# The (pooling, redistribute) pairs a request may ask for: each is one captured kernel call per layer.
+OPTION_GROUPS = tuple((pooling, redistribute) for pooling in POOLINGS for redistribute in (True, False))
+
+ACTIVE: GraphSteps | None = None  # this worker process's, once an engine with graphs built its metadata builder
+
+
+def graph_mode(vllm_config) -> str | None:
+    """The name of the engine's CUDA-graph mode when it runs graphs, None when it runs eagerly; raises, naming the
+    supported modes, for one the rows cannot follow, and for vLLM's micro-batching (two half-batches' metadata
+    per step)."""
+    compilation = vllm_config.compilation_config
+    name = getattr(compilation.cudagraph_mode, "name", str(compilation.cudagraph_mode))
+    # No capture sizes: no graph is captured (vLLM's CPU platform clears them), attention runs eagerly.
+    if vllm_config.model_config.enforce_eager or name == "NONE" or not compilation.cudagraph_capture_sizes:
+        return None
+    if name not in SUPPORTED_CUDAGRAPH_MODES:
+        raise NotImplementedError(f"cudagraph_mode {name}: macs_kernels follows {SUPPORTED_CUDAGRAPH_MODES} (or "
+                                  "enforce_eager=True)")
+    if getattr(vllm_config.parallel_config, "enable_dbo", False):
+        raise NotImplementedError("dual-batch overlap (enable_dbo) splits each step's attention metadata in two: "
+                                  "macs_kernels with CUDA graphs plans one batch per step")
+    return name
+
+
+def prepare(vllm_config, layer_names) -> None:
+    """At the construction of an engine's metadata builder (`backend.MacsMetadataBuilder`), before vLLM captures its
+    graphs: the persistent buffers' owner for an engine with CUDA graphs and the worker extension (`ACTIVE`), after
+    refusing what it cannot follow (`graph_mode`; a model whose layers are split over several metadata builders,
+    vLLM's hybrid KV-cache groups); None for any other engine. The buffers take 4 * (layers + 1) * max_num_seqs *
+    max_model_len bytes, allocated at the first step's metadata, after vLLM sized its KV cache."""
+    global ACTIVE
+    if not has_worker_extension(vllm_config) or graph_mode(vllm_config) is None:
+        ACTIVE = None
+        return
+    layers = layer_order(vllm_config)
+    if set(layer_names) != set(layers):
+        raise NotImplementedError(
+            f"a metadata builder for {len(layer_names)} of the model's {len(layers)} attention layers (KV-cache "
+            "groups of a hybrid model): macs_kernels with CUDA graphs plans every layer from one block table; "
+            "build the LLM with enforce_eager=True"
+        )
+    if ACTIVE is None or ACTIVE.vllm_config is not vllm_config:
+        ACTIVE = GraphSteps(layers, vllm_config.scheduler_config.max_num_seqs,
+                            vllm_config.model_config.max_model_len, head_shards(vllm_config))
+        ACTIVE.vllm_config = vllm_config
+
+
+def collect() -> None:
+    """Store the rows of the step planned last (a reader asks: no further step may come to do it)."""
+    if ACTIVE is not None:
+        ACTIVE.collect(tracing.ACTIVE)
+
+
+class PersistentPagedRows(PassRows):
+    """`core.PagedRows`' rows over buffers whose addresses never change, for kernels inside a CUDA graph.
+
+    max_rows: the most rows one step scores (vLLM's max_num_seqs); max_pages: the block table's width; n_max: the
+    longest prompt (vLLM's max_model_len). `update` (outside any graph) writes a step's plan into the buffers in
+    place; `pool` (inside or outside a graph) reads only them; `finish` reads the pooled rows of the scored slots.
+    """
+
+    def __init__(self, kernels: Kernels, num_layers: int, max_rows: int, max_pages: int, n_max: int, device,
+                 shards: HeadShards | None = None):
+        super().__init__(num_layers, (max_rows,), n_max, device, shards)
+        self.kernels, self.count = kernels, 0
+        index = dict(dtype=torch.int64, device=device)
+        self.rows = torch.zeros(max_rows, **index)
+        self.table = torch.zeros(max_rows, max_pages, dtype=torch.int32, device=device)
+        # The paged op's (rows, 1) ranges: one query row per slot.
+        self.input_start = torch.zeros(max_rows, 1, **index)
+        self.input_end = torch.ones(max_rows, 1, **index)
+        self.kv_len = torch.ones(max_rows, 1, **index)
+        self.members = torch.zeros(len(OPTION_GROUPS), max_rows, 1, 1, dtype=torch.bool, device=device)
+        self.alpha = torch.ones(max_rows, dtype=torch.float32, device=device)
+        self.poolings = [OPTION_GROUPS[0][0]] * max_rows
+        self.scratch = torch.empty(max_rows, 1, n_max, dtype=torch.float32, device=device)
+
+    @property
+    def max_rows(self) -> int:
+        return self.rows.shape[0]
+
+    def update(self, plan: StepPlan, block_table: torch.Tensor) -> None:
+        """Write a step's plan into the buffers in place (slots past the plan get the one-key dummy). block_table:
+        the step's (rows, pages) device table, whose rows `plan.table_rows` name. Costs no device sync: host
+        values go up by non-blocking copies from pinned memory."""
+        count = len(plan.keys)
+        if count > self.max_rows:
+            raise RuntimeError(f"{count} scored rows in one step, more than the {self.max_rows} slots sized from "
+                               "vLLM's max_num_seqs")
+        if block_table.shape[1] > self.table.shape[1]:
+            raise RuntimeError(f"a block table of {block_table.shape[1]} pages; the buffers hold "
+                               f"{self.table.shape[1]}")
+        dummies = self.max_rows - count
+        groups = [OPTION_GROUPS.index((c.pooling, bool(c.redistribute))) for c in plan.configs]
+        host = torch.tensor([plan.rows + [0] * dummies, plan.n_input + [1] * dummies, plan.lengths + [1] * dummies],
+                            dtype=torch.int64)
+        members = torch.zeros(len(OPTION_GROUPS), self.max_rows, dtype=torch.bool)
+        members[groups, list(range(count))] = True
+        alpha = torch.tensor([c.alpha for c in plan.configs] + [1.0] * dummies, dtype=torch.float32)
+        pinned = self.rows.is_cuda
+        if pinned:
+            host, members, alpha = host.pin_memory(), members.pin_memory(), alpha.pin_memory()
+        self.rows.copy_(host[0], non_blocking=True)
+        self.input_end[:, 0].copy_(host[1], non_blocking=True)
+        self.kv_len[:, 0].copy_(host[2], non_blocking=True)
+        self.members.copy_(members.view(self.members.shape), non_blocking=True)
+        self.alpha.copy_(alpha, non_blocking=True)
+        # The scored rows' block-table rows, gathered on the device; page 0 (vLLM's null block) elsewhere.
+        self.table.zero_()
+        if count:
+            table_rows = torch.tensor(plan.table_rows, dtype=torch.int64)
+            table_rows = table_rows.pin_memory().to(block_table.device, non_blocking=True) if pinned else table_rows
+            self.table[:count, : block_table.shape[1]].copy_(block_table.index_select(0, table_rows))
+        self.poolings = [c.pooling for c in plan.configs] + [OPTION_GROUPS[0][0]] * dummies
+        self.count = count
+
+    def pool(self, layer: int, query: torch.Tensor, keys: torch.Tensor, scale: float, variant: Variant = PLAIN,
+             gather=None) -> None:
+        """m' of every slot of this layer's packed query (T, H, D) over the paged keys (P, page_size, H_kv, D), as
+        `core.PagedRows.pool` (the `core.RowPlan` protocol). Shapes and addresses are the buffers' whatever the
+        step: a CUDA graph replays this with the plan `update` wrote, so a layer's own block table (`gather`) has
+        no place here."""
+        if gather is not None:
+            raise ValueError("the persistent buffers hold one block table for every layer: no per-layer gather")
+        run = self.kernels.pool_paged
+        if not variant.plain:
+            run = functools.partial(self.kernels.pool_paged_variant, window=variant.window, sinks=variant.sinks,
+                                    softcap=variant.softcap)
+        q_rows = query.index_select(0, self.rows).unsqueeze(2)
+        out = self.pooled[layer].unsqueeze(1)
+        for group, (pooling, redistribute) in enumerate(OPTION_GROUPS):
+            run(q_rows, keys, self.table, self.scratch, self.input_start, self.input_end, self.kv_len, scale,
+                pooling, redistribute, None)
+            torch.where(self.members[group], self.scratch, out, out=out)
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log c (count, N_max) float32, 0 past each row's N; which rows hold a NaN, (count,) bool) of the
+        scored slots of the step `update` planned last, queued on the device after that step."""
+        count, pooled = self.count, self.pooled
+        self.pooled = pooled[:, :count]
+        try:
+            log_c, broken = super().finish(self.alpha[:count], self.poolings[:count], self.input_end[:count, 0])
+        finally:
+            self.pooled = pooled
+        return log_c, broken
+
+
+class GraphSteps:
+    """The worker's side of an engine with CUDA graphs: the persistent buffers, the step they were last planned
+    for (rows not yet stored), and the layer order.
+
+    layers: the attention layers' names in forward order; the tracer (`tracer.ACTIVE`, attached later) says which
+    requests ask and where their rows go.
+    """
+
+    def __init__(self, layers: list, max_rows: int, n_max: int, shards: HeadShards | None = None):
+        self.layers = {name: index for index, name in enumerate(layers)}
+        self.max_rows, self.n_max, self.shards = max_rows, n_max, shards
+        self.vllm_config = None  # the engine's, which these buffers serve
+        self.buffers: PersistentPagedRows | None = None
+        self.pending: list | None = None  # the planned step's (request id, step) keys
+
+    def plan(self, tracer, common) -> None:
+        """At `build` of a step's attention metadata (outside the graphs): store the previous step's rows, then
+        write this step's plan into the buffers (sized at the first step)."""
+        self.collect(tracer)
+        table = common.block_table_tensor
+        if self.buffers is None:
+            kernels = registry.paged_kernels(table.device, captured=True)
+            self.buffers = PersistentPagedRows(kernels, len(self.layers), self.max_rows, table.shape[1], self.n_max,
+                                               table.device, self.shards)
+        step = None
+        if tracer is not None:
+            num_reqs = len(tracer.runner.input_batch.req_ids)
+            step = tracer.plan_rows(common.seq_lens_cpu_upper_bound[:num_reqs].tolist(),
+                                    common.query_start_loc_cpu[1: num_reqs + 1].tolist())
+        self.buffers.update(step or StepPlan([], [], [], [], [], []), table)
+        self.pending = step.keys if step else None
+
+    def layer(self, impl, layer, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        """This layer's rows, every step (captured or not): the buffers say which."""
+        index = self.layers.get(layer.layer_name)
+        if index is None or self.buffers is None:
+            return
+        self.buffers.pool(index, query, impl.macs_key_pages(layer, kv_cache), impl.scale, layer_variant(impl))
+
+    def collect(self, tracer) -> None:
+        """Store the last planned step's rows (waits for the device to finish that step)."""
+        keys, self.pending = self.pending, None
+        if keys and tracer is not None:
+            tracer.requests.put(keys, *self.buffers.finish())
