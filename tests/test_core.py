@@ -215,6 +215,28 @@ def test_every_module_lives_in_a_layer_folder():
                 (*LAYERS, "vllm", "__main__")]
 
 
+def test_the_public_paths_users_have_kept_their_place():
+    """The folders moved (issue 39); what users import and run did not."""
+    import importlib
+
+    import macs_kernels
+    from macs_kernels import ops
+
+    assert all(callable(getattr(macs_kernels, name)) for name in macs_kernels.__all__ if name != "__version__")
+    assert {"explain", "stream", "attach", "load_model", "qa_messages"} <= set(macs_kernels.__all__)
+    assert all(callable(getattr(ops, name)) for name in ("decode_attention", "macs_update", "macs_pool",
+                                                         "macs_pool_paged", "macs_update_rows", "macs_zscore",
+                                                         "efficient_attention", "attention_features"))
+    facade = importlib.import_module("macs_kernels.vllm")
+    assert {"attach", "explain", "release", "WORKER_EXTENSION"} <= set(facade.__all__)
+    module, name = facade.WORKER_EXTENSION.rsplit(".", 1)
+    assert module == "macs_kernels.vllm.worker" and getattr(importlib.import_module(module), name).__name__ == name
+    from importlib.metadata import entry_points
+
+    (command,) = [point for point in entry_points(group="console_scripts") if point.name == "macs-kernels"]
+    assert command.load() is importlib.import_module("macs_kernels.apps.cli").main
+
+
 def test_the_package_has_no_import_cycle():
     graph, state, cycles = _imports(), {}, []
 

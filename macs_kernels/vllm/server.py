@@ -1,7 +1,7 @@
 """`vllm serve MODEL` with MACS attribution on /v1/chat/completions, in `macs-kernels serve`'s request and
 response shape (so the live page and its clients work against either):
 
-    VLLM_PLUGINS=macs_kernels vllm serve MODEL --worker-extension-cls macs_kernels.engines.vllm.worker.AttributionWorker
+    VLLM_PLUGINS=macs_kernels vllm serve MODEL --worker-extension-cls macs_kernels.vllm.worker.AttributionWorker
 
 Through vLLM's official extension points only: this `vllm.endpoint_plugins` entry point (opt-in: vLLM loads
 endpoint plugins named in VLLM_PLUGINS only) replaces the POST /v1/chat/completions route by one that hands a

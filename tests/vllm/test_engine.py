@@ -187,7 +187,7 @@ def test_an_engine_without_the_worker_extension_is_refused(tiny_path):
     run = subprocess.run([sys.executable, "-c", NO_EXTENSION, tiny_path], capture_output=True, text=True, timeout=300,
                          env=os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     assert "REFUSED this LLM has no macs_kernels worker extension: build it with worker_extension_cls=" \
-           "'macs_kernels.engines.vllm.worker.AttributionWorker'" in run.stdout, run.stderr[-3000:]
+           "'macs_kernels.vllm.worker.AttributionWorker'" in run.stdout, run.stderr[-3000:]
 
 
 def test_the_multiprocessing_engine_without_the_worker_extension_is_refused(tiny_path, monkeypatch):
@@ -198,7 +198,7 @@ def test_the_multiprocessing_engine_without_the_worker_extension_is_refused(tiny
         with pytest.raises(
             RuntimeError,
             match="this LLM has no macs_kernels worker extension: build it with "
-            "worker_extension_cls='macs_kernels.engines.vllm.worker.AttributionWorker'",
+            "worker_extension_cls='macs_kernels.vllm.worker.AttributionWorker'",
         ):
             macs_vllm.attach(llm)
     finally:

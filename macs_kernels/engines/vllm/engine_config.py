@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from macs_kernels.core.shards import HeadShards
 
-WORKER_EXTENSION = "macs_kernels.engines.vllm.worker.AttributionWorker"
+WORKER_EXTENSION = "macs_kernels.vllm.worker.AttributionWorker"
 
 
 def layer_order(vllm_config) -> list[str]:
