@@ -161,6 +161,7 @@ def test_methods_never_include_the_triton_interpreter():
     assert bench.methods_for("cpu") == ["plain-sdpa", "macs-torch", "macs-torch-fused", *bench.EAGER_METHODS]
 
 
+@pytest.mark.slow  # fresh processes load torch and the model each: ~40 s
 def test_peak_memory_comes_from_a_fresh_process_with_fixed_malloc_thresholds():
     spec = bench.Spec(None, "tiny", "float32", "cpu", "macs-torch", 1, 32, 4, 1)
     result = bench._fresh_process_memory(spec)
@@ -171,6 +172,7 @@ def test_peak_memory_comes_from_a_fresh_process_with_fixed_malloc_thresholds():
     assert failed["status"].startswith("failed (exit ")
 
 
+@pytest.mark.slow  # fresh processes load torch and the model each: ~25 s
 def test_a_cpu_run_times_in_process_and_takes_memory_from_fresh_processes(tmp_path):
     argv = ["--config", "tiny", "--lengths", "16", "--batches", "1", "--methods", "plain-sdpa", "macs-torch",
             "--modes", "greedy", "--new-tokens", "3", "--repeats", "1", "--threads", "1", "--out", str(tmp_path),

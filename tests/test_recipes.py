@@ -47,6 +47,7 @@ def test_batch_explain_writes_one_result_per_prompt(tmp_path):
             assert "".join(result["input_tokens"][start:stop]).strip() == record["prompt"]
 
 
+@pytest.mark.slow  # two worker processes load the default model: ~30 s
 def test_batch_explain_data_parallel_resumes_with_every_prompt_once(tmp_path):
     """Two torchrun ranks append to one output; ids already there (an earlier, stopped run) are skipped, and
     each result equals the single-process run's."""

@@ -83,6 +83,7 @@ def test_outputs_that_would_overwrite_other_files_are_refused_before_any_work(tm
         main(["eval", "--report-only", "--out", str(tmp_path / "notes.jsonl")])
 
 
+@pytest.mark.slow  # three runs of the command on the default model: ~30 s
 def test_resume_on_other_data_recomputes_and_reports_only_that_data(tmp_path, capsys):
     out, records = tmp_path / "r.jsonl", tmp_path / "records"
     first = write_data(tmp_path / "a.json", QUESTIONS[:2])

@@ -13,7 +13,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parents[1]
+PACKAGE_DIR = Path(__file__).resolve().parents[2]
 
 
 def source_commit(short: bool = False) -> str | None:

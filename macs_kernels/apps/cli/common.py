@@ -5,6 +5,7 @@ Everything here runs before any model is loaded, so a mistyped path fails in a s
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import re
 from pathlib import Path
@@ -12,6 +13,23 @@ from pathlib import Path
 DTYPES = ("bfloat16", "float16", "float32")
 # huggingface_hub's repo-id form: "name" or "owner/name" of word characters, dots and dashes.
 _REPO_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
+
+
+class RegistryNames:
+    """argparse `choices` read from a registry whose module imports torch (`module.attribute`, a dict), only when
+    a value is checked: `--help` (with a metavar) never reads them, so it stays torch-free."""
+
+    def __init__(self, module: str, attribute: str):
+        self.module, self.attribute = module, attribute
+
+    def _names(self) -> list[str]:
+        return list(getattr(importlib.import_module(self.module), self.attribute))
+
+    def __contains__(self, name) -> bool:
+        return name in self._names()
+
+    def __iter__(self):
+        return iter(self._names())
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from macs_kernels.apps.cli import at2
 from macs_kernels.apps.cli.common import (
+    RegistryNames,
     add_model_arguments,
     check_backend_argument,
     check_device_argument,
@@ -15,7 +16,6 @@ from macs_kernels.apps.cli.common import (
     write_outputs,
 )
 from macs_kernels.core.config import AT2_ATTENTIONS, ATTENTIONS
-from macs_kernels.core.scores import AGGREGATIONS, DEFAULT_AGGREGATION
 
 
 def add_parser(subparsers) -> None:
@@ -31,9 +31,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--step", type=int, default=None,
                         help="show this step's heatmap, zero-based; negative counts from the end (default: the "
                              "whole answer, see --aggregation)")
-    parser.add_argument("--aggregation", default=None, choices=list(AGGREGATIONS),
-                        help=f"the whole-answer score shown without --step (default: {DEFAULT_AGGREGATION}, "
-                             "Explanation.scores; mean_log_c is the mean over steps of log c shown before)")
+    parser.add_argument("--aggregation", default=None, metavar="NAME",
+                        choices=RegistryNames("macs_kernels.core.scores", "AGGREGATIONS"),
+                        help="the whole-answer score shown without --step, a name of macs_kernels.core.scores."
+                             "AGGREGATIONS (default: Explanation.scores's; mean_log_c is the mean over steps of log "
+                             "c shown before)")
     parser.add_argument("--alpha", type=float, default=0.8)
     parser.add_argument("--pooling", default="max", choices=["max", "mean", "min"])
     parser.add_argument("--no-redistribute", action="store_true", help="switch redistribution off")
