@@ -227,12 +227,14 @@ def default_backend(device: torch.device | str, ops: tuple[str, ...] = TRACER_OP
 
     "Else" means: a backend that cannot run every op here, or whose self-check against the torch path fails for
     one of them (self_check, once per process, device and op), is skipped, the latter with one warning.
-    Inside a CUDA graph capture a self-check cannot run (it reads results on the host): a backend whose verdict
-    is not known yet is skipped with one warning; resolve before capturing (`resolve_backend(None, device,
-    captured=True)`) to have it.
+    Inside a CUDA graph capture or torch.compile's tracing a self-check cannot run (it reads results on the
+    host): a backend whose verdict is not known yet is skipped with one warning; resolve before capturing or
+    compiling (`resolve_backend(None, device, captured=True)`) to have it.
     """
     device = device_key(device)
-    capturing = device.type == "cuda" and _stream_capturing()
+    # Tracing a compiled region would record the self-check's host reads too: like a capture, it takes only
+    # verdicts known before.
+    capturing = device.type == "cuda" and (_stream_capturing() or torch.compiler.is_compiling())
     for candidate in PREFERENCE.get((device.type, captured), ("torch",)):
         if candidate == "torch":
             return candidate
@@ -240,9 +242,9 @@ def default_backend(device: torch.device | str, ops: tuple[str, ...] = TRACER_OP
             continue
         if capturing and not all(checked(candidate, device, op) for op in ops):
             _warn_once((candidate, str(device), "capture"), (
-                f"the {candidate} backend is passed over in this CUDA graph capture on {device}: its self-check has "
-                "not run and cannot run during a capture; call macs_kernels.ops.resolve_backend(None, device, "
-                "captured=True) before capturing"))
+                f"the {candidate} backend is passed over in this CUDA graph capture or compilation on {device}: its "
+                "self-check has not run and cannot run inside one; call macs_kernels.ops.resolve_backend(None, "
+                "device, captured=True) before capturing or compiling"))
             continue
         failed = next(((op, diff) for op in ops if (diff := self_check(candidate, device, op)) is not None),
                       None)

@@ -84,12 +84,18 @@ def test_a_named_backend_is_kept_whatever_the_pass(machine):
         registry.resolve_backend("triton", CUDA, "macs_pool", False)
 
 
-def test_inside_a_cuda_graph_capture_no_self_check_runs(machine, monkeypatch):
-    """A self-check reads results on the host, which a capture forbids: a backend whose verdict is unknown is
-    passed over with a warning saying how to have it; one checked before the capture is taken."""
-    monkeypatch.setattr(registry, "_stream_capturing", lambda: True)
+@pytest.mark.parametrize("inside", ["capture", "compilation"])
+def test_inside_a_cuda_graph_capture_or_a_compilation_no_self_check_runs(machine, monkeypatch, inside):
+    """A self-check reads results on the host, which a capture forbids and a compiled region would record: a
+    backend whose verdict is unknown is passed over with a warning saying how to have it; one checked before the
+    capture or compilation is taken."""
+    if inside == "capture":
+        monkeypatch.setattr(registry, "_stream_capturing", lambda: True)
+    else:
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     registry._verdicts.update({("cuda", "cuda", op): None for op in OPS})
-    with pytest.warns(RuntimeWarning, match="triton backend is passed over in this CUDA graph capture.*captured=True"):
+    with pytest.warns(RuntimeWarning, match="triton backend is passed over in this CUDA graph capture or "
+                                            "compilation.*captured=True"):
         assert registry.default_backend(CUDA, OPS, captured=True) == "cuda"
     assert machine["checks"] == []
     registry._verdicts.update({("triton", "cuda", op): None for op in OPS})
