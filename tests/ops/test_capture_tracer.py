@@ -48,17 +48,19 @@ class HostReads(TorchFunctionMode):
 
 
 def _watch_decode_steps(tracer, watch):
-    """Run each of the tracer's attention calls under `watch()` (a context manager yielding a list) and return
-    {pass: what the decode passes' calls recorded}; the first pass of a sequence (its per-sequence checks) is
-    left out."""
+    """Run each attention call of the tracer's decode passes under `watch()` (a context manager yielding a list) and
+    return {pass: what they recorded}. The first pass of a sequence (its per-sequence checks, host reads by design) is
+    not watched: known before its layer 0 runs (the generate call's first pass is pending), and after it from the
+    pass's plan."""
     attention, recorded = tracer.attention, {}
 
-    def watched(*args, **kwargs):
+    def watched(module, *args, **kwargs):
+        if tracer.call.start_pending or (module.layer_idx != 0 and tracer.prefill):
+            return attention(module, *args, **kwargs)
         step = len(tracer.passes)
         with watch() as reads:
-            result = attention(*args, **kwargs)
-        if not tracer.prefill:
-            recorded.setdefault(step, []).extend(reads)
+            result = attention(module, *args, **kwargs)
+        recorded.setdefault(step, []).extend(reads)
         return result
 
     tracer.attention = watched

@@ -48,7 +48,7 @@ def _features_lse_kernel(
     SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     # Inductor passes Python floats as fp64 (a loop-carried max would turn fp64): the math stays fp32.
-    scale, softcap = scale.to(tl.float32), softcap.to(tl.float32)
+    scale, softcap = tl.cast(scale, tl.float32), tl.cast(softcap, tl.float32)
     pid = tl.program_id(0)
     b = (pid // heads).to(tl.int64)
     h = (pid % heads).to(tl.int64)
@@ -94,7 +94,7 @@ def _features_kernel(
     SOFTCAP: tl.constexpr,
 ):
     # Inductor passes Python floats as fp64 (a loop-carried max would turn fp64): the math stays fp32.
-    scale, softcap = scale.to(tl.float32), softcap.to(tl.float32)
+    scale, softcap = tl.cast(scale, tl.float32), tl.cast(softcap, tl.float32)
     pid = tl.program_id(0)
     b = (pid // heads).to(tl.int64)
     h = (pid % heads).to(tl.int64)

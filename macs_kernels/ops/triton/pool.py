@@ -40,7 +40,7 @@ def _pool_kernel(
     POOLING: tl.constexpr, INTO_LOG_C: tl.constexpr,
 ):
     # Inductor passes Python floats as fp64 (a loop-carried max would turn fp64): the math stays fp32.
-    alpha = alpha.to(tl.float32)
+    alpha = tl.cast(alpha, tl.float32)
     b = (tl.program_id(0) // rows).to(tl.int64)
     r = (tl.program_id(0) % rows).to(tl.int64)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
