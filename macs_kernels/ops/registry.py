@@ -381,10 +381,14 @@ def compiled_self_check(backend: str, device: torch.device | str) -> str | None:
     device = device_key(device)
     key = (backend, str(device), "compiled")
     if key not in _verdicts:
-        _verdicts[key] = next((difference for op in COMPILED_OPS if (difference := verify.compare(
-            torch.compile(implementation(backend, op), fullgraph=True, dynamic=False), implementation("torch", op),
-            device, op)) is not None), None)
+        _verdicts[key] = next((difference for op in COMPILED_OPS
+                               if (difference := _compiled_compare(backend, device, op)) is not None), None)
     return _verdicts[key]
+
+
+def _compiled_compare(backend: str, device: torch.device, op: str) -> str | None:
+    compiled = torch.compile(implementation(backend, op), fullgraph=True, dynamic=False)
+    return verify.compare(compiled, implementation("torch", op), device, op)
 
 
 def compiled_kernels(named: str | None, device: torch.device | str, variants: tuple[str, ...] = ()) -> Kernels:
@@ -392,9 +396,10 @@ def compiled_kernels(named: str | None, device: torch.device | str, variants: tu
     `engine_kernels`' choice for a captured pass if its kernels compile and agree there (`compiled_self_check`), else
     the next backend that does, torch at the latest, with one warning naming why. A compiled generate never fails
     for a kernel that cannot compile inside it."""
-    chosen = engine_kernels(named, device, variants, captured=True).backend
-    for candidate in dict.fromkeys((chosen, *PREFERENCE.get((torch.device(device).type, True), ()), "torch")):
-        if candidate != chosen and candidate != "torch" and (
+    chosen = variant_backend(variants, named, resolve_backend(named, device, None, captured=True))
+    fallbacks = (b for b in PREFERENCE.get((torch.device(device).type, True), ()) if b not in COMPILE_UNSAFE)
+    for candidate in dict.fromkeys((chosen, *fallbacks, "torch")):
+        if candidate not in (chosen, "torch") and (
                 any(why_unavailable(candidate, device, op) for op in TRACER_OPS)
                 or variant_backend(variants, None, candidate) != candidate
                 or any(self_check(candidate, device, op) for op in TRACER_OPS)):

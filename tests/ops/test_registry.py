@@ -123,3 +123,32 @@ def test_a_compiled_pass_is_told_from_an_eager_one(monkeypatch):
     finally:
         torch._dynamo.reset()
     assert not registry.captured_pass()
+
+
+@pytest.mark.parametrize("named, compiles, chosen, warned", [
+    (None, {"triton", "torch"}, "triton", None),
+    (None, {"torch"}, "torch", "triton"),  # Triton's kernels fail inside torch.compile: torch, one warning
+    ("cuda", {"triton", "torch"}, "triton", "cuda"),  # cuda is never run by a compiled pass (issue 47)
+    ("triton", {"torch"}, "torch", "triton"),
+])
+def test_a_compiled_pass_runs_kernels_that_compile_and_falls_back_with_one_warning(machine, monkeypatch, named,
+                                                                                   compiles, chosen, warned):
+    """A compiled generate never fails for a kernel that cannot compile inside it (issue 47): the registry compiles
+    each candidate's per-layer kernels once (here faked) and takes the first that compiles and agrees."""
+    compiled = []
+
+    def compiled_compare(backend, device, op):
+        compiled.append(backend)
+        return None if backend in compiles else "it raised InductorError: fp64 loop-carried variable"
+
+    monkeypatch.setattr(registry, "_compiled_compare", compiled_compare)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):  # verdicts are kept: the second choice compiles and warns nothing more
+            assert registry.compiled_kernels(named, CUDA).backend == chosen
+    messages = [str(w.message) for w in record if "compiled pass" in str(w.message)]
+    if warned is None:
+        assert messages == []
+    else:
+        assert len(messages) == 1 and f"the {warned} backend does not run in a compiled pass" in messages[0]
+    assert "cuda" not in compiled  # the cuda kernels are refused before any compile
