@@ -22,14 +22,13 @@ import threading
 import torch
 
 from macs_kernels.core.config import MacsConfig
-from macs_kernels.core.plans import DenseRows
 from macs_kernels.core.rows import NAN_MESSAGE
 from macs_kernels.core.scores import step_scores
 from macs_kernels.core.shards import HeadShards
 from macs_kernels.engines.captured_steps import CapturedSteps
 from macs_kernels.engines.hf_models import layer_variant
-from macs_kernels.engines.layout import PassLayout, row_ends
 from macs_kernels.engines.method_rows import MethodRows, RowRanges, softmax_rows, window_efficient_rows
+from macs_kernels.engines.pass_plan import PassKeys, PassPlan, PassPlanner
 from macs_kernels.engines.sequences import SequenceRows
 from macs_kernels.ops import registry
 from macs_kernels.ops.variant import PLAIN
@@ -53,21 +52,6 @@ class TraceHook:
 
 
 @dataclasses.dataclass
-class _PassPlan:
-    """One forward pass: the scored query rows (the last `rows` of the pass), their steps (B, R), each row's key end
-    `kv_len` (B, R), the core's accumulator that scores them per layer (`fused`: decode computes the attention
-    output too), whether the pass starts its sequences, and the attention of the layer in progress."""
-
-    rows: int
-    step: torch.Tensor
-    kv_len: torch.Tensor
-    scorer: DenseRows
-    fused: bool
-    prefill: bool
-    variant: object = PLAIN
-
-
-@dataclasses.dataclass
 class GenerateCall:
     """The generate call in progress, as the tracer follows it: its plan (engines.generation_modes.GenerationPlan),
     the padded prompt length (its inputs are the key slots before it), whether its first pass is still to come, and
@@ -79,7 +63,90 @@ class GenerateCall:
     nested: int = 0
 
 
-class Tracer:
+class TraceResults:
+    """What a tracer's caller reads: the rows of the sequences it traced (`sequence_rows`, engines.sequences), and
+    after a hand-over to continuous batching (`continuous`) the requests' rows."""
+
+    sequence_rows: SequenceRows
+    steps: CapturedSteps | None
+    call: GenerateCall
+    continuous: object
+    num_layers: int
+
+    @property
+    def passes(self) -> list[dict]:
+        """Every pass's rows on the device, as computed (engines.sequences.SequenceRows.passes)."""
+        return self.sequence_rows.passes
+
+    @property
+    def store(self):
+        return self.sequence_rows.store
+
+    @property
+    def pooled_store(self):
+        return self.sequence_rows.pooled_store
+
+    def sequences(self) -> int:
+        """How many sequences there are rows for: generate's returned sequences, or the batch rows."""
+        return self.sequence_rows.count()
+
+    def rows(self, item: int, steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(step_log_c, step_scores) of sequence `item`: (steps, N_item) float32 tensors on the CPU; step_scores
+        are Explanation's, the z-scores of each row's log c (core.SCORES["log_z"]), as request_rows returns.
+
+        Default steps: every token of the sequence (generate: up to where its stopping criteria finished it,
+        not the pads generate appends while other rows go on) or every scored row (plain forwards)."""
+        self.sequence_rows.check_item(item)
+        store = self.sequence_rows.store
+        if steps is not None and steps > store.count(item):
+            raise ValueError(f"sequence {item} has {store.count(item)} rows, fewer than the {steps} asked for")
+        log_c = store.rows(item, 0, steps)
+        return log_c, step_scores(log_c)
+
+    @property
+    def keep_pooled(self) -> bool:
+        return self.sequence_rows.pooled_store is not None
+
+    def pooled_rows(self, item: int, steps: int | None = None) -> torch.Tensor:
+        """(steps, L, N_item) float32 m' per layer of sequence `item` (needs keep_pooled=True)."""
+        if not self.keep_pooled:
+            raise RuntimeError("pooled rows are kept only with keep_pooled=True")
+        self.sequence_rows.check_item(item)
+        flat = self.sequence_rows.pooled_store.rows(item, 0, steps)
+        return flat.view(flat.shape[0], self.num_layers, -1)
+
+    def row(self, item: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log_c, its z-scores as in `rows`) (N_item,) of row `step` of batch row `item` while generating (one host
+        sync)."""
+        log_c = self.row_log_c(item, step)
+        return log_c, step_scores(log_c)
+
+    def row_log_c(self, item: int, step: int) -> torch.Tensor:
+        """log c (N_item,) of row `step` of batch row `item` while generating: a streaming reader's O(1) read."""
+        steps = self.steps if self.call.plan is not None and self.call.plan.compiled else None
+        return self.sequence_rows.row_log_c(item, step, steps)
+
+    # ---- continuous batching (after generate_batch / init_continuous_batching ran in the attach block) ----------
+    def _continuous(self):
+        if self.continuous is None:
+            raise RuntimeError("no continuous batching ran in this attach block: call model.generate_batch(...) or "
+                               "model.init_continuous_batching() inside it")
+        return self.continuous
+
+    def request_rows(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(step_log_c, step_scores) of a continuous-batching request so far (see ContinuousTracer)."""
+        return self._continuous().request_rows(request_id)
+
+    def configure(self, request_id: str, **config) -> None:
+        """Per-request alpha/pooling/redistribute/attention of a request not added yet (see ContinuousTracer)."""
+        self._continuous().configure(request_id, **config)
+
+    def release(self, request_id: str) -> None:
+        """Free a finished or cancelled request's rows (see ContinuousTracer)."""
+        self._continuous().release(request_id)
+
+
+class Tracer(TraceResults):
     """MACS state of the sequences that pass through one model.
 
     After a generate call, `rows(i)` gives (step_log_c, step_scores) of returned sequence i (generate's order);
@@ -91,36 +158,33 @@ class Tracer:
     def __init__(self, config: MacsConfig, num_layers: int, device: torch.device, hooks=(), keep_pooled=False,
                  shards: HeadShards | None = None, variants: tuple[str, ...] = ()):
         self.config, self.num_layers, self.hooks = config, num_layers, list(hooks)
-        # Under tensor parallelism this rank pools its own heads; a pass's rows are reduced over the group.
-        self.shards = shards
-        self.layout = PassLayout("sliding_window" in variants)
+        self.planner = PassPlanner(config, num_layers, device, variants, shards)
         self.continuous = None  # set when the attach block hands over to continuous batching
-        # A compiled pass and an eager one may run different kernels (registry.default_backend): each pass takes
-        # those of how it runs.
-        self._kernels = functools.cache(functools.partial(registry.engine_kernels, config.backend, device, variants))
-        self._compiled_kernels = functools.cache(functools.partial(registry.compiled_kernels, config.backend, device,
-                                                                   variants))
         self.owner = threading.get_ident()
         self.methods = MethodRows(config.attention, num_layers,
                                   registry.op_backend(config.backend, device, "efficient_attention"))
         self.call = GenerateCall()
         self.sequence_rows = SequenceRows(num_layers, keep_pooled)
-        self.plan: _PassPlan | None = None
+        self.plan: PassPlan | None = None
         self.steps: CapturedSteps | None = None  # a compiled generation's decode-step buffers
         self.forward_compiled = lambda: False  # whether the model's forward is torch.compile'd now (set by attach)
 
     @property
     def backend(self) -> str:
         """The backend of the kernels that scored the last pass (before any: an eager pass's)."""
-        return (self.plan.scorer.kernels if self.plan is not None else self._kernels(captured=False)).backend
+        return (self.plan.scorer.kernels if self.plan is not None else self.planner.kernels(False)).backend
+
+    @property
+    def layout(self):
+        return self.planner.layout
+
+    @property
+    def shards(self):
+        return self.planner.shards
 
     @property
     def windowed(self) -> bool:
-        return self.layout.windowed
-
-    @property
-    def keep_pooled(self) -> bool:
-        return self.sequence_rows.pooled_store is not None
+        return self.planner.layout.windowed
 
     # ---- what hooks read of the pass in progress ------------------------------------------------------------
     @property
@@ -225,7 +289,7 @@ class Tracer:
         if layer == 0:
             self._begin_pass(query, key, attention_mask, kwargs.get("position_ids"))
         plan = self.plan
-        variant = plan.variant = layer_variant(kwargs, self.layout.key_offset(layer, key.shape[2]))
+        variant = plan.variant = layer_variant(kwargs, self.planner.layout.key_offset(layer, key.shape[2]))
         if plan.fused and fusable:
             result = (plan.scorer.decode(layer, query, key, value, scale, variant), None)
         else:
@@ -253,85 +317,57 @@ class Tracer:
                 "a torch.compile'd forward is traced inside generate with a static cache only; call the uncompiled "
                 "forward for plain forward passes"
             )
-        batch, q_len, slots = query.shape[0], query.shape[2], key.shape[2]
-        # Layer 0's mask is over its own key slots; a window layer's slot j holds token j + offset.
-        offset = self.layout.key_offset(0, slots)
-        keys = slots + offset
-        start = self.layout.attended(mask, batch, slots, key.device).int().argmax(-1).long() + offset
-        last_end = row_ends(mask, batch, q_len, slots, 1, key.device)[:, 0] + offset
+        keys = self.planner.read(query, key, mask)
         generating = call.start_pending
-        prefill = self._starts_sequence(batch, q_len, keys, mask, last_end)
-        if prefill and offset:
-            start = self.layout.dropped_pads(start, last_end, offset, positions)
+        prefill = self._starts_sequence(keys, mask)
         if prefill:
-            # In generate the inputs end where the prompt does; an assisted generation's first pass already
-            # verifies candidates after it. A plain forward's inputs are every key its last query attends.
-            end = torch.full_like(last_end, call.prompt_length) if generating else last_end
-            self.layout.check_left_padding(start, last_end, end, mask, batch, q_len, slots, offset,
-                                           call.plan is not None and call.plan.static_cache)
-            self._start_sequence(start, end, keys)
-            rows = int(last_end[0]) - call.prompt_length + 1 if generating else 1
+            self._start_sequence(keys, mask, positions, generating)
+            rows = int(keys.last_end[0]) - call.prompt_length + 1 if generating else 1
         else:
-            rows = q_len
+            rows = keys.q_len
         if self.methods.active and rows > 1:
             raise NotImplementedError(
                 f"attention={self.config.attention!r} scores one new query per pass (no verify passes)"
             )
         inputs = self.sequence_rows.inputs
-        kv_len = last_end[:, None] if rows == 1 else row_ends(mask, batch, q_len, slots, rows, key.device) + offset
-        self.sequence_rows.grow_row_map(keys)
-        # Every slot [0, S) attended by one row: an unpadded dynamic cache (the mask was dropped).
-        dense = mask is None and rows == 1 and (q_len == 1 or q_len == keys)
-        # A verify pass of an unpadded batch whose rows attend every slot causally (one host sync per pass).
-        causal_block = rows > 1 and inputs.unpadded and bool(
-            (kv_len == torch.arange(keys - rows + 1, keys + 1, device=kv_len.device)).all()
-        )
+        self.sequence_rows.grow_row_map(keys.keys)
         compiled = call.plan is not None and call.plan.compiled
-        kernels = self._compiled_kernels() if compiled else self._kernels(captured=False)
-        has_dense = kernels.pool_dense is not None
-        config = self.config
-        scorer = DenseRows(
-            kernels, self.num_layers, input_start=inputs.start, input_end=inputs.end, kv_len=kv_len,
-            n_max=max(inputs.counts), pooling=config.pooling, redistribute=config.redistribute, alpha=config.alpha,
-            n_dense=inputs.counts[0] if has_dense and (dense or causal_block) else None,
-            beams=call.plan.num_beams if call.plan is not None else 1, shards=self.shards,
-        )
-        verify_block = causal_block and has_dense and not self.windowed
-        fused = self._fuses() and not prefill and (q_len == 1 or verify_block)
-        self.plan = _PassPlan(rows, kv_len - inputs.end[:, None], kv_len, scorer, fused, prefill)
+        self.plan = self.planner.plan(keys, mask, rows, inputs, prefill=prefill, compiled=compiled,
+                                      beams=call.plan.num_beams if call.plan is not None else 1)
         if prefill and compiled:
+            config = self.config
             self.steps = CapturedSteps.reuse_or_allocate(
-                self.steps, kernels, self.num_layers, batch=batch, n_max=max(inputs.counts),
-                max_rows=keys - call.prompt_length + 1, device=key.device, alpha=config.alpha, pooling=config.pooling,
-                redistribute=config.redistribute, fused=self._fuses(),
+                self.steps, self.plan.scorer.kernels, self.num_layers, batch=keys.batch, n_max=max(inputs.counts),
+                max_rows=keys.keys - call.prompt_length + 1, device=key.device, alpha=config.alpha,
+                pooling=config.pooling, redistribute=config.redistribute, fused=self.planner.fuses(),
             )
             self.steps.start(inputs.start, inputs.end)
         for hook in self.hooks:
             hook.begin_pass(self, prefill)
 
-    def _fuses(self) -> bool:
-        """Whether decode steps compute the attention output with the backend's decode kernel (MacsConfig's
-        fused_decode; None: where the eager backend is not torch). Softmax rows only."""
-        fused = self.config.fused_decode
-        if fused is None:
-            fused = self._kernels(captured=False).backend != "torch"
-        return fused and self.config.attention == "softmax"
-
-    def _starts_sequence(self, batch, q_len, keys, mask, last_end) -> bool:
+    def _starts_sequence(self, keys: PassKeys, mask) -> bool:
         if self.call.start_pending:
             self.call.start_pending = False
             return True
         if self.call.plan is not None:
             return False
         inputs = self.sequence_rows.inputs
-        if inputs is None or inputs.end.shape[0] != batch:
+        if inputs is None or inputs.end.shape[0] != keys.batch:
             return True
         if mask is None:
-            return q_len > 1 or keys == 1
+            return keys.q_len > 1 or keys.keys == 1
         # Outside generate, a pass with no cached keys before it starts a new sequence.
-        return bool((last_end == q_len).all())
+        return bool((keys.last_end == keys.q_len).all())
 
-    def _start_sequence(self, start, end, keys: int) -> None:
+    def _start_sequence(self, keys: PassKeys, mask, positions, generating: bool) -> None:
+        """In generate the inputs end where the prompt does (an assisted generation's first pass already verifies
+        candidates after it); a plain forward's inputs are every key its last query attends."""
+        layout, start = self.planner.layout, keys.start
+        if keys.offset:
+            start = layout.dropped_pads(start, keys.last_end, keys.offset, positions)
+        end = torch.full_like(keys.last_end, self.call.prompt_length) if generating else keys.last_end
+        layout.check_left_padding(start, keys.last_end, end, mask, keys.batch, keys.q_len, keys.slots, keys.offset,
+                                  self.call.plan is not None and self.call.plan.static_cache)
         self.sequence_rows = SequenceRows(self.num_layers, self.keep_pooled)
         self.sequence_rows.start(start, end)
         self.methods.reset()
@@ -348,75 +384,6 @@ class Tracer:
             raise FloatingPointError(NAN_MESSAGE)
         pooled = plan.scorer.pooled if self.keep_pooled else None
         self.sequence_rows.add_pass(log_c, plan.step, pooled, plain_forward=not generating)
-        self.layout.cache = None  # the model's cache is the caller's to free once generate returns
+        self.planner.layout.cache = None  # the model's cache is the caller's to free once generate returns
         for hook in self.hooks:
             hook.end_pass(self)
-
-    # ---- results --------------------------------------------------------------------------------------------
-    @property
-    def passes(self) -> list[dict]:
-        """Every pass's rows on the device, as computed (engines.sequences.SequenceRows.passes)."""
-        return self.sequence_rows.passes
-
-    @property
-    def store(self):
-        return self.sequence_rows.store
-
-    @property
-    def pooled_store(self):
-        return self.sequence_rows.pooled_store
-
-    def sequences(self) -> int:
-        """How many sequences there are rows for: generate's returned sequences, or the batch rows."""
-        return self.sequence_rows.count()
-
-    def rows(self, item: int, steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(step_log_c, step_scores) of sequence `item`: (steps, N_item) float32 tensors on the CPU; step_scores
-        are Explanation's, the z-scores of each row's log c (core.SCORES["log_z"]), as request_rows returns.
-
-        Default steps: every token of the sequence (generate: up to where its stopping criteria finished it,
-        not the pads generate appends while other rows go on) or every scored row (plain forwards)."""
-        self.sequence_rows.check_item(item)
-        store = self.sequence_rows.store
-        if steps is not None and steps > store.count(item):
-            raise ValueError(f"sequence {item} has {store.count(item)} rows, fewer than the {steps} asked for")
-        log_c = store.rows(item, 0, steps)
-        return log_c, step_scores(log_c)
-
-    def pooled_rows(self, item: int, steps: int | None = None) -> torch.Tensor:
-        """(steps, L, N_item) float32 m' per layer of sequence `item` (needs keep_pooled=True)."""
-        if not self.keep_pooled:
-            raise RuntimeError("pooled rows are kept only with keep_pooled=True")
-        self.sequence_rows.check_item(item)
-        flat = self.sequence_rows.pooled_store.rows(item, 0, steps)
-        return flat.view(flat.shape[0], self.num_layers, -1)
-
-    def row(self, item: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log_c, its z-scores as in `rows`) (N_item,) of row `step` of batch row `item` while generating (one host
-        sync)."""
-        log_c = self.row_log_c(item, step)
-        return log_c, step_scores(log_c)
-
-    def row_log_c(self, item: int, step: int) -> torch.Tensor:
-        """log c (N_item,) of row `step` of batch row `item` while generating: a streaming reader's O(1) read."""
-        steps = self.steps if self.call.plan is not None and self.call.plan.compiled else None
-        return self.sequence_rows.row_log_c(item, step, steps)
-
-    # ---- continuous batching (after generate_batch / init_continuous_batching ran in the attach block) ----------
-    def _continuous(self):
-        if self.continuous is None:
-            raise RuntimeError("no continuous batching ran in this attach block: call model.generate_batch(...) or "
-                               "model.init_continuous_batching() inside it")
-        return self.continuous
-
-    def request_rows(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(step_log_c, step_scores) of a continuous-batching request so far (see ContinuousTracer)."""
-        return self._continuous().request_rows(request_id)
-
-    def configure(self, request_id: str, **config) -> None:
-        """Per-request alpha/pooling/redistribute/attention of a request not added yet (see ContinuousTracer)."""
-        self._continuous().configure(request_id, **config)
-
-    def release(self, request_id: str) -> None:
-        """Free a finished or cancelled request's rows (see ContinuousTracer)."""
-        self._continuous().release(request_id)
