@@ -66,26 +66,8 @@ def qa(i: int):
     return qa_messages(*QUESTIONS[i])
 
 
-@torch.no_grad()
-def eager_macs(model, input_ids, generated_ids, **config):
-    """Step z-scores and log_c recomputed independently: one eager forward with output_attentions over the
-    whole sequence; the row of step k is the query at position N - 1 + k over its causal prefix."""
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        full = torch.cat([input_ids, generated_ids]).unsqueeze(0)
-        attentions = model(full[:, :-1] if len(generated_ids) else full, output_attentions=True).attentions
-    finally:
-        model.set_attn_implementation(previous)
-    n = len(input_ids)
-    log_rows, z_rows = [], []
-    for k in range(len(generated_ids)):
-        query = n - 1 + k
-        rows = [layer[0, :, query, : query + 1] for layer in attentions]
-        log_c, z = reference.macs_step_reference(rows, n, **config)
-        log_rows.append(log_c)
-        z_rows.append(z)
-    return torch.stack(log_rows), torch.stack(z_rows)
+# One eager forward with output_attentions over the whole sequence, shared with the benchmarks.
+eager_macs = reference.teacher_forced_macs
 
 
 @torch.no_grad()

@@ -379,3 +379,43 @@ def test_a_dense_plan_refuses_a_gather():
     with pytest.raises(ValueError, match="dense cache's keys are the layer's own"):
         plan.pool(0, torch.randn(1, 2, 1, 4), torch.randn(1, 1, 3, 4), 0.5, gather=object())
 
+
+
+def _engine_and_core_classes():
+    for path in sorted((PACKAGE / "engines").rglob("*.py")) + sorted((PACKAGE / "core").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                yield path.relative_to(PACKAGE), node
+
+
+def _assigned_attributes(node: ast.ClassDef) -> set[str]:
+    """The instance attributes a class body assigns (`self.x = ...`) or declares (`x: type`)."""
+    names = {target.target.id for target in node.body if isinstance(target, ast.AnnAssign)
+             and isinstance(target.target, ast.Name)}
+    return names | {sub.attr for sub in ast.walk(node) if isinstance(sub, ast.Attribute)
+                    and isinstance(sub.ctx, ast.Store) and isinstance(sub.value, ast.Name) and sub.value.id == "self"}
+
+
+def test_engine_and_core_classes_read_in_one_sitting():
+    """Issue 49: no god object left in the layers that change with every engine: each class of engines/ and core/
+    has at most 250 lines and 15 attributes."""
+    too_big = [(str(path), node.name, node.end_lineno - node.lineno + 1, len(_assigned_attributes(node)))
+               for path, node in _engine_and_core_classes()
+               if node.end_lineno - node.lineno + 1 > 250 or len(_assigned_attributes(node)) > 15]
+    assert too_big == []
+
+
+def test_no_class_reads_another_ones_private_attributes():
+    """In engines/ and core/, a private attribute of one of their classes is read through `self` only: what another
+    class needs is public. (Private names of transformers' objects that the integration must reach, such as
+    `model._reorder_cache`, are no class of ours.)"""
+    private = {name for _, node in _engine_and_core_classes() for name in _assigned_attributes(node)
+               if name.startswith("_") and not name.startswith("__")}
+    reads = []
+    for path in sorted((PACKAGE / "engines").rglob("*.py")) + sorted((PACKAGE / "core").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr in private
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                reads.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
+    assert reads == []

@@ -158,55 +158,29 @@ class _Pass:
     efficient: list  # (row, request id) of rows whose config asks for efficient attention
     fused: bool  # every query row is scored: the attention output comes from the same probabilities
 
+    def window_segments(self, window: int | None, cu_k: torch.Tensor) -> Segments:
+        """Where the pass's scored rows' keys lie in a layer with this sliding window (None: a full layer): the
+        window's cache holds each request's last tokens only, packed by the layer type's own cu_seq_lens_k."""
+        found = self.windows.get(window)
+        if found is None:
+            base, cu = self.scorer.segments, cu_k.tolist()
+            starts = [cu[i] for i in self.requests]
+            lengths = [cu[i + 1] - cu[i] for i in self.requests]
+            found = self.windows[window] = Segments(
+                starts, lengths, base.n_input, [c.redistribute for c in self.scorer.configs], base.device,
+                offsets=[total - length for total, length in zip(self.tokens, lengths)], window=window,
+            )
+        return found
 
-class ContinuousTracer:
-    """MACS rows of the requests that a continuous-batching engine runs on one model, keyed by request id.
 
-    An adapter: it reads which requests a pass packs (the manager's batch, cu_seq_lens) into the core's
-    `PackedRows` and stores each row under (request id, step) in a `RowStore`, so a request that the engine
-    offloads and re-queues under its id keeps its rows and its options. Thread-safe: the engine's loop
-    appends rows in its own thread while others read them.
-    """
+class RequestRows:
+    """What a continuous-batching tracer's readers call: each request's rows in `store` (a RowStore keyed by request
+    id), read while the engine's loop writes them in its own thread. `untracked_passes` counts the passes of managers
+    the tracer does not know, which a missing request's error names."""
 
-    def __init__(self, config: MacsConfig, num_layers: int, device: torch.device, keep_finished: int = 256,
-                 shards=None, variants: tuple[str, ...] = ()):
-        self.config = config
-        self.num_layers = num_layers
-        self.variants = variants
-        self.kernels = registry.engine_kernels(config.backend, device, variants, "macs_pool")
-        self.backend = self.kernels.backend
-        self.shards = shards
+    def __init__(self, keep_finished: int):
         self.store = RowStore(keep_finished)
-        self.keep_finished = keep_finished
-        self._lock = threading.Lock()
-        self._managers: list = []
-        # Per request: its config (MacsConfig, AT2 features?) in the store, its RequestState as the run's handle.
-        self.requests = Requests(self.store, default=(config, False), finished=_finished)
-        self._schedulers: dict[str, object] = {}  # request id -> the scheduler that runs it
-        self._grams: dict[str, GramState] = {}  # efficient attention: each request's Gram state per layer
-        self._untracked_passes = 0
-        self._pass: _Pass | None = None
-
-    # ---- public API ---------------------------------------------------------------------------------
-    def configure(self, request_id: str, *, at2_features: bool = False, **config) -> None:
-        """Per-request alpha, pooling, redistribute, attention or fused_decode, given before the request is
-        added. at2_features: also keep AT2's features of its softmax rows (`at2_features(request_id)`)."""
-        unknown = set(config) - set(_PER_REQUEST_FIELDS)
-        if unknown:
-            raise ValueError(f"configure() takes {_PER_REQUEST_FIELDS} per request, not {sorted(unknown)}")
-        merged = dataclasses.replace(self.config, **config)
-        support.check_method("continuous", support.method_of(merged))
-        if at2_features and self.shards is not None:
-            support.check("continuous", "at2", "tensor_parallel")
-        for variant in self.variants:
-            support.check("continuous", support.method_of(merged), variant)
-            if at2_features:
-                support.check("continuous", "at2", variant)
-        self.requests.configure(request_id, (merged, bool(at2_features)))
-
-    def skip(self, request_id: str) -> None:
-        """No MACS work for this request (a server's request that did not ask for attribution), until release."""
-        self.requests.skip(request_id)
+        self.untracked_passes = 0
 
     def request_rows(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(step_log_c, step_scores), each (steps, N) float32 on the CPU, steps = tokens generated so far;
@@ -230,6 +204,68 @@ class ContinuousTracer:
         """N: the number of prompt tokens of the request (its inputs)."""
         return self._rows(lambda: self.store.n_input(request_id), request_id)
 
+    def _rows(self, read, request_id):
+        try:
+            return read()
+        except KeyError as error:
+            if self.untracked_passes and "no pass" in str(error):
+                raise KeyError(
+                    f"{error.args[0]} ({self.untracked_passes} forward passes came from a manager this tracer does "
+                    "not know: pass it to tracer.track(manager) or create it inside attach_continuous)"
+                ) from None
+            raise
+
+
+class ContinuousTracer(RequestRows):
+    """MACS rows of the requests that a continuous-batching engine runs on one model, keyed by request id.
+
+    An adapter: it reads which requests a pass packs (the manager's batch, cu_seq_lens) into the core's
+    `PackedRows` and stores each row under (request id, step) in a `RowStore`, so a request that the engine
+    offloads and re-queues under its id keeps its rows and its options. Thread-safe: the engine's loop
+    appends rows in its own thread while others read them.
+    """
+
+    def __init__(self, config: MacsConfig, num_layers: int, device: torch.device, keep_finished: int = 256,
+                 shards=None, variants: tuple[str, ...] = ()):
+        super().__init__(keep_finished)
+        self.config = config
+        self.num_layers = num_layers
+        self.variants = variants
+        self.kernels = registry.engine_kernels(config.backend, device, variants, "macs_pool")
+        self.shards = shards
+        self._lock = threading.Lock()
+        self._managers: list = []
+        # Per request: its config (MacsConfig, AT2 features?) in the store, its RequestState as the run's handle.
+        self.requests = Requests(self.store, default=(config, False), finished=_finished)
+        self._schedulers: dict[str, object] = {}  # request id -> the scheduler that runs it
+        self._grams: dict[str, GramState] = {}  # efficient attention: each request's Gram state per layer
+        self._pass: _Pass | None = None
+
+    @property
+    def backend(self) -> str:
+        return self.kernels.backend
+
+    # ---- public API ---------------------------------------------------------------------------------
+    def configure(self, request_id: str, *, at2_features: bool = False, **config) -> None:
+        """Per-request alpha, pooling, redistribute, attention or fused_decode, given before the request is
+        added. at2_features: also keep AT2's features of its softmax rows (`at2_features(request_id)`)."""
+        unknown = set(config) - set(_PER_REQUEST_FIELDS)
+        if unknown:
+            raise ValueError(f"configure() takes {_PER_REQUEST_FIELDS} per request, not {sorted(unknown)}")
+        merged = dataclasses.replace(self.config, **config)
+        support.check_method("continuous", support.method_of(merged))
+        if at2_features and self.shards is not None:
+            support.check("continuous", "at2", "tensor_parallel")
+        for variant in self.variants:
+            support.check("continuous", support.method_of(merged), variant)
+            if at2_features:
+                support.check("continuous", "at2", variant)
+        self.requests.configure(request_id, (merged, bool(at2_features)))
+
+    def skip(self, request_id: str) -> None:
+        """No MACS work for this request (a server's request that did not ask for attribution), until release."""
+        self.requests.skip(request_id)
+
     def release(self, request_id: str) -> None:
         """Free a finished or cancelled request's rows (a no-op for a request already released or never seen)."""
         with self._lock:
@@ -245,17 +281,6 @@ class ContinuousTracer:
         with self._lock:
             if all(known is not manager for known in self._managers):
                 self._managers.append(manager)
-
-    def _rows(self, read, request_id):
-        try:
-            return read()
-        except KeyError as error:
-            if self._untracked_passes and "no pass" in str(error):
-                raise KeyError(
-                    f"{error.args[0]} ({self._untracked_passes} forward passes came from a manager this tracer does "
-                    "not know: pass it to tracer.track(manager) or create it inside attach_continuous)"
-                ) from None
-            raise
 
     # ---- one forward pass -----------------------------------------------------------------------------
     def _batch(self, cache):
@@ -289,7 +314,7 @@ class ContinuousTracer:
         found = self._batch(cache)
         if found is None:
             with self._lock:
-                self._untracked_passes += 1
+                self.untracked_passes += 1
             return
         batch, scheduler = found
         cu_q = kwargs["cu_seq_lens_q"].tolist()
@@ -354,21 +379,6 @@ class ContinuousTracer:
         fused = all(c.fused_decode for c in configs) and not efficient and rows == list(range(cu_q[-1]))
         self._pass = _Pass(scorer, keys, requests, tokens, {window: segments}, efficient, fused)
 
-    def _window_segments(self, window: int | None, cu_k: torch.Tensor) -> Segments:
-        """Where the pass's scored rows' keys lie in a layer with this sliding window (None: a full layer): the
-        window's cache holds each request's last tokens only, packed by the layer type's own cu_seq_lens_k."""
-        step = self._pass
-        found = step.windows.get(window)
-        if found is None:
-            base, cu = step.scorer.segments, cu_k.tolist()
-            starts = [cu[i] for i in step.requests]
-            lengths = [cu[i + 1] - cu[i] for i in step.requests]
-            found = step.windows[window] = Segments(
-                starts, lengths, base.n_input, [c.redistribute for c in step.scorer.configs], base.device,
-                offsets=[total - length for total, length in zip(step.tokens, lengths)], window=window,
-            )
-        return found
-
     def _efficient_rows(self, layer: int, query, key, value, scale: float, variant, segments) -> None:
         """Efficient rows of the pass's efficient requests, after adding their new values to their Gram state
         (from the layer's own softmax rows: softcap and sinks included). A window layer's row projects onto its
@@ -425,7 +435,7 @@ class ContinuousTracer:
         scale = kwargs.get("scaling")
         scale = float(scale if scale is not None else getattr(module, "scaling", query.shape[-1] ** -0.5))
         variant = layer_variant(updated, 0)
-        segments = None if step is None else self._window_segments(variant.window, updated["cu_seq_lens_k"])
+        segments = None if step is None else step.window_segments(variant.window, updated["cu_seq_lens_k"])
         if step is not None and step.fused:
             result = (step.scorer.decode(layer, query, key, value, scale, variant, segments), None)
         else:
@@ -444,7 +454,7 @@ class ContinuousTracer:
                 self._end_pass()
         return result
 
-    def _close(self) -> None:
+    def close(self) -> None:
         with self._lock:
             self._managers.clear()
             self._pass = None
@@ -565,4 +575,4 @@ def attach_continuous(model, *, manager=None, keep_finished: int = 256, **config
         for module in modules.values():
             delattr(module, _TRACER_ATTRIBUTE)
         _uninstall()
-        tracer._close()
+        tracer.close()

@@ -36,6 +36,14 @@ class GenerationPlan:
     static_cache: bool
     stop_strings: bool  # generate stops sequences at stop strings, which it needs `tokenizer=` to read
     compiled: bool = False  # the forward runs under torch.compile (HF's automatic compile or the user's)
+    max_new_tokens: int | None = None  # generate's length limit: new tokens, or else
+    max_length: int | None = None  # tokens in all, the prompt's included
+
+    def max_steps(self, prompt_length: int) -> int:
+        """The most tokens the call can generate after a prompt of `prompt_length` (its decode passes + 1)."""
+        if self.max_new_tokens is not None:
+            return self.max_new_tokens
+        return max(1, (self.max_length or prompt_length + 1) - prompt_length)
 
 
 def check_generate(model, generate_kwargs: dict, *, attention: str = "softmax") -> GenerationPlan:
@@ -90,7 +98,7 @@ def check_generate(model, generate_kwargs: dict, *, attention: str = "softmax") 
         support.check("generate", method, "assisted")
     beams = config.num_beams or 1
     return GenerationPlan(mode, config.num_return_sequences or 1, beams, static, config.stop_strings is not None,
-                          compiled)
+                          compiled, config.max_new_tokens, config.max_length)
 
 
 def _generate_compiles(model, config) -> bool:

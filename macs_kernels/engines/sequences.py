@@ -97,7 +97,8 @@ class SequenceRows:
         if items.numel():
             self.grow_row_map(int(rows.max()) + 1)
             self._row_map[items, rows] = self._stored + torch.arange(items.numel(), device=items.device)
-            self._append({"log_c": steps.rows[items, rows], "rows": 1}, items.numel())
+            n_max = max(self.inputs.counts)  # the eager passes' width: the steps' buffers span the whole cache
+            self._append({"log_c": steps.rows[items, rows, :n_max], "rows": 1}, items.numel())
         self.flag_nan(steps.broken)
 
     def _append(self, record: dict, count: int) -> None:

@@ -336,10 +336,14 @@ class Tracer(TraceResults):
                                       beams=call.plan.num_beams if call.plan is not None else 1)
         if prefill and compiled:
             config = self.config
+            # Shaped by the cache and generate's length limit in steps of powers of two (256 at least), not by the
+            # prompt: later generations in the same cache replay the graph compiled for the first.
+            max_steps = call.plan.max_steps(call.prompt_length)
             self.steps = CapturedSteps.reuse_or_allocate(
-                self.steps, self.plan.scorer.kernels, self.num_layers, batch=keys.batch, n_max=max(inputs.counts),
-                max_rows=keys.keys - call.prompt_length + 1, device=key.device, alpha=config.alpha,
-                pooling=config.pooling, redistribute=config.redistribute, fused=self.planner.fuses(),
+                self.steps, self.plan.scorer.kernels, self.num_layers, batch=keys.batch, n_max=keys.keys,
+                max_rows=min(keys.keys, max(256, 1 << (max_steps - 1).bit_length())),
+                device=key.device, alpha=config.alpha, pooling=config.pooling, redistribute=config.redistribute,
+                fused=self.planner.fuses(),
             )
             self.steps.start(inputs.start, inputs.end)
         for hook in self.hooks:

@@ -319,3 +319,27 @@ def variant_pool_reference(q, k_tokens, v_tokens, *, input_start, input_end, kv_
             for h in range(heads):
                 out[b, r, h] = probabilities[h] @ _f64(v_tokens[b, h // group, start:length])
     return pooled, out
+
+
+@torch.no_grad()
+def teacher_forced_macs(model, input_ids, generated_ids, **config):
+    """(step log c, step z-scores) (steps, N) float64 of a generation recomputed independently of any tracer (the
+    oracle every engine's rows are compared with): one eager forward with output_attentions over the whole sequence
+    (1-D `input_ids` then `generated_ids`, on the model's device); the row of step k is the query at position
+    N - 1 + k over its causal prefix. Needs a model with `set_attn_implementation` (transformers')."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        full = torch.cat([input_ids, generated_ids]).unsqueeze(0)
+        attentions = model(full[:, :-1] if len(generated_ids) else full, output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation(previous)
+    n = len(input_ids)
+    log_rows, z_rows = [], []
+    for k in range(len(generated_ids)):
+        query = n - 1 + k
+        rows = [layer[0, :, query, : query + 1] for layer in attentions]
+        log_c, z = macs_step_reference(rows, n, **config)
+        log_rows.append(log_c)
+        z_rows.append(z)
+    return torch.stack(log_rows), torch.stack(z_rows)

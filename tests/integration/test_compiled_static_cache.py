@@ -112,38 +112,41 @@ def test_a_users_compiled_forward_with_a_static_cache(backend):
     assert (explanation.step_log_c.double() - reference).abs().max() <= LOG_TOLERANCE
 
 
-def compile_counts(model, ids, mask, traced_kwargs: dict | None) -> tuple[dict, list]:
-    """(dynamo's frames, graph breaks and unique graphs of two compiled generations in a row, the second's rows): plain
-    generate when `traced_kwargs` is None, else attributed."""
+def compile_counts(model, traced_kwargs: dict | None) -> tuple[dict, list]:
+    """(dynamo's frames, graph breaks and unique graphs of two compiled generations in a row, the second's prompts
+    shorter, in the static cache generate sized for the first; the second's tokens and rows): plain generate when
+    `traced_kwargs` is None, else attributed."""
     torch._dynamo.reset()
     counters.clear()
     config = compile_everywhere("eager")
-    rows = None
+    calls = [(PROMPTS, MASK), (PROMPTS[:, 2:], MASK[:, 2:])]
     with torch.no_grad():
-        if traced_kwargs is None:
-            for _ in range(2):
+        for ids, mask in calls:
+            if traced_kwargs is None:
                 model.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0, do_sample=False,
                                cache_implementation="static", compile_config=config)
-        else:
-            traced(model, ids, mask, compile_config=config, **traced_kwargs)
-            first = dict(counters["frames"])
-            tokens, rows = traced(model, ids, mask, compile_config=config, **traced_kwargs)
-            assert dict(counters["frames"]) == first, "the second generation compiled again"
+                tokens = rows = None
+            else:
+                first = dict(counters["frames"])
+                tokens, rows = traced(model, ids, mask, compile_config=config, **traced_kwargs)
+    if traced_kwargs is not None:
+        assert dict(counters["frames"]) == first, "the second generation compiled again"
     return dict(frames=counters["frames"]["total"], graph_breaks=sum(counters["graph_break"].values()),
-                graphs=counters["stats"]["unique_graphs"]), rows
+                graphs=counters["stats"]["unique_graphs"]), (tokens, rows)
 
 
 def test_a_deep_models_compiled_decode_step_is_one_graph_as_plain_generates_is():
     """12 layers, past dynamo's recompile limit of 8 (issue 47): a graph break inside the attention forward would
     compile it once per layer and stop compiling after 8. Attributed, the step compiles the frames plain generate
-    compiles, with no graph break, once for two generations; its rows equal the eager reference."""
+    compiles, with no graph break, once for two generations of different prompt lengths in one static cache; its
+    rows equal the eager reference."""
     model = tiny_llama(heads=4, kv_heads=2, layers=12)
-    plain, _ = compile_counts(model, PROMPTS, MASK, None)
-    attributed, rows = compile_counts(model, PROMPTS, MASK, {})
+    plain, _ = compile_counts(model, None)
+    attributed, (tokens, rows) = compile_counts(model, {})
     assert plain["graph_breaks"] == 0 and plain["frames"] >= 1
     assert attributed == plain
-    tokens = traced(model, PROMPTS, MASK, disable_compile=True)[0]
-    assert_eager_rows(model, PROMPTS, MASK, tokens, rows)
+    assert torch.equal(tokens, traced(model, PROMPTS[:, 2:], MASK[:, 2:], disable_compile=True)[0])
+    assert_eager_rows(model, PROMPTS[:, 2:], MASK[:, 2:], tokens, rows)
 
 
 def test_a_backend_whose_kernels_do_not_compile_is_replaced_with_one_warning():
