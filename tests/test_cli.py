@@ -13,7 +13,9 @@ HEAVY = ("torch", "transformers", "numpy", "triton")
 
 
 @pytest.mark.parametrize("argv", [["-m", "macs_kernels", "--help"], ["-m", "macs_kernels.apps.cli", "eval", "--help"],
-                                  ["-m", "macs_kernels.apps.cli", "at2", "train", "--help"]])
+                                  ["-m", "macs_kernels.apps.cli", "at2", "train", "--help"],
+                                  ["-m", "macs_kernels.apps.cli", "explain", "--help"],
+                                  ["-m", "macs_kernels.apps.cli", "serve", "--help"]])
 def test_help_imports_neither_torch_nor_transformers(argv):
     probe = ("import runpy, sys\n"
              "sys.argv = ['macs-kernels', *sys.argv[1:]]\n"
@@ -204,3 +206,94 @@ def test_serve_refusals_are_one_line_without_a_traceback(argv, line):
     done = subprocess.run([sys.executable, "-m", "macs_kernels", *argv], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.strip().splitlines() == [line]
+
+
+def test_an_unknown_aggregation_is_refused_naming_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        main(_explain("--aggregation", "median"))
+    assert "invalid choice: 'median' (choose from max_plus_run_minus_mean_sinkless_z" in capsys.readouterr().err
+
+
+def test_an_output_file_the_system_refuses_is_named_before_loading(monkeypatch):
+    """/proc passes every permission test and refuses the file: only opening tells."""
+    def no_loading(args):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr("macs_kernels.apps.cli.explain.load_from_args", no_loading)
+    with pytest.raises(SystemExit, match=r"--json /proc/x.json: cannot write it \(.+\)"):
+        main(_explain("--json", "/proc/x.json"))
+
+
+def _small_window_chat_model(folder, monkeypatch, window: int):
+    from tests.helpers import tiny_chat_model
+
+    model, tokenizer = tiny_chat_model(folder)
+    monkeypatch.setattr(model.config, "max_position_embeddings", window)
+    monkeypatch.setattr("macs_kernels.apps.cli.explain.load_from_args", lambda args: (model, tokenizer))
+    return model, tokenizer
+
+
+def test_a_prompt_past_the_context_window_exits_with_one_line(tmp_path, monkeypatch):
+    model, _ = _small_window_chat_model(tmp_path, monkeypatch, window=32)
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("generation ran")
+
+    monkeypatch.setattr(model, "generate", no_generation)
+    with pytest.raises(SystemExit, match=r"explain: the prompt has \d+ tokens; the model's context window holds 32 "):
+        main(["explain", "--prompt", "word " * 40])
+
+
+def test_a_step_past_the_end_prints_the_answer_then_the_error(monkeypatch, capsys):
+    import torch
+
+    from macs_kernels.api.explanation import Explanation
+
+    answer = Explanation(input_ids=torch.arange(3), generated_ids=torch.tensor([5, 6]), input_tokens=["a", "b", "c"],
+                         generated_tokens=["x", "y"], step_log_c=torch.tensor([[0.0, -1.0, -2.0], [-2.0, -1.0, 0.0]]),
+                         config={}, text="the answer xy")
+    monkeypatch.setattr("macs_kernels.apps.cli.explain.load_from_args", lambda args: (None, None))
+    monkeypatch.setattr("macs_kernels.api.explanation.explain", lambda *args, **kwargs: answer)
+    with pytest.raises(SystemExit, match="--step 2 is out of range: the generation stopped after 2 tokens; the whole "
+                                         "answer is shown above"):
+        main(["explain", "--prompt", "Say xy.", "--max-new-tokens", "3", "--step", "2"])
+    assert "the answer xy" in capsys.readouterr().out
+
+
+def test_a_decompression_bomb_is_one_line(tmp_path, monkeypatch):
+    from PIL import Image
+
+    Image.new("RGB", (40, 40)).save(tmp_path / "bomb.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 1,600 pixels: past twice the limit, PIL's bomb error
+    with pytest.raises(SystemExit, match=r"--image .*bomb.png: cannot read it as an image \(Image size \(1600 "
+                                         r"pixels\) exceeds limit"):
+        main(["explain", "--image", str(tmp_path / "bomb.png"), "--prompt", "What is it?", "--model", "some/vlm"])
+
+
+def test_a_folder_that_holds_no_model_is_one_line():
+    with pytest.raises(SystemExit, match="--model /etc: cannot load it: "):
+        main(_explain("--model", "/etc"))
+
+
+@pytest.mark.parametrize("offline", [True, False], ids=["HF_HUB_OFFLINE", "no-network"])
+def test_a_hub_id_out_of_reach_fails_at_once(monkeypatch, offline):
+    import socket
+
+    from huggingface_hub import constants
+    from transformers import AutoModelForCausalLM
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("from_pretrained ran (and would retry the hub for half a minute)")
+
+    def unresolved(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_loading)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    monkeypatch.setattr("macs_kernels.api.models.socket.getaddrinfo", unresolved)
+    for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    why = "HF_HUB_OFFLINE is set" if offline else r"the hub \(huggingface.co\) cannot be reached: Name or service"
+    with pytest.raises(SystemExit, match=f"--model no-such-owner/no-such-model: cannot load it: no-such-owner/"
+                                         f"no-such-model is not in the local Hugging Face cache and {why}"):
+        main(_explain("--model", "no-such-owner/no-such-model"))

@@ -54,3 +54,67 @@ def test_a_continued_conversation_hands_its_cache_without_a_deprecation(chat_mod
     torch.testing.assert_close(by_old_name.step_log_c, by_new_name.step_log_c, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="cache= and past_key_values= both given"):
         explain(model, tokenizer, input_ids=both, max_new_tokens=2, cache=cache, past_key_values=cache)
+
+
+@pytest.fixture
+def no_generation(chat_model, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("generation ran")
+
+    model, tokenizer = chat_model
+    monkeypatch.setattr(model, "generate", refuse)
+    return model, tokenizer
+
+
+def test_a_prompt_past_the_context_window_is_refused_before_generation(no_generation, monkeypatch):
+    model, tokenizer = no_generation
+    monkeypatch.setattr(model.config, "max_position_embeddings", 16)
+    n = len(tokenizer.apply_chat_template([{"role": "user", "content": "word " * 20}],
+                                          add_generation_prompt=True)["input_ids"])
+    with pytest.raises(ValueError, match=rf"the prompt has {n} tokens; the model's context window holds 16 "):
+        explain(model, tokenizer, "word " * 20)
+    with pytest.raises(ValueError, match=r"the prompt has 10 tokens and max_new_tokens=7; the model's context window "
+                                         r"holds 16 \(config.max_position_embeddings\), so at most 6 new tokens fit"):
+        explain(model, None, input_ids=torch.arange(10), max_new_tokens=7)
+
+
+@pytest.mark.parametrize("rope, window", [({"rope_type": "linear", "factor": 2.0}, 16), ({"rope_type": "dynamic",
+                                                                                           "factor": 2.0}, None)])
+def test_the_context_window_under_rope_scaling(chat_model, monkeypatch, rope, window):
+    """Transformers' configs of scaled models state the scaled window in max_position_embeddings; dynamic scaling
+    rescales as the sequence grows, so it has no fixed limit."""
+    from macs_kernels.api.generation import context_window
+
+    model, _ = chat_model
+    monkeypatch.setattr(model.config, "max_position_embeddings", 16)
+    monkeypatch.setattr(model.config, "rope_parameters", {"rope_theta": 10000.0} | rope, raising=False)
+    assert context_window(model) == window
+
+
+def _word_level_tokenizer(words: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocabulary = {"[UNK]": 0} | {f"w{i}": i for i in range(1, words)}
+    backend = Tokenizer(models.WordLevel(vocabulary, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+
+
+def test_a_tokenizer_of_another_model_is_refused_though_its_ids_fit(no_generation):
+    model, _ = no_generation
+    small = _word_level_tokenizer(500)  # every id it makes lies inside the model's 49152 rows
+    with pytest.raises(ValueError, match=r"is it the model's tokenizer\?\): it has 500 tokens and the model's "
+                                         r"embedding 49152 rows"):
+        explain(model, small, "w1 w2 w3")
+
+
+def test_a_tokenizer_whose_end_of_sequence_is_not_the_models_is_warned_of(no_generation):
+    import copy
+
+    model, tokenizer = no_generation
+    other = copy.deepcopy(tokenizer)
+    other.eos_token = other.convert_ids_to_tokens(0)
+    with pytest.warns(UserWarning, match=r"the tokenizer's end-of-sequence id 0 is none of the model's \[2\]"):
+        with pytest.raises(AssertionError, match="generation ran"):
+            explain(model, other, "Why is the sky blue?")

@@ -11,7 +11,16 @@ import numpy as np
 import torch
 
 from macs_kernels.api.alignment import user_span
-from macs_kernels.api.generation import decode_text, decode_tokens, encode_prompts, eos_ids, generation_kwargs, pad_id
+from macs_kernels.api.generation import (
+    check_context,
+    check_tokenizer,
+    decode_text,
+    decode_tokens,
+    encode_prompts,
+    eos_ids,
+    generation_kwargs,
+    pad_id,
+)
 from macs_kernels.api.prompts import is_messages
 from macs_kernels.core import support
 from macs_kernels.core.config import MacsConfig
@@ -265,6 +274,8 @@ def _prepare(model, tokenizer, prompt, input_ids, max_new_tokens, config_kwargs,
     check_model(model)
     layouts = None
     if images is None:
+        if prompt is not None and tokenizer is not None:
+            check_tokenizer(model, tokenizer)
         ids, mask, batched = encode_prompts(tokenizer, prompt, input_ids,
                                             vocab_size=model.get_input_embeddings().num_embeddings)
     else:
@@ -278,6 +289,7 @@ def _prepare(model, tokenizer, prompt, input_ids, max_new_tokens, config_kwargs,
         raise ValueError("return_dict_in_generate=True is not supported: explain() and stream() return the "
                          "generated ids with their attributions (Explanation.generated_ids); drop the option")
     kwargs = generation_kwargs(model, tokenizer, max_new_tokens, generate_kwargs)
+    check_context(model, ids.shape[1], max_new_tokens)
     # A model whose generation config asks for a dict would make generate return one.
     kwargs["return_dict_in_generate"] = False
     plan = check_generate(model, kwargs, attention=config.attention)
@@ -474,7 +486,10 @@ def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuo
         raise ValueError("prompts must be a non-empty list of prompts")
     check_model(model)
     vocab_size = model.get_input_embeddings().num_embeddings
+    check_tokenizer(model, tokenizer)
     inputs = [encode_prompts(tokenizer, prompt, vocab_size=vocab_size)[0][0].tolist() for prompt in prompts]
+    for ids in inputs:
+        check_context(model, len(ids), max_new_tokens)
     if continuous_batching_config is None:
         continuous_batching_config = ContinuousBatchingConfig()
     elif not isinstance(continuous_batching_config, ContinuousBatchingConfig):

@@ -2,6 +2,8 @@
 vocabulary check), the generation defaults (greedy; the pad and end-of-sequence ids), and each token's text."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from macs_kernels.api.prompts import is_messages, plain_prompt
@@ -71,6 +73,56 @@ def _check_vocabulary(ids: torch.Tensor, vocab_size: int | None, what: str) -> N
         raise ValueError(
             f"{what}: {int(outside.sum())} token id(s) outside the model's vocabulary [0, {vocab_size}): {found}"
         )
+
+
+def context_window(model) -> int | None:
+    """Positions the model was configured for (its text config's max_position_embeddings), or None when it has no
+    fixed limit: a config that states none, or dynamic rope scaling (transformers rescales as the sequence grows).
+    Other rope scalings (linear, yarn, llama3, longrope) count in that number: transformers' configs of scaled
+    models state the scaled window there."""
+    text_config = model.config.get_text_config()
+    rope = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) == "dynamic":
+        return None
+    window = getattr(text_config, "max_position_embeddings", None)
+    return window if isinstance(window, int) and window > 0 else None
+
+
+def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse a prompt that, with max_new_tokens generated after it, runs past the model's context window: the
+    positions beyond it were never trained, and the answer would be wrong without a word."""
+    window = context_window(model)
+    if window is None:
+        return
+    if prompt_tokens >= window:
+        raise ValueError(f"the prompt has {prompt_tokens} tokens; the model's context window holds {window} "
+                         "(config.max_position_embeddings, prompt and answer together): shorten the prompt")
+    if prompt_tokens + max_new_tokens > window:
+        raise ValueError(f"the prompt has {prompt_tokens} tokens and max_new_tokens={max_new_tokens}; the model's "
+                         f"context window holds {window} (config.max_position_embeddings), so at most "
+                         f"{window - prompt_tokens} new tokens fit")
+
+
+def check_tokenizer(model, tokenizer) -> None:
+    """Refuse a tokenizer that cannot be the model's, by cheap signals: more tokens than the model embeds, or
+    fewer than half of its embedding rows (a model pads its embedding to a multiple of 64 or 128, not to twice its
+    vocabulary); warn when its end-of-sequence id is none of the model's."""
+    rows = model.get_input_embeddings().num_embeddings
+    try:
+        size = len(tokenizer)
+    except TypeError:  # a stand-in without a vocabulary size: the ids' own range check remains
+        return
+    if size > rows or size < rows // 2:
+        raise ValueError(f"the tokenizer's ids (is it the model's tokenizer?): it has {size} tokens and the model's "
+                         f"embedding {rows} rows, the vocabulary [0, {rows})")
+    ends = set()
+    for source in (model.config.get_text_config(), model.generation_config):
+        value = getattr(source, "eos_token_id", None)
+        ends.update(value if isinstance(value, (list, tuple)) else [] if value is None else [value])
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if ends and eos is not None and eos not in ends:
+        warnings.warn(f"the tokenizer's end-of-sequence id {eos} is none of the model's {sorted(ends)}: is it the "
+                      "model's tokenizer?", stacklevel=3)
 
 
 def eos_ids(model, tokenizer) -> set[int]:

@@ -11,9 +11,11 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import socket
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
@@ -143,6 +145,32 @@ def _converted(name: str, gguf_folder, gguf_file: str, wait_s: float = 600.0) ->
     return target
 
 
+def check_reachable(name: str | os.PathLike) -> None:
+    """Raise OSError at once when `name` is a hub id that is neither a local folder nor in the Hugging Face cache
+    and the hub cannot be reached (HF_HUB_OFFLINE set, or its host does not resolve): huggingface_hub would retry
+    for about 35 s before saying the same."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError
+
+    if Path(name).exists():
+        return
+    try:
+        if isinstance(try_to_load_from_cache(str(name), "config.json"), str):
+            return
+    except HFValidationError:  # not a hub id: from_pretrained names the problem
+        return
+    if constants.HF_HUB_OFFLINE:
+        raise OSError(f"{name} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set")
+    if any(os.environ.get(proxy) for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return  # the proxy resolves the hub's name, not this machine
+    host = urlparse(constants.ENDPOINT).hostname
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as error:
+        raise OSError(f"{name} is not in the local Hugging Face cache and the hub ({host}) cannot be reached: "
+                      f"{error.strerror or error} (no network?)") from None
+
+
 def load_tokenizer(name: str | os.PathLike | None = None):
     """The tokenizer of `name` (default model when None)."""
     from transformers import AutoTokenizer
@@ -166,6 +194,7 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: torch.dtype = to
     from transformers import AutoModelForCausalLM
 
     path = _path(name)
+    check_reachable(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     if device is not None:
         model = model.to(device)

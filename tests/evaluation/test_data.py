@@ -119,3 +119,16 @@ def test_stqa_350_paper_split():
     for s in samples:
         for text, start in s.answers:
             assert s.context[start:start + len(text)] == text
+
+
+def test_a_data_file_that_is_not_json_is_named(tmp_path):
+    path = tmp_path / "qa.jsonl"
+    path.write_text('{"question": "q", "context": "c", "answers": []}\n{"question": "r"}\n')
+    with pytest.raises(ValueError, match=rf"{path}: not JSON \(Extra data: line 2"):
+        load_qa(path)
+
+
+def test_an_answer_without_its_offset_is_named(tmp_path):
+    path = _write(tmp_path, "qa.json", [{"question": "Who?", "context": "Ann did.", "answers": [{"text": "Ann"}]}])
+    with pytest.raises(ValueError, match="sample 0: answer 0 has no 'answer_start' field"):
+        load_qa(path)

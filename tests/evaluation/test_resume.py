@@ -241,3 +241,38 @@ def test_results_lines_without_a_checksum_are_recomputed_and_reported(tmp_path, 
     assert results(out)[len(written):] == written  # computed again: the same lines, with their checksums
     summary = json.loads(out.with_suffix(".json").read_text())
     assert summary["methods"]["macs"]["auc_pr"]["mean"] == computed and summary["unverified_lines"] == 0
+
+
+def test_a_damaged_cache_file_is_named_and_computed_again(tmp_path):
+    """A record or rows file cut short (a copy interrupted): named, removed and so recorded again, not a
+    BadZipFile on every run that reaches its sample."""
+    from macs_kernels.apps.evaluation.record_cache import load_record, load_rows, save_record, save_rows
+
+    prompt, generated = np.arange(6), np.array([1, 2])
+    save_record(tmp_path, "key", {"rows": np.ones((2, 6), np.float32)}, prompt, generated)
+    save_rows(tmp_path, "key", "rollout", np.ones((2, 6)), generated, {"seconds": 1.0, "peak_bytes": None})
+    for path, load in ((tmp_path / "key.npz", lambda: load_record(tmp_path, "key", prompt)),
+                       (next(tmp_path.glob("key.rollout-*.npz")), lambda: load_rows(tmp_path, "key", "rollout",
+                                                                                     generated))):
+        path.write_bytes(path.read_bytes()[:100])
+        with pytest.warns(UserWarning, match=rf"{path}: a damaged cache file \(BadZipFile"):
+            assert load() is None
+        assert not path.exists()
+
+
+def test_a_results_stream_that_cannot_be_written_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    def no_loading(args):
+        raise AssertionError("the model was loaded before the results stream was checked")
+
+    monkeypatch.setattr("macs_kernels.apps.cli.eval.load_from_args", no_loading)
+    data = write_data(tmp_path / "qa.json", QUESTIONS[:1])
+    with pytest.raises(SystemExit, match=r"eval: --out: cannot write the results stream /proc/results.jsonl \("):
+        main(eval_command(data, "/proc/results.jsonl", tmp_path / "records"))
+
+
+def test_a_data_file_that_is_not_json_exits_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setattr("macs_kernels.apps.cli.eval.load_from_args", lambda args: pytest.fail("the model loaded"))
+    data = tmp_path / "qa.json"
+    data.write_text("question,context\n")
+    with pytest.raises(SystemExit, match=rf"eval: {data}: not JSON \(Expecting value: line 1 column 1"):
+        main(eval_command(data, tmp_path / "out.jsonl", tmp_path / "records"))

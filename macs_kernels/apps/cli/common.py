@@ -6,30 +6,27 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import re
 from pathlib import Path
+
+from macs_kernels.apps.files import check_writable
 
 DTYPES = ("bfloat16", "float16", "float32")
 # huggingface_hub's repo-id form: "name" or "owner/name" of word characters, dots and dashes.
 _REPO_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
 
 
-class RegistryNames:
-    """argparse `choices` read from a registry whose module imports torch (`module.attribute`, a dict), only when
-    a value is checked: `--help` (with a metavar) never reads them, so it stays torch-free."""
+def registry_name(module: str, attribute: str):
+    """An argparse `type` taking a name of the registry `module.attribute` (a dict), read only when a value is
+    given: argparse formats every `choices` into --help, and the registry's module imports torch (seconds)."""
 
-    def __init__(self, module: str, attribute: str):
-        self.module, self.attribute = module, attribute
+    def name(value: str) -> str:
+        names = list(getattr(importlib.import_module(module), attribute))
+        if value not in names:
+            raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(names)})")
+        return value
 
-    def _names(self) -> list[str]:
-        return list(getattr(importlib.import_module(self.module), self.attribute))
-
-    def __contains__(self, name) -> bool:
-        return name in self._names()
-
-    def __iter__(self):
-        return iter(self._names())
+    return name
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,7 +84,9 @@ def load_from_args(args: argparse.Namespace):
     check_device_argument(args.device)
     try:
         return load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
-    except OSError as error:  # transformers' "not a valid model identifier", missing files, no network
+    # OSError: transformers' "not a valid model identifier", missing files, no network; ValueError: a folder that
+    # holds no model ("Unrecognized model in /etc").
+    except (OSError, ValueError) as error:
         raise SystemExit(f"--model {args.model}: cannot load it: {str(error).splitlines()[0]}") from None
 
 
@@ -104,8 +103,10 @@ def check_output_files(**paths: Path | None) -> None:
         folder = path.resolve().parent
         if not folder.is_dir():
             raise SystemExit(f"{option} {path}: the folder {folder} does not exist")
-        if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-            raise SystemExit(f"{option} {path}: not writable")
+        try:
+            check_writable(path)
+        except OSError as error:
+            raise SystemExit(f"{option} {path}: cannot write it ({error.strerror or error})") from None
         resolved = path.resolve()
         if resolved in seen:
             raise SystemExit(f"{seen[resolved]} and {option} name the same file {path}")

@@ -6,13 +6,13 @@ from pathlib import Path
 
 from macs_kernels.apps.cli import at2
 from macs_kernels.apps.cli.common import (
-    RegistryNames,
     add_model_arguments,
     check_backend_argument,
     check_device_argument,
     check_model_argument,
     check_output_files,
     load_from_args,
+    registry_name,
     write_outputs,
 )
 from macs_kernels.core.config import AT2_ATTENTIONS, ATTENTIONS
@@ -32,7 +32,7 @@ def add_parser(subparsers) -> None:
                         help="show this step's heatmap, zero-based; negative counts from the end (default: the "
                              "whole answer, see --aggregation)")
     parser.add_argument("--aggregation", default=None, metavar="NAME",
-                        choices=RegistryNames("macs_kernels.core.scores", "AGGREGATIONS"),
+                        type=registry_name("macs_kernels.core.scores", "AGGREGATIONS"),
                         help="the whole-answer score shown without --step, a name of macs_kernels.core.scores."
                              "AGGREGATIONS (default: Explanation.scores's; mean_log_c is the mean over steps of log "
                              "c shown before)")
@@ -105,16 +105,21 @@ def run(args: argparse.Namespace) -> int:
 
     model, tokenizer = load_from_args(args)
     prompt = args.prompt if args.prompt is not None else qa_messages(args.question, args.context)
-    explanation = explain(model, tokenizer, prompt, max_new_tokens=args.max_new_tokens, **config.as_dict())
+    try:
+        explanation = explain(model, tokenizer, prompt, max_new_tokens=args.max_new_tokens, **config.as_dict())
+    except ValueError as error:  # refused before generating: a prompt past the context window, another tokenizer
+        raise SystemExit(f"explain: {error}") from None
     if args.context:
         from macs_kernels.apps.evaluation.alignment import align_qa
 
         explanation.source_span = align_qa(tokenizer, args.question, args.context).context_tokens
     steps = len(explanation.generated_ids)
     if args.step is not None and not -steps <= args.step < steps:
-        # The generation ended before --step: keep what was asked to be written, then say why nothing is shown.
+        # The generation ended before --step: show the whole answer and write what was asked, then say why.
+        print_explanation(explanation, how=args.aggregation, full=args.full)
         write_outputs(args, explanation)
-        raise SystemExit(f"--step {args.step} is out of range: the generation stopped after {steps} tokens")
+        raise SystemExit(f"--step {args.step} is out of range: the generation stopped after {steps} tokens; the "
+                         "whole answer is shown above")
     print_explanation(explanation, step=args.step, how=args.aggregation, full=args.full)
     write_outputs(args, explanation)
     return 0

@@ -8,6 +8,9 @@ def load_vision_model(name, *, dtype, device=None):
     """(model, processor) of a vision-language model folder or hub id, in eval mode."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    from macs_kernels.api.models import check_reachable
+
+    check_reachable(name)
     model = AutoModelForImageTextToText.from_pretrained(name, dtype=dtype)
     if device is not None:
         model = model.to(device)
@@ -36,6 +39,7 @@ def explain_images(args: argparse.Namespace, config) -> int:
     the prompt's heatmap and each image's most attended cell; write --heatmap (PNG over the first image), --json and
     --html."""
     import torch
+    from PIL import Image
 
     from macs_kernels.api.explanation import explain
     from macs_kernels.api.vision import image_scores, load_image
@@ -47,7 +51,7 @@ def explain_images(args: argparse.Namespace, config) -> int:
     for path in args.image:
         try:
             images.append(load_image(path))
-        except OSError as error:
+        except (OSError, Image.DecompressionBombError) as error:  # a bomb's error is no OSError
             raise SystemExit(f"--image {path}: cannot read it as an image ({error})") from None
     try:
         model, processor = load_vision_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
@@ -58,8 +62,10 @@ def explain_images(args: argparse.Namespace, config) -> int:
                           **config.as_dict())
     steps = len(explanation.generated_ids)
     if args.step is not None and not -steps <= args.step < steps:
+        print_explanation(explanation, how=args.aggregation)
         write_outputs(args, explanation)
-        raise SystemExit(f"--step {args.step} is out of range: the generation stopped after {steps} tokens")
+        raise SystemExit(f"--step {args.step} is out of range: the generation stopped after {steps} tokens; the "
+                         "whole answer is shown above")
     # The text after the last image: hundreds of image tokens would bury it (the images' cells are printed below).
     after_images = max(tokens.positions[-1] for tokens in explanation.images) + 1
     span = (after_images, len(explanation.input_tokens)) if after_images < len(explanation.input_tokens) else None

@@ -72,7 +72,11 @@ def load_qa(path: str | os.PathLike | None = None, *, hf_dataset: str | None = N
 
 def _json_records(path: Path) -> list[dict]:
     with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not JSON ({error}); give a JSON list of {{question, context, answers}} or "
+                             "SQuAD's file (--hf-dataset reads .jsonl)") from None
     if isinstance(data, dict) and "data" in data:
         return _flatten_squad(data["data"])
     if isinstance(data, list):
@@ -117,6 +121,10 @@ def _sample(index: int, record: dict) -> QASample:
         answers = [{"text": t, "answer_start": s} for t, s in zip(answers["text"], answers["answer_start"])]
     pairs, relocated, problems = [], [], []
     for number, answer in enumerate(answers):
+        missing = [field for field in ("text", "answer_start") if not isinstance(answer, dict) or field not in answer]
+        if missing:
+            raise ValueError(f"sample {index}: answer {number} has no {' or '.join(map(repr, missing))} field (an "
+                             "answer is {\"text\": ..., \"answer_start\": <its character offset in the context>})")
         text, start = str(answer["text"]), int(answer["answer_start"])
         found = locate_answer(context, text, start)
         if found is None:

@@ -11,6 +11,8 @@ generates from the same prompt, and never confused across them.
 from __future__ import annotations
 
 import os
+import warnings
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -36,16 +38,28 @@ def save_record(folder: Path, key: str, record: dict, prompt_ids, generated_ids)
     tmp.rename(folder / f"{key}.npz")
 
 
+def _damaged(path: Path, error: Exception) -> None:
+    """A cached file that does not read (a run killed while another copied it, a full disk): removed, so that it
+    is computed again and replaced, and named."""
+    warnings.warn(f"{path}: a damaged cache file ({type(error).__name__}: {error}); computing it again", stacklevel=3)
+    path.unlink(missing_ok=True)
+
+
 def load_record(folder: Path, key: str, prompt_ids) -> tuple[dict, np.ndarray] | None:
-    """(record, generated ids) stored under `key`, or None when missing or recorded from other prompt ids."""
+    """(record, generated ids) stored under `key`, or None when missing, damaged (then removed) or recorded from
+    other prompt ids."""
     path = folder / f"{key}.npz"
     if not path.is_file():
         return None
-    with np.load(path) as data:
-        if not np.array_equal(data["prompt_ids"], np.asarray(prompt_ids)):
-            return None
-        record = {k: data[k] for k in data.files if k not in ("prompt_ids", "generated_ids")}
-        return record, data["generated_ids"]
+    try:
+        with np.load(path) as data:
+            if not np.array_equal(data["prompt_ids"], np.asarray(prompt_ids)):
+                return None
+            record = {k: data[k] for k in data.files if k not in ("prompt_ids", "generated_ids")}
+            return record, data["generated_ids"]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
+        _damaged(path, error)
+        return None
 
 
 # Bump a method's entry when what its rows mean changes (macs_kernels.apps.evaluation.baselines.attnlrp, .atman,
@@ -73,12 +87,17 @@ def has_rows(folder: Path, key: str, kind: str) -> bool:
 
 
 def load_rows(folder: Path, key: str, kind: str, generated_ids) -> tuple[np.ndarray, dict] | None:
-    """(rows, cost) saved by save_rows, or None when missing or computed for other generated ids."""
+    """(rows, cost) saved by save_rows, or None when missing, damaged (then removed) or computed for other generated
+    ids."""
     path = _rows_path(folder, key, kind)
     if not path.is_file():
         return None
-    with np.load(path) as data:
-        if not np.array_equal(data["generated_ids"], np.asarray(generated_ids)):
-            return None
-        peak = int(data["peak_bytes"])
-        return data["rows"], {"seconds": float(data["seconds"]), "peak_bytes": None if peak < 0 else peak}
+    try:
+        with np.load(path) as data:
+            if not np.array_equal(data["generated_ids"], np.asarray(generated_ids)):
+                return None
+            peak = int(data["peak_bytes"])
+            return data["rows"], {"seconds": float(data["seconds"]), "peak_bytes": None if peak < 0 else peak}
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
+        _damaged(path, error)
+        return None

@@ -28,6 +28,7 @@ import warnings
 from pathlib import Path
 
 from macs_kernels.apps.data_parallel import append_line, end_with_newline
+from macs_kernels.apps.files import check_writable
 
 RESULTS_FORMAT = "macs-kernels eval results"
 SUMMARY_FORMAT = "macs-kernels eval summary"
@@ -183,7 +184,8 @@ def check_results_stream(path: Path) -> None:
 
 
 def check_outputs(results: str | os.PathLike, *, protected=(), write_stream: bool = True) -> None:
-    """Raise ValueError, naming the file, when the evaluation would overwrite a file it does not own.
+    """Raise ValueError, naming the file, when the evaluation would overwrite a file it does not own or cannot
+    write one.
 
     Owned: a results stream (first line a "run" line), a summary JSON with this tool's format (or the
     fields of one), a Markdown table it wrote ("Model: ..." with the method table), a PNG carrying its
@@ -203,3 +205,9 @@ def check_outputs(results: str | os.PathLike, *, protected=(), write_stream: boo
         if path.is_file() and path.stat().st_size and not _is_summary(path, kind, results):
             raise ValueError(f"{path} exists and is not a summary written by macs-kernels eval; refusing to "
                              "overwrite it: give another --out (its summary goes next to it)")
+    for what, path in outputs.items():
+        if write_stream or what != "results stream":
+            try:
+                check_writable(path)
+            except OSError as error:
+                raise ValueError(f"cannot write the {what} {path} ({error.strerror or error})") from None

@@ -3,6 +3,7 @@ batching engine, MACS attribution per request, OpenAI-style error bodies, and th
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import math
@@ -11,7 +12,7 @@ import uuid
 from importlib import resources
 
 import torch
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -29,7 +30,8 @@ from macs_kernels.core import support
 from macs_kernels.core.scores import SCORE_DIGITS, RunningWholeAnswer, json_values
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-                413: "invalid_request_error", 503: "service_unavailable", 500: "server_error"}
+                413: "invalid_request_error", 415: "invalid_request_error", 503: "service_unavailable",
+                500: "server_error"}
 
 
 def error_body(message: str, status: int, *, param: str | None = None, code: str | None = None) -> dict:
@@ -212,6 +214,51 @@ class _Text:
         return piece
 
 
+class _StopMatcher:
+    """The stop strings found in a text given piece by piece, at O(piece) per piece whatever their length: a
+    Knuth-Morris-Pratt automaton per stop string holds the longest prefix of it that ends the text so far."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.tables = [_prefix_table(stop) for stop in stops]
+        self.states = [0] * len(stops)
+        self.length = 0
+
+    def feed(self, piece: str) -> int | None:
+        """Where the first stop string completed within `piece` begins in the whole text, else None."""
+        found = None
+        for s, (stop, table) in enumerate(zip(self.stops, self.tables)):
+            state = self.states[s]
+            for i, char in enumerate(piece):
+                while state and stop[state] != char:
+                    state = table[state - 1]
+                if stop[state] == char:
+                    state += 1
+                if state == len(stop):
+                    start = self.length + i + 1 - len(stop)
+                    found = start if found is None else min(found, start)
+                    break
+            self.states[s] = state
+        self.length += len(piece)
+        return found
+
+    def partial(self) -> int:
+        """How many characters at the end of the text begin a stop string."""
+        return max(self.states, default=0)
+
+
+def _prefix_table(stop: str) -> list[int]:
+    """table[i]: the length of the longest proper prefix of stop[:i + 1] that is also its suffix."""
+    table, k = [0] * len(stop), 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = table[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        table[i] = k
+    return table
+
+
 class _Choice:
     """One choice's returned text and tokens as its steps arrive: the text ends before the first stop string
     (OpenAI's rule), and the tokens returned are those whose text begins before it, each with its row; a token
@@ -222,9 +269,9 @@ class _Choice:
 
     def __init__(self, tokenizer, index: int, stops: list[str], attribution: AttributionPayloads | None):
         self.index, self.stops, self.attribution = index, stops, attribution
-        self.longest = max(map(len, stops), default=0)
+        self.matcher = _StopMatcher(stops)
         self.text = _Text(tokenizer)
-        self.held: list[tuple[Step, str]] = []
+        self.held: collections.deque[tuple[Step, str]] = collections.deque()
         self.content = ""
         self.reason: str | None = None  # "stop" once a stop string ended the choice
         self.generated = 0  # every token generated, the stop string's included (the usage)
@@ -232,18 +279,16 @@ class _Choice:
     def add(self, step: Step) -> list[tuple[Step, str]]:
         """The steps this one releases, each with its piece of the returned text."""
         self.generated += 1
-        self.held.append((step, self.text.add(step.token_id)))
+        piece = self.text.add(step.token_id)
+        self.held.append((step, piece))
         if not self.stops:
             return self._release(len(self.text.sent))
-        text = self.text.sent
-        start = max(0, len(self.content) - self.longest + 1)
-        found = [p for p in (text.find(stop, start) for stop in self.stops) if p >= 0]
-        if found:
+        start = self.matcher.feed(piece)
+        if start is not None:
             self.reason = "stop"
-            return self._release(min(found), cut=True)
+            return self._release(start, cut=True)
         # Hold back the longest tail of the text that begins a stop string.
-        tail = max((k for stop in self.stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
-        return self._release(len(text) - tail)
+        return self._release(len(self.text.sent) - self.matcher.partial())
 
     def end(self) -> tuple[list[tuple[Step, str]], str]:
         """At the end of generation without a stop string: the steps still held, and the text no token has
@@ -262,7 +307,7 @@ class _Choice:
             if position >= until if cut else position + len(piece) > until:
                 break
             piece = piece[: max(0, until - position)]
-            self.held.pop(0)
+            self.held.popleft()
             released.append((step, piece))
             position += len(piece)
             self.content += piece
@@ -290,7 +335,11 @@ def create_app(engine: Engine | VisionEngine, *, max_body_bytes: int = DEFAULT_M
     tokenizer = engine.tokenizer
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_request, exc: RequestValidationError):
+    async def _invalid(request: Request, exc: RequestValidationError):
+        kind = request.headers.get("content-type")
+        if kind is not None and not _is_json(kind):  # FastAPI then validates the raw bytes: say why instead
+            return _error(f"the body is sent as {kind!r}; send it as JSON with Content-Type: application/json", 415,
+                          code="unsupported_media_type")
         errors = exc.errors()
         first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
         if first.get("type") == "json_invalid":
@@ -393,7 +442,7 @@ def create_app(engine: Engine | VisionEngine, *, max_body_bytes: int = DEFAULT_M
 
         return await asyncio.to_thread(work)
 
-    async def run(body, prompt: PromptSpan, options, chat: bool):
+    async def run(request: Request, body, prompt: PromptSpan, options, chat: bool):
         at2 = options is not None and options.method == "at2"
         try:
             for method in [] if options is None else [support.method_of(options.macs_config())] + ["at2"] * at2:
@@ -424,7 +473,8 @@ def create_app(engine: Engine | VisionEngine, *, max_body_bytes: int = DEFAULT_M
                     for step, _piece in released:
                         choice.attribution.record(step)
 
-        await _gather(collect(job, choice) for job, choice in zip(jobs, choices))
+        if not await _unless_left(request, _gather(collect(job, choice) for job, choice in zip(jobs, choices))):
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
         def respond() -> JSONResponse:  # the attribution's scores and JSON, in a worker thread: O(steps x N)
             return JSONResponse(meta | {"object": "chat.completion" if chat else "text_completion",
@@ -440,7 +490,8 @@ def create_app(engine: Engine | VisionEngine, *, max_body_bytes: int = DEFAULT_M
         async with contextlib.aclosing(engine.generate(job)) as steps:
             async for step in steps:
                 last = step.token_id
-                yield choice.add(step), ""
+                # Detokenising and stop matching in a worker thread: the event loop goes on serving other clients.
+                yield await asyncio.to_thread(choice.add, step), ""
                 if choice.reason is not None:
                     return
         released, rest = choice.end()
@@ -491,16 +542,16 @@ def create_app(engine: Engine | VisionEngine, *, max_body_bytes: int = DEFAULT_M
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(request: Request, body: ChatCompletionRequest):
         options = body.attribution
         check_model(body.model)
-        return await run(body, await prepared(chat_prompt, body, options), options, chat=True)
+        return await run(request, body, await prepared(chat_prompt, body, options), options, chat=True)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(request: Request, body: CompletionRequest):
         options = body.attribution
         check_model(body.model)
-        return await run(body, await prepared(completion_prompt, body, options), options, chat=False)
+        return await run(request, body, await prepared(completion_prompt, body, options), options, chat=False)
 
     static = resources.files(__package__) / "static"
     page = (static / "index.html").read_text().replace("{{QA_TEMPLATE}}", json.dumps(QA_TEMPLATE)).replace(
@@ -526,6 +577,12 @@ def create_app(engine: Engine | VisionEngine, *, max_body_bytes: int = DEFAULT_M
     return app
 
 
+def _is_json(content_type: str) -> bool:
+    """Whether FastAPI parses a body of this content type as JSON (application/json or a +json type)."""
+    media = content_type.split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 def error_field(error: dict) -> str:
     """The field path of a validation error, as the client wrote it ("attribution.alpha")."""
     return ".".join(str(p) for p in error.get("loc", ()) if p != "body" and not str(p).startswith("function-"))
@@ -541,6 +598,28 @@ def _whole(choice: _Choice, chat: bool) -> dict:
     if choice.attribution is not None:
         body["attribution"] = choice.attribution.explanation(choice.content)
     return body
+
+
+async def _unless_left(request: Request, work) -> bool:
+    """Run `work` unless the client disconnects first: then it is cancelled (and with it its generations, as a
+    stream's are when its client leaves). True when it ran to its end."""
+    async def left() -> None:
+        # The body has been read: the next message is the disconnect (or the end of the response).
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(left())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if task.cancelled():
+        return False
+    task.result()  # its failure, raised
+    return True
 
 
 async def _gather(coroutines) -> None:

@@ -101,9 +101,11 @@ def vision_language_type(name: str | None) -> str | None:
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
+    from macs_kernels.api.models import check_reachable
     from macs_kernels.api.vision.layout import model_type
 
     try:
+        check_reachable(name)
         config = AutoConfig.from_pretrained(name)
     except (OSError, ValueError):  # the model loader says why, in the words it has for every model
         return None

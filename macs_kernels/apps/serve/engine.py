@@ -211,6 +211,9 @@ class Engine(_Requests):
                 output = await outputs.get()
                 if output.error is not None:
                     raise RuntimeError(f"generation failed: {output.error}")
+                failure = self.sampler.failure(request_id)
+                if failure is not None:
+                    raise RuntimeError(f"sampling failed: {type(failure).__name__}: {failure}")
                 finished = output.is_finished()
                 tokens = output.generated_tokens
                 if len(tokens) == sent:
@@ -363,9 +366,11 @@ class _StepSender:
 
 
 def _context(model, cache_tokens: int) -> int:
-    """Tokens a request may hold, prompt and completion: the model's context, at most the KV cache."""
-    text_config = model.config.get_text_config()
-    return min(int(getattr(text_config, "max_position_embeddings", cache_tokens)), cache_tokens)
+    """Tokens a request may hold, prompt and completion: the model's context window (explain()'s rule), at most
+    the KV cache."""
+    from macs_kernels.api.generation import context_window
+
+    return min(context_window(model) or cache_tokens, cache_tokens)
 
 
 def check_sizes(*, cache_tokens: int, page_size: int, max_batch_tokens: int, default_max_tokens: int,

@@ -52,7 +52,7 @@ class _Draw:
                 self.generator.seed()
             else:
                 self.generator.manual_seed(self.seed)
-        scores = self.warpers(None, logits[None])
+        scores = self.warpers(None, logits[None].float())  # a float16 row overflows at small temperatures
         probs = torch.softmax(scores, dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
@@ -62,6 +62,8 @@ class RequestSampler:
 
     `install(manager)` before the manager starts; `configure(request_id, Sampling)` before adding a request
     that samples, `release(request_id)` after it. Thread-safe: the engine's loop calls it in its own thread.
+    A request whose draw fails is not drawn again and its failure kept for `failure(request_id)`: an exception
+    raised here would stop the manager, and every request with it.
     """
 
     supports_continuous_batching = True
@@ -69,6 +71,7 @@ class RequestSampler:
     def __init__(self):
         self._lock = threading.Lock()
         self._draws: dict[str, _Draw] = {}
+        self._failures: dict[str, BaseException] = {}
         self._manager = None
 
     def install(self, manager) -> None:
@@ -94,6 +97,12 @@ class RequestSampler:
     def release(self, request_id: str) -> None:
         with self._lock:
             self._draws.pop(request_id, None)
+            self._failures.pop(request_id, None)
+
+    def failure(self, request_id: str) -> BaseException | None:
+        """Why the request's draw failed, or None."""
+        with self._lock:
+            return self._failures.get(request_id)
 
     def __call__(self, _input_ids, scores: torch.Tensor) -> torch.Tensor:
         """scores (rows, V), a row per request of the pass: row r < E belongs to the r-th of the E requests that
@@ -106,11 +115,18 @@ class RequestSampler:
             raise RuntimeError(f"{scores.shape[0]} logits rows for {len(emitting)} requests that emit a token")
         with self._lock:
             draws = [(row, self._draws.get(request_id)) for row, request_id in enumerate(emitting)]
-        for row, draw in draws:
-            if draw is not None:
+        for (row, draw), request_id in zip(draws, emitting):
+            if draw is None:
+                continue
+            try:
                 token = draw.token(scores[row])
-                scores[row] = float("-inf")
-                scores[row, token] = 0.0
+            except Exception as error:  # noqa: BLE001 - the request's own failure; its row is left greedy
+                with self._lock:
+                    self._draws.pop(request_id, None)
+                    self._failures[request_id] = error
+                continue
+            scores[row] = float("-inf")
+            scores[row, token] = 0.0
         return scores
 
 

@@ -103,12 +103,18 @@ _CHAT_ONLY = ("top_logprobs", "tools", "tool_choice", "functions", "function_cal
               "prompt_cache_options", "prompt_cache_retention", "safety_identifier")
 _COMPLETIONS_ONLY = ("suffix", "echo")
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+# Far above any stop sequence in use; the matcher costs O(new text) per token whatever the length, but each stop
+# string is held and its prefix table built per request.
+MAX_STOP_CHARS = 1000
 MAX_CHOICES = 128  # OpenAI's limit on n
+# The smallest temperature that samples: logits divided by less overflow float32 (1e-300 made the probabilities
+# inf and NaN); 0 is greedy.
+MIN_TEMPERATURE = 1e-3
 _RANGES = {  # field -> (its test, the values it takes)
     "max_tokens": (lambda v: v >= 1, "at least 1"),
     "max_completion_tokens": (lambda v: v >= 1, "at least 1"),
     "n": (lambda v: 1 <= v <= MAX_CHOICES, f"in [1, {MAX_CHOICES}]"),
-    "temperature": (lambda v: 0 <= v <= 2, "in [0, 2]"),
+    "temperature": (lambda v: v == 0 or MIN_TEMPERATURE <= v <= 2, f"0 (greedy) or in [{MIN_TEMPERATURE}, 2]"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "top_k": (lambda v: v >= 1, "at least 1"),
     "seed": (lambda v: 0 <= v < 2**63, "in [0, 2**63)"),
@@ -179,6 +185,9 @@ class _Request(BaseModel):
         stops = [value] if isinstance(value, str) else value
         if stops is not None and (len(stops) > MAX_STOP or not all(stops)):
             raise ValueError(f"stop takes up to {MAX_STOP} non-empty strings")
+        longest = max(map(len, stops or ()), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string has {longest} characters; this server takes up to {MAX_STOP_CHARS}")
         return value
 
     def stop_strings(self) -> list[str]:
