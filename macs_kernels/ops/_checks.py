@@ -20,8 +20,9 @@ from collections.abc import Sequence
 
 import torch
 
+from macs_kernels.ops.backends import NAMES as BACKENDS
+
 POOLINGS = ("max", "mean", "min")
-BACKENDS = ("torch", "triton", "cuda", "numba")
 
 
 def check_options(*, alpha: float = 1.0, pooling: str = "max", redistribute: bool = True,
