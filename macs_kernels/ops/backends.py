@@ -126,10 +126,12 @@ def declared(name: str) -> Backend:
 
 def markdown_table() -> str:
     """The backends as Markdown (docs/backends.md embeds it; tests/ops/test_backends.py keeps the two equal)."""
-    lines = ["| backend | devices | ops | ops with attention variants | what it is |", "|---|---|---|---|---|"]
+    lines = ["| backend | devices | ops | ops with attention variants | engines (`backend=`) | what it is |",
+             "|---|---|---|---|---|---|"]
     for b in DECLARED:
         ops = "all" if b.ops == OPS else ", ".join(b.ops)
         variants = "all of " + ", ".join(VARIANT_OPS) if b.variant_ops == VARIANT_OPS else ", ".join(b.variant_ops)
         devices = "any" if b.devices is None else ", ".join(b.devices)
-        lines.append(f"| `{b.name}` | {devices} | {ops} | {variants} | {b.summary} |")
+        engines = "yes" if b.name in ENGINE_BACKENDS else "no (the paged op of serving engines)"
+        lines.append(f"| `{b.name}` | {devices} | {ops} | {variants} | {engines} | {b.summary} |")
     return "\n".join(lines) + "\n"

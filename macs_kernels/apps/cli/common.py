@@ -16,8 +16,8 @@ _REPO_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
 
 
 class RegistryNames:
-    """argparse `choices` read from a registry whose module imports torch (`module.attribute`, a dict), only when
-    a value is checked: `--help` (with a metavar) never reads them, so it stays torch-free."""
+    """argparse `choices` read from a registry whose module imports torch (`module.attribute`, a dict or a tuple),
+    only when a value is checked: `--help` (with a metavar) never reads them, so it stays torch-free."""
 
     def __init__(self, module: str, attribute: str):
         self.module, self.attribute = module, attribute

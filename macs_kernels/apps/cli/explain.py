@@ -40,7 +40,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--pooling", default="max", choices=["max", "mean", "min"])
     parser.add_argument("--no-redistribute", action="store_true", help="switch redistribution off")
     parser.add_argument("--attention", default="softmax", choices=ATTENTIONS)
-    parser.add_argument("--backend", default=None, choices=["torch", "triton", "cuda"])
+    # No help text: argparse would read the choices to expand it, importing torch for --help.
+    parser.add_argument("--backend", default=None, metavar="NAME",
+                        choices=RegistryNames("macs_kernels.ops.backends", "ENGINE_BACKENDS"))
     parser.add_argument("--fused-decode", action=argparse.BooleanOptionalAction, default=None,
                         help="compute decode-step attention with the backend's fused kernel (default: on for "
                              "triton and cuda, off for torch)")
