@@ -15,7 +15,7 @@ from macs_kernels.apps.cli.common import (
     load_from_args,
     write_outputs,
 )
-from macs_kernels.core.config import AT2_ATTENTIONS, ATTENTIONS
+from macs_kernels.core.config import AT2_ATTENTIONS, ATTENTIONS, DEFAULT_ALPHA
 
 
 def add_parser(subparsers) -> None:
@@ -36,7 +36,7 @@ def add_parser(subparsers) -> None:
                         help="the whole-answer score shown without --step, a name of macs_kernels.core.scores."
                              "AGGREGATIONS (default: Explanation.scores's; mean_log_c is the mean over steps of log "
                              "c shown before)")
-    parser.add_argument("--alpha", type=float, default=0.8)
+    parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA)
     parser.add_argument("--pooling", default="max", choices=["max", "mean", "min"])
     parser.add_argument("--no-redistribute", action="store_true", help="switch redistribution off")
     parser.add_argument("--attention", default="softmax", choices=ATTENTIONS)
