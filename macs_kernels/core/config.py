@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 # The paper's floor weight: every signature that takes alpha defaults to this (the ops' own copy,
-# ops._checks.DEFAULT_ALPHA, lives below this layer; tests/test_core.py keeps the two equal).
+# ops._checks.DEFAULT_ALPHA, lives below this layer; tests/core/test_core.py keeps the two equal).
 DEFAULT_ALPHA = 0.8
 # What an option is, for who may set it: "rows" changes the rows (a request of any serving engine, an evaluation
 # method); "pass" changes how a request's pass computes them (continuous batching and the server, per request);

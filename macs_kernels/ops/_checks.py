@@ -24,7 +24,7 @@ from macs_kernels.ops.backends import NAMES as BACKENDS
 
 POOLINGS = ("max", "mean", "min")
 # The paper's floor weight, the default of every op that takes alpha: this layer's copy of
-# core.config.DEFAULT_ALPHA, which the layers above use (the ops import nothing above them; tests/test_core.py
+# core.config.DEFAULT_ALPHA, which the layers above use (the ops import nothing above them; tests/core/test_core.py
 # keeps the two equal).
 DEFAULT_ALPHA = 0.8
 
