@@ -35,12 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 from macs_kernels import ops  # noqa: E402
 from macs_kernels.apps.bench import device_stem, environment, write_csv  # noqa: E402
-from macs_kernels.ops.registry import (  # noqa: E402
-    implementation,
-    set_cuda_split_kv_kernel,
-    set_triton_split_kv_pass,
-    why_unavailable,
-)
+from macs_kernels.ops.cuda import set_cuda_split_kv_kernel  # noqa: E402
+from macs_kernels.ops.registry import implementation, why_unavailable  # noqa: E402
 
 OPS = ("macs_update", "decode_attention")
 SDPA = "torch-sdpa-gqa"  # the provider every row's time is compared with (column vs_sdpa)
@@ -84,6 +80,8 @@ def backend_call(backend: str, fused: bool = True, split_kernel: str = "verified
         if backend == "cuda":
             set_cuda_split_kv_kernel(split_kernel)
         if backend == "triton":
+            from macs_kernels.ops.triton.settings import set_triton_split_kv_pass
+
             set_triton_split_kv_pass(split_kernel)
         function = implementation(backend, op)
         macs = dict(alpha=0.8, pooling="max", redistribute=True)

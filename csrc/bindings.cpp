@@ -1,6 +1,6 @@
 // The Python module macs_kernels._C. Loading its library runs the TORCH_LIBRARY_IMPL blocks of
 // csrc/<op>/launch.cu, which register CUDA kernels for the operators macs_kernels/ops/<op>.py defines. Its two
-// functions get and set the split kernel of the split-KV ops (split_kv_choice.h); macs_kernels.ops._backends
+// functions get and set the split kernel of the split-KV ops (split_kv_choice.h); macs_kernels.ops.cuda
 // wraps them.
 #include <Python.h>
 

@@ -1,7 +1,7 @@
 // Which split kernel the cuda backend's split-KV ops launch (torch-free, CUDA-free: bindings.cpp includes it too).
 // "verified" (split_kv/kernel.cuh's split_kernel) is the default: it passed the GPU tests and compute-sanitizer.
 // "pipelined" (split_kv_pipelined/kernel.cuh) is chosen by MACS_KERNELS_CUDA_SPLIT_KV=pipelined, read at the first
-// launch, or at run time through macs_kernels.ops._backends.set_cuda_split_kv_kernel; shapes it does not cover
+// launch, or at run time through macs_kernels.ops.cuda.set_cuda_split_kv_kernel; shapes it does not cover
 // (pipelined_fits) still run split_kernel.
 #pragma once
 

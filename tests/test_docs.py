@@ -361,7 +361,7 @@ VLLM_BLOCKS = [block for block in BLOCKS if block.kind in (VLLM_PYTHON, VLLM_BAS
 @pytest.mark.parametrize("block", VLLM_BLOCKS, ids=[block.name for block in VLLM_BLOCKS])
 def test_vllm_block(block, tmp_path):
     if block.kind == VLLM_PYTHON:
-        # The engine core in this process and a 1 GiB KV cache, as tests/vllm run it.
+        # The engine core in this process and a 1 GiB KV cache, as tests/engines/vllm run it.
         run_python([block], tmp_path, env=os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                                                          "VLLM_CPU_KVCACHE_SPACE": "1"})
         return

@@ -23,7 +23,7 @@ from macs_kernels.api.generation import (
 )
 from macs_kernels.api.prompts import is_messages
 from macs_kernels.core import support
-from macs_kernels.core.config import MacsConfig
+from macs_kernels.core.config import DEFAULT_ALPHA, MacsConfig, config_of, option_names
 from macs_kernels.core.scores import (
     AGGREGATIONS,
     DEFAULT_AGGREGATION,
@@ -266,11 +266,16 @@ def _text_tokenizer(tokenizer, images):
     return tokenizer, None if images is None else tokenizer
 
 
-def _prepare(model, tokenizer, prompt, input_ids, max_new_tokens, config_kwargs, generate_kwargs, processor=None,
+def _options(arguments: dict) -> MacsConfig:
+    """The MacsConfig of an entry point's arguments (`locals()` on entry): those named as MacsConfig's options, the
+    one list of them. Built once per call and passed on as the object."""
+    return MacsConfig(**{name: arguments[name] for name in option_names()})
+
+
+def _prepare(model, tokenizer, prompt, input_ids, max_new_tokens, config, generate_kwargs, processor=None,
              images=None):
     """Every check explain() and stream() make before any generation; with images, the processor's image inputs
     join the generate arguments and the prompts' image layouts come back (else None)."""
-    config = MacsConfig(**config_kwargs)
     check_model(model)
     layouts = None
     if images is None:
@@ -301,7 +306,7 @@ def _prepare(model, tokenizer, prompt, input_ids, max_new_tokens, config_kwargs,
 
 
 @torch.inference_mode()
-def explain(model, tokenizer, /, prompt=None, *, input_ids=None, images=None, max_new_tokens=64, alpha=0.8,
+def explain(model, tokenizer, /, prompt=None, *, input_ids=None, images=None, max_new_tokens=64, alpha=DEFAULT_ALPHA,
             pooling="max", redistribute=True, attention="softmax", backend=None, fused_decode=None, **generate_kwargs):
     """Generate from `prompt` and explain every generated token with MACS.
 
@@ -325,13 +330,14 @@ def explain(model, tokenizer, /, prompt=None, *, input_ids=None, images=None, ma
     fused_decode: see MacsConfig (None: the backend's default; True on the torch backend reads the key
     cache once per decode step, computing the attention output itself).
     continuous_batching=True: run the prompts through transformers' continuous-batching engine
-        (`model.generate_batch`, greedy; macs_kernels.engines.continuous.explain_continuous), one Explanation per
+        (`model.generate_batch`, greedy; macs_kernels.api.explanation.explain_continuous), one Explanation per
         prompt; `continuous_batching_config=` passes the engine's ContinuousBatchingConfig.
     images: a vision-language model's prompt with images (PIL images or paths): one image or a list of them for
         one prompt, one entry per prompt for a list of prompts; `tokenizer` is then the model's processor. The
         inputs are every prompt token, image tokens included; Explanation.images says where each image's tokens
         lie (macs_kernels.api.vision maps their scores onto the image).
     """
+    config = _options(locals())
     tokenizer, processor = _text_tokenizer(tokenizer, images)
     if generate_kwargs.pop("continuous_batching", False):
         if images is not None:
@@ -339,14 +345,9 @@ def explain(model, tokenizer, /, prompt=None, *, input_ids=None, images=None, ma
                                       "engine (generate_batch) feeds the model token ids only, no pixel_values")
         # The engine runs its loop in a thread of its own, where tensors made in inference mode are read-only.
         with torch.inference_mode(False):
-            return _explain_continuous(model, tokenizer, prompt, input_ids, max_new_tokens, generate_kwargs, dict(
-                alpha=alpha, pooling=pooling, redistribute=redistribute, attention=attention, backend=backend,
-                fused_decode=fused_decode))
+            return _explain_continuous(model, tokenizer, prompt, input_ids, max_new_tokens, generate_kwargs, config)
     config, ids, mask, batched, kwargs, plan, layouts = _prepare(
-        model, tokenizer, prompt, input_ids, max_new_tokens,
-        dict(alpha=alpha, pooling=pooling, redistribute=redistribute, attention=attention, backend=backend,
-             fused_decode=fused_decode),
-        generate_kwargs, processor, images,
+        model, tokenizer, prompt, input_ids, max_new_tokens, config, generate_kwargs, processor, images,
     )
     with attach(model, **config.as_dict()) as tracer:
         output = model.generate(ids, attention_mask=mask, **kwargs)
@@ -358,34 +359,17 @@ def explain(model, tokenizer, /, prompt=None, *, input_ids=None, images=None, ma
     return explanations if batched or plan.num_return_sequences > 1 else explanations[0]
 
 
-# generate options that continuous batching follows, and those that select a layout it cannot (support table).
-_CONTINUOUS_SAMPLING = ("do_sample", "temperature", "top_k", "top_p")
-_CONTINUOUS_LAYOUTS = {
-    "num_beams": ("beams", lambda value: value > 1),
-    "num_return_sequences": ("several", lambda value: value > 1),
-    "assistant_model": ("assisted", lambda value: value is not None),
-    "prompt_lookup_num_tokens": ("assisted", lambda value: value is not None),
-    "cache_implementation": ("static_cache", lambda value: value == "static"),
-    "stop_strings": ("stop_strings", lambda value: value is not None),
-}
+def _explain_continuous(model, tokenizer, prompt, input_ids, max_new_tokens, generate_kwargs, config: MacsConfig):
+    from macs_kernels.engines.continuous import generate_options
 
-
-def _explain_continuous(model, tokenizer, prompt, input_ids, max_new_tokens, generate_kwargs, config):
-    method = support.method_of(MacsConfig(**config))
-    for option, (layout, selects) in _CONTINUOUS_LAYOUTS.items():
-        if option in generate_kwargs and selects(generate_kwargs[option]):
-            support.check("continuous", method, layout)
-    engine = {key: generate_kwargs.pop(key) for key in ("continuous_batching_config", *_CONTINUOUS_SAMPLING)
-              if key in generate_kwargs}
-    if generate_kwargs:
-        raise ValueError(f"continuous_batching=True takes {_CONTINUOUS_SAMPLING} and continuous_batching_config; "
-                         f"{sorted(generate_kwargs)} cannot be passed with it")
+    engine = generate_options(generate_kwargs, support.method_of(config))
     if input_ids is not None or prompt is None:
         raise ValueError("continuous_batching=True takes prompt= (a string, chat messages or a list of them), "
                          "not input_ids")
     batched = isinstance(prompt, list) and not is_messages(prompt)
     prompts = prompt if batched else [prompt]
-    explanations = explain_continuous(model, tokenizer, prompts, max_new_tokens=max_new_tokens, **engine, **config)
+    explanations = explain_continuous(model, tokenizer, prompts, max_new_tokens=max_new_tokens, config=config,
+                                      **engine)
     return explanations if batched else explanations[0]
 
 
@@ -409,18 +393,16 @@ class _StepStreamer:
         self.sink.put(None)
 
 
-def stream(model, tokenizer, /, prompt=None, *, input_ids=None, images=None, max_new_tokens=64, alpha=0.8,
+def stream(model, tokenizer, /, prompt=None, *, input_ids=None, images=None, max_new_tokens=64, alpha=DEFAULT_ALPHA,
            pooling="max", redistribute=True, attention="softmax", backend=None, fused_decode=None, **generate_kwargs):
     """Like explain() for one prompt and one sequence, but yields (token_id, scores (N,)) as each token is
     made: the row Explanation.step_scores would hold for that step. Beam search and num_return_sequences > 1
     pick their sequences at the end: use explain(). images: as explain()'s (`tokenizer` is then the processor;
     macs_kernels.api.vision.encode_image_prompts gives the image layouts)."""
+    config = _options(locals())
     tokenizer, processor = _text_tokenizer(tokenizer, images)
     config, ids, mask, batched, kwargs, plan, _ = _prepare(
-        model, tokenizer, prompt, input_ids, max_new_tokens,
-        dict(alpha=alpha, pooling=pooling, redistribute=redistribute, attention=attention, backend=backend,
-             fused_decode=fused_decode),
-        generate_kwargs, processor, images,
+        model, tokenizer, prompt, input_ids, max_new_tokens, config, generate_kwargs, processor, images,
     )
     if batched:
         raise ValueError("stream() takes one prompt; use explain() for a batch")
@@ -464,7 +446,8 @@ def stream(model, tokenizer, /, prompt=None, *, input_ids=None, images=None, max
 
 
 def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuous_batching_config=None,
-                       do_sample=False, temperature=None, top_k=None, top_p=None, **config):
+                       do_sample=False, temperature=None, top_k=None, top_p=None, config: MacsConfig | None = None,
+                       **options):
     """Run `prompts` through `model.generate_batch` (greedy unless do_sample=True with temperature, top_k,
     top_p) and explain each with MACS (`explain(..., continuous_batching=True)` is the documented way in).
 
@@ -474,12 +457,11 @@ def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuo
         token budget, ...); flash attention, CUDA graphs and async batching stay off unless asked for (then
         they are refused: they bypass the traced attention). Without `num_blocks` in it, the paged cache
         holds exactly these prompts and their new tokens (sized from free memory, its allocation would dominate).
+    config: the MacsConfig, or options: its fields.
     """
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from macs_kernels.engines.continuous import attach_continuous, engine_config
 
-    from macs_kernels.engines.continuous import attach_continuous
-
-    macs_config = MacsConfig(**config)
+    macs_config = config_of(config, options)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -490,19 +472,8 @@ def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuo
     inputs = [encode_prompts(tokenizer, prompt, vocab_size=vocab_size)[0][0].tolist() for prompt in prompts]
     for ids in inputs:
         check_context(model, len(ids), max_new_tokens)
-    if continuous_batching_config is None:
-        continuous_batching_config = ContinuousBatchingConfig()
-    elif not isinstance(continuous_batching_config, ContinuousBatchingConfig):
-        raise TypeError("continuous_batching_config must be a transformers ContinuousBatchingConfig")
-    # Flash, CUDA graphs and async batching bypass the traced attention; left to the engine they could be on.
-    continuous_batching_config = dataclasses.replace(
-        continuous_batching_config, auto_switch_to_flash=False,
-        use_cuda_graph=continuous_batching_config.use_cuda_graph or False,
-        use_async_batching=continuous_batching_config.use_async_batching or False,
-    )
-    if continuous_batching_config.num_blocks is None:
-        page = continuous_batching_config.page_size
-        continuous_batching_config.num_blocks = sum(-(-(len(ids) + max_new_tokens) // page) for ids in inputs) + 1
+    continuous_batching_config = engine_config(continuous_batching_config, [len(ids) for ids in inputs],
+                                               max_new_tokens)
     # explain() generates with the model's own generation config, greedy: so does this.
     generation_config = copy.deepcopy(model.generation_config)
     sampling = {name: value for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p))
@@ -512,7 +483,7 @@ def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuo
     ends = eos_ids(model, tokenizer)  # where explain() stops, so their answers agree
     if ends:
         generation_config.eos_token_id = sorted(ends)
-    with attach_continuous(model, **macs_config.as_dict()) as tracer:
+    with attach_continuous(model, config=macs_config) as tracer:
         outputs = model.generate_batch(
             inputs, generation_config=generation_config, continuous_batching_config=continuous_batching_config,
         )
@@ -532,3 +503,4 @@ def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuo
                 label=f"request {request_id}",
             ))
     return explanations
+

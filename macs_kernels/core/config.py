@@ -1,8 +1,18 @@
-"""The configuration every MACS entry point shares, validated once before any generation."""
+"""The configuration every MACS entry point shares, validated once before any generation: `MacsConfig`, the one
+list of MACS's option names and their defaults. Entry points build it once and pass the object on; the names a
+request, vLLM or an evaluation method may set are read from it (`option_names`), never listed again.
+"""
 from __future__ import annotations
 
 import dataclasses
 
+# The paper's floor weight: every signature that takes alpha defaults to this (the ops' own copy,
+# ops._checks.DEFAULT_ALPHA, lives below this layer; tests/core/test_core.py keeps the two equal).
+DEFAULT_ALPHA = 0.8
+# What an option is, for who may set it: "rows" changes the rows (a request of any serving engine, an evaluation
+# method); "pass" changes how a request's pass computes them (continuous batching and the server, per request);
+# "engine" is one per engine (its kernels).
+OPTION_KINDS = ("rows", "pass", "engine")
 ATTENTIONS = ("softmax", "efficient", "norm")
 # The rows AT2's features average: "norm" weighs MACS's rows only.
 AT2_ATTENTIONS = ("softmax", "efficient")
@@ -26,12 +36,12 @@ class MacsConfig:
         Softmax rows only: efficient and norm rows need the attention output first, so they never fuse.
     """
 
-    alpha: float = 0.8
-    pooling: str = "max"
-    redistribute: bool = True
-    attention: str = "softmax"
-    backend: str | None = None
-    fused_decode: bool | None = None
+    alpha: float = dataclasses.field(default=DEFAULT_ALPHA, metadata={"kind": "rows"})
+    pooling: str = dataclasses.field(default="max", metadata={"kind": "rows"})
+    redistribute: bool = dataclasses.field(default=True, metadata={"kind": "rows"})
+    attention: str = dataclasses.field(default="softmax", metadata={"kind": "rows"})
+    backend: str | None = dataclasses.field(default=None, metadata={"kind": "engine"})
+    fused_decode: bool | None = dataclasses.field(default=None, metadata={"kind": "pass"})
 
     def __post_init__(self):
         # The ops' checks (ops/_checks.py) import torch: they load when a config is made, so that reading the
@@ -46,3 +56,23 @@ class MacsConfig:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def option_names(*kinds: str) -> tuple[str, ...]:
+    """MacsConfig's option names of these kinds (OPTION_KINDS; all of them when none is given), in field order."""
+    unknown = set(kinds) - set(OPTION_KINDS)
+    if unknown:
+        raise ValueError(f"unknown option kinds {sorted(unknown)}; choose from {OPTION_KINDS}")
+    return tuple(f.name for f in dataclasses.fields(MacsConfig) if not kinds or f.metadata["kind"] in kinds)
+
+
+def config_of(config: MacsConfig | None, options: dict) -> MacsConfig:
+    """An entry point's MacsConfig: `config` as given (the object passed on from the caller's entry point), or the
+    MacsConfig of `options` (its fields by name); not both."""
+    if config is None:
+        return MacsConfig(**options)
+    if options:
+        raise TypeError(f"pass config= or MacsConfig's options, not both (got config and {sorted(options)})")
+    if not isinstance(config, MacsConfig):
+        raise TypeError(f"config must be a MacsConfig, got {type(config).__name__}")
+    return config

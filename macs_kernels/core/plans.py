@@ -21,7 +21,6 @@ import torch
 from macs_kernels.core.accumulate import PassRows
 from macs_kernels.core.shards import HeadShards
 from macs_kernels.ops.registry import Kernels
-from macs_kernels.ops.torch import beams as torch_beams
 from macs_kernels.ops.torch.backend import _POOL
 from macs_kernels.ops.torch.packed import Pages, Segments
 from macs_kernels.ops.variant import PLAIN, Variant
@@ -66,9 +65,9 @@ class DenseRows(PassRows):
         self.options = dict(pooling=pooling, redistribute=redistribute)
         self.input_start, self.input_end, self.kv_len = input_start, input_end, kv_len
         self.pool_dense, self.decode_dense = kernels.pool_dense, kernels.decode_dense
-        if n_dense is not None and beams > 1 and kernels.backend == "torch":
-            self.pool_dense = functools.partial(torch_beams.beam_pool_dense, beams=beams)
-            self.decode_dense = functools.partial(torch_beams.beam_decode_dense, beams=beams)
+        if n_dense is not None and beams > 1 and kernels.pool_dense_beams is not None:
+            self.pool_dense = functools.partial(kernels.pool_dense_beams, beams=beams)
+            self.decode_dense = functools.partial(kernels.decode_dense_beams, beams=beams)
 
     def pool(self, layer: int, query: torch.Tensor, keys: torch.Tensor, scale: float, variant: Variant = PLAIN,
              gather=None) -> None:
@@ -157,7 +156,7 @@ class PackedRows(PassRows):
 
     @staticmethod
     def _torch_form(kernels: Kernels) -> bool:
-        return kernels.backend == "torch"
+        return kernels.reference
 
     def pool(self, layer: int, query: torch.Tensor, keys: torch.Tensor, scale: float, variant: Variant = PLAIN,
              gather: Segments | None = None) -> None:
@@ -167,10 +166,10 @@ class PackedRows(PassRows):
         rows' keys lie when that differs from the pass's segments (a sliding-window layer's cache)."""
         q_rows = query.index_select(2, self.rows)
         segments = self.segments if gather is None else gather
-        if self.kernels.backend == "torch" or self.keep is not None:
+        if self.kernels.reference or self.keep is not None:
             probabilities = segments.probabilities(q_rows[0], keys[0], scale, variant.softcap, variant.sinks)
             self._keep(layer, probabilities, segments)
-            if self.kernels.backend == "torch":
+            if self.kernels.reference:
                 self._pool_probabilities(layer, probabilities, segments)
                 return
         out = self.pooled[layer]
@@ -308,7 +307,7 @@ class PagedRows(PackedRows):
 
     @staticmethod
     def _torch_form(kernels: Kernels) -> bool:
-        return kernels.paged_backend == "torch"
+        return kernels.paged_reference
 
     def decode(self, *args, **kwargs):
         raise NotImplementedError("PagedRows scores rows only: the engine's own attention computes the outputs")

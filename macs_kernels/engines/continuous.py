@@ -31,7 +31,7 @@ import threading
 import torch
 
 from macs_kernels.core import support
-from macs_kernels.core.config import MacsConfig
+from macs_kernels.core.config import MacsConfig, config_of, option_names
 from macs_kernels.core.methods.efficient import GramState, efficient_rows
 from macs_kernels.core.plans import PackedRows
 from macs_kernels.core.requests import Requests
@@ -43,7 +43,8 @@ from macs_kernels.ops import efficient_attention, registry
 from macs_kernels.ops.torch import row as torch_row
 from macs_kernels.ops.torch.packed import Segments, macs_pool_packed
 
-__all__ = ["ContinuousTracer", "Segments", "attach_continuous", "macs_pool_packed"]
+__all__ = ["ContinuousTracer", "Segments", "attach_continuous", "engine_config", "generate_options",
+           "macs_pool_packed"]
 
 # The names continuous batching accepts that run on any device; flash names need CUDA and hand the attention
 # function a block table on decode steps instead of packed keys.
@@ -54,7 +55,8 @@ _TRACER_ATTRIBUTE = "_macs_continuous_tracer"
 # update rewrites (the pass's layout as it was before), and the attention function takes them back.
 _REWRITTEN_BY_UPDATE = ("cu_seq_lens_k", "max_length_k", "block_table")
 _module_call = threading.local()
-_PER_REQUEST_FIELDS = ("alpha", "pooling", "redistribute", "attention", "fused_decode")
+# What a request may set for itself (the backend is the engine's: one kernel bundle per tracer).
+_PER_REQUEST_FIELDS = option_names("rows", "pass")
 AT2_FEATURES = "at2_features"
 
 
@@ -510,17 +512,17 @@ def _restore_attention(manager) -> None:
 
 # ---- entry points ---------------------------------------------------------------------------------
 @contextlib.contextmanager
-def attach_continuous(model, *, manager=None, keep_finished: int = 256, **config):
+def attach_continuous(model, *, manager=None, keep_finished: int = 256, config: MacsConfig | None = None, **options):
     """Trace every continuous-batching pass on `model` inside the block; yields a `ContinuousTracer`.
 
     Use it around `model.generate_batch(...)` or a `ContinuousBatchingManager`: managers created inside the
     block (`model.init_continuous_batching()`, generate_batch) are tracked; pass one created before as
-    `manager=`. config: MacsConfig fields (alpha, pooling, redistribute, attention, backend), the default
-    of every request (`tracer.configure` overrides them per request). keep_finished: how many finished
+    `manager=`. config: a MacsConfig, or options: its fields, the default of every request (`tracer.configure`
+    overrides those of kinds "rows" and "pass" per request). keep_finished: how many finished
     requests keep their rows until `release` (older ones are dropped). On exit the model, its attention
     implementation and transformers' registries are as they were.
     """
-    macs_config = MacsConfig(**config)
+    macs_config = config_of(config, options)
     if isinstance(keep_finished, bool) or not isinstance(keep_finished, int) or keep_finished < 0:
         raise ValueError(f"keep_finished must be an int >= 0, got {keep_finished!r}")
     modules = check_model(model)
@@ -576,3 +578,55 @@ def attach_continuous(model, *, manager=None, keep_finished: int = 256, **config
             delattr(module, _TRACER_ATTRIBUTE)
         _uninstall()
         tracer.close()
+
+
+# ---- the engine's options and sizing (for explain(continuous_batching=True)) ---------------------------
+# generate options that continuous batching follows, and those that select a layout it cannot (support table).
+SAMPLING = ("do_sample", "temperature", "top_k", "top_p")
+_LAYOUTS = {
+    "num_beams": ("beams", lambda value: value > 1),
+    "num_return_sequences": ("several", lambda value: value > 1),
+    "assistant_model": ("assisted", lambda value: value is not None),
+    "prompt_lookup_num_tokens": ("assisted", lambda value: value is not None),
+    "cache_implementation": ("static_cache", lambda value: value == "static"),
+    "stop_strings": ("stop_strings", lambda value: value is not None),
+}
+
+
+def generate_options(generate_kwargs: dict, method: str) -> dict:
+    """The engine's arguments taken out of explain()'s generate options (sampling, continuous_batching_config);
+    refuses, before any work, an option that selects a layout continuous batching cannot follow with `method`,
+    and any other generate option."""
+    for option, (layout, selects) in _LAYOUTS.items():
+        if option in generate_kwargs and selects(generate_kwargs[option]):
+            support.check("continuous", method, layout)
+    engine = {key: generate_kwargs.pop(key) for key in ("continuous_batching_config", *SAMPLING)
+              if key in generate_kwargs}
+    if generate_kwargs:
+        raise ValueError(f"continuous_batching=True takes {SAMPLING} and continuous_batching_config; "
+                         f"{sorted(generate_kwargs)} cannot be passed with it")
+    return engine
+
+
+def engine_config(continuous_batching_config, prompt_lengths: list[int], max_new_tokens: int):
+    """The ContinuousBatchingConfig to run prompts of `prompt_lengths` tokens with: the one given (None: the
+    default) with flash attention, CUDA graphs and async batching off unless asked for (they bypass the traced
+    attention; asked for, they are refused later), and without `num_blocks` a paged cache that holds exactly these
+    prompts and their new tokens (sized from free memory, its allocation would dominate)."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    if continuous_batching_config is None:
+        continuous_batching_config = ContinuousBatchingConfig()
+    elif not isinstance(continuous_batching_config, ContinuousBatchingConfig):
+        raise TypeError("continuous_batching_config must be a transformers ContinuousBatchingConfig")
+    continuous_batching_config = dataclasses.replace(
+        continuous_batching_config, auto_switch_to_flash=False,
+        use_cuda_graph=continuous_batching_config.use_cuda_graph or False,
+        use_async_batching=continuous_batching_config.use_async_batching or False,
+    )
+    if continuous_batching_config.num_blocks is None:
+        page = continuous_batching_config.page_size
+        pages = sum(-(-(length + max_new_tokens) // page) for length in prompt_lengths)
+        continuous_batching_config.num_blocks = pages + 1
+    return continuous_batching_config
+

@@ -20,18 +20,25 @@ from collections.abc import Sequence
 
 import torch
 
+from macs_kernels.ops.backends import NAMES as BACKENDS
+
 POOLINGS = ("max", "mean", "min")
-BACKENDS = ("torch", "triton", "cuda", "numba")
+# The paper's floor weight, the default of every op that takes alpha: this layer's copy of
+# core.config.DEFAULT_ALPHA, which the layers above use (the ops import nothing above them; tests/core/test_core.py
+# keeps the two equal).
+DEFAULT_ALPHA = 0.8
 
 
-def check_options(*, alpha: float = 1.0, pooling: str = "max", redistribute: bool = True,
+def check_options(*, alpha: float | None = None, pooling: str = "max", redistribute: bool = True,
                   backend: str | None = None) -> None:
-    """The options the ops share with MacsConfig (which calls this for its own): the floor weight alpha, the
-    pooling over heads, whether generated tokens' mass is spread, and the backend (None: the best available)."""
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise TypeError(f"alpha must be a number in (0, 1], got {alpha!r}")
-    if not 0.0 < float(alpha) <= 1.0:
-        raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+    """The options the ops share with MacsConfig (which calls this for its own): the floor weight alpha (None: the
+    op takes none), the pooling over heads, whether generated tokens' mass is spread, and the backend (None: the
+    best available)."""
+    if alpha is not None:
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+            raise TypeError(f"alpha must be a number in (0, 1], got {alpha!r}")
+        if not 0.0 < float(alpha) <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
     if pooling not in POOLINGS:
         raise ValueError(f"unknown pooling {pooling!r}; choose one of {POOLINGS}")
     if backend is not None and backend not in BACKENDS:

@@ -3,7 +3,16 @@ from __future__ import annotations
 
 import torch
 
-from macs_kernels.ops._checks import IndexLike, as_index, as_scale, check_log_c, check_options, check_q_k, check_ranges
+from macs_kernels.ops._checks import (
+    DEFAULT_ALPHA,
+    IndexLike,
+    as_index,
+    as_scale,
+    check_log_c,
+    check_options,
+    check_q_k,
+    check_ranges,
+)
 from macs_kernels.ops.registry import NAMESPACE, kernel, variant_kernel
 from macs_kernels.ops.torch import backend as torch_backend
 from macs_kernels.ops.variant import Variant
@@ -23,7 +32,7 @@ def _(q, k_cache, v_cache, kv_start, kv_len, scale, log_c, input_end, alpha, poo
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, kv_start: IndexLike | None = None,
     kv_len: IndexLike, scale: float, log_c: torch.Tensor | None = None, pooled: torch.Tensor | None = None,
-    input_end: IndexLike | None = None, alpha: float = 0.8, pooling: str = "max", redistribute: bool = True,
+    input_end: IndexLike | None = None, alpha: float = DEFAULT_ALPHA, pooling: str = "max", redistribute: bool = True,
     backend: str | None = None, variant: Variant | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query per sequence over keys [kv_start, kv_len), optionally fused with MACS.

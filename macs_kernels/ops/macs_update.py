@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from macs_kernels.ops._checks import (
+    DEFAULT_ALPHA,
     IndexLike,
     as_index,
     as_scale,
@@ -24,7 +25,7 @@ operator = torch.library.custom_op(f"{NAMESPACE}::macs_update", torch_backend.ma
 
 def macs_update(
     q: torch.Tensor, k_cache: torch.Tensor, log_c: torch.Tensor, *, input_start: IndexLike, input_end: IndexLike,
-    kv_len: IndexLike, scale: float, alpha: float = 0.8, pooling: str = "max", redistribute: bool = True,
+    kv_len: IndexLike, scale: float, alpha: float = DEFAULT_ALPHA, pooling: str = "max", redistribute: bool = True,
     lse: torch.Tensor | None = None, backend: str | None = None,
 ) -> None:
     """Add one layer's MACS term to the log consistency state, in place.

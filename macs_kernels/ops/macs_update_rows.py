@@ -3,7 +3,15 @@ from __future__ import annotations
 
 import torch
 
-from macs_kernels.ops._checks import IndexLike, as_index, check_log_c, check_options, check_ranges, check_tensor
+from macs_kernels.ops._checks import (
+    DEFAULT_ALPHA,
+    IndexLike,
+    as_index,
+    check_log_c,
+    check_options,
+    check_ranges,
+    check_tensor,
+)
 from macs_kernels.ops.registry import NAMESPACE, kernel
 from macs_kernels.ops.torch import backend as torch_backend
 
@@ -15,7 +23,7 @@ operator = torch.library.custom_op(
 
 def macs_update_rows(
     rows: torch.Tensor, log_c: torch.Tensor, *, input_start: IndexLike, input_end: IndexLike, kv_len: IndexLike,
-    alpha: float = 0.8, pooling: str = "max", redistribute: bool = True, backend: str | None = None,
+    alpha: float = DEFAULT_ALPHA, pooling: str = "max", redistribute: bool = True, backend: str | None = None,
 ) -> None:
     """`macs_update` from given attention rows (B, H, S) instead of q and K.
 

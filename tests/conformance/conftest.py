@@ -52,7 +52,7 @@ def at2_theta(chat_model, tmp_path_factory):
 def conformance_server(chat_model_folder, at2_theta):
     # Imported here: the server's extras (fastapi, uvicorn, httpx) are needed by the server's tests alone, and the
     # serve conftest skips whatever imports it without them.
-    from tests.serve.conftest import Server
+    from tests.apps.serve.conftest import Server
 
     # A 16-token pass budget chunks every prefill; 128 cache tokens hold two ~60-token requests, so four
     # concurrent ones make the engine offload and restart requests.

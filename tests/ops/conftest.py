@@ -1,10 +1,13 @@
-"""The triton backend's fused ops run under both of its fused passes (ops.registry.TRITON_SPLIT_KV_PASSES): the
-tests of the modules below that take a `backend` run once more with backend "triton" and the "two-launch" pass."""
+"""The triton backend's fused ops run under both of its fused passes (ops.triton.settings.TRITON_SPLIT_KV_PASSES):
+the tests of the modules below that take a `backend` run once more with backend "triton" and the "two-launch" pass."""
 from __future__ import annotations
 
 import pytest
 
-from macs_kernels.ops.registry import TRITON_SPLIT_KV_PASSES, set_triton_split_kv_pass, triton_split_kv_pass
+try:  # the triton backend's package, where triton is installed
+    from macs_kernels.ops.triton import settings
+except ImportError:
+    settings = None
 
 FUSED_OP_MODULES = {
     "test_decode_attention", "test_macs_update", "test_macs_pool", "test_macs_pool_paged", "test_variants",
@@ -13,8 +16,9 @@ FUSED_OP_MODULES = {
 
 
 def pytest_generate_tests(metafunc):
-    if "backend" in metafunc.fixturenames and metafunc.module.__name__.rsplit(".", 1)[-1] in FUSED_OP_MODULES:
-        metafunc.parametrize("triton_split_kv", TRITON_SPLIT_KV_PASSES, indirect=True)
+    module = metafunc.module.__name__.rsplit(".", 1)[-1]
+    if settings is not None and "backend" in metafunc.fixturenames and module in FUSED_OP_MODULES:
+        metafunc.parametrize("triton_split_kv", settings.TRITON_SPLIT_KV_PASSES, indirect=True)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -30,7 +34,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def triton_split_kv(request):
     """The triton fused pass a test runs (the default unless parametrized)."""
-    previous = triton_split_kv_pass()
-    set_triton_split_kv_pass(getattr(request, "param", previous))
-    yield triton_split_kv_pass()
-    set_triton_split_kv_pass(previous)
+    if settings is None:
+        yield None
+        return
+    previous = settings.triton_split_kv_pass()
+    settings.set_triton_split_kv_pass(getattr(request, "param", previous))
+    yield settings.triton_split_kv_pass()
+    settings.set_triton_split_kv_pass(previous)

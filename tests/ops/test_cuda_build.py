@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from macs_kernels.ops.registry import CUDA_SPLIT_KV_KERNELS, BackendUnavailable, set_cuda_split_kv_kernel
+from macs_kernels.ops.cuda import CUDA_SPLIT_KV_KERNELS, set_cuda_split_kv_kernel
+from macs_kernels.ops.registry import BackendUnavailable
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 ARCHES = ("sm_80", "sm_90")

@@ -10,7 +10,7 @@ import torch
 
 from macs_kernels import ops
 from macs_kernels.ops import reference, why_unavailable
-from macs_kernels.ops.registry import CUDA_SPLIT_KV_KERNELS, cuda_split_kv_kernel, set_cuda_split_kv_kernel
+from macs_kernels.ops.cuda import CUDA_SPLIT_KV_KERNELS, cuda_split_kv_kernel, set_cuda_split_kv_kernel
 from tests.grids import pairwise
 from tests.ops.cases import assert_close_log_c
 from tests.tolerances import RELATIVE_ERROR, relative_error

@@ -210,7 +210,7 @@ def test_variant_arguments_equal_the_torch_kernel(case):
 def test_the_chosen_split_kernel_is_launched(dim, dtype, pipelined_fits):
     """The profiler names the split kernel each op launched: the pipelined one where it is chosen and fits (16-byte
     rows), split_kernel otherwise; so that the tests over both kernels cannot pass on one of them twice."""
-    from macs_kernels.ops.registry import cuda_split_kv_kernel
+    from macs_kernels.ops.cuda import cuda_split_kv_kernel
 
     q, k_cache, start, input_end, kv_len = _verify_block(2, 2, 4, 1, 300, dim, dtype)
     v_cache = torch.randn_like(k_cache)

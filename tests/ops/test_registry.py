@@ -25,7 +25,7 @@ def machine(monkeypatch):
     def why_unavailable(name, device, op=None):
         if name not in state["available"]:
             return "absent here"
-        return None if name != "numba" or op in registry.NUMBA_OPS else "numba has the paged op only"
+        return None if name != "numba" or op in registry.declared("numba").ops else "numba has the paged op only"
 
     monkeypatch.setattr(registry, "why_unavailable", why_unavailable)
 

@@ -64,7 +64,7 @@ VARIANTS = {
                                                           SOFTCAP=True),
     "pool_paged_softcap_fp16_gqa4_d128_page256": _split_kv("fp16", D=128, GROUP=4, BLOCK_M=16, PAGE_SIZE=256,
                                                            SOFTCAP=True),
-    # The two-launch fused pass (ops.registry.TRITON_SPLIT_KV_PASSES): float16 relative scores, then the combine
+    # The two-launch fused pass (ops.triton.settings.TRITON_SPLIT_KV_PASSES): float16 relative scores, then the combine
     # with the head pooling folded in.
     "two_launch_decode_bf16_gqa4_d128": _split_kv("bf16", D=128, GROUP=4, BLOCK_M=16, WITH_V=True, scores="fp16"),
     "two_launch_update_bf16_gqa3_d64": _split_kv("bf16", D=64, GROUP=3, BLOCK_M=16, scores="fp16"),

@@ -1,4 +1,4 @@
-"""The triton backend's selectable fused passes (registry.TRITON_SPLIT_KV_PASSES): the switch, the launches each
+"""The triton backend's selectable fused passes (settings.TRITON_SPLIT_KV_PASSES): the switch, the launches each
 pass makes, and the error bound of the "two-launch" pass's float16 relative scores. (Every per-op test of the
 fused ops runs under both passes: tests/ops/conftest.py.)"""
 from __future__ import annotations
@@ -11,6 +11,8 @@ from macs_kernels.ops import reference, registry
 from tests.ops.cases import DEVICE, row_ranges
 
 pytest.importorskip("triton")
+from macs_kernels.ops.triton import settings  # noqa: E402 - after the skip: it imports triton
+
 pytestmark = [
     pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning"),
     pytest.mark.skipif(registry.why_unavailable("triton", DEVICE) is not None, reason="triton cannot run here"),
@@ -19,20 +21,20 @@ pytestmark = [
 
 def test_unknown_pass_is_refused_with_the_choices():
     with pytest.raises(ValueError, match=r"unknown triton split-KV pass 'three'.*'verified', 'two-launch'"):
-        registry.set_triton_split_kv_pass("three")
+        settings.set_triton_split_kv_pass("three")
 
 
 def test_the_environment_chooses_the_pass_at_first_use(monkeypatch):
-    monkeypatch.setattr(registry, "_triton_split_kv_pass", None)
+    monkeypatch.setattr(settings, "_triton_split_kv_pass", None)
     monkeypatch.setenv("MACS_KERNELS_TRITON_SPLIT_KV", "two-launch")
-    assert registry.triton_split_kv_pass() == "two-launch"
-    monkeypatch.setattr(registry, "_triton_split_kv_pass", None)
+    assert settings.triton_split_kv_pass() == "two-launch"
+    monkeypatch.setattr(settings, "_triton_split_kv_pass", None)
     monkeypatch.delenv("MACS_KERNELS_TRITON_SPLIT_KV")
-    assert registry.triton_split_kv_pass() == "verified"
-    monkeypatch.setattr(registry, "_triton_split_kv_pass", None)
+    assert settings.triton_split_kv_pass() == "verified"
+    monkeypatch.setattr(settings, "_triton_split_kv_pass", None)
     monkeypatch.setenv("MACS_KERNELS_TRITON_SPLIT_KV", "fast")
     with pytest.raises(ValueError, match="unknown triton split-KV pass 'fast'"):
-        registry.triton_split_kv_pass()
+        settings.triton_split_kv_pass()
 
 
 @pytest.mark.parametrize(("name", "kernels"), [
@@ -42,7 +44,7 @@ def test_the_environment_chooses_the_pass_at_first_use(monkeypatch):
 def test_launches_of_a_fused_decode(name, kernels):
     from macs_kernels.ops.triton import LAUNCHES
 
-    registry.set_triton_split_kv_pass(name)
+    settings.set_triton_split_kv_pass(name)
     q = torch.randn(2, 8, 64, device=DEVICE)
     k, v = (torch.randn(2, 2, 113, 64, device=DEVICE) for _ in range(2))
     kv_start, input_end, kv_len = row_ranges(113, 2)
@@ -59,7 +61,7 @@ def test_float16_relative_scores_keep_log_p_within_2_to_the_minus_11(dtype, pool
     """alpha = 1 without redistribution adds log m' itself, the pooled log p: the two-launch pass stores s - m (m the
     running max, at most lse) in float16, so each entry's increment is within 2^-11 of its size (plus float32
     rounding), over scores spread across +-30 where float16 absolute scores would not be."""
-    registry.set_triton_split_kv_pass("two-launch")
+    settings.set_triton_split_kv_pass("two-launch")
     q = (torch.randn(1, 8, 64) * 12).to(dtype).to(DEVICE)
     k = torch.randn(1, 2, 300, 64).to(dtype).to(DEVICE)
     input_start, input_end, kv_len = (torch.tensor([value], device=DEVICE) for value in (5, 290, 300))

@@ -77,7 +77,14 @@ SINGLE_SEQUENCE_MODES = ("prompt-lookup",)  # transformers' assisted decoding ta
 CONFIG_LENGTHS = (512, 2048, 3936)
 CONFIG_MODES = (GREEDY, STATIC)
 AUTO = "macs-auto"
-BACKENDS = ("torch", "triton", "cuda")  # those that run generate's attention
+
+
+def engine_backends() -> tuple[str, ...]:
+    """The backends that run generate's attention, from their declarations (read when needed: they import torch)."""
+    from macs_kernels.ops.backends import ENGINE_BACKENDS
+
+    return ENGINE_BACKENDS
+
 
 # Shapes of real architectures for --config (no weights travel to a GPU machine; random weights cost
 # the same). A config.json path or folder works too.
@@ -155,7 +162,7 @@ def methods_for(device) -> list[str]:
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         methods.append("plain-fa2")
     # why_unavailable would accept the Triton interpreter on a CPU: a test tool, not a contender.
-    for backend in BACKENDS:
+    for backend in engine_backends():
         if (backend == "torch" or device.type == "cuda") and why_unavailable(backend, device) is None:
             methods.append(f"macs-{backend}")
     methods.append("macs-torch-fused")  # the torch backend computing decode attention itself
@@ -164,7 +171,8 @@ def methods_for(device) -> list[str]:
 
 def check_methods(methods: list[str]) -> None:
     """Refuse, before any model loads, a method that the benchmark does not know."""
-    known = ["plain-sdpa", "plain-fa2", *(f"macs-{b}" for b in BACKENDS), "macs-torch-fused", AUTO, *EAGER_METHODS]
+    known = ["plain-sdpa", "plain-fa2", *(f"macs-{b}" for b in engine_backends()), "macs-torch-fused", AUTO,
+             *EAGER_METHODS]
     unknown = [method for method in methods if method not in known]
     if unknown:
         raise SystemExit(f"--methods {' '.join(unknown)}: choose from {', '.join(known)}")

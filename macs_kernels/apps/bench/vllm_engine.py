@@ -98,7 +98,7 @@ def _run_engine(args, engine: str, common: dict, record) -> None:
     import psutil
     from vllm import LLM, SamplingParams
 
-    from macs_kernels import vllm as macs_vllm
+    from macs_kernels.api import vllm_llm as macs_vllm  # not the facade: its package holds the server app
     from macs_kernels.api.models import default_model_path
 
     new_tokens = args.new_tokens or 32

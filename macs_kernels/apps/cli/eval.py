@@ -4,7 +4,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from macs_kernels.apps.cli.common import add_model_arguments, check_model_argument, load_from_args
+from macs_kernels.apps.cli.common import (
+    add_model_arguments,
+    check_model_argument,
+    load_from_args,
+    registry_name,
+)
 
 
 def add_parser(subparsers) -> None:
@@ -50,7 +55,10 @@ def add_parser(subparsers) -> None:
                         help="results JSONL (resumed if present)")
     parser.add_argument("--records", type=Path, default=None,
                         help="cache folder of the per-sample attention records (default: the macs_kernels cache)")
-    parser.add_argument("--backend", default=None, choices=["torch", "triton", "cuda"])
+    parser.add_argument("--backend", default=None, metavar="NAME",
+                        type=registry_name("macs_kernels.ops.backends", "ENGINE_BACKENDS"),
+                        help="the kernels' backend, one of macs_kernels.ops.backends.ENGINE_BACKENDS (default: the "
+                             "fastest correct one here)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--report-only", action="store_true", help="only summarise --out (a partial run too)")
     parser.add_argument("--distributed", action="store_true",

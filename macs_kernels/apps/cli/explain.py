@@ -15,7 +15,7 @@ from macs_kernels.apps.cli.common import (
     registry_name,
     write_outputs,
 )
-from macs_kernels.core.config import AT2_ATTENTIONS, ATTENTIONS
+from macs_kernels.core.config import AT2_ATTENTIONS, ATTENTIONS, DEFAULT_ALPHA
 
 
 def add_parser(subparsers) -> None:
@@ -36,11 +36,14 @@ def add_parser(subparsers) -> None:
                         help="the whole-answer score shown without --step, a name of macs_kernels.core.scores."
                              "AGGREGATIONS (default: Explanation.scores's; mean_log_c is the mean over steps of log "
                              "c shown before)")
-    parser.add_argument("--alpha", type=float, default=0.8)
+    parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA)
     parser.add_argument("--pooling", default="max", choices=["max", "mean", "min"])
     parser.add_argument("--no-redistribute", action="store_true", help="switch redistribution off")
     parser.add_argument("--attention", default="softmax", choices=ATTENTIONS)
-    parser.add_argument("--backend", default=None, choices=["torch", "triton", "cuda"])
+    parser.add_argument("--backend", default=None, metavar="NAME",
+                        type=registry_name("macs_kernels.ops.backends", "ENGINE_BACKENDS"),
+                        help="the kernels' backend, one of macs_kernels.ops.backends.ENGINE_BACKENDS (default: the "
+                             "fastest correct one here)")
     parser.add_argument("--fused-decode", action=argparse.BooleanOptionalAction, default=None,
                         help="compute decode-step attention with the backend's fused kernel (default: on for "
                              "triton and cuda, off for torch)")

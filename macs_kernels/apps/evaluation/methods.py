@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from macs_kernels.core.config import MacsConfig
+from macs_kernels.core.config import MacsConfig, option_names
 
 BASE_METHODS = ("macs", "at2", "attention-mean", "rollout", "random", "attnlrp", "atman")
 # Methods computed from the model after the generation (not from the recorded attention rows).
@@ -14,7 +14,8 @@ FAITHFULNESS_METHODS = ("macs", "at2", "attention-mean", "random", "attnlrp", "a
 FAITHFULNESS_METRICS = {"perplexity": "perplexity", "rouge_l": "rouge_l", "logit": "mean_logit"}
 # Why AT2 is not scored on a question: its coefficient file records the questions it was trained on.
 AT2_TRAINED_ON = "AT2's coefficients were trained on these questions"
-_MACS_OPTIONS = {"alpha": "alpha", "pool": "pooling", "redistribute": "redistribute", "attention": "attention"}
+# A method's spelling of the options that change the rows ("macs:pool=mean": pooling is spelt pool).
+_MACS_OPTIONS = {{"pooling": "pool"}.get(name, name): name for name in option_names("rows")}
 # attnlrp (a backward pass per step) and atman (a forward per context token) are opt-in: they would multiply
 # the cost of a default run.
 DEFAULT_METHODS = ("macs", "macs:pool=mean", "macs:pool=min", "macs:alpha=0.2", "macs:alpha=0.5", "macs:alpha=1.0",

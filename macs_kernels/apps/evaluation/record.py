@@ -15,7 +15,7 @@ import contextlib
 import numpy as np
 import torch
 
-from macs_kernels.core.config import MacsConfig
+from macs_kernels.core.config import DEFAULT_ALPHA, MacsConfig
 from macs_kernels.engines.generate import TraceHook, attach, check_model
 from macs_kernels.ops.torch import backend as torch_backend
 
@@ -147,7 +147,7 @@ def generate_record(model, tokenizer, prompt_ids: torch.Tensor, *, max_new_token
     return record, generated[:steps], step_log_c
 
 
-def macs_from_record(record: dict, *, alpha: float = 0.8, pooling: str = "max", redistribute: bool = True,
+def macs_from_record(record: dict, *, alpha: float = DEFAULT_ALPHA, pooling: str = "max", redistribute: bool = True,
                      attention: str = "softmax") -> np.ndarray:
     """log c (steps, N) float64 of one MACS configuration, from a RowRecorder record.
 

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 import torch
 
 from macs_kernels.apps.serve.sampling import RequestSampler, Sampling, SequenceSampler
-from macs_kernels.core.config import MacsConfig
+from macs_kernels.core.config import MacsConfig, option_names
 
 
 class RequestRejected(ValueError):
@@ -389,8 +389,7 @@ def check_sizes(*, cache_tokens: int, page_size: int, max_batch_tokens: int, def
 
 
 def _request_config(config: MacsConfig) -> dict:
-    return {k: v for k, v in config.as_dict().items()
-            if k in ("alpha", "pooling", "redistribute", "attention", "fused_decode")}
+    return {k: v for k, v in config.as_dict().items() if k in option_names("rows", "pass")}
 
 
 def _at2_theta(model, path) -> torch.Tensor | None:

@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from macs_kernels.apps.serve.sampling import Sampling
-from macs_kernels.core.config import ATTENTIONS, MacsConfig
+from macs_kernels.core.config import ATTENTIONS, DEFAULT_ALPHA, MacsConfig
 from macs_kernels.ops import POOLINGS
 
 
@@ -51,7 +51,7 @@ class AttributionOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    alpha: float = Field(0.8, strict=False)
+    alpha: float = Field(DEFAULT_ALPHA, strict=False)
     pooling: Literal[POOLINGS] = "max"  # type: ignore[valid-type]
     redistribute: StrictBool = True
     attention: Literal[ATTENTIONS] = "softmax"  # type: ignore[valid-type]

@@ -22,7 +22,7 @@ import threading
 import torch
 
 from macs_kernels.core import support
-from macs_kernels.core.config import MacsConfig
+from macs_kernels.core.config import MacsConfig, option_names
 from macs_kernels.core.plans import PagedRows
 from macs_kernels.core.requests import Requests
 from macs_kernels.core.rows import RowStore
@@ -34,7 +34,9 @@ OPTION = "attribution"  # the key of SamplingParams.extra_args that asks for att
 # The key of SamplingParams.extra_args whose (unique) text names one engine request to readers: clients may send
 # one request id for several requests (vLLM accepts that), and the endpoint reads each request's rows by its ticket.
 TICKET = "attribution_ticket"
-OPTIONS = ("alpha", "pooling", "redistribute", "attention")
+# What a vLLM request may set: the options that change its rows (vLLM's own attention computes the outputs, so fused
+# decode does not apply; the backend is the worker's).
+OPTIONS = option_names("rows")
 ACTIVE: VllmTracer | None = None  # this worker process's tracer, once the worker extension attached it
 
 

@@ -20,13 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from macs_kernels.ops.registry import triton_interpreted
+from macs_kernels.ops.backends import triton_interpreted
 
 LOG2E = tl.constexpr(1.4426950408889634)
 MIN_SCORE = tl.constexpr(-1.0e30)
 
 # Whether the kernels below run in the interpreter: triton.jit decided it when this module was imported, and reading
-# the environment on every launch cost microseconds of host time per op. registry.triton_interpreted() still reads
+# the environment on every launch cost microseconds of host time per op. backends.triton_interpreted() still reads
 # the environment (it answers before triton is imported); both agree unless TRITON_INTERPRET changes afterwards.
 INTERPRETED = triton_interpreted()
 

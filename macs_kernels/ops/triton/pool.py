@@ -93,7 +93,7 @@ def pool_tile(x, gen, h_mask, i, n_input, heads, n_target, target_row, alpha, RE
         tl.store(target, tl.where(i_mask, pooled, 0.0), mask=i < n_target)
 
 
-def pool(values, target, start, end, *, lse=None, generated=None, alpha=1.0, pooling="max", redistribute=True,
+def pool(values, target, start, end, *, lse=None, generated=None, alpha=None, pooling="max", redistribute=True,
          into_log_c=True):
     """Pool `values` over heads into `target` for each query row.
 
@@ -102,7 +102,10 @@ def pool(values, target, start, end, *, lse=None, generated=None, alpha=1.0, poo
     start, end: (B, R) int64 input ranges (stride 0 over R allowed).
     target: log_c (B, N_max) to which log(alpha * m' + 1 - alpha) is added for i < N (into_log_c), or
         out (B, R, N_max) that receives m' for i < N and 0 after.
+    alpha: the floor weight of log c's update (into_log_c: required); None where m' is written.
     """
+    if into_log_c and alpha is None:
+        raise ValueError("pool into log_c needs alpha")
     from_scores = lse is not None
     values4 = values if from_scores else values[:, :, None]
     batch, heads, rows = values4.shape[:3]
@@ -115,7 +118,7 @@ def pool(values, target, start, end, *, lse=None, generated=None, alpha=1.0, poo
     launch(
         _pool_kernel, (batch * rows, cdiv(n_target, block_i)),
         values4, lse3, gen3, start, end, target3,
-        float(alpha), heads, rows, n_target,
+        float(alpha) if into_log_c else 0.0, heads, rows, n_target,
         values4.stride(0), values4.stride(1), values4.stride(2), lse3.stride(0), lse3.stride(1), lse3.stride(2),
         gen3.stride(0), gen3.stride(1), gen3.stride(2), start.stride(0), start.stride(1),
         target3.stride(0), target3.stride(1),

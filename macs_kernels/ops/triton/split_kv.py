@@ -12,7 +12,7 @@ H_kv x S x 2D bytes of K.
 `_split_kv_combine_kernel` (grid (B * H * R,)): merges the slices into lse, lse_gen and out.
 
 The fused MACS pass (`fused_pass`) pools the input keys' probabilities over heads after that, in one of two ways
-(registry.TRITON_SPLIT_KV_PASSES): "verified", the default, launches the combine and then pool.py's `_pool_kernel`;
+(settings.TRITON_SPLIT_KV_PASSES): "verified", the default, launches the combine and then pool.py's `_pool_kernel`;
 "two-launch" launches `_combine_pool_kernel`, the combine with the pooling folded in, and for the log c update of
 half-precision inputs has the split kernel write each score as s - m in float16 (m: the row's running max after the
 key block, float32 beside them), half the score bytes (benchmarks/results/triton_two_launch_pass.md).
@@ -30,7 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-from macs_kernels.ops.registry import triton_split_kv_pass
 from macs_kernels.ops.triton.common import (
     MIN_SCORE,
     SplitKV,
@@ -46,6 +45,7 @@ from macs_kernels.ops.triton.common import (
     split_kv_tiles,
 )
 from macs_kernels.ops.triton.pool import pool, pool_tile
+from macs_kernels.ops.triton.settings import triton_split_kv_pass
 
 
 @triton.jit
@@ -299,13 +299,13 @@ def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores
     return out, lse, lse_gen, split.scores if n_scores else None
 
 
-def fused_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, target, *, pool_start, lse=None, alpha=1.0,
+def fused_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, target, *, pool_start, lse=None, alpha=None,
                pooling, redistribute, into_log_c, block_table=None, score_start=None, softcap=None, sinks=None):
     """The split-KV pass and the head pooling of its input keys' probabilities into target (pool's
-    log_c or out), by the pass that _backends.triton_split_kv_pass() names: "verified" launches split_kv_pass
+    log_c or out), by the pass that settings.triton_split_kv_pass() names: "verified" launches split_kv_pass
     and pool; "two-launch" the split kernel and `_combine_pool_kernel`. Arguments as split_kv_pass's and pool's
     (pool_start, input_end: the pooled input range; lse (B, H, R) given replaces the computed one in the
-    probabilities). Returns (out or None, lse (B, H, R) computed)."""
+    probabilities; alpha: log c's floor weight, into_log_c only). Returns (out or None, lse (B, H, R) computed)."""
     pooled = dict(alpha=alpha, pooling=pooling, redistribute=redistribute, into_log_c=into_log_c)
     if triton_split_kv_pass() == "verified":
         out, own_lse, lse_gen, scores = split_kv_pass(
@@ -332,7 +332,8 @@ def fused_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, target, *, 
         _combine_pool_kernel, (batch * rows, pool_programs + heads),
         split.m, split.l, split.l_gen, split.acc, out if split.with_v else own_lse, own_lse, lse_gen,
         split.m if sinks is None else sinks, scores, split.tile_max, given, pool_start, input_end, target3,
-        float(alpha), split.tiles.splits, heads, rows, n_target, pool_programs, per_program, split.key_tiles,
+        float(alpha) if into_log_c else 0.0, split.tiles.splits, heads, rows, n_target, pool_programs, per_program,
+        split.key_tiles,
         *(out.stride(i) if split.with_v else 0 for i in range(3)), scores.stride(0), scores.stride(1),
         scores.stride(2), given.stride(0), given.stride(1), given.stride(2), pool_start.stride(0),
         pool_start.stride(1), target3.stride(0), target3.stride(1),

@@ -10,8 +10,8 @@ from macs_kernels.apps.at2.coefficients import question_digest, save_coefficient
 from macs_kernels.apps.cli import main
 from macs_kernels.apps.evaluation.data import QASample, load_qa
 from macs_kernels.apps.evaluation.methods import AT2_TRAINED_ON, MethodUnavailable, method_skips, parse_method
-from tests.evaluation import stqa_350
-from tests.evaluation.test_resume import _one_thread, eval_command, write_data  # noqa: F401 (autouse)
+from tests.apps.evaluation import stqa_350
+from tests.apps.evaluation.test_resume import _one_thread, eval_command, write_data  # noqa: F401 (autouse)
 from tests.helpers import QUESTIONS
 
 

@@ -194,7 +194,7 @@ def test_bad_input_is_refused_by_name():
 
 def _lxt(model_dir, prompt, generated, variant, tmp_path):
     if not Path(LXT_PYTHON).is_file():
-        pytest.skip(f"no lxt venv at {LXT_PYTHON} (set MACS_KERNELS_LXT_PYTHON; set-up in tests/lxt_worker.py)")
+        pytest.skip(f"no lxt venv at {LXT_PYTHON} (set MACS_KERNELS_LXT_PYTHON; set-up in tests/apps/lxt_worker.py)")
     request, result = tmp_path / "request.json", tmp_path / "result.json"
     request.write_text(json.dumps({"model": str(model_dir), "input_ids": prompt.tolist(),
                                    "generated_ids": generated.tolist(), "variant": variant}))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from macs_kernels.apps.evaluation.alignment import align_context, align_qa, answer_step, encode_chat
-from tests.evaluation import stqa_350
+from tests.apps.evaluation import stqa_350
 
 
 @pytest.fixture(scope="session")

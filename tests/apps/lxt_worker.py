@@ -1,4 +1,4 @@
-"""AttnLRP relevances from lxt 2.1 itself, for tests/test_attnlrp.py; run by the python of a separate venv.
+"""AttnLRP relevances from lxt 2.1 itself, for tests/apps/test_attnlrp.py; run by the python of a separate venv.
 
 lxt 2.1 needs transformers 4.x (it does not import under 5.x), so it cannot run in the package's own
 environment. Set-up (NOTES section 9): python -m venv /opt/lxt-venv; pip install torch==2.13.0;

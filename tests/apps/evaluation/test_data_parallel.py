@@ -13,10 +13,10 @@ import pytest
 
 from macs_kernels.apps.cli import main
 from macs_kernels.apps.evaluation.store import read_results
-from tests.evaluation.test_resume import eval_command, results, write_data
+from tests.apps.evaluation.test_resume import eval_command, results, write_data
 from tests.helpers import QUESTIONS
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PAIRS = QUESTIONS + [(q + " Answer briefly.", c) for q, c in QUESTIONS]  # 6 samples, 3 per rank
 ANSWERS = ["William Shakespeare", "blue", "Paris"] * 2
 

@@ -23,7 +23,7 @@ from macs_kernels.ops.torch.backend import log_floor
 from macs_kernels.ops.torch.packed import Segments
 from macs_kernels.ops.variant import Variant
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "macs_kernels"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "macs_kernels"
 
 
 def test_rows_are_keyed_by_step_and_a_restart_resumes_them():

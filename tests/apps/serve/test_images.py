@@ -16,7 +16,7 @@ from macs_kernels import explain
 from macs_kernels.api.vision import encode_image_prompts, image_scores
 from macs_kernels.apps.serve.app import create_app
 from macs_kernels.apps.serve.engine import Engine, VisionEngine
-from tests.vision.tiny import eager_vlm_log_c, random_image, tiny_vlm
+from tests.api.vision.tiny import eager_vlm_log_c, random_image, tiny_vlm
 
 from .conftest import LOG_C_TOL, Server, assert_matches, rows
 

@@ -20,7 +20,7 @@ from macs_kernels.apps.evaluation.images import (
     summarise,
     synthetic_set,
 )
-from tests.vision.tiny import tiny_vlm
+from tests.api.vision.tiny import tiny_vlm
 
 
 def test_synthetic_set_masks_mark_the_pasted_shape(tmp_path):

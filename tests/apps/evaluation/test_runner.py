@@ -16,7 +16,7 @@ from macs_kernels.apps.evaluation.record import (
 )
 from macs_kernels.apps.evaluation.scoring import at2_from_record
 from macs_kernels.ops import reference
-from tests.evaluation import stqa_350
+from tests.apps.evaluation import stqa_350
 from tests.helpers import default_model, qa, tiny_llama
 
 ABLATIONS = [

@@ -9,7 +9,7 @@ import torch
 
 from macs_kernels import attach, explain, stream
 from macs_kernels.api.vision import encode_image_prompts, image_scores
-from tests.vision.tiny import FAMILIES, eager_vlm_log_c, random_image, tiny_vlm
+from tests.api.vision.tiny import FAMILIES, eager_vlm_log_c, random_image, tiny_vlm
 
 LOG_TOLERANCE = 1e-3
 PROMPTS = ["What is in the image?", "Describe the picture in a few words, please."]

@@ -1,5 +1,5 @@
 """vLLM's CPU KV cache, written by the backend's own cache writer, read back through macs_kernels' layout adapter
-(PagedRows on that layout and FLASH_ATTN's: tests/test_core.py)."""
+(PagedRows on that layout and FLASH_ATTN's: tests/core/test_core.py)."""
 import pytest
 
 pytest.importorskip("vllm")

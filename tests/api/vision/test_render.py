@@ -10,7 +10,7 @@ from PIL import Image
 from macs_kernels import explain
 from macs_kernels.api.vision import image_scores
 from macs_kernels.api.vision.render import heatmap_figure, save_heatmap
-from tests.vision.tiny import random_image, tiny_vlm
+from tests.api.vision.tiny import random_image, tiny_vlm
 
 
 @pytest.fixture(scope="module")

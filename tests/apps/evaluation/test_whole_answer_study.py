@@ -11,7 +11,7 @@ from macs_kernels.apps.evaluation.record import macs_from_record
 from macs_kernels.core.scores import DEFAULT_AGGREGATION, log_zscores, whole_answer_scores
 from macs_kernels.ops import reference
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 import whole_answer  # noqa: E402
 
 CHOSEN = "max z minus mean z, sink out of each step's statistics"

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from macs_kernels.api.vision import encode_image_prompts
-from tests.vision.tiny import random_image, tiny_vlm
+from tests.api.vision.tiny import random_image, tiny_vlm
 
 
 def _local_vision(family):

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from macs_kernels.apps.evaluation.data import QASample, load_qa, parse_range
-from tests.evaluation import stqa_350
+from tests.apps.evaluation import stqa_350
 
 FLAT = [
     {"question": f"Q{i}?", "context": f"Context number {i}.", "answers": [{"text": "number", "answer_start": 8}]}

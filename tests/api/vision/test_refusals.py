@@ -7,7 +7,7 @@ import pytest
 
 from macs_kernels import attach, explain
 from macs_kernels.api.vision import encode_image_prompts
-from tests.vision.tiny import random_image, tiny_vlm
+from tests.api.vision.tiny import random_image, tiny_vlm
 
 
 def _no_generate(monkeypatch, model):

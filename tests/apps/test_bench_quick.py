@@ -372,13 +372,13 @@ def test_vllm_summary_puts_engine_modes_side_by_side_and_keeps_a_refusal(tmp_pat
 def test_vllm_summary_reads_a_csv_written_before_engine_modes():
     from macs_kernels.apps.bench import vllm_engine
 
-    with open(Path(__file__).parents[1] / "benchmarks" / "results" / "vllm_cpu_throughput.csv", newline="") as handle:
+    with open(Path(__file__).parents[2] / "benchmarks" / "results" / "vllm_cpu_throughput.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
-    with open(Path(__file__).parents[1] / "benchmarks" / "results" / "serving_cpu.csv", newline="") as handle:
+    with open(Path(__file__).parents[2] / "benchmarks" / "results" / "serving_cpu.csv", newline="") as handle:
         serving = list(csv.DictReader(handle))  # `bench --serving`'s runs of the same workload (8 x 32 tokens)
     (summary,) = vllm_engine.summarise(rows, serving)
     # What that run's summary said (vllm_cpu_throughput_summary.csv): its latest paged backend's 6 repeats.
-    with open(Path(__file__).parents[1] / "benchmarks" / "results" / "vllm_cpu_throughput_summary.csv") as handle:
+    with open(Path(__file__).parents[2] / "benchmarks" / "results" / "vllm_cpu_throughput_summary.csv") as handle:
         (recorded,) = csv.DictReader(handle)
     assert summary["engine"] == "eager" and summary["attribution"] == "ok"
     assert summary["paged_backend"] == recorded["paged_backend"] and summary["repeats"] == int(recorded["repeats"])

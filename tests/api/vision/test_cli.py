@@ -9,7 +9,7 @@ import torch
 from macs_kernels import explain
 from macs_kernels.apps.cli import main
 from macs_kernels.apps.cli.images import load_vision_model
-from tests.vision.tiny import random_image, tiny_vlm
+from tests.api.vision.tiny import random_image, tiny_vlm
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,37 @@
+"""The cuda backend's Python side: its kernels are the compiled extension macs_kernels._C's (csrc/), registered
+for the operators `torch.ops.macs_kernels.<op>`; here its settings.
+
+The split kernels: csrc/split_kv_choice.h: "verified", the default, passed the GPU tests and compute-sanitizer;
+"pipelined" (csrc/split_kv_pipelined) is selectable until it has too. Chosen for the process by
+MACS_KERNELS_CUDA_SPLIT_KV (read by the extension at its first split-KV launch) or by set_cuda_split_kv_kernel.
+Importing this package loads no extension.
+"""
+from __future__ import annotations
+
+import importlib
+
+from macs_kernels.ops.backends import NAMESPACE, BackendUnavailable
+
+CUDA_SPLIT_KV_KERNELS = ("verified", "pipelined")
+
+
+def _extension():
+    try:
+        return importlib.import_module(f"{NAMESPACE}._C")
+    except Exception as error:  # noqa: BLE001 - any failure means the extension is absent
+        raise BackendUnavailable(f"the compiled extension {NAMESPACE}._C is absent "
+                                 f"({type(error).__name__}: {error})") from None
+
+
+def cuda_split_kv_kernel() -> str:
+    """The split kernel that the cuda backend's decode_attention, macs_update and macs_pool(_paged) launch."""
+    return _extension().split_kv_kernel()
+
+
+def set_cuda_split_kv_kernel(kernel: str) -> None:
+    """Launch `kernel` (one of CUDA_SPLIT_KV_KERNELS) from now on in this process; shapes that "pipelined" does
+    not cover (K/V rows not 16-byte aligned, D not a power-of-two multiple of 16 bytes up to 512 bytes, D_v != D,
+    (H / H_kv) * D / 16 bytes > 256) run "verified". A CUDA graph keeps the kernel it captured."""
+    if kernel not in CUDA_SPLIT_KV_KERNELS:
+        raise ValueError(f"unknown cuda split kernel {kernel!r}; choose one of {CUDA_SPLIT_KV_KERNELS}")
+    _extension().set_split_kv_kernel(kernel)
