@@ -349,7 +349,7 @@ def explain(model, tokenizer, /, prompt=None, *, input_ids=None, images=None, ma
     config, ids, mask, batched, kwargs, plan, layouts = _prepare(
         model, tokenizer, prompt, input_ids, max_new_tokens, config, generate_kwargs, processor, images,
     )
-    with attach(model, **config.as_dict()) as tracer:
+    with attach(model, config=config) as tracer:
         output = model.generate(ids, attention_mask=mask, **kwargs)
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
     generated = sequences[:, ids.shape[1]:]
@@ -426,7 +426,7 @@ def stream(model, tokenizer, /, prompt=None, *, input_ids=None, images=None, max
         # The caller's own criteria stop the sequence too, alongside the consumer leaving.
         criteria = StoppingCriteriaList([*(kwargs.pop("stopping_criteria", None) or []), StopWhenAsked()])
         try:
-            with torch.inference_mode(), attach(model, **config.as_dict()) as tracer:
+            with torch.inference_mode(), attach(model, config=config) as tracer:
                 streamer = _StepStreamer(tracer, sink)
                 model.generate(ids, attention_mask=mask, streamer=streamer, stopping_criteria=criteria, **kwargs)
         except BaseException as error:  # noqa: BLE001 - re-raised in the consumer's thread

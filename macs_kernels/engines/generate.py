@@ -11,6 +11,7 @@ as `TraceHook`s.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import sys
 import threading
@@ -19,7 +20,7 @@ import weakref
 import torch
 
 from macs_kernels.core import support
-from macs_kernels.core.config import MacsConfig
+from macs_kernels.core.config import MacsConfig, config_of
 from macs_kernels.core.shards import head_shards
 from macs_kernels.engines.generation_modes import (  # noqa: F401 - the public names of this module
     COMPILED_MODES,
@@ -164,8 +165,8 @@ def _continuous_entry(model, tracer: Tracer, name: str, saved: dict, previous: s
                 else:
                     model.__dict__.pop(entry, None)
             set_text_attention(model, previous)
-            config = tracer.config.as_dict() | {"fused_decode": None}
-            tracer.continuous = stack.enter_context(attach_continuous(model, **config))
+            config = dataclasses.replace(tracer.config, fused_decode=None)
+            tracer.continuous = stack.enter_context(attach_continuous(model, config=config))
         return getattr(model, name)(*args, **kwargs)
 
     return functools.wraps(getattr(model, name))(enter)
@@ -216,15 +217,16 @@ def _cache_reader(tracer: Tracer):
 
 
 @contextlib.contextmanager
-def attach(model, *, hooks=(), keep_pooled=False, **config):
+def attach(model, *, hooks=(), keep_pooled=False, config: MacsConfig | None = None, **options):
     """Trace every generate/forward call on `model` inside the block; yields the `Tracer`.
 
-    config: MacsConfig fields (alpha, pooling, redistribute, attention, backend, fused_decode). The model's
-    previous attention implementation (sdpa, eager or flash_attention_2) is wrapped, and restored on exit.
-    Attaching holds the model's lock: another thread's attach waits, and another thread's forward or
-    generate on the attached model raises. keep_pooled: keep every pass's per-layer m' (`pooled_rows`).
+    config: the MacsConfig (an entry point passes its own on), or options: its fields (alpha, pooling, redistribute,
+    attention, backend, fused_decode). The model's previous attention implementation (sdpa, eager or
+    flash_attention_2) is wrapped, and restored on exit. Attaching holds the model's lock: another thread's attach
+    waits, and another thread's forward or generate on the attached model raises. keep_pooled: keep every pass's
+    per-layer m' (`pooled_rows`).
     """
-    macs_config = MacsConfig(**config)
+    macs_config = config_of(config, options)
     modules = check_model(model)
     shards = head_shards(model, modules)
     variants = check_variants(model, "generate", support.method_of(macs_config))
