@@ -3,7 +3,8 @@
 - rows: max |d log c| of each returned sequence's rows against the teacher-forced eager reference
   (`ops.reference.teacher_forced_macs`) under generate's own compile of a static cache, per backend a user can
   name (None, triton, cuda) and prompt length, on a 4-layer float32 GQA model and a 16-layer bfloat16 one. One
-  static cache per model and backend, sized for the longest prompt, so each compiles its decode step once.
+  static cache per model and backend, sized for the longest prompt, so each compiles its decode step once (the
+  graphs counted so far show it).
 - speed: tokens/s and peak memory of plain compiled vs attributed compiled generate on a Llama-3.2-1B shape
   (bfloat16, random weights), best of `--repeats` after a warm-up call, with dynamo's frames, graph breaks and
   recompiles of each; and their ratios.
@@ -70,19 +71,21 @@ def row_model(layers: int, dtype, device, dry_run: bool):
 def rows_stage(args, device, sink) -> None:
     new_tokens = 12 if not args.dry_run else 4
     prompts = args.prompts
-    for name, (layers, dtype) in ROW_MODELS.items():
-        model = row_model(layers, dtype, device, args.dry_run)
+    for name in args.models:
+        model = row_model(*ROW_MODELS[name], device, args.dry_run)
         for backend in BACKENDS:
             record = dict(stage="rows", model=name, backend=str(backend))
             reason = None if backend is None else why_unavailable(backend, device)
             if reason is not None:
                 emit(record | dict(status="unavailable", why=reason), sink)
                 continue
+            # One cache for every prompt: the decode step compiles once per backend, later prompts replay it.
             cache = StaticCache(model.config, max_cache_len=max(prompts) + new_tokens + 1)
+            torch._dynamo.reset()
+            counters.clear()
             for prompt in prompts:
                 ids = torch.randint(3, 512, (1, prompt), generator=torch.Generator().manual_seed(prompt)).to(device)
-                torch._dynamo.reset()
-                counters.clear()
+                cache.reset()  # a cache passed in is a conversation's past: each prompt starts afresh
                 with warnings.catch_warnings(record=True) as caught, torch.no_grad():
                     warnings.simplefilter("always")
                     started = time.perf_counter()
@@ -104,7 +107,8 @@ def rows_stage(args, device, sink) -> None:
                     prompt=prompt, status="ok", steps=log_c.shape[0], kernels=tracer.backend,
                     max_abs_diff=float((log_c.double() - reference).abs().max()),
                     reference_range=float(reference.max() - reference.min()), seconds=round(seconds, 2),
-                    graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()),
+                    graphs_so_far=counters["stats"]["unique_graphs"],
+                    graph_breaks_so_far=sum(counters["graph_break"].values()),
                     warnings=sorted({str(w.message)[:160] for w in caught if "macs_kernels" in str(w.message)}),
                 ), sink)
         del model
@@ -165,7 +169,10 @@ def speed_stage(args, device, sink) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, toy sizes, dynamo's eager backend")
-    parser.add_argument("--stages", nargs="+", default=["rows", "speed"], choices=["rows", "speed"])
+    parser.add_argument("--stages", nargs="+", default=["rows", "speed"], choices=["rows", "speed"],
+                        help="in the order given")
+    parser.add_argument("--models", nargs="+", default=list(ROW_MODELS), choices=list(ROW_MODELS),
+                        help="the rows stage's models")
     parser.add_argument("--prompts", type=int, nargs="+", default=None, help="rows stage (default 300 1200 4000)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("."))
@@ -176,11 +183,9 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device: run with --dry-run on a CPU")
     args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / ("compiled_dry_run.jsonl" if args.dry_run else "compiled.jsonl"), "w") as sink:
-        if "rows" in args.stages:
-            rows_stage(args, device, sink)
-        if "speed" in args.stages:
-            speed_stage(args, device, sink)
+    with open(args.out / ("compiled_dry_run.jsonl" if args.dry_run else "compiled.jsonl"), "a") as sink:
+        for stage in args.stages:
+            (rows_stage if stage == "rows" else speed_stage)(args, device, sink)
     return 0
 
 
