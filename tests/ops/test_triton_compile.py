@@ -3,7 +3,9 @@
 triton.compile needs real JITFunctions, which TRITON_INTERPRET=1 (the test default) replaces by
 interpreted ones, so the compiles run in one subprocess with TRITON_INTERPRET=0.
 The arguments get the specialisations the launcher's JIT would give them on a GPU: pointers and strides
-divisible by 16 (a contiguous cache with D = 64 or 128).
+divisible by 16 (a contiguous cache with D = 64 or 128). Each kernel compiles a second time with the signature
+inductor gives a user-defined kernel inside torch.compile (`torch/_inductor/codegen/triton_utils.signature_of`):
+Python floats as fp64 on devices that have fp64, which broke the first GPU compile of the decode step (issue 47).
 """
 from __future__ import annotations
 
@@ -146,8 +148,11 @@ sys.path.insert(0, sys.argv[1])
 variants = json.loads(sys.argv[2])
 FLOATS = {"scale", "alpha", "softcap"}
 results = {}
-for name, (module, kernel_name, pointers, constexprs, options) in variants.items():
+for (name, (module, kernel_name, pointers, constexprs, options)), float_type in (
+        [(item, "fp32") for item in variants.items()] + [(item, "fp64") for item in variants.items()]):
     kernel = getattr(importlib.import_module("macs_kernels.ops.triton." + module), kernel_name)
+    if float_type == "fp64":
+        name = "inductor_" + name
     signature, attrs = {}, {}
     for index, arg in enumerate(kernel.arg_names):
         if arg in constexprs:
@@ -156,12 +161,12 @@ for name, (module, kernel_name, pointers, constexprs, options) in variants.items
             signature[arg] = "*" + pointers.get(arg, "fp32")
             attrs[(index,)] = [["tt.divisibility", 16]]
         elif arg in FLOATS:
-            signature[arg] = "fp32"
+            signature[arg] = float_type
         else:
             signature[arg] = "i32"
             if arg.startswith("stride_"):
                 attrs[(index,)] = [["tt.divisibility", 16]]
-    for arch in json.loads(sys.argv[3]):
+    for arch in json.loads(sys.argv[3]) if float_type == "fp32" else [90]:
         compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
                                   target=GPUTarget("cuda", arch, 32), options=options)
         results[f"{name}@sm_{arch}"] = {
@@ -190,6 +195,15 @@ def test_kernel_compiles(compiled, variant, arch):
     assert result["cubin_bytes"] > 0
     assert f".target sm_{arch}" in result["ptx"]
     assert result["shared"] <= 160 * 1024  # fits sm_80's shared memory with room to spare
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_kernel_compiles_with_inductors_signature(compiled, variant, arch=90):
+    """With fp64 float scalars every kernel still compiles, and its loops stay in fp32: the PTX of the plain
+    signature and inductor's differ only by the conversions at entry (no fp64 arithmetic past them)."""
+    ptx = compiled[f"inductor_{variant}@sm_{arch}"]["ptx"]
+    assert compiled[f"inductor_{variant}@sm_{arch}"]["cubin_bytes"] > 0
+    assert not re.search(r"\b(fma|mul|add|max|min|sub|div)\.(rn\.)?f64\b", ptx)
 
 
 @pytest.mark.parametrize("arch", TARGETS)

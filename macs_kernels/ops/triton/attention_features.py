@@ -47,6 +47,8 @@ def _features_lse_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
+    # Inductor passes Python floats as fp64 (a loop-carried max would turn fp64): the math stays fp32.
+    scale, softcap = tl.cast(scale, tl.float32), tl.cast(softcap, tl.float32)
     pid = tl.program_id(0)
     b = (pid // heads).to(tl.int64)
     h = (pid % heads).to(tl.int64)
@@ -91,6 +93,8 @@ def _features_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):
+    # Inductor passes Python floats as fp64 (a loop-carried max would turn fp64): the math stays fp32.
+    scale, softcap = tl.cast(scale, tl.float32), tl.cast(softcap, tl.float32)
     pid = tl.program_id(0)
     b = (pid // heads).to(tl.int64)
     h = (pid % heads).to(tl.int64)

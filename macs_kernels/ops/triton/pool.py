@@ -39,6 +39,8 @@ def _pool_kernel(
     H_PAD: tl.constexpr, BLOCK_I: tl.constexpr, FROM_SCORES: tl.constexpr, REDISTRIBUTE: tl.constexpr,
     POOLING: tl.constexpr, INTO_LOG_C: tl.constexpr,
 ):
+    # Inductor passes Python floats as fp64 (a loop-carried max would turn fp64): the math stays fp32.
+    alpha = tl.cast(alpha, tl.float32)
     b = (tl.program_id(0) // rows).to(tl.int64)
     r = (tl.program_id(0) % rows).to(tl.int64)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)

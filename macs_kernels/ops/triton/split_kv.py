@@ -73,6 +73,8 @@ def _split_kv_kernel(
     BLOCK_N: tl.constexpr, WITH_V: tl.constexpr, WITH_SCORES: tl.constexpr, DOT_F32: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
+    # Inductor passes Python floats as fp64 (a loop-carried max would turn fp64): the math stays fp32.
+    scale, softcap = tl.cast(scale, tl.float32), tl.cast(softcap, tl.float32)
     row_tiles = tl.cdiv(GROUP * rows, BLOCK_M)
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -230,6 +232,8 @@ def _combine_pool_kernel(
     pool_programs on are `_combine_row` for head program_id(1) - pool_programs; the others each merge the slices of
     all H heads of their query row again (H x splits partials, read from L2) and pool tiles_per_program tiles of
     BLOCK_I inputs, which `pool` would do in a third launch after the combine."""
+    # Inductor passes Python floats as fp64 (a loop-carried max would turn fp64): the math stays fp32.
+    alpha = tl.cast(alpha, tl.float32)
     b = (tl.program_id(0) // rows).to(tl.int64)
     r = (tl.program_id(0) % rows).to(tl.int64)
     program = tl.program_id(1)
