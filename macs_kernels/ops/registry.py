@@ -403,7 +403,7 @@ def set_cuda_split_kv_kernel(kernel: str) -> None:
 # ops/triton/split_kv.py: "verified", the default, ran on a GPU (split, combine, pool: three launches); "two-launch"
 # (the head pooling folded into the combine launch) is selectable until it has. Chosen for the process by
 # MACS_KERNELS_TRITON_SPLIT_KV (read at the first fused launch) or by set_triton_split_kv_pass.
-TRITON_SPLIT_KV_PASSES = ("verified", "two-launch")
+TRITON_SPLIT_KV_PASSES = ("verified", "two-launch", "one-launch")
 _triton_split_kv_pass: str | None = None
 
 
