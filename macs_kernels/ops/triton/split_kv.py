@@ -420,8 +420,8 @@ def _one_launch_kernel(
                 i = i0 + tl.arange(0, BLOCK_I)
                 i_mask = i < n_input
                 tile_mask = ok[:, None] & i_mask[None, :]
-                s = tl.load(score_rows + i[None, :], mask=tile_mask, other=float("-inf"), cache_modifier=".cg",
-                            eviction_policy="evict_first").to(tl.float32)
+                s = tl.load(score_rows + i[None, :], mask=tile_mask, other=float("-inf"),
+                            cache_modifier=".cg").to(tl.float32)
                 if relative:  # relative to their key block's max
                     s += tl.load(max_rows[:, None] + ((pool_start + i) // BLOCK_N)[None, :], mask=tile_mask,
                                  other=0.0, cache_modifier=".cg")
