@@ -153,6 +153,9 @@ PROVIDERS = (
     # attention-only call is triton-attention-only's.
     Provider("triton-two-launch", OPS, lambda d: gpu_with()(d) or why_unavailable("triton", d),
              backend_call("triton", split_kernel="two-launch")),
+    # The one-launch fused pass (combine and pooling after each tile's last arrival, scores read back from L2).
+    Provider("triton-one-launch", OPS, lambda d: gpu_with()(d) or why_unavailable("triton", d),
+             backend_call("triton", split_kernel="one-launch")),
     Provider("cuda", OPS, lambda d: gpu_with()(d) or why_unavailable("cuda", d), backend_call("cuda")),
     Provider("cuda-attention-only", ("decode_attention",),
              lambda d: gpu_with()(d) or why_unavailable("cuda", d), backend_call("cuda", fused=False)),
