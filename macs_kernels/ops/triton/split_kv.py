@@ -11,11 +11,13 @@ input keys, key start + i in column i of (B, H, R, N_max) float32: H x R x N x 4
 H_kv x S x 2D bytes of K.
 `_split_kv_combine_kernel` (grid (B * H * R,)): merges the slices into lse, lse_gen and out.
 
-The fused MACS pass (`fused_pass`) pools the input keys' probabilities over heads after that, in one of two ways
+The fused MACS pass (`fused_pass`) pools the input keys' probabilities over heads after that, in one of three ways
 (registry.TRITON_SPLIT_KV_PASSES): "verified", the default, launches the combine and then pool.py's `_pool_kernel`;
 "two-launch" launches `_combine_pool_kernel`, the combine with the pooling folded in, and for the log c update of
 half-precision inputs has the split kernel write each score as s - m in float16 (m: the row's running max after the
-key block, float32 beside them), half the score bytes (benchmarks/results/triton_two_launch_pass.md).
+key block, float32 beside them), half the score bytes (benchmarks/results/triton_two_launch_pass.md); "one-launch"
+launches `_one_launch_kernel` alone: the split kernel whose last arrival per row tile merges the slices and pools its
+GQA group from the scores still in L2, the item's last group applying the floor (docs/backends.md).
 
 Attention variants (ops.Variant): a sliding window is a row whose attended start lies after its input start
 (its score columns count from the input start, `score_start`, which may precede the cache's first slot: the
