@@ -15,6 +15,8 @@ On GPU: triton.testing.do_bench, and for B = 1 also one replay of a captured CUD
 twice: its verified split kernel (cuda, cuda-attention-only) and the pipelined one (cuda-pipelined...); torch's
 scaled_dot_product_attention with enable_gqa is the anchor (torch-sdpa-gqa, column vs_sdpa = time over its time).
     python benchmarks/bench_ops.py --shapes issue   # issue 43's shapes, graph replay at every batch, ratio table
+    python benchmarks/bench_ops.py --shapes issue48 --graph-only   # issue 48's table as JSON lines (ratios)
+The tensor-core split kernel (csrc/split_kv_mma, "mma") runs as cuda-mma and cuda-mma-attention-only.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import argparse
 import dataclasses
 import importlib
 import itertools
+import json
 import statistics
 import sys
 import time
@@ -148,6 +151,9 @@ PROVIDERS = (
     # attention-only call is triton-attention-only's.
     Provider("triton-two-launch", OPS, lambda d: gpu_with()(d) or why_unavailable("triton", d),
              backend_call("triton", split_kernel="two-launch")),
+    # The one-launch fused pass (combine and pooling after each tile's last arrival, scores read back from L2).
+    Provider("triton-one-launch", OPS, lambda d: gpu_with()(d) or why_unavailable("triton", d),
+             backend_call("triton", split_kernel="one-launch")),
     Provider("cuda", OPS, lambda d: gpu_with()(d) or why_unavailable("cuda", d), backend_call("cuda")),
     Provider("cuda-attention-only", ("decode_attention",),
              lambda d: gpu_with()(d) or why_unavailable("cuda", d), backend_call("cuda", fused=False)),
@@ -157,6 +163,12 @@ PROVIDERS = (
     Provider("cuda-pipelined-attention-only", ("decode_attention",),
              lambda d: gpu_with()(d) or why_unavailable("cuda", d),
              backend_call("cuda", fused=False, split_kernel="pipelined")),
+    # The tensor-core split kernel (csrc/split_kv_mma), selectable beside the verified default.
+    Provider("cuda-mma", OPS, lambda d: gpu_with()(d) or why_unavailable("cuda", d),
+             backend_call("cuda", split_kernel="mma")),
+    Provider("cuda-mma-attention-only", ("decode_attention",),
+             lambda d: gpu_with()(d) or why_unavailable("cuda", d),
+             backend_call("cuda", fused=False, split_kernel="mma")),
     Provider(SDPA, ("decode_attention",), gpu_with(), torch_sdpa_gqa_call),
     Provider("torch-flash", ("decode_attention",), gpu_with(), torch_flash_call),
     Provider("flash-attn", ("decode_attention",), gpu_with("flash_attn"), flash_attn_call),
@@ -185,6 +197,10 @@ def time_gpu(fn, graphed: bool) -> float:
 
 
 def grid(quick: bool, device: torch.device, shapes: str = "sweep"):
+    if shapes == "issue48":
+        # Issue 48's table: bf16, 32 query / 8 KV heads; (B, keys, D).
+        return [(b, 32, 8, d, s) for b, s, d in
+                ((1, 4096, 128), (1, 32768, 128), (1, 131072, 128), (8, 32768, 128), (1, 32768, 64))]
     if shapes == "issue":
         # Issue 43's shapes: >= 32k keys at batch 1 and 8, D 64 and 128, GQA 4:1 and 3:1; 4k keys at batch 1.
         return [(b, h, hkv, d, s) for b, (h, hkv), d, s in
@@ -206,6 +222,22 @@ def add_sdpa_ratio(rows) -> None:
     for row in rows:
         reference = sdpa.get(_config(row))
         row["vs_sdpa"] = round(row["ms"] / reference, 3) if reference else ""
+
+
+def print_json_lines(rows) -> None:
+    """decode_attention under graph replay, one JSON line per shape and provider: us per call, TB/s of K+V, time
+    over sdpa's and, for a fused provider, over its own attention-only call (issue 48's goals: <= 1.10)."""
+    chosen = [r for r in rows if r["op"] == "decode_attention" and r["mode"] == "cudagraph"]
+    attention = {(_config(r), r["provider"].removesuffix("-attention-only")): r["ms"] for r in chosen
+                 if r["provider"].endswith("-attention-only")}
+    for row in chosen:
+        line = {"B": row["B"], "S": row["S"], "D": row["D"], "H": row["H"], "H_kv": row["H_kv"],
+                "provider": row["provider"], "us": round(1e3 * row["ms"], 2), "TB_s": round(row["GB_s"] / 1e3, 3),
+                "vs_sdpa": row["vs_sdpa"]}
+        own = attention.get((_config(row), row["provider"]))
+        if own and not row["provider"].endswith("-attention-only"):
+            line["fused_vs_attention"] = round(row["ms"] / own, 3)
+        print(json.dumps(line), flush=True)
 
 
 def print_ratio_table(rows) -> None:
@@ -315,7 +347,9 @@ def plot(rows, path: Path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="two small problems, a few seconds")
-    parser.add_argument("--shapes", choices=("sweep", "issue"), default="sweep",
+    parser.add_argument("--graph-only", action="store_true", help="on a GPU, time CUDA-graph replay only")
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), help="the ops to time")
+    parser.add_argument("--shapes", choices=("sweep", "issue", "issue48"), default="sweep",
                         help="issue: issue 43's decode shapes (32k keys at B 1 and 8, 4k at B 1), every provider, "
                              "CUDA-graph replay at every batch, and a last table of each provider's time over sdpa's")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -348,12 +382,12 @@ def main(argv=None):
     rows = []
     for batch, heads, kv_heads, dim, keys in grid(args.quick, device, args.shapes):
         problem = Problem(batch, heads, kv_heads, dim, keys, dtype, device)
-        for op, provider in itertools.product(OPS, providers):
+        for op, provider in itertools.product(args.ops, providers):
             if op not in provider.ops:
                 continue
             fn = provider.build(op, problem)
-            graphed = device.type == "cuda" and (batch == 1 or args.shapes == "issue")
-            modes = ["eager"] + (["cudagraph"] if graphed else [])
+            graphed = device.type == "cuda" and (batch == 1 or args.shapes != "sweep")
+            modes = ([] if graphed and args.graph_only else ["eager"]) + (["cudagraph"] if graphed else [])
             for mode in modes:
                 ms = time_cpu(fn) if device.type == "cpu" else time_gpu(fn, mode == "cudagraph")
                 moved = problem.bytes(op)
@@ -372,6 +406,8 @@ def main(argv=None):
     print(f"wrote {args.out / stem}.csv and .png")
     if args.shapes == "issue":
         print_ratio_table(rows)
+    if args.shapes == "issue48":
+        print_json_lines(rows)
 
 
 if __name__ == "__main__":

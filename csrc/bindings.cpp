@@ -11,8 +11,9 @@ namespace {
 PyObject* split_kv_kernel(PyObject*, PyObject*) {
   const int choice = macs::current_split_kernel();
   if (choice < 0) {
-    PyErr_Format(PyExc_ValueError, "%s='%s' names no split kernel; choose '%s' or '%s'", macs::kSplitKernelVariable,
-                 std::getenv(macs::kSplitKernelVariable), macs::kSplitKernelNames[0], macs::kSplitKernelNames[1]);
+    PyErr_Format(PyExc_ValueError, "%s='%s' names no split kernel; choose '%s', '%s' or '%s'",
+                 macs::kSplitKernelVariable, std::getenv(macs::kSplitKernelVariable), macs::kSplitKernelNames[0],
+                 macs::kSplitKernelNames[1], macs::kSplitKernelNames[2]);
     return nullptr;
   }
   return PyUnicode_FromString(macs::kSplitKernelNames[choice]);
@@ -23,8 +24,8 @@ PyObject* set_split_kv_kernel(PyObject*, PyObject* name) {
   const int choice = text == nullptr ? -1 : macs::split_kernel_from_name(text);
   if (choice < 0) {
     PyErr_Clear();
-    PyErr_Format(PyExc_ValueError, "no split kernel %R; choose '%s' or '%s'", name, macs::kSplitKernelNames[0],
-                 macs::kSplitKernelNames[1]);
+    PyErr_Format(PyExc_ValueError, "no split kernel %R; choose '%s', '%s' or '%s'", name,
+                 macs::kSplitKernelNames[0], macs::kSplitKernelNames[1], macs::kSplitKernelNames[2]);
     return nullptr;
   }
   macs::split_kernel_choice().store(choice);
@@ -33,7 +34,8 @@ PyObject* set_split_kv_kernel(PyObject*, PyObject* name) {
 
 PyMethodDef methods[] = {
     {"split_kv_kernel", split_kv_kernel, METH_NOARGS, "The split kernel the split-KV ops launch."},
-    {"set_split_kv_kernel", set_split_kv_kernel, METH_O, "Choose the split kernel: 'verified' or 'pipelined'."},
+    {"set_split_kv_kernel", set_split_kv_kernel, METH_O,
+     "Choose the split kernel: 'verified', 'pipelined' or 'mma'."},
     {nullptr, nullptr, 0, nullptr},
 };
 

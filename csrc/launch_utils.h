@@ -16,7 +16,7 @@
 
 #include "pool/kernel.cuh"
 #include "split_kv_choice.h"
-#include "split_kv_pipelined/kernel.cuh"
+#include "split_kv_mma/kernel.cuh"
 
 namespace macs {
 
@@ -205,7 +205,8 @@ struct SplitShape {
     const int64_t group = heads / kv_heads;
     const int choice = current_split_kernel();
     TORCH_CHECK(choice >= 0, op, ": ", kSplitKernelVariable, "='", std::getenv(kSplitKernelVariable),
-                "' names no split kernel; choose '", kSplitKernelNames[0], "' or '", kSplitKernelNames[1], "'");
+                "' names no split kernel; choose '", kSplitKernelNames[0], "', '", kSplitKernelNames[1], "' or '",
+                kSplitKernelNames[2], "'");
     TORCH_CHECK(group * dim_v <= kMaxVectorsTimesDimV, op, ": the cuda backend supports (H / H_kv) * D_v <= ",
                 kMaxVectorsTimesDimV, ", got ", group, " * ", dim_v);
     if (batch == 0 || heads == 0) {
@@ -214,12 +215,19 @@ struct SplitShape {
     }
     const int64_t sm_count = device_attribute(cudaDevAttrMultiProcessorCount, q);
     const int64_t limit = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, q);
-    if (choice == int(SplitKernel::kPipelined) &&
+    const int64_t smem_per_sm = device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, q);
+    // "mma" falls back to what "pipelined" runs, and that to split_kernel, where a shape or this GPU's shared
+    // memory does not fit.
+    if (choice == int(SplitKernel::kMma) && mma_fits(group, dim, dim_v, v != nullptr, vectorized, q.element_size())) {
+      policy = mma_policy(batch, heads, kv_heads, rows, keys, dim, v != nullptr, sm_count, smem_per_sm);
+    }
+    if (choice != int(SplitKernel::kVerified) &&
+        (policy.kernel == SplitKernel::kVerified || int64_t(policy.smem_bytes) > limit) &&
         pipelined_fits(group, dim, dim_v, v != nullptr, vectorized, q.element_size())) {
       policy = pipelined_policy(batch, heads, kv_heads, rows, keys, dim, dim_v, v != nullptr, q.element_size(),
-                                sm_count, device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, q));
+                                sm_count, smem_per_sm);
     }
-    if (!policy.pipelined || int64_t(policy.smem_bytes) > limit) {  // its stages do not fit this GPU: split_kernel
+    if (policy.kernel == SplitKernel::kVerified || int64_t(policy.smem_bytes) > limit) {
       policy = split_policy(batch, heads, kv_heads, rows, keys, dim, dim_v, v != nullptr, sm_count);
     }
     TORCH_CHECK(int64_t(policy.smem_bytes) <= limit, op, ": a block of ", group, " query heads with D=", dim,
@@ -286,8 +294,8 @@ struct SplitRun {
           out == nullptr ? nullptr : reinterpret_cast<T*>(out->data_ptr()),
       };
       const cudaError_t error =
-          v == nullptr ? split_kv_pool<T, false>(p, combine, pool, policy.pipelined, shape.vectorized, stream)
-                       : split_kv_pool<T, true>(p, combine, pool, policy.pipelined, shape.vectorized, stream);
+          v == nullptr ? split_kv_pool<T, false>(p, combine, pool, policy.kernel, shape.vectorized, stream)
+                       : split_kv_pool<T, true>(p, combine, pool, policy.kernel, shape.vectorized, stream);
       check_launch(op, error);
     });
   }

@@ -2,7 +2,8 @@
 // "verified" (split_kv/kernel.cuh's split_kernel) is the default: it passed the GPU tests and compute-sanitizer.
 // "pipelined" (split_kv_pipelined/kernel.cuh) is chosen by MACS_KERNELS_CUDA_SPLIT_KV=pipelined, read at the first
 // launch, or at run time through macs_kernels.ops.cuda.set_cuda_split_kv_kernel; shapes it does not cover
-// (pipelined_fits) still run split_kernel.
+// (pipelined_fits) still run split_kernel. "mma" (split_kv_mma/kernel.cuh, tensor cores; not yet run on a GPU) is
+// chosen the same way; shapes it does not cover (mma_fits: fp32, other D) run what "pipelined" runs.
 #pragma once
 
 #include <atomic>
@@ -11,13 +12,14 @@
 
 namespace macs {
 
-enum class SplitKernel : int { kVerified = 0, kPipelined = 1 };
-constexpr const char* kSplitKernelNames[] = {"verified", "pipelined"};
+enum class SplitKernel : int { kVerified = 0, kPipelined = 1, kMma = 2 };
+constexpr int kSplitKernelCount = 3;
+constexpr const char* kSplitKernelNames[kSplitKernelCount] = {"verified", "pipelined", "mma"};
 constexpr const char* kSplitKernelVariable = "MACS_KERNELS_CUDA_SPLIT_KV";
 
 // The kernel named `name`, or -1.
 inline int split_kernel_from_name(const char* name) {
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < kSplitKernelCount; ++i) {
     if (std::strcmp(name, kSplitKernelNames[i]) == 0) return i;
   }
   return -1;

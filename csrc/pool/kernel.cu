@@ -13,8 +13,8 @@ cudaError_t pool_heads(const PoolParams<Src>& p, int64_t batch, cudaStream_t str
 
 template <typename T, bool WITH_V>
 cudaError_t split_kv_pool(const SplitParams<T>& p, const CombineParams<T>& combine, const PoolTail& tail,
-                          bool pipelined, bool vectorized, cudaStream_t stream) {
-  const cudaError_t error = split_kv<T, WITH_V>(p, combine, pipelined, vectorized, stream);
+                          SplitKernel kernel, bool vectorized, cudaStream_t stream) {
+  const cudaError_t error = split_kv<T, WITH_V>(p, combine, kernel, vectorized, stream);
   if (error != cudaSuccess || tail.out == nullptr) return error;
   const PoolParams<float> pool{p.scores,   p.heads * p.rows * p.keys, p.rows * p.keys, p.keys,
                                tail.stats, tail.out,  tail.n_max,     p.heads,         p.rows,
@@ -27,9 +27,9 @@ template cudaError_t pool_heads<float, true>(const PoolParams<float>&, int64_t, 
 #define MACS_INSTANTIATE_POOL(T)                                                                       \
   template cudaError_t pool_heads<T, false>(const PoolParams<T>&, int64_t, cudaStream_t);              \
   template cudaError_t split_kv_pool<T, false>(const SplitParams<T>&, const CombineParams<T>&,         \
-                                               const PoolTail&, bool, bool, cudaStream_t);             \
+                                               const PoolTail&, SplitKernel, bool, cudaStream_t);      \
   template cudaError_t split_kv_pool<T, true>(const SplitParams<T>&, const CombineParams<T>&,          \
-                                              const PoolTail&, bool, bool, cudaStream_t);
+                                              const PoolTail&, SplitKernel, bool, cudaStream_t);
 MACS_INSTANTIATE_POOL(float)
 MACS_INSTANTIATE_POOL(__half)
 MACS_INSTANTIATE_POOL(__nv_bfloat16)

@@ -104,6 +104,6 @@ struct PoolTail {
 // macs_update and macs_pool all run this one composition.
 template <typename T, bool WITH_V>
 cudaError_t split_kv_pool(const SplitParams<T>& p, const CombineParams<T>& combine, const PoolTail& tail,
-                          bool pipelined, bool vectorized, cudaStream_t stream);
+                          SplitKernel kernel, bool vectorized, cudaStream_t stream);
 
 }  // namespace macs

@@ -1,7 +1,7 @@
 // Torch-free definition and instantiations for every supported dtype, with and without V (plain nvcc
-// compiles this file alone). The only copy of split_kernel and combine_kernel; pipelined_split_kernel has its own
-// piece (split_kv_pipelined/kernel.cu).
-#include "split_kv_pipelined/kernel.cuh"
+// compiles this file alone). The only copy of split_kernel and combine_kernel; pipelined_split_kernel and
+// mma_split_kernel have their own pieces (split_kv_pipelined/kernel.cu, split_kv_mma/kernel.cu).
+#include "split_kv_mma/kernel.cuh"
 
 namespace macs {
 namespace {
@@ -28,10 +28,14 @@ cudaError_t launch_split_kernel(const SplitParams<T>& p, bool vectorized, cudaSt
 }  // namespace
 
 template <typename T, bool WITH_V>
-cudaError_t split_kv(const SplitParams<T>& p, const CombineParams<T>& combine, bool pipelined, bool vectorized,
+cudaError_t split_kv(const SplitParams<T>& p, const CombineParams<T>& combine, SplitKernel kernel, bool vectorized,
                      cudaStream_t stream) {
-  const cudaError_t error =
-      pipelined ? pipelined_split<T, WITH_V>(p, stream) : launch_split_kernel<T, WITH_V>(p, vectorized, stream);
+  cudaError_t error = cudaErrorInvalidValue;  // every kernel is one of the three
+  if constexpr (sizeof(T) == 2) {  // mma_split exists for fp16 and bf16 only (mma_fits)
+    if (kernel == SplitKernel::kMma) error = mma_split<T, WITH_V>(p, stream);
+  }
+  if (kernel == SplitKernel::kPipelined) error = pipelined_split<T, WITH_V>(p, stream);
+  if (kernel == SplitKernel::kVerified) error = launch_split_kernel<T, WITH_V>(p, vectorized, stream);
   if (error != cudaSuccess) return error;
   const dim3 combine_grid(unsigned(combine.rows_per_item), unsigned(p.batch));
   combine_kernel<T><<<combine_grid, kCombineThreads, 0, stream>>>(combine);
@@ -39,8 +43,10 @@ cudaError_t split_kv(const SplitParams<T>& p, const CombineParams<T>& combine, b
 }
 
 #define MACS_INSTANTIATE_SPLIT_KV(T)                                                                                 \
-  template cudaError_t split_kv<T, false>(const SplitParams<T>&, const CombineParams<T>&, bool, bool, cudaStream_t); \
-  template cudaError_t split_kv<T, true>(const SplitParams<T>&, const CombineParams<T>&, bool, bool, cudaStream_t);
+  template cudaError_t split_kv<T, false>(const SplitParams<T>&, const CombineParams<T>&, SplitKernel, bool, \
+                                          cudaStream_t);                                                     \
+  template cudaError_t split_kv<T, true>(const SplitParams<T>&, const CombineParams<T>&, SplitKernel, bool,  \
+                                         cudaStream_t);
 MACS_INSTANTIATE_SPLIT_KV(float)
 MACS_INSTANTIATE_SPLIT_KV(__half)
 MACS_INSTANTIATE_SPLIT_KV(__nv_bfloat16)

@@ -282,11 +282,11 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams<
   }
 }
 
-// Launches the split and combine passes on `stream` (defined and instantiated in kernel.cu). `pipelined`: the split
-// pass is pipelined_split_kernel (split_kv_pipelined/kernel.cuh, for a policy from pipelined_policy), else
-// split_kernel. `vectorized`: K (and V) rows start on 16-byte boundaries and D (and D_v) are multiples of 16 bytes.
+// Launches the split and combine passes on `stream` (defined and instantiated in kernel.cu). `kernel`: the split
+// pass, for a policy from split_policy, pipelined_policy (split_kv_pipelined/kernel.cuh) or mma_policy
+// (split_kv_mma/kernel.cuh, fp16 and bf16 only). `vectorized`: K (and V) rows start on 16-byte boundaries and D (and D_v) are multiples of 16 bytes.
 template <typename T, bool WITH_V>
-cudaError_t split_kv(const SplitParams<T>& p, const CombineParams<T>& combine, bool pipelined, bool vectorized,
+cudaError_t split_kv(const SplitParams<T>& p, const CombineParams<T>& combine, SplitKernel kernel, bool vectorized,
                      cudaStream_t stream);
 
 }  // namespace macs

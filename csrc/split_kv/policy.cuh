@@ -4,6 +4,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "split_kv_choice.h"
 
 namespace macs {
 
@@ -46,9 +47,10 @@ struct SplitPolicy {
   int64_t splits;          // blocks along the keys
   int threads;
   size_t smem_bytes;
-  // pipelined_split_kernel's (split_kv_pipelined/kernel.cuh): keys per staged tile and the key groups that share
-  // each tile; split_kernel's tiles are kTileKeys.
-  bool pipelined = false;
+  // The split kernel this policy is for; pipelined_split_kernel's (split_kv_pipelined/kernel.cuh) and
+  // mma_split_kernel's: keys per staged tile and the key groups that share each tile; split_kernel's tiles are
+  // kTileKeys.
+  SplitKernel kernel = SplitKernel::kVerified;
   int64_t tile_keys = kTileKeys, key_groups = 1;
 };
 

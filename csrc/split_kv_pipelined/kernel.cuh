@@ -82,7 +82,7 @@ __host__ inline SplitPolicy pipelined_policy(int64_t batch, int64_t heads, int64
                                              int64_t element_size, int64_t sm_count, int64_t smem_per_sm) {
   const int64_t group = heads / kv_heads, lanes = pipelined_lanes(dim, element_size);
   SplitPolicy policy;
-  policy.pipelined = true;
+  policy.kernel = SplitKernel::kPipelined;
   const int64_t fit = kPipelinedMaxThreads / (group * lanes);
   policy.rows_per_block = fit < rows ? fit : (rows < 1 ? 1 : rows);
   policy.row_chunks = ceil_div(rows < 1 ? 1 : rows, policy.rows_per_block);

@@ -10,9 +10,10 @@ Conventions shared by every op:
   its self-check there (never the Triton interpreter); a backend named but unavailable raises
   `BackendUnavailable`.
 
-No op makes the host wait for the device (issue 42): index values are checked on the host only for CPU tensors
-outside torch.compile (a ValueError naming the row), else by an asynchronous device-side assertion with the same
-rule (see _checks). So each op compiles under torch.compile(fullgraph=True) and can be captured in a CUDA graph;
+No op makes the host wait for the device or launches a kernel to check its arguments (issues 42, 48): shapes,
+dtypes and devices are checked on the host; index values on the host for CPU tensors (a ValueError naming the row;
+an assertion inside torch.compile), on a device only with `validate=True` or MACS_KERNELS_VALIDATE=1 (see _checks).
+So each op compiles under torch.compile(fullgraph=True) and can be captured in a CUDA graph;
 there, give the outputs whose width depends on index values (`out` of macs_pool and macs_pool_paged,
 attention_features' `n_max`).
 The exception: efficient_attention on a GPU reads its Cholesky fallback's test and eigh's error code on the host.

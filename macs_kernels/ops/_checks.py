@@ -1,21 +1,25 @@
 """Argument checks shared by the public ops: readable errors before any kernel runs.
 
-Checks of shapes, dtypes and devices read metadata only. Checks of index VALUES (ranges, pages) never make
-the host wait for a device, so that an op costs no host sync and can run inside a CUDA graph or a
-torch.compile'd region (issue 42):
-- CPU tensors outside torch.compile: the values are already on the host; they are read there and a bad one
-  raises ValueError naming the item before any kernel runs;
-- device tensors, or any tensor while compiling: one asynchronous device-side assertion of the same rule
-  (`torch._assert_async`, which compiled graphs keep and CUDA graphs replay). It fails at the next
-  synchronisation: a RuntimeError with the rule on the CPU; on a GPU a device-side assert, which ends the CUDA
-  context (loud, where an unchecked bad index would read out of bounds or score silently wrong). Reading the
-  values on the host instead would cost a sync per call, and a capture cannot copy to the host at all; a
-  caller that wants recoverable errors on a GPU checks its ranges once per pass, outside the captured region.
+Checks of shapes, dtypes and devices read metadata only, on the host, on every call. Checks of index VALUES
+(ranges, pages) cost no kernel launch and no host sync unless the caller asks for one (issue 48), so that a
+public op costs what its kernels cost, eagerly and inside a CUDA graph or a torch.compile'd region. Each op's
+`validate` argument says whether its index values are checked:
+- None (the default): only where a check is free. CPU tensors outside torch.compile: the values are already on
+  the host; they are read there and a bad one raises ValueError naming the row before any kernel runs. CPU
+  tensors inside torch.compile: an asynchronous assertion of the same rule (`torch._assert_async`) that the
+  compiled graph keeps, a RuntimeError with the rule when the graph runs. Device tensors: no value check (as
+  FlashAttention's `flash_attn_with_kvcache` checks its `cache_seqlens`: not at all), unless the environment
+  variable MACS_KERNELS_VALIDATE=1 makes every call validate=True (a debugging switch, like CUDA_LAUNCH_BLOCKING);
+- True: always. Eagerly, the index tensors are copied to the host (one sync on a GPU) and a bad row raises
+  ValueError naming it before any kernel runs; inside torch.compile or a CUDA graph capture, where the host cannot
+  read them, the asynchronous assertion (a device-side assert on a GPU: it ends the CUDA context);
+- False: never (the caller checked its ranges already, e.g. once per pass).
 """
 from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Sequence
 
 import torch
@@ -58,10 +62,40 @@ def host_readable(*tensors: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling() and all(tensor.is_cpu for tensor in tensors)
 
 
+def on_host(*tensors: torch.Tensor) -> bool:
+    """Whether the values of these tensors are in host memory already (checking them launches nothing)."""
+    return all(tensor.is_cpu for tensor in tensors)
+
+
+def check_validate(validate: bool | None) -> None:
+    if validate is not None and not isinstance(validate, bool):
+        raise TypeError(f"validate must be True, False or None, got {validate!r}")
+
+
+def values_to_check(validate: bool | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """The index tensors a rule is checked on under `validate` (see the module's docstring), or None when this call
+    checks no values. Device tensors that validate=True has the host read are copied there, one sync."""
+    check_validate(validate)
+    if validate is None and os.environ.get("MACS_KERNELS_VALIDATE", "") not in ("", "0"):
+        validate = True
+    if validate is False:
+        return None
+    if on_host(*tensors):
+        return tensors
+    if validate is None:
+        # Device tensors by default: no launch, no sync.
+        return None
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if torch.compiler.is_compiling() or capturing:
+        return tensors
+    return tuple(tensor.cpu() for tensor in tensors)
+
+
 def invalid_entry(valid: torch.Tensor, message: str) -> int | None:
-    """Where the bool tensor `valid` is False: on the host (host_readable), the flat index of its first False
-    entry, for the caller to raise a ValueError naming it (None when every entry holds); elsewhere an
-    asynchronous device-side assertion of `valid` with `message` (see the module's docstring), and None."""
+    """Where the bool tensor `valid` (computed from values_to_check's tensors) is False: on the host
+    (host_readable), the flat index of its first False entry, for the caller to raise a ValueError naming it (None
+    when every entry holds); elsewhere an asynchronous assertion of `valid` with `message` (see the module's
+    docstring), and None."""
     if not host_readable(valid):
         torch._assert_async(valid.all(), message)
         return None
@@ -131,16 +165,19 @@ def _in_range(start, end, length, keys, n_max=None):
     return valid if n_max is None else valid & (end - start <= n_max)
 
 
-def check_ranges(input_start, input_end, kv_len, keys, n_max=None, state="log_c"):
-    """0 <= input_start < input_end <= kv_len <= keys per row, and N_b <= n_max (on the host or the device: see
-    the module's docstring)."""
-    rule = f"0 <= input_start < input_end <= kv_len <= S={keys}"
-    if not host_readable(input_start, input_end, kv_len):
-        fits = "" if n_max is None else f" and input_end - input_start <= {state}'s {n_max} columns"
-        invalid_entry(_in_range(input_start, input_end, kv_len, keys, n_max), f"every row needs {rule}{fits}")
+def check_ranges(input_start, input_end, kv_len, keys, n_max=None, state="log_c", validate=None):
+    """0 <= input_start < input_end <= kv_len <= keys per row, and N_b <= n_max (where and when `validate` says:
+    see the module's docstring)."""
+    values = values_to_check(validate, input_start, input_end, kv_len)
+    if values is None:
         return
-    # One copy of the three (already host) tensors to Python ints: cheaper than the tensor form's kernels.
-    for b, (s, e, n) in enumerate(zip(*torch.stack([input_start, input_end, kv_len]).tolist())):
+    rule = f"0 <= input_start < input_end <= kv_len <= S={keys}"
+    if not host_readable(*values):
+        fits = "" if n_max is None else f" and input_end - input_start <= {state}'s {n_max} columns"
+        invalid_entry(_in_range(*values, keys, n_max), f"every row needs {rule}{fits}")
+        return
+    # One copy of the three (host) tensors to Python ints: cheaper than the tensor form's kernels.
+    for b, (s, e, n) in enumerate(zip(*torch.stack(values).tolist())):
         if not _in_range(s, e, n, keys):
             raise ValueError(f"row {b}: need {rule}, got input_start={s}, input_end={e}, kv_len={n}")
         if not _in_range(s, e, n, keys, n_max):
@@ -200,13 +237,17 @@ def check_paged(q, k_pages, block_table):
             raise ValueError(f"q is on {q.device} but {name} is on {tensor.device}")
 
 
-def check_pages_in_use(block_table, attend_start, kv_len, page_size, pages):
+def check_pages_in_use(block_table, attend_start, kv_len, page_size, pages, validate=None):
     """Every page that holds a key a row of item b attends (keys [min_r attend_start[b, r], max_r kv_len[b, r]))
-    is a page of the cache, in [0, pages) (on the host or the device: see the module's docstring). Entries past
-    an item's last page may be anything: transformers' tables hold -1 there; so may those before its first (a
-    sliding window's freed pages)."""
-    if kv_len.numel() == 0:
+    is a page of the cache, in [0, pages) (where and when `validate` says: see the module's docstring). Entries
+    past an item's last page may be anything: transformers' tables hold -1 there; so may those before its first (a
+    sliding window's freed pages). attend_start: the (B, R) attended starts, or a function of no argument that
+    computes them (only when they are checked)."""
+    values = values_to_check(validate, block_table, kv_len)
+    if values is None or kv_len.numel() == 0:
         return
+    block_table, kv_len = values
+    attend_start = (attend_start() if callable(attend_start) else attend_start).to(kv_len.device)
     needed = -(-kv_len.amax(dim=1) // page_size)
     page = torch.arange(block_table.shape[1], device=block_table.device)
     in_use = (page < needed[:, None]) & (page >= attend_start.amin(dim=1)[:, None] // page_size)

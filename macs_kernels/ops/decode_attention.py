@@ -33,7 +33,7 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, kv_start: IndexLike | None = None,
     kv_len: IndexLike, scale: float, log_c: torch.Tensor | None = None, pooled: torch.Tensor | None = None,
     input_end: IndexLike | None = None, alpha: float = DEFAULT_ALPHA, pooling: str = "max", redistribute: bool = True,
-    backend: str | None = None, variant: Variant | None = None,
+    backend: str | None = None, variant: Variant | None = None, validate: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query per sequence over keys [kv_start, kv_len), optionally fused with MACS.
 
@@ -44,6 +44,8 @@ def decode_attention(
     - `pooled` (B, N_max) float32: also writes macs_pool's m' (the tracer floors and logs it per pass).
     variant: the layer's attention variant (`ops.Variant`, torch, triton and cuda backends; not with log_c):
     positions are then tokens, the output and lse are the variant's (sink mass attends no value).
+    validate: check the index values (None: only where free, i.e. CPU tensors; True: always, one host sync on a
+        GPU; False: never; see docs/api.md, "Argument checks").
     """
     check_options(alpha=alpha, pooling=pooling, redistribute=redistribute, backend=backend)
     check_q_k(q, k_cache, v_cache)
@@ -57,18 +59,18 @@ def decode_attention(
     if varied:
         if log_c is not None:
             raise ValueError("decode_attention with a variant writes pooled rows, not log_c")
-        keys = variant.check(q.shape[1], kv_start, kv_len, keys)
+        keys = variant.check(q.shape[1], kv_start, kv_len, keys, validate)
     state, name = (log_c, "log_c") if pooled is None else (pooled, "pooled")
     if state is None:
         if input_end is not None:
             raise ValueError("input_end is only meaningful together with log_c or pooled")
-        check_ranges(kv_start, kv_len, kv_len, keys)
+        check_ranges(kv_start, kv_len, kv_len, keys, validate=validate)
     else:
         if input_end is None:
             raise ValueError(f"{name} needs input_end (the end of the input keys)")
         check_log_c(state, batch, q.device, name=name)
         input_end = as_index("input_end", input_end, batch, q.device)
-        check_ranges(kv_start, input_end, kv_len, keys, state.shape[1], state=name)
+        check_ranges(kv_start, input_end, kv_len, keys, state.shape[1], state=name, validate=validate)
     if varied:
         return variant_kernel(backend, q.device, "decode_attention")(
             q, k_cache, v_cache, kv_start, kv_len, as_scale(scale), input_end, pooling, bool(redistribute), pooled,

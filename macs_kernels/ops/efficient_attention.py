@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from macs_kernels.ops._checks import IndexLike, as_index, check_ranges, check_tensor, invalid_entry
+from macs_kernels.ops._checks import IndexLike, as_index, check_ranges, check_tensor, invalid_entry, values_to_check
 from macs_kernels.ops.registry import NAMESPACE, kernel
 from macs_kernels.ops.torch import efficient as torch_efficient
 from macs_kernels.ops.torch.efficient import DEFAULT_RCOND
@@ -19,8 +19,8 @@ def _(p, v_cache, kv_start, kv_len, causal, rcond, gram=None):
     return p.new_empty(p.shape, dtype=dtype), p.new_empty(p.shape[:3], dtype=dtype)
 
 
-def check_efficient_args(p, v_cache, kv_start, kv_len, rcond, *, causal=False):
-    """Validate efficient_attention's arguments (values on the host or the device: see ops._checks); returns
+def check_efficient_args(p, v_cache, kv_start, kv_len, rcond, *, causal=False, validate=None):
+    """Validate efficient_attention's arguments (values where and when `validate` says: see ops._checks); returns
     (kv_start, kv_len) as (B,) int64."""
     check_tensor("p", p, 4)
     check_tensor("v_cache", v_cache, 4)
@@ -37,17 +37,18 @@ def check_efficient_args(p, v_cache, kv_start, kv_len, rcond, *, causal=False):
         raise ValueError(f"rcond must be a number in [0, 1), got {rcond!r}")
     kv_len = as_index("kv_len", kv_len, batch, p.device)
     kv_start = as_index("kv_start", 0 if kv_start is None else kv_start, batch, p.device)
-    check_ranges(kv_start, kv_len, kv_len, keys)
-    if causal:
+    check_ranges(kv_start, kv_len, kv_len, keys, validate=validate)
+    values = values_to_check(validate, kv_len) if causal else None
+    if values is not None:
         message = f"causal rows are the last R={rows} queries of the cache: kv_len must be >= {rows}"
-        if invalid_entry(kv_len >= rows, message) is not None:
+        if invalid_entry(values[0] >= rows, message) is not None:
             raise ValueError(message)
     return kv_start, kv_len
 
 
 def efficient_attention(
     p: torch.Tensor, v_cache: torch.Tensor, *, kv_len: IndexLike, kv_start: IndexLike | None = None,
-    causal: bool = False, rcond: float = DEFAULT_RCOND, backend: str | None = None,
+    causal: bool = False, rcond: float = DEFAULT_RCOND, backend: str | None = None, validate: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Efficient attention rows: each softmax row projected onto the span of its keys' [V, 1].
 
@@ -63,6 +64,8 @@ def efficient_attention(
     outside a row's keys are 0 (whatever p holds there). a_eff can be negative.
     Returns (a_eff (B, H, R, S), residual (B, H, R) = ||a_eff X - p X|| / ||p X||), float64 when p or
     v_cache is float64, else float32. X^T X and the solve are float64 on every backend.
+    validate: check the index values (None: only where free, i.e. CPU tensors; True: always, one host sync on a
+        GPU; False: never; see docs/api.md, "Argument checks").
     """
-    kv_start, kv_len = check_efficient_args(p, v_cache, kv_start, kv_len, rcond, causal=causal)
+    kv_start, kv_len = check_efficient_args(p, v_cache, kv_start, kv_len, rcond, causal=causal, validate=validate)
     return kernel(backend, p.device, "efficient_attention")(p, v_cache, kv_start, kv_len, bool(causal), float(rcond))

@@ -26,6 +26,7 @@ def macs_pool(
     q: torch.Tensor, k_cache: torch.Tensor, *, input_start: IndexLike, input_end: IndexLike, kv_len: IndexLike,
     scale: float, pooling: str = "max", redistribute: bool = True, lse: torch.Tensor | None = None,
     out: torch.Tensor | None = None, backend: str | None = None, variant: Variant | None = None,
+    validate: bool | None = None,
 ) -> torch.Tensor:
     """MACS's head-pooled row m' of each query row, before the floor: the per-layer quantity that the tracer
     combines over layers (and, under tensor parallelism, over ranks) before taking the floor and the log.
@@ -43,6 +44,8 @@ def macs_pool(
     variant: the layer's attention variant (`ops.Variant`: sliding window, the token key slot 0 holds, softcap,
         sinks; torch, triton and cuda backends); the ranges are then token positions and p the variant's probabilities
         (inputs outside the window get 0 before the spread).
+    validate: check the index values (None: only where free, i.e. CPU tensors; True: always, one host sync on a
+        GPU; False: never; see docs/api.md, "Argument checks").
     Returns float32 (B, N_max) or (B, R, N_max): m'[b, r, i] = pool over heads of (p[h, input_start + i] +
     the row's mass on generated keys / N) for i < N of that row, 0 after. N_max defaults to the largest N.
     """
@@ -55,8 +58,8 @@ def macs_pool(
         single = q.dim() == 3
         index = [as_row_index(n, v, q.shape[0], 1 if single else q.shape[2], q.device)
                  for n, v in (("input_start", input_start), ("kv_len", kv_len))]
-        keys = variant.check(q.shape[1], *index, keys)
-    block, ranges, lse, out = row_arguments(q, keys, input_start, input_end, kv_len, lse, out)
+        keys = variant.check(q.shape[1], *index, keys, validate)
+    block, ranges, lse, out = row_arguments(q, keys, input_start, input_end, kv_len, lse, out, validate)
     if variant is not None and not variant.plain:
         run = variant_kernel(backend, q.device, "macs_pool")
         rows_out = out.view(block.shape[0], block.shape[2], out.shape[-1])
@@ -69,7 +72,7 @@ def macs_pool(
     return out
 
 
-def row_arguments(q, keys, input_start, input_end, kv_len, lse, out):
+def row_arguments(q, keys, input_start, input_end, kv_len, lse, out, validate=None):
     """The checked arguments of a pooled-row op whose items hold `keys` key slots: q as a (B, H, R, D) block,
     the three (B, R) ranges, lse as (B, H, R) or None, and `out` (given, checked, or allocated) in q's rank
     minus one."""
@@ -83,7 +86,8 @@ def row_arguments(q, keys, input_start, input_end, kv_len, lse, out):
     expected_rank = 2 if single_row else 3
     if out is not None and (not isinstance(out, torch.Tensor) or out.dim() != expected_rank):
         raise ValueError(f"out must be a float32 tensor with {expected_rank} dimensions (q's rank minus one)")
-    check_ranges(*(index.flatten() for index in ranges), keys, None if out is None else out.shape[-1], state="out")
+    check_ranges(*(index.flatten() for index in ranges), keys, None if out is None else out.shape[-1], state="out",
+                 validate=validate)
     if out is None:
         values_readable("out", q)
     n_max = int((ranges[1] - ranges[0]).max()) if out is None else out.shape[-1]

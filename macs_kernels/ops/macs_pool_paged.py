@@ -21,6 +21,7 @@ def macs_pool_paged(
     input_end: IndexLike, kv_len: IndexLike, scale: float, pooling: str = "max", redistribute: bool = True,
     lse: torch.Tensor | None = None, out: torch.Tensor | None = None, backend: str | None = None,
     window: int | None = None, sinks: torch.Tensor | None = None, softcap: float | None = None,
+    validate: bool | None = None,
 ) -> torch.Tensor:
     """ops.macs_pool with the keys in pages: MACS's head-pooled row m' of each query row, before the floor.
 
@@ -37,6 +38,7 @@ def macs_pool_paged(
         its keys sum to less than 1 (not with lse).
     softcap: logits capped to softcap * tanh(s / softcap) before the softmax (Gemma 2's
         attn_logit_softcapping; lse, if given, over the capped logits).
+    validate: check the index values (ranges, and the table's pages in use) or not: see ops.macs_pool.
     Returns float32 (B, N_max) or (B, R, N_max), equal to ops.macs_pool on the item's keys laid out
     contiguously.
     """
@@ -47,12 +49,12 @@ def macs_pool_paged(
         raise ValueError("lse cannot be given with sinks: the kernel computes its own normaliser")
     page_size = k_pages.shape[1]
     block, ranges, lse, out = row_arguments(
-        q, block_table.shape[1] * page_size, input_start, input_end, kv_len, lse, out
+        q, block_table.shape[1] * page_size, input_start, input_end, kv_len, lse, out, validate
     )
     if not variant.plain:
-        variant.check(q.shape[1], ranges[0], ranges[2], block_table.shape[1] * page_size)
-    attended = torch_backend.window_start(ranges[0], ranges[2], window)
-    check_pages_in_use(block_table, attended, ranges[2], page_size, k_pages.shape[0])
+        variant.check(q.shape[1], ranges[0], ranges[2], block_table.shape[1] * page_size, validate)
+    check_pages_in_use(block_table, lambda: torch_backend.window_start(ranges[0], ranges[2], window), ranges[2],
+                       page_size, k_pages.shape[0], validate)
     # Page numbers fit int32, the type paged-attention kernels take; int64 tables are converted once here.
     block_table = block_table.to(torch.int32)
     rows_out = out.view(block.shape[0], block.shape[2], out.shape[-1])

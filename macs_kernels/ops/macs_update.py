@@ -26,7 +26,7 @@ operator = torch.library.custom_op(f"{NAMESPACE}::macs_update", torch_backend.ma
 def macs_update(
     q: torch.Tensor, k_cache: torch.Tensor, log_c: torch.Tensor, *, input_start: IndexLike, input_end: IndexLike,
     kv_len: IndexLike, scale: float, alpha: float = DEFAULT_ALPHA, pooling: str = "max", redistribute: bool = True,
-    lse: torch.Tensor | None = None, backend: str | None = None,
+    lse: torch.Tensor | None = None, backend: str | None = None, validate: bool | None = None,
 ) -> None:
     """Add one layer's MACS term to the log consistency state, in place.
 
@@ -38,6 +38,8 @@ def macs_update(
         i < N_b, m' being the head-pooled row of input i; entries i >= N_b are left as they are.
     lse: optional (B, H) natural-log log-sum-exp of q.k * scale over the attended keys (as FlashAttention
         returns it); given, the op makes one pass over K.
+    validate: check the index values (None: only where free, i.e. CPU tensors; True: always, one host sync on a
+        GPU; False: never; see docs/api.md, "Argument checks").
     """
     check_options(alpha=alpha, pooling=pooling, redistribute=redistribute, backend=backend)
     check_q_k(q, k_cache)
@@ -48,7 +50,7 @@ def macs_update(
         as_index(name, value, batch, q.device)
         for name, value in (("input_start", input_start), ("input_end", input_end), ("kv_len", kv_len))
     )
-    check_ranges(input_start, input_end, kv_len, k_cache.shape[2], log_c.shape[1])
+    check_ranges(input_start, input_end, kv_len, k_cache.shape[2], log_c.shape[1], validate=validate)
     kernel(backend, q.device, "macs_update")(
         q, k_cache, log_c, input_start, input_end, kv_len, as_scale(scale), float(alpha), pooling, bool(redistribute),
         lse,

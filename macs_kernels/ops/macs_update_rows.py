@@ -24,12 +24,15 @@ operator = torch.library.custom_op(
 def macs_update_rows(
     rows: torch.Tensor, log_c: torch.Tensor, *, input_start: IndexLike, input_end: IndexLike, kv_len: IndexLike,
     alpha: float = DEFAULT_ALPHA, pooling: str = "max", redistribute: bool = True, backend: str | None = None,
+    validate: bool | None = None,
 ) -> None:
     """`macs_update` from given attention rows (B, H, S) instead of q and K.
 
     rows: (B, H, S), any float dtype; entries outside [input_start, kv_len) are ignored. Rows may be signed
         (efficient attention): a negative pooled value is clamped to 0 before the floor.
     log_c: (B, N_max) float32, updated in place as in macs_update.
+    validate: check the index values (None: only where free, i.e. CPU tensors; True: always, one host sync on a
+        GPU; False: never; see docs/api.md, "Argument checks").
     """
     check_options(alpha=alpha, pooling=pooling, redistribute=redistribute, backend=backend)
     check_tensor("rows", rows, 3)
@@ -39,7 +42,7 @@ def macs_update_rows(
         as_index(name, value, batch, rows.device)
         for name, value in (("input_start", input_start), ("input_end", input_end), ("kv_len", kv_len))
     )
-    check_ranges(input_start, input_end, kv_len, rows.shape[2], log_c.shape[1])
+    check_ranges(input_start, input_end, kv_len, rows.shape[2], log_c.shape[1], validate=validate)
     kernel(backend, rows.device, "macs_update_rows")(
         rows, log_c, input_start, input_end, kv_len, float(alpha), pooling, bool(redistribute)
     )

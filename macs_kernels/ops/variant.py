@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from macs_kernels.ops._checks import invalid_entry
+from macs_kernels.ops._checks import invalid_entry, values_to_check
 from macs_kernels.ops.torch.row import window_start
 
 # The variants as the support table's layouts (core.support.LAYOUTS), each described for a refusal.
@@ -58,20 +58,22 @@ class Variant:
         """The keyword arguments of the torch variant kernels."""
         return {"window": self.window, "key_offset": self.key_offset, "softcap": self.softcap, "sinks": self.sinks}
 
-    def check(self, heads: int, input_start: torch.Tensor, kv_len: torch.Tensor, keys: int) -> int:
+    def check(self, heads: int, input_start: torch.Tensor, kv_len: torch.Tensor, keys: int,
+              validate: bool | None = None) -> int:
         """Check against an op's arguments (ranges in token positions, `keys` cache slots); returns the token
-        count the cache covers (key_offset + keys): what kv_len may reach. Values are checked on the host or the
-        device (see ops._checks)."""
+        count the cache covers (key_offset + keys): what kv_len may reach. Values are checked where and when
+        `validate` says (see ops._checks)."""
         if self.sinks is not None and (self.sinks.shape[0] != heads or self.sinks.device != input_start.device):
             raise ValueError(f"sinks must hold one logit per query head ({heads}) on {input_start.device}, got "
                              f"{tuple(self.sinks.shape)} on {self.sinks.device}")
         if not isinstance(self.key_offset, int) or self.key_offset < 0:
             raise ValueError(f"an op's key_offset must be an int >= 0, got {self.key_offset!r}")
-        attend = window_start(input_start, kv_len, self.window)
-        message = (f"a row attends tokens before key_offset={self.key_offset}, which the cache does not hold (a "
-                   "sliding-window cache keeps the window's tokens only)")
-        if invalid_entry(attend >= self.key_offset, message) is not None:
-            raise ValueError(message)
+        values = values_to_check(validate, input_start, kv_len)
+        if values is not None:
+            message = (f"a row attends tokens before key_offset={self.key_offset}, which the cache does not hold "
+                       "(a sliding-window cache keeps the window's tokens only)")
+            if invalid_entry(window_start(*values, self.window) >= self.key_offset, message) is not None:
+                raise ValueError(message)
         return self.key_offset + keys
 
 

@@ -1,5 +1,6 @@
-"""The triton backend's fused ops run under both of its fused passes (ops.triton.settings.TRITON_SPLIT_KV_PASSES):
-the tests of the modules below that take a `backend` run once more with backend "triton" and the "two-launch" pass."""
+"""The triton backend's fused ops run under every one of its fused passes
+(ops.triton.settings.TRITON_SPLIT_KV_PASSES): the tests of the modules below that take a `backend` run once more with
+backend "triton" per pass other than the default ("two-launch", "one-launch")."""
 from __future__ import annotations
 
 import pytest

@@ -12,6 +12,10 @@ The pipelined split kernel (csrc/split_kv_pipelined, selectable beside the verif
 evidence that needs no GPU: no spills or local memory, registers within its budget, and in its SASS the
 asynchronous 16-byte copies (LDGSTS) into shared memory and the 16-byte shared-memory reads (LDS.128) it was written
 for. benchmarks/results/cuda_split_kv_resources.md records these figures.
+The tensor-core split kernel (csrc/split_kv_mma, selectable as "mma") is held to the same: no local memory, and in
+its SASS the m16n8k16 tensor-core MMAs (HMMA.16816.F32, with .BF16 for bfloat16), the LDGSTS copies and the
+transposing ldmatrix (LDSM.16.MT88.4) that loads V's fragments. tests/ops/test_cuda_mma_model.py checks its index
+math on the CPU.
 """
 import concurrent.futures
 import importlib.util
@@ -41,10 +45,11 @@ OPS = (
     "attention_features", "decode_attention", "macs_pool", "macs_pool_paged", "macs_update", "macs_update_rows",
     "macs_zscore",
 )
-# csrc/<piece>/kernel.cu -> the kernels only it holds; True: instantiated for every dtype.
+# csrc/<piece>/kernel.cu -> the kernels only it holds; True: instantiated for every dtype, or the dtypes it is.
 PIECES = {
     "split_kv": {"split_kernel": True, "combine_kernel": True},
     "split_kv_pipelined": {"pipelined_split_kernel": True},
+    "split_kv_mma": {"mma_split_kernel": ("half", "bfloat16")},  # tensor cores take fp16 and bf16
     "pool": {"pool_kernel": True},
     "macs_update_rows": {"generated_mass_kernel": True},
     "macs_zscore": {"zscore_kernel": False},  # log_c is float32 whatever the model's dtype
@@ -125,7 +130,9 @@ def test_kernels_compile_for_sm80_and_sm90_in_every_dtype_with_one_copy_each(com
             cubin = (folder / piece / f"kernel.compute_{arch[3:]}.cubin").read_bytes()
             assert _kernels_in(cubin, every_kernel) == set(PIECES[piece]), f"{piece}/{arch}: wrong kernels"
             for kernel, every_dtype in PIECES[piece].items():
-                for dtype, mangled in DTYPES.items() if every_dtype else ():
+                dtypes = DTYPES if every_dtype is True else (every_dtype or ())
+                for dtype in dtypes:
+                    mangled = DTYPES[dtype]
                     symbol = f"{len(kernel)}{kernel}I{mangled}".encode()
                     assert symbol in cubin, f"{piece}/{arch}: {kernel} is not instantiated for {dtype}"
 
@@ -170,9 +177,41 @@ def test_pipelined_split_kernel_copies_16_bytes_asynchronously_without_spills(co
             assert not re.search(r"\bLDG\.E\.(\w+\.)*128\b", code), f"{name} {arch}: plain 16-byte loads of K/V"
 
 
+# mma_split_kernel's __launch_bounds__(128, 2) (kMmaMinBlocks): two 128-thread blocks per multiprocessor at most
+# 255 registers a thread; its policy counts on two resident blocks.
+MMA_MAX_REGISTERS = 255
+
+
+def test_mma_split_kernel_runs_on_tensor_cores_from_asynchronous_copies_without_spills(compiled_pieces):
+    folder, results = compiled_pieces
+    entries = PTXAS_ENTRY.findall(results["split_kv_mma"].stderr)
+    kernels = {(name, arch) for name, arch, *_ in entries if "mma_split_kernel" in name}
+    # fp16 and bf16, D 64 and 128, with and without V, per architecture.
+    assert len(kernels) == 2 * 2 * 2 * len(ARCHES), f"one kernel per dtype, D and V: {kernels}"
+    for name, arch, stack, spill_stores, spill_loads, registers in entries:
+        assert (int(stack), int(spill_stores), int(spill_loads)) == (0, 0, 0), f"{name} {arch}: local memory"
+        assert int(registers) <= MMA_MAX_REGISTERS, f"{name} {arch}: {registers} registers"
+    if _cuobjdump() is None:
+        pytest.skip("no cuobjdump (neither the CUDA toolkit's nor Triton's) to read the SASS")
+    for arch in ARCHES:
+        sass = _sass_by_function(folder / "split_kv_mma" / f"kernel.compute_{arch[3:]}.cubin")
+        assert {name for name, _ in kernels} == set(sass), f"{arch}: kernels missing from the SASS"
+        for name, code in sass.items():
+            dim = int(re.search(r"Li(\d+)E", name).group(1))
+            with_v = name.endswith("Lb1EEEvNS_11SplitParamsIT_EE")
+            # QK^T: two n8 tiles per k16 step of D; PV: one MMA per n8 tile of D_v.
+            expected = 2 * dim // 16 + (dim // 8 if with_v else 0)
+            mma = r"\bHMMA\.16816\.F32\.BF16\b" if "bfloat16" in name else r"\bHMMA\.16816\.F32(?!\.BF16)\b"
+            assert len(re.findall(mma, code)) == expected, f"{name} {arch}: tensor-core MMAs"
+            assert re.search(r"\bLDGSTS\.E\.BYPASS(\.\w+)*\.128\b", code), f"{name} {arch}: no 16-byte cp.async"
+            assert bool(re.search(r"\bLDSM\.16\.MT88\.4\b", code)) == with_v, f"{name} {arch}: V by ldmatrix.trans"
+            assert not re.search(r"\b(LDL|STL)\b", code), f"{name} {arch}: local memory"
+            assert not re.search(r"\bLDG\.E\.(\w+\.)*128\b", code), f"{name} {arch}: plain 16-byte loads of K/V"
+
+
 def test_unknown_split_kernel_is_refused_by_name():
     with pytest.raises(ValueError, match=r"unknown cuda split kernel 'flash'; choose one of \('verified', "
-                                         r"'pipelined'\)"):
+                                         r"'pipelined', 'mma'\)"):
         set_cuda_split_kv_kernel("flash")
     assert CUDA_SPLIT_KV_KERNELS[0] == "verified", "the default kernel is the one verified on a GPU"
     if importlib.util.find_spec("macs_kernels._C") is None:
@@ -198,7 +237,7 @@ def test_selection_state_defaults_to_the_verified_kernel_and_reads_the_variable_
     build = subprocess.run([compiler, "-std=c++17", "-I", str(CSRC), "-o", str(binary), str(program)],
                            capture_output=True, text=True, timeout=120)
     assert build.returncode == 0, build.stderr
-    for value, expected in ((None, "0 0"), ("", "0 0"), ("verified", "0 0"), ("pipelined", "1 1"),
+    for value, expected in ((None, "0 0"), ("", "0 0"), ("verified", "0 0"), ("pipelined", "1 1"), ("mma", "2 2"),
                             ("Pipelined", "-1 0")):
         env = {k: v for k, v in os.environ.items() if k != "MACS_KERNELS_CUDA_SPLIT_KV"}
         if value is not None:

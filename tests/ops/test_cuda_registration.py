@@ -204,12 +204,14 @@ def test_variant_arguments_equal_the_torch_kernel(case):
 
 @pytest.mark.usefixtures("split_kernel")
 @pytest.mark.parametrize(
-    "dim, dtype, pipelined_fits",
-    [(128, torch.bfloat16, True), (64, torch.float16, True), (128, torch.float32, True), (66, torch.float32, False)],
+    "dim, dtype, pipelined_fits, mma_fits",
+    [(128, torch.bfloat16, True, True), (64, torch.float16, True, True), (128, torch.float32, True, False),
+     (66, torch.float32, False, False)],
 )
-def test_the_chosen_split_kernel_is_launched(dim, dtype, pipelined_fits):
-    """The profiler names the split kernel each op launched: the pipelined one where it is chosen and fits (16-byte
-    rows), split_kernel otherwise; so that the tests over both kernels cannot pass on one of them twice."""
+def test_the_chosen_split_kernel_is_launched(dim, dtype, pipelined_fits, mma_fits):
+    """The profiler names the split kernel each op launched: the tensor-core one where "mma" is chosen and fits
+    (fp16/bf16, D 64 or 128), the pipelined one where "pipelined" or "mma" is chosen and it fits (16-byte rows),
+    split_kernel otherwise; so that the tests over every kernel cannot pass on one of them twice."""
     from macs_kernels.ops.cuda import cuda_split_kv_kernel
 
     q, k_cache, start, input_end, kv_len = _verify_block(2, 2, 4, 1, 300, dim, dtype)
@@ -230,6 +232,9 @@ def test_the_chosen_split_kernel_is_launched(dim, dtype, pipelined_fits):
                                                None)
         torch.cuda.synchronize()
     launched = [event.name for event in profile.events() if "split_kernel<" in event.name]
-    expected = "pipelined" if cuda_split_kv_kernel() == "pipelined" and pipelined_fits else "verified"
+    chosen = cuda_split_kv_kernel()
+    expected = ("mma" if chosen == "mma" and mma_fits else
+                "pipelined" if chosen in ("pipelined", "mma") and pipelined_fits else "verified")
     assert len(launched) == 4, launched
-    assert all(("pipelined_split_kernel<" in name) == (expected == "pipelined") for name in launched), launched
+    for kernel, prefix in (("pipelined", "pipelined_split_kernel<"), ("mma", "mma_split_kernel<")):
+        assert all((prefix in name) == (expected == kernel) for name in launched), launched

@@ -42,6 +42,18 @@ def _split_kv(dtype, *, D, GROUP, BLOCK_M, WITH_V=False, WITH_SCORES=True, DOT_F
     )
 
 
+def _one_launch(dtype, *, D, GROUP, BLOCK_M, WITH_V=False, PAGE_SIZE=0, SOFTCAP=False, scores="fp32", POOLING="max",
+                INTO_LOG_C=True, HAS_SINKS=False, LSE_GIVEN=False):
+    """A `_one_launch_kernel` variant (the one-launch fused pass): as _split_kv's, with the pooling's constexprs."""
+    _, _, pointers, constexprs, options = _split_kv(dtype, D=D, GROUP=GROUP, BLOCK_M=BLOCK_M, WITH_V=WITH_V,
+                                                    PAGE_SIZE=PAGE_SIZE, SOFTCAP=SOFTCAP, scores=scores)
+    pointers = dict(pointers, out_ptr=dtype, sinks_ptr=dtype, pool_start_ptr="i64", counter_ptr="i32")
+    group_pad = 1 << (GROUP - 1).bit_length()
+    constexprs = dict(constexprs, GROUP_PAD=group_pad, BLOCK_I=max(16, 4096 // group_pad), HAS_SINKS=HAS_SINKS,
+                      LSE_GIVEN=LSE_GIVEN, REDISTRIBUTE=True, POOLING=POOLING, INTO_LOG_C=INTO_LOG_C)
+    return "split_kv", "_one_launch_kernel", pointers, constexprs, options
+
+
 # name -> (module, kernel, pointer element types, constexprs, options)
 VARIANTS = {
     "decode_bf16_gqa4_d128": _split_kv("bf16", D=128, GROUP=4, BLOCK_M=16, WITH_V=True),
@@ -79,6 +91,15 @@ VARIANTS = {
         dict(D=64, BLOCK_D=64, SPLITS_PAD=64, H_PAD=16, BLOCK_I=256, KEY_BLOCK=64, WITH_V=False, HAS_SINKS=True,
              LSE_GIVEN=True, REDISTRIBUTE=True, POOLING="mean", INTO_LOG_C=False), dict(num_warps=4),
     ),
+    # The one-launch fused pass: the split kernel with the combine and the pooling after its last arrival.
+    "one_launch_decode_bf16_gqa4_d128": _one_launch("bf16", D=128, GROUP=4, BLOCK_M=16, WITH_V=True, scores="fp16"),
+    "one_launch_decode_bf16_gqa4_d64": _one_launch("bf16", D=64, GROUP=4, BLOCK_M=16, WITH_V=True, scores="fp16"),
+    "one_launch_update_fp16_gqa3_d64_min": _one_launch("fp16", D=64, GROUP=3, BLOCK_M=16, scores="fp16",
+                                                       POOLING="min", LSE_GIVEN=True),
+    "one_launch_pool_block_sinks_bf16_gqa9_d64_mean": _one_launch(
+        "bf16", D=64, GROUP=9, BLOCK_M=64, POOLING="mean", INTO_LOG_C=False, HAS_SINKS=True, SOFTCAP=True),
+    "one_launch_pool_paged_bf16_gqa4_d128_page16": _one_launch("bf16", D=128, GROUP=4, BLOCK_M=16, PAGE_SIZE=16,
+                                                               INTO_LOG_C=False),
     "combine_bf16": (
         "split_kv", "_split_kv_combine_kernel", {"out_ptr": "bf16"},
         dict(D=128, BLOCK_D=128, SPLITS_PAD=64, WITH_V=True, HAS_SINKS=False), dict(num_warps=4),
@@ -212,6 +233,8 @@ def test_kernel_compiles_with_inductors_signature(compiled, variant, arch=90):
     "pool_paged_fp16_gqa9_d128_page256", "pool_paged_bf16_gqa4_d128_page16", "pool_softcap_bf16_gqa2_d256",
     "decode_softcap_fp16_gqa4_d128", "pool_paged_softcap_bf16_gqa2_d256_page16",
     "pool_paged_softcap_fp16_gqa4_d128_page256", "two_launch_decode_bf16_gqa4_d128", "two_launch_update_bf16_gqa3_d64",
+    "one_launch_decode_bf16_gqa4_d128", "one_launch_decode_bf16_gqa4_d64", "one_launch_update_fp16_gqa3_d64_min",
+    "one_launch_pool_paged_bf16_gqa4_d128_page16",
 ])
 def test_split_pass_uses_tensor_cores_and_16_byte_loads(compiled, variant, arch):
     """The GQA group's scores come from one tensor-core product per K tile, fed by 128-bit loads."""
@@ -226,3 +249,19 @@ def test_split_pass_uses_tensor_cores_and_16_byte_loads(compiled, variant, arch)
                                      "lse_softcap_sinks_bf16_d64"])
 def test_half_precision_feature_scores_use_tensor_cores(compiled, variant, arch):
     assert re.search(r"\b(mma\.sync\.aligned\.m16n8k16|wgmma\.mma_async)", compiled[f"{variant}@sm_{arch}"]["ptx"])
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+@pytest.mark.parametrize("variant", sorted(name for name in VARIANTS if name.startswith("one_launch_")))
+def test_one_launch_pass_keeps_scores_in_l2_and_counts_arrivals(compiled, variant, arch):
+    """The one-launch pass: scores stored with an L2 evict-last policy, the arrival counters as gpu-scope acq_rel
+    atomic adds (one per tile, one per item) reset by a relaxed exchange, the pooling by relaxed gpu-scope
+    reductions, the other programs' partials and scores read from L2 (.cg), and no local memory (no spills)."""
+    ptx = compiled[f"{variant}@sm_{arch}"]["ptx"]
+    assert re.search(r"createpolicy\.fractional\.L2::evict_last", ptx)
+    assert re.search(r"st\.global\.[^ ]*L2::cache_hint", ptx)
+    assert len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)) == 2
+    assert len(re.findall(r"atom\.global\.gpu\.relaxed\.exch", ptx)) == 2
+    assert re.search(r"(red|atom)\.global\.gpu\.relaxed\.(max|min|add)", ptx)
+    assert re.search(r"ld\.global\.cg", ptx)
+    assert ".local" not in ptx

@@ -1,6 +1,7 @@
 """The triton backend's selectable fused passes (settings.TRITON_SPLIT_KV_PASSES): the switch, the launches each
-pass makes, and the error bound of the "two-launch" pass's float16 relative scores. (Every per-op test of the
-fused ops runs under both passes: tests/ops/conftest.py.)"""
+pass makes, the error bound of the float16 relative scores ("two-launch", "one-launch"), and the one-launch pass's
+workspace (arrival counters and pooled rows left as found). (Every per-op test of the fused ops runs under every
+pass: tests/ops/conftest.py.)"""
 from __future__ import annotations
 
 import pytest
@@ -40,6 +41,7 @@ def test_the_environment_chooses_the_pass_at_first_use(monkeypatch):
 @pytest.mark.parametrize(("name", "kernels"), [
     ("verified", {"_split_kv_kernel": 1, "_split_kv_combine_kernel": 1, "_pool_kernel": 1}),
     ("two-launch", {"_split_kv_kernel": 1, "_combine_pool_kernel": 1}),
+    ("one-launch", {"_one_launch_kernel": 1}),
 ])
 def test_launches_of_a_fused_decode(name, kernels):
     from macs_kernels.ops.triton import LAUNCHES
@@ -55,13 +57,14 @@ def test_launches_of_a_fused_decode(name, kernels):
     assert dict(LAUNCHES - before) == kernels
 
 
+@pytest.mark.parametrize("name", ["two-launch", "one-launch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("pooling", ["max", "min"])
-def test_float16_relative_scores_keep_log_p_within_2_to_the_minus_11(dtype, pooling):
+def test_float16_relative_scores_keep_log_p_within_2_to_the_minus_11(dtype, pooling, name):
     """alpha = 1 without redistribution adds log m' itself, the pooled log p: the two-launch pass stores s - m (m the
     running max, at most lse) in float16, so each entry's increment is within 2^-11 of its size (plus float32
     rounding), over scores spread across +-30 where float16 absolute scores would not be."""
-    settings.set_triton_split_kv_pass("two-launch")
+    settings.set_triton_split_kv_pass(name)
     q = (torch.randn(1, 8, 64) * 12).to(dtype).to(DEVICE)
     k = torch.randn(1, 2, 300, 64).to(dtype).to(DEVICE)
     input_start, input_end, kv_len = (torch.tensor([value], device=DEVICE) for value in (5, 290, 300))
@@ -74,3 +77,48 @@ def test_float16_relative_scores_keep_log_p_within_2_to_the_minus_11(dtype, pool
     assert want.abs().max() > 20  # log p spans a range that float16 absolute scores would round coarsely
     bound = 2.0 ** -11 * want.abs() + 1e-5 * (1 + want.abs())
     assert bool(((got - want).abs() <= bound).all()), float(((got - want).abs() - bound).max())
+
+
+@pytest.mark.parametrize("pooling", ["max", "min", "mean"])
+def test_one_launch_leaves_its_workspace_as_found_and_agrees_with_verified(pooling):
+    """The one-launch pass's arrival counters go back to 0 and its pooled rows to the pooling's identity after each
+    launch, so calls of other shapes that follow (more rows, other widths, a given lse) see a clean workspace; a verify
+    block of 8 rows at GQA 9:1 (72 rows: one query row's heads in two row tiles, pooled by two programs) equals the
+    verified pass's m' and log c, call after call."""
+    from macs_kernels.ops.triton import split_kv
+
+    def calls():
+        results = []
+        generator = torch.Generator().manual_seed(3)
+        q = torch.randn(2, 18, 8, 32, generator=generator).to(DEVICE)
+        k = torch.randn(2, 2, 150, 32, generator=generator).to(DEVICE)
+        ranges = dict(input_start=torch.tensor([[0] * 8, [3] * 8], device=DEVICE),
+                      input_end=torch.tensor([[130 + r for r in range(8)], [120] * 8], device=DEVICE),
+                      kv_len=torch.tensor([[138 + r for r in range(8)], [128 + r for r in range(8)]], device=DEVICE))
+        out = torch.full((2, 8, 140), 7.0, device=DEVICE)
+        ops.macs_pool(q, k, out=out, scale=0.2, pooling=pooling, backend="triton", **ranges)
+        results.append(out)
+        q1 = q[:, :, 0].contiguous()
+        lse = torch.logsumexp(torch.einsum("bhd,bhsd->bhs", q1, k.repeat_interleave(9, 1)[:, :, :140]) * 0.2, -1)
+        for given in (None, lse):
+            log_c = torch.full((2, 130), -0.5, device=DEVICE)
+            # Contiguous ranges: the triton launchers read all three with input_start's strides.
+            ops.macs_update(q1, k, log_c, input_start=ranges["input_start"][:, 0].contiguous(),
+                            input_end=ranges["input_end"][:, 0].contiguous(),
+                            kv_len=torch.full((2,), 140, device=DEVICE), scale=0.2, pooling=pooling, lse=given,
+                            backend="triton")
+            results.append(log_c)
+        return results
+
+    settings.set_triton_split_kv_pass("verified")
+    want = calls()
+    settings.set_triton_split_kv_pass("one-launch")
+    for _ in range(2):
+        got = calls()
+        for value, expected in zip(got, want):
+            torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6)
+        identity = float("inf") if pooling == "min" else 0.0
+        for (_, _, kind), (counters, pooled) in split_kv._WORKSPACES.items():
+            if kind == identity:
+                assert int(counters.abs().sum()) == 0
+                assert bool((pooled == identity).all())

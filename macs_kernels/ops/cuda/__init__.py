@@ -2,8 +2,9 @@
 for the operators `torch.ops.macs_kernels.<op>`; here its settings.
 
 The split kernels: csrc/split_kv_choice.h: "verified", the default, passed the GPU tests and compute-sanitizer;
-"pipelined" (csrc/split_kv_pipelined) is selectable until it has too. Chosen for the process by
-MACS_KERNELS_CUDA_SPLIT_KV (read by the extension at its first split-KV launch) or by set_cuda_split_kv_kernel.
+"pipelined" (csrc/split_kv_pipelined) is selectable until it has too, and so is "mma" (csrc/split_kv_mma, tensor
+cores, not yet run on a GPU). Chosen for the process by MACS_KERNELS_CUDA_SPLIT_KV (read by the extension at its
+first split-KV launch) or by set_cuda_split_kv_kernel.
 Importing this package loads no extension.
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ import importlib
 
 from macs_kernels.ops.backends import NAMESPACE, BackendUnavailable
 
-CUDA_SPLIT_KV_KERNELS = ("verified", "pipelined")
+CUDA_SPLIT_KV_KERNELS = ("verified", "pipelined", "mma")
 
 
 def _extension():
@@ -31,7 +32,8 @@ def cuda_split_kv_kernel() -> str:
 def set_cuda_split_kv_kernel(kernel: str) -> None:
     """Launch `kernel` (one of CUDA_SPLIT_KV_KERNELS) from now on in this process; shapes that "pipelined" does
     not cover (K/V rows not 16-byte aligned, D not a power-of-two multiple of 16 bytes up to 512 bytes, D_v != D,
-    (H / H_kv) * D / 16 bytes > 256) run "verified". A CUDA graph keeps the kernel it captured."""
+    (H / H_kv) * D / 16 bytes > 256) run "verified"; shapes that "mma" does not cover (fp32, D not 64 or 128,
+    D_v != D, H / H_kv > 16) run what "pipelined" runs. A CUDA graph keeps the kernel it captured."""
     if kernel not in CUDA_SPLIT_KV_KERNELS:
         raise ValueError(f"unknown cuda split kernel {kernel!r}; choose one of {CUDA_SPLIT_KV_KERNELS}")
     _extension().set_split_kv_kernel(kernel)

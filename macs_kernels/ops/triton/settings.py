@@ -1,14 +1,15 @@
 """The triton backend's settings: which fused MACS pass it runs.
 
 ops/triton/split_kv.py: "verified", the default, ran on a GPU (split, combine, pool: three launches); "two-launch"
-(the head pooling folded into the combine launch) is selectable until it has. Chosen for the process by
-MACS_KERNELS_TRITON_SPLIT_KV (read at the first fused launch) or by set_triton_split_kv_pass.
+(the head pooling folded into the combine launch) and "one-launch" (combine and pooling after each tile's last
+arrival, in the split launch) are selectable until they have. Chosen for the process by MACS_KERNELS_TRITON_SPLIT_KV
+(read at the first fused launch) or by set_triton_split_kv_pass.
 """
 from __future__ import annotations
 
 import os
 
-TRITON_SPLIT_KV_PASSES = ("verified", "two-launch")
+TRITON_SPLIT_KV_PASSES = ("verified", "two-launch", "one-launch")
 _triton_split_kv_pass: str | None = None
 
 

@@ -11,11 +11,13 @@ input keys, key start + i in column i of (B, H, R, N_max) float32: H x R x N x 4
 H_kv x S x 2D bytes of K.
 `_split_kv_combine_kernel` (grid (B * H * R,)): merges the slices into lse, lse_gen and out.
 
-The fused MACS pass (`fused_pass`) pools the input keys' probabilities over heads after that, in one of two ways
+The fused MACS pass (`fused_pass`) pools the input keys' probabilities over heads after that, in one of three ways
 (settings.TRITON_SPLIT_KV_PASSES): "verified", the default, launches the combine and then pool.py's `_pool_kernel`;
 "two-launch" launches `_combine_pool_kernel`, the combine with the pooling folded in, and for the log c update of
 half-precision inputs has the split kernel write each score as s - m in float16 (m: the row's running max after the
-key block, float32 beside them), half the score bytes (benchmarks/results/triton_two_launch_pass.md).
+key block, float32 beside them), half the score bytes (benchmarks/results/triton_two_launch_pass.md); "one-launch"
+launches `_one_launch_kernel` alone: the split kernel whose last arrival per row tile merges the slices and pools its
+GQA group from the scores still in L2, the item's last group applying the floor (docs/backends.md).
 
 Attention variants (ops.Variant): a sliding window is a row whose attended start lies after its input start
 (its score columns count from the input start, `score_start`, which may precede the cache's first slot: the
@@ -63,18 +65,18 @@ def _key_slots(n, in_slice, b, block_table_ptr, stride_tb, PAGE_SIZE: tl.constex
 
 
 @triton.jit
-def _split_kv_kernel(
+def _split_slice(
     q_ptr, k_ptr, v_ptr, start_ptr, input_end_ptr, kv_len_ptr, block_table_ptr, score_start_ptr,
-    scores_ptr, tile_max_ptr, m_ptr, l_ptr, l_gen_ptr, acc_ptr,
-    scale, softcap, split_size, splits, kv_heads, rows, key_tiles,
+    scores_ptr, tile_max_ptr, scale, softcap, split_size, kv_heads, rows, key_tiles,
     stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ib, stride_ir, stride_tb, stride_sb, stride_sh, stride_sr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, WITH_V: tl.constexpr, WITH_SCORES: tl.constexpr, DOT_F32: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, KEEP_SCORES: tl.constexpr,
 ):
-    # Inductor passes Python floats as fp64 (a loop-carried max would turn fp64): the math stays fp32.
-    scale, softcap = tl.cast(scale, tl.float32), tl.cast(softcap, tl.float32)
+    """One program's (row tile, key slice) of the split-KV pass: the online softmax state (m, l, l_gen, acc) of its
+    BLOCK_M rows over the slice, the input keys' scores written on the way (KEEP_SCORES: with an evict-last hint,
+    for a reader in the same launch). Returns the state and the rows' (row_ok, row_index)."""
     row_tiles = tl.cdiv(GROUP * rows, BLOCK_M)
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -134,15 +136,23 @@ def _split_kv_kernel(
             columns = scores_ptr + b * stride_sb + head[:, None] * stride_sh + r[:, None] * stride_sr + (
                 n[None, :] - score_start[:, None])
             if not relative:
-                tl.store(columns, s, mask=is_input)
+                if KEEP_SCORES:
+                    tl.store(columns, s, mask=is_input, eviction_policy="evict_last")
+                else:
+                    tl.store(columns, s, mask=is_input)
         m_new = tl.maximum(m, tl.max(s, 1))
         correction = tl.exp(m - m_new)
         shifted = s - m_new[:, None]
         if WITH_SCORES and relative:
             # Each score as s - m_new in float16, the block's m_new in float32 beside it: m_new is at most lse, so
             # log p = s - lse keeps float16's relative precision (2^-11), in half the bytes.
-            tl.store(columns, shifted.to(tl.float16), mask=is_input)
-            tl.store(tile_max_ptr + row_index * key_tiles + n0 // BLOCK_N, m_new, mask=row_ok)
+            if KEEP_SCORES:
+                tl.store(columns, shifted.to(tl.float16), mask=is_input, eviction_policy="evict_last")
+                tl.store(tile_max_ptr + row_index * key_tiles + n0 // BLOCK_N, m_new, mask=row_ok,
+                         eviction_policy="evict_last")
+            else:
+                tl.store(columns, shifted.to(tl.float16), mask=is_input)
+                tl.store(tile_max_ptr + row_index * key_tiles + n0 // BLOCK_N, m_new, mask=row_ok)
         p = tl.exp(shifted)
         l = l * correction + tl.sum(p, 1)
         l_gen = l_gen * correction + tl.sum(tl.where(n[None, :] >= input_end[:, None], p, 0.0), 1)
@@ -151,13 +161,35 @@ def _split_kv_kernel(
             v = operand(tl.load(v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0), DOT_F32)
             acc = acc * correction[:, None] + dot(p.to(v.dtype), v, DOT_F32)
         m = m_new
+    return m, l, l_gen, acc, row_ok, row_index
 
-    partial = row_index * splits + split
+
+@triton.jit
+def _split_kv_kernel(
+    q_ptr, k_ptr, v_ptr, start_ptr, input_end_ptr, kv_len_ptr, block_table_ptr, score_start_ptr,
+    scores_ptr, tile_max_ptr, m_ptr, l_ptr, l_gen_ptr, acc_ptr,
+    scale, softcap, split_size, splits, kv_heads, rows, key_tiles,
+    stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_ib, stride_ir, stride_tb, stride_sb, stride_sh, stride_sr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, WITH_V: tl.constexpr, WITH_SCORES: tl.constexpr, DOT_F32: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr,
+):
+    # Inductor passes Python floats as fp64 (a loop-carried max would turn fp64): the math stays fp32.
+    scale, softcap = tl.cast(scale, tl.float32), tl.cast(softcap, tl.float32)
+    m, l, l_gen, acc, row_ok, row_index = _split_slice(
+        q_ptr, k_ptr, v_ptr, start_ptr, input_end_ptr, kv_len_ptr, block_table_ptr, score_start_ptr,
+        scores_ptr, tile_max_ptr, scale, softcap, split_size, kv_heads, rows, key_tiles,
+        stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+        stride_ib, stride_ir, stride_tb, stride_sb, stride_sh, stride_sr,
+        D, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, WITH_V, WITH_SCORES, DOT_F32, PAGE_SIZE, SOFTCAP, False)
+    d = tl.arange(0, BLOCK_D)
+    partial = row_index * splits + tl.program_id(1)
     tl.store(m_ptr + partial, m, mask=row_ok)
     tl.store(l_ptr + partial, l, mask=row_ok)
     tl.store(l_gen_ptr + partial, l_gen, mask=row_ok)
     if WITH_V:
-        tl.store(acc_ptr + partial[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_mask[None, :])
+        tl.store(acc_ptr + partial[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & (d < D)[None, :])
 
 
 @triton.jit
@@ -273,6 +305,170 @@ def _combine_pool_kernel(
                       target_ptr + b * stride_tb + r * stride_tr, alpha, REDISTRIBUTE, POOLING, INTO_LOG_C)
 
 
+@triton.jit
+def _one_launch_kernel(
+    q_ptr, k_ptr, v_ptr, start_ptr, input_end_ptr, kv_len_ptr, block_table_ptr, score_start_ptr,
+    scores_ptr, tile_max_ptr, m_ptr, l_ptr, l_gen_ptr, acc_ptr,
+    out_ptr, lse_ptr, lse_gen_ptr, sinks_ptr, given_lse_ptr, pool_start_ptr, target_ptr, pooled_ptr, counter_ptr,
+    scale, softcap, split_size, splits, kv_heads, rows, key_tiles,
+    stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_ib, stride_ir, stride_tb, stride_sb, stride_sh, stride_sr,
+    alpha, n_target, stride_ob, stride_oh, stride_or, stride_gb, stride_gh, stride_gr, stride_cb, stride_cr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, WITH_V: tl.constexpr, WITH_SCORES: tl.constexpr, DOT_F32: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr,
+    GROUP_PAD: tl.constexpr, BLOCK_I: tl.constexpr, HAS_SINKS: tl.constexpr, LSE_GIVEN: tl.constexpr,
+    REDISTRIBUTE: tl.constexpr, POOLING: tl.constexpr, INTO_LOG_C: tl.constexpr,
+):
+    """The whole fused MACS pass in one launch, grid (B * H_kv * row tiles, splits) as `_split_kv_kernel`'s.
+
+    Each program runs its (row tile, key slice) and stores its partials, then counts itself in at its tile's arrival
+    counter (counter_ptr[pid], an int32 that the last arrival sets back to 0). The last of the tile's `splits`
+    programs to arrive merges the slices' partials (its rows' lse, lse_gen and out), then pools its GQA group's
+    probabilities of the input keys over the group's heads, from the scores the slices wrote moments before (in
+    L2: stored evict-last, read once), into pooled_ptr (B, R, n_target) float32 by atomic max / min / add: a
+    per-group partial of the max (min, sum) over all H heads. It then counts itself in at its item's counter
+    (counter_ptr[grid size + b]); the last of the item's H_kv x row tiles arrivals applies the floor to log c (or
+    writes m'), and sets pooled_ptr back to the pooling's identity (0, or +inf for min) for the next call."""
+    # Inductor passes Python floats as fp64 (a loop-carried max would turn fp64): the math stays fp32.
+    scale, softcap, alpha = tl.cast(scale, tl.float32), tl.cast(softcap, tl.float32), tl.cast(alpha, tl.float32)
+    m, l, l_gen, acc, row_ok, row_index = _split_slice(
+        q_ptr, k_ptr, v_ptr, start_ptr, input_end_ptr, kv_len_ptr, block_table_ptr, score_start_ptr,
+        scores_ptr, tile_max_ptr, scale, softcap, split_size, kv_heads, rows, key_tiles,
+        stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+        stride_ib, stride_ir, stride_tb, stride_sb, stride_sh, stride_sr,
+        D, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, WITH_V, WITH_SCORES, DOT_F32, PAGE_SIZE, SOFTCAP, True)
+    pid = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < D
+    partial = row_index * splits + tl.program_id(1)
+    tl.store(m_ptr + partial, m, mask=row_ok)
+    tl.store(l_ptr + partial, l, mask=row_ok)
+    tl.store(l_gen_ptr + partial, l_gen, mask=row_ok)
+    if WITH_V:
+        tl.store(acc_ptr + partial[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_mask[None, :])
+    # Every thread's stores before one thread's release (as CUTLASS's semaphore: a CTA barrier, then the release).
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
+    if arrived == splits - 1:
+        tl.atomic_xchg(counter_ptr + pid, 0, sem="relaxed", scope="gpu")
+        row_tiles = tl.cdiv(GROUP * rows, BLOCK_M)
+        tile = pid % row_tiles
+        b = (pid // row_tiles // kv_heads).to(tl.int64)
+        kv_head = (pid // row_tiles % kv_heads).to(tl.int64)
+        m_index = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        head = kv_head * GROUP + m_index % GROUP
+        r = m_index // GROUP
+        heads = kv_heads * GROUP
+
+        # The combine of this tile's rows: an online merge over the slices (L2 reads: .cg, another SM wrote them).
+        top = tl.full([BLOCK_M], MIN_SCORE, tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        l_gen = tl.zeros([BLOCK_M], tl.float32)
+        out = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for sp in range(0, splits):
+            at = row_index * splits + sp
+            m_sp = tl.load(m_ptr + at, mask=row_ok, other=MIN_SCORE, cache_modifier=".cg")
+            new_top = tl.maximum(top, m_sp)
+            old = tl.exp(top - new_top)
+            weight = tl.exp(m_sp - new_top)
+            l = l * old + weight * tl.load(l_ptr + at, mask=row_ok, other=0.0, cache_modifier=".cg")
+            l_gen = l_gen * old + weight * tl.load(l_gen_ptr + at, mask=row_ok, other=0.0, cache_modifier=".cg")
+            if WITH_V:
+                part = tl.load(acc_ptr + at[:, None] * D + d[None, :], mask=row_ok[:, None] & d_mask[None, :],
+                               other=0.0, cache_modifier=".cg")
+                out = out * old[:, None] + weight[:, None] * part
+            top = new_top
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+            rescale = tl.exp(top - tl.maximum(top, sink))
+            out = out * rescale[:, None]
+            l = l * rescale + tl.exp(sink - tl.maximum(top, sink))
+            l_gen = l_gen * rescale
+            top = tl.maximum(top, sink)
+        lse = top + tl.log(l)
+        lse_gen = top + tl.log(l_gen)
+        tl.store(lse_ptr + row_index, lse, mask=row_ok)
+        tl.store(lse_gen_ptr + row_index, lse_gen, mask=row_ok)
+        if WITH_V:
+            target = out_ptr + b * stride_ob + head * stride_oh + r * stride_or
+            tl.store(target[:, None] + d[None, :], (out / l[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & d_mask[None, :])
+
+        # This group's share of the pooling, query row by query row of the tile.
+        relative = scores_ptr.dtype.element_ty == tl.float16
+        g = tl.arange(0, GROUP_PAD)
+        first_row = tile * BLOCK_M // GROUP
+        last_row = tl.minimum(rows, (tile * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
+        for rr in range(first_row, last_row):
+            mm = rr * GROUP + g
+            ok = (g < GROUP) & (mm >= tile * BLOCK_M) & (mm < tile * BLOCK_M + BLOCK_M)
+            pick = mm[:, None] == m_index[None, :]
+            head_g = kv_head * GROUP + g
+            # The group's lse and lse_gen of query row rr, picked out of the tile's rows.
+            lse_g = tl.max(tl.where(pick, lse[None, :], float("-inf")), 1)
+            lse_gen_g = tl.max(tl.where(pick, lse_gen[None, :], float("-inf")), 1)
+            if LSE_GIVEN:
+                lse_g = tl.load(given_lse_ptr + b * stride_gb + head_g * stride_gh + rr * stride_gr, mask=ok,
+                                other=0.0).to(tl.float32)
+            gen = tl.exp(lse_gen_g - lse_g)
+            pool_start = tl.load(pool_start_ptr + b * stride_ib + rr * stride_ir)
+            n_input = tl.load(input_end_ptr + b * stride_ib + rr * stride_ir) - pool_start
+            spread = gen / n_input.to(tl.float32)
+            score_rows = scores_ptr + b * stride_sb + rr * stride_sr + head_g[:, None] * stride_sh
+            max_rows = tile_max_ptr + ((b * heads + head_g) * rows + rr) * key_tiles
+            pooled_row = pooled_ptr + (b * rows + rr) * n_target
+            for i0 in range(0, n_input, BLOCK_I):
+                i = i0 + tl.arange(0, BLOCK_I)
+                i_mask = i < n_input
+                tile_mask = ok[:, None] & i_mask[None, :]
+                s = tl.load(score_rows + i[None, :], mask=tile_mask, other=float("-inf"),
+                            cache_modifier=".cg").to(tl.float32)
+                if relative:  # relative to their key block's max
+                    s += tl.load(max_rows[:, None] + ((pool_start + i) // BLOCK_N)[None, :], mask=tile_mask,
+                                 other=0.0, cache_modifier=".cg")
+                x = tl.exp(s - lse_g[:, None])
+                if REDISTRIBUTE:
+                    x += spread[:, None]
+                if POOLING == "max":
+                    tl.atomic_max(pooled_row + i, tl.max(tl.where(ok[:, None], x, float("-inf")), 0), mask=i_mask,
+                                  sem="relaxed", scope="gpu")
+                elif POOLING == "min":
+                    tl.atomic_min(pooled_row + i, tl.min(tl.where(ok[:, None], x, float("inf")), 0), mask=i_mask,
+                                  sem="relaxed", scope="gpu")
+                else:
+                    tl.atomic_add(pooled_row + i, tl.sum(tl.where(ok[:, None], x, 0.0), 0), mask=i_mask,
+                                  sem="relaxed", scope="gpu")
+
+        # The item's last group applies the floor (or writes m') and leaves the pooled rows at the identity.
+        tl.debug_barrier()
+        item_slot = counter_ptr + tl.num_programs(0) + b
+        done = tl.atomic_add(item_slot, 1, sem="acq_rel", scope="gpu")
+        if done == kv_heads * row_tiles - 1:
+            tl.atomic_xchg(item_slot, 0, sem="relaxed", scope="gpu")
+            identity = 0.0
+            if POOLING == "min":
+                identity = float("inf")
+            for rr in range(0, rows):
+                pool_start = tl.load(pool_start_ptr + b * stride_ib + rr * stride_ir)
+                n_input = tl.load(input_end_ptr + b * stride_ib + rr * stride_ir) - pool_start
+                pooled_row = pooled_ptr + (b * rows + rr) * n_target
+                target_row = target_ptr + b * stride_cb + rr * stride_cr
+                for i0 in range(0, n_target, BLOCK_I):
+                    i = i0 + tl.arange(0, BLOCK_I)
+                    i_mask = i < n_input
+                    pooled = tl.load(pooled_row + i, mask=i_mask, other=0.0, cache_modifier=".cg")
+                    tl.store(pooled_row + i, tl.full([BLOCK_I], identity, tl.float32), mask=i_mask)
+                    if POOLING == "mean":
+                        pooled = pooled / heads
+                    if INTO_LOG_C:
+                        # Efficient-attention rows can pool below zero; clamping keeps the floor's log defined.
+                        term = tl.log(alpha * tl.maximum(pooled, 0.0) + (1.0 - alpha))
+                        tl.store(target_row + i, tl.load(target_row + i, mask=i_mask) + term, mask=i_mask)
+                    else:
+                        tl.store(target_row + i, tl.where(i_mask, pooled, 0.0), mask=i < n_target)
+
+
 def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block_table=None, *,
                   score_start=None, softcap=None, sinks=None):
     """q (B, H, R, D) (any strides, unit last); ranges (B, R) int64 (a (B, 1) view may have stride 0 in R).
@@ -313,6 +509,10 @@ def fused_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, target, *, 
             score_start=score_start, softcap=softcap, sinks=sinks)
         pool(scores, target, pool_start, input_end, lse=own_lse if lse is None else lse, generated=lse_gen, **pooled)
         return out, own_lse
+    if triton_split_kv_pass() == "one-launch":
+        return _one_launch(q, k_cache, v_cache, start, input_end, kv_len, scale, target, pool_start=pool_start,
+                           lse=lse, block_table=block_table, score_start=score_start, softcap=softcap, sinks=sinks,
+                           **pooled)
     batch, heads, rows, dim = q.shape
     n_target = target.shape[-1]
     # log c of half-precision inputs is held to their dtype's tolerance (2e-3 for float16), which float16 relative
@@ -344,6 +544,53 @@ def fused_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, target, *, 
     return out, own_lse
 
 
+def _one_launch(q, k_cache, v_cache, start, input_end, kv_len, scale, target, *, pool_start, lse, alpha, pooling,
+                redistribute, into_log_c, block_table, score_start, softcap, sinks):
+    """fused_pass by `_one_launch_kernel`: one launch, float16 relative scores for the log c update of half-precision
+    inputs (as the two-launch pass), pooled in the same launch from L2."""
+    batch, heads, rows, dim = q.shape
+    n_target = target.shape[-1]
+    relative = into_log_c and k_cache.dtype in (torch.float16, torch.bfloat16)
+    split, grid, args, constexprs = _split_plan(q, k_cache, v_cache, start, input_end, kv_len, scale, n_target,
+                                                block_table, score_start, softcap, relative_scores=relative)
+    out, own_lse, lse_gen = _outputs(q, split)
+    given = own_lse if lse is None else lse
+    target3 = target.view(batch, rows, n_target)
+    counters, pooled = _workspace(q.device, grid[0] + batch, batch * rows * n_target,
+                                  float("inf") if pooling == "min" else 0.0)
+    launch(
+        _one_launch_kernel, grid,
+        *args[:10], split.m, split.l, split.l_gen, split.acc,
+        out if split.with_v else own_lse, own_lse, lse_gen, split.m if sinks is None else sinks, given, pool_start,
+        target3, pooled, counters, *args[10:],
+        float(alpha), n_target, *(out.stride(i) if split.with_v else 0 for i in range(3)),
+        given.stride(0), given.stride(1), given.stride(2), target3.stride(0), target3.stride(1),
+        **constexprs, GROUP_PAD=next_pow2(constexprs["GROUP"]),
+        BLOCK_I=pool_block(constexprs["GROUP"], n_target), HAS_SINKS=sinks is not None, LSE_GIVEN=lse is not None,
+        REDISTRIBUTE=redistribute, POOLING=pooling, INTO_LOG_C=into_log_c, num_warps=4, num_stages=3,
+    )
+    return out, own_lse
+
+
+# (device, stream, identity) -> (int32 arrival counters, float32 pooled rows), both left as found by every launch of
+# `_one_launch_kernel` (counters at 0, pooled rows at the pooling's identity); grown, never shrunk. One per stream:
+# two launches in flight on different streams must not share them.
+_WORKSPACES: dict = {}
+
+
+def _workspace(device: torch.device, counters: int, pooled: int, identity: float):
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    key = (device, stream, identity)
+    held = _WORKSPACES.get(key)
+    if held is None or held[0].numel() < counters or held[1].numel() < pooled:
+        size = max(next_pow2(counters), 0 if held is None else held[0].numel())
+        width = max(next_pow2(pooled), 0 if held is None else held[1].numel())
+        held = (torch.zeros(size, device=device, dtype=torch.int32),
+                torch.full((width,), identity, device=device, dtype=torch.float32))
+        _WORKSPACES[key] = held
+    return held
+
+
 @dataclasses.dataclass(frozen=True)
 class _Split:
     """What the split kernel left for the combine: per (row, slice) partials and the input keys' scores (float16
@@ -370,6 +617,17 @@ def _outputs(q, split: _Split):
 def _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block_table, score_start, softcap, *,
            relative_scores):
     """Launch `_split_kv_kernel` (arguments as split_kv_pass's; relative_scores: float16 scores, see _Split)."""
+    split, grid, args, constexprs = _split_plan(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores,
+                                                block_table, score_start, softcap, relative_scores=relative_scores)
+    launch(_split_kv_kernel, grid, *args[:10], split.m, split.l, split.l_gen, split.acc, *args[10:], **constexprs,
+           num_warps=4, num_stages=3)
+    return split
+
+
+def _split_plan(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block_table, score_start, softcap, *,
+                relative_scores):
+    """The buffers (a _Split), grid, arguments and constexprs of the split kernel: `args` are `_split_kv_kernel`'s
+    without its four partial pointers (m_ptr .. acc_ptr, which follow args[:10])."""
     batch, heads, rows, dim = q.shape
     paged = block_table is not None
     if paged:
@@ -400,16 +658,18 @@ def _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block
     # A window's columns before its first attended key stay -inf: the max of their block must be finite.
     tile_max = (torch.zeros if windowed else torch.empty)(batch, heads, rows, key_tiles, **f32) if relative else m
     v = v_cache if with_v else k_cache
-    launch(
-        _split_kv_kernel, (batch * kv_heads * cdiv(group * rows, tiles.block_m), tiles.splits),
+    grid = (batch * kv_heads * cdiv(group * rows, tiles.block_m), tiles.splits)
+    args = (
         q, k_cache, v, start, input_end, kv_len, block_table if paged else start,
-        score_start if windowed else start, scores, tile_max, m, l, l_gen, acc,
+        score_start if windowed else start, scores, tile_max,
         scale, 1.0 if softcap is None else float(softcap), tiles.split_size, tiles.splits, kv_heads, rows, key_tiles,
         q.stride(0), q.stride(1), q.stride(2), *k_strides, *(v_strides if with_v else k_strides),
         start.stride(0), start.stride(1), block_table.stride(0) if paged else 0,
         scores.stride(0), scores.stride(1), scores.stride(2),
+    )
+    constexprs = dict(
         D=dim, BLOCK_D=head_block(dim), GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         WITH_V=with_v, WITH_SCORES=bool(n_scores), DOT_F32=dot_f32, PAGE_SIZE=page_size,
-        SOFTCAP=softcap is not None, num_warps=4, num_stages=3,
+        SOFTCAP=softcap is not None,
     )
-    return _Split(tiles, with_v, m, l, l_gen, acc, scores, tile_max, key_tiles)
+    return _Split(tiles, with_v, m, l, l_gen, acc, scores, tile_max, key_tiles), grid, args, constexprs

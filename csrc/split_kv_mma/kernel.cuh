@@ -1,0 +1,396 @@
+// The tensor-core split kernel: the first pass of the split-KV pass (split_kv/kernel.cuh) with QK^T and PV on
+// tensor cores (mma.sync.m16n8k16, fp16/bf16 in, fp32 accumulate), as FlashInfer's grouped decode with
+// use_tensor_cores and sdpa's flash decoding do. It writes exactly what split_kernel writes (each split's base-2
+// max and sum over attended and over generated keys, the unnormalised partial output, the base-2 fp32 scores that
+// head pooling reads), so the combine pass, head pooling and MACS's row (softmax of the last query, the spread of
+// generated-token mass, max over heads, floor) are shared with the other split kernels and computed from the same
+// fp32 scores: only the attention output sees P rounded to the input dtype before PV, as in FlashAttention.
+//
+// Why: at GQA 4:1 and D 128 a decode step does 1,024 multiply-adds per key and KV head for 512 bytes of K and V;
+// on CUDA cores (pipelined_split_kernel) that caps the pass at 1.0-1.5 TB/s on an H200 (issue 48).
+//
+// Layout (tests/ops/cuda_mma_model.py replays it lane by lane on the CPU):
+// - A block owns one KV head, up to 16 query vectors (every query head of the KV head times a chunk of query
+//   rows, vector m = head m / block_rows at row m % block_rows, as pipelined_split_kernel orders them) on the M
+//   side of the MMA, padded to 16 with vectors that attend no key, and one slice of the keys.
+// - K and V tiles of kMmaTileKeys keys stay in the input dtype and arrive by 16-byte cp.async (LDGSTS) in a
+//   kMmaStages-deep ring, rows padded by 16 bytes so that fragment loads hit 32 different banks.
+// - Warp w takes keys [16 w, 16 w + 16) of each tile: S = Q K^T is two m16n8 tiles over D / 16 k-steps (K's rows
+//   are the col-major B operand as stored); its fp32 accumulators become, rounded, the A operand of P V (the
+//   m16n8k16 C layout of two n8 tiles is the A layout of one k16 step), and V's B fragments come by ldmatrix.trans.
+// - Each warp keeps its own online softmax per vector (rows g and g + 8 of its fragments; the four lanes of a row
+//   agree on its max by two shuffles) and the warps' states are merged in shared memory at the end, as
+//   pipelined_split_kernel merges its key groups.
+// It needs fp16/bf16, 16-byte aligned K/V rows, D in {64, 128}, D_v == D with V and (H / H_kv) <= 16 (mma_fits);
+// other shapes run pipelined_split_kernel or split_kernel.
+#pragma once
+
+#include "split_kv_pipelined/kernel.cuh"
+
+namespace macs {
+
+constexpr int kMmaWarps = 4;
+constexpr int kMmaThreads = 32 * kMmaWarps;
+constexpr int kMmaRows = 16;                   // the MMA's M: query vectors per block
+constexpr int kMmaTileKeys = 16 * kMmaWarps;   // a k16 step of PV per warp
+constexpr int kMmaStages = 3;
+constexpr int kMmaPad = 8;                     // elements (16 bytes) of padding per staged row
+// Two blocks per multiprocessor: 255 registers a thread at most (Q's fragments and the output's are 96 at D 128).
+constexpr int kMmaMinBlocks = 2;
+
+__host__ inline bool mma_fits(int64_t group, int64_t dim, int64_t dim_v, bool with_v, bool vectorized,
+                              int64_t element_size) {
+  return vectorized && element_size == 2 && (dim == 64 || dim == 128) && (!with_v || dim_v == dim) && group >= 1 &&
+         group <= kMmaRows;
+}
+
+// Shared memory: the block rows' key ranges (int64), then the K (and V) stages, which the final merge of the warps'
+// states reuses.
+__host__ __device__ inline size_t mma_smem_bytes(int64_t block_rows, int64_t dim, bool with_v) {
+  const int64_t ranges = ceil_div(3 * block_rows * int64_t(sizeof(int64_t)), 16) * 16;
+  const int64_t stages = int64_t(kMmaStages) * kMmaTileKeys * (dim + kMmaPad) * (with_v ? 2 : 1) * 2;
+  const int64_t merge = int64_t(kMmaWarps) * kMmaRows * ((with_v ? dim : 0) + 4) * int64_t(sizeof(float));
+  return size_t(ranges + (stages > merge ? stages : merge));
+}
+
+__host__ inline SplitPolicy mma_policy(int64_t batch, int64_t heads, int64_t kv_heads, int64_t rows, int64_t keys,
+                                       int64_t dim, bool with_v, int64_t sm_count, int64_t smem_per_sm) {
+  const int64_t group = heads / kv_heads, fit = kMmaRows / group;
+  SplitPolicy policy;
+  policy.kernel = SplitKernel::kMma;
+  policy.rows_per_block = fit < rows ? fit : (rows < 1 ? 1 : rows);
+  policy.row_chunks = ceil_div(rows < 1 ? 1 : rows, policy.rows_per_block);
+  policy.tile_keys = kMmaTileKeys;
+  policy.threads = kMmaThreads;
+  policy.smem_bytes = mma_smem_bytes(policy.rows_per_block, dim, with_v);
+  // One wave of resident blocks, in whole tiles per split (as pipelined_policy).
+  const int64_t by_smem = smem_per_sm / int64_t(policy.smem_bytes + 1024), by_threads = 2048 / kMmaThreads;
+  int64_t resident = by_smem < by_threads ? by_smem : by_threads;
+  if (resident < 1) resident = 1;
+  const int64_t wanted = resident * sm_count / (batch * kv_heads * policy.row_chunks);
+  const int64_t tiles = ceil_div(keys, kMmaTileKeys);
+  policy.splits = wanted < tiles ? wanted : tiles;
+  if (policy.splits < 1) policy.splits = 1;
+  return policy;
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// c += a b for one m16n8k16 tile (PTX ISA, "Matrix Fragments for mma.m16n8k16"): with g = lane / 4, t = lane % 4,
+// a = {A[g][2t..], A[g+8][2t..], A[g][2t+8..], A[g+8][2t+8..]}, b = {B[2t..][g], B[2t+8..][g]} (pairs along k),
+// c = {C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1]}.
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T, __half>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+#endif
+}
+
+// Four 8x8 16-bit matrices from shared memory, transposed: lane i names row i % 8 of matrix i / 8; register j gets
+// the element pair (rows 2t, 2t + 1; column g) of matrix j (PTX ISA, ldmatrix).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+#endif
+}
+
+template <typename T, int DIM, bool WITH_V>
+__global__ void __launch_bounds__(kMmaThreads, kMmaMinBlocks) mma_split_kernel(SplitParams<T> p) {
+  constexpr int PITCH = DIM + kMmaPad, KSTEPS = DIM / 16, NTILES = DIM / 8, VEC = kVec16<T>, LANES = DIM / VEC;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int64_t split = blockIdx.x, b = blockIdx.z;
+  const int64_t row_chunks = ceil_div(p.rows, p.rows_per_block);
+  const int64_t kv_head = blockIdx.y / row_chunks, row0 = (blockIdx.y % row_chunks) * p.rows_per_block;
+  const int block_rows = int(min(p.rows_per_block, p.rows - row0));
+  const int group = int(p.heads / p.kv_heads), vectors = group * block_rows;
+  const int64_t head0 = kv_head * group;
+  const bool capped = p.cap_out != 0.0f;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+
+  int64_t* range_s = reinterpret_cast<int64_t*>(smem);  // [3][block_rows]: start, input_end, end
+  unsigned char* stages = smem + ceil_div(3 * block_rows * int64_t(sizeof(int64_t)), 16) * 16;
+  T* k_stages = reinterpret_cast<T*>(stages);              // [kMmaStages][kMmaTileKeys][PITCH]
+  T* v_stages = k_stages + kMmaStages * kMmaTileKeys * PITCH;  // the same for V
+
+  for (int i = threadIdx.x; i < block_rows; i += blockDim.x) {
+    const KeyRange range(p.start, p.input_end, p.end, b, row0 + i, p.keys);
+    range_s[i] = range.start;
+    range_s[block_rows + i] = range.input_end;
+    range_s[2 * block_rows + i] = range.end;
+  }
+  // Q's A fragments, once: rows g and g + 8 (vectors past `vectors` are zeros), columns 2t.. and 2t + 8.. of each
+  // k-step. q may be any view: element loads.
+  uint32_t qa[KSTEPS][4];
+  {
+    const T* q_rows[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = g + 8 * h;
+      q_rows[h] = m < vectors ? p.q + b * p.q_sb + (head0 + m / block_rows) * p.q_sh + (row0 + m % block_rows) * p.q_sr
+                              : nullptr;
+    }
+    const auto pair = [&](int h, int d) {
+      return q_rows[h] == nullptr ? 0u : pack2<T>(to_float(q_rows[h][d]), to_float(q_rows[h][d + 1]));
+    };
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+      qa[ks][0] = pair(0, 16 * ks + 2 * t);
+      qa[ks][1] = pair(1, 16 * ks + 2 * t);
+      qa[ks][2] = pair(0, 16 * ks + 2 * t + 8);
+      qa[ks][3] = pair(1, 16 * ks + 2 * t + 8);
+    }
+  }
+  __syncthreads();
+  // This thread's two vectors' ranges (a padding vector attends nothing).
+  int64_t start[2], input_end[2], end[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int m = g + 8 * h, rr = m % block_rows;
+    const bool real = m < vectors;
+    start[h] = real ? range_s[rr] : 0;
+    input_end[h] = real ? range_s[block_rows + rr] : 0;
+    end[h] = real ? range_s[2 * block_rows + rr] : 0;
+  }
+
+  // This split's share of the keys any of the block's rows attends, in whole tiles from the first (as split_kernel).
+  int64_t first = p.keys, last = 0;
+  for (int i = 0; i < block_rows; ++i) {
+    if (range_s[i] < range_s[2 * block_rows + i]) {
+      first = min(first, range_s[i]);
+      last = max(last, range_s[2 * block_rows + i]);
+    }
+  }
+  if (first > last) first = last;
+  const int64_t tiles_per_split = ceil_div(ceil_div(last - first, kMmaTileKeys), p.splits);
+  const int64_t begin = first + split * tiles_per_split * kMmaTileKeys;
+  const int64_t stop = min(last, begin + tiles_per_split * kMmaTileKeys);
+  const int tiles = begin < stop ? int(ceil_div(stop - begin, kMmaTileKeys)) : 0;
+
+  const bool paged = p.block_table != nullptr;
+  const int32_t* table = paged ? p.block_table + b * p.table_stride : nullptr;
+  const int page_size = int(p.page_size), page_count = int(p.page_count);
+  const KeyRows<T> k_rows{p.k + (paged ? 0 : b * p.k_sb) + kv_head * p.k_sh, p.k_ss, p.k_sb, table, page_size,
+                          page_count};
+  const KeyRows<T> v_rows{WITH_V ? p.v + (paged ? 0 : b * p.v_sb) + kv_head * p.v_sh : nullptr, p.v_ss, p.v_sb,
+                          table, page_size, page_count};
+
+  // Keys at or past `stop` are zero-filled (0 * garbage could be NaN) and name the split's first key, reading none.
+  const auto load_tile = [&](int tile) {
+    const int64_t tile0 = begin + int64_t(tile) * kMmaTileKeys;
+    T* k_dst = k_stages + (tile % kMmaStages) * kMmaTileKeys * PITCH;
+    T* v_dst = v_stages + (tile % kMmaStages) * kMmaTileKeys * PITCH;
+    for (int c = threadIdx.x; c < kMmaTileKeys * LANES; c += kMmaThreads) {
+      const int j = c / LANES, d0 = (c % LANES) * VEC;
+      const bool inside = tile0 + j < stop;
+      const int64_t key = inside ? tile0 + j : begin;
+      copy16_async(k_dst + j * PITCH + d0, k_rows(key) + d0, inside);
+      if (WITH_V) copy16_async(v_dst + j * PITCH + d0, v_rows(key) + d0, inside);
+    }
+  };
+
+#pragma unroll
+  for (int tile = 0; tile < kMmaStages - 1; ++tile) {
+    if (tile < tiles) load_tile(tile);
+    copy_async_commit();  // empty groups too: group `tile` is always that tile
+  }
+
+  // Per vector h (rows g, g + 8): running max and this lane's share of the sum, attended and generated keys.
+  float m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f}, mg[2] = {kNegInf, kNegInf}, lg[2] = {0.0f, 0.0f};
+  float acc[NTILES][4];  // the output's C fragments: acc[n][2h + i] = O[g + 8h][8n + 2t + i]
+#pragma unroll
+  for (int n = 0; n < NTILES; ++n) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[n][i] = 0.0f;
+  }
+
+  for (int tile = 0; tile < tiles; ++tile) {
+    copy_async_wait<kMmaStages - 2>();  // this thread's copies of this tile have landed
+    __syncthreads();  // everyone's have, and nobody still reads the stage the next load overwrites
+    if (tile + kMmaStages - 1 < tiles) load_tile(tile + kMmaStages - 1);
+    copy_async_commit();
+
+    const int64_t key0 = begin + int64_t(tile) * kMmaTileKeys + 16 * warp;  // this warp's first key
+    const T* k_tile = k_stages + (tile % kMmaStages) * kMmaTileKeys * PITCH + 16 * warp * PITCH;
+    const T* v_tile = v_stages + (tile % kMmaStages) * kMmaTileKeys * PITCH + 16 * warp * PITCH;
+
+    // S = Q K^T over this warp's 16 keys: s[nt][2h + i] = S[g + 8h][8 nt + 2t + i]. B[k][n] = K[n][k]: the pair
+    // along k is two adjacent elements of key n's row.
+    float s[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[nt][i] = 0.0f;
+      const T* key_row = k_tile + (8 * nt + g) * PITCH + 2 * t;
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks) {
+        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(key_row + 16 * ks);
+        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(key_row + 16 * ks + 8);
+        mma16816<T>(s[nt], qa[ks], b0, b1);
+      }
+    }
+
+    // Scale, mask, write the scores head pooling reads, and step the online softmax of vectors g and g + 8.
+    float step_max[2] = {kNegInf, kNegInf}, generated_max[2] = {kNegInf, kNegInf};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int h = i >> 1;
+        const int64_t key = key0 + 8 * nt + 2 * t + (i & 1);
+        const bool attended = key < stop && key >= start[h] && key < end[h];
+        const float score =
+            attended ? (capped ? p.cap_out * tanhf(s[nt][i] * p.cap_in) : s[nt][i] * p.scale_log2) : kNegInf;
+        s[nt][i] = score;
+        step_max[h] = fmaxf(step_max[h], score);
+        if (key >= input_end[h]) generated_max[h] = fmaxf(generated_max[h], score);
+        if (attended && p.scores != nullptr) {
+          const int vector = g + 8 * h;
+          const int64_t row = (b * p.heads + head0 + vector / block_rows) * p.rows + row0 + vector % block_rows;
+          p.scores[row * p.keys + key] = score;
+        }
+      }
+    }
+    float factor[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // The four lanes of a row (t = 0..3) agree on its maxima.
+#pragma unroll
+      for (int offset = 1; offset < 4; offset <<= 1) {
+        step_max[h] = fmaxf(step_max[h], __shfl_xor_sync(0xffffffffu, step_max[h], offset));
+        generated_max[h] = fmaxf(generated_max[h], __shfl_xor_sync(0xffffffffu, generated_max[h], offset));
+      }
+      const float new_m = fmaxf(m[h], step_max[h]);
+      factor[h] = exp2_diff(m[h], new_m);
+      l[h] *= factor[h];
+      m[h] = new_m;
+      const float new_mg = fmaxf(mg[h], generated_max[h]);
+      lg[h] *= exp2_diff(mg[h], new_mg);
+      mg[h] = new_mg;
+    }
+    // Weights in fp32 for the sums; rounded to T for PV: the two n8 C tiles are the k16 A fragment.
+    uint32_t pa[4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      float w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int h = i >> 1;
+        const int64_t key = key0 + 8 * nt + 2 * t + (i & 1);
+        w[i] = exp2_diff(s[nt][i], m[h]);
+        l[h] += w[i];
+        if (key >= input_end[h]) lg[h] += exp2_diff(s[nt][i], mg[h]);
+      }
+      pa[2 * nt] = pack2<T>(w[0], w[1]);
+      pa[2 * nt + 1] = pack2<T>(w[2], w[3]);
+    }
+    if (WITH_V) {
+      // O = O * factor + P V. Lane i of ldmatrix names key (i % 8) + 8 ((i / 8) % 2) at columns 8 (i / 16) of the
+      // pair of n8 tiles: registers {0, 1} are B of the first n8 tile, {2, 3} of the second.
+      const T* v_lane = v_tile + ((lane & 7) + 8 * ((lane >> 3) & 1)) * PITCH + 8 * (lane >> 4);
+#pragma unroll
+      for (int n = 0; n < NTILES; n += 2) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, v_lane + 8 * n);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          acc[n][i] *= factor[i >> 1];
+          acc[n + 1][i] *= factor[i >> 1];
+        }
+        mma16816<T>(acc[n], pa, vb[0], vb[1]);
+        mma16816<T>(acc[n + 1], pa, vb[2], vb[3]);
+      }
+    }
+  }
+  copy_async_wait<0>();  // only empty groups remain, but the stages are reused below
+  __syncthreads();
+
+  // Merge the warps' states (each relative to its own max) per vector, as the combine pass merges splits.
+  float* merge_stats = reinterpret_cast<float*>(stages);           // [kMmaWarps][kMmaRows][4]
+  float* merge_acc = merge_stats + kMmaWarps * kMmaRows * 4;       // [kMmaWarps][kMmaRows][DIM] with V
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int offset = 1; offset < 4; offset <<= 1) {
+      l[h] += __shfl_xor_sync(0xffffffffu, l[h], offset);
+      lg[h] += __shfl_xor_sync(0xffffffffu, lg[h], offset);
+    }
+    const int at = warp * kMmaRows + g + 8 * h;
+    if (t == 0) {
+      merge_stats[4 * at] = m[h];
+      merge_stats[4 * at + 1] = l[h];
+      merge_stats[4 * at + 2] = mg[h];
+      merge_stats[4 * at + 3] = lg[h];
+    }
+    if (WITH_V) {
+#pragma unroll
+      for (int n = 0; n < NTILES; ++n) {
+        merge_acc[at * DIM + 8 * n + 2 * t] = acc[n][2 * h];
+        merge_acc[at * DIM + 8 * n + 2 * t + 1] = acc[n][2 * h + 1];
+      }
+    }
+  }
+  __syncthreads();
+  // Thread e of the block: vector e / (kMmaThreads / kMmaRows), columns strided by kMmaThreads / kMmaRows.
+  constexpr int kPerVector = kMmaThreads / kMmaRows;
+  const int vector = threadIdx.x / kPerVector, part = threadIdx.x % kPerVector;
+  if (vector >= vectors) return;
+  SoftmaxState all, generated;
+  for (int w = 0; w < kMmaWarps; ++w) {
+    const float* stats = merge_stats + 4 * (w * kMmaRows + vector);
+    all.merge(stats[0], stats[1]);
+    generated.merge(stats[2], stats[3]);
+  }
+  const int64_t row = (b * p.heads + head0 + vector / block_rows) * p.rows + row0 + vector % block_rows;
+  if (part == 0) {
+    float* stats = p.part_stats + (row * p.splits + split) * 4;
+    stats[0] = all.m;
+    stats[1] = all.l;
+    stats[2] = generated.m;
+    stats[3] = generated.l;
+  }
+  if (WITH_V) {
+    float* out = p.part_acc + (row * p.splits + split) * DIM;
+    for (int d = part; d < DIM; d += kPerVector) {
+      float total = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kMmaWarps; ++w) {
+        total = fmaf(exp2_diff(merge_stats[4 * (w * kMmaRows + vector)], all.m),
+                     merge_acc[(w * kMmaRows + vector) * DIM + d], total);
+      }
+      out[d] = total;
+    }
+  }
+}
+
+// Launches mma_split_kernel on `stream` for a policy from mma_policy (defined and instantiated for fp16 and bf16 in
+// kernel.cu; float is refused by mma_fits and has no instantiation to link); the combine pass follows in split_kv.
+template <typename T, bool WITH_V>
+cudaError_t mma_split(const SplitParams<T>& p, cudaStream_t stream);
+
+}  // namespace macs
