@@ -7,7 +7,7 @@ on CPU machines): its `vllm.general_plugins` entry point puts a MACS-aware copy 
 place. Build the engine with the worker extension, then either call `explain`, or ask per request:
 
     llm = LLM(model, worker_extension_cls=macs_kernels.vllm.WORKER_EXTENSION, ...)
-    explanations = macs_kernels.vllm.explain(llm, prompts, SamplingParams(max_tokens=32), alpha=0.8)
+    explanations = macs_kernels.vllm.explain(llm, prompts, SamplingParams(max_tokens=32), pooling="mean")
 
     macs_kernels.vllm.attach(llm)
     outputs = llm.generate(prompts, SamplingParams(extra_args={"attribution": {"pooling": "max"}}))

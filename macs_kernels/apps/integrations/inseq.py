@@ -2,7 +2,7 @@
 
     import inseq
     import macs_kernels.apps.integrations.inseq  # registers the method "macs"
-    attribution_model = inseq.load_model(model, "macs", tokenizer=tokenizer, alpha=0.8)
+    attribution_model = inseq.load_model(model, "macs", tokenizer=tokenizer, pooling="mean")
     out = attribution_model.attribute("The capital of France is", generation_args={"max_new_tokens": 8})
 
 Like inseq's own "attention" method this is a final-step method: one teacher-forced trace
