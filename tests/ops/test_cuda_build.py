@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from macs_kernels.ops.cuda import CUDA_SPLIT_KV_KERNELS, set_cuda_split_kv_kernel
+from macs_kernels.ops.cuda import CUDA_SPLIT_KV_DEFAULT, set_cuda_split_kv_kernel
 from macs_kernels.ops.registry import BackendUnavailable
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
@@ -213,14 +213,14 @@ def test_unknown_split_kernel_is_refused_by_name():
     with pytest.raises(ValueError, match=r"unknown cuda split kernel 'flash'; choose one of \('verified', "
                                          r"'pipelined', 'mma'\)"):
         set_cuda_split_kv_kernel("flash")
-    assert CUDA_SPLIT_KV_KERNELS[0] == "verified", "the default kernel is the one verified on a GPU"
+    assert CUDA_SPLIT_KV_DEFAULT == "pipelined", "the default kernel is the fastest one shown exact on a GPU"
     if importlib.util.find_spec("macs_kernels._C") is None:
         with pytest.raises(BackendUnavailable, match="extension macs_kernels._C is absent"):
             set_cuda_split_kv_kernel("pipelined")
 
 
-def test_selection_state_defaults_to_the_verified_kernel_and_reads_the_variable_once(tmp_path):
-    """split_kv_choice.h on its own (host code): unset or empty is "verified"; the variable is read at the first
+def test_selection_state_defaults_to_the_pipelined_kernel_and_reads_the_variable_once(tmp_path):
+    """split_kv_choice.h on its own (host code): unset or empty is "pipelined"; the variable is read at the first
     call, later changes to it are not; a bad value is -1 (the launchers and _C turn it into an error naming it)."""
     compiler = shutil.which("g++") or shutil.which("c++")
     if compiler is None:
@@ -237,7 +237,7 @@ def test_selection_state_defaults_to_the_verified_kernel_and_reads_the_variable_
     build = subprocess.run([compiler, "-std=c++17", "-I", str(CSRC), "-o", str(binary), str(program)],
                            capture_output=True, text=True, timeout=120)
     assert build.returncode == 0, build.stderr
-    for value, expected in ((None, "0 0"), ("", "0 0"), ("verified", "0 0"), ("pipelined", "1 1"), ("mma", "2 2"),
+    for value, expected in ((None, "1 1"), ("", "1 1"), ("verified", "0 0"), ("pipelined", "1 1"), ("mma", "2 2"),
                             ("Pipelined", "-1 0")):
         env = {k: v for k, v in os.environ.items() if k != "MACS_KERNELS_CUDA_SPLIT_KV"}
         if value is not None:

@@ -1,8 +1,8 @@
 """The cuda backend (macs_kernels._C) against the float64 references, on a pairwise grid of shapes and options.
 
-The split-KV ops run over both split kernels (the `split_kernel` fixture): the verified default and the pipelined
-one (csrc/split_kv_pipelined), which must pass here and under compute-sanitizer (.ci/gpu) before it may become
-the default. Needs a CUDA device and the built extension; skips with the reason otherwise, so a GPU session runs it
+The split-KV ops run over every split kernel (the `split_kernel` fixture): the pipelined default
+(csrc/split_kv_pipelined), the verified one it replaced, and the tensor-core one, which must pass here and under
+compute-sanitizer (.ci/gpu) before it may become the default. Needs a CUDA device and the built extension; skips with the reason otherwise, so a GPU session runs it
 as is.
 """
 import pytest

