@@ -5,7 +5,8 @@ requests (run it in vLLM's environment).
     macs-kernels bench --vllm                 # default model, 8 requests, prompts 256-1024, 32 new tokens, 3 repeats
     macs-kernels bench --vllm --repeats 1 --requests 4 --prompt-lens 64 256 --new-tokens 8      # quick
     macs-kernels bench --vllm --vllm-engines compiled   # vLLM's default (compiled) mode only
-    macs-kernels bench --vllm --vllm-engines eager graphs   # the CUDA-graph path's buffers beside the eager path
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 macs-kernels bench --vllm --vllm-engines eager graphs   # the CUDA-graph
+                                              # path's buffers beside the eager path, both engines in this process
     VLLM_PLUGINS=none macs-kernels bench --vllm --vllm-modes off   # vLLM without the plugin loaded at all
     macs-kernels bench --vllm-report          # summary and plot again from the CSVs (any environment)
 
@@ -115,8 +116,12 @@ def _run_engine(args, engine: str, common: dict, record) -> None:
     if forced:
         from macs_kernels.engines.vllm import graphs
 
+        # vLLM's CPU platform spawns its engine core process, which would import the package afresh and run the
+        # eager path: the forced mode holds only for an engine core in this process.
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+            raise SystemExit("--vllm-engines graphs forces the CUDA-graph path in this process: run the benchmark "
+                             "with VLLM_ENABLE_V1_MULTIPROCESSING=0 (every engine of the run in this process)")
         options["additional_config"] = macs_vllm.graph_buffers(args.requests, high)
-        # The engine core forks from this process (vLLM's default on CPUs) and keeps the forced mode.
         graph_mode, graphs.graph_mode = graphs.graph_mode, _forced_graph_mode
     try:
         llm = LLM(str(args.model or default_model_path()), dtype="float32", max_model_len=2048,
@@ -125,9 +130,6 @@ def _run_engine(args, engine: str, common: dict, record) -> None:
         if forced:
             graphs.graph_mode = graph_mode
     try:
-        if forced and plugin == "macs_kernels" and not all(llm.collective_rpc(_graph_path_active)):
-            raise RuntimeError("the engine's workers run the eager path: the forced CUDA-graph mode did not reach "
-                               "them (VLLM_WORKER_MULTIPROC_METHOD=fork is needed)")
         common |= dict(plugin=plugin, requests=args.requests, prompt_min=low, prompt_max=high, new_tokens=new_tokens)
         modes = list(args.vllm_modes)
         paged_backend = ""
@@ -187,12 +189,6 @@ def _run_engine(args, engine: str, common: dict, record) -> None:
 
 def _forced_graph_mode(vllm_config) -> str:
     return "FULL_AND_PIECEWISE"
-
-
-def _graph_path_active(worker) -> bool:
-    from macs_kernels.engines.vllm import graphs
-
-    return graphs.ACTIVE is not None
 
 
 def _paired(runs: list[dict], field: str) -> float | str:

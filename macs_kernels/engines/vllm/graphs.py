@@ -147,9 +147,10 @@ class PersistentPagedRows(PassRows):
     outside a graph) reads only them; `finish` reads the pooled rows of the scored slots.
     """
 
-    def __init__(self, num_layers: int, max_rows: int, n_max: int, device, shards: HeadShards | None = None):
+    def __init__(self, kernels: Kernels, num_layers: int, max_rows: int, n_max: int, device,
+                 shards: HeadShards | None = None):
         super().__init__(num_layers, (max_rows,), n_max, device, shards)
-        self.kernels: Kernels | None = None
+        self.kernels = kernels
         self.table: torch.Tensor | None = None
         self.count = 0  # scored slots of the step planned last; the rest hold the one-key dummy
         index = dict(dtype=torch.int64, device=device)
@@ -249,7 +250,8 @@ class GraphSteps:
     def __init__(self, num_layers: int, max_rows: int, n_max: int, device, shards: HeadShards | None = None):
         self.layers: dict = {}
         self.vllm_config = None  # the engine's, which these buffers serve
-        self.buffers = PersistentPagedRows(num_layers, max_rows, n_max, device, shards)
+        self.buffers = PersistentPagedRows(registry.paged_kernels(device, captured=True), num_layers, max_rows, n_max,
+                                           device, shards)
         self.pending: list | None = None  # the planned step's (request id, step) keys
 
     @property
@@ -262,11 +264,9 @@ class GraphSteps:
 
     def plan(self, tracer, common) -> None:
         """At `build` of a step's attention metadata (outside the graphs): store the previous step's rows, then
-        write this step's plan into the buffers (the kernels and the table's copy chosen at the first step)."""
+        write this step's plan into the buffers."""
         self.collect(tracer)
         table = common.block_table_tensor
-        if self.buffers.kernels is None:
-            self.buffers.kernels = registry.paged_kernels(table.device, captured=True)
         step = None
         if tracer is not None:
             num_reqs = len(tracer.runner.input_batch.req_ids)

@@ -85,9 +85,7 @@ class AttributionWorker:
                 active.capacity = (steps.max_rows, steps.n_max)
             tracing.ACTIVE = active
         steps = graphs.ACTIVE
-        if steps is not None and steps.buffers.kernels is not None:
-            return steps.buffers.kernels.paged_backend
-        return active.kernels.paged_backend
+        return (active if steps is None else steps.buffers).kernels.paged_backend
 
     def macs_rows(self, request_ids: list, release: bool = False, start: int = 0, stop: int | None = None) -> dict:
         """Each request's rows [start, stop) (stop: every row so far), by the id it was asked by (external,
