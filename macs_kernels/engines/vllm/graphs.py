@@ -12,8 +12,8 @@ attributed sequences it runs at once and their prompt length, never by vLLM's ma
 requests beyond them are refused, each with its reason (`tracer.VllmTracer.capacity`). A captured step scores
 every slot: slots without a scored row hold a one-key dummy (page 0, which vLLM reserves as its null block) and
 are never read back, and each (pooling, redistribute) pair runs as its own kernel call over all slots, so
-per-request options need no shape that depends on the step. A step run outside a graph with no scored row runs
-no kernel and writes no buffer.
+per-request options need no shape that depends on the step. A step run outside a graph scores only its scored
+slots with the option groups they ask for, and one with no scored row runs no kernel and writes no buffer.
 """
 from __future__ import annotations
 
@@ -162,6 +162,7 @@ class PersistentPagedRows(PassRows):
         self.members = torch.zeros(len(OPTION_GROUPS), max_rows, 1, 1, dtype=torch.bool, device=device)
         self.alpha = torch.ones(max_rows, dtype=torch.float32, device=device)
         self.poolings = [OPTION_GROUPS[0][0]] * max_rows
+        self.groups: set = set()  # the option groups the step's scored slots ask for
         self.scratch = torch.empty(max_rows, 1, n_max, dtype=torch.float32, device=device)
 
     @property
@@ -206,26 +207,31 @@ class PersistentPagedRows(PassRows):
             table_rows = table_rows.pin_memory().to(block_table.device, non_blocking=True) if pinned else table_rows
             self.table[:count, : block_table.shape[1]].copy_(block_table.index_select(0, table_rows))
         self.poolings = [c.pooling for c in plan.configs] + [OPTION_GROUPS[0][0]] * dummies
-        self.count = count
+        self.groups, self.count = set(groups), count
 
     def pool(self, layer: int, query: torch.Tensor, keys: torch.Tensor, scale: float, variant: Variant = PLAIN,
-             gather=None) -> None:
-        """m' of every slot of this layer's packed query (T, H, D) over the paged keys (P, page_size, H_kv, D), as
-        `core.PagedRows.pool` (the `core.RowPlan` protocol). Shapes and addresses are the buffers' whatever the
-        step: a CUDA graph replays this with the plan `update` wrote, so a layer's own block table (`gather`) has
-        no place here."""
+             gather=None, every_slot: bool = True) -> None:
+        """m' of the slots of this layer's packed query (T, H, D) over the paged keys (P, page_size, H_kv, D), as
+        `core.PagedRows.pool` (the `core.RowPlan` protocol). every_slot: what a CUDA graph records, replayed with
+        the plan `update` wrote whatever the step: every slot, one kernel call per option group, the buffers'
+        shapes and addresses (so a layer's own block table, `gather`, has no place here). Otherwise (a step run
+        outside a graph) only the step's scored slots and the option groups they ask for."""
         if gather is not None:
             raise ValueError("the persistent buffers hold one block table for every layer: no per-layer gather")
         run = self.kernels.pool_paged
         if not variant.plain:
             run = functools.partial(self.kernels.pool_paged_variant, window=variant.window, sinks=variant.sinks,
                                     softcap=variant.softcap)
-        q_rows = query.index_select(0, self.rows).unsqueeze(2)
-        out = self.pooled[layer].unsqueeze(1)
+        slots = self.max_rows if every_slot else self.count
+        q_rows = query.index_select(0, self.rows[:slots]).unsqueeze(2)
+        out = self.pooled[layer, :slots].unsqueeze(1)
+        scratch = self.scratch[:slots]
         for group, (pooling, redistribute) in enumerate(OPTION_GROUPS):
-            run(q_rows, keys, self.table, self.scratch, self.input_start, self.input_end, self.kv_len, scale,
-                pooling, redistribute, None)
-            torch.where(self.members[group], self.scratch, out, out=out)
+            if not (every_slot or group in self.groups):
+                continue
+            run(q_rows, keys, self.table[:slots], scratch, self.input_start[:slots], self.input_end[:slots],
+                self.kv_len[:slots], scale, pooling, redistribute, None)
+            torch.where(self.members[group, :slots], scratch, out, out=out)
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(log c (count, N_max) float32, 0 past each row's N; which rows hold a NaN, (count,) bool) of the
@@ -276,14 +282,17 @@ class GraphSteps:
         self.pending = step.keys if step else None
 
     def layer(self, impl, layer, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
-        """This layer's rows: always while a graph records the step (its replays serve later steps, whatever they
-        ask; unused slots cost a one-key dummy each), otherwise only in a step that scores a row."""
+        """This layer's rows: over every slot while a graph records the step (its replays serve later steps,
+        whatever they ask; unused slots cost a one-key dummy each), otherwise over the step's scored slots only,
+        and nothing in a step that scores none."""
         index = self.layers.get(layer.layer_name)
         if index is None or self.buffers.table is None:
             return
-        if not capturing(query) and self.buffers.count == 0:
+        recorded = capturing(query)
+        if not recorded and self.buffers.count == 0:
             return
-        self.buffers.pool(index, query, impl.macs_key_pages(layer, kv_cache), impl.scale, layer_variant(impl))
+        self.buffers.pool(index, query, impl.macs_key_pages(layer, kv_cache), impl.scale, layer_variant(impl),
+                          every_slot=recorded)
 
     def collect(self, tracer) -> None:
         """Store the last planned step's rows (waits for the device to finish that step). vLLM allocated the
