@@ -9,7 +9,7 @@ tokens, runs alternating off / on. Besides wall and process CPU time it sums the
 adapter's hooks (the eager tracer's per-layer hook; the graph path's per-step plan and per-layer hook): on a
 machine shared with other work, wall-time ratios between runs measure the neighbours, while the hooks' share of
 each run is the adapter's own cost. Writes vllm_cpu_graph_hooks.csv (every run) and _summary.json (per path:
-median hook share of off and on runs, paired on/off wall and CPU ratios).
+median hook share of off and on runs, paired on/off tokens per wall and per CPU second).
 """
 from __future__ import annotations
 
@@ -86,9 +86,11 @@ def summarise(rows: list[dict]) -> dict:
             "hook_share_off_median": statistics.median(r["hook_share"] for r in mine if r["mode"] == "off"),
             "hook_share_on_median": statistics.median(r["hook_share"] for r in mine if r["mode"] == "on"),
             "hook_s_on_median": statistics.median(r["hook_s"] for r in mine if r["mode"] == "on"),
-            "on_vs_off_wall_paired": statistics.median(by["off", k]["wall_s"] / by["on", k]["wall_s"]
-                                                       for k in repeats),
-            "on_vs_off_cpu_paired": statistics.median(by["off", k]["cpu_s"] / by["on", k]["cpu_s"] for k in repeats),
+            # Same tokens in every run: tokens per second on / off is the off run's time over the on run's.
+            "on_vs_off_tokens_per_s_paired": statistics.median(by["off", k]["wall_s"] / by["on", k]["wall_s"]
+                                                               for k in repeats),
+            "on_vs_off_tokens_per_cpu_s_paired": statistics.median(by["off", k]["cpu_s"] / by["on", k]["cpu_s"]
+                                                                   for k in repeats),
         }
     return summary
 
