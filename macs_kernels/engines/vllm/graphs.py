@@ -259,6 +259,7 @@ class GraphSteps:
         self.buffers = PersistentPagedRows(registry.paged_kernels(device, captured=True), num_layers, max_rows, n_max,
                                            device, shards)
         self.pending: list | None = None  # the planned step's (request id, step) keys
+        self.warmed: set = set()  # layers whose GPU kernels ran once outside a capture (compiled, autotuned)
 
     @property
     def max_rows(self) -> int:
@@ -284,15 +285,19 @@ class GraphSteps:
     def layer(self, impl, layer, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
         """This layer's rows: over every slot while a graph records the step (its replays serve later steps,
         whatever they ask; unused slots cost a one-key dummy each), otherwise over the step's scored slots only,
-        and nothing in a step that scores none."""
+        and nothing in a step that scores none, except once per layer on a GPU, as a capture would: vLLM's warm-up
+        runs before its captures are where the layer's Triton kernels compile and tune, which a capture cannot."""
         index = self.layers.get(layer.layer_name)
         if index is None or self.buffers.table is None:
             return
         recorded = capturing(query)
-        if not recorded and self.buffers.count == 0:
-            return
+        warming = not recorded and self.buffers.count == 0
+        if warming:
+            if not query.is_cuda or index in self.warmed:
+                return
+            self.warmed.add(index)
         self.buffers.pool(index, query, impl.macs_key_pages(layer, kv_cache), impl.scale, layer_variant(impl),
-                          every_slot=recorded)
+                          every_slot=recorded or warming)
 
     def collect(self, tracer) -> None:
         """Store the last planned step's rows (waits for the device to finish that step). vLLM allocated the
