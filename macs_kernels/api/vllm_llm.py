@@ -21,12 +21,12 @@ from __future__ import annotations
 import torch
 
 from macs_kernels.core.config import MacsConfig
-from macs_kernels.engines.vllm.engine_config import WORKER_EXTENSION, has_worker_extension, model_dtype
+from macs_kernels.engines.vllm.engine_config import CONFIG_KEY, WORKER_EXTENSION, has_worker_extension, model_dtype
 from macs_kernels.engines.vllm.tracer import OPTION, OPTIONS, parse_options
 from macs_kernels.engines.vllm.worker import decode_rows
 
-__all__ = ["OPTION", "OPTIONS", "WORKER_EXTENSION", "attach", "attribution", "explain", "release", "request_key",
-           "rows"]
+__all__ = ["OPTION", "OPTIONS", "WORKER_EXTENSION", "attach", "attribution", "explain", "graph_buffers", "release",
+           "request_key", "rows"]
 
 
 def attach(llm, keep_finished: int = 256) -> str:
@@ -45,6 +45,15 @@ def attribution(**config) -> dict:
     unknown or unsupported option fails before any work)."""
     parse_options(config)
     return {OPTION: dict(config)}
+
+
+def graph_buffers(max_seqs: int, max_input_tokens: int) -> dict:
+    """`LLM(..., additional_config=...)` (`vllm serve --additional-config` as JSON) for an engine that captures CUDA
+    graphs (vLLM's default on GPUs): persistent buffers for up to `max_seqs` attributed sequences at once, of
+    prompts up to `max_input_tokens` tokens each, 4 * (layers + 1) * max_seqs * max_input_tokens bytes allocated
+    with the model, before vLLM sizes its KV cache. Without it, such an engine allocates and runs nothing for
+    attribution and `attach()` refuses it; eager engines (`enforce_eager=True`, vLLM's CPU build) need none."""
+    return {CONFIG_KEY: {"max_seqs": max_seqs, "max_input_tokens": max_input_tokens}}
 
 
 def request_key(request_id: str, index: int = 0, n: int = 1) -> str:

@@ -22,10 +22,11 @@ from macs_kernels.api.vllm_llm import (
     attach,
     attribution,
     explain,
+    graph_buffers,
     release,
     request_key,
     rows,
 )
 
-__all__ = ["OPTION", "OPTIONS", "WORKER_EXTENSION", "attach", "attribution", "explain", "release", "request_key",
-           "rows"]
+__all__ = ["OPTION", "OPTIONS", "WORKER_EXTENSION", "attach", "attribution", "explain", "graph_buffers", "release",
+           "request_key", "rows"]

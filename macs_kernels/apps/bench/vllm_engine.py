@@ -5,24 +5,29 @@ requests (run it in vLLM's environment).
     macs-kernels bench --vllm                 # default model, 8 requests, prompts 256-1024, 32 new tokens, 3 repeats
     macs-kernels bench --vllm --repeats 1 --requests 4 --prompt-lens 64 256 --new-tokens 8      # quick
     macs-kernels bench --vllm --vllm-engines compiled   # vLLM's default (compiled) mode only
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 macs-kernels bench --vllm --vllm-engines eager graphs   # the CUDA-graph
+                                              # path's buffers beside the eager path, both engines in this process
     VLLM_PLUGINS=none macs-kernels bench --vllm --vllm-modes off   # vLLM without the plugin loaded at all
     macs-kernels bench --vllm-report          # summary and plot again from the CSVs (any environment)
 
 Each engine mode (--vllm-engines: "eager", enforce_eager=True; "compiled", vLLM's default: torch.compile of the
-model, CUDA graphs on a GPU) gets an engine of its own, one after the other: vLLM's default multiprocessing engine,
-float32, prefix caching off so that every run prefills its prompts. Each engine serves every run of its mode after
-one warm-up run of the whole workload per attribution mode. Where the engine refuses attribution (at attach or on
-the first attributed request), the refusal is recorded as that engine's "on" row (status) and its plain runs go on.
-The prompts are those of `macs-kernels bench --serving`'s throughput runs (random token ids, seed 0, lengths
-spread evenly over the range): greedy, end of sequence ignored, all requests submitted at once. "off" runs them as
-plain requests, "on" with SamplingParams.extra_args["attribution"] (and reads every request's rows back through
-collective_rpc, timed apart). Modes alternate (off, on, on, off, ...). Throughput is generated tokens per second
-of wall time and per second of CPU time of the engine core process (user + system, all threads: on a machine
-shared with other work, wall time measures the neighbours too, so the summary's ratio pairs each run with its
-neighbour of the other mode and takes the median). Memory is the engine's resident set after each run. Appends
-one row per run to <--out>/<--name, default vllm_cpu_throughput>.csv; the summary (one row per engine mode, the
-latest run's: _summary.csv and .json) and the plot (.png, where matplotlib is installed) put `macs-kernels bench
---serving`'s throughput runs (serving_cpu.csv, same --out) beside them.
+model, CUDA graphs on a GPU; "graphs", the eager engine with the CUDA-graph path's persistent buffers forced on as
+vLLM's GPU default would run them, sized for --requests prompts of up to the longest --prompt-lens: vLLM's CPU build
+captures no graphs, so every step runs the layers' Python over those buffers) gets an engine of its own, one after
+the other: vLLM's default multiprocessing engine, float32, prefix caching off so that every run prefills its
+prompts. Each engine serves every run of its mode after one warm-up run of the whole workload per attribution mode.
+Where the engine refuses attribution (at attach or on the first attributed request), the refusal is recorded as that
+engine's "on" row (status) and its plain runs go on. The prompts are those of `macs-kernels bench --serving`'s
+throughput runs (random token ids, seed 0, lengths spread evenly over the range): greedy, end of sequence ignored,
+all requests submitted at once. "off" runs them as plain requests, "on" with
+SamplingParams.extra_args["attribution"] (and reads every request's rows back through collective_rpc, timed apart).
+Modes alternate (off, on, on, off, ...). Throughput is generated tokens per second of wall time and per second of
+CPU time of the engine core process (user + system, all threads: on a machine shared with other work, wall time
+measures the neighbours too, so the summary's ratio pairs each run with its neighbour of the other mode and takes
+the median). Memory is the engine's resident set after each run. Appends one row per run to <--out>/<--name, default
+vllm_cpu_throughput>.csv; the summary (one row per engine mode, the latest run's: _summary.csv and .json) and the
+plot (.png, where matplotlib is installed) put `macs-kernels bench --serving`'s throughput runs (serving_cpu.csv,
+same --out) beside them.
 """
 from __future__ import annotations
 
@@ -42,7 +47,7 @@ FIELDS = ["run", "engine", "status", "plugin", "paged_backend", "mode", "repeat"
           "prompt_max", "new_tokens", "wall_s", "engine_cpu_s", "tokens_per_s", "tokens_per_cpu_s", "read_s",
           "engine_rss_mib", "load_before", "load_after"]
 STEM = "vllm_cpu_throughput"
-ENGINES = {"eager": True, "compiled": False}  # engine mode: enforce_eager
+ENGINES = {"eager": True, "compiled": False, "graphs": True}  # engine mode: enforce_eager
 OK = "ok"
 
 
@@ -52,9 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--vllm", action="store_true", help="run the vLLM benchmark (in vLLM's environment)")
     group.add_argument("--vllm-modes", nargs="+", default=["off", "on"], choices=["off", "on"],
                        help="modes to alternate (default: off on)")
-    group.add_argument("--vllm-engines", nargs="+", default=list(ENGINES), choices=list(ENGINES),
-                       help="vLLM engine modes, one engine each: eager (enforce_eager=True) and compiled (vLLM's "
-                            "default) (default: both)")
+    group.add_argument("--vllm-engines", nargs="+", default=["eager", "compiled"], choices=list(ENGINES),
+                       help="vLLM engine modes, one engine each: eager (enforce_eager=True), compiled (vLLM's "
+                            "default) and graphs (eager, with the CUDA-graph path's buffers forced on) (default: "
+                            "eager compiled)")
     group.add_argument("--vllm-report", action="store_true",
                        help="only write the vLLM benchmark's summary and plot from the CSVs under --out")
 
@@ -105,10 +111,25 @@ def _run_engine(args, engine: str, common: dict, record) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     plugin = "none" if os.environ.get("VLLM_PLUGINS") not in (None, "macs_kernels") else "macs_kernels"
     options = {"worker_extension_cls": macs_vllm.WORKER_EXTENSION} if plugin == "macs_kernels" else {}
-    llm = LLM(str(args.model or default_model_path()), dtype="float32", max_model_len=2048,
-              enforce_eager=ENGINES[engine], max_num_seqs=args.requests, enable_prefix_caching=False, **options)
+    low, high = args.prompt_lens
+    forced = engine == "graphs"
+    if forced:
+        from macs_kernels.engines.vllm import graphs
+
+        # vLLM's CPU platform spawns its engine core process, which would import the package afresh and run the
+        # eager path: the forced mode holds only for an engine core in this process.
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+            raise SystemExit("--vllm-engines graphs forces the CUDA-graph path in this process: run the benchmark "
+                             "with VLLM_ENABLE_V1_MULTIPROCESSING=0 (every engine of the run in this process)")
+        options["additional_config"] = macs_vllm.graph_buffers(args.requests, high)
+        graph_mode, graphs.graph_mode = graphs.graph_mode, _forced_graph_mode
     try:
-        low, high = args.prompt_lens
+        llm = LLM(str(args.model or default_model_path()), dtype="float32", max_model_len=2048,
+                  enforce_eager=ENGINES[engine], max_num_seqs=args.requests, enable_prefix_caching=False, **options)
+    finally:
+        if forced:
+            graphs.graph_mode = graph_mode
+    try:
         common |= dict(plugin=plugin, requests=args.requests, prompt_min=low, prompt_max=high, new_tokens=new_tokens)
         modes = list(args.vllm_modes)
         paged_backend = ""
@@ -164,6 +185,10 @@ def _run_engine(args, engine: str, common: dict, record) -> None:
                     load_before=load_before, load_after=os.getloadavg()[0]))
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+def _forced_graph_mode(vllm_config) -> str:
+    return "FULL_AND_PIECEWISE"
 
 
 def _paired(runs: list[dict], field: str) -> float | str:

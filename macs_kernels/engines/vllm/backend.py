@@ -6,6 +6,7 @@ tracer when one is attached. The backends differ only in where a layer's keys li
 from __future__ import annotations
 
 import torch
+from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -18,6 +19,12 @@ from macs_kernels.engines.vllm import tracer as tracing
 
 class MacsAttention:
     """The forward every MACS backend shares; a subclass says where its cache keeps the keys."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Inside vLLM's load_model, under its current config: the buffers of an engine with CUDA graphs are
+        # allocated where vLLM's memory profile counts them, before it sizes the KV cache.
+        graphs.reserve(get_current_vllm_config())
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):

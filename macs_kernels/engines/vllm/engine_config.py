@@ -5,6 +5,8 @@ from __future__ import annotations
 from macs_kernels.core.shards import HeadShards
 
 WORKER_EXTENSION = "macs_kernels.vllm.worker.AttributionWorker"
+# vLLM's `additional_config` entry that sizes the CUDA-graph path's buffers (an engine allocates them only if asked).
+CONFIG_KEY = "macs_kernels"
 
 
 def layer_order(vllm_config) -> list[str]:

@@ -2,14 +2,18 @@
 
 A full CUDA graph captures the attention layers once per batch size, at engine start, and replays them: the
 Python of a layer's forward runs at capture only. So the rows' kernels are captured too, reading fixed-address
-device buffers (`PersistentPagedRows`, sized for vLLM's largest batch), and each step's plan is written into
-those buffers in place where vLLM builds the step's attention metadata, outside any graph (the FLASH_ATTN
-metadata builder's `build`, from `CommonAttentionMetadata`'s host copies: no device sync). A step's rows are
-finished and copied out when the next step is planned, or when a reader asks (`collect`).
+device buffers (`PersistentPagedRows`), and each step's plan is written into those buffers in place where vLLM
+builds the step's attention metadata, outside any graph (the FLASH_ATTN metadata builder's `build`, from
+`CommonAttentionMetadata`'s host copies: no device sync). A step's rows are finished and copied out when the next
+step is planned, or when a reader asks (`collect`).
 
-The kernels score every slot of the buffers in every step: slots without a scored row hold a one-key dummy (page
-0, which vLLM reserves as its null block) and are never read back, and each (pooling, redistribute) pair
-runs as its own kernel call over all slots, so per-request options need no shape that depends on the step.
+The buffers exist only in an engine whose `additional_config` asks for them (`CONFIG_KEY`), sized by the
+attributed sequences it runs at once and their prompt length, never by vLLM's max_num_seqs x max_model_len;
+requests beyond them are refused, each with its reason (`tracer.VllmTracer.capacity`). A captured step scores
+every slot: slots without a scored row hold a one-key dummy (page 0, which vLLM reserves as its null block) and
+are never read back, and each (pooling, redistribute) pair runs as its own kernel call over all slots, so
+per-request options need no shape that depends on the step. A step run outside a graph scores only its scored
+slots with the option groups they ask for, and one with no scored row runs no kernel and writes no buffer.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import torch
 from macs_kernels.core.accumulate import PassRows
 from macs_kernels.core.shards import HeadShards
 from macs_kernels.engines.vllm import tracer as tracing
-from macs_kernels.engines.vllm.engine_config import has_worker_extension, head_shards, layer_order
+from macs_kernels.engines.vllm.engine_config import CONFIG_KEY, has_worker_extension, head_shards, layer_order
 from macs_kernels.engines.vllm.tracer import StepPlan, layer_variant
 from macs_kernels.ops import POOLINGS, registry
 from macs_kernels.ops.registry import Kernels
@@ -33,7 +37,9 @@ SUPPORTED_CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWIS
 # The (pooling, redistribute) pairs a request may ask for: each is one captured kernel call per layer.
 OPTION_GROUPS = tuple((pooling, redistribute) for pooling in POOLINGS for redistribute in (True, False))
 
-ACTIVE: GraphSteps | None = None  # this worker process's, once an engine with graphs built its metadata builder
+BUFFER_OPTIONS = ("max_seqs", "max_input_tokens")
+
+ACTIVE: GraphSteps | None = None  # this worker process's, once an engine with graphs and buffers built its model
 
 
 def graph_mode(vllm_config) -> str | None:
@@ -54,15 +60,50 @@ def graph_mode(vllm_config) -> str | None:
     return name
 
 
+def buffer_sizes(vllm_config) -> tuple[int, int] | None:
+    """(attributed sequences at once, prompt tokens of each) that the engine's `additional_config` sizes the
+    persistent buffers for, or None where it asks for none; raises naming a bad entry."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    options = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
+    if options is None:
+        return None
+    where = f"additional_config[{CONFIG_KEY!r}]"
+    if not isinstance(options, dict) or sorted(options) != sorted(BUFFER_OPTIONS):
+        raise ValueError(f"{where} must be a dict of exactly {BUFFER_OPTIONS}, got {options!r}")
+    limits = {"max_seqs": vllm_config.scheduler_config.max_num_seqs,
+              "max_input_tokens": vllm_config.model_config.max_model_len}
+    for name, limit in limits.items():
+        value = options[name]
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+            raise ValueError(f"{where}[{name!r}] must be an int from 1 to {limit} (the engine's "
+                             f"{'max_num_seqs' if name == 'max_seqs' else 'max_model_len'}), got {value!r}")
+    return options["max_seqs"], options["max_input_tokens"]
+
+
+def reserve(vllm_config) -> None:
+    """At the construction of the model's attention layers, inside vLLM's `load_model`: the persistent buffers'
+    owner (`ACTIVE`) for an engine that captures CUDA graphs, has the worker extension and sizes buffers in its
+    `additional_config`; None for any other engine. Allocated there, the buffers are part of the memory vLLM
+    measures before it sizes its KV cache: 4 * (layers + 1) * max_seqs * max_input_tokens bytes."""
+    global ACTIVE
+    if ACTIVE is not None and ACTIVE.vllm_config is vllm_config:
+        return
+    ACTIVE = None
+    if not has_worker_extension(vllm_config) or graph_mode(vllm_config) is None:
+        return
+    sizes = buffer_sizes(vllm_config)
+    if sizes is None:
+        return
+    ACTIVE = GraphSteps(vllm_config.model_config.get_total_num_hidden_layers(), *sizes,
+                        vllm_config.device_config.device, head_shards(vllm_config))
+    ACTIVE.vllm_config = vllm_config
+
+
 def prepare(vllm_config, layer_names) -> None:
     """At the construction of an engine's metadata builder (`backend.MacsMetadataBuilder`), before vLLM captures its
-    graphs: the persistent buffers' owner for an engine with CUDA graphs and the worker extension (`ACTIVE`), after
-    refusing what it cannot follow (`graph_mode`; a model whose layers are split over several metadata builders,
-    vLLM's hybrid KV-cache groups); None for any other engine. The buffers take 4 * (layers + 1) * max_num_seqs *
-    max_model_len bytes, allocated at the first step's metadata, after vLLM sized its KV cache."""
-    global ACTIVE
-    if not has_worker_extension(vllm_config) or graph_mode(vllm_config) is None:
-        ACTIVE = None
+    graphs: names the layers of the buffers `reserve` allocated, after refusing a model whose layers are split over
+    several metadata builders (vLLM's hybrid KV-cache groups)."""
+    if ACTIVE is None or ACTIVE.vllm_config is not vllm_config:
         return
     layers = layer_order(vllm_config)
     if set(layer_names) != set(layers):
@@ -71,10 +112,18 @@ def prepare(vllm_config, layer_names) -> None:
             "groups of a hybrid model): macs_kernels with CUDA graphs plans every layer from one block table; "
             "build the LLM with enforce_eager=True"
         )
-    if ACTIVE is None or ACTIVE.vllm_config is not vllm_config:
-        ACTIVE = GraphSteps(layers, vllm_config.scheduler_config.max_num_seqs,
-                            vllm_config.model_config.max_model_len, head_shards(vllm_config))
-        ACTIVE.vllm_config = vllm_config
+    ACTIVE.layers = {name: index for index, name in enumerate(layers)}
+
+
+def unbuffered(vllm_config) -> str | None:
+    """Why rows cannot be attached to an engine, or None: one that captures CUDA graphs without buffers replays
+    attention that runs no kernel of this package."""
+    mode = graph_mode(vllm_config)
+    if mode is None or (ACTIVE is not None and ACTIVE.vllm_config is vllm_config):
+        return None
+    return (f"this engine captures CUDA graphs (cudagraph_mode {mode}) without attribution buffers: build it with "
+            f"additional_config={{{CONFIG_KEY!r}: {{'max_seqs': ..., 'max_input_tokens': ...}}}} "
+            "(macs_kernels.vllm.graph_buffers(...)), or with enforce_eager=True")
 
 
 def collect() -> None:
@@ -83,21 +132,29 @@ def collect() -> None:
         ACTIVE.collect(tracing.ACTIVE)
 
 
+def capturing(query: torch.Tensor) -> bool:
+    """Whether this forward is being recorded (a CUDA graph capture, or a torch.compile trace): what it runs is
+    replayed for later steps, asked or not."""
+    return torch.compiler.is_compiling() or (query.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 class PersistentPagedRows(PassRows):
     """`core.PagedRows`' rows over buffers whose addresses never change, for kernels inside a CUDA graph.
 
-    max_rows: the most rows one step scores (vLLM's max_num_seqs); max_pages: the block table's width; n_max: the
-    longest prompt (vLLM's max_model_len). `update` (outside any graph) writes a step's plan into the buffers in
-    place; `pool` (inside or outside a graph) reads only them; `finish` reads the pooled rows of the scored slots.
+    max_rows: the most rows one step scores (the attributed sequences the engine runs at once); n_max: the longest
+    attributed prompt. The block table's copy takes its width from vLLM's at the first `update` (before any
+    capture). `update` (outside any graph) writes a step's plan into the buffers in place; `pool` (inside or
+    outside a graph) reads only them; `finish` reads the pooled rows of the scored slots.
     """
 
-    def __init__(self, kernels: Kernels, num_layers: int, max_rows: int, max_pages: int, n_max: int, device,
+    def __init__(self, kernels: Kernels, num_layers: int, max_rows: int, n_max: int, device,
                  shards: HeadShards | None = None):
         super().__init__(num_layers, (max_rows,), n_max, device, shards)
-        self.kernels, self.count = kernels, 0
+        self.kernels = kernels
+        self.table: torch.Tensor | None = None
+        self.count = 0  # scored slots of the step planned last; the rest hold the one-key dummy
         index = dict(dtype=torch.int64, device=device)
         self.rows = torch.zeros(max_rows, **index)
-        self.table = torch.zeros(max_rows, max_pages, dtype=torch.int32, device=device)
         # The paged op's (rows, 1) ranges: one query row per slot.
         self.input_start = torch.zeros(max_rows, 1, **index)
         self.input_end = torch.ones(max_rows, 1, **index)
@@ -105,6 +162,7 @@ class PersistentPagedRows(PassRows):
         self.members = torch.zeros(len(OPTION_GROUPS), max_rows, 1, 1, dtype=torch.bool, device=device)
         self.alpha = torch.ones(max_rows, dtype=torch.float32, device=device)
         self.poolings = [OPTION_GROUPS[0][0]] * max_rows
+        self.groups: set = set()  # the option groups the step's scored slots ask for
         self.scratch = torch.empty(max_rows, 1, n_max, dtype=torch.float32, device=device)
 
     @property
@@ -114,11 +172,16 @@ class PersistentPagedRows(PassRows):
     def update(self, plan: StepPlan, block_table: torch.Tensor) -> None:
         """Write a step's plan into the buffers in place (slots past the plan get the one-key dummy). block_table:
         the step's (rows, pages) device table, whose rows `plan.table_rows` name. Costs no device sync: host
-        values go up by non-blocking copies from pinned memory."""
+        values go up by non-blocking copies from pinned memory. A step without scored rows after one without
+        writes nothing: the buffers hold the dummies already."""
+        if self.table is None:
+            self.table = torch.zeros(self.max_rows, block_table.shape[1], dtype=torch.int32, device=self.rows.device)
         count = len(plan.keys)
+        if count == 0 and self.count == 0:
+            return
         if count > self.max_rows:
-            raise RuntimeError(f"{count} scored rows in one step, more than the {self.max_rows} slots sized from "
-                               "vLLM's max_num_seqs")
+            raise RuntimeError(f"{count} scored rows in one step, more than the {self.max_rows} slots of the "
+                               f"buffers ({CONFIG_KEY}'s max_seqs)")
         if block_table.shape[1] > self.table.shape[1]:
             raise RuntimeError(f"a block table of {block_table.shape[1]} pages; the buffers hold "
                                f"{self.table.shape[1]}")
@@ -144,26 +207,31 @@ class PersistentPagedRows(PassRows):
             table_rows = table_rows.pin_memory().to(block_table.device, non_blocking=True) if pinned else table_rows
             self.table[:count, : block_table.shape[1]].copy_(block_table.index_select(0, table_rows))
         self.poolings = [c.pooling for c in plan.configs] + [OPTION_GROUPS[0][0]] * dummies
-        self.count = count
+        self.groups, self.count = set(groups), count
 
     def pool(self, layer: int, query: torch.Tensor, keys: torch.Tensor, scale: float, variant: Variant = PLAIN,
-             gather=None) -> None:
-        """m' of every slot of this layer's packed query (T, H, D) over the paged keys (P, page_size, H_kv, D), as
-        `core.PagedRows.pool` (the `core.RowPlan` protocol). Shapes and addresses are the buffers' whatever the
-        step: a CUDA graph replays this with the plan `update` wrote, so a layer's own block table (`gather`) has
-        no place here."""
+             gather=None, every_slot: bool = True) -> None:
+        """m' of the slots of this layer's packed query (T, H, D) over the paged keys (P, page_size, H_kv, D), as
+        `core.PagedRows.pool` (the `core.RowPlan` protocol). every_slot: what a CUDA graph records, replayed with
+        the plan `update` wrote whatever the step: every slot, one kernel call per option group, the buffers'
+        shapes and addresses (so a layer's own block table, `gather`, has no place here). Otherwise (a step run
+        outside a graph) only the step's scored slots and the option groups they ask for."""
         if gather is not None:
             raise ValueError("the persistent buffers hold one block table for every layer: no per-layer gather")
         run = self.kernels.pool_paged
         if not variant.plain:
             run = functools.partial(self.kernels.pool_paged_variant, window=variant.window, sinks=variant.sinks,
                                     softcap=variant.softcap)
-        q_rows = query.index_select(0, self.rows).unsqueeze(2)
-        out = self.pooled[layer].unsqueeze(1)
+        slots = self.max_rows if every_slot else self.count
+        q_rows = query.index_select(0, self.rows[:slots]).unsqueeze(2)
+        out = self.pooled[layer, :slots].unsqueeze(1)
+        scratch = self.scratch[:slots]
         for group, (pooling, redistribute) in enumerate(OPTION_GROUPS):
-            run(q_rows, keys, self.table, self.scratch, self.input_start, self.input_end, self.kv_len, scale,
-                pooling, redistribute, None)
-            torch.where(self.members[group], self.scratch, out, out=out)
+            if not (every_slot or group in self.groups):
+                continue
+            run(q_rows, keys, self.table[:slots], scratch, self.input_start[:slots], self.input_end[:slots],
+                self.kv_len[:slots], scale, pooling, redistribute, None)
+            torch.where(self.members[group, :slots], scratch, out, out=out)
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(log c (count, N_max) float32, 0 past each row's N; which rows hold a NaN, (count,) bool) of the
@@ -179,28 +247,33 @@ class PersistentPagedRows(PassRows):
 
 class GraphSteps:
     """The worker's side of an engine with CUDA graphs: the persistent buffers, the step they were last planned
-    for (rows not yet stored), and the layer order.
+    for (rows not yet stored), and the layer order (`prepare` names the layers).
 
-    layers: the attention layers' names in forward order; the tracer (`tracer.ACTIVE`, attached later) says which
-    requests ask and where their rows go.
+    num_layers: the model's attention layers; max_rows, n_max: the buffers' slots and prompt length (`reserve`);
+    the tracer (`tracer.ACTIVE`, attached later) says which requests ask and where their rows go.
     """
 
-    def __init__(self, layers: list, max_rows: int, n_max: int, shards: HeadShards | None = None):
-        self.layers = {name: index for index, name in enumerate(layers)}
-        self.max_rows, self.n_max, self.shards = max_rows, n_max, shards
+    def __init__(self, num_layers: int, max_rows: int, n_max: int, device, shards: HeadShards | None = None):
+        self.layers: dict = {}
         self.vllm_config = None  # the engine's, which these buffers serve
-        self.buffers: PersistentPagedRows | None = None
+        self.buffers = PersistentPagedRows(registry.paged_kernels(device, captured=True), num_layers, max_rows, n_max,
+                                           device, shards)
         self.pending: list | None = None  # the planned step's (request id, step) keys
+        self.warmed: set = set()  # layers whose GPU kernels ran once outside a capture (compiled, autotuned)
+
+    @property
+    def max_rows(self) -> int:
+        return self.buffers.max_rows
+
+    @property
+    def n_max(self) -> int:
+        return self.buffers.pooled.shape[-1]
 
     def plan(self, tracer, common) -> None:
         """At `build` of a step's attention metadata (outside the graphs): store the previous step's rows, then
-        write this step's plan into the buffers (sized at the first step)."""
+        write this step's plan into the buffers."""
         self.collect(tracer)
         table = common.block_table_tensor
-        if self.buffers is None:
-            kernels = registry.paged_kernels(table.device, captured=True)
-            self.buffers = PersistentPagedRows(kernels, len(self.layers), self.max_rows, table.shape[1], self.n_max,
-                                               table.device, self.shards)
         step = None
         if tracer is not None:
             num_reqs = len(tracer.runner.input_batch.req_ids)
@@ -210,14 +283,33 @@ class GraphSteps:
         self.pending = step.keys if step else None
 
     def layer(self, impl, layer, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
-        """This layer's rows, every step (captured or not): the buffers say which."""
+        """This layer's rows: over every slot while a graph records the step (its replays serve later steps,
+        whatever they ask; unused slots cost a one-key dummy each), otherwise over the step's scored slots only,
+        and nothing in a step that scores none, except once per layer on a GPU, as a capture would: vLLM's warm-up
+        runs before its captures are where the layer's Triton kernels compile and tune, which a capture cannot."""
         index = self.layers.get(layer.layer_name)
-        if index is None or self.buffers is None:
+        if index is None or self.buffers.table is None:
             return
-        self.buffers.pool(index, query, impl.macs_key_pages(layer, kv_cache), impl.scale, layer_variant(impl))
+        recorded = capturing(query)
+        warming = not recorded and self.buffers.count == 0
+        if warming:
+            if not query.is_cuda or index in self.warmed:
+                return
+            self.warmed.add(index)
+        self.buffers.pool(index, query, impl.macs_key_pages(layer, kv_cache), impl.scale, layer_variant(impl),
+                          every_slot=recorded or warming)
 
     def collect(self, tracer) -> None:
-        """Store the last planned step's rows (waits for the device to finish that step)."""
+        """Store the last planned step's rows (waits for the device to finish that step). vLLM allocated the
+        rows' storage inside its `torch.inference_mode()`, where they are written again here, whoever asks (a
+        reader's `collective_rpc` runs outside it). A step whose rows cannot be finished fails its requests'
+        reads, never the reader's call nor the engine's step."""
         keys, self.pending = self.pending, None
-        if keys and tracer is not None:
-            tracer.requests.put(keys, *self.buffers.finish())
+        if not keys or tracer is None:
+            return
+        try:
+            with torch.inference_mode():
+                tracer.requests.put(keys, *self.buffers.finish())
+        except Exception as error:  # noqa: BLE001 - any failure here belongs to these requests alone
+            tracer.fail([key for key, _ in keys], f"their rows of step {keys[0][1]} failed: "
+                                                  f"{type(error).__name__}: {error}")

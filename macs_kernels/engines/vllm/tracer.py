@@ -171,6 +171,10 @@ class VllmTracer:
         self._errors: dict[str, str] = {}  # requests whose options were refused
         # Ids readers may ask by (vLLM's external id, a ticket) -> the worker-side ids of the requests they named.
         self._names: dict[str, list[str]] = {}
+        self._unasked: dict[str, None] = {}  # ids of requests seen without attribution, so a read can say so
+        # (attributed sequences at once, prompt tokens each) that an engine with CUDA graphs has buffers for; a
+        # request beyond them is refused when it first runs. None: no bound (eager rows are sized per pass).
+        self.capacity: tuple[int, int] | None = None
         self._pass: _Pass | None = None
 
     # ---- readers (collective_rpc) -------------------------------------------------------------------
@@ -201,8 +205,12 @@ class VllmTracer:
         key = self.worker_id(request_id)
         with self._lock:
             error = self._errors.get(key)
+            unasked = key in self._unasked and key not in self.store
         if error is not None:
             raise ValueError(f"request {request_id!r}: {error}")
+        if unasked:
+            raise KeyError(f"request {request_id!r} never asked for attribution (no SamplingParams.extra_args"
+                           f"[{OPTION!r}]): it has no rows")
         return self.store.rows(key, start, stop), self.store.n_input(key)
 
     def release(self, request_id: str) -> None:
@@ -210,6 +218,13 @@ class VllmTracer:
         with self._lock:
             self._errors.pop(key, None)
         self.requests.release(key)
+
+    def fail(self, keys: list, error: str) -> None:
+        """These requests get no more rows, and their reads raise `error`."""
+        with self._lock:
+            for key in keys:
+                self._record_error(key, error)
+                self.requests.skip(key)
 
     def keep_more(self, count: int) -> None:
         """Keep `count` more finished requests' rows (negative: give them back)."""
@@ -223,7 +238,12 @@ class VllmTracer:
             return self._configs[request_id]
         extra = getattr(state.sampling_params, "extra_args", None) or {}
         config = None
-        if OPTION in extra and extra[OPTION] is not False:
+        if OPTION not in extra or extra[OPTION] is False:
+            for name in (request_id, request_id.rsplit("-", 1)[0]):
+                self._unasked[name] = None
+            while len(self._unasked) > 4 * self.store.keep_finished + 64:
+                del self._unasked[next(iter(self._unasked))]
+        else:
             names = [request_id.rsplit("-", 1)[0]] + ([str(extra[TICKET])] if TICKET in extra else [])
             for name in names:  # the requests a name held no more are forgotten
                 self._names[name] = [key for key in self._names.pop(name, ()) if self._held(key)] + [request_id]
@@ -232,12 +252,32 @@ class VllmTracer:
                 del self._names[next(iter(self._names))]
             try:
                 config = parse_options(extra[OPTION])
-            except (TypeError, ValueError, NotImplementedError) as error:
-                self._errors[request_id] = str(error)
-                if len(self._errors) > self.store.keep_finished:  # never read: the oldest go, like finished rows
-                    del self._errors[next(iter(self._errors))]
+                self._check_capacity(state.num_prompt_tokens)
+            except (TypeError, ValueError, NotImplementedError, RuntimeError) as error:
+                config = None
+                self._record_error(request_id, str(error))
         self._configs[request_id] = config
         return config
+
+    def _check_capacity(self, n_input: int) -> None:
+        """Raises when a new attributed request does not fit the buffers of an engine with CUDA graphs (callers
+        hold the lock)."""
+        if self.capacity is None:
+            return
+        seqs, inputs = self.capacity
+        how = "build the engine with larger macs_kernels.vllm.graph_buffers(...), or with enforce_eager=True"
+        if n_input > inputs:
+            raise RuntimeError(f"a prompt of {n_input} tokens; this engine's attribution buffers hold prompts of up "
+                               f"to {inputs} (max_input_tokens): {how}")
+        running = sum(config is not None for config in self._configs.values())
+        if running >= seqs:
+            raise RuntimeError(f"{running} attributed requests were running, as many as this engine's attribution "
+                               f"buffers hold (max_seqs): {how}")
+
+    def _record_error(self, request_id: str, error: str) -> None:
+        self._errors[request_id] = error
+        if len(self._errors) > self.store.keep_finished:  # never read: the oldest go, like finished rows
+            del self._errors[next(iter(self._errors))]
 
     def _retire(self) -> None:
         """Requests the runner no longer holds are finished (a preempted request keeps its state there)."""

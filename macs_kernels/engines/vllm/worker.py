@@ -20,13 +20,10 @@ def attention_layers(vllm_config) -> dict:
     windows, sinks (gpt-oss) and logit soft caps (Gemma 2) are followed."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
-    from vllm.platforms import current_platform
     from vllm.v1.attention.backend import AttentionType
 
     from macs_kernels.engines.vllm.backend import MacsAttention
 
-    if current_platform.is_cuda():
-        graphs.graph_mode(vllm_config)  # refuses a CUDA-graph mode the persistent buffers cannot follow
     if vllm_config.speculative_config is not None:
         support.check("vllm", "exact", "speculative")
     parallel = vllm_config.parallel_config
@@ -79,12 +76,16 @@ class AttributionWorker:
         active = tracing.ACTIVE
         if active is None or active.runner is not self.model_runner:
             layers = attention_layers(self.vllm_config)
+            refusal = graphs.unbuffered(self.vllm_config)
+            if refusal is not None:
+                raise RuntimeError(refusal)
             active = tracing.VllmTracer(self.model_runner, layers, keep_finished, head_shards(self.vllm_config))
+            steps = graphs.ACTIVE
+            if steps is not None:
+                active.capacity = (steps.max_rows, steps.n_max)
             tracing.ACTIVE = active
         steps = graphs.ACTIVE
-        if steps is not None and steps.buffers is not None:
-            return steps.buffers.kernels.paged_backend
-        return active.kernels.paged_backend
+        return (active if steps is None else steps.buffers).kernels.paged_backend
 
     def macs_rows(self, request_ids: list, release: bool = False, start: int = 0, stop: int | None = None) -> dict:
         """Each request's rows [start, stop) (stop: every row so far), by the id it was asked by (external,
