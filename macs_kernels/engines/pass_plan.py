@@ -62,6 +62,7 @@ class PassPlanner:
         self._eager = functools.cache(functools.partial(registry.engine_kernels, config.backend, device, variants))
         self._compiled = functools.cache(functools.partial(registry.compiled_kernels, config.backend, device,
                                                            variants))
+        self.kernels(compiled=False)  # a backend that cannot run here is refused at attach, before any work
 
     def kernels(self, compiled: bool) -> Kernels:
         return self._compiled() if compiled else self._eager(captured=False)
