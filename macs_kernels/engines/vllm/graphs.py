@@ -13,11 +13,10 @@ runs as its own kernel call over all slots, so per-request options need no shape
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from macs_kernels.core.accumulate import PassRows
+from macs_kernels.core.plans import paged_slots
 from macs_kernels.core.shards import HeadShards
 from macs_kernels.engines.vllm import tracer as tracing
 from macs_kernels.engines.vllm.engine_config import has_worker_extension, head_shards, layer_order
@@ -154,15 +153,12 @@ class PersistentPagedRows(PassRows):
         no place here."""
         if gather is not None:
             raise ValueError("the persistent buffers hold one block table for every layer: no per-layer gather")
-        run = self.kernels.pool_paged
-        if not variant.plain:
-            run = functools.partial(self.kernels.pool_paged_variant, window=variant.window, sinks=variant.sinks,
-                                    softcap=variant.softcap)
+        ranges, extra = paged_slots(variant, (self.input_start, self.input_end, self.kv_len))
         q_rows = query.index_select(0, self.rows).unsqueeze(2)
         out = self.pooled[layer].unsqueeze(1)
         for group, (pooling, redistribute) in enumerate(OPTION_GROUPS):
-            run(q_rows, keys, self.table, self.scratch, self.input_start, self.input_end, self.kv_len, scale,
-                pooling, redistribute, None)
+            self.kernels.pool_paged(q_rows, keys, self.table, self.scratch, *ranges, scale, pooling, redistribute,
+                                    None, **extra)
             torch.where(self.members[group], self.scratch, out, out=out)
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
