@@ -78,10 +78,10 @@ class DenseRows(PassRows):
         rows = self.kv_len.shape[1]
         q_rows = query[:, :, -rows:, :]
         if not variant.plain:
-            self.kernels.pool_variant(
-                q_rows, keys, self.pooled[layer], self.input_start[:, None].expand(-1, rows),
-                self.input_end[:, None].expand(-1, rows), self.kv_len, scale, **self.options, **variant.kwargs(),
-            )
+            ranges, extra = variant.key_slots(self.input_start[:, None].expand(-1, rows),
+                                              self.input_end[:, None].expand(-1, rows), self.kv_len)
+            self.kernels.pool(q_rows, keys, self.pooled[layer], *ranges, scale, self.options["pooling"],
+                              self.options["redistribute"], None, **extra)
             return
         if self.n_dense is not None:
             self.pool_dense(q_rows, keys, self.pooled[layer], n_input=self.n_dense, scale=scale, **self.options)
@@ -98,9 +98,10 @@ class DenseRows(PassRows):
         verify pass), computed from the probabilities whose m' goes into layer `layer`: one read of K."""
         _no_gather(gather)
         if not variant.plain:
-            out, _ = self.kernels.decode_variant(
-                query[:, :, 0], keys, values, self.input_start, self.kv_len[:, -1], scale, self.input_end,
-                pooled=self.pooled[layer, :, 0], **self.options, **variant.kwargs(),
+            (attend, end, length), extra = variant.key_slots(self.input_start, self.input_end, self.kv_len[:, -1])
+            out, _ = self.kernels.decode(
+                query[:, :, 0], keys, values, attend, length, scale, None, end, self.alpha, self.options["pooling"],
+                self.options["redistribute"], self.pooled[layer, :, 0], **extra,
             )
             return out.unsqueeze(1)
         if self.n_dense is not None:
@@ -183,9 +184,9 @@ class PackedRows(PassRows):
                 ranges = tuple(bound[:, index] for bound in ranges)
             pooled = torch.empty(1, block.shape[2], segments.n_max, dtype=torch.float32, device=out.device)
             if varied:
-                self.kernels.pool_variant(block, keys, pooled, *ranges[:3], scale, pooling, redistribute,
-                                          key_offset=ranges[3], window=segments.window, softcap=variant.softcap,
-                                          sinks=variant.sinks)
+                slots, extra = Variant(window=segments.window, key_offset=ranges[3], softcap=variant.softcap,
+                                       sinks=variant.sinks).key_slots(*ranges[:3])
+                self.kernels.pool(block, keys, pooled, *slots, scale, pooling, redistribute, None, **extra)
             else:
                 self.kernels.pool(block, keys, pooled, input_start=ranges[0], input_end=ranges[1], kv_len=ranges[2],
                                   scale=scale, pooling=pooling, redistribute=redistribute, lse=None)
@@ -292,17 +293,16 @@ class PagedRows(PackedRows):
             probabilities = plan.probabilities(q_rows, keys, scale, window, sinks, softcap)
             self._pool_probabilities(layer, probabilities[..., : self.segments.length_max])
             return
-        run = self.kernels.pool_paged
-        if not variant.plain:
-            run = functools.partial(self.kernels.pool_paged_variant, window=window, sinks=sinks, softcap=softcap)
         for (pooling, redistribute, index), table, ranges in zip(self.groups, plan, self.ranges):
+            ranges, extra = paged_slots(variant, ranges)
             if index is None:  # one option group: straight into the pass's rows
-                run(q_rows.unsqueeze(2), keys, table, self.pooled[layer].unsqueeze(1), *ranges, scale, pooling,
-                    redistribute, None)
+                self.kernels.pool_paged(q_rows.unsqueeze(2), keys, table, self.pooled[layer].unsqueeze(1), *ranges,
+                                        scale, pooling, redistribute, None, **extra)
                 continue
             block = q_rows.index_select(0, index)
             pooled = torch.empty(block.shape[0], 1, self.segments.n_max, dtype=torch.float32, device=block.device)
-            run(block.unsqueeze(2), keys, table, pooled, *ranges, scale, pooling, redistribute, None)
+            self.kernels.pool_paged(block.unsqueeze(2), keys, table, pooled, *ranges, scale, pooling, redistribute,
+                                    None, **extra)
             self._write(self.pooled[layer], index, pooled[:, 0])
 
     @staticmethod
@@ -311,6 +311,12 @@ class PagedRows(PackedRows):
 
     def decode(self, *args, **kwargs):
         raise NotImplementedError("PagedRows scores rows only: the engine's own attention computes the outputs")
+
+
+def paged_slots(variant: Variant, ranges: tuple) -> tuple[tuple, dict]:
+    """A paged plan's (B, R) ranges and the paged kernel's variant arguments for a layer's `variant` (key_offset 0:
+    a paged cache's slots are the tokens): the ranges as they are for plain attention, else Variant.key_slots."""
+    return (ranges, {}) if variant.plain else variant.key_slots(*ranges)
 
 
 def _no_gather(gather) -> None:

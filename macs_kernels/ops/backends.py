@@ -21,7 +21,8 @@ OPS = (
 # The ops a generation tracer calls per layer and step: what a backend must prove before it is chosen, and what a
 # backend must implement for an engine (the command line's --backend) to run on it.
 TRACER_OPS = ("macs_pool", "macs_update_rows", "macs_zscore", "decode_attention")
-# The ops whose kernels can take an attention variant (ops.Variant: window, softcap, sinks).
+# The ops whose kernels can take an attention variant (ops.Variant: window, key_offset, softcap, sinks; optional
+# arguments of the ops themselves).
 VARIANT_OPS = ("macs_pool", "macs_pool_paged", "decode_attention")
 
 
@@ -41,8 +42,9 @@ class Backend:
     name: what `backend=` takes.
     devices: the device types its kernels take; None: any.
     ops: the ops it implements.
-    variant_ops: those of `ops` whose kernels take an attention variant (the torch wrapper converts a variant into
-        key slots for a kernel that does not take one itself, unless the op is in `own_variant_kernels`).
+    variant_ops: those of `ops` whose kernels take an attention variant: the optional arguments score_start,
+        softcap, sinks of the operator's schema (key slots; the public ops convert a window and key_offset with
+        ops.Variant.key_slots). A public op refuses a variant for the others, naming the backend, before work.
     module: the module whose attribute `<op>` is the op's kernel (`op_modules` overrides it per op); None: the
         kernels are the operators `torch.ops.macs_kernels.<op>` that the compiled extension `requires` registers.
         Its optional attributes `macs_pool_dense`, `decode_attention_dense` (rows that attend every slot
@@ -51,7 +53,6 @@ class Backend:
     missing: the reason given when `requires` cannot be imported ({error}: the import error).
     device_reason: the reason given for a device it does not take.
     interpreted: on other devices too while this returns True (Triton's interpreter).
-    own_variant_kernels: ops whose variant kernel is the module's own `<op>_variant`.
     beams_module: the module of beam search's dense kernels (`beam_pool_dense`, `beam_decode_dense`), or None.
     reference: the backend every other is checked against (its self-check always passes); its kernels are the
         torch functions, so a row plan may score rows from probabilities it computes itself.
@@ -69,7 +70,6 @@ class Backend:
     summary: str
     op_modules: dict = dataclasses.field(default_factory=dict)
     interpreted: object = None  # Callable[[], bool] | None
-    own_variant_kernels: tuple[str, ...] = ()
     beams_module: str | None = None
     reference: bool = False
 
@@ -91,7 +91,7 @@ DECLARED = (
         "triton", devices=("cuda",), ops=OPS, variant_ops=VARIANT_OPS, module="macs_kernels.ops.triton",
         requires="macs_kernels.ops.triton", missing="triton could not be imported ({error})",
         device_reason="the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for the interpreter)",
-        interpreted=triton_interpreted, own_variant_kernels=("decode_attention",),
+        interpreted=triton_interpreted,
         summary="Triton launchers (ops/triton/): GPUs, or the interpreter with TRITON_INTERPRET=1",
     ),
     Backend(

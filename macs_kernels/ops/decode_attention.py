@@ -13,9 +13,9 @@ from macs_kernels.ops._checks import (
     check_q_k,
     check_ranges,
 )
-from macs_kernels.ops.registry import NAMESPACE, kernel, variant_kernel
+from macs_kernels.ops.registry import NAMESPACE, kernel
 from macs_kernels.ops.torch import backend as torch_backend
-from macs_kernels.ops.variant import Variant
+from macs_kernels.ops.variant import Variant, of_arguments
 
 operator = torch.library.custom_op(
     f"{NAMESPACE}::decode_attention", torch_backend.decode_attention, mutates_args=("log_c", "pooled")
@@ -33,7 +33,9 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, kv_start: IndexLike | None = None,
     kv_len: IndexLike, scale: float, log_c: torch.Tensor | None = None, pooled: torch.Tensor | None = None,
     input_end: IndexLike | None = None, alpha: float = DEFAULT_ALPHA, pooling: str = "max", redistribute: bool = True,
-    backend: str | None = None, variant: Variant | None = None, validate: bool | None = None,
+    backend: str | None = None, window: int | None = None, softcap: float | None = None,
+    sinks: torch.Tensor | None = None, key_offset: int = 0, variant: Variant | None = None,
+    validate: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query per sequence over keys [kv_start, kv_len), optionally fused with MACS.
 
@@ -42,11 +44,13 @@ def decode_attention(
     with `input_end` (B,) (inputs are keys [kv_start, input_end)) and either
     - `log_c` (B, N_max): also performs macs_update, or
     - `pooled` (B, N_max) float32: also writes macs_pool's m' (the tracer floors and logs it per pass).
-    variant: the layer's attention variant (`ops.Variant`, torch, triton and cuda backends; not with log_c):
-    positions are then tokens, the output and lse are the variant's (sink mass attends no value).
+    window, softcap, sinks, key_offset: the layer's attention variant, optional arguments as in ops.macs_pool
+    (torch, triton and cuda backends; not with log_c): positions are then tokens, the output and lse are the
+    variant's (sink mass attends no value). variant: the same four as one `ops.Variant`; not with them.
     validate: check the index values (None: only where free, i.e. CPU tensors; True: always, one host sync on a
         GPU; False: never; see docs/api.md, "Argument checks").
     """
+    variant = of_arguments(variant, window, key_offset, softcap, sinks)
     check_options(alpha=alpha, pooling=pooling, redistribute=redistribute, backend=backend)
     check_q_k(q, k_cache, v_cache)
     batch = q.shape[0]
@@ -55,7 +59,7 @@ def decode_attention(
     if log_c is not None and pooled is not None:
         raise ValueError("give log_c or pooled, not both")
     keys = k_cache.shape[2]
-    varied = variant is not None and not variant.plain
+    varied = not variant.plain
     if varied:
         if log_c is not None:
             raise ValueError("decode_attention with a variant writes pooled rows, not log_c")
@@ -71,12 +75,11 @@ def decode_attention(
         check_log_c(state, batch, q.device, name=name)
         input_end = as_index("input_end", input_end, batch, q.device)
         check_ranges(kv_start, input_end, kv_len, keys, state.shape[1], state=name, validate=validate)
-    if varied:
-        return variant_kernel(backend, q.device, "decode_attention")(
-            q, k_cache, v_cache, kv_start, kv_len, as_scale(scale), input_end, pooling, bool(redistribute), pooled,
-            **variant.kwargs(),
-        )
-    return kernel(backend, q.device, "decode_attention")(
-        q, k_cache, v_cache, kv_start, kv_len, as_scale(scale), log_c, input_end, float(alpha), pooling,
-        bool(redistribute), pooled,
-    )
+    run = kernel(backend, q.device, "decode_attention", variant)
+    extra = {}
+    if varied:  # token positions -> key slots; the kernel takes the variant's arguments
+        (kv_start, end, kv_len), extra = variant.key_slots(kv_start, kv_len if input_end is None else input_end,
+                                                           kv_len, scored=pooled is not None)
+        input_end = None if pooled is None else end
+    return run(q, k_cache, v_cache, kv_start, kv_len, as_scale(scale), log_c, input_end, float(alpha), pooling,
+               bool(redistribute), pooled, **extra)

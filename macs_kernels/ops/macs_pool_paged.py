@@ -1,12 +1,13 @@
 """macs_pool_paged: macs_pool over a paged KV cache read through a block table, as serving engines keep it
-(transformers' continuous batching, vLLM, FlashInfer, flash_attn_with_kvcache's `block_table`)."""
+(transformers' continuous batching, vLLM, FlashInfer, flash_attn_with_kvcache's `block_table`). The public call is
+ops.macs_pool with `block_table=`; this module declares the operator whose kernels read the pages in place."""
 from __future__ import annotations
 
 import torch
 
-from macs_kernels.ops._checks import IndexLike, as_scale, check_options, check_paged, check_pages_in_use
-from macs_kernels.ops.macs_pool import row_arguments
-from macs_kernels.ops.registry import NAMESPACE, kernel, variant_kernel
+from macs_kernels.ops._checks import IndexLike
+from macs_kernels.ops.macs_pool import macs_pool
+from macs_kernels.ops.registry import NAMESPACE
 from macs_kernels.ops.torch import backend as torch_backend
 from macs_kernels.ops.variant import Variant
 
@@ -21,9 +22,10 @@ def macs_pool_paged(
     input_end: IndexLike, kv_len: IndexLike, scale: float, pooling: str = "max", redistribute: bool = True,
     lse: torch.Tensor | None = None, out: torch.Tensor | None = None, backend: str | None = None,
     window: int | None = None, sinks: torch.Tensor | None = None, softcap: float | None = None,
-    validate: bool | None = None,
+    variant: Variant | None = None, validate: bool | None = None,
 ) -> torch.Tensor:
-    """ops.macs_pool with the keys in pages: MACS's head-pooled row m' of each query row, before the floor.
+    """ops.macs_pool(q, k_pages, block_table=block_table, ...): MACS's head-pooled row m' of each query row, before
+    the floor, with the keys in pages. Kept as the paged op's own name (serving engines' code, the vLLM engine).
 
     q: (B, H, D) or (B, H, R, D), R rows per sequence.
     k_pages: (P, page_size, H_kv, D), the layout of flash_attn_with_kvcache's paged cache and of
@@ -38,29 +40,12 @@ def macs_pool_paged(
         its keys sum to less than 1 (not with lse).
     softcap: logits capped to softcap * tanh(s / softcap) before the softmax (Gemma 2's
         attn_logit_softcapping; lse, if given, over the capped logits).
+    variant: the three as one ops.Variant (its key_offset 0); not with them.
     validate: check the index values (ranges, and the table's pages in use) or not: see ops.macs_pool.
     Returns float32 (B, N_max) or (B, R, N_max), equal to ops.macs_pool on the item's keys laid out
     contiguously.
     """
-    check_options(pooling=pooling, redistribute=redistribute, backend=backend)
-    check_paged(q, k_pages, block_table)
-    variant = Variant(window=window, softcap=softcap, sinks=sinks)
-    if sinks is not None and lse is not None:
-        raise ValueError("lse cannot be given with sinks: the kernel computes its own normaliser")
-    page_size = k_pages.shape[1]
-    block, ranges, lse, out = row_arguments(
-        q, block_table.shape[1] * page_size, input_start, input_end, kv_len, lse, out, validate
-    )
-    if not variant.plain:
-        variant.check(q.shape[1], ranges[0], ranges[2], block_table.shape[1] * page_size, validate)
-    check_pages_in_use(block_table, lambda: torch_backend.window_start(ranges[0], ranges[2], window), ranges[2],
-                       page_size, k_pages.shape[0], validate)
-    # Page numbers fit int32, the type paged-attention kernels take; int64 tables are converted once here.
-    block_table = block_table.to(torch.int32)
-    rows_out = out.view(block.shape[0], block.shape[2], out.shape[-1])
-    arguments = (block, k_pages, block_table, rows_out, *ranges, as_scale(scale), pooling, bool(redistribute), lse)
-    if variant.plain:
-        kernel(backend, q.device, "macs_pool_paged")(*arguments)
-    else:
-        variant_kernel(backend, q.device, "macs_pool_paged")(*arguments, **variant.kwargs())
-    return out
+    return macs_pool(q, k_pages, block_table=block_table, input_start=input_start, input_end=input_end,
+                     kv_len=kv_len, scale=scale, pooling=pooling, redistribute=redistribute, lse=lse, out=out,
+                     backend=backend, window=window, sinks=sinks, softcap=softcap, variant=variant,
+                     validate=validate)

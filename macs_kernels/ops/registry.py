@@ -29,11 +29,11 @@ import torch
 
 from macs_kernels.ops import variant, verify
 from macs_kernels.ops.backends import (
+    NAMES,
     NAMESPACE,
     OPS,
     TRACER_OPS,
     VARIANT_BACKENDS,
-    VARIANT_OPS,
     BackendUnavailable,
     declared,
 )
@@ -98,23 +98,6 @@ def implementation(backend: str, op: str) -> Callable:
         _module(spec.requires)
         return getattr(getattr(torch.ops, NAMESPACE), op)
     return getattr(_module(spec.op_modules.get(op, spec.module)), op)
-
-
-def variant_implementation(backend: str, op: str) -> Callable | None:
-    """The function that computes `op` ("macs_pool", "macs_pool_paged" or "decode_attention") of a layer with an
-    attention variant on `backend`, taking token positions and an ops.Variant's kwargs; None where the backend
-    lacks the op. The backends' kernels take the variant in key slots: torch's wrapper converts (a backend's own
-    `<op>_variant`, as Triton's decode_attention whose kernel takes no variant arguments, where it declares one)."""
-    if op not in VARIANT_OPS:
-        raise ValueError(f"no attention-variant kernel for {op!r}; only macs_pool, macs_pool_paged and "
-                         "decode_attention take one")
-    spec = declared(backend)
-    if op not in spec.variant_ops:
-        return None
-    if op in spec.own_variant_kernels:
-        return getattr(_module(spec.module), f"{op}_variant")
-    torch_backend = _module("macs_kernels.ops.torch.backend")
-    return functools.partial(getattr(torch_backend, f"{op}_variant"), kernel=implementation(backend, op))
 
 
 # ---- the self-check's verdicts --------------------------------------------------------------------------
@@ -249,20 +232,16 @@ def resolve_backend(backend: str | None, device: torch.device | str, op: str | N
     return verified_backend(backend, device, ops=TRACER_OPS if op is None else (op,), captured=captured)
 
 
-def kernel(backend: str | None, device: torch.device, op: str) -> Callable:
-    """The kernel that runs `op` here for a public op's call (captured or not, as the call runs)."""
-    return implementation(resolve_backend(backend, device, op, captured_pass()), op)
-
-
-def variant_kernel(backend: str | None, device: torch.device, op: str) -> Callable:
-    """The kernel of `op` for a layer with an attention variant on the backend chosen here; refused, naming
-    the backend, where it has none."""
+def kernel(backend: str | None, device: torch.device, op: str, variant=None) -> Callable:
+    """The kernel that runs `op` here for a public op's call (captured or not, as the call runs). With `variant`
+    (an ops.Variant other than plain attention), refused before any work, naming the backend and the arguments,
+    where the chosen backend's kernel of `op` takes no attention variant (its declaration's `variant_ops`)."""
     resolved = resolve_backend(backend, device, op, captured_pass())
-    run = variant_implementation(resolved, op)
-    if run is None:
-        raise NotImplementedError(f"{op} with an attention variant has no kernel on backend {resolved!r}; use "
-                                  "torch, triton or cuda")
-    return run
+    if variant is not None and not variant.plain and op not in declared(resolved).variant_ops:
+        raise NotImplementedError(
+            f"{op}: the {resolved} backend's kernel takes no attention variant ({', '.join(variant.arguments())} "
+            f"given); use one of {tuple(b for b in NAMES if op in declared(b).variant_ops)}")
+    return implementation(resolved, op)
 
 
 def variant_backend(variants, named: str | None, resolved: str) -> str:
@@ -299,9 +278,6 @@ class Kernels:
     decode_dense: Callable | None
     pool_paged: Callable  # ops.macs_pool_paged's kernel
     paged_backend: str  # pool_paged's backend: on CPUs a paged cache is read in place by numba's
-    pool_variant: Callable | None  # macs_pool and decode_attention of a layer with an attention variant
-    decode_variant: Callable | None
-    pool_paged_variant: Callable  # pool_paged of a layer with an attention variant (window, sinks, softcap)
     # The dense kernels of beam search reading each prompt's input keys once (beams=...), where the backend has them.
     pool_dense_beams: Callable | None = None
     decode_dense_beams: Callable | None = None
@@ -320,8 +296,7 @@ class Kernels:
             backend, implementation(backend, "macs_pool"), implementation(backend, "decode_attention"),
             implementation(backend, "macs_update_rows"), getattr(special, "macs_pool_dense", None),
             getattr(special, "decode_attention_dense", None), implementation(paged, "macs_pool_paged"), paged,
-            variant_implementation(backend, "macs_pool"), variant_implementation(backend, "decode_attention"),
-            variant_implementation(paged, "macs_pool_paged"), getattr(beams, "beam_pool_dense", None),
+            getattr(beams, "beam_pool_dense", None),
             getattr(beams, "beam_decode_dense", None), spec.reference, declared(paged).reference,
         )
 
@@ -347,7 +322,7 @@ def compiled_self_check(backend: str, device: torch.device | str) -> str | None:
     """None when `backend`'s per-layer kernels compile inside torch.compile (inductor, one graph) on `device` and
     agree with the torch path there (verify.compare on the compiled kernels), else why not. Once per process, backend
     and device; the torch path is plain torch code, which compiles wherever torch.compile does."""
-    if backend == "torch":
+    if declared(backend).reference:
         return None
     if backend in COMPILE_UNSAFE:
         return COMPILE_UNSAFE[backend]

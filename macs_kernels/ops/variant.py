@@ -7,7 +7,7 @@ import math
 import torch
 
 from macs_kernels.ops._checks import invalid_entry, values_to_check
-from macs_kernels.ops.torch.row import window_start
+from macs_kernels.ops.torch.row import window_ranges, window_start
 
 # The variants as the support table's layouts (core.support.LAYOUTS), each described for a refusal.
 LAYOUTS = {
@@ -54,9 +54,25 @@ class Variant:
         return (self.window is None and self.softcap is None and self.sinks is None
                 and isinstance(self.key_offset, int) and self.key_offset == 0)
 
+    def arguments(self) -> tuple[str, ...]:
+        """The names of the arguments that make this a variant (window, softcap, sinks, key_offset): what a backend
+        without variant kernels is refused for."""
+        names = tuple(name for name in ("window", "softcap", "sinks") if getattr(self, name) is not None)
+        return names if isinstance(self.key_offset, int) and self.key_offset == 0 else (*names, "key_offset")
+
     def kwargs(self) -> dict:
-        """The keyword arguments of the torch variant kernels."""
+        """The public ops' keyword arguments of this variant (macs_pool, macs_pool_paged, decode_attention)."""
         return {"window": self.window, "key_offset": self.key_offset, "softcap": self.softcap, "sinks": self.sinks}
+
+    def key_slots(self, input_start, input_end, kv_len, scored: bool = True) -> tuple[tuple, dict]:
+        """A row's ranges in token positions -> what every backend's kernel takes (the one conversion, for the
+        public ops and the row plans alike): the (attended start, input end, kv_len) in key slots of a cache whose
+        slot 0 holds token key_offset, and the kernel's variant arguments `score_start` (where a window's input
+        columns start, before its first attended slot; None without a window or when no row is `scored`),
+        `softcap` and `sinks`."""
+        attend, start, end, length = window_ranges(input_start, input_end, kv_len, self.key_offset, self.window)
+        score_start = None if self.window is None or not scored else start
+        return (attend, end, length), {"score_start": score_start, "softcap": self.softcap, "sinks": self.sinks}
 
     def check(self, heads: int, input_start: torch.Tensor, kv_len: torch.Tensor, keys: int,
               validate: bool | None = None) -> int:
@@ -78,3 +94,16 @@ class Variant:
 
 
 PLAIN = Variant()
+
+
+def of_arguments(variant: Variant | None, window=None, key_offset=0, softcap=None, sinks=None) -> Variant:
+    """The variant of a public op's call: its optional arguments window, key_offset, softcap, sinks (as
+    flash_attn_with_kvcache takes window_size, softcap), or `variant`, the same four in one ops.Variant (what the
+    engines hold per layer); not both."""
+    given = (window is not None or softcap is not None or sinks is not None
+             or not (isinstance(key_offset, int) and key_offset == 0))
+    if variant is None:
+        return Variant(window=window, key_offset=key_offset, softcap=softcap, sinks=sinks) if given else PLAIN
+    if given:
+        raise ValueError("give variant= or its arguments (window, key_offset, softcap, sinks), not both")
+    return variant

@@ -15,6 +15,7 @@ import torch
 from macs_kernels import ops
 from macs_kernels.ops import backends, registry
 from macs_kernels.ops.torch import backend as torch_backend
+from macs_kernels.ops.variant import Variant
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,14 +75,13 @@ def declared_fake(monkeypatch):
     package = types.ModuleType("fake_backend")
     for op in ("macs_pool", "macs_update_rows", "macs_zscore", "macs_pool_paged", "decode_attention"):
         setattr(package, op, getattr(torch_backend, op))
-    package.decode_attention_variant = torch_backend.decode_attention_variant
     monkeypatch.setitem(sys.modules, "fake_backend", package)
     fake = backends.Backend(
         "fake", devices=("cpu",), ops=("macs_pool", "macs_update_rows", "macs_zscore", "macs_pool_paged",
                                        "decode_attention"),
         variant_ops=("macs_pool", "decode_attention"), module="fake_backend", requires="fake_backend",
         missing="fake is absent ({error})", device_reason="the fake backend runs on CPU tensors",
-        own_variant_kernels=("decode_attention",), summary="a test's",
+        summary="a test's",
     )
     monkeypatch.setitem(backends.BY_NAME, "fake", fake)
     return package
@@ -92,8 +92,11 @@ def test_a_backend_is_its_package_and_one_declaration(declared_fake):
     assert registry.why_unavailable("fake", "meta") == "the fake backend runs on CPU tensors"
     assert "implements" in registry.why_unavailable("fake", "cpu", "efficient_attention")
     assert registry.implementation("fake", "macs_pool") is declared_fake.macs_pool
-    assert registry.variant_implementation("fake", "decode_attention") is declared_fake.decode_attention_variant
-    assert registry.variant_implementation("fake", "macs_pool_paged") is None
+    # Its variant support is declared data: a variant op's kernel takes the variant, another's is refused before
+    # work, naming the backend and the argument.
+    assert registry.kernel("fake", "cpu", "decode_attention", Variant(softcap=2.0)) is declared_fake.decode_attention
+    with pytest.raises(NotImplementedError, match=r"macs_pool_paged: the fake backend.*\(window given\)"):
+        registry.kernel("fake", "cpu", "macs_pool_paged", Variant(window=2))
     kernels = registry.Kernels.of("fake")
     assert kernels.backend == "fake" and kernels.pool is declared_fake.macs_pool and not kernels.reference
     assert kernels.pool_dense is None and kernels.pool_dense_beams is None

@@ -57,16 +57,18 @@ def test_pool_and_decode_of_a_variant_layer_equal_the_reference(name, pooling, b
     offset = 23 - window - 1 if window is not None else 0
     variant = Variant(window=window, key_offset=offset, softcap=softcap, sinks=sinks)
     out = torch.empty(2, 2, 11, device=DEVICE)
-    kernels.pool_variant(q, k[:, :, offset:], out, *ranges, 0.25, pooling, True, **variant.kwargs())
+    slots, extra = variant.key_slots(*ranges)
+    kernels.pool(q, k[:, :, offset:], out, *slots, 0.25, pooling, True, None, **extra)
     torch.testing.assert_close(out.cpu().double(), expected, rtol=0, atol=2e-6)
     if window is not None:  # the window bites: the first inputs are seen through the spread only
         assert not torch.allclose(expected, reference.variant_pool_reference(
             q, k, v, input_start=ranges[0], input_end=ranges[1], kv_len=ranges[2], scale=0.25, softcap=softcap,
             sinks=sinks, pooling=pooling)[0])
     pooled = torch.empty(2, 11, device=DEVICE)
-    attention, _ = kernels.decode_variant(
-        q[:, :, 1], k[:, :, offset:], v[:, :, offset:], ranges[0][:, 1], ranges[2][:, 1], 0.25, ranges[1][:, 1],
-        pooling, True, pooled, **variant.kwargs(),
+    (attend, end, length), extra = variant.key_slots(ranges[0][:, 1], ranges[1][:, 1], ranges[2][:, 1])
+    attention, _ = kernels.decode(
+        q[:, :, 1], k[:, :, offset:], v[:, :, offset:], attend, length, 0.25, None, end, 0.0, pooling, True, pooled,
+        **extra,
     )
     torch.testing.assert_close(pooled.cpu().double(), expected[:, 1], rtol=0, atol=2e-6)
     torch.testing.assert_close(attention.cpu().double(), expected_out[:, 1], rtol=0, atol=2e-5)
@@ -131,3 +133,38 @@ def test_public_ops_take_a_variant_on_torch_and_refuse_it_elsewhere():
     with pytest.raises(ValueError, match="one logit per query head"):
         ops.macs_pool(q, k, input_start=ranges[0], input_end=ranges[1], kv_len=ranges[2], scale=0.25,
                       variant=Variant(sinks=torch.zeros(3)), backend="torch")
+
+
+def test_the_variant_is_the_ops_own_optional_arguments():
+    """window, key_offset, softcap, sinks as arguments of the op equal variant=; a block table makes macs_pool the
+    paged op; a variant and its arguments together are refused."""
+    from macs_kernels import ops
+
+    q, k, v, ranges, sinks = _case(5, True, seed=5)
+    variant = Variant(window=5, key_offset=17, softcap=3.0, sinks=sinks)
+    bounds = dict(input_start=ranges[0], input_end=ranges[1], kv_len=ranges[2], scale=0.25, backend="torch")
+    expected = ops.macs_pool(q, k[:, :, 17:], variant=variant, **bounds)
+    assert torch.equal(ops.macs_pool(q, k[:, :, 17:], **variant.kwargs(), **bounds), expected)
+    pooled, given = torch.empty(2, 11), torch.empty(2, 11)
+    decode = dict(kv_start=ranges[0][:, 1], kv_len=ranges[2][:, 1], input_end=ranges[1][:, 1], scale=0.25,
+                  backend="torch")
+    out = ops.decode_attention(q[:, :, 1], k[:, :, 17:], v[:, :, 17:], pooled=pooled, variant=variant, **decode)
+    out_given = ops.decode_attention(q[:, :, 1], k[:, :, 17:], v[:, :, 17:], pooled=given, **variant.kwargs(),
+                                     **decode)
+    assert torch.equal(given, pooled) and all(torch.equal(a, b) for a, b in zip(out, out_given))
+    # Every token's keys in pages of 4, in reverse page order: the paged op and macs_pool(block_table=) agree.
+    pages = k.transpose(1, 2).reshape(2, 23, KV_HEADS, DIM)
+    pages = torch.cat([pages, pages.new_zeros(2, 1, KV_HEADS, DIM)], dim=1).reshape(12, 4, KV_HEADS, DIM)
+    table = torch.arange(12).view(2, 6).flip(1)
+    pages = pages[table.flatten().argsort()]
+    paged = ops.macs_pool_paged(q, pages, table, window=5, softcap=3.0, sinks=sinks, **bounds)
+    assert torch.equal(ops.macs_pool(q, pages, block_table=table, window=5, softcap=3.0, sinks=sinks, **bounds),
+                       paged)
+    assert torch.equal(ops.macs_pool_paged(q, pages, table, variant=Variant(window=5, softcap=3.0, sinks=sinks),
+                                           **bounds), paged)
+    torch.testing.assert_close(paged, ops.macs_pool(q, k, window=5, softcap=3.0, sinks=sinks, **bounds), rtol=0,
+                               atol=1e-6)
+    with pytest.raises(ValueError, match="not both"):
+        ops.macs_pool(q, k, variant=variant, window=5, **bounds)
+    with pytest.raises(ValueError, match="key_offset must be 0"):
+        ops.macs_pool(q, pages, block_table=table, window=5, key_offset=3, **bounds)

@@ -17,11 +17,10 @@ slots with the option groups they ask for, and one with no scored row runs no ke
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from macs_kernels.core.accumulate import PassRows
+from macs_kernels.core.plans import paged_slots
 from macs_kernels.core.shards import HeadShards
 from macs_kernels.engines.vllm import tracer as tracing
 from macs_kernels.engines.vllm.engine_config import CONFIG_KEY, has_worker_extension, head_shards, layer_order
@@ -218,19 +217,16 @@ class PersistentPagedRows(PassRows):
         outside a graph) only the step's scored slots and the option groups they ask for."""
         if gather is not None:
             raise ValueError("the persistent buffers hold one block table for every layer: no per-layer gather")
-        run = self.kernels.pool_paged
-        if not variant.plain:
-            run = functools.partial(self.kernels.pool_paged_variant, window=variant.window, sinks=variant.sinks,
-                                    softcap=variant.softcap)
         slots = self.max_rows if every_slot else self.count
         q_rows = query.index_select(0, self.rows[:slots]).unsqueeze(2)
         out = self.pooled[layer, :slots].unsqueeze(1)
         scratch = self.scratch[:slots]
+        ranges, extra = paged_slots(variant, (self.input_start[:slots], self.input_end[:slots], self.kv_len[:slots]))
         for group, (pooling, redistribute) in enumerate(OPTION_GROUPS):
             if not (every_slot or group in self.groups):
                 continue
-            run(q_rows, keys, self.table[:slots], scratch, self.input_start[:slots], self.input_end[:slots],
-                self.kv_len[:slots], scale, pooling, redistribute, None)
+            self.kernels.pool_paged(q_rows, keys, self.table[:slots], scratch, *ranges, scale, pooling, redistribute,
+                                    None, **extra)
             torch.where(self.members[group, :slots], scratch, out, out=out)
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,10 +25,12 @@ from macs_kernels.ops.torch.row import (
     pooled_inputs,
     softmax,
     spread,
-    window_ranges,
+)
+from macs_kernels.ops.torch.row import (  # re-exported for the modules that take them from here
+    window_ranges as window_ranges,
 )
 from macs_kernels.ops.torch.row import (
-    window_start as window_start,  # re-exported for the modules that take it from here
+    window_start as window_start,
 )
 
 
@@ -100,8 +102,8 @@ def macs_pool(
 ) -> None:
     """q (B, H, R, D), ranges (B, R), out (B, R, N_max): see ops.macs_pool.
 
-    The layer's attention variant, in key slots (what `macs_pool_variant` makes of an ops.Variant): the row
-    attends [input_start, kv_len) and its N inputs are [score_start, input_end) (default input_start; a
+    The layer's attention variant, in key slots (what ops.Variant.key_slots makes of a window and key_offset):
+    the row attends [input_start, kv_len) and its N inputs are [score_start, input_end) (default input_start; a
     sliding window starts later than its inputs, which may precede slot 0); softcap; sinks (H,)."""
     scores = grouped_scores(q, k_cache, scale)
     probabilities, _ = attended_softmax(scores, input_start, kv_len, lse, softcap=softcap, sinks=sinks)
@@ -116,16 +118,6 @@ def _pool_rows(probabilities, out, attend_start, score_start, input_end, kv_len,
     pooled, past_inputs = pooled_inputs(probabilities, score_start if windowed else attend_start, input_end, kv_len,
                                         out.shape[-1], pooling, redistribute, windowed)
     out.copy_(pooled.masked_fill_(past_inputs, 0.0))
-
-
-def macs_pool_variant(q, k_cache, out, input_start, input_end, kv_len, scale, pooling, redistribute, lse=None, *,
-                      key_offset=0, window=None, softcap=None, sinks=None, kernel=macs_pool):
-    """`macs_pool` of a layer whose attention is a variant (`ops.Variant`: window, softcap, sinks) over a cache
-    whose slot 0 holds token key_offset (an int or (B, R)); ranges in token positions. `kernel`: a macs_pool
-    kernel taking the variant arguments (the CUDA extension's runs through here too)."""
-    attend, start, end, length = window_ranges(input_start, input_end, kv_len, key_offset, window)
-    kernel(q, k_cache, out, attend, end, length, scale, pooling, redistribute, lse,
-           None if window is None else start, softcap, sinks)
 
 
 def gather_pages(k_pages: Tensor, block_table: Tensor, keys: int) -> Tensor:
@@ -155,15 +147,6 @@ def macs_pool_paged(
         keys = int(kv_len.max()) if kv_len.numel() else 0
     macs_pool(q, gather_pages(k_pages, block_table, keys), out, input_start, input_end, kv_len, scale, pooling,
               redistribute, lse, score_start, softcap, sinks)
-
-
-def macs_pool_paged_variant(q, k_pages, block_table, out, *arguments, kernel=macs_pool_paged, **variant):
-    """`macs_pool_variant` over a paged cache (its slots are the tokens: key_offset stays 0); `kernel`: a
-    macs_pool_paged kernel taking the variant arguments."""
-    def keys_in_pages(q, _, out, *rest):
-        kernel(q, k_pages, block_table, out, *rest)
-
-    macs_pool_variant(q, None, out, *arguments, kernel=keys_in_pages, **variant)
 
 
 def macs_zscore(log_c: Tensor, n_input: Tensor) -> Tensor:
@@ -202,14 +185,3 @@ def decode_attention(
     elif pooled is not None:
         _pool_rows(probabilities, pooled, kv_start, score_start, input_end, kv_len, pooling, redistribute)
     return grouped_output(probabilities, v_cache, q.dtype), lse
-
-
-def decode_attention_variant(q, k_cache, v_cache, kv_start, kv_len, scale, input_end, pooling, redistribute, pooled,
-                             *, key_offset=0, window=None, softcap=None, sinks=None, kernel=decode_attention):
-    """`decode_attention` (optionally writing m' into pooled) of a layer whose attention is a variant (see
-    `macs_pool_variant`; `kernel`: a decode_attention kernel taking the variant arguments)."""
-    end = kv_len if input_end is None else input_end
-    attend, start, end, length = window_ranges(kv_start, end, kv_len, key_offset, window)
-    return kernel(q, k_cache, v_cache, attend, length, scale, None, None if pooled is None else end, 0.0, pooling,
-                  redistribute, pooled, None if window is None or pooled is None else start, softcap, sinks)
-

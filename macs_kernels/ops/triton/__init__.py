@@ -5,7 +5,7 @@ LAUNCHES counts launches per kernel name (`uncounted()` leaves the self-check's 
 """
 from macs_kernels.ops.triton.attention_features import attention_features
 from macs_kernels.ops.triton.common import LAUNCHES, uncounted
-from macs_kernels.ops.triton.decode_attention import decode_attention, decode_attention_variant
+from macs_kernels.ops.triton.decode_attention import decode_attention
 from macs_kernels.ops.triton.efficient_attention import efficient_attention
 from macs_kernels.ops.triton.macs_pool import macs_pool
 from macs_kernels.ops.triton.macs_pool_paged import macs_pool_paged
@@ -14,6 +14,6 @@ from macs_kernels.ops.triton.macs_update_rows import macs_update_rows
 from macs_kernels.ops.triton.macs_zscore import macs_zscore
 
 __all__ = [
-    "LAUNCHES", "attention_features", "decode_attention", "decode_attention_variant", "efficient_attention",
+    "LAUNCHES", "attention_features", "decode_attention", "efficient_attention",
     "macs_pool", "macs_pool_paged", "macs_update", "macs_update_rows", "macs_zscore", "uncounted",
 ]

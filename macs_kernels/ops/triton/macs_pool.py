@@ -10,7 +10,7 @@ def macs_pool(q, k_cache, out, input_start, input_end, kv_len, scale, pooling, r
     """q (B, H, R, D), ranges (B, R) int64 contiguous, out (B, R, N_max) float32 written; lse (B, H, R) or None.
     k_cache (B, H_kv, S, D), or (P, page_size, H_kv, D) pages read through block_table (B, pages) int32.
     score_start (B, R) contiguous, softcap, sinks (H,): the layer's attention variant in key slots, as
-    torch_backend.macs_pool takes it (torch_backend.macs_pool_variant makes them of an ops.Variant)."""
+    torch_backend.macs_pool takes it (ops.Variant.key_slots makes them of a window and key_offset)."""
     fused_pass(q, k_cache, None, input_start, input_end, kv_len, scale, out,
                pool_start=input_start if score_start is None else score_start, lse=lse, pooling=pooling,
                redistribute=redistribute, into_log_c=False, block_table=block_table, score_start=score_start,
