@@ -14,6 +14,7 @@ from macs_kernels.apps.bench import generate as bench
 from macs_kernels.apps.bench.common import PACKAGE_DIR, source_commit
 from macs_kernels.apps.cli import build_parser
 
+ROOT = Path(__file__).resolve().parents[2]
 
 def read(path):
     with open(path, newline="") as handle:
@@ -403,3 +404,34 @@ def test_a_compiled_static_cache_is_compiled_in_the_warm_up_not_in_the_timed_run
     _, rows = read(tmp_path / "compiled.csv")
     assert [(r["method"], r["status"], r["compiled"], r["timed_compiles"]) for r in rows] == [
         ("plain-sdpa", "ok", "True", "0"), (bench.AUTO, "ok", "True", "0")]
+
+
+def test_the_compiled_gpu_presets_benchmark_dry_runs_on_a_cpu(tmp_path):
+    """`GPU_STAGES=compiled .ci/gpu` runs benchmarks/bench_compiled.py on a GPU; its CPU dry run takes the same code
+    path at toy sizes (dynamo's eager backend), so a lent GPU's few minutes are not lost to a name: one JSON line per
+    figure, rows equal to the teacher-forced reference, and the attributed step compiled as plain's is."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_compiled
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert bench_compiled.main(["--dry-run", "--out", str(tmp_path), "--stages", "rows", "speed", "--models",
+                                "4-layer-fp32", "--prompts", "20", "28", "--repeats", "1"]) == 0
+    lines = [json.loads(line) for line in (tmp_path / "compiled_dry_run.jsonl").read_text().splitlines()]
+    rows = {backend: [line for line in lines if line["stage"] == "rows" and line["backend"] == backend]
+            for backend in ("None", "triton", "cuda")}
+    assert [line["prompt"] for line in rows["None"]] == [20, 28]
+    assert all(line["max_abs_diff"] <= 1e-3 for line in rows["None"])
+    assert rows["None"][-1]["graphs_so_far"] == 1 and rows["None"][-1]["graph_breaks_so_far"] == 0  # replayed
+    # The interpreted Triton kernels do not compile inside torch.compile: the steps run torch's, with the warning.
+    assert [line["kernels"] for line in rows["triton"]] == ["torch", "torch"]
+    assert all(line["max_abs_diff"] <= 1e-3 for line in rows["triton"])
+    assert any("does not run in a compiled pass" in w for w in rows["triton"][0]["warnings"])
+    assert [line["status"] for line in rows["cuda"]] == ["unavailable"]
+    speed = {line["method"]: line for line in lines if line["stage"] == "speed"}
+    assert speed["attributed"]["frames"] == speed["plain"]["frames"] and speed["attributed"]["graph_breaks"] == 0
+    assert speed["attributed"]["recompiles_after_warmup"] == 0
+    ratio = next(line for line in lines if line["stage"] == "speed-ratio")
+    assert ratio["same_frames"] and ratio["tokens_per_s"] > 0
