@@ -160,6 +160,23 @@ def test_a_backend_whose_kernels_do_not_compile_is_replaced_with_one_warning():
     assert_eager_rows(model, PROMPTS, MASK, tokens, rows)
 
 
+def test_a_streamed_compiled_generation_reads_each_steps_row_between_steps():
+    """stream() reads each row while generate runs: a compiled step's row from the step buffers, between steps (the
+    host never reads inside a step). Each streamed row equals the reference's."""
+    from macs_kernels import stream
+    from macs_kernels.core.scores import log_zscores
+
+    model = small_gqa_model()
+    ids = PROMPTS[1]
+    streamed = list(stream(model, IdTokenizer(), input_ids=ids, max_new_tokens=6, cache_implementation="static",
+                           compile_config=compile_everywhere("eager")))
+    assert counters["stats"]["unique_graphs"] > 0
+    reference, _ = eager_macs(model, ids, torch.tensor([token for token, _ in streamed]))
+    assert len(streamed) == 6
+    for (_, scores), log_c in zip(streamed, reference):
+        assert (scores.double() - log_zscores(log_c.float()).double()).abs().max() <= 1e-4
+
+
 def _count_forwards(model):
     calls = []
     return calls, model.model.register_forward_pre_hook(lambda *_: calls.append(1))
