@@ -63,6 +63,38 @@ struct KeyRows {
   }
 };
 
+// The keys (or, with V, the values) of item b and one KV head of a split kernel's cache.
+template <typename T>
+__device__ __forceinline__ KeyRows<T> cache_rows(const SplitParams<T>& p, bool values, int64_t b, int64_t kv_head) {
+  const bool paged = p.block_table != nullptr;
+  const int32_t* table = paged ? p.block_table + b * p.table_stride : nullptr;
+  const T* base = values ? p.v : p.k;
+  const int64_t item = values ? p.v_sb : p.k_sb, head = values ? p.v_sh : p.k_sh;
+  return KeyRows<T>{base + (paged ? 0 : b * item) + kv_head * head, values ? p.v_ss : p.k_ss, item, table,
+                    int(p.page_size), int(p.page_count)};
+}
+
+// A split's keys [begin, stop): those any of the block's rows attends (row i attends [starts[i], ends[i])), from the
+// first, cut in whole tiles of `tile_keys` into `splits` shares.
+struct SplitKeys {
+  int64_t begin, stop;
+};
+
+__device__ __forceinline__ SplitKeys split_keys(const int64_t* starts, const int64_t* ends, int block_rows,
+                                                int64_t keys, int64_t splits, int64_t split, int64_t tile_keys) {
+  int64_t first = keys, last = 0;
+  for (int i = 0; i < block_rows; ++i) {
+    if (starts[i] < ends[i]) {
+      first = min(first, starts[i]);
+      last = max(last, ends[i]);
+    }
+  }
+  if (first > last) first = last;
+  const int64_t tiles_per_split = ceil_div(ceil_div(last - first, tile_keys), splits);
+  const int64_t begin = first + split * tiles_per_split * tile_keys;
+  return {begin, min(last, begin + tiles_per_split * tile_keys)};
+}
+
 // Stages keys [tile, tile + kTileKeys) of one head as floats, rows at `pitch`; keys at or past `stop`
 // become zeros (their weights are zero, and 0 * garbage could be NaN) and read no block-table entry.
 template <typename T, int VEC>
@@ -131,26 +163,10 @@ __global__ void __launch_bounds__(kMaxSplitThreads) split_kernel(SplitParams<T> 
   }
   __syncthreads();
 
-  // This split's share of the keys any of the block's rows attends, in whole tiles from the first.
-  int64_t first = p.keys, last = 0;
-  for (int rr = 0; rr < block_rows; ++rr) {
-    if (start_s[rr] < end_s[rr]) {
-      first = min(first, start_s[rr]);
-      last = max(last, end_s[rr]);
-    }
-  }
-  if (first > last) first = last;
-  const int64_t tiles_per_split = ceil_div(ceil_div(last - first, kTileKeys), p.splits);
-  const int64_t begin = first + split * tiles_per_split * kTileKeys;
-  const int64_t stop = min(last, begin + tiles_per_split * kTileKeys);
-
-  const bool paged = p.block_table != nullptr;
-  const int32_t* table = paged ? p.block_table + b * p.table_stride : nullptr;
-  const int page_size = int(p.page_size), page_count = int(p.page_count);
-  const KeyRows<T> k_rows{p.k + (paged ? 0 : b * p.k_sb) + kv_head * p.k_sh, p.k_ss, p.k_sb, table, page_size,
-                          page_count};
-  const KeyRows<T> v_rows{WITH_V ? p.v + (paged ? 0 : b * p.v_sb) + kv_head * p.v_sh : nullptr, p.v_ss, p.v_sb,
-                          table, page_size, page_count};
+  const SplitKeys split_slice = split_keys(start_s, end_s, block_rows, p.keys, p.splits, split, kTileKeys);
+  const int64_t begin = split_slice.begin, stop = split_slice.stop;
+  const KeyRows<T> k_rows = cache_rows(p, false, b, kv_head);
+  const KeyRows<T> v_rows = WITH_V ? cache_rows(p, true, b, kv_head) : KeyRows<T>{};
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
 
   float acc[kMaxAccumulators];

@@ -178,27 +178,12 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaMinBlocks) mma_split_kernel(S
     end[h] = real ? range_s[2 * block_rows + rr] : 0;
   }
 
-  // This split's share of the keys any of the block's rows attends, in whole tiles from the first (as split_kernel).
-  int64_t first = p.keys, last = 0;
-  for (int i = 0; i < block_rows; ++i) {
-    if (range_s[i] < range_s[2 * block_rows + i]) {
-      first = min(first, range_s[i]);
-      last = max(last, range_s[2 * block_rows + i]);
-    }
-  }
-  if (first > last) first = last;
-  const int64_t tiles_per_split = ceil_div(ceil_div(last - first, kMmaTileKeys), p.splits);
-  const int64_t begin = first + split * tiles_per_split * kMmaTileKeys;
-  const int64_t stop = min(last, begin + tiles_per_split * kMmaTileKeys);
+  const SplitKeys split_slice = split_keys(range_s, range_s + 2 * block_rows, block_rows, p.keys, p.splits, split,
+                                           kMmaTileKeys);
+  const int64_t begin = split_slice.begin, stop = split_slice.stop;
   const int tiles = begin < stop ? int(ceil_div(stop - begin, kMmaTileKeys)) : 0;
-
-  const bool paged = p.block_table != nullptr;
-  const int32_t* table = paged ? p.block_table + b * p.table_stride : nullptr;
-  const int page_size = int(p.page_size), page_count = int(p.page_count);
-  const KeyRows<T> k_rows{p.k + (paged ? 0 : b * p.k_sb) + kv_head * p.k_sh, p.k_ss, p.k_sb, table, page_size,
-                          page_count};
-  const KeyRows<T> v_rows{WITH_V ? p.v + (paged ? 0 : b * p.v_sb) + kv_head * p.v_sh : nullptr, p.v_ss, p.v_sb,
-                          table, page_size, page_count};
+  const KeyRows<T> k_rows = cache_rows(p, false, b, kv_head);
+  const KeyRows<T> v_rows = WITH_V ? cache_rows(p, true, b, kv_head) : KeyRows<T>{};
 
   // Keys at or past `stop` are zero-filled (0 * garbage could be NaN) and name the split's first key, reading none.
   const auto load_tile = [&](int tile) {

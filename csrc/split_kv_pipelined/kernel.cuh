@@ -183,27 +183,12 @@ __global__ void __launch_bounds__(kPipelinedMaxThreads, kPipelinedMinBlocks) pip
   __syncthreads();
   const int64_t start = range_s[rr], input_end = range_s[block_rows + rr], end = range_s[2 * block_rows + rr];
 
-  // This split's share of the keys any of the block's rows attends, in whole tiles from the first (as split_kernel).
-  int64_t first = p.keys, last = 0;
-  for (int i = 0; i < block_rows; ++i) {
-    if (range_s[i] < range_s[2 * block_rows + i]) {
-      first = min(first, range_s[i]);
-      last = max(last, range_s[2 * block_rows + i]);
-    }
-  }
-  if (first > last) first = last;
-  const int64_t tiles_per_split = ceil_div(ceil_div(last - first, tile_keys), p.splits);
-  const int64_t begin = first + split * tiles_per_split * tile_keys;
-  const int64_t stop = min(last, begin + tiles_per_split * tile_keys);
+  const SplitKeys split_slice = split_keys(range_s, range_s + 2 * block_rows, block_rows, p.keys, p.splits, split,
+                                           tile_keys);
+  const int64_t begin = split_slice.begin, stop = split_slice.stop;
   const int tiles = begin < stop ? int(ceil_div(stop - begin, tile_keys)) : 0;
-
-  const bool paged = p.block_table != nullptr;
-  const int32_t* table = paged ? p.block_table + b * p.table_stride : nullptr;
-  const int page_size = int(p.page_size), page_count = int(p.page_count);
-  const KeyRows<T> k_rows{p.k + (paged ? 0 : b * p.k_sb) + kv_head * p.k_sh, p.k_ss, p.k_sb, table, page_size,
-                          page_count};
-  const KeyRows<T> v_rows{WITH_V ? p.v + (paged ? 0 : b * p.v_sb) + kv_head * p.v_sh : nullptr, p.v_ss, p.v_sb,
-                          table, page_size, page_count};
+  const KeyRows<T> k_rows = cache_rows(p, false, b, kv_head);
+  const KeyRows<T> v_rows = WITH_V ? cache_rows(p, true, b, kv_head) : KeyRows<T>{};
 
   // Keys at or past `stop` are zero-filled (0 * garbage could be NaN): their copies name the split's first key, which
   // exists, and read no byte of it.

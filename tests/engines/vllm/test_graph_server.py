@@ -9,16 +9,12 @@ openai = pytest.importorskip("openai")
 
 import json  # noqa: E402
 import os  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
 import urllib.error  # noqa: E402
 import urllib.request  # noqa: E402
 
-from macs_kernels.vllm import WORKER_EXTENSION, graph_buffers  # noqa: E402
+from macs_kernels.vllm import graph_buffers  # noqa: E402
 
-from .test_server import QUESTION, ROUTE_PATH, check_rows  # noqa: E402
+from .test_server import QUESTION, ROUTE_PATH, check_rows, vllm_server  # noqa: E402
 
 INPUTS = 128  # the buffers' longest prompt
 # Loaded by every Python process of the server (its engine core is spawned: vLLM's CPU platform asks for spawn).
@@ -29,35 +25,12 @@ graphs.graph_mode = lambda vllm_config: "FULL_AND_PIECEWISE"
 
 @pytest.fixture(scope="module")
 def server(tiny_path, tmp_path_factory):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     folder = tmp_path_factory.mktemp("graph-server")
     (folder / "sitecustomize.py").write_text(FORCE)
-    log = (folder / "vllm.log").open("w")
     path = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
-    environment = os.environ | {"VLLM_PLUGINS": "macs_kernels", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-                                "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": path}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_path, "--port", str(port),
-         "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "--worker-extension-cls", WORKER_EXTENSION,
-         "--additional-config", json.dumps(graph_buffers(2, INPUTS))], env=environment, stdout=log,
-        stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=2)
-                break
-            except (urllib.error.URLError, ConnectionError):
-                assert process.poll() is None and time.monotonic() < deadline, open(log.name).read()[-4000:]
-                time.sleep(1)
+    with vllm_server(tiny_path, folder / "vllm.log", {"PYTHONPATH": path},
+                     ["--additional-config", json.dumps(graph_buffers(2, INPUTS))]) as base:
         yield base, tiny_path
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-        log.close()
 
 
 def post(base, body):

@@ -6,6 +6,7 @@ import pytest
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import socket  # noqa: E402
@@ -27,22 +28,22 @@ ROUTE_PATH = "/v1/chat/completions"
 QUESTION = [{"role": "user", "content": "Which river flows through Paris, and what is the city's oldest bridge?"}]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_path, tmp_path_factory):
-    if not any(entry.name == "macs_kernels" for entry in entry_points(group="vllm.endpoint_plugins")):
-        pytest.skip("the vllm.endpoint_plugins entry point is not installed: pip install -e . in vLLM's environment")
+@contextlib.contextmanager
+def vllm_server(model_path: str, log_path, environment: dict | None = None, arguments=()):
+    """`python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs) with the plugin and the worker
+    extension on a free port, its engine core in its own process as `vllm serve` runs it, a 1 GiB KV cache; yields
+    its base URL once /health answers. `environment` and `arguments` add to those."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    path = tmp_path_factory.mktemp("server") / "vllm.log"
-    log = path.open("w")
-    # The engine core in its own process, as `vllm serve` runs it; a 1 GiB KV cache.
-    environment = os.environ | {"VLLM_PLUGINS": "macs_kernels", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-                                "VLLM_CPU_KVCACHE_SPACE": "1"}
+    log = open(log_path, "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_path, "--port", str(port),
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--port", str(port),
          "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "--worker-extension-cls",
-         WORKER_EXTENSION], env=environment, stdout=log, stderr=subprocess.STDOUT)
+         WORKER_EXTENSION, *arguments],
+        env=os.environ | {"VLLM_PLUGINS": "macs_kernels", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                          "VLLM_CPU_KVCACHE_SPACE": "1"} | (environment or {}),
+        stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -51,13 +52,22 @@ def server(tiny_path, tmp_path_factory):
                 urllib.request.urlopen(f"{base}/health", timeout=2)
                 break
             except (urllib.error.URLError, ConnectionError):
-                assert process.poll() is None and time.monotonic() < deadline, open(log.name).read()[-4000:]
+                assert process.poll() is None and time.monotonic() < deadline, open(log_path).read()[-4000:]
                 time.sleep(1)
-        yield base, path
+        yield base
     finally:
         process.terminate()
         process.wait(timeout=60)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_path, tmp_path_factory):
+    if not any(entry.name == "macs_kernels" for entry in entry_points(group="vllm.endpoint_plugins")):
+        pytest.skip("the vllm.endpoint_plugins entry point is not installed: pip install -e . in vLLM's environment")
+    path = tmp_path_factory.mktemp("server") / "vllm.log"
+    with vllm_server(tiny_path, path) as base:
+        yield base, path
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,94 @@
+"""Every split-KV pass a GPU runs, against the float64 references: the cuda backend's split kernels
+(CUDA_SPLIT_KV_KERNELS: verified, pipelined, mma) and the triton backend's fused passes (TRITON_SPLIT_KV_PASSES:
+verified, two-launch, one-launch). The fused decode's out, lse, m' (pooled) and log c update in fp32 and bf16, GQA 1,
+4 and 8, D 64 and 128, ragged per-row ranges with generated keys, an odd key count. The `kernels` preset of .ci/gpu
+runs it (under compute-sanitizer too, -k mma), so that one GPU run can decide between the kernels. Skips without a
+CUDA device and the backend."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from macs_kernels import ops
+from macs_kernels.ops import reference, why_unavailable
+from macs_kernels.ops.cuda import CUDA_SPLIT_KV_KERNELS, cuda_split_kv_kernel, set_cuda_split_kv_kernel
+from tests.tolerances import RELATIVE_ERROR, relative_error
+
+
+def _triton_passes():
+    try:
+        from macs_kernels.ops.triton import settings
+    except ImportError:
+        return ()
+    return settings.TRITON_SPLIT_KV_PASSES
+
+
+def _kernels():
+    params = []
+    for backend, names in (("cuda", CUDA_SPLIT_KV_KERNELS), ("triton", _triton_passes())):
+        reason = "no CUDA device" if not torch.cuda.is_available() else why_unavailable(backend, "cuda")
+        for name in names:
+            params.append(pytest.param(backend, name, id=f"{backend}-{name}", marks=[pytest.mark.gpu] + (
+                [pytest.mark.skip(reason=reason)] if reason else [])))
+    return params
+
+
+@pytest.fixture
+def chosen(request):
+    """Run the backend's split kernel or fused pass named by the test's parameters; the process's choice is
+    restored afterwards."""
+    backend, name = request.node.callspec.params["backend"], request.node.callspec.params["name"]
+    if backend == "cuda":
+        previous = cuda_split_kv_kernel()
+        set_cuda_split_kv_kernel(name)
+        yield
+        set_cuda_split_kv_kernel(previous)
+        return
+    from macs_kernels.ops.triton import settings
+
+    previous = settings.triton_split_kv_pass()
+    settings.set_triton_split_kv_pass(name)
+    yield
+    settings.set_triton_split_kv_pass(previous)
+
+
+@pytest.mark.usefixtures("chosen")
+@pytest.mark.parametrize("dtype, group, dim", list(itertools.product((torch.float32, torch.bfloat16), (1, 4, 8),
+                                                                      (64, 128))))
+@pytest.mark.parametrize("backend, name", _kernels())
+def test_the_fused_decode_matches_float64(backend, name, dtype, group, dim):
+    batch, kv_heads, keys = 3, 2, 1537
+    generator = torch.Generator().manual_seed(group * 1000 + dim)
+    q = torch.randn(batch, group * kv_heads, dim, generator=generator).to(dtype)
+    k, v = torch.randn(2, batch, kv_heads, keys, dim, generator=generator).to(dtype)
+    kv_start = torch.tensor([0, 17, 301])
+    kv_len = torch.tensor([keys, 1100, 333])
+    input_end = kv_len - torch.tensor([5, 64, 1])
+    scale = 1.0 / math.sqrt(dim)
+    width = int((input_end - kv_start).max())
+    cuda = [t.cuda() for t in (q, k, v)]
+    ranges = dict(kv_start=kv_start.cuda(), kv_len=kv_len.cuda(), input_end=input_end.cuda(), scale=scale)
+    pooled = torch.zeros(batch, width, device="cuda")
+    out, lse = ops.decode_attention(*cuda, pooled=pooled, backend=backend, **ranges)
+    start_log_c = -torch.rand(batch, width, generator=generator)
+    log_c = start_log_c.to("cuda", copy=True)
+    ops.decode_attention(*cuda, log_c=log_c, backend=backend, **ranges)
+    torch.cuda.synchronize()
+
+    want_out, want_lse = reference.decode_attention_reference(q, k, v, kv_start=kv_start, kv_len=kv_len, scale=scale)
+    want_pool = reference.macs_pool_reference(q[:, :, None], k, input_start=kv_start[:, None],
+                                              input_end=input_end[:, None], kv_len=kv_len[:, None], scale=scale)
+    want_log_c = reference.macs_update_reference(q, k, start_log_c.double(), input_start=kv_start,
+                                                 input_end=input_end, kv_len=kv_len, scale=scale)
+    assert relative_error(out, want_out) < RELATIVE_ERROR[dtype]
+    # lse and m' come from fp32 scores of the inputs as given: float32's tolerance in every dtype; log c of bf16
+    # inputs from the float16 relative scores of triton's two- and one-launch passes: bf16's.
+    assert relative_error(lse, want_lse) < RELATIVE_ERROR[torch.float32]
+    for b in range(batch):
+        n = int(input_end[b] - kv_start[b])
+        assert relative_error(pooled[b, :n], want_pool[b, 0, :n]) < RELATIVE_ERROR[torch.float32]
+        assert relative_error(log_c[b, :n], want_log_c[b, :n]) < RELATIVE_ERROR[dtype]
+        assert bool((log_c[b, n:].cpu() == start_log_c[b, n:]).all())
