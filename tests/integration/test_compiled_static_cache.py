@@ -149,10 +149,13 @@ def test_a_deep_models_compiled_decode_step_is_one_graph_as_plain_generates_is()
     assert_eager_rows(model, PROMPTS[:, 2:], MASK[:, 2:], tokens, rows)
 
 
-def test_a_backend_whose_kernels_do_not_compile_is_replaced_with_one_warning():
+def test_a_backend_whose_kernels_do_not_compile_is_replaced_with_one_warning(monkeypatch):
     """Triton's interpreted kernels (TRITON_INTERPRET on a CPU) cannot be traced by dynamo: the registry's compiled
     self-check finds it before the steps compile, the steps run torch's kernels, generate does not fail, and the rows
     are exact."""
+    from macs_kernels.ops import registry
+
+    monkeypatch.setattr(registry, "_warned", set())  # the warning is once per process: an earlier test may have had it
     model = small_gqa_model()
     with pytest.warns(RuntimeWarning, match="the triton backend does not run in a compiled pass") as record:
         tokens, rows = traced(model, PROMPTS, MASK, backend="triton", compile_config=compile_everywhere("eager"))
