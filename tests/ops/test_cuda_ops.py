@@ -2,8 +2,8 @@
 
 The split-KV ops run over every split kernel (the `split_kernel` fixture): the pipelined default
 (csrc/split_kv_pipelined), the verified one it replaced, and the tensor-core one, which must pass here and under
-compute-sanitizer (.ci/gpu) before it may become the default. Needs a CUDA device and the built extension; skips with the reason otherwise, so a GPU session runs it
-as is.
+compute-sanitizer (.ci/gpu) before it may become the default. Needs a CUDA device and the built extension; skips
+with the reason otherwise, so a GPU session runs it as is.
 """
 import pytest
 import torch
