@@ -1,6 +1,6 @@
 """The generation tracer: per forward pass, a plan of which query rows to score read from the pass's layout
 (engines.layout), per layer the core's `DenseRows` scoring them with the backend's kernels, after the last layer the
-pass's rows into the generation's `Sequences` (engines.sequences).
+pass's rows into the generation's `SequenceRows` (engines.sequences).
 
 - A `generate` call starts new sequences: per batch row its input key range and row map. The inputs are every key
   the first pass's last query attends, so a call on top of an existing cache (a continued conversation) counts the
@@ -26,6 +26,7 @@ from macs_kernels.core.rows import NAN_MESSAGE
 from macs_kernels.core.scores import step_scores
 from macs_kernels.core.shards import HeadShards
 from macs_kernels.engines.captured_steps import CapturedSteps
+from macs_kernels.engines.generation_modes import GenerationPlan
 from macs_kernels.engines.hf_models import layer_variant
 from macs_kernels.engines.method_rows import MethodRows, RowRanges, softmax_rows, window_efficient_rows
 from macs_kernels.engines.pass_plan import PassKeys, PassPlan, PassPlanner
@@ -53,11 +54,11 @@ class TraceHook:
 
 @dataclasses.dataclass
 class GenerateCall:
-    """The generate call in progress, as the tracer follows it: its plan (engines.generation_modes.GenerationPlan),
-    the padded prompt length (its inputs are the key slots before it), whether its first pass is still to come, and
-    how many generate calls nested in it run untraced (the model as its own assistant)."""
+    """The generate call in progress, as the tracer follows it: its plan (None between calls), the padded prompt
+    length (its inputs are the key slots before it), whether its first pass is still to come, and how many generate
+    calls nested in it run untraced (the model as its own assistant)."""
 
-    plan: object = None
+    plan: GenerationPlan | None = None
     prompt_length: int = 0
     start_pending: bool = False
     nested: int = 0
