@@ -192,26 +192,35 @@ def _grid_heat(tokens, row: torch.Tensor) -> list:
 
 
 class _Text:
-    """Incremental detokenisation: a piece per token, holding back bytes of a character not yet complete."""
+    """Incremental detokenisation at O(new tokens) per token, as vLLM's and TGI's streams do it: a token's piece is
+    the text it adds to a short window of the ids before it (decoded alone, a window and the window with the token
+    agree on their common start), holding back the bytes of a character not yet complete."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.ids, self.sent = tokenizer, [], ""
+        # ids[window:sent_ids] decode to the end of `sent`; ids[sent_ids:] are not in it yet.
+        self.window = self.sent_ids = 0
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.full()
-        if text.endswith("\ufffd"):
-            return ""
-        piece, self.sent = text[len(self.sent):], text
-        return piece
-
-    def full(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        return self._advance(final=False)
 
     def rest(self) -> str:
-        text = self.full()
-        piece, self.sent = text[len(self.sent):], text
+        """The text no token has claimed yet (at the end: the bytes of an unfinished character)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        before = self._decode(self.ids[self.window:self.sent_ids])
+        text = self._decode(self.ids[self.window:])
+        if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
+            return ""
+        piece = text[len(before):]
+        self.window, self.sent_ids = self.sent_ids, len(self.ids)
+        self.sent += piece
         return piece
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 class _StopMatcher:

@@ -247,3 +247,37 @@ def test_a_json_body_sent_as_text_is_named_by_its_content_type(served):
     assert refused.status_code == 415, refused.text
     message = refused.json()["error"]["message"]
     assert "'text/plain'" in message and "Content-Type: application/json" in message
+
+
+class _CountingTokenizer:
+    """The default model's tokenizer, counting the ids each decode is handed."""
+
+    def __init__(self):
+        from macs_kernels.api.models import load_tokenizer
+
+        self.tokenizer, self.decoded = load_tokenizer(), []
+
+    def decode(self, ids, **kwargs):
+        self.decoded.append(len(ids))
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+@pytest.mark.parametrize("text", [
+    "Paris is the capital of France.  Its oldest bridge is the Pont Neuf.",
+    "naïve café: 東京 and 北京, emoji 🎉🚀 done",
+    "<|im_end|> special tokens are skipped<|im_start|>",
+    "   leading spaces\n\nand blank lines\tand tabs",
+])
+def test_streamed_text_is_the_whole_decode_at_a_bounded_cost_per_token(text):
+    """A choice's pieces, token by token, join into exactly the decode of all its ids (characters split across
+    tokens held back until complete), and each token decodes a window of a few ids, not the whole answer: a long
+    answer costs O(new tokens) per token (issue 50)."""
+    from macs_kernels.apps.serve.app import _Text
+
+    counting = _CountingTokenizer()
+    ids = counting.tokenizer(text * 20, add_special_tokens=False).input_ids
+    streamed = _Text(counting)
+    pieces = [streamed.add(token) for token in ids]
+    pieces.append(streamed.rest())
+    assert "".join(pieces) == counting.tokenizer.decode(ids, skip_special_tokens=True)
+    assert max(counting.decoded) <= 8 < len(ids)
