@@ -42,22 +42,20 @@ class CapturedSteps:
         self.written = torch.zeros(batch, max_rows, dtype=torch.bool, device=device)
         self.broken = torch.zeros((), dtype=torch.bool, device=device)
         self.fused, self.last_layer = fused, num_layers - 1
-        self.shape = (kernels, num_layers, batch, n_max, max_rows, torch.device(device), alpha, pooling, redistribute,
-                      fused)
+        self.made_for = dict(kernels=kernels, num_layers=num_layers, batch=batch, n_max=n_max, max_rows=max_rows,
+                             device=torch.device(device), alpha=alpha, pooling=pooling, redistribute=redistribute,
+                             fused=fused)
         for buffer in (self.input_start, self.input_end, self.kv_len, self.scorer.pooled, self.rows, self.written,
                        self.broken):
             torch._dynamo.mark_static_address(buffer)
 
     @classmethod
-    def reuse_or_allocate(cls, previous: CapturedSteps | None, kernels: Kernels, num_layers: int, *, batch: int,
-                          n_max: int, max_rows: int, device, alpha: float, pooling: str, redistribute: bool,
-                          fused: bool) -> CapturedSteps:
-        """`previous` when it has these shapes and kernels (its graph replays), else new buffers."""
-        shape = (kernels, num_layers, batch, n_max, max_rows, torch.device(device), alpha, pooling, redistribute, fused)
-        if previous is not None and previous.shape == shape:
+    def reuse_or_allocate(cls, previous: CapturedSteps | None, **made_for) -> CapturedSteps:
+        """`previous` when it was made for these arguments (its graph replays), else new buffers."""
+        made_for["device"] = torch.device(made_for["device"])
+        if previous is not None and previous.made_for == made_for:
             return previous
-        return cls(kernels, num_layers, batch=batch, n_max=n_max, max_rows=max_rows, device=device, alpha=alpha,
-                   pooling=pooling, redistribute=redistribute, fused=fused)
+        return cls(**made_for)
 
     def start(self, input_start: torch.Tensor, input_end: torch.Tensor) -> None:
         """A generation starts (eagerly, at its prefill): its sequences' input ranges, no rows yet."""

@@ -341,7 +341,8 @@ class Tracer(TraceResults):
             # prompt: later generations in the same cache replay the graph compiled for the first.
             max_steps = call.plan.max_steps(call.prompt_length)
             self.steps = CapturedSteps.reuse_or_allocate(
-                self.steps, self.plan.scorer.kernels, self.num_layers, batch=keys.batch, n_max=keys.keys,
+                self.steps, kernels=self.plan.scorer.kernels, num_layers=self.num_layers, batch=keys.batch,
+                n_max=keys.keys,
                 max_rows=min(keys.keys, max(256, 1 << (max_steps - 1).bit_length())),
                 device=key.device, alpha=config.alpha, pooling=config.pooling, redistribute=config.redistribute,
                 fused=self.planner.fuses(),

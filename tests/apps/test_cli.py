@@ -30,6 +30,15 @@ def test_help_imports_neither_torch_nor_transformers(argv):
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
+def refuse_loading(monkeypatch, *modules):
+    """Fail the test if a command in these CLI modules loads its model: its arguments are checked first."""
+    def no_loading(args):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    for module in modules:
+        monkeypatch.setattr(f"{module}.load_from_args", no_loading)
+
+
 def test_every_subcommand_module_registers_and_nothing_imports_back():
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices
@@ -65,10 +74,7 @@ def test_a_file_given_as_model_folder_is_refused(tmp_path):
 
 
 def test_step_and_output_files_are_checked_before_generation(tmp_path, monkeypatch):
-    def no_loading(args):
-        raise AssertionError("the model was loaded before the arguments were checked")
-
-    monkeypatch.setattr("macs_kernels.apps.cli.explain.load_from_args", no_loading)
+    refuse_loading(monkeypatch, "macs_kernels.apps.cli.explain")
     refusals = [
         (("--step", "3"), "--step 3 is out of range: at most 3 tokens"),
         (("--step", "-4"), "--step -4 is out of range"),
@@ -84,11 +90,7 @@ def test_step_and_output_files_are_checked_before_generation(tmp_path, monkeypat
 
 
 def test_an_empty_prompt_question_or_context_is_refused_before_loading(monkeypatch):
-    def no_loading(args):
-        raise AssertionError("the model was loaded before the prompt was checked")
-
-    monkeypatch.setattr("macs_kernels.apps.cli.explain.load_from_args", no_loading)
-    monkeypatch.setattr("macs_kernels.apps.cli.at2.load_from_args", no_loading)
+    refuse_loading(monkeypatch, "macs_kernels.apps.cli.explain", "macs_kernels.apps.cli.at2")
     question, context = QUESTIONS[0]
     refusals = [
         (["--prompt", "   "], "--prompt is empty"),
@@ -159,10 +161,7 @@ def test_help_names_every_subcommand_and_each_option_default():
 def test_serve_arguments_are_checked_before_the_model_loads(monkeypatch, tmp_path):
     import socket
 
-    def no_loading(args):
-        raise AssertionError("the model was loaded before the arguments were checked")
-
-    monkeypatch.setattr("macs_kernels.apps.cli.common.load_from_args", no_loading)
+    refuse_loading(monkeypatch, "macs_kernels.apps.cli.common")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -185,10 +184,7 @@ def test_serve_arguments_are_checked_before_the_model_loads(monkeypatch, tmp_pat
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA machine can use --device cuda")
 def test_a_device_or_backend_this_machine_lacks_is_refused_before_loading(monkeypatch):
-    def no_loading(args):
-        raise AssertionError("the model was loaded before the arguments were checked")
-
-    monkeypatch.setattr("macs_kernels.apps.cli.explain.load_from_args", no_loading)
+    refuse_loading(monkeypatch, "macs_kernels.apps.cli.explain")
     with pytest.raises(SystemExit, match=r"--device cuda: this torch cannot use it \(.+\)"):
         main(_explain("--device", "cuda"))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the tests run Triton in its interpreter
@@ -216,10 +212,7 @@ def test_an_unknown_aggregation_is_refused_naming_the_choices(capsys):
 
 def test_an_output_file_the_system_refuses_is_named_before_loading(monkeypatch):
     """/proc passes every permission test and refuses the file: only opening tells."""
-    def no_loading(args):
-        raise AssertionError("the model was loaded before the arguments were checked")
-
-    monkeypatch.setattr("macs_kernels.apps.cli.explain.load_from_args", no_loading)
+    refuse_loading(monkeypatch, "macs_kernels.apps.cli.explain")
     with pytest.raises(SystemExit, match=r"--json /proc/x.json: cannot write it \(.+\)"):
         main(_explain("--json", "/proc/x.json"))
 

@@ -19,6 +19,22 @@ pytest.importorskip("uvicorn", reason="the server needs the serve extra: pip ins
 httpx = pytest.importorskip("httpx", reason="the server tests need httpx (the test extra)")
 
 
+class TokenizerProxy:
+    """A tokenizer that behaves as `tokenizer` does; subclasses replace the calls a test wants to hold."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def __len__(self):
+        return len(self._tokenizer)
+
+    def __call__(self, *args, **kwargs):
+        return self._tokenizer(*args, **kwargs)
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -10,7 +10,7 @@ import threading
 import httpx
 import pytest
 
-from .conftest import TINY, Server
+from .conftest import TINY, Server, TokenizerProxy
 
 LIMIT = 4096
 
@@ -58,22 +58,14 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(small_server):
         assert answered.json()["choices"][0]["message"]["content"] is not None
 
 
-class _GatedTokenizer:
+class _GatedTokenizer(TokenizerProxy):
     """The server's tokenizer, except that templating a prompt longer than `long` characters first signals
     `inside`, then waits for `release`: the test decides when that tokenization ends."""
 
     def __init__(self, tokenizer, long: int):
-        self._tokenizer, self._long = tokenizer, long
+        super().__init__(tokenizer)
+        self._long = long
         self.inside, self.release = threading.Event(), threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self._tokenizer, name)
-
-    def __len__(self):
-        return len(self._tokenizer)
-
-    def __call__(self, *args, **kwargs):
-        return self._tokenizer(*args, **kwargs)
 
     def apply_chat_template(self, messages, *args, **kwargs):
         if sum(len(m["content"]) for m in messages) > self._long and not self.inside.is_set():

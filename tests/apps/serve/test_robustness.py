@@ -16,27 +16,18 @@ from macs_kernels.apps.serve.engine import Engine, Step
 from macs_kernels.apps.serve.sampling import Sampling
 from macs_kernels.apps.serve.schemas import MAX_STOP, MAX_STOP_CHARS
 
-from .conftest import TINY
+from .conftest import TINY, TokenizerProxy
 
 TIMEOUT = 120  # a guard against a hang, never an assertion on speed
 
 
-class _GatedTokenizer:
+class _GatedTokenizer(TokenizerProxy):
     """The server's tokenizer, except that once armed its next decode signals `inside`, then waits for `release`
     and signals `returned`: the test decides when that detokenisation ends."""
 
     def __init__(self, tokenizer):
-        self._tokenizer = tokenizer
+        super().__init__(tokenizer)
         self.armed, self.inside, self.release, self.returned = (threading.Event() for _ in range(4))
-
-    def __getattr__(self, name):
-        return getattr(self._tokenizer, name)
-
-    def __len__(self):
-        return len(self._tokenizer)
-
-    def __call__(self, *args, **kwargs):
-        return self._tokenizer(*args, **kwargs)
 
     def decode(self, *args, **kwargs):
         if self.armed.is_set() and not self.inside.is_set():
