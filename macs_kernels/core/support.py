@@ -29,6 +29,7 @@ LAYOUTS = {  # layout -> the options that select it
     **variant.LAYOUTS,
     "speculative": "speculative decoding (speculative_config)",
     "stop_strings": "stop strings (stop_strings= / the server's stop)",
+    "compiled": "torch.compile (generate's compiled static cache, or a compiled forward)",
 }
 
 # (engine, method or "*", layout or "*") -> why it is refused. Everything else is supported.
@@ -66,6 +67,15 @@ UNSUPPORTED = {
     ("vllm", "efficient", "*"): "the vLLM backend scores softmax rows; efficient attention needs a Gram state per "
                                 "request and layer that it does not keep",
     ("vllm", "at2", "*"): "the vLLM backend returns MACS rows; AT2 features come from explain()",
+    ("generate", "efficient", "compiled"): "efficient rows update a Gram state per pass outside any graph; a compiled "
+                                           "decode step keeps its state in static buffers only",
+    ("generate", "norm", "compiled"): "the value norms are updated per pass outside any graph; a compiled decode step "
+                                      "keeps its state in static buffers only",
+    ("generate", "at2", "compiled"): "AT2's query capture is a per-layer hook, and a compiled decode step runs no "
+                                     "Python per layer",
+    ("continuous", "*", "compiled"): "the tracer keeps host-side state per pass of transformers' continuous "
+                                     "batching; use the uncompiled forward",
+    ("server", "*", "compiled"): "the server runs continuous batching with the uncompiled forward",
     ("vllm", "*", "speculative"): "speculative decoding verifies several draft tokens per pass and rejects some; the "
                                "backend scores one row per request and pass",
 }

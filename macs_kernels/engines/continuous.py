@@ -527,8 +527,7 @@ def attach_continuous(model, *, manager=None, keep_finished: int = 256, config: 
         raise ValueError(f"keep_finished must be an int >= 0, got {keep_finished!r}")
     modules = check_model(model)
     if compiled_forward(model):
-        raise NotImplementedError("continuous batching with a torch.compile'd forward is not supported: the "
-                                  "tracer keeps host-side state per pass; use the uncompiled forward")
+        support.check("continuous", support.method_of(macs_config), "compiled")
     shards = head_shards(model, modules)
     support.check_method("continuous", support.method_of(macs_config))
     variants = check_variants(model, "continuous", support.method_of(macs_config))

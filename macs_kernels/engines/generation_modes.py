@@ -123,8 +123,4 @@ def _check_compiled(static: bool, mode: str, method: str) -> None:
             f"{mode} under torch.compile is not supported by macs_kernels; supported compiled modes: "
             f"{COMPILED_MODES} (or pass disable_compile=True, or use the uncompiled forward)"
         )
-    if method != "exact":
-        raise NotImplementedError(
-            f"attention={method!r} under torch.compile is not supported by macs_kernels (softmax only); pass "
-            "disable_compile=True or use the uncompiled forward"
-        )
+    support.check("generate", method, "compiled")

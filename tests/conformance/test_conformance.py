@@ -13,7 +13,7 @@ from unittest import mock
 
 import pytest
 import torch
-from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.configuration_utils import CompileConfig, ContinuousBatchingConfig
 from transformers.generation.continuous_batching.offloading_manager import OffloadingManager
 
 from macs_kernels import explain
@@ -35,6 +35,9 @@ PROMPTS = {
     "pressure": [SHARED + "Who wrote it?", SHARED + "When?", SHARED + "Where is it set?", SHARED + "Why?"],
 }
 STOP = "stop_strings"  # the layout's options stand for _stop_strings(): a string greedy decoding meets
+# generate's own compile of a static cache, asked for on a CPU too (dynamo's eager backend: the graphs, not inductor).
+COMPILED = CompileConfig(backend="eager")
+COMPILED._compile_all_devices = True
 # layout -> (prompts, generate options). Sampling layouts seed torch first.
 LAYOUTS = {
     "greedy": ("one", {}),
@@ -46,6 +49,7 @@ LAYOUTS = {
     "shared_prefix": ("shared", {}),
     "chunked_prefill": ("three", {}),
     "cache_pressure": ("pressure", {}),
+    "compiled": ("one", {"cache_implementation": "static", "compile_config": COMPILED}),
 }
 METHODS = {  # MACS methods: explain()'s options
     "exact": {"fused_decode": False},
@@ -149,15 +153,20 @@ def continuous_engine(model, tokenizer, _server):
             offloaded.append(offload_requests(manager))
             return offloaded[-1]
 
-        with mock.patch.object(OffloadingManager, "offload_requests", offload):
-            if method == AT2:
-                result = _continuous_at2(model, tokenizer, PROMPTS[prompts], options, _cb_config(layout))
-            else:
-                result = _sequences(explain(
-                    model, tokenizer, PROMPTS[prompts], max_new_tokens=NEW_TOKENS, backend="torch",
-                    continuous_batching=True, continuous_batching_config=_cb_config(layout), **METHODS[method],
-                    **options,
-                ))
+        if layout == "compiled":  # continuous batching has no compile option: a compiled forward asks for it
+            model.forward, options = torch.compile(model.forward, backend="eager"), {}
+        try:
+            with mock.patch.object(OffloadingManager, "offload_requests", offload):
+                if method == AT2:
+                    result = _continuous_at2(model, tokenizer, PROMPTS[prompts], options, _cb_config(layout))
+                else:
+                    result = _sequences(explain(
+                        model, tokenizer, PROMPTS[prompts], max_new_tokens=NEW_TOKENS, backend="torch",
+                        continuous_batching=True, continuous_batching_config=_cb_config(layout), **METHODS[method],
+                        **options,
+                    ))
+        finally:
+            model.__dict__.pop("forward", None)
         if layout == "cache_pressure":
             assert any(offloaded), "the cache was not small enough to make the engine offload requests"
         return result
@@ -194,6 +203,9 @@ def server_engine(model, tokenizer, server):
         prompts, options = LAYOUTS[layout][0], _options(model, tokenizer, layout)
         if "num_beams" in options:
             pytest.skip("OpenAI's API has no beam search option")
+        if "compile_config" in options:
+            pytest.skip("OpenAI's API has no compile option (the server's engine, continuous batching, is refused "
+                        "a compiled forward above)")
         if options.pop("do_sample", False):
             options |= {"seed": 0, "temperature": options.get("temperature", 1.0)}
         if "num_return_sequences" in options:

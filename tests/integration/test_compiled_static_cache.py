@@ -42,12 +42,13 @@ def compile_everywhere(backend: str, mode: str | None = None) -> CompileConfig:
 
 
 def traced(model, ids, mask, max_new_tokens=5, cache=None, backend="torch", **generate_kwargs):
-    """(tokens (B, new), [step_log_c per sequence]) of a greedy static-cache generate inside attach(): in `cache`
+    """(tokens (B, new), [step_log_c per sequence]) of a static-cache generate inside attach() (greedy unless
+    generate_kwargs sample): in `cache`
     (a StaticCache) if given, else in one that generate sizes for the call."""
     generate_kwargs |= cache_argument(model, cache) if cache is not None else {"cache_implementation": "static"}
     with torch.no_grad(), attach(model, backend=backend) as tracer:
         out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=0,
-                             do_sample=False, **generate_kwargs)
+                             **{"do_sample": False, **generate_kwargs})
     generated = out[:, ids.shape[1]:]
     return generated, [tracer.rows(i, generated.shape[1])[0] for i in range(out.shape[0])]
 
@@ -163,6 +164,17 @@ def test_a_backend_whose_kernels_do_not_compile_is_replaced_with_one_warning(mon
     assert_eager_rows(model, PROMPTS, MASK, tokens, rows)
 
 
+def test_sampled_compiled_generation_rows_equal_the_reference_of_the_tokens_drawn():
+    """Sampling is the other compiled mode: whatever tokens the compiled steps draw, each sequence's rows equal the
+    teacher-forced reference of those tokens."""
+    model = small_gqa_model()
+    torch.manual_seed(3)
+    tokens, rows = traced(model, PROMPTS, MASK, max_new_tokens=6, do_sample=True, top_k=20,
+                          compile_config=compile_everywhere("eager"))
+    assert counters["stats"]["unique_graphs"] > 0
+    assert_eager_rows(model, PROMPTS, MASK, tokens, rows)
+
+
 def test_a_streamed_compiled_generation_reads_each_steps_row_between_steps():
     """stream() reads each row while generate runs: a compiled step's row from the step buffers, between steps (the
     host never reads inside a step). Each streamed row equals the reference's."""
@@ -188,7 +200,8 @@ def _count_forwards(model):
 @pytest.mark.parametrize("generate_kwargs,attach_kwargs,message", [
     (dict(), dict(), "static cache only"),  # a user's compiled forward with a growing cache
     (dict(cache_implementation="static", num_beams=2), dict(), "beam_search under torch.compile"),
-    (dict(cache_implementation="static"), dict(attention="efficient"), "attention='efficient' under torch.compile"),
+    (dict(cache_implementation="static"), dict(attention="efficient"),
+     r"attention='efficient' with torch.compile \(.*\) is not supported under macs_kernels' generate engine"),
 ], ids=["dynamic-cache", "beams", "efficient"])
 def test_unsupported_compiled_modes_are_refused_before_work(generate_kwargs, attach_kwargs, message):
     model = small_gqa_model()
@@ -231,7 +244,8 @@ def test_continuous_batching_with_a_compiled_forward_is_refused():
 
     model = small_gqa_model()
     model.forward = torch.compile(model.forward, backend="eager")
-    with pytest.raises(NotImplementedError, match="continuous batching with a torch.compile'd forward"):
+    with pytest.raises(NotImplementedError, match=r"torch.compile \(.*\) is not supported under macs_kernels' "
+                                                  "continuous engine"):
         with attach_continuous(model):
             pass
 
