@@ -43,8 +43,7 @@ def compile_everywhere(backend: str, mode: str | None = None) -> CompileConfig:
 
 def traced(model, ids, mask, max_new_tokens=5, cache=None, backend="torch", **generate_kwargs):
     """(tokens (B, new), [step_log_c per sequence]) of a static-cache generate inside attach() (greedy unless
-    generate_kwargs sample): in `cache`
-    (a StaticCache) if given, else in one that generate sizes for the call."""
+    generate_kwargs sample): in `cache` (a StaticCache) if given, else in one that generate sizes for the call."""
     generate_kwargs |= cache_argument(model, cache) if cache is not None else {"cache_implementation": "static"}
     with torch.no_grad(), attach(model, backend=backend) as tracer:
         out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=0,
