@@ -1,15 +1,19 @@
-"""The host cost of a public op's index-value checks, before and after issue 48; JSON, no asserts.
+"""The host cost of a public op call on top of its kernel (issue 48); JSON lines, no asserts.
 
     python benchmarks/bench_checks.py    # writes benchmarks/results/checks_<device>.json (or --out)
 
 Device index tensors are simulated on a CPU machine: `_checks.on_host` is patched to say the values are not on
-the host, and the rule checked is the one a GPU call takes. Per mode, the mean host time of one decode_attention
-range check (B = 8) and the aten ops it issues (each one is at least a kernel launch on a GPU):
-- `device_assert_before`: the pre-issue-48 device path (the rule as tensor ops, then torch._assert_async), run
-  on CPU tensors: what every eager GPU call used to pay in launches;
-- `device_default`: validate=None with device values: no value check;
-- `host`: CPU values read on the host (every CPU call, before and after);
-- `device_validate`: validate=True with device values: one copy to the host, then the host check.
+the host, and the rule checked is the one a GPU call takes. Three tables:
+- `rows`, the index-value checks: per mode, the mean host time of one decode_attention range check (B = 8) and the
+  aten ops it issues (each one is at least a kernel launch on a GPU):
+  `device_assert_before`: the pre-issue-48 device path (the rule as tensor ops, then torch._assert_async), run on
+  CPU tensors: what every eager GPU call used to pay in launches; `device_default`: validate=None with device
+  values: no value check; `host`: CPU values read on the host (every CPU call, before and after);
+  `device_validate`: validate=True with device values: one copy to the host, then the host check;
+- `calls`: a whole public call with its kernel replaced by a no-op (what the op adds: checks, index arguments,
+  backend choice), device defaults, int32 and int64 ranges: host time and the aten ops other than views;
+- `dispatch`: one call of the `torch.ops.macs_kernels` operator (how the cuda backend's kernels are reached) less
+  a direct call of its kernel (here the torch function, stubbed to return at once): the dispatcher's cost.
 """
 from __future__ import annotations
 
@@ -26,8 +30,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from macs_kernels import ops  # noqa: E402
 from macs_kernels.apps.bench import environment  # noqa: E402
-from macs_kernels.ops import _checks  # noqa: E402
+from macs_kernels.ops import _checks, registry  # noqa: E402
 
 BATCH, KEYS, N_MAX = 8, 4096, 4080
 
@@ -76,15 +81,96 @@ def measure(repeats: int) -> list[dict]:
     return rows
 
 
+VIEWS = {"aten.view.default", "aten.unsqueeze.default", "aten.slice.Tensor", "aten.expand.default"}
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _per_call_us(call, repeats: int) -> float:
+    for _ in range(repeats // 10):
+        call()
+    began = time.perf_counter()
+    for _ in range(repeats):
+        call()
+    return (time.perf_counter() - began) / repeats * 1e6
+
+
+def _public_calls(dtype):
+    """name -> a public call at a decode step's shape (B = 8, GQA 4:1, D = 128, 4,096 keys) with `dtype` ranges."""
+    q, k, v = torch.randn(BATCH, 32, 128), torch.randn(BATCH, 8, KEYS, 128), torch.randn(BATCH, 8, KEYS, 128)
+    start, end, length = (torch.full((BATCH,), value, dtype=dtype) for value in (0, 4000, KEYS))
+    state = torch.zeros(BATCH, N_MAX)
+    ranges = dict(input_start=start, input_end=end, kv_len=length, scale=0.1)
+    return {
+        "decode_attention": lambda: ops.decode_attention(q, k, v, kv_len=length, scale=0.1),
+        "decode_attention_fused": lambda: ops.decode_attention(q, k, v, kv_start=start, kv_len=length, input_end=end,
+                                                               log_c=state, scale=0.1),
+        "macs_pool": lambda: ops.macs_pool(q, k, out=state, **ranges),
+        "macs_update": lambda: ops.macs_update(q, k, state, **ranges),
+    }
+
+
+def measure_calls(repeats: int) -> list[dict]:
+    rows = []
+    with mock.patch.object(_checks, "on_host", lambda *tensors: False), \
+            mock.patch.object(registry, "implementation", lambda backend, op: lambda *args, **kwargs: None):
+        for dtype in (torch.int32, torch.int64):
+            for op, call in _public_calls(dtype).items():
+                call()
+                with _Ops() as counted:
+                    call()
+                rows.append({"call": op, "ranges": str(dtype)[6:], "host_us_per_call": round(_per_call_us(
+                    call, repeats), 2), "aten_ops_per_call": len([f for f in counted.ops if f not in VIEWS])})
+    return rows
+
+
+def _macs_pool_noop(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor, input_start: torch.Tensor,
+                    input_end: torch.Tensor, kv_len: torch.Tensor, scale: float, pooling: str, redistribute: bool,
+                    lse: torch.Tensor | None, score_start: torch.Tensor | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> None:
+    """macs_pool's operator signature, a kernel that returns at once."""
+
+
+def measure_dispatch(repeats: int) -> list[dict]:
+    """An operator with macs_pool's schema and a no-op kernel, declared as torch.library.custom_op declares it (before)
+    and as ops/library.py declares the package's operators (after), called through torch.ops with the arguments the
+    public op passes, less a direct call of the kernel."""
+    torch.library.custom_op("macs_bench::custom_op", _macs_pool_noop, mutates_args=("out",))
+    library = torch.library.Library("macs_bench", "FRAGMENT")
+    library.define("direct" + torch.library.infer_schema(_macs_pool_noop, mutates_args=("out",)))
+    library.impl("direct", _macs_pool_noop, "CompositeExplicitAutograd")
+    q, k = torch.randn(BATCH, 32, 1, 128), torch.randn(BATCH, 8, 64, 128)
+    index = torch.zeros(BATCH, 1, dtype=torch.int64)
+    arguments = (q, k, torch.zeros(BATCH, 1, N_MAX), index, index, index, 0.1, "max", True, None)
+    direct_us = _per_call_us(lambda: _macs_pool_noop(*arguments), repeats)
+    rows = []
+    for declared, operator in (("custom_op (before)", torch.ops.macs_bench.custom_op),
+                               ("library.define (ops/library.py)", torch.ops.macs_bench.direct)):
+        operator_us = _per_call_us(lambda operator=operator: operator(*arguments), repeats)
+        rows.append({"declared_by": declared, "via_torch_ops_us": round(operator_us, 2),
+                     "dispatch_us": round(operator_us - direct_us, 2)})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=2000)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "checks_cpu.json")
     args = parser.parse_args()
-    rows = measure(args.repeats)
-    for row in rows:
-        print(json.dumps(row))
-    args.out.write_text(json.dumps({"environment": environment("cpu"), "batch": BATCH, "rows": rows}, indent=1) + "\n")
+    tables = {"rows": measure(args.repeats), "calls": measure_calls(args.repeats),
+              "dispatch": measure_dispatch(args.repeats)}
+    for table, rows in tables.items():
+        for row in rows:
+            print(json.dumps({"table": table, **row}))
+    args.out.write_text(json.dumps({"environment": environment("cpu"), "batch": BATCH, **tables}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

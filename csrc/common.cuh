@@ -59,13 +59,16 @@ __device__ __forceinline__ void load_floats(const T* __restrict__ src, float (&d
   }
 }
 
-// An int64 index tensor, (B,) or (B, R) (query row r of item b); a stride is 0 where a value is
-// broadcast, and stride_r is 0 for a (B,) tensor, so that every row of item b reads its value.
+// An int32 or int64 index tensor, (B,) or (B, R) (query row r of item b); a stride is 0 where a value is
+// broadcast, and stride_r is 0 for a (B,) tensor, so that every row of item b reads its value. Both widths are
+// read as they are (FlashAttention's and vLLM's lengths are int32): converting would cost the caller a launch.
 struct Index {
-  const int64_t* data;
+  const void* data;
   int64_t stride_b, stride_r;
+  bool is_int32 = false;
   __device__ __forceinline__ int64_t operator()(int64_t b, int64_t r = 0) const {
-    return data[b * stride_b + r * stride_r];
+    const int64_t at = b * stride_b + r * stride_r;
+    return is_int32 ? int64_t(static_cast<const int32_t*>(data)[at]) : static_cast<const int64_t*>(data)[at];
   }
 };
 

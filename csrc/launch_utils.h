@@ -49,20 +49,22 @@ inline void check_state(const char* op, const char* name, const at::Tensor& t, a
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous: it is written in place");
 }
 
-// An int64 index tensor of shape (batch,), or (batch, rows) when rows >= 0.
+// An int32 or int64 index tensor of shape (batch,), or (batch, rows) when rows >= 0.
 inline Index index_arg(const char* op, const char* name, const at::Tensor& t, int64_t batch,
                        const at::Tensor& like, int64_t rows = -1) {
   TORCH_CHECK(t.is_cuda() && t.device() == like.device(), op, ": ", name, " must be on ", like.device(),
               ", got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kLong, op, ": ", name, " must be int64, got ", t.scalar_type());
+  const bool is_int32 = t.scalar_type() == at::kInt;
+  TORCH_CHECK(is_int32 || t.scalar_type() == at::kLong, op, ": ", name, " must be int32 or int64, got ",
+              t.scalar_type());
   if (rows < 0) {
     TORCH_CHECK(t.dim() == 1 && t.size(0) == batch, op, ": ", name, " must have shape (", batch, ",), got ",
                 t.sizes());
-    return Index{t.data_ptr<int64_t>(), t.stride(0), 0};
+    return Index{t.data_ptr(), t.stride(0), 0, is_int32};
   }
   TORCH_CHECK(t.dim() == 2 && t.size(0) == batch && t.size(1) == rows, op, ": ", name, " must have shape (",
               batch, ", ", rows, "), got ", t.sizes());
-  return Index{t.data_ptr<int64_t>(), t.stride(0), t.stride(1)};
+  return Index{t.data_ptr(), t.stride(0), t.stride(1), is_int32};
 }
 
 // A given log-sum-exp of `sizes`, any float dtype, as the float32 contiguous tensor the kernels read.

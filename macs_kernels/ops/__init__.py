@@ -2,7 +2,8 @@
 dispatch, a docstring with shapes); this package only re-exports them.
 
 Conventions shared by every op:
-- (B,) index tensors are int32 or int64 (Python ints and sequences are accepted too); key positions are
+- (B,) index tensors are int32 or int64, read as they are (no conversion launched; Python ints and sequences
+  are accepted too, at the cost of a fill or a copy from the host); key positions are
   absolute slots of the cache, so with left padding `kv_len` = pads + tokens in use;
 - query head h reads KV head h // (H // H_kv) (grouped-query attention);
 - any float dtype in, float32 accumulation; the last dimension must have unit stride;

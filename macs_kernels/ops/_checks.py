@@ -124,11 +124,30 @@ def check_tensor(name, tensor, ndim, *, float_dtype=True):
         raise ValueError(f"{name} must have unit stride in its last dimension, got strides {tensor.stride()}")
 
 
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _index_tensor(name, tensor, shape, device, expected):
+    if tensor.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got {tensor.dtype}")
+    if tensor.shape != shape:
+        raise ValueError(f"{name} must have shape {expected}, got {tuple(tensor.shape)}")
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device} but the data is on {device}")
+    # Contiguous: kernels index (b[, r]) as b [* R + r] (a no-op for the tensors callers hold).
+    return tensor.contiguous()
+
+
 def as_index(name, value, batch, device):
-    """A (B,) int64 index tensor from a tensor, a sequence or a Python int (repeated over the batch). A sequence
-    is copied from the host, which a CUDA graph cannot capture: captured calls pass tensors or ints."""
+    """A contiguous (B,) int32 or int64 index tensor from a tensor (its dtype kept: every backend reads both, so
+    that FlashAttention's and vLLM's int32 lengths cost no conversion), a sequence or a Python int (repeated over
+    the batch). A sequence is copied from the host, which a CUDA graph cannot capture, and an int is a fill: a
+    call that should launch nothing but its kernel passes tensors."""
     if value is None:
         return None
+    device = torch.device(device)
+    if isinstance(value, torch.Tensor) and value.dim() == 1:
+        return _index_tensor(name, value, (batch,), device, f"({batch},)")
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         # Filled on the device (a CUDA graph can capture a fill, not a copy from the host); a copy, not a
         # stride-0 view: kernels index these by row.
@@ -136,27 +155,39 @@ def as_index(name, value, batch, device):
     tensor = torch.as_tensor(value, device=device)
     if tensor.dim() == 0:
         tensor = tensor.repeat(batch)
-    if tensor.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} must be int32 or int64, got {tensor.dtype}")
-    if tuple(tensor.shape) != (batch,):
-        raise ValueError(f"{name} must have shape ({batch},), got {tuple(tensor.shape)}")
-    if tensor.device != torch.device(device):
-        raise ValueError(f"{name} is on {tensor.device} but the data is on {device}")
-    return tensor.long()
+    return _index_tensor(name, tensor, (batch,), device, f"({batch},)")
+
+
+# device -> int64 zeros that every call with a default start of 0 reads (a slice: no launch). Never freed or grown:
+# a CUDA graph that captured a slice keeps reading it.
+_ZEROS: dict[torch.device, torch.Tensor] = {}
+_ZEROS_SIZE = 1024
+
+
+def zeros_index(batch, device):
+    """A (B,) int64 index of zeros, as `as_index(name, 0, ...)` returns, without a launch when it can: a slice of a
+    tensor made once per device by an eager call (a capture or torch.compile's tracing fills its own)."""
+    device = torch.device(device)
+    if torch.compiler.is_compiling() or batch > _ZEROS_SIZE:
+        return torch.zeros(batch, dtype=torch.int64, device=device)
+    zeros = _ZEROS.get(device)
+    if zeros is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.zeros(batch, dtype=torch.int64, device=device)
+        zeros = _ZEROS[device] = torch.zeros(_ZEROS_SIZE, dtype=torch.int64, device=device)
+        if device.type == "cuda":
+            # Other streams read it too: its fill must be done before any of them does.
+            torch.cuda.current_stream(device).synchronize()
+    return zeros[:batch]
 
 
 def as_row_index(name, value, batch, rows, device):
-    """A contiguous (B, R) int64 index tensor: (B, R) as given, or (B,) / a Python int repeated over the R rows."""
+    """A (B, R) int32 or int64 index tensor: (B, R) as given (contiguous), or (B,) / a Python int broadcast over the
+    R rows (a view with stride 0 over R: kernels read every range with its strides)."""
     if isinstance(value, torch.Tensor) and value.dim() == 2:
-        if value.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{name} must be int32 or int64, got {value.dtype}")
-        if tuple(value.shape) != (batch, rows):
-            raise ValueError(f"{name} must have shape ({batch},) or ({batch}, {rows}), got {tuple(value.shape)}")
-        if value.device != torch.device(device):
-            raise ValueError(f"{name} is on {value.device} but the data is on {device}")
-        # Contiguous: kernels index (b, r) as b * R + r (an expanded (B, 1) view has stride 0).
-        return value.long().contiguous()
-    return as_index(name, value, batch, device)[:, None].repeat(1, rows)
+        return _index_tensor(name, value, (batch, rows), torch.device(device), f"({batch},) or ({batch}, {rows})")
+    column = as_index(name, value, batch, device).unsqueeze(1)
+    return column if rows == 1 else column.expand(batch, rows)
 
 
 def _in_range(start, end, length, keys, n_max=None):
@@ -167,7 +198,7 @@ def _in_range(start, end, length, keys, n_max=None):
 
 def check_ranges(input_start, input_end, kv_len, keys, n_max=None, state="log_c", validate=None):
     """0 <= input_start < input_end <= kv_len <= keys per row, and N_b <= n_max (where and when `validate` says:
-    see the module's docstring)."""
+    see the module's docstring). (B,) or (B, R) ranges; a row's number counts (b, r) row-major."""
     values = values_to_check(validate, input_start, input_end, kv_len)
     if values is None:
         return
@@ -177,7 +208,7 @@ def check_ranges(input_start, input_end, kv_len, keys, n_max=None, state="log_c"
         invalid_entry(_in_range(*values, keys, n_max), f"every row needs {rule}{fits}")
         return
     # One copy of the three (host) tensors to Python ints: cheaper than the tensor form's kernels.
-    for b, (s, e, n) in enumerate(zip(*torch.stack(values).tolist())):
+    for b, (s, e, n) in enumerate(zip(*torch.stack([value.flatten() for value in values]).tolist())):
         if not _in_range(s, e, n, keys):
             raise ValueError(f"row {b}: need {rule}, got input_start={s}, input_end={e}, kv_len={n}")
         if not _in_range(s, e, n, keys, n_max):

@@ -14,26 +14,25 @@ from macs_kernels.ops._checks import (
     values_readable,
     values_to_check,
 )
-from macs_kernels.ops.registry import NAMESPACE, kernel
+from macs_kernels.ops.library import define_operator
+from macs_kernels.ops.registry import kernel
 from macs_kernels.ops.torch import features as torch_features
 from macs_kernels.ops.variant import Variant
 
-operator = torch.library.custom_op(
-    f"{NAMESPACE}::attention_features", torch_features.attention_features, mutates_args=()
-)
 
-
-@operator.register_fake
-def _(q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, n_max, scale, lse, window=None, softcap=None,
-      sinks=None):
+def _fake(q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, n_max, scale, lse, window=None, softcap=None,
+          sinks=None):
     return q.new_empty((q.shape[0], q.shape[1], n_max), dtype=torch.float32)
+
+
+operator = define_operator(torch_features.attention_features, fake=_fake)
 
 
 def check_features_args(q, k_cache, source_start, source_end, kv_start, kv_len, n_rows, lse, n_max=None,
                         validate=None):
     """Validate attention_features' arguments (values where and when `validate` says: see ops._checks).
 
-    Returns (source_start, source_end, kv_start, kv_len, n_rows) as (B,) int64 and N_max: `n_max` when given
+    Returns (source_start, source_end, kv_start, kv_len, n_rows) as (B,) int32 or int64 and N_max: `n_max` when given
     (every span must fit it), else the longest span (read on the host: refused inside a capture).
     """
     check_q_k(q, k_cache, q_dims=4)

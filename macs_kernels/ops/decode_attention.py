@@ -12,21 +12,21 @@ from macs_kernels.ops._checks import (
     check_options,
     check_q_k,
     check_ranges,
+    zeros_index,
 )
-from macs_kernels.ops.registry import NAMESPACE, kernel
+from macs_kernels.ops.library import define_operator
+from macs_kernels.ops.registry import kernel
 from macs_kernels.ops.torch import backend as torch_backend
 from macs_kernels.ops.variant import Variant, of_arguments
 
-operator = torch.library.custom_op(
-    f"{NAMESPACE}::decode_attention", torch_backend.decode_attention, mutates_args=("log_c", "pooled")
-)
 
-
-@operator.register_fake
-def _(q, k_cache, v_cache, kv_start, kv_len, scale, log_c, input_end, alpha, pooling, redistribute, pooled,
-      score_start=None, softcap=None, sinks=None):
+def _fake(q, k_cache, v_cache, kv_start, kv_len, scale, log_c, input_end, alpha, pooling, redistribute, pooled,
+          score_start=None, softcap=None, sinks=None):
     batch, heads, _ = q.shape
     return q.new_empty((batch, heads, v_cache.shape[-1])), q.new_empty((batch, heads), dtype=torch.float32)
+
+
+operator = define_operator(torch_backend.decode_attention, mutates_args=("log_c", "pooled"), fake=_fake)
 
 
 def decode_attention(
@@ -55,7 +55,7 @@ def decode_attention(
     check_q_k(q, k_cache, v_cache)
     batch = q.shape[0]
     kv_len = as_index("kv_len", kv_len, batch, q.device)
-    kv_start = as_index("kv_start", 0 if kv_start is None else kv_start, batch, q.device)
+    kv_start = zeros_index(batch, q.device) if kv_start is None else as_index("kv_start", kv_start, batch, q.device)
     if log_c is not None and pooled is not None:
         raise ValueError("give log_c or pooled, not both")
     keys = k_cache.shape[2]

@@ -3,25 +3,32 @@ from __future__ import annotations
 
 import torch
 
-from macs_kernels.ops._checks import IndexLike, as_index, check_ranges, check_tensor, invalid_entry, values_to_check
-from macs_kernels.ops.registry import NAMESPACE, kernel
+from macs_kernels.ops._checks import (
+    IndexLike,
+    as_index,
+    check_ranges,
+    check_tensor,
+    invalid_entry,
+    values_to_check,
+    zeros_index,
+)
+from macs_kernels.ops.library import define_operator
+from macs_kernels.ops.registry import kernel
 from macs_kernels.ops.torch import efficient as torch_efficient
 from macs_kernels.ops.torch.efficient import DEFAULT_RCOND
 
-operator = torch.library.custom_op(
-    f"{NAMESPACE}::efficient_attention", torch_efficient.efficient_attention, mutates_args=()
-)
 
-
-@operator.register_fake
-def _(p, v_cache, kv_start, kv_len, causal, rcond, gram=None):
+def _fake(p, v_cache, kv_start, kv_len, causal, rcond, gram=None):
     dtype = torch.float64 if torch.float64 in (p.dtype, v_cache.dtype) else torch.float32
     return p.new_empty(p.shape, dtype=dtype), p.new_empty(p.shape[:3], dtype=dtype)
 
 
+operator = define_operator(torch_efficient.efficient_attention, fake=_fake)
+
+
 def check_efficient_args(p, v_cache, kv_start, kv_len, rcond, *, causal=False, validate=None):
     """Validate efficient_attention's arguments (values where and when `validate` says: see ops._checks); returns
-    (kv_start, kv_len) as (B,) int64."""
+    (kv_start, kv_len) as (B,) int32 or int64."""
     check_tensor("p", p, 4)
     check_tensor("v_cache", v_cache, 4)
     batch, heads, rows, keys = p.shape
@@ -36,7 +43,7 @@ def check_efficient_args(p, v_cache, kv_start, kv_len, rcond, *, causal=False, v
     if isinstance(rcond, bool) or not isinstance(rcond, (int, float)) or not 0.0 <= rcond < 1.0:
         raise ValueError(f"rcond must be a number in [0, 1), got {rcond!r}")
     kv_len = as_index("kv_len", kv_len, batch, p.device)
-    kv_start = as_index("kv_start", 0 if kv_start is None else kv_start, batch, p.device)
+    kv_start = zeros_index(batch, p.device) if kv_start is None else as_index("kv_start", kv_start, batch, p.device)
     check_ranges(kv_start, kv_len, kv_len, keys, validate=validate)
     values = values_to_check(validate, kv_len) if causal else None
     if values is not None:

@@ -16,12 +16,12 @@ from macs_kernels.ops._checks import (
     check_ranges,
     values_readable,
 )
-from macs_kernels.ops.registry import NAMESPACE, kernel
+from macs_kernels.ops.library import define_operator
+from macs_kernels.ops.registry import kernel
 from macs_kernels.ops.torch import backend as torch_backend
 from macs_kernels.ops.variant import Variant, of_arguments
 
-# Writes `out` and returns nothing: the trivial fake kernel torch.library generates is the right one.
-operator = torch.library.custom_op(f"{NAMESPACE}::macs_pool", torch_backend.macs_pool, mutates_args=("out",))
+operator = define_operator(torch_backend.macs_pool, mutates_args=("out",))
 
 
 def macs_pool(
@@ -133,8 +133,7 @@ def row_arguments(q, keys, input_start, input_end, kv_len, lse, out, validate=No
     expected_rank = 2 if single_row else 3
     if out is not None and (not isinstance(out, torch.Tensor) or out.dim() != expected_rank):
         raise ValueError(f"out must be a float32 tensor with {expected_rank} dimensions (q's rank minus one)")
-    check_ranges(*(index.flatten() for index in ranges), keys, None if out is None else out.shape[-1], state="out",
-                 validate=validate)
+    check_ranges(*ranges, keys, None if out is None else out.shape[-1], state="out", validate=validate)
     if out is None:
         values_readable("out", q)
     n_max = int((ranges[1] - ranges[0]).max()) if out is None else out.shape[-1]

@@ -6,15 +6,12 @@ from __future__ import annotations
 import torch
 
 from macs_kernels.ops._checks import IndexLike
+from macs_kernels.ops.library import define_operator
 from macs_kernels.ops.macs_pool import macs_pool
-from macs_kernels.ops.registry import NAMESPACE
 from macs_kernels.ops.torch import backend as torch_backend
 from macs_kernels.ops.variant import Variant
 
-# Writes `out` and returns nothing: the trivial fake kernel torch.library generates is the right one.
-operator = torch.library.custom_op(
-    f"{NAMESPACE}::macs_pool_paged", torch_backend.macs_pool_paged, mutates_args=("out",)
-)
+operator = define_operator(torch_backend.macs_pool_paged, mutates_args=("out",))
 
 
 def macs_pool_paged(

@@ -14,13 +14,13 @@ from macs_kernels.ops._checks import (
     check_q_k,
     check_ranges,
 )
-from macs_kernels.ops.registry import NAMESPACE, kernel
+from macs_kernels.ops.library import define_operator
+from macs_kernels.ops.registry import kernel
 from macs_kernels.ops.torch import backend as torch_backend
 
 # Schema from torch_backend.macs_update's type hints; the torch path is the kernel on every device unless
 # the compiled extension registers its CUDA kernel. Mutating and returning nothing, the op's fake kernel is
-# the trivial one that torch.library generates.
-operator = torch.library.custom_op(f"{NAMESPACE}::macs_update", torch_backend.macs_update, mutates_args=("log_c",))
+operator = define_operator(torch_backend.macs_update, mutates_args=("log_c",))
 
 
 def macs_update(

@@ -12,13 +12,11 @@ from macs_kernels.ops._checks import (
     check_ranges,
     check_tensor,
 )
-from macs_kernels.ops.registry import NAMESPACE, kernel
+from macs_kernels.ops.library import define_operator
+from macs_kernels.ops.registry import kernel
 from macs_kernels.ops.torch import backend as torch_backend
 
-# Mutating and returning nothing: the trivial fake kernel torch.library generates is the right one.
-operator = torch.library.custom_op(
-    f"{NAMESPACE}::macs_update_rows", torch_backend.macs_update_rows, mutates_args=("log_c",)
-)
+operator = define_operator(torch_backend.macs_update_rows, mutates_args=("log_c",))
 
 
 def macs_update_rows(

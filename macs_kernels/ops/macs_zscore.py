@@ -4,15 +4,16 @@ from __future__ import annotations
 import torch
 
 from macs_kernels.ops._checks import IndexLike, as_index, check_log_c, check_tensor, invalid_entry, values_to_check
-from macs_kernels.ops.registry import NAMESPACE, kernel
+from macs_kernels.ops.library import define_operator
+from macs_kernels.ops.registry import kernel
 from macs_kernels.ops.torch import backend as torch_backend
 
-operator = torch.library.custom_op(f"{NAMESPACE}::macs_zscore", torch_backend.macs_zscore, mutates_args=())
 
-
-@operator.register_fake
-def _(log_c: torch.Tensor, n_input: torch.Tensor) -> torch.Tensor:
+def _fake(log_c: torch.Tensor, n_input: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(log_c, memory_format=torch.contiguous_format)
+
+
+operator = define_operator(torch_backend.macs_zscore, fake=_fake)
 
 
 def macs_zscore(log_c: torch.Tensor, n_input: IndexLike, *, backend: str | None = None,

@@ -1,9 +1,12 @@
 """The triton backend's fused ops run under every one of its fused passes
 (ops.triton.settings.TRITON_SPLIT_KV_PASSES): the tests of the modules below that take a `backend` run once more with
-backend "triton" per pass other than the default ("two-launch", "one-launch")."""
+backend "triton" per pass other than the default ("two-launch", "one-launch"). `on_device`: index tensors as the
+argument checks see a GPU's."""
 from __future__ import annotations
 
 import pytest
+
+from macs_kernels.ops import _checks
 
 try:  # the triton backend's package, where triton is installed
     from macs_kernels.ops.triton import settings
@@ -12,7 +15,7 @@ except ImportError:
 
 FUSED_OP_MODULES = {
     "test_decode_attention", "test_macs_update", "test_macs_pool", "test_macs_pool_paged", "test_variants",
-    "test_properties",
+    "test_properties", "test_call_cost",
 }
 
 
@@ -42,3 +45,10 @@ def triton_split_kv(request):
     settings.set_triton_split_kv_pass(getattr(request, "param", previous))
     yield settings.triton_split_kv_pass()
     settings.set_triton_split_kv_pass(previous)
+
+
+@pytest.fixture
+def on_device(monkeypatch):
+    """Index tensors as the checks see device tensors: values not on the host."""
+    monkeypatch.setattr(_checks, "on_host", lambda *tensors: False)
+    monkeypatch.delenv("MACS_KERNELS_VALIDATE", raising=False)

@@ -199,8 +199,8 @@ def test_launcher_errors_are_readable():
     with pytest.raises(RuntimeError, match="pooling must be"):
         torch.ops.macs_kernels.macs_update(q, k_cache.half(), log_c, index, index + 5, index + 10, 0.1, 0.8, "median",
                                            True, None)
-    with pytest.raises(RuntimeError, match="input_end must be int64"):
-        torch.ops.macs_kernels.macs_update(q, k_cache.half(), log_c, index, (index + 5).int(), index + 10, 0.1, 0.8,
+    with pytest.raises(RuntimeError, match="input_end must be int32 or int64"):
+        torch.ops.macs_kernels.macs_update(q, k_cache.half(), log_c, index, (index + 5).short(), index + 10, 0.1, 0.8,
                                            "max", True, None)
 
 

@@ -146,8 +146,8 @@ def test_launcher_errors_name_the_argument():
         macs_pool(q, k_cache, out[:, :2], start, input_end, kv_len, 0.1, "max", True, None)
     with pytest.raises(RuntimeError, match=r"macs_pool: input_start must have shape \(2, 3\)"):
         macs_pool(q, k_cache, out, start[:, 0].contiguous(), input_end, kv_len, 0.1, "max", True, None)
-    with pytest.raises(RuntimeError, match=r"macs_pool: kv_len must be int64"):
-        macs_pool(q, k_cache, out, start, input_end, kv_len.int(), 0.1, "max", True, None)
+    with pytest.raises(RuntimeError, match=r"macs_pool: kv_len must be int32 or int64"):
+        macs_pool(q, k_cache, out, start, input_end, kv_len.double(), 0.1, "max", True, None)
     with pytest.raises(RuntimeError, match=r"macs_pool: lse must have 3 dimensions"):
         macs_pool(q, k_cache, out, start, input_end, kv_len, 0.1, "max", True, torch.zeros(2, 2, device="cuda"))
     with pytest.raises(RuntimeError, match=r"macs_pool: pooling must be 'max', 'mean' or 'min'"):

@@ -15,7 +15,7 @@ BATCH, HEADS, KV_HEADS, KEYS, DIM, N_MAX = 2, 6, 2, 13, 8, 9
 INPUT_START, INPUT_END, KV_LEN = [2, 0], [9, 5], [13, 8]
 
 # The operator contract with csrc/ (argument order matters: the C++ kernels take these positionally).
-# custom_op writes a Python int as SymInt; a C++ kernel taking int64_t is accepted for it.
+# The schema inferred from a Python int is SymInt; a C++ kernel taking int64_t is accepted for it.
 SCHEMAS = {
     "macs_update": "(Tensor q, Tensor k_cache, Tensor(a2!) log_c, Tensor input_start, Tensor input_end, "
                    "Tensor kv_len, float scale, float alpha, str pooling, bool redistribute, Tensor? lse) -> ()",

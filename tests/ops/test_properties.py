@@ -28,13 +28,20 @@ def shapes(draw, max_keys=70):
 
 @st.composite
 def ragged_ranges(draw, batch, keys, rows=None):
-    """(start, end, kv_len) int64 of shape (B,) or (B, R): 0 <= start < end <= kv_len <= keys."""
+    """(start, end, kv_len) of shape (B,) or (B, R): 0 <= start < end <= kv_len <= keys; each int32 or int64, as
+    given or a strided view (a column of a wider tensor), as callers hold them."""
     shape = (batch,) if rows is None else (batch, rows)
     count = batch * (rows or 1)
     start = draw(st.lists(st.integers(0, keys - 1), min_size=count, max_size=count))
     end = [draw(st.integers(s + 1, keys)) for s in start]
     length = [draw(st.integers(e, keys)) for e in end]
-    return tuple(torch.tensor(values, dtype=torch.int64).view(shape) for values in (start, end, length))
+    return tuple(index_as_held(draw, torch.tensor(values).view(shape)) for values in (start, end, length))
+
+
+def index_as_held(draw, index):
+    """`index` int32 or int64, contiguous or a view with other strides."""
+    index = index.to(draw(st.sampled_from((torch.int64, torch.int32))))
+    return torch.stack([index, -index], dim=-1)[..., 0] if draw(st.booleans()) else index
 
 
 def tensor(draw, *shape, dtype=torch.float32, scale=1.0):

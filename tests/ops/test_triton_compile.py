@@ -65,6 +65,13 @@ VARIANTS = {
     "pool_paged_fp16_gqa9_d128_page256": _split_kv("fp16", D=128, GROUP=9, BLOCK_M=64, PAGE_SIZE=256),
     # vLLM's FLASH_ATTN cache (macs_kernels.engines.vllm.flash): 16-slot blocks, a Llama-style GQA 4:1 at D = 128.
     "pool_paged_bf16_gqa4_d128_page16": _split_kv("bf16", D=128, GROUP=4, BLOCK_M=16, PAGE_SIZE=16),
+    # FlashAttention's and vLLM's int32 lengths, read as they are (ops take int32 and int64 ranges).
+    "decode_bf16_gqa4_d128_int32_ranges": (
+        "split_kv", "_split_kv_kernel", {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16",
+                                         **dict.fromkeys(SPLIT_INDEX, "i32")},
+        dict(D=128, BLOCK_D=128, GROUP=4, BLOCK_M=16, BLOCK_N=64, WITH_V=True, WITH_SCORES=True, DOT_F32=False,
+             PAGE_SIZE=0, SOFTCAP=False), dict(num_warps=4, num_stages=3),
+    ),
     "decode_fp32_mha_d128": _split_kv("fp32", D=128, GROUP=1, BLOCK_M=16, WITH_V=True, WITH_SCORES=False,
                                       DOT_F32=True),
     # Attention variants (ops.Variant): Gemma 2's softcap in the split pass, gpt-oss's sinks in the combine.
@@ -98,6 +105,12 @@ VARIANTS = {
                                                        POOLING="min", LSE_GIVEN=True),
     "one_launch_pool_block_sinks_bf16_gqa9_d64_mean": _one_launch(
         "bf16", D=64, GROUP=9, BLOCK_M=64, POOLING="mean", INTO_LOG_C=False, HAS_SINKS=True, SOFTCAP=True),
+    "one_launch_decode_bf16_gqa4_d128_int32_ranges": (
+        "split_kv", "_one_launch_kernel",
+        dict(_one_launch("bf16", D=128, GROUP=4, BLOCK_M=16, WITH_V=True, scores="fp16")[2],
+             **dict.fromkeys((*SPLIT_INDEX, "pool_start_ptr"), "i32")),
+        *_one_launch("bf16", D=128, GROUP=4, BLOCK_M=16, WITH_V=True, scores="fp16")[3:],
+    ),
     "one_launch_pool_paged_bf16_gqa4_d128_page16": _one_launch("bf16", D=128, GROUP=4, BLOCK_M=16, PAGE_SIZE=16,
                                                                INTO_LOG_C=False),
     "combine_bf16": (
@@ -120,6 +133,11 @@ VARIANTS = {
     "pool_scores_out_min": (
         "pool", "_pool_kernel", {"start_ptr": "i64", "end_ptr": "i64"},
         dict(H_PAD=16, BLOCK_I=256, FROM_SCORES=True, REDISTRIBUTE=True, POOLING="min", INTO_LOG_C=False),
+        dict(num_warps=4),
+    ),
+    "pool_scores_int32_ranges": (
+        "pool", "_pool_kernel", {"start_ptr": "i32", "end_ptr": "i32"},
+        dict(H_PAD=32, BLOCK_I=128, FROM_SCORES=True, REDISTRIBUTE=True, POOLING="max", INTO_LOG_C=True),
         dict(num_warps=4),
     ),
     "pool_rows_bf16_mean": (

@@ -6,24 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from macs_kernels import ops
 from macs_kernels.ops import _checks
+from tests.ops.cases import CountOps
 
 B, H, H_KV, S, D, N_MAX = 2, 4, 2, 23, 8, 11  # odd sizes
-
-
-class CountOps(TorchDispatchMode):
-    """The aten ops run inside the mode: each is at least one kernel launch on a GPU."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def _data():
@@ -36,13 +24,6 @@ def _data():
 def _bad_ranges():
     # Row 1 ends past the cache: kv_len 24 > S = 23.
     return {"kv_start": torch.tensor([0, 3]), "input_end": torch.tensor([5, 9]), "kv_len": torch.tensor([17, 24])}
-
-
-@pytest.fixture
-def on_device(monkeypatch):
-    """Index tensors as the checks see device tensors: values not on the host."""
-    monkeypatch.setattr(_checks, "on_host", lambda *tensors: False)
-    monkeypatch.delenv("MACS_KERNELS_VALIDATE", raising=False)
 
 
 def test_the_default_checks_host_values_and_names_the_row():

@@ -170,9 +170,9 @@ def _flat(tensor: torch.Tensor) -> tuple[np.ndarray, tuple[int, ...]]:
 def macs_pool_paged(q, k_pages, block_table, out, input_start, input_end, kv_len, scale, pooling, redistribute,
                     lse, score_start=None, softcap=None, sinks=None):
     """q (B, H, R, D), k_pages (P, page_size, H_kv, D) any strides, block_table (B, pages) int32, ranges
-    (B, R) int64, out (B, R, N_max) float32 written; lse (B, H, R) or None; score_start (B, R), softcap,
-    sinks (H,): the layer's attention variant in key slots, as torch_backend.macs_pool takes it (a sliding-window
-    row attends from input_start, its inputs start at score_start)."""
+    (B, R) int32 or int64 (any strides), out (B, R, N_max) float32 written; lse (B, H, R) or None; score_start
+    (B, R), softcap, sinks (H,): the layer's attention variant in key slots, as torch_backend.macs_pool takes it (a
+    sliding-window row attends from input_start, its inputs start at score_start)."""
     if k_pages.dtype != torch.float32:
         # Numba has no bfloat16: the attended pages are gathered in float32 (a copy), under a table that
         # numbers them in that order.

@@ -2,7 +2,7 @@
 default kernel (ops/<op>.py declares `torch.ops.macs_kernels.<op>` from the function's type hints).
 
 Arguments arrive validated and positional in the operator's order; index tensors are (B,) (macs_pool:
-(B, R)) int64 on the data's device.
+(B, R), possibly a (B,) broadcast with stride 0) int32 or int64 on the data's device, as the caller held them.
 Nothing here materialises more than one (B, H, S) row block per call: the O(S^2) attention matrix
 never exists.
 

@@ -68,7 +68,10 @@ def window_ranges(input_start, input_end, kv_len, key_offset=0, window=None):
     The row attends tokens [max(input_start, kv_len - window), kv_len); input tokens before that get no
     attention, and their slots may lie before slot 0 (not in the cache at all)."""
     attend = window_start(input_start, kv_len, window)
-    return tuple(bound - key_offset for bound in (attend, input_start, input_end, kv_len))
+    bounds = (attend, input_start, input_end, kv_len)
+    if isinstance(key_offset, int) and key_offset == 0:
+        return bounds
+    return tuple(bound - key_offset for bound in bounds)
 
 
 def outside_range(keys: int, start: Tensor, end: Tensor) -> Tensor:

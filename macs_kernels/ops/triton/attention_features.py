@@ -53,9 +53,9 @@ def _features_lse_kernel(
     b = (pid // heads).to(tl.int64)
     h = (pid % heads).to(tl.int64)
     kv_head = h // group
-    start = tl.load(start_ptr + b)
-    n_rows = tl.load(n_rows_ptr + b)
-    base = tl.load(kv_len_ptr + b) - n_rows  # row r's keys end at base + r + 1
+    start = tl.load(start_ptr + b).to(tl.int64)
+    n_rows = tl.load(n_rows_ptr + b).to(tl.int64)
+    base = tl.load(kv_len_ptr + b).to(tl.int64) - n_rows  # row r's keys end at base + r + 1
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     row_ok = r < n_rows
@@ -99,10 +99,10 @@ def _features_kernel(
     b = (pid // heads).to(tl.int64)
     h = (pid % heads).to(tl.int64)
     kv_head = h // group
-    source_start = tl.load(source_start_ptr + b)
-    source_end = tl.load(source_end_ptr + b)
-    n_rows = tl.load(n_rows_ptr + b)
-    base = tl.load(kv_len_ptr + b) - n_rows
+    source_start = tl.load(source_start_ptr + b).to(tl.int64)
+    source_end = tl.load(source_end_ptr + b).to(tl.int64)
+    n_rows = tl.load(n_rows_ptr + b).to(tl.int64)
+    base = tl.load(kv_len_ptr + b).to(tl.int64) - n_rows
     i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n = source_start + i
     d = tl.arange(0, BLOCK_D)

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from macs_kernels.ops.triton.common import cdiv, launch, next_pow2, pool_block, row_block
+from macs_kernels.ops.triton.common import cdiv, launch, next_pow2, one_layout, pool_block, row_block
 
 
 @triton.jit
@@ -22,9 +22,9 @@ def _generated_mass_kernel(
     row = tl.program_id(0).to(tl.int64)
     b = row // heads
     base = rows_ptr + b * stride_rb + (row % heads) * stride_rh
-    end = tl.load(kv_len_ptr + b)
+    end = tl.load(kv_len_ptr + b).to(tl.int64)
     total = tl.zeros([BLOCK_S], tl.float32)
-    for j0 in range(tl.load(input_end_ptr + b), end, BLOCK_S):
+    for j0 in range(tl.load(input_end_ptr + b).to(tl.int64), end, BLOCK_S):
         j = j0 + tl.arange(0, BLOCK_S)
         total += tl.load(base + j, mask=j < end, other=0.0).to(tl.float32)
     tl.store(mass_ptr + row, tl.sum(total, 0))
@@ -44,8 +44,8 @@ def _pool_kernel(
     b = (tl.program_id(0) // rows).to(tl.int64)
     r = (tl.program_id(0) % rows).to(tl.int64)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    start = tl.load(start_ptr + b * stride_ib + r * stride_ir)
-    n_input = tl.load(end_ptr + b * stride_ib + r * stride_ir) - start
+    start = tl.load(start_ptr + b * stride_ib + r * stride_ir).to(tl.int64)
+    n_input = tl.load(end_ptr + b * stride_ib + r * stride_ir).to(tl.int64) - start
     i_mask = i < n_input
     h = tl.arange(0, H_PAD)
     h_mask = h < heads
@@ -99,13 +99,14 @@ def pool(values, target, start, end, *, lse=None, generated=None, alpha=None, po
 
     values: scores (B, H, R, N_max) with lse and generated = lse_gen (B, H, R), or rows (B, H, S) (R = 1)
         with generated = each head's generated mass (B, H) float32 (lse None).
-    start, end: (B, R) int64 input ranges (stride 0 over R allowed).
+    start, end: (B, R) int32 or int64 input ranges, any strides (stride 0 over R allowed).
     target: log_c (B, N_max) to which log(alpha * m' + 1 - alpha) is added for i < N (into_log_c), or
         out (B, R, N_max) that receives m' for i < N and 0 after.
     alpha: the floor weight of log c's update (into_log_c: required); None where m' is written.
     """
     if into_log_c and alpha is None:
         raise ValueError("pool into log_c needs alpha")
+    start, end = one_layout(start, end)
     from_scores = lse is not None
     values4 = values if from_scores else values[:, :, None]
     batch, heads, rows = values4.shape[:3]

@@ -42,6 +42,7 @@ from macs_kernels.ops.triton.common import (
     launch,
     multiprocessors,
     next_pow2,
+    one_layout,
     operand,
     pool_block,
     split_kv_tiles,
@@ -90,10 +91,10 @@ def _split_slice(
     r = m_index // GROUP
     ranges = b * stride_ib + r * stride_ir
     # Padding rows attend nothing: start = kv_len = 0.
-    start = tl.load(start_ptr + ranges, mask=row_ok, other=0)
-    input_end = tl.load(input_end_ptr + ranges, mask=row_ok, other=0)
-    kv_len = tl.load(kv_len_ptr + ranges, mask=row_ok, other=0)
-    score_start = tl.load(score_start_ptr + ranges, mask=row_ok, other=0)
+    start = tl.load(start_ptr + ranges, mask=row_ok, other=0).to(tl.int64)
+    input_end = tl.load(input_end_ptr + ranges, mask=row_ok, other=0).to(tl.int64)
+    kv_len = tl.load(kv_len_ptr + ranges, mask=row_ok, other=0).to(tl.int64)
+    score_start = tl.load(score_start_ptr + ranges, mask=row_ok, other=0).to(tl.int64)
     lo = tl.maximum(tl.min(tl.where(row_ok, start, 2147483647), 0), split * split_size)
     hi = tl.minimum(tl.max(kv_len, 0), (split + 1) * split_size)
 
@@ -291,8 +292,8 @@ def _combine_pool_kernel(
             lse = tl.load(given_lse_ptr + b * stride_gb + h * stride_gh + r * stride_gr, mask=h_mask, other=0.0)
             lse = lse.to(tl.float32)
         gen = tl.exp(lse_gen - lse)
-        start = tl.load(pool_start_ptr + b * stride_ib + r * stride_ir)
-        n_input = tl.load(input_end_ptr + b * stride_ib + r * stride_ir) - start
+        start = tl.load(pool_start_ptr + b * stride_ib + r * stride_ir).to(tl.int64)
+        n_input = tl.load(input_end_ptr + b * stride_ib + r * stride_ir).to(tl.int64) - start
         score_rows = scores_ptr + b * stride_sb + r * stride_sr + h[:, None] * stride_sh
         for t in range(0, tiles_per_program):
             i = (program * tiles_per_program + t) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -412,8 +413,8 @@ def _one_launch_kernel(
                 lse_g = tl.load(given_lse_ptr + b * stride_gb + head_g * stride_gh + rr * stride_gr, mask=ok,
                                 other=0.0).to(tl.float32)
             gen = tl.exp(lse_gen_g - lse_g)
-            pool_start = tl.load(pool_start_ptr + b * stride_ib + rr * stride_ir)
-            n_input = tl.load(input_end_ptr + b * stride_ib + rr * stride_ir) - pool_start
+            pool_start = tl.load(pool_start_ptr + b * stride_ib + rr * stride_ir).to(tl.int64)
+            n_input = tl.load(input_end_ptr + b * stride_ib + rr * stride_ir).to(tl.int64) - pool_start
             spread = gen / n_input.to(tl.float32)
             score_rows = scores_ptr + b * stride_sb + rr * stride_sr + head_g[:, None] * stride_sh
             max_rows = tile_max_ptr + ((b * heads + head_g) * rows + rr) * key_tiles
@@ -450,8 +451,8 @@ def _one_launch_kernel(
             if POOLING == "min":
                 identity = float("inf")
             for rr in range(0, rows):
-                pool_start = tl.load(pool_start_ptr + b * stride_ib + rr * stride_ir)
-                n_input = tl.load(input_end_ptr + b * stride_ib + rr * stride_ir) - pool_start
+                pool_start = tl.load(pool_start_ptr + b * stride_ib + rr * stride_ir).to(tl.int64)
+                n_input = tl.load(input_end_ptr + b * stride_ib + rr * stride_ir).to(tl.int64) - pool_start
                 pooled_row = pooled_ptr + (b * rows + rr) * n_target
                 target_row = target_ptr + b * stride_cb + rr * stride_cr
                 for i0 in range(0, n_target, BLOCK_I):
@@ -471,7 +472,8 @@ def _one_launch_kernel(
 
 def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block_table=None, *,
                   score_start=None, softcap=None, sinks=None):
-    """q (B, H, R, D) (any strides, unit last); ranges (B, R) int64 (a (B, 1) view may have stride 0 in R).
+    """q (B, H, R, D) (any strides, unit last); ranges (B, R) int32 or int64, any strides (stride 0 over R: a (B,)
+    range broadcast).
     score_start (B, R), same strides: where a row's score columns start when it differs from its attended start
     (a window; columns before the window stay -inf); softcap, sinks (H,): the layer's variant.
     v_cache None skips out; n_scores > 0 also returns the input keys' scores. With a block_table (B, pages)
@@ -481,6 +483,7 @@ def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores
     Returns (out (B, H, R, D) in q's dtype or None, lse (B, H, R) float32, lse_gen (B, H, R) float32 (-inf
     where no generated key), scores (B, H, R, n_scores) float32 or None).
     """
+    start, input_end, kv_len, score_start = one_layout(start, input_end, kv_len, score_start)
     split = _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block_table, score_start, softcap,
                    relative_scores=False)
     out, lse, lse_gen = _outputs(q, split)
@@ -502,6 +505,7 @@ def fused_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, target, *, 
     and pool; "two-launch" the split kernel and `_combine_pool_kernel`. Arguments as split_kv_pass's and pool's
     (pool_start, input_end: the pooled input range; lse (B, H, R) given replaces the computed one in the
     probabilities; alpha: log c's floor weight, into_log_c only). Returns (out or None, lse (B, H, R) computed)."""
+    start, input_end, kv_len, score_start, pool_start = one_layout(start, input_end, kv_len, score_start, pool_start)
     pooled = dict(alpha=alpha, pooling=pooling, redistribute=redistribute, into_log_c=into_log_c)
     if triton_split_kv_pass() == "verified":
         out, own_lse, lse_gen, scores = split_kv_pass(

@@ -1,0 +1,120 @@
+"""A public op costs what its kernel costs (issue 48): with device index tensors, int32 or int64 as callers hold
+them, a call launches no aten op besides its kernel, and dispatches to the kernel without Python wrappers; the
+widths and strides callers hold give the kernels' results bit for bit (every backend here)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from macs_kernels import ops
+from macs_kernels.ops import registry
+from macs_kernels.ops.backends import NAMESPACE, OPS
+from tests.ops.cases import DEVICE, CountOps, backends
+
+B, H, H_KV, S, D, R = 3, 6, 2, 41, 16, 2  # GQA 3:1, odd sizes
+VIEWS = {"aten.view.default", "aten.unsqueeze.default", "aten.slice.Tensor", "aten.expand.default",
+         "aten.select.int", "aten.squeeze.dim"}
+
+
+def _data():
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(B, H, D, generator=generator)
+    block = torch.randn(B, H, R, D, generator=generator)
+    k, v = torch.randn(2, B, H_KV, S, D, generator=generator)
+    pages = k.view(B, H_KV, S, D)[:, :, :40].reshape(B, H_KV, 5, 8, D).permute(0, 2, 3, 1, 4).reshape(B * 5, 8, H_KV, D)
+    table = torch.arange(B * 5, dtype=torch.int32).view(B, 5)
+    return {name: value.to(DEVICE) for name, value in dict(q=q, block=block, k=k, v=v, pages=pages,
+                                                           table=table).items()}
+
+
+def _ranges(dtype, strided=False):
+    values = {"start": [0, 4, 9], "end": [20, 30, 12], "length": [33, 40, 25]}
+    ranges = {}
+    for name, row in values.items():
+        index = torch.tensor(row, dtype=dtype, device=DEVICE)
+        # A column of a wider tensor: what a caller slicing its own metadata holds.
+        ranges[name] = torch.stack([index, index], dim=1)[:, 0] if strided else index
+    return ranges
+
+
+def _calls(data, ranges):
+    """name -> (a public call with these ranges, the state it writes); validate=False: device tensors' default,
+    checks of no value."""
+    start, end, length = ranges["start"], ranges["end"], ranges["length"]
+    pooled = dict(input_start=start, input_end=end, kv_len=length, scale=0.25, validate=False)
+    q, k, v = data["q"], data["k"], data["v"]
+    state = {name: torch.zeros(B, *shape, 32, device=DEVICE) for name, shape in (
+        ("decode_attention_fused", ()), ("macs_pool", ()), ("macs_pool_rows", (R,)), ("macs_pool_paged", ()),
+        ("macs_update", ()), ("macs_pool_window", ()))}
+    calls = {
+        "decode_attention": lambda **kw: ops.decode_attention(q, k, v, kv_len=length, scale=0.25, validate=False,
+                                                              **kw),
+        "decode_attention_fused": lambda **kw: ops.decode_attention(
+            q, k, v, kv_start=start, kv_len=length, input_end=end, scale=0.25, log_c=state["decode_attention_fused"],
+            validate=False, **kw),
+        "macs_pool": lambda **kw: ops.macs_pool(q, k, out=state["macs_pool"], **pooled, **kw),
+        "macs_pool_rows": lambda **kw: ops.macs_pool(data["block"], k, out=state["macs_pool_rows"], **pooled, **kw),
+        "macs_pool_paged": lambda **kw: ops.macs_pool(q, data["pages"], block_table=data["table"],
+                                                      out=state["macs_pool_paged"], **pooled, **kw),
+        "macs_update": lambda **kw: ops.macs_update(q, k, state["macs_update"], **pooled, **kw),
+        "macs_pool_window": lambda **kw: ops.macs_pool(q, k, out=state["macs_pool_window"], window=16, **pooled,
+                                                       **kw),
+    }
+    return {name: (call, state.get(name)) for name, call in calls.items()}
+
+
+# The aten ops a call runs besides its kernel: a window's first attended key (kv_len - window, then the max with
+# input_start); nothing else.
+EXTRA_OPS = {"macs_pool_window": ["aten.sub.Tensor", "aten.maximum.default"]}
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("call", list(_calls(_data(), _ranges(torch.int64))))
+def test_a_public_call_launches_nothing_but_its_kernel(call, dtype, on_device, monkeypatch):
+    ran = []
+    monkeypatch.setattr(registry, "implementation", lambda backend, op: lambda *args, **kwargs: ran.append(op))
+    run, _ = _calls(_data(), _ranges(dtype))[call]
+    run()  # a first call may make what later calls reuse (the zeros of a default start)
+    with CountOps() as counted:
+        run()
+    assert len(ran) == 2
+    assert [op for op in counted.ops if op not in VIEWS] == EXTRA_OPS.get(call, [])
+
+
+def _results(call, backend):
+    """What the call returns and the state it writes, as one list."""
+    run, state = call
+    returned = run(backend=backend)
+    returned = returned if isinstance(returned, tuple) else (returned,)
+    return [t.clone() for t in (*returned, state) if t is not None]
+
+
+# Each call's op, whose backends run it.
+CALL_OPS = {"decode_attention": "decode_attention", "decode_attention_fused": "decode_attention",
+            "macs_pool": "macs_pool", "macs_pool_rows": "macs_pool", "macs_pool_paged": "macs_pool_paged",
+            "macs_update": "macs_update", "macs_pool_window": "macs_pool"}
+
+
+@pytest.mark.parametrize("call, backend", [
+    pytest.param(call, *backend.values, marks=backend.marks, id=f"{call}-{backend.id}")
+    for call, op in CALL_OPS.items() for backend in backends(op)])
+def test_index_widths_and_strides_give_the_same_results_bit_for_bit(call, backend):
+    data = _data()
+    want = _results(_calls(data, _ranges(torch.int64))[call], backend)
+    assert want and all(t.abs().sum() > 0 for t in want)
+    for dtype, strided in ((torch.int32, False), (torch.int32, True), (torch.int64, True)):
+        got = _results(_calls(data, _ranges(dtype, strided))[call], backend)
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), (dtype, strided)
+
+
+def test_operators_dispatch_to_their_kernels_without_python_wrappers():
+    """torch.library.custom_op's Python autograd and ADInplaceOrView kernels cost about 50 us a call of a mutating op
+    on these CPUs (ops/library.py, benchmarks/bench_checks.py): the operators have none, and the torch path is their
+    kernel on every device without one of its own."""
+    for op in OPS:
+        name = f"{NAMESPACE}::{op}"
+        for key in ("Autograd", "AutogradCUDA", "AutogradCPU", "ADInplaceOrView"):
+            assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, key), (op, key)
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd"), op
