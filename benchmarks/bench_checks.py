@@ -25,26 +25,16 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from macs_kernels import ops  # noqa: E402
-from macs_kernels.apps.bench import environment  # noqa: E402
+from macs_kernels.apps.bench.common import AtenOps, environment  # noqa: E402
 from macs_kernels.ops import _checks, registry  # noqa: E402
 
 BATCH, KEYS, N_MAX = 8, 4096, 4080
 
-
-class _Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _before(start, end, length):
@@ -68,7 +58,7 @@ def measure(repeats: int) -> list[dict]:
     rows = []
     for mode, (host, call) in _modes(start, end, length).items():
         with mock.patch.object(_checks, "on_host", lambda *tensors, host=host: host):
-            with _Count() as counted:
+            with AtenOps() as counted:
                 call()
             for _ in range(repeats // 10):
                 call()
@@ -77,21 +67,8 @@ def measure(repeats: int) -> list[dict]:
                 call()
             elapsed = time.perf_counter() - began
         rows.append({"mode": mode, "host_us_per_call": round(elapsed / repeats * 1e6, 2),
-                     "aten_ops_per_call": counted.count})
+                     "aten_ops_per_call": len(counted.ops)})
     return rows
-
-
-VIEWS = {"aten.view.default", "aten.unsqueeze.default", "aten.slice.Tensor", "aten.expand.default"}
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def _per_call_us(call, repeats: int) -> float:
@@ -125,10 +102,10 @@ def measure_calls(repeats: int) -> list[dict]:
         for dtype in (torch.int32, torch.int64):
             for op, call in _public_calls(dtype).items():
                 call()
-                with _Ops() as counted:
+                with AtenOps() as counted:
                     call()
                 rows.append({"call": op, "ranges": str(dtype)[6:], "host_us_per_call": round(_per_call_us(
-                    call, repeats), 2), "aten_ops_per_call": len([f for f in counted.ops if f not in VIEWS])})
+                    call, repeats), 2), "aten_ops_per_call": len(counted.launches)})
     return rows
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from macs_kernels.ops import BACKENDS, reference, why_unavailable
 from tests.tolerances import RELATIVE_ERROR, relative_error
@@ -89,14 +88,3 @@ def reference_lse(q, k, input_start, kv_len, scale):
         for b, (s, n) in enumerate(zip(input_start.tolist(), kv_len.tolist()))
     ], dtype=torch.float32, device=DEVICE)
 
-
-class CountOps(TorchDispatchMode):
-    """The aten ops run inside the mode: each is at least one kernel launch on a GPU (views excepted)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from macs_kernels import ops
+from macs_kernels.apps.bench.common import AtenOps
 from macs_kernels.ops import _checks
-from tests.ops.cases import CountOps
 
 B, H, H_KV, S, D, N_MAX = 2, 4, 2, 23, 8, 11  # odd sizes
 
@@ -36,7 +36,7 @@ def test_the_default_checks_host_values_and_names_the_row():
 def test_the_default_launches_nothing_for_device_values(on_device):
     start, end, length = torch.tensor([0, 3]), torch.tensor([5, 9]), torch.tensor([17, 24])
     table, rows_start, rows_length = torch.full((B, 6), -1, dtype=torch.int32), start[:, None], length[:, None]
-    with CountOps() as counted:
+    with AtenOps() as counted:
         _checks.check_ranges(start, end, length, S, N_MAX)
         _checks.check_pages_in_use(table, lambda: rows_start, rows_length, 4, 6)
     assert counted.ops == []
@@ -59,7 +59,7 @@ def test_the_environment_switch_validates_every_call(on_device, monkeypatch):
 
 def test_validate_false_checks_no_values_even_on_the_host():
     start, end, length = torch.tensor([5]), torch.tensor([1]), torch.tensor([99])
-    with CountOps() as counted:
+    with AtenOps() as counted:
         assert _checks.values_to_check(False, start) is None
         _checks.check_ranges(start, end, length, S, validate=False)
     assert counted.ops == []
