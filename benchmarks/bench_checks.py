@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from macs_kernels import ops  # noqa: E402
-from macs_kernels.apps.bench.common import AtenOps, environment  # noqa: E402
+from macs_kernels.apps.bench.aten import AtenOps  # noqa: E402
+from macs_kernels.apps.bench.common import environment  # noqa: E402
 from macs_kernels.ops import _checks, registry  # noqa: E402
 
 BATCH, KEYS, N_MAX = 8, 4096, 4080

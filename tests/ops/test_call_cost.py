@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from macs_kernels import ops
-from macs_kernels.apps.bench.common import AtenOps
+from macs_kernels.apps.bench.aten import AtenOps
 from macs_kernels.ops import registry
 from macs_kernels.ops.backends import NAMESPACE, OPS
 from tests.ops.cases import DEVICE, backends

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from macs_kernels import ops
-from macs_kernels.apps.bench.common import AtenOps
+from macs_kernels.apps.bench.aten import AtenOps
 from macs_kernels.ops import _checks
 
 B, H, H_KV, S, D, N_MAX = 2, 4, 2, 23, 8, 11  # odd sizes

@@ -1,6 +1,5 @@
 """What every benchmark shares: the environment columns (machine, versions, commit), CSV writing, file
-stems per device and figures, and a recorder of the aten ops a call runs. Used by `macs-kernels bench` and the
-programs in benchmarks/.
+stems per device and figures. Used by `macs-kernels bench` and the programs in benchmarks/.
 
 Nothing here assumes a git checkout: the commit is recorded when the source runs from its own checkout or
 pip recorded it for a VCS install, and left empty otherwise.
@@ -14,31 +13,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-from torch.utils._python_dispatch import TorchDispatchMode
-
 PACKAGE_DIR = Path(__file__).resolve().parents[2]
-
-
-# aten ops that only make views: no kernel launch.
-VIEW_OPS = frozenset({"aten.view.default", "aten.unsqueeze.default", "aten.slice.Tensor", "aten.expand.default",
-                      "aten.select.int", "aten.squeeze.dim"})
-
-
-class AtenOps(TorchDispatchMode):
-    """The aten ops run inside the mode, in order (`ops`); `launches`: those other than views, each at least one
-    kernel launch on a GPU."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def launches(self) -> list[str]:
-        return [op for op in self.ops if op not in VIEW_OPS]
 
 
 def source_commit(short: bool = False) -> str | None:
