@@ -158,23 +158,26 @@ def as_index(name, value, batch, device):
     return _index_tensor(name, tensor, (batch,), device, f"({batch},)")
 
 
-# device -> int64 zeros that every call with a default start of 0 reads (a slice: no launch). Never freed or grown:
-# a CUDA graph that captured a slice keeps reading it.
-_ZEROS: dict[torch.device, torch.Tensor] = {}
+# (device, dtype) -> zeros that every call with a default start of 0 reads (a slice: no launch). Never freed or
+# grown: a CUDA graph that captured a slice keeps reading it.
+_ZEROS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 _ZEROS_SIZE = 1024
 
 
-def zeros_index(batch, device):
-    """A (B,) int64 index of zeros, as `as_index(name, 0, ...)` returns, without a launch when it can: a slice of a
-    tensor made once per device by an eager call (a capture or torch.compile's tracing fills its own)."""
+def zeros_index(batch, device, dtype=torch.int64):
+    """A (B,) index of zeros in `dtype` (the call's other ranges': Triton compiles one kernel per mix of widths),
+    without a launch when it can: a slice of a tensor made once per device and dtype by an eager call (a capture
+    or torch.compile's tracing fills its own)."""
     device = torch.device(device)
     if torch.compiler.is_compiling() or batch > _ZEROS_SIZE:
-        return torch.zeros(batch, dtype=torch.int64, device=device)
-    zeros = _ZEROS.get(device)
+        return torch.zeros(batch, dtype=dtype, device=device)
+    zeros = _ZEROS.get((device, dtype))
     if zeros is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return torch.zeros(batch, dtype=torch.int64, device=device)
-        zeros = _ZEROS[device] = torch.zeros(_ZEROS_SIZE, dtype=torch.int64, device=device)
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                if torch.cuda.is_current_stream_capturing():
+                    return torch.zeros(batch, dtype=dtype, device=device)
+        zeros = _ZEROS[device, dtype] = torch.zeros(_ZEROS_SIZE, dtype=dtype, device=device)
         if device.type == "cuda":
             # Other streams read it too: its fill must be done before any of them does.
             torch.cuda.current_stream(device).synchronize()

@@ -55,7 +55,8 @@ def decode_attention(
     check_q_k(q, k_cache, v_cache)
     batch = q.shape[0]
     kv_len = as_index("kv_len", kv_len, batch, q.device)
-    kv_start = zeros_index(batch, q.device) if kv_start is None else as_index("kv_start", kv_start, batch, q.device)
+    kv_start = (zeros_index(batch, q.device, kv_len.dtype) if kv_start is None
+                else as_index("kv_start", kv_start, batch, q.device))
     if log_c is not None and pooled is not None:
         raise ValueError("give log_c or pooled, not both")
     keys = k_cache.shape[2]

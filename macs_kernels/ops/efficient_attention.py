@@ -43,7 +43,8 @@ def check_efficient_args(p, v_cache, kv_start, kv_len, rcond, *, causal=False, v
     if isinstance(rcond, bool) or not isinstance(rcond, (int, float)) or not 0.0 <= rcond < 1.0:
         raise ValueError(f"rcond must be a number in [0, 1), got {rcond!r}")
     kv_len = as_index("kv_len", kv_len, batch, p.device)
-    kv_start = zeros_index(batch, p.device) if kv_start is None else as_index("kv_start", kv_start, batch, p.device)
+    kv_start = (zeros_index(batch, p.device, kv_len.dtype) if kv_start is None
+                else as_index("kv_start", kv_start, batch, p.device))
     check_ranges(kv_start, kv_len, kv_len, keys, validate=validate)
     values = values_to_check(validate, kv_len) if causal else None
     if values is not None:

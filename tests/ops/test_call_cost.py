@@ -1,6 +1,7 @@
 """A public op costs what its kernel costs (issue 48): with device index tensors, int32 or int64 as callers hold
 them, a call launches no aten op besides its kernel, and dispatches to the kernel without Python wrappers; the
-widths and strides callers hold give the kernels' results bit for bit (every backend here)."""
+widths and strides callers hold give the kernels' results bit for bit (every backend here), through the public ops
+and through the kernels as the engines call them."""
 from __future__ import annotations
 
 import pytest
@@ -117,3 +118,38 @@ def test_operators_dispatch_to_their_kernels_without_python_wrappers():
         for key in ("Autograd", "AutogradCUDA", "AutogradCPU", "ADInplaceOrView"):
             assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, key), (op, key)
         assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd"), op
+
+
+def _verify_block_ranges():
+    """A verify pass's ranges as the engines hold them (core/plans.DenseRows): each item's input range (B,) broadcast
+    over its R rows (stride 0), its own kv_len per row (B, R)."""
+    start, end = (torch.tensor(values, device=DEVICE) for values in ([0, 4, 9], [20, 30, 12]))
+    kv_len = torch.tensor([[33, 34], [39, 40], [24, 25]], device=DEVICE)
+    return start[:, None].expand(-1, R), end[:, None].expand(-1, R), kv_len
+
+
+@pytest.mark.parametrize("backend", backends("macs_pool"))
+def test_a_pooled_rows_kernel_reads_each_range_with_its_own_strides(backend):
+    """As the engines call the kernels (registry.implementation, no public op): broadcast input ranges beside
+    per-row lengths give what contiguous copies give (Triton read every range with the first one's strides, so
+    each row took its item's first length)."""
+    data = _data()
+    pool = registry.implementation(backend, "macs_pool")
+    got, want = (torch.zeros(B, R, 32, device=DEVICE) for _ in range(2))
+    start, end, kv_len = _verify_block_ranges()
+    pool(data["block"], data["k"], got, start, end, kv_len, 0.25, "max", True, None)
+    pool(data["block"], data["k"], want, start.contiguous(), end.contiguous(), kv_len, 0.25, "max", True, None)
+    assert want.abs().sum() > 0 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", backends("macs_update_rows"))
+def test_a_row_update_kernel_reads_a_column_of_the_lengths(backend):
+    """The engines' efficient-attention rows update with kv_len = the last column of their (B, R) lengths (stride R):
+    the generated mass is summed up to each item's own length."""
+    start, end, kv_len = _verify_block_ranges()
+    rows = torch.softmax(torch.randn(B, H, S, generator=torch.Generator().manual_seed(5)), -1).to(DEVICE)
+    update = registry.implementation(backend, "macs_update_rows")
+    got, want = (torch.zeros(B, 32, device=DEVICE) for _ in range(2))
+    update(rows, got, start[:, 0].contiguous(), end[:, 0].contiguous(), kv_len[:, -1], 0.8, "max", True)
+    update(rows, want, start[:, 0].contiguous(), end[:, 0].contiguous(), kv_len[:, -1].contiguous(), 0.8, "max", True)
+    assert want.abs().sum() > 0 and torch.equal(got, want)

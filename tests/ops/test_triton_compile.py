@@ -72,6 +72,13 @@ VARIANTS = {
         dict(D=128, BLOCK_D=128, GROUP=4, BLOCK_M=16, BLOCK_N=64, WITH_V=True, WITH_SCORES=True, DOT_F32=False,
              PAGE_SIZE=0, SOFTCAP=False), dict(num_warps=4, num_stages=3),
     ),
+    # int32 lengths beside the int64 zeros of a default start: one kernel per mix of widths.
+    "decode_bf16_gqa4_d128_mixed_ranges": (
+        "split_kv", "_split_kv_kernel", {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16", **SPLIT_INDEX,
+                                         "input_end_ptr": "i32", "kv_len_ptr": "i32"},
+        dict(D=128, BLOCK_D=128, GROUP=4, BLOCK_M=16, BLOCK_N=64, WITH_V=True, WITH_SCORES=True, DOT_F32=False,
+             PAGE_SIZE=0, SOFTCAP=False), dict(num_warps=4, num_stages=3),
+    ),
     "decode_fp32_mha_d128": _split_kv("fp32", D=128, GROUP=1, BLOCK_M=16, WITH_V=True, WITH_SCORES=False,
                                       DOT_F32=True),
     # Attention variants (ops.Variant): Gemma 2's softcap in the split pass, gpt-oss's sinks in the combine.

@@ -17,14 +17,15 @@ from macs_kernels.ops.triton.common import cdiv, launch, next_pow2, one_layout, 
 
 @triton.jit
 def _generated_mass_kernel(
-    rows_ptr, input_end_ptr, kv_len_ptr, mass_ptr, heads, stride_rb, stride_rh, BLOCK_S: tl.constexpr,
+    rows_ptr, input_end_ptr, kv_len_ptr, mass_ptr, heads, stride_rb, stride_rh, stride_eb, stride_lb,
+    BLOCK_S: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // heads
     base = rows_ptr + b * stride_rb + (row % heads) * stride_rh
-    end = tl.load(kv_len_ptr + b).to(tl.int64)
+    end = tl.load(kv_len_ptr + b * stride_lb).to(tl.int64)
     total = tl.zeros([BLOCK_S], tl.float32)
-    for j0 in range(tl.load(input_end_ptr + b).to(tl.int64), end, BLOCK_S):
+    for j0 in range(tl.load(input_end_ptr + b * stride_eb).to(tl.int64), end, BLOCK_S):
         j = j0 + tl.arange(0, BLOCK_S)
         total += tl.load(base + j, mask=j < end, other=0.0).to(tl.float32)
     tl.store(mass_ptr + row, tl.sum(total, 0))
@@ -129,12 +130,13 @@ def pool(values, target, start, end, *, lse=None, generated=None, alpha=None, po
 
 
 def generated_mass(rows, input_end, kv_len):
-    """(B, H) float32: each head's sum of rows (B, H, S) over keys [input_end, kv_len)."""
+    """(B, H) float32: each head's sum of rows (B, H, S) over keys [input_end, kv_len) ((B,), any strides: the
+    engines pass a column of their (B, R) lengths)."""
     batch, heads, keys = rows.shape
     mass = torch.empty(batch, heads, device=rows.device, dtype=torch.float32)
     launch(
         _generated_mass_kernel, (batch * heads,),
-        rows, input_end, kv_len, mass, heads, rows.stride(0), rows.stride(1),
+        rows, input_end, kv_len, mass, heads, rows.stride(0), rows.stride(1), input_end.stride(0), kv_len.stride(0),
         BLOCK_S=row_block(keys), num_warps=4,
     )
     return mass
