@@ -34,6 +34,9 @@ def _ranges(dtype, strided=False):
         index = torch.tensor(row, dtype=dtype, device=DEVICE)
         # A column of a wider tensor: what a caller slicing its own metadata holds.
         ranges[name] = torch.stack([index, index], dim=1)[:, 0] if strided else index
+    # A verify block's own length per row (B, R).
+    rows = torch.stack([ranges["length"] - 1, ranges["length"]], dim=1)
+    ranges["row_length"] = torch.stack([rows, rows], dim=-1)[..., 0] if strided else rows
     return ranges
 
 
@@ -44,7 +47,8 @@ def _calls(data, ranges):
     pooled = dict(input_start=start, input_end=end, kv_len=length, scale=0.25, validate=False)
     q, k, v = data["q"], data["k"], data["v"]
     state = {name: torch.zeros(B, *shape, 32, device=DEVICE) for name, shape in (
-        ("decode_attention_fused", ()), ("macs_pool", ()), ("macs_pool_rows", (R,)), ("macs_pool_paged", ()),
+        ("decode_attention_fused", ()), ("macs_pool", ()), ("macs_pool_rows", (R,)), ("macs_pool_verify", (R,)),
+        ("macs_pool_paged", ()),
         ("macs_update", ()), ("macs_pool_window", ()))}
     calls = {
         "decode_attention": lambda **kw: ops.decode_attention(q, k, v, kv_len=length, scale=0.25, validate=False,
@@ -54,6 +58,9 @@ def _calls(data, ranges):
             validate=False, **kw),
         "macs_pool": lambda **kw: ops.macs_pool(q, k, out=state["macs_pool"], **pooled, **kw),
         "macs_pool_rows": lambda **kw: ops.macs_pool(data["block"], k, out=state["macs_pool_rows"], **pooled, **kw),
+        # The (B,) input range broadcast over the rows beside their own lengths: each range read with its strides.
+        "macs_pool_verify": lambda **kw: ops.macs_pool(
+            data["block"], k, out=state["macs_pool_verify"], **(pooled | {"kv_len": ranges["row_length"]}), **kw),
         "macs_pool_paged": lambda **kw: ops.macs_pool(q, data["pages"], block_table=data["table"],
                                                       out=state["macs_pool_paged"], **pooled, **kw),
         "macs_update": lambda **kw: ops.macs_update(q, k, state["macs_update"], **pooled, **kw),
@@ -91,7 +98,8 @@ def _results(call, backend):
 
 # Each call's op, whose backends run it.
 CALL_OPS = {"decode_attention": "decode_attention", "decode_attention_fused": "decode_attention",
-            "macs_pool": "macs_pool", "macs_pool_rows": "macs_pool", "macs_pool_paged": "macs_pool_paged",
+            "macs_pool": "macs_pool", "macs_pool_rows": "macs_pool", "macs_pool_verify": "macs_pool",
+            "macs_pool_paged": "macs_pool_paged",
             "macs_update": "macs_update", "macs_pool_window": "macs_pool"}
 
 
@@ -131,8 +139,8 @@ def _verify_block_ranges():
 @pytest.mark.parametrize("backend", backends("macs_pool"))
 def test_a_pooled_rows_kernel_reads_each_range_with_its_own_strides(backend):
     """As the engines call the kernels (registry.implementation, no public op): broadcast input ranges beside
-    per-row lengths give what contiguous copies give (Triton read every range with the first one's strides, so
-    each row took its item's first length)."""
+    per-row lengths give what contiguous copies give (Triton read every range with the first one's strides at
+    47696d8, so each row took its item's first length)."""
     data = _data()
     pool = registry.implementation(backend, "macs_pool")
     got, want = (torch.zeros(B, R, 32, device=DEVICE) for _ in range(2))

@@ -34,16 +34,6 @@ INTERPRETED = triton_interpreted()
 LAUNCHES: collections.Counter = collections.Counter()
 
 
-def one_layout(*ranges):
-    """(B, R) index tensors as a kernel reads them, with one pair of strides for all: returned as they are when they
-    share their strides (how callers hold them: all (B,) broadcast over R, or all (B, R)), else each made
-    contiguous. None entries stay None."""
-    strides = next(r for r in ranges if r is not None).stride()
-    if all(r is None or r.stride() == strides for r in ranges):
-        return ranges
-    return tuple(None if r is None else r.contiguous() for r in ranges)
-
-
 @triton.jit
 def operand(x, DOT_F32: tl.constexpr):
     """A loaded dot operand in the precision the product runs in."""

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from macs_kernels.ops.triton.common import cdiv, launch, next_pow2, one_layout, pool_block, row_block
+from macs_kernels.ops.triton.common import cdiv, launch, next_pow2, pool_block, row_block
 
 
 @triton.jit
@@ -36,7 +36,7 @@ def _pool_kernel(
     values_ptr, lse_ptr, gen_ptr, start_ptr, end_ptr, target_ptr,
     alpha, heads, rows, n_target,
     stride_vb, stride_vh, stride_vr, stride_lb, stride_lh, stride_lr, stride_gb, stride_gh, stride_gr,
-    stride_ib, stride_ir, stride_tb, stride_tr,
+    stride_ib, stride_ir, stride_eb, stride_er, stride_tb, stride_tr,
     H_PAD: tl.constexpr, BLOCK_I: tl.constexpr, FROM_SCORES: tl.constexpr, REDISTRIBUTE: tl.constexpr,
     POOLING: tl.constexpr, INTO_LOG_C: tl.constexpr,
 ):
@@ -46,7 +46,7 @@ def _pool_kernel(
     r = (tl.program_id(0) % rows).to(tl.int64)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     start = tl.load(start_ptr + b * stride_ib + r * stride_ir).to(tl.int64)
-    n_input = tl.load(end_ptr + b * stride_ib + r * stride_ir).to(tl.int64) - start
+    n_input = tl.load(end_ptr + b * stride_eb + r * stride_er).to(tl.int64) - start
     i_mask = i < n_input
     h = tl.arange(0, H_PAD)
     h_mask = h < heads
@@ -100,14 +100,13 @@ def pool(values, target, start, end, *, lse=None, generated=None, alpha=None, po
 
     values: scores (B, H, R, N_max) with lse and generated = lse_gen (B, H, R), or rows (B, H, S) (R = 1)
         with generated = each head's generated mass (B, H) float32 (lse None).
-    start, end: (B, R) int32 or int64 input ranges, any strides (stride 0 over R allowed).
+    start, end: (B, R) int32 or int64 input ranges, each read with its own strides (stride 0 over R allowed).
     target: log_c (B, N_max) to which log(alpha * m' + 1 - alpha) is added for i < N (into_log_c), or
         out (B, R, N_max) that receives m' for i < N and 0 after.
     alpha: the floor weight of log c's update (into_log_c: required); None where m' is written.
     """
     if into_log_c and alpha is None:
         raise ValueError("pool into log_c needs alpha")
-    start, end = one_layout(start, end)
     from_scores = lse is not None
     values4 = values if from_scores else values[:, :, None]
     batch, heads, rows = values4.shape[:3]
@@ -122,7 +121,7 @@ def pool(values, target, start, end, *, lse=None, generated=None, alpha=None, po
         values4, lse3, gen3, start, end, target3,
         float(alpha) if into_log_c else 0.0, heads, rows, n_target,
         values4.stride(0), values4.stride(1), values4.stride(2), lse3.stride(0), lse3.stride(1), lse3.stride(2),
-        gen3.stride(0), gen3.stride(1), gen3.stride(2), start.stride(0), start.stride(1),
+        gen3.stride(0), gen3.stride(1), gen3.stride(2), *start.stride(), *end.stride(),
         target3.stride(0), target3.stride(1),
         H_PAD=next_pow2(heads), BLOCK_I=block_i, FROM_SCORES=from_scores, REDISTRIBUTE=redistribute,
         POOLING=pooling, INTO_LOG_C=into_log_c, num_warps=4,

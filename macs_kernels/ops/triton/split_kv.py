@@ -42,7 +42,6 @@ from macs_kernels.ops.triton.common import (
     launch,
     multiprocessors,
     next_pow2,
-    one_layout,
     operand,
     pool_block,
     split_kv_tiles,
@@ -70,7 +69,8 @@ def _split_slice(
     q_ptr, k_ptr, v_ptr, start_ptr, input_end_ptr, kv_len_ptr, block_table_ptr, score_start_ptr,
     scores_ptr, tile_max_ptr, scale, softcap, split_size, kv_heads, rows, key_tiles,
     stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    stride_ib, stride_ir, stride_tb, stride_sb, stride_sh, stride_sr,
+    stride_ib, stride_ir, stride_eb, stride_er, stride_lb, stride_lr, stride_fb, stride_fr,
+    stride_tb, stride_sb, stride_sh, stride_sr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, WITH_V: tl.constexpr, WITH_SCORES: tl.constexpr, DOT_F32: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, KEEP_SCORES: tl.constexpr,
@@ -89,12 +89,12 @@ def _split_slice(
     row_ok = m_index < GROUP * rows
     head = kv_head * GROUP + m_index % GROUP
     r = m_index // GROUP
-    ranges = b * stride_ib + r * stride_ir
-    # Padding rows attend nothing: start = kv_len = 0.
-    start = tl.load(start_ptr + ranges, mask=row_ok, other=0).to(tl.int64)
-    input_end = tl.load(input_end_ptr + ranges, mask=row_ok, other=0).to(tl.int64)
-    kv_len = tl.load(kv_len_ptr + ranges, mask=row_ok, other=0).to(tl.int64)
-    score_start = tl.load(score_start_ptr + ranges, mask=row_ok, other=0).to(tl.int64)
+    # Each range with its own strides (a (B,) range broadcast over R has stride 0); padding rows attend nothing:
+    # start = kv_len = 0.
+    start = tl.load(start_ptr + b * stride_ib + r * stride_ir, mask=row_ok, other=0).to(tl.int64)
+    input_end = tl.load(input_end_ptr + b * stride_eb + r * stride_er, mask=row_ok, other=0).to(tl.int64)
+    kv_len = tl.load(kv_len_ptr + b * stride_lb + r * stride_lr, mask=row_ok, other=0).to(tl.int64)
+    score_start = tl.load(score_start_ptr + b * stride_fb + r * stride_fr, mask=row_ok, other=0).to(tl.int64)
     lo = tl.maximum(tl.min(tl.where(row_ok, start, 2147483647), 0), split * split_size)
     hi = tl.minimum(tl.max(kv_len, 0), (split + 1) * split_size)
 
@@ -171,7 +171,8 @@ def _split_kv_kernel(
     scores_ptr, tile_max_ptr, m_ptr, l_ptr, l_gen_ptr, acc_ptr,
     scale, softcap, split_size, splits, kv_heads, rows, key_tiles,
     stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    stride_ib, stride_ir, stride_tb, stride_sb, stride_sh, stride_sr,
+    stride_ib, stride_ir, stride_eb, stride_er, stride_lb, stride_lr, stride_fb, stride_fr,
+    stride_tb, stride_sb, stride_sh, stride_sr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, WITH_V: tl.constexpr, WITH_SCORES: tl.constexpr, DOT_F32: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -182,7 +183,8 @@ def _split_kv_kernel(
         q_ptr, k_ptr, v_ptr, start_ptr, input_end_ptr, kv_len_ptr, block_table_ptr, score_start_ptr,
         scores_ptr, tile_max_ptr, scale, softcap, split_size, kv_heads, rows, key_tiles,
         stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-        stride_ib, stride_ir, stride_tb, stride_sb, stride_sh, stride_sr,
+        stride_ib, stride_ir, stride_eb, stride_er, stride_lb, stride_lr, stride_fb, stride_fr,
+    stride_tb, stride_sb, stride_sh, stride_sr,
         D, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, WITH_V, WITH_SCORES, DOT_F32, PAGE_SIZE, SOFTCAP, False)
     d = tl.arange(0, BLOCK_D)
     partial = row_index * splits + tl.program_id(1)
@@ -256,7 +258,7 @@ def _combine_pool_kernel(
     scores_ptr, tile_max_ptr, given_lse_ptr, pool_start_ptr, input_end_ptr, target_ptr,
     alpha, splits, heads, rows, n_target, pool_programs, tiles_per_program, key_tiles,
     stride_ob, stride_oh, stride_or, stride_sb, stride_sh, stride_sr, stride_gb, stride_gh, stride_gr,
-    stride_ib, stride_ir, stride_tb, stride_tr,
+    stride_pb, stride_pr, stride_eb, stride_er, stride_tb, stride_tr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr, H_PAD: tl.constexpr, BLOCK_I: tl.constexpr,
     KEY_BLOCK: tl.constexpr, WITH_V: tl.constexpr, HAS_SINKS: tl.constexpr, LSE_GIVEN: tl.constexpr,
     REDISTRIBUTE: tl.constexpr, POOLING: tl.constexpr, INTO_LOG_C: tl.constexpr,
@@ -292,8 +294,8 @@ def _combine_pool_kernel(
             lse = tl.load(given_lse_ptr + b * stride_gb + h * stride_gh + r * stride_gr, mask=h_mask, other=0.0)
             lse = lse.to(tl.float32)
         gen = tl.exp(lse_gen - lse)
-        start = tl.load(pool_start_ptr + b * stride_ib + r * stride_ir).to(tl.int64)
-        n_input = tl.load(input_end_ptr + b * stride_ib + r * stride_ir).to(tl.int64) - start
+        start = tl.load(pool_start_ptr + b * stride_pb + r * stride_pr).to(tl.int64)
+        n_input = tl.load(input_end_ptr + b * stride_eb + r * stride_er).to(tl.int64) - start
         score_rows = scores_ptr + b * stride_sb + r * stride_sr + h[:, None] * stride_sh
         for t in range(0, tiles_per_program):
             i = (program * tiles_per_program + t) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -313,8 +315,10 @@ def _one_launch_kernel(
     out_ptr, lse_ptr, lse_gen_ptr, sinks_ptr, given_lse_ptr, pool_start_ptr, target_ptr, pooled_ptr, counter_ptr,
     scale, softcap, split_size, splits, kv_heads, rows, key_tiles,
     stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    stride_ib, stride_ir, stride_tb, stride_sb, stride_sh, stride_sr,
+    stride_ib, stride_ir, stride_eb, stride_er, stride_lb, stride_lr, stride_fb, stride_fr,
+    stride_tb, stride_sb, stride_sh, stride_sr,
     alpha, n_target, stride_ob, stride_oh, stride_or, stride_gb, stride_gh, stride_gr, stride_cb, stride_cr,
+    stride_pb, stride_pr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, WITH_V: tl.constexpr, WITH_SCORES: tl.constexpr, DOT_F32: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -337,7 +341,8 @@ def _one_launch_kernel(
         q_ptr, k_ptr, v_ptr, start_ptr, input_end_ptr, kv_len_ptr, block_table_ptr, score_start_ptr,
         scores_ptr, tile_max_ptr, scale, softcap, split_size, kv_heads, rows, key_tiles,
         stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-        stride_ib, stride_ir, stride_tb, stride_sb, stride_sh, stride_sr,
+        stride_ib, stride_ir, stride_eb, stride_er, stride_lb, stride_lr, stride_fb, stride_fr,
+    stride_tb, stride_sb, stride_sh, stride_sr,
         D, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, WITH_V, WITH_SCORES, DOT_F32, PAGE_SIZE, SOFTCAP, True)
     pid = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
@@ -413,8 +418,8 @@ def _one_launch_kernel(
                 lse_g = tl.load(given_lse_ptr + b * stride_gb + head_g * stride_gh + rr * stride_gr, mask=ok,
                                 other=0.0).to(tl.float32)
             gen = tl.exp(lse_gen_g - lse_g)
-            pool_start = tl.load(pool_start_ptr + b * stride_ib + rr * stride_ir).to(tl.int64)
-            n_input = tl.load(input_end_ptr + b * stride_ib + rr * stride_ir).to(tl.int64) - pool_start
+            pool_start = tl.load(pool_start_ptr + b * stride_pb + rr * stride_pr).to(tl.int64)
+            n_input = tl.load(input_end_ptr + b * stride_eb + rr * stride_er).to(tl.int64) - pool_start
             spread = gen / n_input.to(tl.float32)
             score_rows = scores_ptr + b * stride_sb + rr * stride_sr + head_g[:, None] * stride_sh
             max_rows = tile_max_ptr + ((b * heads + head_g) * rows + rr) * key_tiles
@@ -451,8 +456,8 @@ def _one_launch_kernel(
             if POOLING == "min":
                 identity = float("inf")
             for rr in range(0, rows):
-                pool_start = tl.load(pool_start_ptr + b * stride_ib + rr * stride_ir).to(tl.int64)
-                n_input = tl.load(input_end_ptr + b * stride_ib + rr * stride_ir).to(tl.int64) - pool_start
+                pool_start = tl.load(pool_start_ptr + b * stride_pb + rr * stride_pr).to(tl.int64)
+                n_input = tl.load(input_end_ptr + b * stride_eb + rr * stride_er).to(tl.int64) - pool_start
                 pooled_row = pooled_ptr + (b * rows + rr) * n_target
                 target_row = target_ptr + b * stride_cb + rr * stride_cr
                 for i0 in range(0, n_target, BLOCK_I):
@@ -472,8 +477,8 @@ def _one_launch_kernel(
 
 def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block_table=None, *,
                   score_start=None, softcap=None, sinks=None):
-    """q (B, H, R, D) (any strides, unit last); ranges (B, R) int32 or int64, any strides (stride 0 over R: a (B,)
-    range broadcast).
+    """q (B, H, R, D) (any strides, unit last); ranges (B, R) int32 or int64, each read with its own strides (stride 0
+    over R: a (B,) range broadcast).
     score_start (B, R), same strides: where a row's score columns start when it differs from its attended start
     (a window; columns before the window stay -inf); softcap, sinks (H,): the layer's variant.
     v_cache None skips out; n_scores > 0 also returns the input keys' scores. With a block_table (B, pages)
@@ -483,7 +488,6 @@ def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores
     Returns (out (B, H, R, D) in q's dtype or None, lse (B, H, R) float32, lse_gen (B, H, R) float32 (-inf
     where no generated key), scores (B, H, R, n_scores) float32 or None).
     """
-    start, input_end, kv_len, score_start = one_layout(start, input_end, kv_len, score_start)
     split = _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block_table, score_start, softcap,
                    relative_scores=False)
     out, lse, lse_gen = _outputs(q, split)
@@ -505,7 +509,6 @@ def fused_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, target, *, 
     and pool; "two-launch" the split kernel and `_combine_pool_kernel`. Arguments as split_kv_pass's and pool's
     (pool_start, input_end: the pooled input range; lse (B, H, R) given replaces the computed one in the
     probabilities; alpha: log c's floor weight, into_log_c only). Returns (out or None, lse (B, H, R) computed)."""
-    start, input_end, kv_len, score_start, pool_start = one_layout(start, input_end, kv_len, score_start, pool_start)
     pooled = dict(alpha=alpha, pooling=pooling, redistribute=redistribute, into_log_c=into_log_c)
     if triton_split_kv_pass() == "verified":
         out, own_lse, lse_gen, scores = split_kv_pass(
@@ -539,8 +542,8 @@ def fused_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, target, *, 
         float(alpha) if into_log_c else 0.0, split.tiles.splits, heads, rows, n_target, pool_programs, per_program,
         split.key_tiles,
         *(out.stride(i) if split.with_v else 0 for i in range(3)), scores.stride(0), scores.stride(1),
-        scores.stride(2), given.stride(0), given.stride(1), given.stride(2), pool_start.stride(0),
-        pool_start.stride(1), target3.stride(0), target3.stride(1),
+        scores.stride(2), given.stride(0), given.stride(1), given.stride(2), *pool_start.stride(), *input_end.stride(),
+        target3.stride(0), target3.stride(1),
         D=dim, BLOCK_D=head_block(dim), SPLITS_PAD=next_pow2(split.tiles.splits), H_PAD=next_pow2(heads),
         BLOCK_I=block_i, KEY_BLOCK=split.tiles.block_n, WITH_V=split.with_v, HAS_SINKS=sinks is not None,
         LSE_GIVEN=lse is not None, REDISTRIBUTE=redistribute, POOLING=pooling, INTO_LOG_C=into_log_c, num_warps=4,
@@ -568,7 +571,7 @@ def _one_launch(q, k_cache, v_cache, start, input_end, kv_len, scale, target, *,
         out if split.with_v else own_lse, own_lse, lse_gen, split.m if sinks is None else sinks, given, pool_start,
         target3, pooled, counters, *args[10:],
         float(alpha) if into_log_c else 0.0, n_target, *(out.stride(i) if split.with_v else 0 for i in range(3)),
-        given.stride(0), given.stride(1), given.stride(2), target3.stride(0), target3.stride(1),
+        given.stride(0), given.stride(1), given.stride(2), target3.stride(0), target3.stride(1), *pool_start.stride(),
         **constexprs, GROUP_PAD=next_pow2(constexprs["GROUP"]),
         BLOCK_I=pool_block(constexprs["GROUP"], n_target), HAS_SINKS=sinks is not None, LSE_GIVEN=lse is not None,
         REDISTRIBUTE=redistribute, POOLING=pooling, INTO_LOG_C=into_log_c, num_warps=4, num_stages=3,
@@ -668,7 +671,8 @@ def _split_plan(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, 
         score_start if windowed else start, scores, tile_max,
         scale, 1.0 if softcap is None else float(softcap), tiles.split_size, tiles.splits, kv_heads, rows, key_tiles,
         q.stride(0), q.stride(1), q.stride(2), *k_strides, *(v_strides if with_v else k_strides),
-        start.stride(0), start.stride(1), block_table.stride(0) if paged else 0,
+        *start.stride(), *input_end.stride(), *kv_len.stride(), *(score_start if windowed else start).stride(),
+        block_table.stride(0) if paged else 0,
         scores.stride(0), scores.stride(1), scores.stride(2),
     )
     constexprs = dict(
