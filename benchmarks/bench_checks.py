@@ -33,6 +33,7 @@ from macs_kernels import ops  # noqa: E402
 from macs_kernels.apps.bench.aten import AtenOps  # noqa: E402
 from macs_kernels.apps.bench.common import environment  # noqa: E402
 from macs_kernels.ops import _checks, registry  # noqa: E402
+from macs_kernels.ops.library import define_operator  # noqa: E402
 
 BATCH, KEYS, N_MAX = 8, 4096, 4080
 
@@ -110,28 +111,25 @@ def measure_calls(repeats: int) -> list[dict]:
     return rows
 
 
-def _macs_pool_noop(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor, input_start: torch.Tensor,
-                    input_end: torch.Tensor, kv_len: torch.Tensor, scale: float, pooling: str, redistribute: bool,
-                    lse: torch.Tensor | None, score_start: torch.Tensor | None = None, softcap: float | None = None,
-                    sinks: torch.Tensor | None = None) -> None:
+def bench_macs_pool_noop(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor, input_start: torch.Tensor,
+                         input_end: torch.Tensor, kv_len: torch.Tensor, scale: float, pooling: str,
+                         redistribute: bool, lse: torch.Tensor | None, score_start: torch.Tensor | None = None,
+                         softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
     """macs_pool's operator signature, a kernel that returns at once."""
 
 
 def measure_dispatch(repeats: int) -> list[dict]:
-    """An operator with macs_pool's schema and a no-op kernel, declared as torch.library.custom_op declares it (before)
-    and as ops/library.py declares the package's operators (after), called through torch.ops with the arguments the
-    public op passes, less a direct call of the kernel."""
-    torch.library.custom_op("macs_bench::custom_op", _macs_pool_noop, mutates_args=("out",))
-    library = torch.library.Library("macs_bench", "FRAGMENT")
-    library.define("direct" + torch.library.infer_schema(_macs_pool_noop, mutates_args=("out",)))
-    library.impl("direct", _macs_pool_noop, "CompositeExplicitAutograd")
+    """An operator with macs_pool's schema and a no-op kernel, declared by torch.library.custom_op (before) and by
+    ops/library.define_operator (after, as macs_kernels::bench_macs_pool_noop in this process only), called through
+    torch.ops with the arguments the public op passes, less a direct call of the kernel."""
+    custom = torch.library.custom_op("macs_bench::custom_op", bench_macs_pool_noop, mutates_args=("out",))
+    direct = define_operator(bench_macs_pool_noop, mutates_args=("out",))
     q, k = torch.randn(BATCH, 32, 1, 128), torch.randn(BATCH, 8, 64, 128)
     index = torch.zeros(BATCH, 1, dtype=torch.int64)
     arguments = (q, k, torch.zeros(BATCH, 1, N_MAX), index, index, index, 0.1, "max", True, None)
-    direct_us = _per_call_us(lambda: _macs_pool_noop(*arguments), repeats)
+    direct_us = _per_call_us(lambda: bench_macs_pool_noop(*arguments), repeats)
     rows = []
-    for declared, operator in (("custom_op (before)", torch.ops.macs_bench.custom_op),
-                               ("library.define (ops/library.py)", torch.ops.macs_bench.direct)):
+    for declared, operator in (("custom_op (before)", custom), ("define_operator (ops/library.py)", direct)):
         operator_us = _per_call_us(lambda operator=operator: operator(*arguments), repeats)
         rows.append({"declared_by": declared, "via_torch_ops_us": round(operator_us, 2),
                      "dispatch_us": round(operator_us - direct_us, 2)})
