@@ -220,7 +220,9 @@ struct SplitShape {
     const int64_t smem_per_sm = device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, q);
     // "mma" falls back to what "pipelined" runs, and that to split_kernel, where a shape or this GPU's shared
     // memory does not fit.
-    if (choice == int(SplitKernel::kMma) && mma_fits(group, dim, dim_v, v != nullptr, vectorized, q.element_size())) {
+    // The tensor-core kernel's m16n8k16 MMA and ldmatrix need sm_80 (its device code traps below).
+    if (choice == int(SplitKernel::kMma) && device_attribute(cudaDevAttrComputeCapabilityMajor, q) >= 8 &&
+        mma_fits(group, dim, dim_v, v != nullptr, vectorized, q.element_size())) {
       policy = mma_policy(batch, heads, kv_heads, rows, keys, dim, v != nullptr, sm_count, smem_per_sm);
     }
     if (choice != int(SplitKernel::kVerified) &&

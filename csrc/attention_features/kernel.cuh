@@ -108,7 +108,8 @@ __global__ void __launch_bounds__(kFeatureWarps * 32) features_kernel(FeaturesPa
   const T* k = p.k + b * p.k_sb + (h / p.group) * p.k_sh;
   for (int64_t i = threadIdx.x; i < tile_keys * p.dim; i += blockDim.x) {
     const int64_t j = i / p.dim, d = i % p.dim;
-    k_tile[j][d] = to_float(k[(first_key + j) * p.k_ss + d]);
+    // A source before slot 0 comes only from an unchecked range: read as 0, never from before the cache.
+    k_tile[j][d] = first_key + j >= 0 ? to_float(k[(first_key + j) * p.k_ss + d]) : 0.0f;
   }
   __syncthreads();
 
@@ -121,7 +122,7 @@ __global__ void __launch_bounds__(kFeatureWarps * 32) features_kernel(FeaturesPa
     __syncwarp();
     for (int64_t d = lane; d < p.dim; d += 32) q_rows[warp][d] = to_float(q[d]);
     __syncwarp();
-    if (lane < tile_keys && key <= rows.base + r && key > rows.base + r - p.window) {
+    if (lane < tile_keys && key >= 0 && key <= rows.base + r && key > rows.base + r - p.window) {
       float s = 0.0f;
       for (int64_t d = 0; d < p.dim; ++d) s = fmaf(q_rows[warp][d], k_tile[lane][d], s);
       acc += exp2f(feature_score(p, s) - p.lse[bh * p.rows + r] * kLog2e);

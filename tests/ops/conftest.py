@@ -15,7 +15,7 @@ except ImportError:
 
 FUSED_OP_MODULES = {
     "test_decode_attention", "test_macs_update", "test_macs_pool", "test_macs_pool_paged", "test_variants",
-    "test_properties", "test_call_cost",
+    "test_properties", "test_call_cost", "test_out_of_range_values",
 }
 
 

@@ -27,26 +27,30 @@ FEATURES_INDEX = {
 
 SPLIT_INDEX = {"start_ptr": "i64", "input_end_ptr": "i64", "kv_len_ptr": "i64", "block_table_ptr": "i32",
                "score_start_ptr": "i64"}
+# The pooling's ranges: the attended keys, the inputs and where a window's inputs start.
+POOL_INDEX = {"pool_start_ptr": "i64", "input_end_ptr": "i64", "start_ptr": "i64", "kv_len_ptr": "i64"}
+POOL_RANGES = {"start_ptr": "i64", "end_ptr": "i64", "kv_len_ptr": "i64", "column_start_ptr": "i64"}
 
 
 def _split_kv(dtype, *, D, GROUP, BLOCK_M, WITH_V=False, WITH_SCORES=True, DOT_F32=False, PAGE_SIZE=0,
-              SOFTCAP=False, scores="fp32"):
+              SOFTCAP=False, WINDOWED=False, scores="fp32"):
     """A `_split_kv_kernel` variant: q, k and v in `dtype`, one tile over the head dimension; scores "fp16" are the
     two-launch pass's relative ones."""
     return (
         "split_kv", "_split_kv_kernel",
         {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "scores_ptr": scores, **SPLIT_INDEX},
         dict(D=D, BLOCK_D=D, GROUP=GROUP, BLOCK_M=BLOCK_M, BLOCK_N=64, WITH_V=WITH_V, WITH_SCORES=WITH_SCORES,
-             DOT_F32=DOT_F32, PAGE_SIZE=PAGE_SIZE, SOFTCAP=SOFTCAP),
+             DOT_F32=DOT_F32, PAGE_SIZE=PAGE_SIZE, SOFTCAP=SOFTCAP, WINDOWED=WINDOWED),
         dict(num_warps=4, num_stages=3),
     )
 
 
-def _one_launch(dtype, *, D, GROUP, BLOCK_M, WITH_V=False, PAGE_SIZE=0, SOFTCAP=False, scores="fp32", POOLING="max",
-                INTO_LOG_C=True, HAS_SINKS=False, LSE_GIVEN=False):
+def _one_launch(dtype, *, D, GROUP, BLOCK_M, WITH_V=False, PAGE_SIZE=0, SOFTCAP=False, WINDOWED=False, scores="fp32",
+                POOLING="max", INTO_LOG_C=True, HAS_SINKS=False, LSE_GIVEN=False):
     """A `_one_launch_kernel` variant (the one-launch fused pass): as _split_kv's, with the pooling's constexprs."""
     _, _, pointers, constexprs, options = _split_kv(dtype, D=D, GROUP=GROUP, BLOCK_M=BLOCK_M, WITH_V=WITH_V,
-                                                    PAGE_SIZE=PAGE_SIZE, SOFTCAP=SOFTCAP, scores=scores)
+                                                    PAGE_SIZE=PAGE_SIZE, SOFTCAP=SOFTCAP, WINDOWED=WINDOWED,
+                                                    scores=scores)
     pointers = dict(pointers, out_ptr=dtype, sinks_ptr=dtype, pool_start_ptr="i64", counter_ptr="i32")
     group_pad = 1 << (GROUP - 1).bit_length()
     constexprs = dict(constexprs, GROUP_PAD=group_pad, BLOCK_I=max(16, 4096 // group_pad), HAS_SINKS=HAS_SINKS,
@@ -70,19 +74,21 @@ VARIANTS = {
         "split_kv", "_split_kv_kernel", {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16",
                                          **dict.fromkeys(SPLIT_INDEX, "i32")},
         dict(D=128, BLOCK_D=128, GROUP=4, BLOCK_M=16, BLOCK_N=64, WITH_V=True, WITH_SCORES=True, DOT_F32=False,
-             PAGE_SIZE=0, SOFTCAP=False), dict(num_warps=4, num_stages=3),
+             PAGE_SIZE=0, SOFTCAP=False, WINDOWED=False), dict(num_warps=4, num_stages=3),
     ),
     # int32 lengths beside the int64 zeros of a default start: one kernel per mix of widths.
     "decode_bf16_gqa4_d128_mixed_ranges": (
         "split_kv", "_split_kv_kernel", {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16", **SPLIT_INDEX,
                                          "input_end_ptr": "i32", "kv_len_ptr": "i32"},
         dict(D=128, BLOCK_D=128, GROUP=4, BLOCK_M=16, BLOCK_N=64, WITH_V=True, WITH_SCORES=True, DOT_F32=False,
-             PAGE_SIZE=0, SOFTCAP=False), dict(num_warps=4, num_stages=3),
+             PAGE_SIZE=0, SOFTCAP=False, WINDOWED=False), dict(num_warps=4, num_stages=3),
     ),
     "decode_fp32_mha_d128": _split_kv("fp32", D=128, GROUP=1, BLOCK_M=16, WITH_V=True, WITH_SCORES=False,
                                       DOT_F32=True),
     # Attention variants (ops.Variant): Gemma 2's softcap in the split pass, gpt-oss's sinks in the combine.
     "pool_softcap_bf16_gqa2_d256": _split_kv("bf16", D=256, GROUP=2, BLOCK_M=16, SOFTCAP=True),
+    # A sliding window: score columns from the window's inputs' start.
+    "pool_window_bf16_gqa4_d128": _split_kv("bf16", D=128, GROUP=4, BLOCK_M=16, WINDOWED=True),
     "decode_softcap_fp16_gqa4_d128": _split_kv("fp16", D=128, GROUP=4, BLOCK_M=16, WITH_V=True, SOFTCAP=True),
     # The paged op of a variant layer (a window is a runtime start, sinks are the combine's): Gemma 2's GQA 2:1 at
     # D = 256 in vLLM's 16-slot blocks, and GQA 4:1 at D = 128 in flash_attn's 256-slot pages.
@@ -96,14 +102,14 @@ VARIANTS = {
     "two_launch_update_bf16_gqa3_d64": _split_kv("bf16", D=64, GROUP=3, BLOCK_M=16, scores="fp16"),
     "two_launch_combine_pool_bf16": (
         "split_kv", "_combine_pool_kernel",
-        {"out_ptr": "bf16", "scores_ptr": "fp16", "pool_start_ptr": "i64", "input_end_ptr": "i64"},
+        {"out_ptr": "bf16", "scores_ptr": "fp16", **POOL_INDEX},
         dict(D=128, BLOCK_D=128, SPLITS_PAD=128, H_PAD=32, BLOCK_I=128, KEY_BLOCK=64, WITH_V=True, HAS_SINKS=False,
-             LSE_GIVEN=False, REDISTRIBUTE=True, POOLING="max", INTO_LOG_C=True), dict(num_warps=4),
+             LSE_GIVEN=False, REDISTRIBUTE=True, POOLING="max", INTO_LOG_C=True, WINDOWED=False), dict(num_warps=4),
     ),
     "two_launch_combine_pool_sinks_out": (
-        "split_kv", "_combine_pool_kernel", {"sinks_ptr": "bf16", "pool_start_ptr": "i64", "input_end_ptr": "i64"},
+        "split_kv", "_combine_pool_kernel", {"sinks_ptr": "bf16", **POOL_INDEX},
         dict(D=64, BLOCK_D=64, SPLITS_PAD=64, H_PAD=16, BLOCK_I=256, KEY_BLOCK=64, WITH_V=False, HAS_SINKS=True,
-             LSE_GIVEN=True, REDISTRIBUTE=True, POOLING="mean", INTO_LOG_C=False), dict(num_warps=4),
+             LSE_GIVEN=True, REDISTRIBUTE=True, POOLING="mean", INTO_LOG_C=False, WINDOWED=True), dict(num_warps=4),
     ),
     # The one-launch fused pass: the split kernel with the combine and the pooling after its last arrival.
     "one_launch_decode_bf16_gqa4_d128": _one_launch("bf16", D=128, GROUP=4, BLOCK_M=16, WITH_V=True, scores="fp16"),
@@ -120,6 +126,8 @@ VARIANTS = {
     ),
     "one_launch_pool_paged_bf16_gqa4_d128_page16": _one_launch("bf16", D=128, GROUP=4, BLOCK_M=16, PAGE_SIZE=16,
                                                                INTO_LOG_C=False),
+    "one_launch_pool_window_bf16_gqa4_d128": _one_launch("bf16", D=128, GROUP=4, BLOCK_M=16, WINDOWED=True,
+                                                         INTO_LOG_C=False),
     "combine_bf16": (
         "split_kv", "_split_kv_combine_kernel", {"out_ptr": "bf16"},
         dict(D=128, BLOCK_D=128, SPLITS_PAD=64, WITH_V=True, HAS_SINKS=False), dict(num_warps=4),
@@ -133,23 +141,27 @@ VARIANTS = {
         dict(D=64, BLOCK_D=64, SPLITS_PAD=16, WITH_V=False, HAS_SINKS=True), dict(num_warps=4),
     ),
     "pool_scores_max": (
-        "pool", "_pool_kernel", {"start_ptr": "i64", "end_ptr": "i64"},
-        dict(H_PAD=32, BLOCK_I=128, FROM_SCORES=True, REDISTRIBUTE=True, POOLING="max", INTO_LOG_C=True),
+        "pool", "_pool_kernel", POOL_RANGES,
+        dict(H_PAD=32, BLOCK_I=128, FROM_SCORES=True, REDISTRIBUTE=True, POOLING="max", INTO_LOG_C=True,
+             WINDOWED=False),
         dict(num_warps=4),
     ),
     "pool_scores_out_min": (
-        "pool", "_pool_kernel", {"start_ptr": "i64", "end_ptr": "i64"},
-        dict(H_PAD=16, BLOCK_I=256, FROM_SCORES=True, REDISTRIBUTE=True, POOLING="min", INTO_LOG_C=False),
+        "pool", "_pool_kernel", POOL_RANGES,
+        dict(H_PAD=16, BLOCK_I=256, FROM_SCORES=True, REDISTRIBUTE=True, POOLING="min", INTO_LOG_C=False,
+             WINDOWED=True),
         dict(num_warps=4),
     ),
     "pool_scores_int32_ranges": (
-        "pool", "_pool_kernel", {"start_ptr": "i32", "end_ptr": "i32"},
-        dict(H_PAD=32, BLOCK_I=128, FROM_SCORES=True, REDISTRIBUTE=True, POOLING="max", INTO_LOG_C=True),
+        "pool", "_pool_kernel", dict.fromkeys(POOL_RANGES, "i32"),
+        dict(H_PAD=32, BLOCK_I=128, FROM_SCORES=True, REDISTRIBUTE=True, POOLING="max", INTO_LOG_C=True,
+             WINDOWED=False),
         dict(num_warps=4),
     ),
     "pool_rows_bf16_mean": (
-        "pool", "_pool_kernel", {"values_ptr": "bf16", "start_ptr": "i64", "end_ptr": "i64"},
-        dict(H_PAD=16, BLOCK_I=256, FROM_SCORES=False, REDISTRIBUTE=False, POOLING="mean", INTO_LOG_C=True),
+        "pool", "_pool_kernel", {"values_ptr": "bf16", **POOL_RANGES},
+        dict(H_PAD=16, BLOCK_I=256, FROM_SCORES=False, REDISTRIBUTE=False, POOLING="mean", INTO_LOG_C=True,
+             WINDOWED=False),
         dict(num_warps=4),
     ),
     "generated_mass_bf16": (

@@ -63,34 +63,56 @@ def _exp_in_place(x, bits):
 
 
 @_compiled
+def _row_range(attend_start, input_start, input_end, kv_len, keys):
+    """(attend, start, end, length) of a row: keys [attend, length), inputs [start, end) (start at or before attend: a
+    window's inputs). Clamped into the item's `keys` keys as the cuda kernels clamp them (csrc/common.cuh, KeyRange;
+    csrc/pool/kernel.cuh): an unchecked range gives wrong numbers, never an access outside the arrays (numba checks
+    no bounds)."""
+    length = min(max(kv_len, 0), keys)
+    attend = min(max(attend_start, 0), length)
+    start = min(input_start, attend)
+    return attend, start, min(max(input_end, start), length), length
+
+
+@_compiled
 def _macs_pool_paged_kernel(q, keys, strides, table, out, attend_start, input_start, input_end, kv_len, scale,
                             pooling, redistribute, lse, has_lse, sinks, has_sinks, softcap):
     batch, heads, rows, dim = q.shape
-    page_stride, slot_stride, head_stride, dim_stride, page_size, kv_heads = strides
+    page_stride, slot_stride, head_stride, dim_stride, page_size, kv_heads, pages = strides
     group = heads // kv_heads
+    item_keys = table.shape[1] * page_size
+    width = out.shape[2]
     longest = 1
     for b in range(batch):
         for r in range(rows):
-            longest = max(longest, kv_len[b, r] - input_start[b, r])
+            _, start, _, length = _row_range(attend_start[b, r], input_start[b, r], input_end[b, r], kv_len[b, r],
+                                             item_keys)
+            longest = max(longest, length - start)
     scores = np.empty((group, longest), dtype=np.float32)
     bits = np.empty(longest, dtype=np.int32)
     for b in range(batch):
         for r in range(rows):
-            start, end, length = input_start[b, r], input_end[b, r], kv_len[b, r]
-            n_input, span = end - start, length - start
             # A sliding-window layer's row attends from its window's start: the input slots before (skip of
             # them) get probability 0 and their pages are never read (the engine may have freed them).
-            attend = attend_start[b, r]
+            attend, start, end, length = _row_range(attend_start[b, r], input_start[b, r], input_end[b, r],
+                                                    kv_len[b, r], item_keys)
+            n_input, span = end - start, length - start
+            columns = min(n_input, width)  # only an unchecked input range is longer than the row
             skip = attend - start
             pooled = out[b, r]
+            if length == attend:  # an unchecked range that attends no key: no softmax, a row of zeros
+                pooled[:] = 0.0
+                continue
             fill = -np.inf if pooling == 0 else (np.inf if pooling == 2 else 0.0)
-            pooled[:n_input] = fill
-            pooled[n_input:] = 0.0
+            pooled[:columns] = fill
+            pooled[columns:] = 0.0
             for kv_head in range(kv_heads):
                 for page_index in range(attend // page_size, (length - 1) // page_size + 1):
                     page_start = page_index * page_size
                     low, high = max(attend, page_start) - page_start, min(length, page_start + page_size) - page_start
-                    base = table[b, page_index] * page_stride + kv_head * head_stride
+                    # A page outside the pages comes only from an unchecked table: clamped into them, as cuda does.
+                    page = min(max(table[b, page_index], 0), pages - 1)
+                    base = page * page_stride + kv_head * head_stride
                     offset = page_start - start
                     # Loops index views from 0 (computed indices would make numba wrap negative ones, element
                     # by element, which keeps LLVM from vectorizing).
@@ -142,22 +164,22 @@ def _macs_pool_paged_kernel(q, keys, strides, table, out, attend_start, input_st
                         if has_sinks:
                             norm += np.float32(math.exp(sinks[head] - shift))
                     spill = np.float32(0.0)
-                    if redistribute:
+                    if redistribute and n_input > 0:
                         for t in range(n_input, span):
                             spill += row_scores[t]
                         spill /= n_input
                     inverse = np.float32(1.0) / norm
                     if pooling == 0:
-                        for j in range(n_input):
+                        for j in range(columns):
                             pooled[j] = max(pooled[j], (row_scores[j] + spill) * inverse)
                     elif pooling == 2:
-                        for j in range(n_input):
+                        for j in range(columns):
                             pooled[j] = min(pooled[j], (row_scores[j] + spill) * inverse)
                     else:
-                        for j in range(n_input):
+                        for j in range(columns):
                             pooled[j] += (row_scores[j] + spill) * inverse
             if pooling == 1:
-                for j in range(n_input):
+                for j in range(columns):
                     pooled[j] /= heads
 
 
@@ -183,7 +205,8 @@ def macs_pool_paged(q, k_pages, block_table, out, input_start, input_end, kv_len
         block_table = torch.zeros_like(block_table).masked_scatter_(used, torch.arange(int(used.sum()),
                                                                                        dtype=block_table.dtype))
     keys, (page_stride, slot_stride, head_stride, dim_stride) = _flat(k_pages)
-    strides = np.array([page_stride, slot_stride, head_stride, dim_stride, k_pages.shape[1], k_pages.shape[2]])
+    strides = np.array([page_stride, slot_stride, head_stride, dim_stride, k_pages.shape[1], k_pages.shape[2],
+                        k_pages.shape[0]])
     target = out if out.is_contiguous() else torch.empty_like(out)
     lse_array = np.zeros((1, 1, 1), np.float32) if lse is None else lse.float().contiguous().numpy()
     inputs = input_start if score_start is None else score_start.contiguous()

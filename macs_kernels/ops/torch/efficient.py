@@ -122,6 +122,10 @@ def project_rows(p, v_cache, kv_start, kv_len, causal, rcond, gram, back_project
     kv_heads, width = v_cache.shape[1], v_cache.shape[3] + 1
     group = heads // kv_heads
     dtype = torch.float64 if torch.float64 in (p.dtype, v_cache.dtype) else torch.float32
+    # Ranges that no check read (validate=False, a GPU's default) are clamped into the cache, as every kernel clamps
+    # them: wrong numbers, never a gather past the cache (on a GPU, a device-side assert that ends the context).
+    kv_len = kv_len.clamp(0, keys)
+    kv_start = torch.minimum(kv_start.clamp_min(0), kv_len)
     ends = key_ends(kv_start, kv_len, rows, causal)
     inside = key_mask(kv_start, ends, keys)
     x = augmented(v_cache, torch.float64)

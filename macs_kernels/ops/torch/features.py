@@ -39,7 +39,7 @@ def attention_features(
             p.mul_(valid.unsqueeze(-1))
         summed += p.sum(dim=2)
     offsets = torch.arange(n_max, device=device)
-    columns = (source_start.view(-1, 1) + offsets).clamp_max(keys - 1)
+    columns = (source_start.view(-1, 1) + offsets).clamp(0, keys - 1)
     features = summed.gather(2, columns[:, None, :].expand(batch, heads, n_max))
     inside = offsets < (source_end - source_start).view(-1, 1)
     return features.masked_fill_(~inside[:, None, :], 0.0)

@@ -136,7 +136,8 @@ def input_slots(input_start: Tensor, n_max: int, keys: int, windowed: bool = Fal
     dropped those tokens: they get 0), else None). Entries past a row's N are not inputs."""
     slots = input_start.unsqueeze(-1) + torch.arange(n_max, device=input_start.device)
     dropped = (slots < 0) if windowed else None
-    return slots.clamp(0 if windowed else None, keys - 1), dropped
+    # Without a window a slot before 0 comes only from an unchecked range: clamped as the kernels clamp it.
+    return slots.clamp(0, keys - 1), dropped
 
 
 def input_probabilities(rows: Tensor, slots) -> Tensor:

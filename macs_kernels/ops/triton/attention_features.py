@@ -21,6 +21,7 @@ from macs_kernels.ops.triton.common import (
     LOG2E,
     MIN_SCORE,
     cdiv,
+    clamped,
     dot,
     dot_in_f32,
     features_tiles,
@@ -40,9 +41,19 @@ def _log2_scores(dots, scale, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _feature_rows(kv_len_ptr, n_rows_ptr, b, rows, keys):
+    """Item b's (n_rows, base): row r < n_rows ends its keys at base + r + 1. Clamped into the cache as the cuda
+    kernels clamp them (csrc/attention_features/kernel.cuh, FeatureRows; a row's start into [0, base]): an unchecked
+    range gives wrong numbers, never an access outside the tensors."""
+    end = clamped(tl.load(kv_len_ptr + b), 0, keys)
+    n_rows = clamped(tl.load(n_rows_ptr + b), 0, tl.minimum(end, rows))
+    return n_rows, end - n_rows
+
+
+@triton.jit
 def _features_lse_kernel(
     q_ptr, k_ptr, start_ptr, kv_len_ptr, n_rows_ptr, lse_ptr, sinks_ptr,
-    scale, softcap, window, heads, group, rows,
+    scale, softcap, window, heads, group, rows, keys,
     stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
@@ -53,9 +64,8 @@ def _features_lse_kernel(
     b = (pid // heads).to(tl.int64)
     h = (pid % heads).to(tl.int64)
     kv_head = h // group
-    start = tl.load(start_ptr + b).to(tl.int64)
-    n_rows = tl.load(n_rows_ptr + b).to(tl.int64)
-    base = tl.load(kv_len_ptr + b).to(tl.int64) - n_rows  # row r's keys end at base + r + 1
+    n_rows, base = _feature_rows(kv_len_ptr, n_rows_ptr, b, rows, keys)
+    start = clamped(tl.load(start_ptr + b), 0, base)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     row_ok = r < n_rows
@@ -88,7 +98,7 @@ def _features_lse_kernel(
 @triton.jit
 def _features_kernel(
     q_ptr, k_ptr, lse_ptr, source_start_ptr, source_end_ptr, kv_len_ptr, n_rows_ptr, out_ptr,
-    scale, softcap, window, heads, group, rows, n_max,
+    scale, softcap, window, heads, group, rows, keys, n_max,
     stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_lb, stride_lh,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
     SOFTCAP: tl.constexpr,
@@ -100,13 +110,12 @@ def _features_kernel(
     h = (pid % heads).to(tl.int64)
     kv_head = h // group
     source_start = tl.load(source_start_ptr + b).to(tl.int64)
-    source_end = tl.load(source_end_ptr + b).to(tl.int64)
-    n_rows = tl.load(n_rows_ptr + b).to(tl.int64)
-    base = tl.load(kv_len_ptr + b).to(tl.int64) - n_rows
+    source_end = clamped(tl.load(source_end_ptr + b), 0, keys)
+    n_rows, base = _feature_rows(kv_len_ptr, n_rows_ptr, b, rows, keys)
     i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n = source_start + i
     d = tl.arange(0, BLOCK_D)
-    key_ok = n < source_end
+    key_ok = (n >= 0) & (n < source_end)
     k = tl.load(k_ptr + b * stride_kb + kv_head * stride_kh + n[:, None] * stride_ks + d[None, :],
                 mask=key_ok[:, None] & (d[None, :] < D), other=0.0)
     k = operand(k, DOT_F32)
@@ -147,7 +156,8 @@ def attention_features(q, k_cache, source_start, source_end, kv_start, kv_len, n
         lse = torch.empty(batch, heads, rows, device=q.device, dtype=torch.float32)
         sink_logits = lse if sinks is None else sinks.float().contiguous()
         launch(_features_lse_kernel, (batch * heads, cdiv(rows, block_r)),
-               q, k_cache, kv_start, kv_len, n_rows, lse, sink_logits, *variant, heads, group, rows, *strides,
+               q, k_cache, kv_start, kv_len, n_rows, lse, sink_logits, *variant, heads, group, rows, k_cache.shape[2],
+               *strides,
                HAS_SINKS=sinks is not None, **consts)
     else:
         lse = lse.float()
@@ -155,6 +165,7 @@ def attention_features(q, k_cache, source_start, source_end, kv_start, kv_len, n
             lse = lse.contiguous()
     out = torch.empty(batch, heads, n_max, device=q.device, dtype=torch.float32)
     launch(_features_kernel, (batch * heads, cdiv(n_max, block_n)),
-           q, k_cache, lse, source_start, source_end, kv_len, n_rows, out, *variant, heads, group, rows, n_max,
+           q, k_cache, lse, source_start, source_end, kv_len, n_rows, out, *variant, heads, group, rows,
+           k_cache.shape[2], n_max,
            *strides, lse.stride(0), lse.stride(1), **consts)
     return out

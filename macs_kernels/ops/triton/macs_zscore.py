@@ -9,14 +9,15 @@ import torch
 import triton
 import triton.language as tl
 
-from macs_kernels.ops.triton.common import launch, row_block
+from macs_kernels.ops.triton.common import clamped, launch, row_block
 
 
 @triton.jit
 def _macs_zscore_kernel(log_c_ptr, n_ptr, out_ptr, n_max, stride_lb, stride_ob, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     row = log_c_ptr + b * stride_lb
-    n = tl.load(n_ptr + b).to(tl.int64)
+    # An unchecked count past the row reads only the row, as the cuda kernel does.
+    n = clamped(tl.load(n_ptr + b), 0, n_max)
     top = tl.full([BLOCK], float("-inf"), tl.float32)
     for i0 in range(0, n, BLOCK):
         i = i0 + tl.arange(0, BLOCK)

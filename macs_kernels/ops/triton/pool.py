@@ -12,20 +12,22 @@ import torch
 import triton
 import triton.language as tl
 
-from macs_kernels.ops.triton.common import cdiv, launch, next_pow2, pool_block, row_block
+from macs_kernels.ops.triton.common import cdiv, clamped, input_columns, launch, next_pow2, pool_block, row_block
 
 
 @triton.jit
 def _generated_mass_kernel(
-    rows_ptr, input_end_ptr, kv_len_ptr, mass_ptr, heads, stride_rb, stride_rh, stride_eb, stride_lb,
+    rows_ptr, input_end_ptr, kv_len_ptr, mass_ptr, heads, keys, stride_rb, stride_rh, stride_eb, stride_lb,
     BLOCK_S: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // heads
     base = rows_ptr + b * stride_rb + (row % heads) * stride_rh
-    end = tl.load(kv_len_ptr + b * stride_lb).to(tl.int64)
+    # Clamped into the row's keys, as the cuda kernels clamp an unchecked range.
+    end = clamped(tl.load(kv_len_ptr + b * stride_lb), 0, keys)
+    first = clamped(tl.load(input_end_ptr + b * stride_eb), 0, end)
     total = tl.zeros([BLOCK_S], tl.float32)
-    for j0 in range(tl.load(input_end_ptr + b * stride_eb).to(tl.int64), end, BLOCK_S):
+    for j0 in range(first, end, BLOCK_S):
         j = j0 + tl.arange(0, BLOCK_S)
         total += tl.load(base + j, mask=j < end, other=0.0).to(tl.float32)
     tl.store(mass_ptr + row, tl.sum(total, 0))
@@ -33,21 +35,24 @@ def _generated_mass_kernel(
 
 @triton.jit
 def _pool_kernel(
-    values_ptr, lse_ptr, gen_ptr, start_ptr, end_ptr, target_ptr,
-    alpha, heads, rows, n_target,
+    values_ptr, lse_ptr, gen_ptr, start_ptr, end_ptr, kv_len_ptr, column_start_ptr, target_ptr,
+    alpha, heads, rows, n_target, keys,
     stride_vb, stride_vh, stride_vr, stride_lb, stride_lh, stride_lr, stride_gb, stride_gh, stride_gr,
-    stride_ib, stride_ir, stride_eb, stride_er, stride_tb, stride_tr,
+    stride_ib, stride_ir, stride_eb, stride_er, stride_kb, stride_kr, stride_pb, stride_pr, stride_tb, stride_tr,
     H_PAD: tl.constexpr, BLOCK_I: tl.constexpr, FROM_SCORES: tl.constexpr, REDISTRIBUTE: tl.constexpr,
-    POOLING: tl.constexpr, INTO_LOG_C: tl.constexpr,
+    POOLING: tl.constexpr, INTO_LOG_C: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     # Inductor passes Python floats as fp64 (a loop-carried max would turn fp64): the math stays fp32.
     alpha = tl.cast(alpha, tl.float32)
     b = (tl.program_id(0) // rows).to(tl.int64)
     r = (tl.program_id(0) % rows).to(tl.int64)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    start = tl.load(start_ptr + b * stride_ib + r * stride_ir).to(tl.int64)
-    n_input = tl.load(end_ptr + b * stride_eb + r * stride_er).to(tl.int64) - start
-    i_mask = i < n_input
+    start, n_input = input_columns(
+        tl.load(start_ptr + b * stride_ib + r * stride_ir), tl.load(end_ptr + b * stride_eb + r * stride_er),
+        tl.load(kv_len_ptr + b * stride_kb + r * stride_kr),
+        tl.load(column_start_ptr + b * stride_pb + r * stride_pr), keys, WINDOWED)
+    # The row holds n_target columns (only an unchecked input range is longer).
+    i_mask = (i < n_input) & (i < n_target)
     h = tl.arange(0, H_PAD)
     h_mask = h < heads
     tile_mask = h_mask[:, None] & i_mask[None, :]
@@ -75,8 +80,8 @@ def pool_tile(x, gen, h_mask, i, n_input, heads, n_target, target_row, alpha, RE
               POOLING: tl.constexpr, INTO_LOG_C: tl.constexpr):
     """Pool probabilities x (H_PAD, BLOCK_I) of inputs i over heads, each head's generated mass gen (H_PAD,) spread
     over the n_input inputs, into target_row: log(alpha * m' + 1 - alpha) added for i < n_input, or m' written (0 for
-    n_input <= i < n_target)."""
-    i_mask = i < n_input
+    n_input <= i < n_target). Only an unchecked input range is longer than the n_target columns of the row."""
+    i_mask = (i < n_input) & (i < n_target)
     if REDISTRIBUTE:
         x += gen[:, None] / n_input.to(tl.float32)
     if POOLING == "max":
@@ -94,13 +99,15 @@ def pool_tile(x, gen, h_mask, i, n_input, heads, n_target, target_row, alpha, RE
         tl.store(target, tl.where(i_mask, pooled, 0.0), mask=i < n_target)
 
 
-def pool(values, target, start, end, *, lse=None, generated=None, alpha=None, pooling="max", redistribute=True,
-         into_log_c=True):
+def pool(values, target, start, end, kv_len, keys, *, column_start=None, lse=None, generated=None, alpha=None,
+         pooling="max", redistribute=True, into_log_c=True):
     """Pool `values` over heads into `target` for each query row.
 
     values: scores (B, H, R, N_max) with lse and generated = lse_gen (B, H, R), or rows (B, H, S) (R = 1)
         with generated = each head's generated mass (B, H) float32 (lse None).
-    start, end: (B, R) int32 or int64 input ranges, each read with its own strides (stride 0 over R allowed).
+    start, end, kv_len: (B, R) int32 or int64, each read with its own strides (stride 0 over R allowed): the
+        attended keys [start, kv_len) of a cache of `keys` keys, inputs [start, end), or [column_start, end) (a
+        window's inputs, which may start before the attended start); clamped as the split pass clamps them.
     target: log_c (B, N_max) to which log(alpha * m' + 1 - alpha) is added for i < N (into_log_c), or
         out (B, R, N_max) that receives m' for i < N and 0 after.
     alpha: the floor weight of log c's update (into_log_c: required); None where m' is written.
@@ -116,15 +123,17 @@ def pool(values, target, start, end, *, lse=None, generated=None, alpha=None, po
     gen3 = gen if gen.dim() != 2 else gen[:, :, None]
     lse3 = lse if from_scores else values4
     block_i = pool_block(heads, n_target)
+    windowed = column_start is not None
+    column_start = column_start if windowed else start
     launch(
         _pool_kernel, (batch * rows, cdiv(n_target, block_i)),
-        values4, lse3, gen3, start, end, target3,
-        float(alpha) if into_log_c else 0.0, heads, rows, n_target,
+        values4, lse3, gen3, start, end, kv_len, column_start, target3,
+        float(alpha) if into_log_c else 0.0, heads, rows, n_target, keys,
         values4.stride(0), values4.stride(1), values4.stride(2), lse3.stride(0), lse3.stride(1), lse3.stride(2),
-        gen3.stride(0), gen3.stride(1), gen3.stride(2), *start.stride(), *end.stride(),
-        target3.stride(0), target3.stride(1),
+        gen3.stride(0), gen3.stride(1), gen3.stride(2), *start.stride(), *end.stride(), *kv_len.stride(),
+        *column_start.stride(), target3.stride(0), target3.stride(1),
         H_PAD=next_pow2(heads), BLOCK_I=block_i, FROM_SCORES=from_scores, REDISTRIBUTE=redistribute,
-        POOLING=pooling, INTO_LOG_C=into_log_c, num_warps=4,
+        POOLING=pooling, INTO_LOG_C=into_log_c, WINDOWED=windowed, num_warps=4,
     )
 
 
@@ -135,7 +144,7 @@ def generated_mass(rows, input_end, kv_len):
     mass = torch.empty(batch, heads, device=rows.device, dtype=torch.float32)
     launch(
         _generated_mass_kernel, (batch * heads,),
-        rows, input_end, kv_len, mass, heads, rows.stride(0), rows.stride(1), input_end.stride(0), kv_len.stride(0),
+        rows, input_end, kv_len, mass, heads, keys, rows.stride(0), rows.stride(1), input_end.stride(0), kv_len.stride(0),
         BLOCK_S=row_block(keys), num_warps=4,
     )
     return mass

@@ -39,6 +39,8 @@ from macs_kernels.ops.triton.common import (
     dot,
     dot_in_f32,
     head_block,
+    input_columns,
+    key_range,
     launch,
     multiprocessors,
     next_pow2,
@@ -51,12 +53,14 @@ from macs_kernels.ops.triton.settings import triton_split_kv_pass
 
 
 @triton.jit
-def _key_slots(n, in_slice, b, block_table_ptr, stride_tb, PAGE_SIZE: tl.constexpr):
+def _key_slots(n, in_slice, b, block_table_ptr, stride_tb, pages, PAGE_SIZE: tl.constexpr):
     """Where keys n of item b live: (page, slot) of a paged cache through the block table (PAGE_SIZE > 0),
     or (b, n) of a contiguous (B, H_kv, S, D) cache. Keys past the slice read no table entry: an item's
-    table may end in -1s."""
+    table may end in -1s. A page number outside the `pages` pages is clamped into them, as the cuda kernels do:
+    an unchecked bad table gives wrong numbers, never a read outside the cache."""
     if PAGE_SIZE > 0:
         page = tl.load(block_table_ptr + b * stride_tb + n // PAGE_SIZE, mask=in_slice, other=0).to(tl.int64)
+        page = tl.minimum(tl.maximum(page, 0), pages - 1)
         slot = n % PAGE_SIZE
     else:
         page = tl.zeros_like(n).to(tl.int64) + b
@@ -67,13 +71,13 @@ def _key_slots(n, in_slice, b, block_table_ptr, stride_tb, PAGE_SIZE: tl.constex
 @triton.jit
 def _split_slice(
     q_ptr, k_ptr, v_ptr, start_ptr, input_end_ptr, kv_len_ptr, block_table_ptr, score_start_ptr,
-    scores_ptr, tile_max_ptr, scale, softcap, split_size, kv_heads, rows, key_tiles,
+    scores_ptr, tile_max_ptr, scale, softcap, split_size, kv_heads, rows, key_tiles, keys, n_scores, pages,
     stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ib, stride_ir, stride_eb, stride_er, stride_lb, stride_lr, stride_fb, stride_fr,
     stride_tb, stride_sb, stride_sh, stride_sr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, WITH_V: tl.constexpr, WITH_SCORES: tl.constexpr, DOT_F32: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, KEEP_SCORES: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr, KEEP_SCORES: tl.constexpr,
 ):
     """One program's (row tile, key slice) of the split-KV pass: the online softmax state (m, l, l_gen, acc) of its
     BLOCK_M rows over the slice, the input keys' scores written on the way (KEEP_SCORES: with an evict-last hint,
@@ -91,10 +95,14 @@ def _split_slice(
     r = m_index // GROUP
     # Each range with its own strides (a (B,) range broadcast over R has stride 0); padding rows attend nothing:
     # start = kv_len = 0.
-    start = tl.load(start_ptr + b * stride_ib + r * stride_ir, mask=row_ok, other=0).to(tl.int64)
-    input_end = tl.load(input_end_ptr + b * stride_eb + r * stride_er, mask=row_ok, other=0).to(tl.int64)
-    kv_len = tl.load(kv_len_ptr + b * stride_lb + r * stride_lr, mask=row_ok, other=0).to(tl.int64)
-    score_start = tl.load(score_start_ptr + b * stride_fb + r * stride_fr, mask=row_ok, other=0).to(tl.int64)
+    start, input_end, kv_len = key_range(
+        tl.load(start_ptr + b * stride_ib + r * stride_ir, mask=row_ok, other=0),
+        tl.load(input_end_ptr + b * stride_eb + r * stride_er, mask=row_ok, other=0),
+        tl.load(kv_len_ptr + b * stride_lb + r * stride_lr, mask=row_ok, other=0), keys)
+    score_start = start
+    if WINDOWED:  # a window's columns count from its inputs' start, at or before the attended start
+        score_start = tl.minimum(
+            tl.load(score_start_ptr + b * stride_fb + r * stride_fr, mask=row_ok, other=0).to(tl.int64), start)
     lo = tl.maximum(tl.min(tl.where(row_ok, start, 2147483647), 0), split * split_size)
     hi = tl.minimum(tl.max(kv_len, 0), (split + 1) * split_size)
 
@@ -124,7 +132,7 @@ def _split_slice(
         if relative:
             in_slice = in_slice & (n >= lo)
         kv_mask = in_slice[:, None] & d_mask[None, :]
-        page, slot = _key_slots(n, in_slice, b, block_table_ptr, stride_tb, PAGE_SIZE)
+        page, slot = _key_slots(n, in_slice, b, block_table_ptr, stride_tb, pages, PAGE_SIZE)
         k_rows = k_head + page * stride_kb + slot * stride_ks
         k = operand(tl.load(k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0), DOT_F32)
         attended = in_slice[None, :] & (n[None, :] >= start[:, None]) & (n[None, :] < kv_len[:, None])
@@ -133,9 +141,10 @@ def _split_slice(
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
         s = tl.where(attended, s, float("-inf"))
         if WITH_SCORES:
-            is_input = attended & (n[None, :] < input_end[:, None])
-            columns = scores_ptr + b * stride_sb + head[:, None] * stride_sh + r[:, None] * stride_sr + (
-                n[None, :] - score_start[:, None])
+            column = n[None, :] - score_start[:, None]
+            # Only an unchecked input range longer than the row of scores reaches column n_scores.
+            is_input = attended & (n[None, :] < input_end[:, None]) & (column < n_scores)
+            columns = scores_ptr + b * stride_sb + head[:, None] * stride_sh + r[:, None] * stride_sr + column
             if not relative:
                 if KEEP_SCORES:
                     tl.store(columns, s, mask=is_input, eviction_policy="evict_last")
@@ -169,23 +178,23 @@ def _split_slice(
 def _split_kv_kernel(
     q_ptr, k_ptr, v_ptr, start_ptr, input_end_ptr, kv_len_ptr, block_table_ptr, score_start_ptr,
     scores_ptr, tile_max_ptr, m_ptr, l_ptr, l_gen_ptr, acc_ptr,
-    scale, softcap, split_size, splits, kv_heads, rows, key_tiles,
+    scale, softcap, split_size, splits, kv_heads, rows, key_tiles, keys, n_scores, pages,
     stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ib, stride_ir, stride_eb, stride_er, stride_lb, stride_lr, stride_fb, stride_fr,
     stride_tb, stride_sb, stride_sh, stride_sr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, WITH_V: tl.constexpr, WITH_SCORES: tl.constexpr, DOT_F32: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     # Inductor passes Python floats as fp64 (a loop-carried max would turn fp64): the math stays fp32.
     scale, softcap = tl.cast(scale, tl.float32), tl.cast(softcap, tl.float32)
     m, l, l_gen, acc, row_ok, row_index = _split_slice(
         q_ptr, k_ptr, v_ptr, start_ptr, input_end_ptr, kv_len_ptr, block_table_ptr, score_start_ptr,
-        scores_ptr, tile_max_ptr, scale, softcap, split_size, kv_heads, rows, key_tiles,
+        scores_ptr, tile_max_ptr, scale, softcap, split_size, kv_heads, rows, key_tiles, keys, n_scores, pages,
         stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
         stride_ib, stride_ir, stride_eb, stride_er, stride_lb, stride_lr, stride_fb, stride_fr,
     stride_tb, stride_sb, stride_sh, stride_sr,
-        D, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, WITH_V, WITH_SCORES, DOT_F32, PAGE_SIZE, SOFTCAP, False)
+        D, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, WITH_V, WITH_SCORES, DOT_F32, PAGE_SIZE, SOFTCAP, WINDOWED, False)
     d = tl.arange(0, BLOCK_D)
     partial = row_index * splits + tl.program_id(1)
     tl.store(m_ptr + partial, m, mask=row_ok)
@@ -193,6 +202,23 @@ def _split_kv_kernel(
     tl.store(l_gen_ptr + partial, l_gen, mask=row_ok)
     if WITH_V:
         tl.store(acc_ptr + partial[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & (d < D)[None, :])
+
+
+@triton.jit
+def _row_columns(start_ptr, input_end_ptr, kv_len_ptr, column_start_ptr, b, r, keys, stride_ib, stride_ir, stride_eb,
+                 stride_er, stride_lb, stride_lr, stride_cb, stride_cr, WINDOWED: tl.constexpr):
+    """input_columns of row (b, r), each range read with its own strides."""
+    return input_columns(
+        tl.load(start_ptr + b * stride_ib + r * stride_ir), tl.load(input_end_ptr + b * stride_eb + r * stride_er),
+        tl.load(kv_len_ptr + b * stride_lb + r * stride_lr), tl.load(column_start_ptr + b * stride_cb + r * stride_cr),
+        keys, WINDOWED)
+
+
+@triton.jit
+def _key_tile(key, KEY_BLOCK: tl.constexpr, key_tiles):
+    """The key block of `key`, whose max its relative score is taken from; an unchecked range's key outside the
+    cache reads its nearest block's."""
+    return tl.minimum(tl.maximum(key, 0) // KEY_BLOCK, key_tiles - 1)
 
 
 @triton.jit
@@ -255,13 +281,13 @@ def _split_kv_combine_kernel(
 @triton.jit
 def _combine_pool_kernel(
     m_ptr, l_ptr, l_gen_ptr, acc_ptr, out_ptr, lse_ptr, lse_gen_ptr, sinks_ptr,
-    scores_ptr, tile_max_ptr, given_lse_ptr, pool_start_ptr, input_end_ptr, target_ptr,
-    alpha, splits, heads, rows, n_target, pool_programs, tiles_per_program, key_tiles,
+    scores_ptr, tile_max_ptr, given_lse_ptr, pool_start_ptr, input_end_ptr, start_ptr, kv_len_ptr, target_ptr,
+    alpha, splits, heads, rows, n_target, pool_programs, tiles_per_program, key_tiles, keys,
     stride_ob, stride_oh, stride_or, stride_sb, stride_sh, stride_sr, stride_gb, stride_gh, stride_gr,
-    stride_pb, stride_pr, stride_eb, stride_er, stride_tb, stride_tr,
+    stride_pb, stride_pr, stride_eb, stride_er, stride_ib, stride_ir, stride_lb, stride_lr, stride_tb, stride_tr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr, H_PAD: tl.constexpr, BLOCK_I: tl.constexpr,
     KEY_BLOCK: tl.constexpr, WITH_V: tl.constexpr, HAS_SINKS: tl.constexpr, LSE_GIVEN: tl.constexpr,
-    REDISTRIBUTE: tl.constexpr, POOLING: tl.constexpr, INTO_LOG_C: tl.constexpr,
+    REDISTRIBUTE: tl.constexpr, POOLING: tl.constexpr, INTO_LOG_C: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     """The combine and the head pooling in one launch: grid (B * R, pool_programs + H). Programs from
     pool_programs on are `_combine_row` for head program_id(1) - pool_programs; the others each merge the slices of
@@ -294,16 +320,17 @@ def _combine_pool_kernel(
             lse = tl.load(given_lse_ptr + b * stride_gb + h * stride_gh + r * stride_gr, mask=h_mask, other=0.0)
             lse = lse.to(tl.float32)
         gen = tl.exp(lse_gen - lse)
-        start = tl.load(pool_start_ptr + b * stride_pb + r * stride_pr).to(tl.int64)
-        n_input = tl.load(input_end_ptr + b * stride_eb + r * stride_er).to(tl.int64) - start
+        start, n_input = _row_columns(start_ptr, input_end_ptr, kv_len_ptr, pool_start_ptr, b, r, keys, stride_ib,
+                                      stride_ir, stride_eb, stride_er, stride_lb, stride_lr, stride_pb, stride_pr, WINDOWED)
         score_rows = scores_ptr + b * stride_sb + r * stride_sr + h[:, None] * stride_sh
         for t in range(0, tiles_per_program):
             i = (program * tiles_per_program + t) * BLOCK_I + tl.arange(0, BLOCK_I)
-            tile_mask = h_mask[:, None] & (i < n_input)[None, :]
+            # The scores hold n_target columns (an unchecked input range may be longer).
+            tile_mask = h_mask[:, None] & ((i < n_input) & (i < n_target))[None, :]
             s = tl.load(score_rows + i[None, :], mask=tile_mask, other=float("-inf")).to(tl.float32)
             if scores_ptr.dtype.element_ty == tl.float16:  # relative to their key block's max
-                s += tl.load(tile_max_ptr + row_index[:, None] * key_tiles + ((start + i) // KEY_BLOCK)[None, :],
-                             mask=tile_mask, other=0.0)
+                s += tl.load(tile_max_ptr + row_index[:, None] * key_tiles + _key_tile(start + i, KEY_BLOCK,
+                             key_tiles)[None, :], mask=tile_mask, other=0.0)
             pool_tile(tl.exp(s - lse[:, None]), gen, h_mask, i, n_input, heads, n_target,
                       target_ptr + b * stride_tb + r * stride_tr, alpha, REDISTRIBUTE, POOLING, INTO_LOG_C)
 
@@ -313,7 +340,7 @@ def _one_launch_kernel(
     q_ptr, k_ptr, v_ptr, start_ptr, input_end_ptr, kv_len_ptr, block_table_ptr, score_start_ptr,
     scores_ptr, tile_max_ptr, m_ptr, l_ptr, l_gen_ptr, acc_ptr,
     out_ptr, lse_ptr, lse_gen_ptr, sinks_ptr, given_lse_ptr, pool_start_ptr, target_ptr, pooled_ptr, counter_ptr,
-    scale, softcap, split_size, splits, kv_heads, rows, key_tiles,
+    scale, softcap, split_size, splits, kv_heads, rows, key_tiles, keys, n_scores, pages,
     stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ib, stride_ir, stride_eb, stride_er, stride_lb, stride_lr, stride_fb, stride_fr,
     stride_tb, stride_sb, stride_sh, stride_sr,
@@ -321,7 +348,7 @@ def _one_launch_kernel(
     stride_pb, stride_pr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, WITH_V: tl.constexpr, WITH_SCORES: tl.constexpr, DOT_F32: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr,
     GROUP_PAD: tl.constexpr, BLOCK_I: tl.constexpr, HAS_SINKS: tl.constexpr, LSE_GIVEN: tl.constexpr,
     REDISTRIBUTE: tl.constexpr, POOLING: tl.constexpr, INTO_LOG_C: tl.constexpr,
 ):
@@ -339,11 +366,11 @@ def _one_launch_kernel(
     scale, softcap, alpha = tl.cast(scale, tl.float32), tl.cast(softcap, tl.float32), tl.cast(alpha, tl.float32)
     m, l, l_gen, acc, row_ok, row_index = _split_slice(
         q_ptr, k_ptr, v_ptr, start_ptr, input_end_ptr, kv_len_ptr, block_table_ptr, score_start_ptr,
-        scores_ptr, tile_max_ptr, scale, softcap, split_size, kv_heads, rows, key_tiles,
+        scores_ptr, tile_max_ptr, scale, softcap, split_size, kv_heads, rows, key_tiles, keys, n_scores, pages,
         stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
         stride_ib, stride_ir, stride_eb, stride_er, stride_lb, stride_lr, stride_fb, stride_fr,
     stride_tb, stride_sb, stride_sh, stride_sr,
-        D, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, WITH_V, WITH_SCORES, DOT_F32, PAGE_SIZE, SOFTCAP, True)
+        D, BLOCK_D, GROUP, BLOCK_M, BLOCK_N, WITH_V, WITH_SCORES, DOT_F32, PAGE_SIZE, SOFTCAP, WINDOWED, True)
     pid = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < D
@@ -418,21 +445,24 @@ def _one_launch_kernel(
                 lse_g = tl.load(given_lse_ptr + b * stride_gb + head_g * stride_gh + rr * stride_gr, mask=ok,
                                 other=0.0).to(tl.float32)
             gen = tl.exp(lse_gen_g - lse_g)
-            pool_start = tl.load(pool_start_ptr + b * stride_pb + rr * stride_pr).to(tl.int64)
-            n_input = tl.load(input_end_ptr + b * stride_eb + rr * stride_er).to(tl.int64) - pool_start
+            pool_start, n_input = _row_columns(start_ptr, input_end_ptr, kv_len_ptr, pool_start_ptr, b, rr, keys,
+                                               stride_ib, stride_ir, stride_eb, stride_er, stride_lb, stride_lr,
+                                               stride_pb, stride_pr, WINDOWED)
             spread = gen / n_input.to(tl.float32)
             score_rows = scores_ptr + b * stride_sb + rr * stride_sr + head_g[:, None] * stride_sh
             max_rows = tile_max_ptr + ((b * heads + head_g) * rows + rr) * key_tiles
             pooled_row = pooled_ptr + (b * rows + rr) * n_target
-            for i0 in range(0, n_input, BLOCK_I):
+            # The scores and the pooled row hold n_target columns (an unchecked input range may be longer).
+            n_columns = tl.minimum(n_input, n_target)
+            for i0 in range(0, n_columns, BLOCK_I):
                 i = i0 + tl.arange(0, BLOCK_I)
-                i_mask = i < n_input
+                i_mask = i < n_columns
                 tile_mask = ok[:, None] & i_mask[None, :]
                 s = tl.load(score_rows + i[None, :], mask=tile_mask, other=float("-inf"),
                             cache_modifier=".cg").to(tl.float32)
                 if relative:  # relative to their key block's max
-                    s += tl.load(max_rows[:, None] + ((pool_start + i) // BLOCK_N)[None, :], mask=tile_mask,
-                                 other=0.0, cache_modifier=".cg")
+                    s += tl.load(max_rows[:, None] + _key_tile(pool_start + i, BLOCK_N, key_tiles)[None, :],
+                                 mask=tile_mask, other=0.0, cache_modifier=".cg")
                 x = tl.exp(s - lse_g[:, None])
                 if REDISTRIBUTE:
                     x += spread[:, None]
@@ -456,13 +486,14 @@ def _one_launch_kernel(
             if POOLING == "min":
                 identity = float("inf")
             for rr in range(0, rows):
-                pool_start = tl.load(pool_start_ptr + b * stride_pb + rr * stride_pr).to(tl.int64)
-                n_input = tl.load(input_end_ptr + b * stride_eb + rr * stride_er).to(tl.int64) - pool_start
+                _, n_input = _row_columns(start_ptr, input_end_ptr, kv_len_ptr, pool_start_ptr, b, rr, keys,
+                                          stride_ib, stride_ir, stride_eb, stride_er, stride_lb, stride_lr,
+                                          stride_pb, stride_pr, WINDOWED)
                 pooled_row = pooled_ptr + (b * rows + rr) * n_target
                 target_row = target_ptr + b * stride_cb + rr * stride_cr
                 for i0 in range(0, n_target, BLOCK_I):
                     i = i0 + tl.arange(0, BLOCK_I)
-                    i_mask = i < n_input
+                    i_mask = (i < n_input) & (i < n_target)
                     pooled = tl.load(pooled_row + i, mask=i_mask, other=0.0, cache_modifier=".cg")
                     tl.store(pooled_row + i, tl.full([BLOCK_I], identity, tl.float32), mask=i_mask)
                     if POOLING == "mean":
@@ -514,7 +545,9 @@ def fused_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, target, *, 
         out, own_lse, lse_gen, scores = split_kv_pass(
             q, k_cache, v_cache, start, input_end, kv_len, scale, target.shape[-1], block_table,
             score_start=score_start, softcap=softcap, sinks=sinks)
-        pool(scores, target, pool_start, input_end, lse=own_lse if lse is None else lse, generated=lse_gen, **pooled)
+        pool(scores, target, start, input_end, kv_len, _cache_keys(k_cache, block_table),
+             column_start=None if score_start is None else pool_start, lse=own_lse if lse is None else lse,
+             generated=lse_gen, **pooled)
         return out, own_lse
     if triton_split_kv_pass() == "one-launch":
         return _one_launch(q, k_cache, v_cache, start, input_end, kv_len, scale, target, pool_start=pool_start,
@@ -538,15 +571,16 @@ def fused_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, target, *, 
     launch(
         _combine_pool_kernel, (batch * rows, pool_programs + heads),
         split.m, split.l, split.l_gen, split.acc, out if split.with_v else own_lse, own_lse, lse_gen,
-        split.m if sinks is None else sinks, scores, split.tile_max, given, pool_start, input_end, target3,
-        float(alpha) if into_log_c else 0.0, split.tiles.splits, heads, rows, n_target, pool_programs, per_program,
-        split.key_tiles,
+        split.m if sinks is None else sinks, scores, split.tile_max, given, pool_start, input_end, start, kv_len,
+        target3, float(alpha) if into_log_c else 0.0, split.tiles.splits, heads, rows, n_target, pool_programs,
+        per_program, split.key_tiles, _cache_keys(k_cache, block_table),
         *(out.stride(i) if split.with_v else 0 for i in range(3)), scores.stride(0), scores.stride(1),
         scores.stride(2), given.stride(0), given.stride(1), given.stride(2), *pool_start.stride(), *input_end.stride(),
-        target3.stride(0), target3.stride(1),
+        *start.stride(), *kv_len.stride(), target3.stride(0), target3.stride(1),
         D=dim, BLOCK_D=head_block(dim), SPLITS_PAD=next_pow2(split.tiles.splits), H_PAD=next_pow2(heads),
         BLOCK_I=block_i, KEY_BLOCK=split.tiles.block_n, WITH_V=split.with_v, HAS_SINKS=sinks is not None,
-        LSE_GIVEN=lse is not None, REDISTRIBUTE=redistribute, POOLING=pooling, INTO_LOG_C=into_log_c, num_warps=4,
+        LSE_GIVEN=lse is not None, REDISTRIBUTE=redistribute, POOLING=pooling, INTO_LOG_C=into_log_c,
+        WINDOWED=score_start is not None, num_warps=4,
     )
     return out, own_lse
 
@@ -631,20 +665,25 @@ def _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block
     return split
 
 
+def _cache_keys(k_cache, block_table) -> int:
+    """Keys per item: a contiguous cache's S, or the pages a table row names times their size."""
+    return k_cache.shape[2] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+
+
 def _split_plan(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block_table, score_start, softcap, *,
                 relative_scores):
     """The buffers (a _Split), grid, arguments and constexprs of the split kernel: `args` are `_split_kv_kernel`'s
     without its four partial pointers (m_ptr .. acc_ptr, which follow args[:10])."""
     batch, heads, rows, dim = q.shape
     paged = block_table is not None
+    keys = _cache_keys(k_cache, block_table)
     if paged:
         page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-        keys = block_table.shape[1] * page_size
         # (item or page, head, slot) strides, the order the kernel takes for either layout.
         k_strides, v_strides = ((t.stride(0), t.stride(2), t.stride(1)) if t is not None else None
                                 for t in (k_cache, v_cache))
     else:
-        page_size, kv_heads, keys = 0, k_cache.shape[1], k_cache.shape[2]
+        page_size, kv_heads = 0, k_cache.shape[1]
         k_strides, v_strides = (t.stride()[:3] if t is not None else None for t in (k_cache, v_cache))
     group = heads // kv_heads
     with_v = v_cache is not None
@@ -670,6 +709,7 @@ def _split_plan(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, 
         q, k_cache, v, start, input_end, kv_len, block_table if paged else start,
         score_start if windowed else start, scores, tile_max,
         scale, 1.0 if softcap is None else float(softcap), tiles.split_size, tiles.splits, kv_heads, rows, key_tiles,
+        keys, scores.shape[3] if n_scores else 0, k_cache.shape[0] if paged else 0,
         q.stride(0), q.stride(1), q.stride(2), *k_strides, *(v_strides if with_v else k_strides),
         *start.stride(), *input_end.stride(), *kv_len.stride(), *(score_start if windowed else start).stride(),
         block_table.stride(0) if paged else 0,
@@ -678,6 +718,6 @@ def _split_plan(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, 
     constexprs = dict(
         D=dim, BLOCK_D=head_block(dim), GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         WITH_V=with_v, WITH_SCORES=bool(n_scores), DOT_F32=dot_f32, PAGE_SIZE=page_size,
-        SOFTCAP=softcap is not None,
+        SOFTCAP=softcap is not None, WINDOWED=windowed,
     )
     return _Split(tiles, with_v, m, l, l_gen, acc, scores, tile_max, key_tiles), grid, args, constexprs
