@@ -144,7 +144,8 @@ def generated_mass(rows, input_end, kv_len):
     mass = torch.empty(batch, heads, device=rows.device, dtype=torch.float32)
     launch(
         _generated_mass_kernel, (batch * heads,),
-        rows, input_end, kv_len, mass, heads, keys, rows.stride(0), rows.stride(1), input_end.stride(0), kv_len.stride(0),
+        rows, input_end, kv_len, mass, heads, keys, rows.stride(0), rows.stride(1), input_end.stride(0),
+        kv_len.stride(0),
         BLOCK_S=row_block(keys), num_warps=4,
     )
     return mass

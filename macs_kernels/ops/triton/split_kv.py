@@ -321,7 +321,8 @@ def _combine_pool_kernel(
             lse = lse.to(tl.float32)
         gen = tl.exp(lse_gen - lse)
         start, n_input = _row_columns(start_ptr, input_end_ptr, kv_len_ptr, pool_start_ptr, b, r, keys, stride_ib,
-                                      stride_ir, stride_eb, stride_er, stride_lb, stride_lr, stride_pb, stride_pr, WINDOWED)
+                                      stride_ir, stride_eb, stride_er, stride_lb, stride_lr, stride_pb, stride_pr,
+                                      WINDOWED)
         score_rows = scores_ptr + b * stride_sb + r * stride_sr + h[:, None] * stride_sh
         for t in range(0, tiles_per_program):
             i = (program * tiles_per_program + t) * BLOCK_I + tl.arange(0, BLOCK_I)
