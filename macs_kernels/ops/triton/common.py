@@ -53,32 +53,35 @@ def dot(a, b, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def clamped(value, low, high):
+    """value as int64, clamped into [low, high]."""
+    return tl.minimum(tl.maximum(value.to(tl.int64), low), high)
+
+
+@triton.jit
 def key_range(start, input_end, kv_len, keys):
     """A row's keys [start, kv_len) and inputs [start, input_end) as int64, clamped into the cache's `keys` keys as
     the cuda kernels clamp them (csrc/common.cuh, KeyRange): checked ranges pass unchanged, and a range that no check
     read (validate=False, a GPU's default) gives wrong numbers, never an access outside the tensors."""
-    kv_len = tl.minimum(tl.maximum(kv_len.to(tl.int64), 0), keys)
-    start = tl.minimum(tl.maximum(start.to(tl.int64), 0), kv_len)
-    return start, tl.minimum(tl.maximum(input_end.to(tl.int64), start), kv_len), kv_len
+    kv_len = clamped(kv_len, 0, keys)
+    start = clamped(start, 0, kv_len)
+    return start, clamped(input_end, start, kv_len), kv_len
 
 
 @triton.jit
-def input_columns(start, input_end, kv_len, column_start, keys, WINDOWED: tl.constexpr):
-    """A row's input columns: (the key its column 0 holds, how many) for the attended range [start, kv_len) and inputs
-    [start, input_end), or with WINDOWED [column_start, input_end) (a window's inputs start at or before its attended
-    start, maybe before slot 0). Clamped as key_range and as the cuda pool (csrc/pool/kernel.cuh): the columns the
-    split pass wrote."""
-    start, _, kv_len = key_range(start, input_end, kv_len, keys)
+def input_columns(start_ptr, input_end_ptr, kv_len_ptr, column_start_ptr, b, r, keys, stride_ib, stride_ir,
+                  stride_eb, stride_er, stride_lb, stride_lr, stride_cb, stride_cr, WINDOWED: tl.constexpr):
+    """Row (b, r)'s input columns, each range read with its own strides: (the key its column 0 holds, how many) for
+    the attended keys [start, kv_len) and inputs [start, input_end), or with WINDOWED [column_start, input_end) (a
+    window's inputs start at or before its attended start, maybe before slot 0). Clamped as key_range and as the
+    cuda pool (csrc/pool/kernel.cuh): the columns the split pass wrote."""
+    input_end = tl.load(input_end_ptr + b * stride_eb + r * stride_er)
+    start, _, kv_len = key_range(tl.load(start_ptr + b * stride_ib + r * stride_ir), input_end,
+                                 tl.load(kv_len_ptr + b * stride_lb + r * stride_lr), keys)
     column0 = start
     if WINDOWED:
-        column0 = tl.minimum(column_start.to(tl.int64), start)
+        column0 = tl.minimum(tl.load(column_start_ptr + b * stride_cb + r * stride_cr).to(tl.int64), start)
     return column0, clamped(input_end, column0, kv_len) - column0
-
-
-@triton.jit
-def clamped(value, low, high):
-    """value as int64, clamped into [low, high]."""
-    return tl.minimum(tl.maximum(value.to(tl.int64), low), high)
 
 
 @contextlib.contextmanager

@@ -47,10 +47,8 @@ def _pool_kernel(
     b = (tl.program_id(0) // rows).to(tl.int64)
     r = (tl.program_id(0) % rows).to(tl.int64)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    start, n_input = input_columns(
-        tl.load(start_ptr + b * stride_ib + r * stride_ir), tl.load(end_ptr + b * stride_eb + r * stride_er),
-        tl.load(kv_len_ptr + b * stride_kb + r * stride_kr),
-        tl.load(column_start_ptr + b * stride_pb + r * stride_pr), keys, WINDOWED)
+    start, n_input = input_columns(start_ptr, end_ptr, kv_len_ptr, column_start_ptr, b, r, keys, stride_ib, stride_ir,
+                                   stride_eb, stride_er, stride_kb, stride_kr, stride_pb, stride_pr, WINDOWED)
     # The row holds n_target columns (only an unchecked input range is longer).
     i_mask = (i < n_input) & (i < n_target)
     h = tl.arange(0, H_PAD)

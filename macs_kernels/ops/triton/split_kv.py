@@ -205,16 +205,6 @@ def _split_kv_kernel(
 
 
 @triton.jit
-def _row_columns(start_ptr, input_end_ptr, kv_len_ptr, column_start_ptr, b, r, keys, stride_ib, stride_ir, stride_eb,
-                 stride_er, stride_lb, stride_lr, stride_cb, stride_cr, WINDOWED: tl.constexpr):
-    """input_columns of row (b, r), each range read with its own strides."""
-    return input_columns(
-        tl.load(start_ptr + b * stride_ib + r * stride_ir), tl.load(input_end_ptr + b * stride_eb + r * stride_er),
-        tl.load(kv_len_ptr + b * stride_lb + r * stride_lr), tl.load(column_start_ptr + b * stride_cb + r * stride_cr),
-        keys, WINDOWED)
-
-
-@triton.jit
 def _key_tile(key, KEY_BLOCK: tl.constexpr, key_tiles):
     """The key block of `key`, whose max its relative score is taken from; an unchecked range's key outside the
     cache reads its nearest block's."""
@@ -320,9 +310,9 @@ def _combine_pool_kernel(
             lse = tl.load(given_lse_ptr + b * stride_gb + h * stride_gh + r * stride_gr, mask=h_mask, other=0.0)
             lse = lse.to(tl.float32)
         gen = tl.exp(lse_gen - lse)
-        start, n_input = _row_columns(start_ptr, input_end_ptr, kv_len_ptr, pool_start_ptr, b, r, keys, stride_ib,
-                                      stride_ir, stride_eb, stride_er, stride_lb, stride_lr, stride_pb, stride_pr,
-                                      WINDOWED)
+        start, n_input = input_columns(start_ptr, input_end_ptr, kv_len_ptr, pool_start_ptr, b, r, keys, stride_ib,
+                                       stride_ir, stride_eb, stride_er, stride_lb, stride_lr, stride_pb, stride_pr,
+                                       WINDOWED)
         score_rows = scores_ptr + b * stride_sb + r * stride_sr + h[:, None] * stride_sh
         for t in range(0, tiles_per_program):
             i = (program * tiles_per_program + t) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -446,9 +436,9 @@ def _one_launch_kernel(
                 lse_g = tl.load(given_lse_ptr + b * stride_gb + head_g * stride_gh + rr * stride_gr, mask=ok,
                                 other=0.0).to(tl.float32)
             gen = tl.exp(lse_gen_g - lse_g)
-            pool_start, n_input = _row_columns(start_ptr, input_end_ptr, kv_len_ptr, pool_start_ptr, b, rr, keys,
-                                               stride_ib, stride_ir, stride_eb, stride_er, stride_lb, stride_lr,
-                                               stride_pb, stride_pr, WINDOWED)
+            pool_start, n_input = input_columns(start_ptr, input_end_ptr, kv_len_ptr, pool_start_ptr, b, rr, keys,
+                                                stride_ib, stride_ir, stride_eb, stride_er, stride_lb, stride_lr,
+                                                stride_pb, stride_pr, WINDOWED)
             spread = gen / n_input.to(tl.float32)
             score_rows = scores_ptr + b * stride_sb + rr * stride_sr + head_g[:, None] * stride_sh
             max_rows = tile_max_ptr + ((b * heads + head_g) * rows + rr) * key_tiles
@@ -487,9 +477,9 @@ def _one_launch_kernel(
             if POOLING == "min":
                 identity = float("inf")
             for rr in range(0, rows):
-                _, n_input = _row_columns(start_ptr, input_end_ptr, kv_len_ptr, pool_start_ptr, b, rr, keys,
-                                          stride_ib, stride_ir, stride_eb, stride_er, stride_lb, stride_lr,
-                                          stride_pb, stride_pr, WINDOWED)
+                _, n_input = input_columns(start_ptr, input_end_ptr, kv_len_ptr, pool_start_ptr, b, rr, keys,
+                                           stride_ib, stride_ir, stride_eb, stride_er, stride_lb, stride_lr,
+                                           stride_pb, stride_pr, WINDOWED)
                 pooled_row = pooled_ptr + (b * rows + rr) * n_target
                 target_row = target_ptr + b * stride_cb + rr * stride_cr
                 for i0 in range(0, n_target, BLOCK_I):
