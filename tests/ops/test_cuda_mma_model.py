@@ -1,7 +1,7 @@
 """The tensor-core split kernel's tile loop and fragment index math (csrc/split_kv_mma), replayed lane by lane on
 the CPU by tests/ops/cuda_mma_model.py, against the float64 references of ops/reference.py: attention output and
 lse (decode_attention_reference), every attended key's fp32 score written once and nothing else, and MACS's pooled
-row from those scores (macs_pool_reference). GQA 1, 4, 8 and 16, D 64 and 128, ragged per-row ranges, odd sizes,
+row from those scores (macs_pool_reference). GQA 1, 3, 4, 6, 8 and 16, D 64 and 128, ragged per-row ranges, odd sizes,
 several splits and query-row chunks; the GPU run is the `kernels` preset of .ci/gpu."""
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ CASES = [
     (8, 2, 3, 97, 64, 1),
     (8, 1, 3, 131, 64, 3),
     (16, 1, 1, 70, 128, 2),
+    # GQA 3 at D 128 (13 padding rows) over 113 keys; GQA 6 x 3 rows = 18 vectors (two row chunks, the second
+    # mostly padding).
+    (9, 3, 2, 113, 128, 2),
+    (12, 2, 3, 77, 64, 2),
 ]
 
 
