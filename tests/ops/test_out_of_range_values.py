@@ -23,22 +23,29 @@ GUARD = 4096  # elements on each side of a tensor: more than any range below str
 FILLS = (0.0, 3.0e4)
 
 
+def _guard_value(fill: float, dtype: torch.dtype):
+    """What surrounds a tensor of `dtype`: `fill`, or for the block table a page number (a read past it stays in the
+    pages and changes the result)."""
+    return int(fill) % PAGES if dtype == torch.int32 else fill
+
+
 def _guarded(tensor: torch.Tensor, fill) -> tuple[torch.Tensor, torch.Tensor]:
     """(a copy of tensor inside a buffer with `fill` around it, the buffer)."""
-    buffer = torch.full((tensor.numel() + 2 * GUARD,), fill, dtype=tensor.dtype, device=DEVICE)
+    buffer = torch.full((tensor.numel() + 2 * GUARD,), _guard_value(fill, tensor.dtype), dtype=tensor.dtype,
+                        device=DEVICE)
     inside = buffer[GUARD:GUARD + tensor.numel()].view(tensor.shape)
     inside.copy_(tensor)
     return inside, buffer
 
 
-def _bad_ranges(rows: bool) -> dict:
+def _bad_ranges() -> dict:
     """Item 0 starts 3 keys before the cache; item 1 ends its inputs before its start and its keys before both;
-    item 2 runs 3 keys past the cache (and past its pages' 40 keys) with 41 inputs for a 32-column row."""
+    item 2 runs 3 keys past the cache (and past its pages' 40 keys) with 41 inputs for a 32-column row; with
+    row_length, a verify block's own length per row (B, R)."""
     start, end, length = ([-3, 9, 4], [20, 5, 45], [33, 7, 44])
     ranges = {name: torch.tensor(values, device=DEVICE) for name, values in
               (("start", start), ("end", end), ("length", length))}
-    if rows:  # a verify block's own length per row (B, R)
-        ranges["row_length"] = torch.stack([ranges["length"] - 1, ranges["length"]], dim=1)
+    ranges["row_length"] = torch.stack([ranges["length"] - 1, ranges["length"]], dim=1)
     return ranges
 
 
@@ -55,7 +62,7 @@ def _inputs(fill) -> tuple[dict, list[torch.Tensor]]:
     table[0, 1], table[2, 3] = -7, PAGES + 2
     tensors, buffers = {}, []
     for name, value in dict(q=q, block=block, k=k, v=v, pages=pages, rows=rows, table=table).items():
-        tensors[name], buffer = _guarded(value.to(DEVICE), int(fill) % PAGES if name == "table" else fill)
+        tensors[name], buffer = _guarded(value.to(DEVICE), fill)
         buffers.append(buffer)
     return tensors, buffers
 
@@ -63,7 +70,7 @@ def _inputs(fill) -> tuple[dict, list[torch.Tensor]]:
 def _calls(data: dict, fill) -> dict:
     """name -> a call with bad ranges that returns what it computed; the state it writes is guarded with `fill`
     (log c holds 0 before the call)."""
-    ranges = _bad_ranges(rows=True)
+    ranges = _bad_ranges()
     start, end, length = ranges["start"], ranges["end"], ranges["length"]
     pooled = dict(input_start=start, input_end=end, kv_len=length, scale=0.25, validate=False)
     q, k, v = data["q"], data["k"], data["v"]
@@ -155,7 +162,7 @@ def _run(call: str, backend: str, fill):
 
 def _guards_intact(buffer: torch.Tensor, fill) -> bool:
     guards = torch.cat([buffer[:GUARD], buffer[-GUARD:]])
-    return bool((guards == torch.tensor(fill, dtype=buffer.dtype, device=DEVICE)).all())
+    return bool((guards == _guard_value(fill, buffer.dtype)).all())
 
 
 # The interpreter warns of the divisions of empty rows (0 inputs), whose results no one reads.
@@ -168,8 +175,7 @@ def test_unchecked_bad_ranges_stay_inside_the_tensors(call, backend):
     for fill in FILLS:
         results, buffers = _run(call, backend, fill)
         for buffer in buffers:
-            table_fill = int(fill) % PAGES if buffer.dtype == torch.int32 else fill
-            assert _guards_intact(buffer, table_fill), f"{call}: a write outside its tensors (guard {fill})"
+            assert _guards_intact(buffer, fill), f"{call}: a write outside its tensors (guard {fill})"
         runs.append(results)
     for first, second in zip(*runs):
         torch.testing.assert_close(first, second, rtol=0, atol=0, equal_nan=True,
