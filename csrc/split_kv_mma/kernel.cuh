@@ -108,6 +108,8 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
   }
 #elif defined(__CUDA_ARCH__)
   __trap();  // m16n8k16 needs sm_80; the launcher never picks this kernel below it (launch_utils.h)
+#elif defined(MACS_CPU_EMULATION)
+  cuda_emulation::mma_m16n8k16<T>(c, a, b0, b1);
 #endif
 }
 
@@ -121,6 +123,8 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(address));
 #elif defined(__CUDA_ARCH__)
   __trap();  // as mma16816
+#elif defined(MACS_CPU_EMULATION)
+  cuda_emulation::ldmatrix_x4_trans(r, row);
 #endif
 }
 

@@ -117,6 +117,8 @@ __device__ __forceinline__ void copy16_async(void* shared, const void* global, b
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global), "r"(fill ? 16 : 0)
                : "memory");
+#elif defined(MACS_CPU_EMULATION)
+  cuda_emulation::copy16_async(shared, global, fill);
 #else
   *reinterpret_cast<uint4*>(shared) = fill ? __ldg(reinterpret_cast<const uint4*>(global)) : make_uint4(0, 0, 0, 0);
 #endif
@@ -125,6 +127,8 @@ __device__ __forceinline__ void copy16_async(void* shared, const void* global, b
 __device__ __forceinline__ void copy_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n" ::: "memory");
+#elif defined(MACS_CPU_EMULATION)
+  cuda_emulation::copy_async_commit();
 #endif
 }
 
@@ -133,6 +137,8 @@ template <int PENDING>
 __device__ __forceinline__ void copy_async_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+#elif defined(MACS_CPU_EMULATION)
+  cuda_emulation::copy_async_wait(PENDING);
 #endif
 }
 

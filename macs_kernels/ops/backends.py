@@ -35,6 +35,12 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def cuda_emulated() -> bool:
+    """Whether the cuda backend runs its kernels compiled for the CPU, on CPU tensors (MACS_KERNELS_CUDA_EMULATION=1,
+    read before macs_kernels is imported; ops/cuda/emulation.py)."""
+    return os.environ.get("MACS_KERNELS_CUDA_EMULATION", "0") not in ("", "0")
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """One backend's declaration.
@@ -95,10 +101,15 @@ DECLARED = (
         summary="Triton launchers (ops/triton/): GPUs, or the interpreter with TRITON_INTERPRET=1",
     ),
     Backend(
-        "cuda", devices=("cuda",), ops=OPS, variant_ops=VARIANT_OPS, module=None, requires=f"{NAMESPACE}._C",
-        missing=(f"the compiled extension {NAMESPACE}._C is absent ({{error}}); install on a machine with CUDA "
-                 "torch and nvcc (pip install --no-build-isolation -e ., without MACS_KERNELS_SKIP_CUDA_BUILD=1)"),
-        device_reason="the cuda backend needs CUDA tensors",
+        "cuda", devices=("cuda",), ops=OPS, variant_ops=VARIANT_OPS, module=None,
+        **(dict(requires="macs_kernels.ops.cuda.emulation",
+                missing="the CUDA kernels could not be built for the CPU ({error})") if cuda_emulated() else
+           dict(requires=f"{NAMESPACE}._C",
+                missing=(f"the compiled extension {NAMESPACE}._C is absent ({{error}}); install on a machine with "
+                         "CUDA torch and nvcc (pip install --no-build-isolation -e ., without "
+                         "MACS_KERNELS_SKIP_CUDA_BUILD=1)"))),
+        device_reason="the cuda backend needs CUDA tensors (or MACS_KERNELS_CUDA_EMULATION=1 for its CPU build)",
+        interpreted=cuda_emulated,
         summary="the compiled extension's CUDA kernels (csrc/; settings in ops/cuda/)",
     ),
     Backend(

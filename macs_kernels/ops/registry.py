@@ -76,8 +76,9 @@ def why_unavailable(backend: str, device: torch.device | str, op: str | None = N
         return spec.missing.format(error=error)
     if spec.module is None:  # the extension's operators: each op's CUDA kernel registered or not
         importlib.import_module("macs_kernels.ops")  # defines the operators
-        if op is not None and not torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{op}", "CUDA"):
-            return f"{spec.requires} registers no CUDA kernel for {op}"
+        key = "CUDA" if device.type == "cuda" else "CPU"  # CPU: the kernels' emulated build
+        if op is not None and not torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{op}", key):
+            return f"{spec.requires} registers no {key} kernel for {op}"
     return None
 
 

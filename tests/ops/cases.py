@@ -6,9 +6,26 @@ import pytest
 import torch
 
 from macs_kernels.ops import BACKENDS, reference, why_unavailable
+from macs_kernels.ops.backends import cuda_emulated
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The cuda backend's tensors: a GPU's, or CPU tensors where MACS_KERNELS_CUDA_EMULATION=1 runs its kernels compiled
+# for the CPU (ops/cuda/emulation.py).
+CUDA_BACKEND_DEVICE = "cpu" if cuda_emulated() else "cuda"
+
+
+def why_no_cuda_backend() -> str | None:
+    """Why the cuda backend cannot run here (None when it can): for the tests of the cuda backend alone."""
+    if CUDA_BACKEND_DEVICE == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device (MACS_KERNELS_CUDA_EMULATION=1 runs the cuda backend's kernels on the CPU)"
+    return why_unavailable("cuda", CUDA_BACKEND_DEVICE)
+
+
+def synchronize(device) -> None:
+    """Wait for the device's kernels (errors surface here), where it runs them asynchronously."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 SEQUENCES = (1, 113, 1023)
 HEAD_DIMS = (64, 128)

@@ -9,20 +9,15 @@ import pytest
 import torch
 
 from macs_kernels import ops
-from macs_kernels.ops import reference, why_unavailable
+from macs_kernels.ops import reference
 from macs_kernels.ops.cuda import CUDA_SPLIT_KV_KERNELS, cuda_split_kv_kernel, set_cuda_split_kv_kernel
 from tests.grids import pairwise
-from tests.ops.cases import assert_close_log_c
+from tests.ops.cases import CUDA_BACKEND_DEVICE as DEVICE
+from tests.ops.cases import assert_close_log_c, why_no_cuda_backend
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
-
-def _why_skip():
-    if not torch.cuda.is_available():
-        return "no CUDA device: the cuda backend runs on CUDA tensors only"
-    return why_unavailable("cuda", "cuda")
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_why_skip() is not None, reason=str(_why_skip()))]
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(why_no_cuda_backend() is not None, reason=str(why_no_cuda_backend()))]
 
 @pytest.fixture(params=CUDA_SPLIT_KV_KERNELS)
 def split_kernel(request):
@@ -59,7 +54,7 @@ def ranges(keys, batch):
     return tuple(list(column) for column in zip(*rows))
 
 
-def make_inputs(case, device="cuda"):
+def make_inputs(case, device=DEVICE):
     heads = KV_HEADS * case["group"]
     q = 2 * torch.randn(case["batch"], heads, case["dim"], device=device)
     k_cache = torch.randn(case["batch"], KV_HEADS, case["keys"], case["dim"], device=device)
@@ -100,7 +95,7 @@ def test_macs_update_rows(case):
     q, _, _, log_c, start, end, length = make_inputs(case)
     heads, keys = q.shape[1], case["keys"]
     # Efficient-attention rows: mostly small positive, some negative (pooling clamps them).
-    rows = (torch.rand(case["batch"], heads, keys, device="cuda") - 0.1).div(max(keys, 2) ** 0.5).to(case["dtype"])
+    rows = (torch.rand(case["batch"], heads, keys, device=DEVICE) - 0.1).div(max(keys, 2) ** 0.5).to(case["dtype"])
     options = dict(alpha=case["alpha"], pooling=case["pooling"], redistribute=case["redistribute"])
     expected = reference.macs_update_rows_reference(
         rows, log_c, input_start=start, input_end=end, kv_len=length, **options
@@ -145,14 +140,14 @@ def test_decode_attention(case):
 )
 def test_decode_attention_long_and_odd_shapes(batch, kv_heads, group, keys, dim, dtype):
     heads = kv_heads * group
-    q = torch.randn(batch, heads, dim, device="cuda").to(dtype)
+    q = torch.randn(batch, heads, dim, device=DEVICE).to(dtype)
     # Views, as a model hands them over: a transposed query and caches with spare capacity.
-    k_cache = torch.randn(batch, keys + 9, kv_heads, dim, device="cuda").to(dtype).transpose(1, 2)[:, :, :keys]
-    v_cache = torch.randn(batch, kv_heads, keys, dim, device="cuda").to(dtype)
+    k_cache = torch.randn(batch, keys + 9, kv_heads, dim, device=DEVICE).to(dtype).transpose(1, 2)[:, :, :keys]
+    v_cache = torch.randn(batch, kv_heads, keys, dim, device=DEVICE).to(dtype)
     start = [5 * b for b in range(batch)]
     length = [keys - 2 * b for b in range(batch)]
     end = [s + (n - s) // 2 for s, n in zip(start, length)]
-    log_c = -torch.rand(batch, max(e - s for s, e in zip(start, end)), device="cuda")
+    log_c = -torch.rand(batch, max(e - s for s, e in zip(start, end)), device=DEVICE)
     scale = dim ** -0.5
     expected_out, expected_lse = reference.decode_attention_reference(
         q, k_cache, v_cache, kv_start=start, kv_len=length, scale=scale
@@ -169,7 +164,7 @@ def test_decode_attention_long_and_odd_shapes(batch, kv_heads, group, keys, dim,
 
 @pytest.mark.parametrize("n_max", [1, 113, 1023, 5000])
 def test_macs_zscore(n_max):
-    log_c = -3 * torch.rand(4, n_max, device="cuda")
+    log_c = -3 * torch.rand(4, n_max, device=DEVICE)
     log_c[2] = -2.0  # constant: std 0, zeros
     log_c[3] = float("-inf")  # all attention underflowed: zeros
     counts = [n_max, max(1, n_max // 2), n_max, n_max]
@@ -190,10 +185,10 @@ def test_cuda_equals_torch_backend_through_the_operators():
 
 
 def test_launcher_errors_are_readable():
-    q = torch.randn(1, 4, 64, device="cuda", dtype=torch.float16)
-    k_cache = torch.randn(1, 2, 10, 64, device="cuda")
-    index = torch.tensor([0], device="cuda")
-    log_c = torch.zeros(1, 5, device="cuda")
+    q = torch.randn(1, 4, 64, device=DEVICE, dtype=torch.float16)
+    k_cache = torch.randn(1, 2, 10, 64, device=DEVICE)
+    index = torch.tensor([0], device=DEVICE)
+    log_c = torch.zeros(1, 5, device=DEVICE)
     with pytest.raises(RuntimeError, match="q and k_cache must share a dtype"):
         torch.ops.macs_kernels.macs_update(q, k_cache, log_c, index, index + 5, index + 10, 0.1, 0.8, "max", True, None)
     with pytest.raises(RuntimeError, match="pooling must be"):
@@ -216,13 +211,13 @@ def test_variants_over_row_chunks_and_key_splits(dtype, window, softcap, with_si
     against the float64 reference over every token's keys."""
     batch, kv_heads, group, rows, keys, dim = 2, 2, 8, 3, 1023, 64
     heads = kv_heads * group
-    q = 2 * torch.randn(batch, heads, rows, dim, device="cuda").to(dtype)
-    k = torch.randn(batch, kv_heads, keys, dim, device="cuda").to(dtype)
-    v = torch.randn(batch, kv_heads, keys, dim, device="cuda").to(dtype)
-    sinks = 2 * torch.randn(heads, device="cuda") if with_sinks else None
-    input_start = torch.tensor([[0] * rows, [5] * rows], device="cuda")
-    input_end = torch.tensor([[400] * rows, [300] * rows], device="cuda")
-    kv_len = torch.tensor([[1021, 1022, 1023], [1000, 1001, 1002]], device="cuda")
+    q = 2 * torch.randn(batch, heads, rows, dim, device=DEVICE).to(dtype)
+    k = torch.randn(batch, kv_heads, keys, dim, device=DEVICE).to(dtype)
+    v = torch.randn(batch, kv_heads, keys, dim, device=DEVICE).to(dtype)
+    sinks = 2 * torch.randn(heads, device=DEVICE) if with_sinks else None
+    input_start = torch.tensor([[0] * rows, [5] * rows], device=DEVICE)
+    input_end = torch.tensor([[400] * rows, [300] * rows], device=DEVICE)
+    kv_len = torch.tensor([[1021, 1022, 1023], [1000, 1001, 1002]], device=DEVICE)
     scale = dim ** -0.5
     expected, expected_out = reference.variant_pool_reference(
         q, k, v, input_start=input_start, input_end=input_end, kv_len=kv_len, scale=scale, window=window,
@@ -235,7 +230,7 @@ def test_variants_over_row_chunks_and_key_splits(dtype, window, softcap, with_si
                         scale=scale, variant=variant, backend="cuda")
     tolerance = RELATIVE_ERROR[dtype]
     assert relative_error(out, expected) < tolerance
-    pooled = torch.empty(batch, expected.shape[-1], device="cuda")
+    pooled = torch.empty(batch, expected.shape[-1], device=DEVICE)
     attention, _ = ops.decode_attention(
         q[:, :, -1], k[:, :, offset:], v[:, :, offset:], kv_start=input_start[:, -1], kv_len=kv_len[:, -1],
         input_end=input_end[:, -1], scale=scale, pooled=pooled, variant=variant, backend="cuda",

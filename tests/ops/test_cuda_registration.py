@@ -6,35 +6,29 @@ and the kernel chosen is the kernel launched.
 
 Needs a CUDA device and the built extension; skips with the reason otherwise.
 """
-import importlib
+
+import contextlib
 
 import pytest
 import torch
 
 import macs_kernels.ops  # noqa: F401 - defines the operators whose CUDA kernels _C registers
 from macs_kernels.ops import reference
+from tests.ops.cases import CUDA_BACKEND_DEVICE as DEVICE
+from tests.ops.cases import synchronize, why_no_cuda_backend
 from tests.ops.test_cuda_build import OPS
 from tests.ops.test_cuda_ops import split_kernel  # noqa: F401 - the fixture that runs a test over both kernels
 from tests.ops.test_library_opcheck import CASES
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
-
-def _why_skip():
-    if not torch.cuda.is_available():
-        return "no CUDA device: the CUDA kernels run on CUDA tensors only"
-    try:
-        importlib.import_module("macs_kernels._C")
-    except ImportError as error:
-        return f"macs_kernels._C is not built ({error})"
-    return None
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_why_skip() is not None, reason=str(_why_skip()))]
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(why_no_cuda_backend() is not None, reason=str(why_no_cuda_backend()))]
 
 
 @pytest.mark.parametrize("op", OPS)
 def test_every_operator_has_a_cuda_kernel(op):
-    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"macs_kernels::{op}", "CUDA")
+    key = "CUDA" if DEVICE == "cuda" else "CPU"  # the emulated build registers its launchers for the CPU
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"macs_kernels::{op}", key)
 
 
 def _verify_block(batch, kv_heads, group, rows, keys, dim, dtype):
@@ -42,12 +36,12 @@ def _verify_block(batch, kv_heads, group, rows, keys, dim, dtype):
     attends [start_b, base_b + r + 1), its inputs [start_b, input_end_b)."""
     heads = kv_heads * group
     # Views, as a model hands them over: a transposed query and a cache with spare capacity.
-    q = 2 * torch.randn(batch, rows, heads, dim, device="cuda").to(dtype).transpose(1, 2)
-    k_cache = torch.randn(batch, kv_heads, keys + 7, dim, device="cuda").to(dtype)[:, :, :keys]
-    start = torch.tensor([3 * b for b in range(batch)], device="cuda")
-    base = torch.tensor([keys - rows - 2 * b for b in range(batch)], device="cuda")
+    q = 2 * torch.randn(batch, rows, heads, dim, device=DEVICE).to(dtype).transpose(1, 2)
+    k_cache = torch.randn(batch, kv_heads, keys + 7, dim, device=DEVICE).to(dtype)[:, :, :keys]
+    start = torch.tensor([3 * b for b in range(batch)], device=DEVICE)
+    base = torch.tensor([keys - rows - 2 * b for b in range(batch)], device=DEVICE)
     input_end = start + (base - start) // 2
-    kv_len = base.unsqueeze(1) + torch.arange(1, rows + 1, device="cuda")
+    kv_len = base.unsqueeze(1) + torch.arange(1, rows + 1, device=DEVICE)
     return q, k_cache, start.unsqueeze(1).expand(batch, rows), input_end.unsqueeze(1).expand(batch, rows), kv_len
 
 
@@ -71,10 +65,10 @@ def test_macs_pool_over_row_chunks_and_splits(batch, kv_heads, group, rows, keys
     lse = None
     if with_lse:
         scores = torch.einsum("bhrd,bhsd->bhrs", q.double(), k_cache.double().repeat_interleave(group, 1)) * scale
-        attended = torch.arange(keys, device="cuda")
+        attended = torch.arange(keys, device=DEVICE)
         outside = (attended < start.unsqueeze(-1)) | (attended >= kv_len.unsqueeze(-1))
         lse = torch.logsumexp(scores.masked_fill(outside.unsqueeze(1), float("-inf")), -1).float()
-    out = torch.full(expected.shape, float("nan"), device="cuda")  # every entry is written, zeros past N
+    out = torch.full(expected.shape, float("nan"), device=DEVICE)  # every entry is written, zeros past N
     torch.ops.macs_kernels.macs_pool(q, k_cache, out, start, input_end, kv_len, scale, pooling, True, lse)
     assert relative_error(out, expected) < RELATIVE_ERROR[dtype]
 
@@ -86,10 +80,10 @@ def _paged(k_cache, page_size):
     per_item = -(-keys // page_size)
     padded = torch.nn.functional.pad(k_cache, (0, 0, 0, per_item * page_size - keys))
     pages = padded.transpose(1, 2).reshape(batch * per_item, page_size, kv_heads, dim).flip(0)
-    spare = torch.full((pages.shape[0] + 2, page_size, kv_heads, dim + 8), float("nan"), device="cuda",
+    spare = torch.full((pages.shape[0] + 2, page_size, kv_heads, dim + 8), float("nan"), device=DEVICE,
                        dtype=k_cache.dtype)
     spare[1:-1, :, :, :dim] = pages
-    table = (batch * per_item - 1 - torch.arange(batch * per_item, device="cuda")).view(batch, per_item) + 1
+    table = (batch * per_item - 1 - torch.arange(batch * per_item, device=DEVICE)).view(batch, per_item) + 1
     return spare[:, :, :, :dim], table.int()
 
 
@@ -106,7 +100,7 @@ def test_macs_pool_paged_equals_macs_pool(batch, kv_heads, group, rows, keys, di
     q, k_cache, start, input_end, kv_len = _verify_block(batch, kv_heads, group, rows, keys, dim, dtype)
     k_pages, table = _paged(k_cache, page_size)
     scale = dim ** -0.5
-    want = torch.zeros(batch, rows, int((input_end - start).max()), device="cuda")
+    want = torch.zeros(batch, rows, int((input_end - start).max()), device=DEVICE)
     got = torch.full_like(want, float("nan"))
     torch.ops.macs_kernels.macs_pool(q, k_cache, want, start, input_end, kv_len, scale, "max", True, None)
     torch.ops.macs_kernels.macs_pool_paged(q, k_pages, table, got, start, input_end, kv_len, scale, "max", True, None)
@@ -126,7 +120,7 @@ def test_decode_attention_pooled_writes_macs_pool_and_the_same_output(redistribu
     expected_out, expected_lse = reference.decode_attention_reference(
         q[:, :, 0], k_cache, v_cache, kv_start=start[:, 0], kv_len=kv_len[:, 0], scale=scale
     )
-    pooled = torch.full(expected.shape, float("nan"), device="cuda")
+    pooled = torch.full(expected.shape, float("nan"), device=DEVICE)
     out, lse = torch.ops.macs_kernels.decode_attention(
         q[:, :, 0], k_cache, v_cache, start[:, 0].contiguous(), kv_len[:, 0].contiguous(), scale, None,
         input_end[:, 0].contiguous(), 0.8, "max", redistribute, pooled,
@@ -138,7 +132,7 @@ def test_decode_attention_pooled_writes_macs_pool_and_the_same_output(redistribu
 
 def test_launcher_errors_name_the_argument():
     q, k_cache, start, input_end, kv_len = _verify_block(2, 1, 2, 3, 50, 64, torch.float32)
-    out = torch.zeros(2, 3, 30, device="cuda")
+    out = torch.zeros(2, 3, 30, device=DEVICE)
     macs_pool = torch.ops.macs_kernels.macs_pool
     with pytest.raises(RuntimeError, match=r"macs_pool: out must be float32"):
         macs_pool(q, k_cache, out.double(), start, input_end, kv_len, 0.1, "max", True, None)
@@ -149,7 +143,7 @@ def test_launcher_errors_name_the_argument():
     with pytest.raises(RuntimeError, match=r"macs_pool: kv_len must be int32 or int64"):
         macs_pool(q, k_cache, out, start, input_end, kv_len.double(), 0.1, "max", True, None)
     with pytest.raises(RuntimeError, match=r"macs_pool: lse must have 3 dimensions"):
-        macs_pool(q, k_cache, out, start, input_end, kv_len, 0.1, "max", True, torch.zeros(2, 2, device="cuda"))
+        macs_pool(q, k_cache, out, start, input_end, kv_len, 0.1, "max", True, torch.zeros(2, 2, device=DEVICE))
     with pytest.raises(RuntimeError, match=r"macs_pool: pooling must be 'max', 'mean' or 'min'"):
         macs_pool(q, k_cache, out, start, input_end, kv_len, 0.1, "median", True, None)
     k_pages, table = _paged(k_cache, 16)
@@ -161,7 +155,7 @@ def test_launcher_errors_name_the_argument():
     with pytest.raises(RuntimeError, match=r"macs_pool_paged: k_pages must be \(pages, page_size, H_kv, 64\)"):
         paged(q, k_pages[..., :32], table, out, start, input_end, kv_len, 0.1, "max", True, None)
     v_cache = torch.randn_like(k_cache)
-    state = torch.zeros(2, 30, device="cuda")
+    state = torch.zeros(2, 30, device=DEVICE)
     with pytest.raises(RuntimeError, match="decode_attention: give log_c or pooled, not both"):
         torch.ops.macs_kernels.decode_attention(
             q[:, :, 0], k_cache, v_cache, start[:, 0].contiguous(), kv_len[:, 0].contiguous(), 0.1, state,
@@ -179,7 +173,7 @@ def test_launcher_errors_name_the_argument():
         )
     with pytest.raises(RuntimeError, match=r"macs_pool: sinks must have shape \(2,\), one logit per query head"):
         macs_pool(q, k_cache, out, start, input_end, kv_len, 0.1, "max", True, None, None, None,
-                  torch.zeros(3, device="cuda"))
+                  torch.zeros(3, device=DEVICE))
     with pytest.raises(RuntimeError, match="macs_pool: softcap must be a finite float > 0"):
         macs_pool(q, k_cache, out, start, input_end, kv_len, 0.1, "max", True, None, None, 0.0)
     with pytest.raises(RuntimeError, match=r"macs_pool: score_start must have shape \(2, 3\)"):
@@ -194,12 +188,29 @@ def test_variant_arguments_equal_the_torch_kernel(case):
     precede slot 0, a softcap, sinks) on the CUDA kernels against the operators' torch kernels on CPU."""
     args = CASES[case]()
     op = getattr(torch.ops.macs_kernels, case.split("/")[0])
-    on_gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    on_gpu = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
     want, got = (result if isinstance(result, tuple) else () if result is None else (result,)
                  for result in (op(*args), op(*on_gpu)))
     for expected, actual in zip([*want, *args], [*got, *on_gpu]):
         if isinstance(expected, torch.Tensor) and expected.is_floating_point():
             assert relative_error(actual, expected) < RELATIVE_ERROR[torch.float32]
+
+
+@contextlib.contextmanager
+def launched_kernels():
+    """The names of the kernels launched inside the block (filled when it ends): the profiler's on a GPU, the
+    emulation's log on the CPU."""
+    names = []
+    if DEVICE == "cuda":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            yield names
+        names.extend(event.name for event in profile.events())
+        return
+    from macs_kernels.ops.cuda import emulation
+
+    emulation.take_launches()
+    yield names
+    names.extend(emulation.take_launches())
 
 
 @pytest.mark.usefixtures("split_kernel")
@@ -216,10 +227,10 @@ def test_the_chosen_split_kernel_is_launched(dim, dtype, pipelined_fits, mma_fit
 
     q, k_cache, start, input_end, kv_len = _verify_block(2, 2, 4, 1, 300, dim, dtype)
     v_cache = torch.randn_like(k_cache)
-    log_c = torch.zeros(2, int((input_end - start).max()), device="cuda")
-    out = torch.zeros(2, 1, log_c.shape[1], device="cuda")
+    log_c = torch.zeros(2, int((input_end - start).max()), device=DEVICE)
+    out = torch.zeros(2, 1, log_c.shape[1], device=DEVICE)
     k_pages, table = _paged(k_cache, 16)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+    with launched_kernels() as names:
         torch.ops.macs_kernels.decode_attention(
             q[:, :, 0], k_cache, v_cache, start[:, 0].contiguous(), kv_len[:, 0].contiguous(), 0.1, log_c,
             input_end[:, 0].contiguous(), 0.8, "max", True, None,
@@ -230,8 +241,8 @@ def test_the_chosen_split_kernel_is_launched(dim, dtype, pipelined_fits, mma_fit
         torch.ops.macs_kernels.macs_pool(q, k_cache, out, start, input_end, kv_len, 0.1, "max", True, None)
         torch.ops.macs_kernels.macs_pool_paged(q, k_pages, table, out, start, input_end, kv_len, 0.1, "max", True,
                                                None)
-        torch.cuda.synchronize()
-    launched = [event.name for event in profile.events() if "split_kernel<" in event.name]
+        synchronize(DEVICE)
+    launched = [name for name in names if "split_kernel<" in name]
     chosen = cuda_split_kv_kernel()
     expected = ("mma" if chosen == "mma" and mma_fits else
                 "pipelined" if chosen in ("pipelined", "mma") and pipelined_fits else "verified")

@@ -15,6 +15,7 @@ import torch
 from macs_kernels import ops
 from macs_kernels.ops import reference, why_unavailable
 from macs_kernels.ops.cuda import CUDA_SPLIT_KV_KERNELS, cuda_split_kv_kernel, set_cuda_split_kv_kernel
+from tests.ops.cases import CUDA_BACKEND_DEVICE, synchronize, why_no_cuda_backend
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
 
@@ -29,7 +30,10 @@ def _triton_passes():
 def _kernels():
     params = []
     for backend, names in (("cuda", CUDA_SPLIT_KV_KERNELS), ("triton", _triton_passes())):
-        reason = "no CUDA device" if not torch.cuda.is_available() else why_unavailable(backend, "cuda")
+        if backend == "cuda":
+            reason = why_no_cuda_backend()
+        else:
+            reason = "no CUDA device" if not torch.cuda.is_available() else why_unavailable(backend, "cuda")
         for name in names:
             params.append(pytest.param(backend, name, id=f"{backend}-{name}", marks=[pytest.mark.gpu] + (
                 [pytest.mark.skip(reason=reason)] if reason else [])))
@@ -69,14 +73,16 @@ def test_the_fused_decode_matches_float64(backend, name, dtype, group, dim):
     input_end = kv_len - torch.tensor([5, 64, 1])
     scale = 1.0 / math.sqrt(dim)
     width = int((input_end - kv_start).max())
-    cuda = [t.cuda() for t in (q, k, v)]
-    ranges = dict(kv_start=kv_start.cuda(), kv_len=kv_len.cuda(), input_end=input_end.cuda(), scale=scale)
-    pooled = torch.zeros(batch, width, device="cuda")
-    out, lse = ops.decode_attention(*cuda, pooled=pooled, backend=backend, **ranges)
+    device = CUDA_BACKEND_DEVICE if backend == "cuda" else "cuda"
+    on_device = [t.to(device) for t in (q, k, v)]
+    ranges = dict(kv_start=kv_start.to(device), kv_len=kv_len.to(device), input_end=input_end.to(device),
+                  scale=scale)
+    pooled = torch.zeros(batch, width, device=device)
+    out, lse = ops.decode_attention(*on_device, pooled=pooled, backend=backend, **ranges)
     start_log_c = -torch.rand(batch, width, generator=generator)
-    log_c = start_log_c.to("cuda", copy=True)
-    ops.decode_attention(*cuda, log_c=log_c, backend=backend, **ranges)
-    torch.cuda.synchronize()
+    log_c = start_log_c.to(device, copy=True)
+    ops.decode_attention(*on_device, log_c=log_c, backend=backend, **ranges)
+    synchronize(device)
 
     want_out, want_lse = reference.decode_attention_reference(q, k, v, kv_start=kv_start, kv_len=kv_len, scale=scale)
     want_pool = reference.macs_pool_reference(q[:, :, None], k, input_start=kv_start[:, None],

@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import importlib
 
-from macs_kernels.ops.backends import NAMESPACE, BackendUnavailable
+from macs_kernels.ops.backends import BackendUnavailable, declared
 
 CUDA_SPLIT_KV_KERNELS = ("verified", "pipelined", "mma")
 CUDA_SPLIT_KV_DEFAULT = "pipelined"
 
 
 def _extension():
+    spec = declared("cuda")
     try:
-        return importlib.import_module(f"{NAMESPACE}._C")
+        module = importlib.import_module(spec.requires)
     except Exception as error:  # noqa: BLE001 - any failure means the extension is absent
-        raise BackendUnavailable(f"the compiled extension {NAMESPACE}._C is absent "
-                                 f"({type(error).__name__}: {error})") from None
+        raise BackendUnavailable(spec.missing.format(error=f"{type(error).__name__}: {error}")) from None
+    return getattr(module, "library", module)  # the emulation's module holds its library
 
 
 def cuda_split_kv_kernel() -> str:

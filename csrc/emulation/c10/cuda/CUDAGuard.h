@@ -1,0 +1,4 @@
+// See CUDAStream.h.
+#pragma once
+
+#include "c10/cuda/CUDAStream.h"

@@ -1,0 +1,339 @@
+// The emulation's runtime (cpu.h): fibers, barriers, copies, launches, and the CUDA runtime calls that the launchers
+// make, answered as an H200 would.
+#include <cxxabi.h>
+#include <dlfcn.h>
+
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <string>
+
+namespace cuda_emulation {
+namespace {
+
+// Each fiber's stack: the kernels keep their fragments and accumulators there, and printf needs a few KiB.
+constexpr size_t kStackBytes = 256 * 1024;
+
+// A switch between fibers saves the callee-saved registers on the running stack and loads another stack: no system
+// call (swapcontext saves the signal mask with one: the emulation ran 8x slower). Other architectures use ucontext.
+#if defined(__x86_64__)
+struct Context {
+  void* stack_pointer = nullptr;
+};
+extern "C" void cuda_emulation_switch(void** save, void* load);
+asm(R"(
+  .text
+  .globl cuda_emulation_switch
+  .type cuda_emulation_switch, @function
+cuda_emulation_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size cuda_emulation_switch, .-cuda_emulation_switch
+)");
+void switch_context(Context& save, Context& load) { cuda_emulation_switch(&save.stack_pointer, load.stack_pointer); }
+// A context that starts `entry` (which never returns) on `stack`: what cuda_emulation_switch pops, then entry as the
+// return address, aligned as after a call.
+void start_context(Context& context, char* stack, size_t bytes, void (*entry)()) {
+  auto* top = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(stack) + bytes) & ~uintptr_t(15));
+  top -= 2;
+  top[0] = reinterpret_cast<uint64_t>(entry);
+  top[1] = 0;
+  top -= 7;  // the control words, then r15, r14, r13, r12, rbx, rbp
+  uint32_t control[2];
+  asm volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(control[0]), "=m"(control[1]));
+  std::memcpy(top, control, 8);
+  for (int i = 1; i < 7; ++i) top[i] = 0;
+  context.stack_pointer = top;
+}
+#else
+}  // namespace
+}  // namespace cuda_emulation
+#include <ucontext.h>
+namespace cuda_emulation {
+namespace {
+struct Context {
+  ucontext_t context;
+};
+void switch_context(Context& save, Context& load) { swapcontext(&save.context, &load.context); }
+void start_context(Context& context, char* stack, size_t bytes, void (*entry)()) {
+  getcontext(&context.context);
+  context.context.uc_stack.ss_sp = stack;
+  context.context.uc_stack.ss_size = bytes;
+  context.context.uc_link = nullptr;
+  makecontext(&context.context, entry, 0);
+}
+#endif
+
+struct Fiber {
+  Context context;
+  Thread state;
+  bool done = false;
+};
+
+struct Scheduler {
+  Context main;
+  std::vector<Fiber> fibers;
+  int running = -1;
+  uint64_t progress = 0;  // arrivals, opened barriers and exits: none in a whole round is a deadlock
+  void (*run_thread)(void*) = nullptr;
+  void* call = nullptr;
+};
+
+Scheduler* scheduler = nullptr;
+Thread* current = nullptr;
+cudaError_t last_error = cudaSuccess;
+std::string last_error_text;
+
+// The maximum dynamic shared memory each kernel was allowed (cudaFuncSetAttribute); 48 KiB without.
+std::map<const void*, int> max_dynamic_shared;
+constexpr size_t kDefaultDynamicSharedBytes = 48 * 1024;
+
+alignas(16) unsigned char shared_memory[kMaxDynamicSharedBytes];
+std::vector<std::unique_ptr<char[]>> stacks;
+
+// The names of the kernels launched (the latest kLaunchLog), for tests that check which kernel a launcher chose,
+// as the profiler names them on a GPU.
+constexpr size_t kLaunchLog = 4096;
+std::deque<std::string> launches;
+std::string launches_text;
+
+std::string kernel_name(const void* kernel) {
+  Dl_info info{};
+  if (dladdr(kernel, &info) == 0 || info.dli_sname == nullptr) return "?";
+  int status = 0;
+  char* demangled = abi::__cxa_demangle(info.dli_sname, nullptr, nullptr, &status);
+  std::string name = status == 0 && demangled != nullptr ? demangled : info.dli_sname;
+  std::free(demangled);
+  return name;
+}
+
+// Blocks run one at a time: the dynamic shared memory, a kernel's static __shared__ arrays and the fibers are the
+// block's. Launches from several host threads take turns.
+std::mutex launch_mutex;
+
+void fail(cudaError_t error, std::string text) {
+  last_error = error;
+  last_error_text = std::move(text);
+}
+
+void switch_to_main() { switch_context(scheduler->fibers[scheduler->running].context, scheduler->main); }
+
+[[noreturn]] void fiber_entry() {
+  scheduler->run_thread(scheduler->call);
+  current->warp->sync.drop();
+  current->block->sync.drop();
+  scheduler->fibers[scheduler->running].done = true;
+  ++scheduler->progress;
+  switch_to_main();
+  std::abort();  // a finished fiber is never resumed
+}
+
+// Runs one block's threads to their ends; false when they deadlock (every live thread waits at a barrier that the
+// others never reach).
+bool run_block(Block& block, int threads) {
+  Scheduler& s = *scheduler;
+  for (int i = 0; i < threads; ++i) {
+    Fiber& fiber = s.fibers[i];
+    fiber.done = false;
+    fiber.state = Thread{};
+    fiber.state.block = &block;
+    fiber.state.warp = block.warps[i / kWarpSize].get();
+    fiber.state.lane = i % kWarpSize;
+    fiber.state.thread_idx = uint3{unsigned(i % block.block_dim.x), unsigned(i / block.block_dim.x % block.block_dim.y),
+                                   unsigned(i / (block.block_dim.x * block.block_dim.y))};
+    start_context(fiber.context, stacks[i].get(), kStackBytes, fiber_entry);
+  }
+  for (int live = threads; live > 0;) {
+    const uint64_t before = s.progress;
+    for (int i = 0; i < threads; ++i) {
+      if (s.fibers[i].done) continue;
+      s.running = i;
+      current = &s.fibers[i].state;
+      switch_context(s.main, s.fibers[i].context);
+      if (s.fibers[i].done) --live;
+    }
+    if (live > 0 && s.progress == before) return false;
+  }
+  return true;
+}
+
+void finish_copies(CopyGroup& group) {
+  for (const CopyGroup::Copy& copy : group.copies) std::memcpy(copy.shared, copy.bytes, 16);
+  group.copies.clear();
+}
+
+}  // namespace
+
+void Barrier::arrive_and_wait() {
+  const uint64_t mine = phase;
+  ++scheduler->progress;
+  if (++arrived == expected) {
+    arrived = 0;
+    ++phase;
+    return;
+  }
+  while (phase == mine) switch_to_main();
+}
+
+void Barrier::drop() {
+  --expected;
+  if (arrived > 0 && arrived == expected) {
+    arrived = 0;
+    ++phase;
+  }
+}
+
+Block::Block(dim3 grid_dim, dim3 block_dim, dim3 block_idx, int threads)
+    : grid_dim(grid_dim), block_dim(block_dim), block_idx(block_idx), sync(threads) {
+  for (int first = 0; first < threads; first += kWarpSize) {
+    warps.push_back(std::make_unique<Warp>(threads - first < kWarpSize ? threads - first : kWarpSize));
+  }
+}
+
+Thread& thread() { return *current; }
+
+unsigned char* dynamic_shared_memory() { return shared_memory; }
+
+void copy16_async(void* shared, const void* global, bool fill) {
+  CopyGroup::Copy copy{shared, {}};
+  if (fill) std::memcpy(copy.bytes, global, 16);
+  current->open.copies.push_back(copy);
+  std::memset(shared, 0xff, 16);  // NaN until the group is waited for
+}
+
+void copy_async_commit() {
+  current->committed.push_back(std::move(current->open));
+  current->open = CopyGroup{};
+}
+
+void copy_async_wait(int pending) {
+  while (int(current->committed.size()) > pending) {
+    finish_copies(current->committed.front());
+    current->committed.pop_front();
+  }
+}
+
+bool launch_refused(const LaunchConfig& config) {
+  const std::lock_guard<std::mutex> lock(launch_mutex);
+  const int threads = int(config.block.x * config.block.y * config.block.z);
+  const auto found = max_dynamic_shared.find(config.kernel);
+  const size_t allowed = found == max_dynamic_shared.end() ? kDefaultDynamicSharedBytes : size_t(found->second);
+  if (threads < 1 || threads > 1024 || config.block.z > 64 || config.grid.x < 1 || config.grid.y < 1 ||
+      config.grid.z < 1 || config.grid.y > 65535 || config.grid.z > 65535) {
+    fail(cudaErrorInvalidConfiguration, "invalid configuration argument");
+    return true;
+  }
+  if (config.shared_bytes > allowed) {
+    fail(cudaErrorInvalidValue, "invalid argument (" + std::to_string(config.shared_bytes) +
+                                    " bytes of dynamic shared memory; the kernel allows " + std::to_string(allowed) + ")");
+    return true;
+  }
+  return false;
+}
+
+void run_grid(const LaunchConfig& config, void (*run_thread)(void*), void* call) {
+  const std::lock_guard<std::mutex> lock(launch_mutex);
+  const int threads = int(config.block.x * config.block.y * config.block.z);
+  while (int(stacks.size()) < threads) stacks.emplace_back(new char[kStackBytes]);
+  launches.push_back(kernel_name(config.kernel));
+  if (launches.size() > kLaunchLog) launches.pop_front();
+  Scheduler s;
+  s.fibers.resize(threads);
+  s.run_thread = run_thread;
+  s.call = call;
+  scheduler = &s;
+  for (unsigned z = 0; z < config.grid.z; ++z) {
+    for (unsigned y = 0; y < config.grid.y; ++y) {
+      for (unsigned x = 0; x < config.grid.x; ++x) {
+        std::memset(shared_memory, 0xff, config.shared_bytes);
+        Block block(config.grid, config.block, dim3(x, y, z), threads);
+        if (!run_block(block, threads)) {
+          fail(cudaErrorLaunchFailure, "unspecified launch failure (emulation: the threads of block (" +
+                                           std::to_string(x) + ", " + std::to_string(y) + ", " + std::to_string(z) +
+                                           ") wait at barriers that the others never reach)");
+          scheduler = nullptr;
+          return;
+        }
+      }
+    }
+  }
+  scheduler = nullptr;
+}
+
+}  // namespace cuda_emulation
+
+// The names of the kernels launched since the last call, one per line (macs_kernels/ops/cuda/emulation.py reads it).
+extern "C" const char* cuda_emulation_take_launches() {
+  const std::lock_guard<std::mutex> lock(cuda_emulation::launch_mutex);
+  cuda_emulation::launches_text.clear();
+  for (const std::string& name : cuda_emulation::launches) cuda_emulation::launches_text += name + "\n";
+  cuda_emulation::launches.clear();
+  return cuda_emulation::launches_text.c_str();
+}
+
+// The CUDA runtime calls of the launchers (no libcudart is linked).
+extern "C" {
+
+cudaError_t cudaGetLastError(void) {
+  const cudaError_t error = cuda_emulation::last_error;
+  cuda_emulation::last_error = cudaSuccess;
+  return error;
+}
+
+const char* cudaGetErrorString(cudaError_t error) {
+  if (error == cudaSuccess) return "no error";
+  return cuda_emulation::last_error_text.empty() ? "unknown error" : cuda_emulation::last_error_text.c_str();
+}
+
+cudaError_t cudaFuncSetAttribute(const void* kernel, enum cudaFuncAttribute attribute, int value) {
+  if (attribute != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaSuccess;
+  if (value < 0 || size_t(value) > cuda_emulation::kMaxDynamicSharedBytes) {
+    cuda_emulation::fail(cudaErrorInvalidValue, "invalid argument (a maximum of " + std::to_string(value) +
+                                                    " bytes of dynamic shared memory)");
+    return cudaErrorInvalidValue;
+  }
+  const std::lock_guard<std::mutex> lock(cuda_emulation::launch_mutex);
+  cuda_emulation::max_dynamic_shared[kernel] = value;
+  return cudaSuccess;
+}
+
+// An H200: 132 multiprocessors, 228 KiB of shared memory each (227 KiB for one block), compute capability 9.0.
+cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attribute, int) {
+  switch (attribute) {
+    case cudaDevAttrMultiProcessorCount:
+      *value = 132;
+      return cudaSuccess;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin:
+      *value = int(cuda_emulation::kMaxDynamicSharedBytes);
+      return cudaSuccess;
+    case cudaDevAttrMaxSharedMemoryPerMultiprocessor:
+      *value = 228 * 1024;
+      return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMajor:
+      *value = 9;
+      return cudaSuccess;
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,109 @@
+"""The cuda backend's kernels on the CPU, for tests on machines without a GPU: with MACS_KERNELS_CUDA_EMULATION=1 in
+the environment before macs_kernels is imported, the cuda backend takes CPU tensors and runs csrc/ (the same
+kernels, launchers and host policy) compiled by the host's C++ compiler, as TRITON_INTERPRET=1 runs the triton
+backend's kernels in Triton's interpreter.
+
+csrc/emulation/cpu.h makes each CUDA thread an OS thread and computes the warp-collective instructions (shuffles,
+mma.sync, ldmatrix, cp.async) as the PTX ISA defines them; its comment says what it shows and what it cannot. The
+launchers register the operators `torch.ops.macs_kernels.<op>` for the CPU dispatch key (so every CPU call of an
+operator in this process runs them), on an emulated H200 (132 multiprocessors, compute capability 9.0).
+
+Importing this module builds the library once into a cache folder (MACS_KERNELS_EMULATION_BUILD, default
+~/.cache/macs_kernels/cuda_emulation; about 4 minutes on two cores, then only what changed) and loads it: the
+library is `library`. It needs a checkout of the sources (csrc/ beside the package), ninja, and the CUDA toolkit's
+headers (cuda_fp16.h, cuda_bf16.h; no GPU, driver or CUDA runtime).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+from pathlib import Path
+
+NAME = "macs_kernels_cuda_emulation"
+SOURCES = Path(__file__).resolve().parents[3] / "csrc"
+
+# `kernel<<<grid, block, shared bytes, stream>>>(arguments)` -> `cuda_emulation::launch(kernel, grid, ...)(...)`.
+_LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^<>;]*>)?)<<<(.+?)>>>")
+# `extern __shared__ [__align__(n)] type name[];` -> a pointer to the block's dynamic shared memory.
+_DYNAMIC_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w ]+?)\s+(\w+)\[\];")
+_STATIC_SHARED = re.compile(r"\b__shared__\b")
+
+
+def rewrite(source: str) -> str:
+    """`source` (a file of csrc/) as C++ for the emulation: the two CUDA constructs that are not C++ syntax."""
+    source = _LAUNCH.sub(r"::cuda_emulation::launch(\1, \2)", source)
+    source = _DYNAMIC_SHARED.sub(
+        r"\1* const \2 = reinterpret_cast<\1*>(::cuda_emulation::dynamic_shared_memory());", source)
+    # One block runs at a time, so a function's static array is its block's shared memory.
+    return _STATIC_SHARED.sub("static", source)
+
+
+def _cuda_headers() -> Path:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    for home in (CUDA_HOME, os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home and (Path(home) / "include" / "cuda_bf16.h").exists():
+            return Path(home) / "include"
+    raise RuntimeError("the CUDA toolkit's headers (cuda_bf16.h) were not found: set CUDA_HOME")
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    # An unchanged file keeps its time stamp, so that ninja rebuilds only what changed.
+    if not path.exists() or path.read_text() != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def build_folder() -> Path:
+    default = Path.home() / ".cache" / "macs_kernels" / "cuda_emulation"
+    return Path(os.environ.get("MACS_KERNELS_EMULATION_BUILD", default))
+
+
+def load():
+    """Build (where the sources changed) and load the emulated library; returns its Python module."""
+    if not (SOURCES / "emulation" / "cpu.h").exists():
+        raise RuntimeError(f"the CUDA sources are not at {SOURCES}: the emulation needs a checkout of macs_kernels")
+    from torch.utils import cpp_extension
+
+    folder = build_folder()
+    sources = folder / "src"
+    for path in sorted(SOURCES.rglob("*")):
+        if path.suffix in (".cu", ".cuh", ".h", ".cpp"):
+            # .cu would be handed to nvcc: the emulation compiles every file as C++.
+            target = (sources / path.relative_to(SOURCES)).with_suffix(".cpp" if path.suffix == ".cu" else path.suffix)
+            _write_if_changed(target, rewrite(path.read_text()))
+    # One translation unit per file, named after its folder too: torch's build names objects by file name.
+    units = []
+    for unit in sorted(sources.glob("*/*.cpp")) + [sources / "bindings.cpp"]:
+        relative = unit.relative_to(sources)
+        units.append(folder / "units" / ("unit_" + "_".join(relative.parts)))
+        _write_if_changed(units[-1], f'#include "{relative.as_posix()}"\n')
+    (folder / "objects").mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(
+        name=NAME,
+        sources=[str(unit) for unit in units],
+        extra_include_paths=[str(sources / "emulation"), str(sources), str(_cuda_headers())],
+        extra_cflags=[
+            # CUDA code reads one type through a pointer to another (16-byte loads, packed halves), as nvcc allows.
+            "-O2", "-fno-strict-aliasing", "-include", str(sources / "emulation" / "cpu.h"), "-DMACS_CPU_EMULATION",
+            # torch's extension flags (csrc/common.cuh): conversions are explicit calls.
+            "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+            f"-DPyInit__C=PyInit_{NAME}", "-Wno-attributes",
+        ],
+        build_directory=str(folder / "objects"),
+        with_cuda=False,
+        is_python_module=True,
+        verbose=False,
+    )
+
+
+library = load()
+_take_launches = ctypes.CDLL(library.__file__).cuda_emulation_take_launches
+_take_launches.restype = ctypes.c_char_p
+
+
+def take_launches() -> list[str]:
+    """The kernels launched since the last call, oldest first, named as a profiler names them on a GPU (the latest
+    4,096)."""
+    return _take_launches().decode().splitlines()
