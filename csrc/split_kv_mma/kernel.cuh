@@ -9,7 +9,7 @@
 // Why: at GQA 4:1 and D 128 a decode step does 1,024 multiply-adds per key and KV head for 512 bytes of K and V;
 // on CUDA cores (pipelined_split_kernel) that caps the pass at 1.0-1.5 TB/s on an H200 (issue 48).
 //
-// Layout (tests/ops/cuda_mma_model.py replays it lane by lane on the CPU):
+// Layout (csrc/emulation/cpu.h runs it on the CPU, its MMAs and ldmatrix as the PTX ISA defines them):
 // - A block owns one KV head, up to 16 query vectors (every query head of the KV head times a chunk of query
 //   rows, vector m = head m / block_rows at row m % block_rows, as pipelined_split_kernel orders them) on the M
 //   side of the MMA, padded to 16 with vectors that attend no key, and one slice of the keys.

@@ -1,12 +1,20 @@
 """The triton backend's fused ops run under every one of its fused passes
 (ops.triton.settings.TRITON_SPLIT_KV_PASSES): the tests of the modules below that take a `backend` run once more with
-backend "triton" per pass other than the default ("two-launch", "one-launch"). `on_device`: index tensors as the
+backend "triton" per pass other than the default ("two-launch", "one-launch"); the cuda backend's, under every split
+kernel (ops.cuda.CUDA_SPLIT_KV_KERNELS: "verified" and "mma" besides the default). `on_device`: index tensors as the
 argument checks see a GPU's."""
 from __future__ import annotations
 
 import pytest
 
-from macs_kernels.ops import _checks
+from macs_kernels.ops import _checks, why_unavailable
+from macs_kernels.ops.cuda import (
+    CUDA_SPLIT_KV_DEFAULT,
+    CUDA_SPLIT_KV_KERNELS,
+    cuda_split_kv_kernel,
+    set_cuda_split_kv_kernel,
+)
+from tests.ops.cases import CUDA_BACKEND_DEVICE
 
 try:  # the triton backend's package, where triton is installed
     from macs_kernels.ops.triton import settings
@@ -19,17 +27,28 @@ FUSED_OP_MODULES = {
 }
 
 
+# The split kernels other than the default, where the cuda backend runs (a GPU, or its emulation on the CPU).
+CUDA_OTHER_KERNELS = () if why_unavailable("cuda", CUDA_BACKEND_DEVICE) else tuple(
+    kernel for kernel in CUDA_SPLIT_KV_KERNELS if kernel != CUDA_SPLIT_KV_DEFAULT)
+
+
 def pytest_generate_tests(metafunc):
     module = metafunc.module.__name__.rsplit(".", 1)[-1]
-    if settings is not None and "backend" in metafunc.fixturenames and module in FUSED_OP_MODULES:
-        metafunc.parametrize("triton_split_kv", settings.TRITON_SPLIT_KV_PASSES, indirect=True)
+    if "backend" in metafunc.fixturenames and module in FUSED_OP_MODULES:
+        if settings is not None:
+            metafunc.parametrize("triton_split_kv", settings.TRITON_SPLIT_KV_PASSES, indirect=True)
+        if CUDA_OTHER_KERNELS:
+            metafunc.parametrize("cuda_split_kv", (CUDA_SPLIT_KV_DEFAULT, *CUDA_OTHER_KERNELS), indirect=True)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Another pass changes only what the triton backend runs: drop its copies of the other backends' tests."""
+    """Another pass or split kernel changes only what its backend runs: drop its copies of the other backends'
+    tests."""
     redundant = [item for item in items if getattr(item, "callspec", None) is not None
-                 and item.callspec.params.get("triton_split_kv", "verified") != "verified"
-                 and item.callspec.params.get("backend") != "triton"]
+                 and ((item.callspec.params.get("triton_split_kv", "verified") != "verified"
+                       and item.callspec.params.get("backend") != "triton")
+                      or (item.callspec.params.get("cuda_split_kv", CUDA_SPLIT_KV_DEFAULT) != CUDA_SPLIT_KV_DEFAULT
+                          and item.callspec.params.get("backend") != "cuda"))]
     if redundant:
         config.hook.pytest_deselected(items=redundant)
         items[:] = [item for item in items if item not in redundant]
@@ -45,6 +64,19 @@ def triton_split_kv(request):
     settings.set_triton_split_kv_pass(getattr(request, "param", previous))
     yield settings.triton_split_kv_pass()
     settings.set_triton_split_kv_pass(previous)
+
+
+@pytest.fixture(autouse=True)
+def cuda_split_kv(request):
+    """The cuda split kernel a test runs (the process's choice unless parametrized)."""
+    kernel = getattr(request, "param", None)
+    if kernel is None:
+        yield None
+        return
+    previous = cuda_split_kv_kernel()
+    set_cuda_split_kv_kernel(kernel)
+    yield kernel
+    set_cuda_split_kv_kernel(previous)
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ asynchronous 16-byte copies (LDGSTS) into shared memory and the 16-byte shared-m
 for. benchmarks/results/cuda_split_kv_resources.md records these figures.
 The tensor-core split kernel (csrc/split_kv_mma, selectable as "mma") is held to the same: no local memory, and in
 its SASS the m16n8k16 tensor-core MMAs (HMMA.16816.F32, with .BF16 for bfloat16), the LDGSTS copies and the
-transposing ldmatrix (LDSM.16.MT88.4) that loads V's fragments. tests/ops/test_cuda_mma_model.py checks its index
-math on the CPU.
+transposing ldmatrix (LDSM.16.MT88.4) that loads V's fragments. Its values are checked on the CPU by the emulation
+(MACS_KERNELS_CUDA_EMULATION=1, ops/cuda/emulation.py), which runs the same source.
 """
 import concurrent.futures
 import importlib.util
