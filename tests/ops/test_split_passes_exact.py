@@ -59,9 +59,12 @@ def chosen(request):
     settings.set_triton_split_kv_pass(previous)
 
 
+CASES = list(itertools.product((torch.float32, torch.bfloat16), (1, 4, 8), (64, 128)))
+
+
 @pytest.mark.usefixtures("chosen")
-@pytest.mark.parametrize("dtype, group, dim", list(itertools.product((torch.float32, torch.bfloat16), (1, 4, 8),
-                                                                      (64, 128))))
+@pytest.mark.parametrize("dtype, group, dim", CASES,
+                         ids=[f"{str(dtype).removeprefix('torch.')}-gqa{group}-d{dim}" for dtype, group, dim in CASES])
 @pytest.mark.parametrize("backend, name", _kernels())
 def test_the_fused_decode_matches_float64(backend, name, dtype, group, dim):
     batch, kv_heads, keys = 3, 2, 1537
