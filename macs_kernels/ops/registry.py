@@ -313,6 +313,8 @@ def engine_kernels(named: str | None, device: torch.device | str, variants: tupl
 # Backends whose kernels a torch.compile'd pass does not run, and why. The cuda kernels are exact eagerly and in a
 # CUDA graph, but inside an inductor-compiled decode step on an H200 they returned wrong rows at a 1,200-token
 # prompt (issue 47), for a reason not yet found: until a GPU run shows them exact there, compiled passes skip them.
+# Compiled for the CPU (ops/cuda/emulation.py) they are exact inside the same inductor-compiled steps, so the cause is
+# in what the emulation does not model: mode "reduce-overhead"'s CUDA graphs, streams, the GPU's memory.
 COMPILE_UNSAFE = {"cuda": "its kernels returned wrong rows inside an inductor-compiled decode step on a GPU "
                           "(issue 47)"}
 # The kernels a compiled decode step runs per layer (core.plans.DenseRows).

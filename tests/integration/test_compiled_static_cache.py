@@ -18,6 +18,7 @@ from transformers.generation.configuration_utils import CompileConfig
 from macs_kernels import attach, explain
 from macs_kernels.engines.hf_models import cache_argument
 from tests.helpers import default_model, eager_macs, tiny_llama
+from tests.ops.cases import CUDA_BACKEND_DEVICE, why_no_cuda_backend
 
 LOG_TOLERANCE = 1e-3
 # A left-padded batch of 2 prompts of different lengths (pad id 0).
@@ -303,4 +304,32 @@ def test_compiled_generate_on_a_gpu_equals_the_reference_at_long_prompts(backend
         warnings.simplefilter("ignore", RuntimeWarning)
         tokens, rows = traced(model, ids, mask, max_new_tokens=12, backend=backend)
     assert counters["stats"]["unique_graphs"] > 0
+    assert_eager_rows(model, ids, mask, tokens, rows)
+
+
+@pytest.mark.parametrize("prompt", [300, 1200])
+def test_the_cuda_kernels_inside_an_inductor_compiled_step_on_the_cpu_emulation(prompt, monkeypatch):
+    """Issue 47's failure class without a GPU: the cuda backend's kernels, compiled for the CPU by the emulation
+    (MACS_KERNELS_CUDA_EMULATION=1), run inside generate's inductor-compiled decode steps (COMPILE_UNSAFE set aside)
+    and give rows equal to the eager reference at a 1,200-token prompt. They do, so what failed on the H200 lies in
+    what the emulation does not model (mode "reduce-overhead"'s CUDA graphs, streams, the GPU's memory)."""
+    if CUDA_BACKEND_DEVICE != "cpu" or why_no_cuda_backend():
+        pytest.skip("needs the cuda backend's CPU emulation (MACS_KERNELS_CUDA_EMULATION=1)")
+    from macs_kernels.ops import registry
+    from macs_kernels.ops.cuda import emulation
+
+    monkeypatch.setattr(registry, "COMPILE_UNSAFE", {})
+    torch.manual_seed(0)
+    layers, new_tokens = 4, 12
+    model = tiny_llama(heads=8, kv_heads=2, layers=layers)
+    ids = torch.randint(3, 96, (1, prompt))
+    mask = torch.ones_like(ids)
+    emulation.take_launches()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback to another backend
+        tokens, rows = traced(model, ids, mask, max_new_tokens=new_tokens, backend="cuda",
+                              compile_config=compile_everywhere("inductor"))
+    assert counters["stats"]["unique_graphs"] > 0
+    decode_steps = sum("combine_kernel<" in name for name in emulation.take_launches())
+    assert decode_steps >= layers * (new_tokens - 1)
     assert_eager_rows(model, ids, mask, tokens, rows)
