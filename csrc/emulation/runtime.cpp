@@ -3,9 +3,12 @@
 #include <cxxabi.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <mutex>
+#include <numeric>
+#include <random>
 #include <string>
 
 namespace cuda_emulation {
@@ -126,6 +129,17 @@ std::string kernel_name(const void* kernel) {
   return name;
 }
 
+// The order in which a block's threads run between two barriers (0: thread 0 first, 1: the last thread first, 2:
+// shuffled anew each round). A result that changes with it is a race that no barrier orders.
+int order = 0;
+std::mt19937 shuffle{0};
+
+// The emulated GPU (cudaDeviceGetAttribute): an H200 unless set.
+struct Device {
+  int multiprocessors = 132, shared_per_block = int(kMaxDynamicSharedBytes), shared_per_multiprocessor = 228 * 1024,
+      major = 9;
+} device;
+
 // Blocks run one at a time: the dynamic shared memory, a kernel's static __shared__ arrays and the fibers are the
 // block's. Launches from several host threads take turns.
 std::mutex launch_mutex;
@@ -162,9 +176,13 @@ bool run_block(Block& block, int threads) {
                                    unsigned(i / (block.block_dim.x * block.block_dim.y))};
     start_context(fiber.context, stacks[i].get(), kStackBytes, fiber_entry);
   }
+  std::vector<int> sequence(threads);
+  std::iota(sequence.begin(), sequence.end(), 0);
+  if (order == 1) std::reverse(sequence.begin(), sequence.end());
   for (int live = threads; live > 0;) {
     const uint64_t before = s.progress;
-    for (int i = 0; i < threads; ++i) {
+    if (order == 2) std::shuffle(sequence.begin(), sequence.end(), shuffle);
+    for (const int i : sequence) {
       if (s.fibers[i].done) continue;
       s.running = i;
       current = &s.fibers[i].state;
@@ -290,6 +308,20 @@ extern "C" const char* cuda_emulation_take_launches() {
   return cuda_emulation::launches_text.c_str();
 }
 
+// Runs the threads of each block from now on in `thread_order` (0 forward, 1 reverse, 2 shuffled from `seed`).
+extern "C" void cuda_emulation_set_order(int thread_order, unsigned seed) {
+  const std::lock_guard<std::mutex> lock(cuda_emulation::launch_mutex);
+  cuda_emulation::order = thread_order;
+  cuda_emulation::shuffle.seed(seed);
+}
+
+// Answers the launchers' device queries as a GPU with these figures would from now on.
+extern "C" void cuda_emulation_set_device(int multiprocessors, int shared_per_block, int shared_per_multiprocessor,
+                                          int major) {
+  const std::lock_guard<std::mutex> lock(cuda_emulation::launch_mutex);
+  cuda_emulation::device = {multiprocessors, shared_per_block, shared_per_multiprocessor, major};
+}
+
 // The CUDA runtime calls of the launchers (no libcudart is linked).
 extern "C" {
 
@@ -306,7 +338,7 @@ const char* cudaGetErrorString(cudaError_t error) {
 
 cudaError_t cudaFuncSetAttribute(const void* kernel, enum cudaFuncAttribute attribute, int value) {
   if (attribute != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaSuccess;
-  if (value < 0 || size_t(value) > cuda_emulation::kMaxDynamicSharedBytes) {
+  if (value < 0 || value > cuda_emulation::device.shared_per_block) {
     cuda_emulation::fail(cudaErrorInvalidValue, "invalid argument (a maximum of " + std::to_string(value) +
                                                     " bytes of dynamic shared memory)");
     return cudaErrorInvalidValue;
@@ -316,20 +348,20 @@ cudaError_t cudaFuncSetAttribute(const void* kernel, enum cudaFuncAttribute attr
   return cudaSuccess;
 }
 
-// An H200: 132 multiprocessors, 228 KiB of shared memory each (227 KiB for one block), compute capability 9.0.
 cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attribute, int) {
+  const cuda_emulation::Device& device = cuda_emulation::device;
   switch (attribute) {
     case cudaDevAttrMultiProcessorCount:
-      *value = 132;
+      *value = device.multiprocessors;
       return cudaSuccess;
     case cudaDevAttrMaxSharedMemoryPerBlockOptin:
-      *value = int(cuda_emulation::kMaxDynamicSharedBytes);
+      *value = device.shared_per_block;
       return cudaSuccess;
     case cudaDevAttrMaxSharedMemoryPerMultiprocessor:
-      *value = 228 * 1024;
+      *value = device.shared_per_multiprocessor;
       return cudaSuccess;
     case cudaDevAttrComputeCapabilityMajor:
-      *value = 9;
+      *value = device.major;
       return cudaSuccess;
     default:
       return cudaErrorInvalidValue;

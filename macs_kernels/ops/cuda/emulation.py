@@ -103,6 +103,38 @@ _take_launches = ctypes.CDLL(library.__file__).cuda_emulation_take_launches
 _take_launches.restype = ctypes.c_char_p
 
 
+_set_order = ctypes.CDLL(library.__file__).cuda_emulation_set_order
+THREAD_ORDERS = ("forward", "reverse", "shuffled")
+
+
+def set_thread_order(order: str, seed: int = 0) -> None:
+    """Run each block's threads between two barriers in `order` (one of THREAD_ORDERS; "forward", thread 0 first,
+    is the default; "shuffled" draws a new order each round from `seed`). Results that change with the order reveal a
+    race that no barrier orders."""
+    if order not in THREAD_ORDERS:
+        raise ValueError(f"unknown thread order {order!r}; choose one of {THREAD_ORDERS}")
+    _set_order(THREAD_ORDERS.index(order), seed)
+
+
+_set_device = ctypes.CDLL(library.__file__).cuda_emulation_set_device
+# What the launchers' device queries answer: multiprocessors, shared memory for one block (opt-in) and per
+# multiprocessor (bytes), compute capability major. The host policy sizes its splits from them; "sm_75" (a T4) has
+# no mma.sync.m16n8k16, so the tensor-core kernel is never chosen there.
+DEVICES = {
+    "H200": (132, 227 * 1024, 228 * 1024, 9),
+    "A100": (108, 163 * 1024, 164 * 1024, 8),
+    "T4": (40, 64 * 1024, 64 * 1024, 7),
+    "4 SMs": (4, 227 * 1024, 228 * 1024, 9),  # few splits, each of many tiles
+}
+
+
+def set_device(name: str) -> None:
+    """Answer the launchers' device queries as `name` (one of DEVICES; "H200" is the default) from now on."""
+    if name not in DEVICES:
+        raise ValueError(f"unknown emulated device {name!r}; choose one of {tuple(DEVICES)}")
+    _set_device(*DEVICES[name])
+
+
 def take_launches() -> list[str]:
     """The kernels launched since the last call, oldest first, named as a profiler names them on a GPU (the latest
     4,096)."""
