@@ -5,7 +5,10 @@
 // block, instead of hanging); a shuffle, an mma.sync and an ldmatrix are
 // computed from what every lane of the warp puts in, as the PTX ISA defines them; a cp.async writes NaN bytes into
 // shared memory when it is issued and its data when its group is waited for, so a read that the kernel's waits and
-// barriers do not order after the copy sees NaN. The dynamic shared memory is NaN bytes when a block starts.
+// barriers do not order after the copy sees NaN. Shared memory (dynamic, and a kernel's __shared__ arrays) is NaN
+// bytes when a block starts, and the dynamic part ends at a page no access may touch. What would fault or fail on
+// the GPU fails the launch here, naming why: a 16-byte copy or an ldmatrix row not 16-byte aligned, a warp-collective
+// operation after lanes of the warp exited, more threads than the kernel's __launch_bounds__, __trap.
 //
 // Why: a GPU is lent to few sessions, and kernels written without one failed on first contact. This runs the same
 // source, launch code and host policy on CPU tensors with the same tests; what it cannot show is speed and what
@@ -49,7 +52,7 @@ struct Barrier {
 struct Warp {
   explicit Warp(int lanes) : sync(lanes), lanes(lanes) {}
   Barrier sync;
-  int lanes;
+  int lanes, exited = 0;
   uint32_t words[kWarpSize][kLaneWords];
   const void* addresses[kWarpSize];
 };
@@ -81,11 +84,34 @@ struct Thread {
 // The running CUDA thread (valid inside a kernel only).
 Thread& thread();
 
-// Shared by every thread of the block: 16-byte aligned, NaN bytes when the block starts.
+// Shared by every thread of the block: 16-byte aligned, NaN bytes when the block starts, the launch's size, then a
+// page that no access may touch.
 unsigned char* dynamic_shared_memory();
 constexpr size_t kMaxDynamicSharedBytes = 227 * 1024;  // an H100's or H200's opt-in limit per block
 
-inline void warp_sync() { thread().warp->sync.arrive_and_wait(); }
+// A kernel's static __shared__ array (emulation.py rewrites the declaration to call this): NaN bytes at the start of
+// every block.
+void static_shared_memory(void* array, size_t bytes);
+
+// Fails the running launch (cudaGetLastError returns cudaErrorLaunchFailure, naming `why`); the kernel runs on.
+void fail_launch(const char* why);
+// Fails the running launch and ends the calling thread, as a trap does.
+[[noreturn]] void trap(const char* why);
+// Fails the launch when the block has more threads than the kernel's __launch_bounds__ (emulation.py inserts it).
+void check_launch_bounds(int max_threads);
+
+inline void check_aligned16(const void* address, const char* what) {
+  if (reinterpret_cast<uintptr_t>(address) % 16 != 0) fail_launch(what);
+}
+
+inline void check_converged() {
+  if (thread().warp->exited > 0) fail_launch("a warp-collective operation after lanes of the warp exited");
+}
+
+inline void warp_sync() {
+  check_converged();
+  thread().warp->sync.arrive_and_wait();
+}
 
 // Each lane puts in `mine`; every lane gets `read(words of all lanes)`.
 template <typename F>
@@ -162,6 +188,7 @@ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b
 // register j of lane (g, t) gets elements [2t][g] (low half) and [2t+1][g] of matrix j (PTX ISA, ldmatrix).
 inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
   Thread& self = thread();
+  check_aligned16(row, "misaligned address: an ldmatrix row not 16-byte aligned");
   self.warp->addresses[self.lane] = row;
   warp_sync();
   const int g = self.lane / 4, t = self.lane % 4;
@@ -231,7 +258,7 @@ inline V __shfl_xor_sync(unsigned, V value, int offset) { return ::cuda_emulatio
 template <typename V>
 inline V __ldg(const V* pointer) { return *pointer; }
 inline int __ffs(int x) { return __builtin_ffs(x); }
-[[noreturn]] inline void __trap() { std::abort(); }
+[[noreturn]] inline void __trap() { ::cuda_emulation::trap("a device-side trap (__trap)"); }
 
 // Device math that CUDA code calls unqualified.
 using std::isfinite;

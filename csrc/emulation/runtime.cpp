@@ -2,6 +2,8 @@
 // make, answered as an H200 would.
 #include <cxxabi.h>
 #include <dlfcn.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -104,13 +106,30 @@ struct Scheduler {
 Scheduler* scheduler = nullptr;
 Thread* current = nullptr;
 cudaError_t last_error = cudaSuccess;
+bool launch_failed = false;  // the running launch failed: it stops after the block that failed
 std::string last_error_text;
 
 // The maximum dynamic shared memory each kernel was allowed (cudaFuncSetAttribute); 48 KiB without.
 std::map<const void*, int> max_dynamic_shared;
 constexpr size_t kDefaultDynamicSharedBytes = 48 * 1024;
 
-alignas(16) unsigned char shared_memory[kMaxDynamicSharedBytes];
+// The dynamic shared memory's pages, then a page mapped without access: a launch's region ends at it, so that an access
+// past the size the launch asked for faults as on the GPU.
+unsigned char* shared_pages = nullptr;
+size_t shared_pages_bytes = 0;
+unsigned char* shared_memory = nullptr;
+std::vector<std::pair<void*, size_t>> static_shared;  // every kernel's __shared__ arrays met so far
+
+void map_shared_memory() {
+  const size_t page = size_t(sysconf(_SC_PAGESIZE));
+  shared_pages_bytes = (kMaxDynamicSharedBytes + page - 1) / page * page;
+  void* mapping = mmap(nullptr, shared_pages_bytes + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mapping == MAP_FAILED || mprotect(static_cast<char*>(mapping) + shared_pages_bytes, page, PROT_NONE) != 0) {
+    std::perror("cuda emulation: shared memory");
+    std::abort();
+  }
+  shared_pages = static_cast<unsigned char*>(mapping);
+}
 std::vector<std::unique_ptr<char[]>> stacks;
 
 // The names of the kernels launched (the latest kLaunchLog), for tests that check which kernel a launcher chose,
@@ -151,14 +170,20 @@ void fail(cudaError_t error, std::string text) {
 
 void switch_to_main() { switch_context(scheduler->fibers[scheduler->running].context, scheduler->main); }
 
-[[noreturn]] void fiber_entry() {
-  scheduler->run_thread(scheduler->call);
+// The calling fiber's thread has exited: it no longer counts at its barriers.
+[[noreturn]] void exit_thread() {
+  ++current->warp->exited;
   current->warp->sync.drop();
   current->block->sync.drop();
   scheduler->fibers[scheduler->running].done = true;
   ++scheduler->progress;
   switch_to_main();
   std::abort();  // a finished fiber is never resumed
+}
+
+[[noreturn]] void fiber_entry() {
+  scheduler->run_thread(scheduler->call);
+  exit_thread();
 }
 
 // Runs one block's threads to their ends; false when they deadlock (every live thread waits at a barrier that the
@@ -231,7 +256,39 @@ Thread& thread() { return *current; }
 
 unsigned char* dynamic_shared_memory() { return shared_memory; }
 
+void static_shared_memory(void* array, size_t bytes) {
+  for (const auto& known : static_shared) {
+    if (known.first == array) return;
+  }
+  // The first thread to declare it, before any thread uses it: poisoned now, and at the start of every later block.
+  static_shared.emplace_back(array, bytes);
+  std::memset(array, 0xff, bytes);
+}
+
+void fail_launch(const char* why) {
+  if (!launch_failed) fail(cudaErrorLaunchFailure, std::string("unspecified launch failure (") + why + ")");
+  launch_failed = true;
+}
+
+void trap(const char* why) {
+  fail_launch(why);
+  exit_thread();
+}
+
+void check_launch_bounds(int max_threads) {
+  const dim3 block = current->block->block_dim;
+  if (int(block.x * block.y * block.z) > max_threads && !launch_failed) {
+    launch_failed = true;
+    fail(cudaErrorLaunchOutOfResources, "too many resources requested for launch (" +
+                                            std::to_string(block.x * block.y * block.z) +
+                                            " threads; the kernel's __launch_bounds__ allow " +
+                                            std::to_string(max_threads) + ")");
+  }
+}
+
 void copy16_async(void* shared, const void* global, bool fill) {
+  check_aligned16(shared, "misaligned address: a cp.async destination not 16-byte aligned");
+  if (fill) check_aligned16(global, "misaligned address: a cp.async source not 16-byte aligned");
   CopyGroup::Copy copy{shared, {}};
   if (fill) std::memcpy(copy.bytes, global, 16);
   current->open.copies.push_back(copy);
@@ -256,7 +313,7 @@ bool launch_refused(const LaunchConfig& config) {
   const auto found = max_dynamic_shared.find(config.kernel);
   const size_t allowed = found == max_dynamic_shared.end() ? kDefaultDynamicSharedBytes : size_t(found->second);
   if (threads < 1 || threads > 1024 || config.block.z > 64 || config.grid.x < 1 || config.grid.y < 1 ||
-      config.grid.z < 1 || config.grid.y > 65535 || config.grid.z > 65535) {
+      config.grid.z < 1 || config.grid.x > 2147483647u || config.grid.y > 65535 || config.grid.z > 65535) {
     fail(cudaErrorInvalidConfiguration, "invalid configuration argument");
     return true;
   }
@@ -272,6 +329,8 @@ void run_grid(const LaunchConfig& config, void (*run_thread)(void*), void* call)
   const std::lock_guard<std::mutex> lock(launch_mutex);
   const int threads = int(config.block.x * config.block.y * config.block.z);
   while (int(stacks.size()) < threads) stacks.emplace_back(new char[kStackBytes]);
+  if (shared_pages == nullptr) map_shared_memory();
+  shared_memory = shared_pages + shared_pages_bytes - (config.shared_bytes + 15) / 16 * 16;
   launches.push_back(kernel_name(config.kernel));
   if (launches.size() > kLaunchLog) launches.pop_front();
   Scheduler s;
@@ -279,12 +338,19 @@ void run_grid(const LaunchConfig& config, void (*run_thread)(void*), void* call)
   s.run_thread = run_thread;
   s.call = call;
   scheduler = &s;
+  launch_failed = false;
   for (unsigned z = 0; z < config.grid.z; ++z) {
     for (unsigned y = 0; y < config.grid.y; ++y) {
       for (unsigned x = 0; x < config.grid.x; ++x) {
         std::memset(shared_memory, 0xff, config.shared_bytes);
+        for (const auto& array : static_shared) std::memset(array.first, 0xff, array.second);
         Block block(config.grid, config.block, dim3(x, y, z), threads);
-        if (!run_block(block, threads)) {
+        const bool finished = run_block(block, threads);
+        if (launch_failed) {
+          scheduler = nullptr;
+          return;
+        }
+        if (!finished) {
           fail(cudaErrorLaunchFailure, "unspecified launch failure (emulation: the threads of block (" +
                                            std::to_string(x) + ", " + std::to_string(y) + ", " + std::to_string(z) +
                                            ") wait at barriers that the others never reach)");

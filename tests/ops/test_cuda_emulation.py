@@ -95,3 +95,99 @@ def test_the_tensor_core_kernel_is_chosen_only_from_sm_80(device, expected):
         emulation.set_device("H200")
         set_cuda_split_kv_kernel(previous)
     assert len(split) == 1 and expected in split[0], split
+
+
+# What a GPU's first run of a kernel found or would find, planted in a copy of csrc/: (file, text, replacement, the
+# split kernel to run [and "misaligned" K/V rows], what the emulation must report). "rows": the rows come back wrong;
+# "order": they change with the threads' order; "error: ...": the launch fails saying so; "crash": the process
+# faults.
+MUTATIONS = {
+    "cp.async wait one group short": (
+        "split_kv_mma/kernel.cuh", "copy_async_wait<kMmaStages - 2>();  // this thread",
+        "copy_async_wait<kMmaStages - 1>();  // this thread", "mma", "rows"),
+    "no barrier before a tile is restaged": (
+        "split_kv/kernel.cuh", "    __syncthreads();  // the previous tile's shared memory is no longer read\n", "",
+        "verified", "order"),
+    "16-byte copies from rows not 16-byte aligned": (
+        "launch_utils.h", "if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0 || t.size(-1) % vec != 0)",
+        "if (t.size(-1) % vec != 0)", "pipelined misaligned", "error: misaligned address"),
+    "more threads than the kernel's launch bounds": (
+        "split_kv_mma/kernel.cu", "kernel<<<grid, kMmaThreads, smem, stream>>>(p);",
+        "kernel<<<grid, 2 * kMmaThreads, smem, stream>>>(p);", "mma", "error: too many resources requested"),
+    "shared memory sized short": (
+        "split_kv_mma/kernel.cuh", "return size_t(ranges + (stages > merge ? stages : merge));",
+        "return size_t(ranges + (stages > merge ? stages : merge) / 2);", "mma", "crash"),
+}
+
+_PROBE = """
+import json, sys, torch, warnings
+warnings.simplefilter("ignore")
+from macs_kernels.ops.cuda import emulation, set_cuda_split_kv_kernel
+from macs_kernels.ops.reference import decode_attention_reference
+set_cuda_split_kv_kernel(sys.argv[1])
+emulation.set_device("4 SMs")
+generator = torch.Generator().manual_seed(3)
+q = torch.randn(2, 8, 64, generator=generator).bfloat16()
+# argv[2] "misaligned": every K and V row 2 bytes past a 16-byte boundary, as in a view of a sliced buffer.
+offset = int(sys.argv[2] == "misaligned")
+k, v = (torch.randn(2 * 2 * 301 * 64 + 1, generator=generator).bfloat16()[offset:offset + 2 * 2 * 301 * 64]
+        .view(2, 2, 301, 64) for _ in range(2))
+kv_len = torch.tensor([301, 250])
+want, _ = decode_attention_reference(q, k, v, kv_start=torch.zeros(2, dtype=torch.long), kv_len=kv_len, scale=0.125)
+results = {}
+for order in emulation.THREAD_ORDERS:
+    emulation.set_thread_order(order, 1)
+    try:
+        # The operator as the engines call it: the public op would copy misaligned rows.
+        out, _ = torch.ops.macs_kernels.decode_attention(q, k, v, torch.zeros(2, dtype=torch.long), kv_len, 0.125,
+                                                         None, None, 0.8, "max", True, None)
+    except RuntimeError as error:
+        print(json.dumps({"error": str(error)}))
+        sys.exit()
+    results[order] = out.float()
+error = ((results["forward"].double() - want).abs().max() / want.abs().max()).item()
+changed = any(not torch.equal(results["forward"], other) for other in results.values())
+print(json.dumps({"error": None, "relative_error": error, "order_changed": changed}))
+"""
+
+
+@pytest.fixture(scope="module")
+def mutation_build(tmp_path_factory):
+    """One build folder for the mutated copies: each rebuilds only what its change touches."""
+    return tmp_path_factory.mktemp("emulation_build")
+
+
+@pytest.mark.slow  # a build of the changed sources each (20-60 s)
+@pytest.mark.parametrize("mutation", MUTATIONS)
+def test_the_emulation_catches_what_a_gpu_run_found(mutation, mutation_build, tmp_path):
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from macs_kernels.ops.cuda.emulation import SOURCES
+    from tests.tolerances import RELATIVE_ERROR
+
+    file, text, replacement, kernel, expected = MUTATIONS[mutation]
+    sources = tmp_path / "csrc"
+    shutil.copytree(SOURCES, sources)
+    original = (sources / file).read_text()
+    assert text in original, f"{file} no longer has the line this mutation changes"
+    (sources / file).write_text(original.replace(text, replacement))
+    environment = os.environ | {"MACS_KERNELS_CUDA_EMULATION": "1", "MACS_KERNELS_EMULATION_SOURCES": str(sources),
+                                "MACS_KERNELS_EMULATION_BUILD": str(mutation_build)}
+    kernel, layout = (kernel.split() + ["aligned"])[:2]
+    probe = subprocess.run([sys.executable, "-c", _PROBE, kernel, layout], env=environment, capture_output=True,
+                           text=True, timeout=600)
+    if expected == "crash":
+        assert probe.returncode < 0, (probe.returncode, probe.stdout[-500:], probe.stderr[-2000:])
+        return
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    found = json.loads(probe.stdout.strip().splitlines()[-1])
+    if expected.startswith("error: "):
+        assert found["error"] is not None and expected[len("error: "):] in found["error"], found
+    elif expected == "order":
+        assert found["error"] is None and found["order_changed"], found
+    else:
+        assert found["error"] is None and found["relative_error"] > RELATIVE_ERROR[torch.bfloat16], found

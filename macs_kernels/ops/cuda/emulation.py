@@ -9,8 +9,8 @@ launchers register the operators `torch.ops.macs_kernels.<op>` for the CPU dispa
 operator in this process runs them), on an emulated H200 (132 multiprocessors, compute capability 9.0).
 
 Importing this module builds the library once into a cache folder (MACS_KERNELS_EMULATION_BUILD, default
-~/.cache/macs_kernels/cuda_emulation; about 4 minutes on two cores, then only what changed) and loads it: the
-library is `library`. It needs a checkout of the sources (csrc/ beside the package), ninja, and the CUDA toolkit's
+~/.cache/macs_kernels/cuda_emulation; about 30 s on two cores, then only what changed) and loads it: the library is
+`library`. It needs a checkout of the sources (csrc/ beside the package), ninja, and the CUDA toolkit's
 headers (cuda_fp16.h, cuda_bf16.h; no GPU, driver or CUDA runtime).
 """
 from __future__ import annotations
@@ -21,22 +21,28 @@ import re
 from pathlib import Path
 
 NAME = "macs_kernels_cuda_emulation"
-SOURCES = Path(__file__).resolve().parents[3] / "csrc"
+# The sources built: the checkout's csrc/, or MACS_KERNELS_EMULATION_SOURCES (a changed copy, for tests of what the
+# emulation catches).
+SOURCES = Path(os.environ.get("MACS_KERNELS_EMULATION_SOURCES", Path(__file__).resolve().parents[3] / "csrc"))
 
 # `kernel<<<grid, block, shared bytes, stream>>>(arguments)` -> `cuda_emulation::launch(kernel, grid, ...)(...)`.
 _LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^<>;]*>)?)<<<(.+?)>>>")
 # `extern __shared__ [__align__(n)] type name[];` -> a pointer to the block's dynamic shared memory.
 _DYNAMIC_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w ]+?)\s+(\w+)\[\];")
-_STATIC_SHARED = re.compile(r"\b__shared__\b")
+# `__shared__ type name[n]...;` -> a static array (one block runs at a time), poisoned at each block's start.
+_STATIC_SHARED = re.compile(r"\b__shared__\s+([\w:]+)\s+(\w+)((?:\[[^\]]+\])+);")
+# A kernel's `__launch_bounds__(max threads[, ...]) name(...) {` -> the body starts by checking the block's size.
+_LAUNCH_BOUNDS = re.compile(r"(__launch_bounds__\(\s*([^,)]+)[^)]*\)[^{;]*\{)")
 
 
 def rewrite(source: str) -> str:
-    """`source` (a file of csrc/) as C++ for the emulation: the two CUDA constructs that are not C++ syntax."""
+    """`source` (a file of csrc/) as C++ for the emulation: the CUDA constructs that are not C++ syntax (launches,
+    shared memory), and the launch bound that the GPU enforces."""
     source = _LAUNCH.sub(r"::cuda_emulation::launch(\1, \2)", source)
     source = _DYNAMIC_SHARED.sub(
         r"\1* const \2 = reinterpret_cast<\1*>(::cuda_emulation::dynamic_shared_memory());", source)
-    # One block runs at a time, so a function's static array is its block's shared memory.
-    return _STATIC_SHARED.sub("static", source)
+    source = _STATIC_SHARED.sub(r"static \1 \2\3; ::cuda_emulation::static_shared_memory(\2, sizeof(\2));", source)
+    return _LAUNCH_BOUNDS.sub(r"\1 ::cuda_emulation::check_launch_bounds(\2);", source)
 
 
 def _cuda_headers() -> Path:
@@ -68,11 +74,16 @@ def load():
 
     folder = build_folder()
     sources = folder / "src"
+    written = set()
     for path in sorted(SOURCES.rglob("*")):
         if path.suffix in (".cu", ".cuh", ".h", ".cpp"):
             # .cu would be handed to nvcc: the emulation compiles every file as C++.
             target = (sources / path.relative_to(SOURCES)).with_suffix(".cpp" if path.suffix == ".cu" else path.suffix)
-            _write_if_changed(target, rewrite(path.read_text()))
+            text = path.read_text()
+            _write_if_changed(target, text if "emulation" in path.relative_to(SOURCES).parts else rewrite(text))
+            written.add(target)
+    for stale in [path for path in sources.rglob("*") if path.is_file() and path not in written]:
+        stale.unlink()  # a file removed from csrc/ must not go on compiling
     # One translation unit per file, named after its folder too: torch's build names objects by file name.
     units = []
     for unit in sorted(sources.glob("*/*.cpp")) + [sources / "bindings.cpp"]:
@@ -86,11 +97,14 @@ def load():
         extra_include_paths=[str(sources / "emulation"), str(sources), str(_cuda_headers())],
         extra_cflags=[
             # CUDA code reads one type through a pointer to another (16-byte loads, packed halves), as nvcc allows.
+            # A misaligned access faults on the GPU: here it aborts the process, naming the line.
+            "-fsanitize=alignment", "-fno-sanitize-recover=alignment",
             "-O2", "-fno-strict-aliasing", "-include", str(sources / "emulation" / "cpu.h"), "-DMACS_CPU_EMULATION",
             # torch's extension flags (csrc/common.cuh): conversions are explicit calls.
             "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
             f"-DPyInit__C=PyInit_{NAME}", "-Wno-attributes",
         ],
+        extra_ldflags=["-fsanitize=alignment"],
         build_directory=str(folder / "objects"),
         with_cuda=False,
         is_python_module=True,
