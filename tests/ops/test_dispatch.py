@@ -114,7 +114,7 @@ def test_named_backend_that_cannot_run_raises():
 
 
 @pytest.mark.skipif(not cuda_emulated(), reason="MACS_KERNELS_CUDA_EMULATION is not set")
-def test_the_cuda_emulation_builds_when_asked_for():
+def test_the_cuda_emulation_is_there_when_asked_for():
     """With MACS_KERNELS_CUDA_EMULATION=1 the cuda backend runs on CPU tensors: a build that fails fails this run
     instead of skipping every cuda test."""
     assert registry.why_unavailable("cuda", CPU) is None
