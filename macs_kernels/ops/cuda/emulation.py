@@ -113,11 +113,9 @@ def load():
 
 
 library = load()
-_take_launches = ctypes.CDLL(library.__file__).cuda_emulation_take_launches
-_take_launches.restype = ctypes.c_char_p
-
-
-_set_order = ctypes.CDLL(library.__file__).cuda_emulation_set_order
+# The runtime's controls (csrc/emulation/runtime.cpp), plain C functions of the same library.
+_runtime = ctypes.CDLL(library.__file__)
+_runtime.cuda_emulation_take_launches.restype = ctypes.c_char_p
 THREAD_ORDERS = ("forward", "reverse", "shuffled")
 
 
@@ -127,10 +125,9 @@ def set_thread_order(order: str, seed: int = 0) -> None:
     race that no barrier orders."""
     if order not in THREAD_ORDERS:
         raise ValueError(f"unknown thread order {order!r}; choose one of {THREAD_ORDERS}")
-    _set_order(THREAD_ORDERS.index(order), seed)
+    _runtime.cuda_emulation_set_order(THREAD_ORDERS.index(order), seed)
 
 
-_set_device = ctypes.CDLL(library.__file__).cuda_emulation_set_device
 # What the launchers' device queries answer: multiprocessors, shared memory for one block (opt-in) and per
 # multiprocessor (bytes), compute capability major. The host policy sizes its splits from them; "sm_75" (a T4) has
 # no mma.sync.m16n8k16, so the tensor-core kernel is never chosen there.
@@ -146,10 +143,10 @@ def set_device(name: str) -> None:
     """Answer the launchers' device queries as `name` (one of DEVICES; "H200" is the default) from now on."""
     if name not in DEVICES:
         raise ValueError(f"unknown emulated device {name!r}; choose one of {tuple(DEVICES)}")
-    _set_device(*DEVICES[name])
+    _runtime.cuda_emulation_set_device(*DEVICES[name])
 
 
 def take_launches() -> list[str]:
     """The kernels launched since the last call, oldest first, named as a profiler names them on a GPU (the latest
     4,096)."""
-    return _take_launches().decode().splitlines()
+    return _runtime.cuda_emulation_take_launches().decode().splitlines()
