@@ -148,6 +148,10 @@ std::string kernel_name(const void* kernel) {
   return name;
 }
 
+std::string dims(const dim3& d) {
+  return std::to_string(d.x) + ',' + std::to_string(d.y) + ',' + std::to_string(d.z);
+}
+
 // The order in which a block's threads run between two barriers (0: thread 0 first, 1: the last thread first, 2:
 // shuffled anew each round). A result that changes with it is a race that no barrier orders.
 int order = 0;
@@ -331,7 +335,8 @@ void run_grid(const LaunchConfig& config, void (*run_thread)(void*), void* call)
   while (int(stacks.size()) < threads) stacks.emplace_back(new char[kStackBytes]);
   if (shared_pages == nullptr) map_shared_memory();
   shared_memory = shared_pages + shared_pages_bytes - (config.shared_bytes + 15) / 16 * 16;
-  launches.push_back(kernel_name(config.kernel));
+  launches.push_back(kernel_name(config.kernel) + '\t' + dims(config.grid) + '\t' + dims(config.block) + '\t' +
+                     std::to_string(config.shared_bytes));
   if (launches.size() > kLaunchLog) launches.pop_front();
   Scheduler s;
   s.fibers.resize(threads);

@@ -35,8 +35,15 @@ constexpr int kMmaRows = 16;                   // the MMA's M: query vectors per
 constexpr int kMmaTileKeys = 16 * kMmaWarps;   // a k16 step of PV per warp
 constexpr int kMmaStages = 3;
 constexpr int kMmaPad = 8;                     // elements (16 bytes) of padding per staged row
-// Two blocks per multiprocessor: 255 registers a thread at most (Q's fragments and the output's are 96 at D 128).
-constexpr int kMmaMinBlocks = 2;
+
+// Blocks per multiprocessor that an instantiation's registers allow. __launch_bounds__ caps ptxas at
+// 65536 / (kMmaThreads * blocks) registers a thread, and tests/ops/test_cuda_build.py checks, for sm_80 and sm_90,
+// that ptxas spills nothing under the cap and needs more registers than one more block would leave: the policy's
+// wave is then the one the GPU runs, with no tail wave of blocks that cannot be resident. With V, Q's fragments and
+// the output's hold 96 registers at D 128 (2 blocks: 194-200 registers) and 48 at D 64 (3 blocks: 152).
+__host__ __device__ constexpr int mma_blocks_by_registers(int64_t dim, bool with_v) {
+  return with_v ? (dim == 64 ? 3 : 2) : 4;
+}
 
 __host__ inline bool mma_fits(int64_t group, int64_t dim, int64_t dim_v, bool with_v, bool vectorized,
                               int64_t element_size) {
@@ -63,9 +70,12 @@ __host__ inline SplitPolicy mma_policy(int64_t batch, int64_t heads, int64_t kv_
   policy.tile_keys = kMmaTileKeys;
   policy.threads = kMmaThreads;
   policy.smem_bytes = mma_smem_bytes(policy.rows_per_block, dim, with_v);
-  // One wave of resident blocks, in whole tiles per split (as pipelined_policy).
-  const int64_t by_smem = smem_per_sm / int64_t(policy.smem_bytes + 1024), by_threads = 2048 / kMmaThreads;
-  int64_t resident = by_smem < by_threads ? by_smem : by_threads;
+  // One wave of resident blocks (1 KB of shared memory per block is the runtime's), in whole tiles per split (as
+  // pipelined_policy).
+  const int64_t limits[3] = {smem_per_sm / int64_t(policy.smem_bytes + 1024), 2048 / kMmaThreads,
+                             mma_blocks_by_registers(dim, with_v)};
+  int64_t resident = limits[0];
+  for (const int64_t limit : limits) resident = limit < resident ? limit : resident;
   if (resident < 1) resident = 1;
   const int64_t wanted = resident * sm_count / (batch * kv_heads * policy.row_chunks);
   const int64_t tiles = ceil_div(keys, kMmaTileKeys);
@@ -129,7 +139,8 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
 }
 
 template <typename T, int DIM, bool WITH_V>
-__global__ void __launch_bounds__(kMmaThreads, kMmaMinBlocks) mma_split_kernel(SplitParams<T> p) {
+__global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH_V))
+    mma_split_kernel(SplitParams<T> p) {
   constexpr int PITCH = DIM + kMmaPad, KSTEPS = DIM / 16, NTILES = DIM / 8, VEC = kVec16<T>, LANES = DIM / VEC;
   extern __shared__ __align__(16) unsigned char smem[];
   const int64_t split = blockIdx.x, b = blockIdx.z;

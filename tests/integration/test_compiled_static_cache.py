@@ -330,6 +330,6 @@ def test_the_cuda_kernels_inside_an_inductor_compiled_step_on_the_cpu_emulation(
         tokens, rows = traced(model, ids, mask, max_new_tokens=new_tokens, backend="cuda",
                               compile_config=compile_everywhere("inductor"))
     assert counters["stats"]["unique_graphs"] > 0
-    decode_steps = sum("combine_kernel<" in name for name in emulation.take_launches())
+    decode_steps = sum("combine_kernel<" in launch.name for launch in emulation.take_launches())
     assert decode_steps >= layers * (new_tokens - 1)
     assert_eager_rows(model, ids, mask, tokens, rows)

@@ -22,6 +22,13 @@ def why_no_cuda_backend() -> str | None:
     return why_unavailable("cuda", CUDA_BACKEND_DEVICE)
 
 
+# The tensor-core split kernel's blocks per multiprocessor by registers (csrc/split_kv_mma's mma_blocks_by_registers,
+# its __launch_bounds__), by (D, with V): what ptxas gives each instantiation (tests/ops/test_cuda_build.py) and what
+# mma_policy sizes its wave by (tests/ops/test_cuda_emulation.py).
+MMA_THREADS = 128
+MMA_BLOCKS_BY_REGISTERS = {(64, True): 3, (128, True): 2, (64, False): 4, (128, False): 4}
+
+
 def synchronize(device) -> None:
     """Wait for the device's kernels (errors surface here), where it runs them asynchronously."""
     if torch.device(device).type == "cuda":

@@ -31,6 +31,7 @@ import pytest
 
 from macs_kernels.ops.cuda import CUDA_SPLIT_KV_DEFAULT, set_cuda_split_kv_kernel
 from macs_kernels.ops.registry import BackendUnavailable
+from tests.ops.cases import MMA_BLOCKS_BY_REGISTERS, MMA_THREADS
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 ARCHES = ("sm_80", "sm_90")
@@ -178,9 +179,16 @@ def test_pipelined_split_kernel_copies_16_bytes_asynchronously_without_spills(co
             assert not re.search(r"\bLDG\.E\.(\w+\.)*128\b", code), f"{name} {arch}: plain 16-byte loads of K/V"
 
 
-# mma_split_kernel's __launch_bounds__(128, 2) (kMmaMinBlocks): two 128-thread blocks per multiprocessor at most
-# 255 registers a thread; its policy counts on two resident blocks.
-MMA_MAX_REGISTERS = 255
+
+
+def _resident_by_registers(registers: int, threads: int) -> int:
+    """Blocks of `threads` that 64K registers hold at `registers` a thread (allocated per warp in units of 256)."""
+    return 65536 // (threads * -(-registers // 8) * 8)
+
+
+def _mma_instantiation(name: str) -> tuple[int, bool]:
+    """(D, with V) of a mangled mma_split_kernel<T, D, WITH_V>."""
+    return int(re.search(r"Li(\d+)E", name).group(1)), name.endswith("Lb1EEEvNS_11SplitParamsIT_EE")
 
 
 def test_mma_split_kernel_runs_on_tensor_cores_from_asynchronous_copies_without_spills(compiled_pieces):
@@ -191,15 +199,17 @@ def test_mma_split_kernel_runs_on_tensor_cores_from_asynchronous_copies_without_
     assert len(kernels) == 2 * 2 * 2 * len(ARCHES), f"one kernel per dtype, D and V: {kernels}"
     for name, arch, stack, spill_stores, spill_loads, registers in entries:
         assert (int(stack), int(spill_stores), int(spill_loads)) == (0, 0, 0), f"{name} {arch}: local memory"
-        assert int(registers) <= MMA_MAX_REGISTERS, f"{name} {arch}: {registers} registers"
+        # Exactly the policy's count: more registers would leave blocks of its wave waiting for a second one, fewer
+        # would leave multiprocessors idle.
+        blocks = MMA_BLOCKS_BY_REGISTERS[_mma_instantiation(name)]
+        assert _resident_by_registers(int(registers), MMA_THREADS) == blocks, f"{name} {arch}: {registers} registers"
     if _cuobjdump() is None:
         pytest.skip("no cuobjdump (neither the CUDA toolkit's nor Triton's) to read the SASS")
     for arch in ARCHES:
         sass = _sass_by_function(folder / "split_kv_mma" / f"kernel.compute_{arch[3:]}.cubin")
         assert {name for name, _ in kernels} == set(sass), f"{arch}: kernels missing from the SASS"
         for name, code in sass.items():
-            dim = int(re.search(r"Li(\d+)E", name).group(1))
-            with_v = name.endswith("Lb1EEEvNS_11SplitParamsIT_EE")
+            dim, with_v = _mma_instantiation(name)
             # QK^T: two n8 tiles per k16 step of D; PV: one MMA per n8 tile of D_v.
             expected = 2 * dim // 16 + (dim // 8 if with_v else 0)
             mma = r"\bHMMA\.16816\.F32\.BF16\b" if "bfloat16" in name else r"\bHMMA\.16816\.F32(?!\.BF16)\b"

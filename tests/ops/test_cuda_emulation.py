@@ -10,7 +10,7 @@ import torch
 
 from macs_kernels import ops
 from macs_kernels.ops.cuda import CUDA_SPLIT_KV_KERNELS
-from tests.ops.cases import CUDA_BACKEND_DEVICE, why_no_cuda_backend
+from tests.ops.cases import CUDA_BACKEND_DEVICE, MMA_BLOCKS_BY_REGISTERS, MMA_THREADS, why_no_cuda_backend
 
 pytestmark = pytest.mark.skipif(CUDA_BACKEND_DEVICE != "cpu" or why_no_cuda_backend() is not None,
                                 reason="needs the cuda backend's CPU emulation (MACS_KERNELS_CUDA_EMULATION=1)")
@@ -87,14 +87,50 @@ def test_the_tensor_core_kernel_is_chosen_only_from_sm_80(device, expected):
     set_cuda_split_kv_kernel("mma")
     emulation.set_device(device)
     try:
-        emulation.take_launches()
         q, k = torch.randn(1, 8, 64).bfloat16(), torch.randn(2, 1, 2, 100, 64).bfloat16()
         ops.decode_attention(q, k[0], k[1], kv_len=torch.tensor([100]), scale=0.125, backend="cuda")
-        split = [name for name in emulation.take_launches() if "split_kernel<" in name]
+        emulation.take_launches()  # the backend's self-check ran at the first call of the process
+        ops.decode_attention(q, k[0], k[1], kv_len=torch.tensor([100]), scale=0.125, backend="cuda")
+        split = [launch.name for launch in emulation.take_launches() if "split_kernel<" in launch.name]
     finally:
         emulation.set_device("H200")
         set_cuda_split_kv_kernel(previous)
     assert len(split) == 1 and expected in split[0], split
+
+
+@pytest.mark.parametrize("device", ["H200", "A100"])
+@pytest.mark.parametrize("dim, with_v", list(MMA_BLOCKS_BY_REGISTERS))
+def test_the_tensor_core_kernel_fills_one_wave_of_the_blocks_a_multiprocessor_holds(device, dim, with_v):
+    """mma_policy splits the keys into as many blocks as the GPU holds at once (its shared memory, its threads, the
+    registers ptxas gives the instantiation): more would run a nearly empty second wave, fewer would leave
+    multiprocessors idle. Issue 48's shape: 32 query heads on 8 KV heads, one query row, enough keys for every split."""
+    from macs_kernels.ops.cuda import cuda_split_kv_kernel, emulation, set_cuda_split_kv_kernel
+
+    batch, heads, kv_heads, keys = 1, 32, 8, 4500
+    multiprocessors, _, shared_per_multiprocessor, _ = emulation.DEVICES[device]
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, heads, dim, generator=generator).bfloat16()
+    k, v = torch.randn(2, batch, kv_heads, keys, dim, generator=generator).bfloat16()
+    kv_len = torch.tensor([keys])
+    previous = cuda_split_kv_kernel()
+    set_cuda_split_kv_kernel("mma")
+    emulation.set_device(device)
+    try:
+        for _ in range(2):  # the first call of the process runs the backend's self-check too
+            emulation.take_launches()
+            if with_v:
+                ops.decode_attention(q, k, v, kv_len=kv_len, scale=dim ** -0.5, backend="cuda")
+            else:
+                ops.macs_update(q, k, torch.zeros(batch, keys), input_start=0, input_end=kv_len, kv_len=kv_len,
+                                scale=dim ** -0.5, backend="cuda")
+        [launch] = [launch for launch in emulation.take_launches() if "mma_split_kernel<" in launch.name]
+    finally:
+        emulation.set_device("H200")
+        set_cuda_split_kv_kernel(previous)
+    assert launch.block == (MMA_THREADS, 1, 1) and f", {dim}, {str(with_v).lower()}>" in launch.name, launch
+    resident = min(shared_per_multiprocessor // (launch.shared_bytes + 1024), 2048 // MMA_THREADS,
+                   MMA_BLOCKS_BY_REGISTERS[dim, with_v])
+    assert launch.grid == (resident * multiprocessors // (batch * kv_heads), kv_heads, batch), (launch, resident)
 
 
 # What a GPU's first run of a kernel found or would find, planted in a copy of csrc/: (file, text, replacement, the

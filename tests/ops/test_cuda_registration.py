@@ -210,7 +210,7 @@ def launched_kernels():
 
     emulation.take_launches()
     yield names
-    names.extend(emulation.take_launches())
+    names.extend(launch.name for launch in emulation.take_launches())
 
 
 @pytest.mark.usefixtures("split_kernel")

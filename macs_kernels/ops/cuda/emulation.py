@@ -19,6 +19,7 @@ import ctypes
 import os
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 NAME = "macs_kernels_cuda_emulation"
 # The sources built: the checkout's csrc/, or MACS_KERNELS_EMULATION_SOURCES (a changed copy, for tests of what the
@@ -146,7 +147,20 @@ def set_device(name: str) -> None:
     _runtime.cuda_emulation_set_device(*DEVICES[name])
 
 
-def take_launches() -> list[str]:
-    """The kernels launched since the last call, oldest first, named as a profiler names them on a GPU (the latest
-    4,096)."""
-    return _runtime.cuda_emulation_take_launches().decode().splitlines()
+class Launch(NamedTuple):
+    """A kernel launch as a profiler lists it: the kernel (named as on a GPU), its grid and block sizes, and its
+    dynamic shared memory in bytes."""
+    name: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_bytes: int
+
+
+def take_launches() -> list[Launch]:
+    """The launches since the last call, oldest first (the latest 4,096)."""
+    launches = []
+    for line in _runtime.cuda_emulation_take_launches().decode().splitlines():
+        name, grid, block, shared_bytes = line.split("\t")
+        launches.append(Launch(name, tuple(map(int, grid.split(","))), tuple(map(int, block.split(","))),
+                               int(shared_bytes)))
+    return launches
