@@ -4,7 +4,9 @@
   (`ops.reference.teacher_forced_macs`) under generate's own compile of a static cache, per backend a user can
   name (None, triton, cuda) and prompt length, on a 4-layer float32 GQA model and a 16-layer bfloat16 one. One
   static cache per model and backend, sized for the longest prompt, so each compiles its decode step once (the
-  graphs counted so far show it).
+  graphs counted so far show it). "cuda-unrefused" runs the cuda kernels inside the compiled steps, which the
+  registry refuses there (`registry.COMPILE_UNSAFE`, issue 47) until a GPU shows them exact: its rows are that
+  evidence.
 - speed: tokens/s and peak memory of plain compiled vs attributed compiled generate on a Llama-3.2-1B shape
   (bfloat16, random weights), best of `--repeats` after a warm-up call, with dynamo's frames, graph breaks and
   recompiles of each; and their ratios.
@@ -21,7 +23,9 @@ import argparse
 import json
 import time
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch._dynamo.utils import counters
@@ -31,14 +35,15 @@ from transformers.generation.configuration_utils import CompileConfig
 from macs_kernels import attach
 from macs_kernels.apps.bench.generate import ARCHITECTURES
 from macs_kernels.engines.hf_models import cache_argument
-from macs_kernels.ops import why_unavailable
+from macs_kernels.ops import registry, why_unavailable
 from macs_kernels.ops.reference import teacher_forced_macs
 
 ROW_MODELS = {  # name -> (layers, dtype)
     "4-layer-fp32": (4, torch.float32),
     "16-layer-bf16": (16, torch.bfloat16),
 }
-BACKENDS = (None, "triton", "cuda")
+# (label, backend, whether the registry's refusal of compiled cuda kernels is set aside)
+BACKENDS = ((None, None, False), ("triton", "triton", False), ("cuda", "cuda", False), ("cuda-unrefused", "cuda", True))
 
 
 def emit(record: dict, sink) -> None:
@@ -73,8 +78,8 @@ def rows_stage(args, device, sink) -> None:
     prompts = args.prompts
     for name in args.models:
         model = row_model(*ROW_MODELS[name], device, args.dry_run)
-        for backend in BACKENDS:
-            record = dict(stage="rows", model=name, backend=str(backend))
+        for label, backend, unrefused in BACKENDS:
+            record = dict(stage="rows", model=name, backend=str(label))
             reason = None if backend is None else why_unavailable(backend, device)
             if reason is not None:
                 emit(record | dict(status="unavailable", why=reason), sink)
@@ -89,8 +94,9 @@ def rows_stage(args, device, sink) -> None:
                 with warnings.catch_warnings(record=True) as caught, torch.no_grad():
                     warnings.simplefilter("always")
                     started = time.perf_counter()
+                    refusals = mock.patch.dict(registry.COMPILE_UNSAFE, clear=True) if unrefused else nullcontext()
                     try:
-                        with attach(model, backend=backend) as tracer:
+                        with refusals, attach(model, backend=backend) as tracer:
                             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                                  do_sample=False, pad_token_id=0, **cache_argument(model, cache),
                                                  **compile_config(args.dry_run))

@@ -421,7 +421,7 @@ def test_the_compiled_gpu_presets_benchmark_dry_runs_on_a_cpu(tmp_path):
                                 "4-layer-fp32", "--prompts", "20", "28", "--repeats", "1"]) == 0
     lines = [json.loads(line) for line in (tmp_path / "compiled_dry_run.jsonl").read_text().splitlines()]
     rows = {backend: [line for line in lines if line["stage"] == "rows" and line["backend"] == backend]
-            for backend in ("None", "triton", "cuda")}
+            for backend in ("None", "triton", "cuda", "cuda-unrefused")}
     assert [line["prompt"] for line in rows["None"]] == [20, 28]
     assert all(line["max_abs_diff"] <= 1e-3 for line in rows["None"])
     assert rows["None"][-1]["graphs_so_far"] == 1 and rows["None"][-1]["graph_breaks_so_far"] == 0  # replayed
@@ -429,7 +429,8 @@ def test_the_compiled_gpu_presets_benchmark_dry_runs_on_a_cpu(tmp_path):
     assert [line["kernels"] for line in rows["triton"]] == ["torch", "torch"]
     assert all(line["max_abs_diff"] <= 1e-3 for line in rows["triton"])
     assert any("does not run in a compiled pass" in w for w in rows["triton"][0]["warnings"])
-    assert [line["status"] for line in rows["cuda"]] == ["unavailable"]
+    assert [line["status"] for line in rows["cuda"]] == [line["status"] for line in rows["cuda-unrefused"]] == [
+        "unavailable"]
     speed = {line["method"]: line for line in lines if line["stage"] == "speed"}
     assert speed["attributed"]["frames"] == speed["plain"]["frames"] and speed["attributed"]["graph_breaks"] == 0
     assert speed["attributed"]["recompiles_after_warmup"] == 0
