@@ -1,0 +1,76 @@
+"""The GPU check (.ci/gpu) picks its tests by path, -k and -m, and a lent GPU has 15 minutes: a stage whose
+selection names no test spends them on nothing and reports success (the kernels preset's tensor-core sanitizer stage
+selected `-k "cuda-mma and bfloat16"` while the test ids said `dtype5`). Every pytest run of the script collects
+tests here, as the script passes its arguments."""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / ".ci" / "gpu"
+# Options that change how tests run, not which: dropped with their value where they take one.
+RUN_OPTIONS = {"-q": 0, "-rfE": 0, "--durations=10": 0, "-p": 1}
+
+_COLLECT = """
+import json, sys
+import pytest
+
+class Count:
+    def pytest_collection_finish(self, session):
+        self.items = len(session.items)
+
+counts = []
+for args in json.loads(sys.argv[1]):
+    count = Count()
+    code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *args], plugins=[count])
+    counts.append(getattr(count, "items", 0) if code in (0, 5) else -int(code))
+print(json.dumps(counts))
+"""
+
+
+def _defaults(script: str) -> dict[str, str]:
+    """The script's `: "${NAME:=value}"` defaults."""
+    return dict(re.findall(r'"\$\{(\w+):=([^}]*)\}"', script))
+
+
+def pytest_invocations() -> list[list[str]]:
+    """The arguments of each `python -m pytest` in .ci/gpu that select tests (paths, -k, -m, --ignore), with the
+    script's variables at their defaults."""
+    script = SCRIPT.read_text()
+    defaults = _defaults(script)
+    invocations = []
+    for line in script.replace("\\\n", " ").splitlines():
+        if line.lstrip().startswith("#") or "-m pytest" not in line:
+            continue
+        tail = re.split(r"\s\|\|?\s", line.split("-m pytest", 1)[1])[0]
+        tail = re.sub(r'"\$(\w+)"', lambda match: shlex.quote(defaults[match.group(1)]), tail)
+        words, selection = shlex.split(tail.replace('"${options[@]}"', "")), []
+        while words:
+            word = words.pop(0)
+            if word in RUN_OPTIONS:
+                del words[:RUN_OPTIONS[word]]
+            else:
+                selection.append(word)
+        invocations.append(selection)
+    return invocations
+
+
+def test_the_script_runs_pytest_in_every_test_stage():
+    invocations = pytest_invocations()
+    assert len(invocations) >= 10, invocations
+    assert ["tests/ops/test_split_passes_exact.py", "-k", "cuda-mma and bfloat16"] in invocations
+
+
+def test_every_pytest_run_of_the_gpu_check_selects_tests():
+    invocations = pytest_invocations()
+    collected = subprocess.run([sys.executable, "-c", _COLLECT, json.dumps(invocations)], cwd=ROOT,
+                               capture_output=True, text=True, timeout=600)
+    assert collected.returncode == 0, collected.stderr[-3000:]
+    counts = json.loads(collected.stdout.strip().splitlines()[-1])
+    empty = [" ".join(args) for args, count in zip(invocations, counts) if count <= 0]
+    assert not empty, f"selections of .ci/gpu that collect no test (or fail to collect): {empty}"
