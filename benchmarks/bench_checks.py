@@ -11,13 +11,15 @@ the host, and the rule checked is the one a GPU call takes. Three tables:
   values: no value check; `host`: CPU values read on the host (every CPU call, before and after);
   `device_validate`: validate=True with device values: one copy to the host, then the host check;
 - `calls`: a whole public call with its kernel replaced by a no-op (what the op adds: checks, index arguments,
-  backend choice), device defaults, int32 and int64 ranges: host time and the aten ops other than views;
+  backend choice), device defaults, int32 and int64 ranges: host time and the aten ops other than views; per backend
+  (the default choice, and the cuda backend where MACS_KERNELS_CUDA_EMULATION=1 runs it here);
 - `dispatch`: one call of the `torch.ops.macs_kernels` operator (how the cuda backend's kernels are reached) less
   a direct call of its kernel (here the torch function, stubbed to return at once): the dispatcher's cost.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -82,32 +84,51 @@ def _per_call_us(call, repeats: int) -> float:
     return (time.perf_counter() - began) / repeats * 1e6
 
 
-def _public_calls(dtype):
-    """name -> a public call at a decode step's shape (B = 8, GQA 4:1, D = 128, 4,096 keys) with `dtype` ranges."""
+def _public_calls(dtype, backend=None):
+    """name -> a public call at a decode step's shape (B = 8, GQA 4:1, D = 128, 4,096 keys) with `dtype` ranges, on
+    `backend` (None: the default choice)."""
     q, k, v = torch.randn(BATCH, 32, 128), torch.randn(BATCH, 8, KEYS, 128), torch.randn(BATCH, 8, KEYS, 128)
     start, end, length = (torch.full((BATCH,), value, dtype=dtype) for value in (0, 4000, KEYS))
     state = torch.zeros(BATCH, N_MAX)
-    ranges = dict(input_start=start, input_end=end, kv_len=length, scale=0.1)
+    ranges = dict(input_start=start, input_end=end, kv_len=length, scale=0.1, backend=backend)
     return {
-        "decode_attention": lambda: ops.decode_attention(q, k, v, kv_len=length, scale=0.1),
+        "decode_attention": lambda: ops.decode_attention(q, k, v, kv_len=length, scale=0.1, backend=backend),
         "decode_attention_fused": lambda: ops.decode_attention(q, k, v, kv_start=start, kv_len=length, input_end=end,
-                                                               log_c=state, scale=0.1),
+                                                               log_c=state, scale=0.1, backend=backend),
         "macs_pool": lambda: ops.macs_pool(q, k, out=state, **ranges),
         "macs_update": lambda: ops.macs_update(q, k, state, **ranges),
     }
 
 
+def _registered_per_call(op: str, key: str) -> bool:
+    """registry._registered before it kept what it found: the dispatcher asked on every call."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"{registry.NAMESPACE}::{op}", key)
+
+
 def measure_calls(repeats: int) -> list[dict]:
+    """Per backend that runs here (the cuda backend on its CPU emulation, MACS_KERNELS_CUDA_EMULATION=1: the host
+    path a GPU call takes, to the kernel), and for the cuda backend also with the registry asking the dispatcher for
+    the op's kernel on every call, as it did before (side by side in this run)."""
+    named = [backend for backend in ("cuda", "triton") if registry.why_unavailable(backend, "cpu") is None]
+    settings = [(None, "cached"), *((backend, "cached") for backend in named)]
+    if "cuda" in named:
+        settings.append(("cuda", "per call (before)"))
     rows = []
     with mock.patch.object(_checks, "on_host", lambda *tensors: False), \
             mock.patch.object(registry, "implementation", lambda backend, op: lambda *args, **kwargs: None):
-        for dtype in (torch.int32, torch.int64):
-            for op, call in _public_calls(dtype).items():
-                call()
-                with AtenOps() as counted:
-                    call()
-                rows.append({"call": op, "ranges": str(dtype)[6:], "host_us_per_call": round(_per_call_us(
-                    call, repeats), 2), "aten_ops_per_call": len(counted.launches)})
+        for backend, lookup in settings:
+            registrations = (mock.patch.object(registry, "_registered", _registered_per_call)
+                             if lookup != "cached" else contextlib.nullcontext())
+            with registrations:
+                for dtype in (torch.int32, torch.int64):
+                    for op, call in _public_calls(dtype, backend).items():
+                        call()
+                        with AtenOps() as counted:
+                            call()
+                        host_us = round(_per_call_us(call, repeats), 2)
+                        rows.append({"call": op, "backend": str(backend), "registration_lookup": lookup,
+                                     "ranges": str(dtype)[6:], "host_us_per_call": host_us,
+                                     "aten_ops_per_call": len(counted.launches)})
     return rows
 
 

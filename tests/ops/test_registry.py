@@ -152,3 +152,19 @@ def test_a_compiled_pass_runs_kernels_that_compile_and_falls_back_with_one_warni
     else:
         assert len(messages) == 1 and f"the {warned} backend does not run in a compiled pass" in messages[0]
     assert "cuda" not in compiled  # the cuda kernels are refused before any compile
+
+
+def test_a_kernel_found_registered_is_not_looked_up_again(monkeypatch):
+    """The dispatcher's answer costs a public call about 4 us: a registration found is kept (the extension's last as
+    long as the process), a missing one is asked again (the extension may load later)."""
+    asked = []
+
+    def has_kernel(name, key):
+        asked.append(key)
+        return key == "CUDA"
+
+    monkeypatch.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", has_kernel)
+    monkeypatch.setattr(registry, "_registrations", set())
+    for _ in range(3):
+        assert registry._registered("macs_pool", "CUDA") and not registry._registered("macs_pool", "CPU")
+    assert asked == ["CUDA", "CPU", "CPU", "CPU"]
