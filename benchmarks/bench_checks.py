@@ -105,30 +105,52 @@ def _registered_per_call(op: str, key: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"{registry.NAMESPACE}::{op}", key)
 
 
+def _stubbed_kernels():
+    return mock.patch.object(registry, "implementation", lambda backend, op: lambda *args, **kwargs: None)
+
+
+@contextlib.contextmanager
+def _stubbed_kernels_asking_per_call():
+    with _stubbed_kernels(), mock.patch.object(registry, "_registered", _registered_per_call):
+        yield
+
+
+@contextlib.contextmanager
+def _kernels_not_run():
+    from macs_kernels.ops.cuda import emulation
+
+    emulation.set_execute(False)
+    try:
+        yield
+    finally:
+        emulation.set_execute(True)
+
+
 def measure_calls(repeats: int) -> list[dict]:
-    """Per backend that runs here (the cuda backend on its CPU emulation, MACS_KERNELS_CUDA_EMULATION=1: the host
-    path a GPU call takes, to the kernel), and for the cuda backend also with the registry asking the dispatcher for
-    the op's kernel on every call, as it did before (side by side in this run)."""
+    """Per backend that runs here, with the kernel a no-op ("wrapper": the public op's checks, index arguments and
+    backend choice). The cuda backend runs here on its CPU emulation (MACS_KERNELS_CUDA_EMULATION=1), on the host path
+    a GPU call takes: also with the registry asking the dispatcher for the op's kernel on every call, as before (side
+    by side in this run), and whole through the operator and its launcher with the kernels checked and logged but
+    not run ("to the launch": what an eager GPU call costs on the host besides the driver's launches)."""
     named = [backend for backend in ("cuda", "triton") if registry.why_unavailable(backend, "cpu") is None]
-    settings = [(None, "cached"), *((backend, "cached") for backend in named)]
+    settings = [(None, "wrapper", _stubbed_kernels), *((backend, "wrapper", _stubbed_kernels) for backend in named)]
     if "cuda" in named:
-        settings.append(("cuda", "per call (before)"))
+        settings += [
+            ("cuda", "wrapper, registration asked per call (before)", _stubbed_kernels_asking_per_call),
+            ("cuda", "to the launch", _kernels_not_run),
+        ]
     rows = []
-    with mock.patch.object(_checks, "on_host", lambda *tensors: False), \
-            mock.patch.object(registry, "implementation", lambda backend, op: lambda *args, **kwargs: None):
-        for backend, lookup in settings:
-            registrations = (mock.patch.object(registry, "_registered", _registered_per_call)
-                             if lookup != "cached" else contextlib.nullcontext())
-            with registrations:
+    with mock.patch.object(_checks, "on_host", lambda *tensors: False):
+        for backend, path, setting in settings:
+            with setting():
                 for dtype in (torch.int32, torch.int64):
                     for op, call in _public_calls(dtype, backend).items():
                         call()
                         with AtenOps() as counted:
                             call()
                         host_us = round(_per_call_us(call, repeats), 2)
-                        rows.append({"call": op, "backend": str(backend), "registration_lookup": lookup,
-                                     "ranges": str(dtype)[6:], "host_us_per_call": host_us,
-                                     "aten_ops_per_call": len(counted.launches)})
+                        rows.append({"call": op, "backend": str(backend), "path": path, "ranges": str(dtype)[6:],
+                                     "host_us_per_call": host_us, "aten_ops_per_call": len(counted.launches)})
     return rows
 
 

@@ -132,11 +132,14 @@ void map_shared_memory() {
 }
 std::vector<std::unique_ptr<char[]>> stacks;
 
-// The names of the kernels launched (the latest kLaunchLog), for tests that check which kernel a launcher chose,
-// as the profiler names them on a GPU.
+// The launches (the latest kLaunchLog), for tests that check which kernel a launcher chose and its grid, as a
+// profiler lists them on a GPU; named when read (demangling costs more than a launch of the launchers' host path).
 constexpr size_t kLaunchLog = 4096;
-std::deque<std::string> launches;
+std::deque<LaunchConfig> launches;
 std::string launches_text;
+// Whether launches run their kernels: off, a launch is checked and logged only, and an op costs what its host path
+// costs (benchmarks/bench_checks.py).
+bool execute = true;
 
 std::string kernel_name(const void* kernel) {
   Dl_info info{};
@@ -335,9 +338,9 @@ void run_grid(const LaunchConfig& config, void (*run_thread)(void*), void* call)
   while (int(stacks.size()) < threads) stacks.emplace_back(new char[kStackBytes]);
   if (shared_pages == nullptr) map_shared_memory();
   shared_memory = shared_pages + shared_pages_bytes - (config.shared_bytes + 15) / 16 * 16;
-  launches.push_back(kernel_name(config.kernel) + '\t' + dims(config.grid) + '\t' + dims(config.block) + '\t' +
-                     std::to_string(config.shared_bytes));
+  launches.push_back(config);
   if (launches.size() > kLaunchLog) launches.pop_front();
+  if (!execute) return;
   Scheduler s;
   s.fibers.resize(threads);
   s.run_thread = run_thread;
@@ -370,13 +373,24 @@ void run_grid(const LaunchConfig& config, void (*run_thread)(void*), void* call)
 
 }  // namespace cuda_emulation
 
-// The names of the kernels launched since the last call, one per line (macs_kernels/ops/cuda/emulation.py reads it).
+// The launches since the last call, one per line: kernel name, grid, block, dynamic shared memory, tab-separated
+// (macs_kernels/ops/cuda/emulation.py reads it).
 extern "C" const char* cuda_emulation_take_launches() {
   const std::lock_guard<std::mutex> lock(cuda_emulation::launch_mutex);
   cuda_emulation::launches_text.clear();
-  for (const std::string& name : cuda_emulation::launches) cuda_emulation::launches_text += name + "\n";
+  for (const cuda_emulation::LaunchConfig& launch : cuda_emulation::launches) {
+    cuda_emulation::launches_text += cuda_emulation::kernel_name(launch.kernel) + '\t' +
+                                     cuda_emulation::dims(launch.grid) + '\t' + cuda_emulation::dims(launch.block) +
+                                     '\t' + std::to_string(launch.shared_bytes) + '\n';
+  }
   cuda_emulation::launches.clear();
   return cuda_emulation::launches_text.c_str();
+}
+
+// Runs the kernels of later launches (1) or only checks and logs the launches (0).
+extern "C" void cuda_emulation_set_execute(int execute) {
+  const std::lock_guard<std::mutex> lock(cuda_emulation::launch_mutex);
+  cuda_emulation::execute = execute != 0;
 }
 
 // Runs the threads of each block from now on in `thread_order` (0 forward, 1 reverse, 2 shuffled from `seed`).

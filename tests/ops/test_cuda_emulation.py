@@ -98,6 +98,29 @@ def test_the_tensor_core_kernel_is_chosen_only_from_sm_80(device, expected):
     assert len(split) == 1 and expected in split[0], split
 
 
+def test_launches_without_their_kernels_are_checked_and_logged():
+    """set_execute(False) (benchmarks/bench_checks.py's host path to the launch): each launch is checked and logged,
+    and no kernel runs."""
+    from macs_kernels.ops.cuda import emulation
+
+    q, k = torch.randn(1, 4, 64), torch.randn(1, 2, 100, 64)
+    ranges = dict(input_start=torch.tensor([0]), input_end=torch.tensor([90]), kv_len=torch.tensor([100]),
+                  scale=0.125, backend="cuda")
+    ops.macs_pool(q, k, out=torch.zeros(1, 90), **ranges)  # the self-check of the first call of the process
+    emulation.take_launches()
+    emulation.set_execute(False)
+    try:
+        untouched = torch.full((1, 90), 7.0)
+        ops.macs_pool(q, k, out=untouched, **ranges)
+    finally:
+        emulation.set_execute(True)
+    names = [launch.name for launch in emulation.take_launches()]
+    assert bool((untouched == 7.0).all()) and any("split_kernel<" in name for name in names), names
+    written = torch.full((1, 90), 7.0)
+    ops.macs_pool(q, k, out=written, **ranges)
+    assert [launch.name for launch in emulation.take_launches()] == names and not bool((written == 7.0).any())
+
+
 @pytest.mark.parametrize("device", ["H200", "A100"])
 @pytest.mark.parametrize("dim, with_v", list(MMA_BLOCKS_BY_REGISTERS))
 def test_the_tensor_core_kernel_fills_one_wave_of_the_blocks_a_multiprocessor_holds(device, dim, with_v):

@@ -147,6 +147,12 @@ def set_device(name: str) -> None:
     _runtime.cuda_emulation_set_device(*DEVICES[name])
 
 
+def set_execute(execute: bool) -> None:
+    """Run the kernels of later launches (True, the default), or only check and log each launch (False): a call then
+    costs what its host path costs (the public op, the dispatcher, the launcher), as on a GPU up to the driver."""
+    _runtime.cuda_emulation_set_execute(int(execute))
+
+
 class Launch(NamedTuple):
     """A kernel launch as a profiler lists it: the kernel (named as on a GPU), its grid and block sizes, and its
     dynamic shared memory in bytes."""
