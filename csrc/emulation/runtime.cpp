@@ -155,8 +155,9 @@ std::string dims(const dim3& d) {
   return std::to_string(d.x) + ',' + std::to_string(d.y) + ',' + std::to_string(d.z);
 }
 
-// The order in which a block's threads run between two barriers (0: thread 0 first, 1: the last thread first, 2:
-// shuffled anew each round). A result that changes with it is a race that no barrier orders.
+// The order in which a launch's blocks run, and a block's threads between two barriers (0: the first first, 1: the
+// last first, 2: shuffled anew each time). A result that changes with it is a race: between threads, one that no
+// barrier orders; between blocks, two of them writing one place (a GPU runs them in any order, and at once).
 int order = 0;
 std::mt19937 shuffle{0};
 
@@ -347,25 +348,30 @@ void run_grid(const LaunchConfig& config, void (*run_thread)(void*), void* call)
   s.call = call;
   scheduler = &s;
   launch_failed = false;
+  std::vector<dim3> blocks;
+  blocks.reserve(size_t(config.grid.x) * config.grid.y * config.grid.z);
   for (unsigned z = 0; z < config.grid.z; ++z) {
     for (unsigned y = 0; y < config.grid.y; ++y) {
-      for (unsigned x = 0; x < config.grid.x; ++x) {
-        std::memset(shared_memory, 0xff, config.shared_bytes);
-        for (const auto& array : static_shared) std::memset(array.first, 0xff, array.second);
-        Block block(config.grid, config.block, dim3(x, y, z), threads);
-        const bool finished = run_block(block, threads);
-        if (launch_failed) {
-          scheduler = nullptr;
-          return;
-        }
-        if (!finished) {
-          fail(cudaErrorLaunchFailure, "unspecified launch failure (emulation: the threads of block (" +
-                                           std::to_string(x) + ", " + std::to_string(y) + ", " + std::to_string(z) +
-                                           ") wait at barriers that the others never reach)");
-          scheduler = nullptr;
-          return;
-        }
-      }
+      for (unsigned x = 0; x < config.grid.x; ++x) blocks.emplace_back(x, y, z);
+    }
+  }
+  if (order == 1) std::reverse(blocks.begin(), blocks.end());
+  if (order == 2) std::shuffle(blocks.begin(), blocks.end(), shuffle);
+  for (const dim3& index : blocks) {
+    std::memset(shared_memory, 0xff, config.shared_bytes);
+    for (const auto& array : static_shared) std::memset(array.first, 0xff, array.second);
+    Block block(config.grid, config.block, index, threads);
+    const bool finished = run_block(block, threads);
+    if (launch_failed) {
+      scheduler = nullptr;
+      return;
+    }
+    if (!finished) {
+      fail(cudaErrorLaunchFailure, "unspecified launch failure (emulation: the threads of block (" +
+                                       std::to_string(index.x) + ", " + std::to_string(index.y) + ", " +
+                                       std::to_string(index.z) + ") wait at barriers that the others never reach)");
+      scheduler = nullptr;
+      return;
     }
   }
   scheduler = nullptr;
@@ -393,10 +399,11 @@ extern "C" void cuda_emulation_set_execute(int execute) {
   cuda_emulation::execute = execute != 0;
 }
 
-// Runs the threads of each block from now on in `thread_order` (0 forward, 1 reverse, 2 shuffled from `seed`).
-extern "C" void cuda_emulation_set_order(int thread_order, unsigned seed) {
+// Runs a launch's blocks, and each block's threads, from now on in `run_order` (0 forward, 1 reverse, 2 shuffled
+// from `seed`).
+extern "C" void cuda_emulation_set_order(int run_order, unsigned seed) {
   const std::lock_guard<std::mutex> lock(cuda_emulation::launch_mutex);
-  cuda_emulation::order = thread_order;
+  cuda_emulation::order = run_order;
   cuda_emulation::shuffle.seed(seed);
 }
 

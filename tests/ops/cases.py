@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from macs_kernels import ops
 from macs_kernels.ops import BACKENDS, reference, why_unavailable
 from macs_kernels.ops.backends import cuda_emulated
 from tests.tolerances import RELATIVE_ERROR, relative_error
@@ -112,3 +113,42 @@ def reference_lse(q, k, input_start, kv_len, scale):
         for b, (s, n) in enumerate(zip(input_start.tolist(), kv_len.tolist()))
     ], dtype=torch.float32, device=DEVICE)
 
+
+def every_op_results(dtype: torch.dtype, backend: str) -> list[torch.Tensor]:
+    """What every op computes on `backend` from one set of CPU inputs (fresh outputs each call): the race tests'
+    results (tests/ops/test_cuda_emulation.py, test_program_order.py)."""
+    B, H, H_KV, S, D, R, PAGE = 3, 12, 4, 211, 64, 3, 16  # GQA 3:1, keys over several tiles and splits
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(B, H, D, generator=generator).to(dtype)
+    block = torch.randn(B, H, R, D, generator=generator).to(dtype)
+    k, v = torch.randn(2, B, H_KV, S, D, generator=generator).to(dtype)
+    pages_per_item = -(-S // PAGE)
+    table = torch.randperm(B * pages_per_item, generator=generator).view(B, pages_per_item).int()
+    pages = torch.empty(B * pages_per_item, PAGE, H_KV, D, dtype=dtype)
+    for b in range(B):
+        for i in range(pages_per_item):
+            chunk = k[b, :, i * PAGE:(i + 1) * PAGE].transpose(0, 1)
+            pages[table[b, i], :chunk.shape[0]] = chunk
+    rows = torch.softmax(torch.randn(B, H, S, generator=generator), -1)
+    start, end, length = torch.tensor([0, 7, 50]), torch.tensor([150, 120, 51]), torch.tensor([S, 190, 120])
+    width = int((end - start).max())
+    ranges = dict(input_start=start, input_end=end, kv_len=length, scale=D ** -0.5)
+    results = []
+
+    out = torch.zeros(B, width)
+    ops.macs_pool(q, k, out=out, backend=backend, **ranges)
+    block_out = torch.zeros(B, R, width)
+    block_length = torch.stack([length - 2, length - 1, length], dim=1)
+    ops.macs_pool(block, k, out=block_out, backend=backend, **(ranges | dict(kv_len=block_length)))
+    paged_out = torch.zeros(B, width)
+    ops.macs_pool_paged(q, pages, table, out=paged_out, backend=backend, **ranges)
+    log_c = torch.zeros(B, width)
+    attention = ops.decode_attention(q, k, v, kv_start=start, kv_len=length, input_end=end, scale=D ** -0.5,
+                                     log_c=log_c, backend=backend)
+    row_log_c = torch.zeros(B, width)
+    ops.macs_update_rows(rows, row_log_c, input_start=start, input_end=end, kv_len=length, backend=backend)
+    z = ops.macs_zscore(log_c, end - start, backend=backend)
+    features = ops.attention_features(block, k, source_start=start, source_end=end, kv_len=length, kv_start=start,
+                                      n_rows=torch.full((B,), R), scale=D ** -0.5, n_max=width, backend=backend)
+    results += [out, block_out, paged_out, *attention, log_c, row_log_c, z, features]
+    return results

@@ -1,7 +1,8 @@
-"""The emulation of the cuda backend (MACS_KERNELS_CUDA_EMULATION=1, ops/cuda/emulation.py) as a race detector: the
-threads of a block run as fibers one after another between two barriers, so a result that changes when they run in
-another order (reverse, shuffled each round) is a race that no barrier orders, in any kernel of csrc/. Every op's
-kernels, under every split kernel, give the same bits in every order. And the launchers' choice on other GPUs (the
+"""The emulation of the cuda backend (MACS_KERNELS_CUDA_EMULATION=1, ops/cuda/emulation.py) as a race detector: a
+launch's blocks run one after another, and a block's threads as fibers one after another between two barriers, so a
+result that changes when they run in another order (reverse, shuffled each time) is a race, in any kernel of csrc/:
+threads that no barrier orders, or blocks that write one place. Every op's kernels, under every split kernel, give
+the same bits in every order. And the launchers' choice on other GPUs (the
 emulation answers their device queries as DEVICES says). Skips without the emulation."""
 from __future__ import annotations
 
@@ -10,68 +11,34 @@ import torch
 
 from macs_kernels import ops
 from macs_kernels.ops.cuda import CUDA_SPLIT_KV_KERNELS
-from tests.ops.cases import CUDA_BACKEND_DEVICE, MMA_BLOCKS_BY_REGISTERS, MMA_THREADS, why_no_cuda_backend
+from tests.ops.cases import (
+    CUDA_BACKEND_DEVICE,
+    MMA_BLOCKS_BY_REGISTERS,
+    MMA_THREADS,
+    every_op_results,
+    why_no_cuda_backend,
+)
 
 pytestmark = pytest.mark.skipif(CUDA_BACKEND_DEVICE != "cpu" or why_no_cuda_backend() is not None,
                                 reason="needs the cuda backend's CPU emulation (MACS_KERNELS_CUDA_EMULATION=1)")
 
-B, H, H_KV, S, D, R, PAGE = 3, 12, 4, 211, 64, 3, 16  # GQA 3:1, keys over several tiles and splits
-
-
-def _results(dtype: torch.dtype) -> list[torch.Tensor]:
-    """What every cuda op computes from one set of inputs (fresh outputs each call)."""
-    generator = torch.Generator().manual_seed(5)
-    q = torch.randn(B, H, D, generator=generator).to(dtype)
-    block = torch.randn(B, H, R, D, generator=generator).to(dtype)
-    k, v = torch.randn(2, B, H_KV, S, D, generator=generator).to(dtype)
-    pages_per_item = -(-S // PAGE)
-    table = torch.randperm(B * pages_per_item, generator=generator).view(B, pages_per_item).int()
-    pages = torch.empty(B * pages_per_item, PAGE, H_KV, D, dtype=dtype)
-    for b in range(B):
-        for i in range(pages_per_item):
-            chunk = k[b, :, i * PAGE:(i + 1) * PAGE].transpose(0, 1)
-            pages[table[b, i], :chunk.shape[0]] = chunk
-    rows = torch.softmax(torch.randn(B, H, S, generator=generator), -1)
-    start, end, length = torch.tensor([0, 7, 50]), torch.tensor([150, 120, 51]), torch.tensor([S, 190, 120])
-    width = int((end - start).max())
-    ranges = dict(input_start=start, input_end=end, kv_len=length, scale=D ** -0.5)
-    results = []
-
-    out = torch.zeros(B, width)
-    ops.macs_pool(q, k, out=out, backend="cuda", **ranges)
-    block_out = torch.zeros(B, R, width)
-    block_length = torch.stack([length - 2, length - 1, length], dim=1)
-    ops.macs_pool(block, k, out=block_out, backend="cuda", **(ranges | dict(kv_len=block_length)))
-    paged_out = torch.zeros(B, width)
-    ops.macs_pool_paged(q, pages, table, out=paged_out, backend="cuda", **ranges)
-    log_c = torch.zeros(B, width)
-    attention = ops.decode_attention(q, k, v, kv_start=start, kv_len=length, input_end=end, scale=D ** -0.5,
-                                     log_c=log_c, backend="cuda")
-    row_log_c = torch.zeros(B, width)
-    ops.macs_update_rows(rows, row_log_c, input_start=start, input_end=end, kv_len=length, backend="cuda")
-    z = ops.macs_zscore(log_c, end - start, backend="cuda")
-    features = ops.attention_features(block, k, source_start=start, source_end=end, kv_len=length, kv_start=start,
-                                      n_rows=torch.full((B,), R), scale=D ** -0.5, n_max=width, backend="cuda")
-    results += [out, block_out, paged_out, *attention, log_c, row_log_c, z, features]
-    return results
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("kernel", CUDA_SPLIT_KV_KERNELS)
-def test_cuda_results_do_not_depend_on_the_order_threads_run_in(kernel, dtype):
+def test_cuda_results_do_not_depend_on_the_order_blocks_and_threads_run_in(kernel, dtype):
     from macs_kernels.ops.cuda import cuda_split_kv_kernel, emulation, set_cuda_split_kv_kernel
 
     previous = cuda_split_kv_kernel()
     set_cuda_split_kv_kernel(kernel)
     emulation.set_device("4 SMs")  # few splits of many tiles: every kernel's tile loop goes round
     try:
-        expected = _results(dtype)
+        expected = every_op_results(dtype, "cuda")
         for order, seed in (("reverse", 0), ("shuffled", 1), ("shuffled", 2)):
-            emulation.set_thread_order(order, seed)
-            for want, got in zip(expected, _results(dtype)):
+            emulation.set_run_order(order, seed)
+            for want, got in zip(expected, every_op_results(dtype, "cuda")):
                 assert torch.equal(want, got), f"{order} (seed {seed}) changed a result: a race"
     finally:
-        emulation.set_thread_order("forward")
+        emulation.set_run_order("forward")
         emulation.set_device("H200")
         set_cuda_split_kv_kernel(previous)
 
@@ -158,8 +125,8 @@ def test_the_tensor_core_kernel_fills_one_wave_of_the_blocks_a_multiprocessor_ho
 
 # What a GPU's first run of a kernel found or would find, planted in a copy of csrc/: (file, text, replacement, the
 # split kernel to run [and "misaligned" K/V rows], what the emulation must report). "rows": the rows come back wrong;
-# "order": they change with the threads' order; "error: ...": the launch fails saying so; "crash": the process
-# faults.
+# "order": they change with the order blocks and threads run in; "error: ...": the launch fails saying so; "crash":
+# the process faults.
 MUTATIONS = {
     "cp.async wait one group short": (
         "split_kv_mma/kernel.cuh", "copy_async_wait<kMmaStages - 2>();  // this thread",
@@ -167,6 +134,10 @@ MUTATIONS = {
     "no barrier before a tile is restaged": (
         "split_kv/kernel.cuh", "    __syncthreads();  // the previous tile's shared memory is no longer read\n", "",
         "verified", "order"),
+    "two blocks writing one output row": (
+        "split_kv/kernel.cuh", "    p.out[row * p.dim_v + d] = from_float<T>(sum * inverse);\n",
+        "    p.out[row * p.dim_v + d] = from_float<T>(sum * inverse);\n"
+        "    p.out[(row ^ 1) * p.dim_v + d] = from_float<T>(sum * inverse);\n", "pipelined", "order"),
     "16-byte copies from rows not 16-byte aligned": (
         "launch_utils.h", "if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0 || t.size(-1) % vec != 0)",
         "if (t.size(-1) % vec != 0)", "pipelined misaligned", "error: misaligned address"),
@@ -194,8 +165,8 @@ k, v = (torch.randn(2 * 2 * 301 * 64 + 1, generator=generator).bfloat16()[offset
 kv_len = torch.tensor([301, 250])
 want, _ = decode_attention_reference(q, k, v, kv_start=torch.zeros(2, dtype=torch.long), kv_len=kv_len, scale=0.125)
 results = {}
-for order in emulation.THREAD_ORDERS:
-    emulation.set_thread_order(order, 1)
+for order in emulation.RUN_ORDERS:
+    emulation.set_run_order(order, 1)
     try:
         # The operator as the engines call it: the public op would copy misaligned rows.
         out, _ = torch.ops.macs_kernels.decode_attention(q, k, v, torch.zeros(2, dtype=torch.long), kv_len, 0.125,

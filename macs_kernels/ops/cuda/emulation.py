@@ -117,16 +117,17 @@ library = load()
 # The runtime's controls (csrc/emulation/runtime.cpp), plain C functions of the same library.
 _runtime = ctypes.CDLL(library.__file__)
 _runtime.cuda_emulation_take_launches.restype = ctypes.c_char_p
-THREAD_ORDERS = ("forward", "reverse", "shuffled")
+RUN_ORDERS = ("forward", "reverse", "shuffled")
 
 
-def set_thread_order(order: str, seed: int = 0) -> None:
-    """Run each block's threads between two barriers in `order` (one of THREAD_ORDERS; "forward", thread 0 first,
-    is the default; "shuffled" draws a new order each round from `seed`). Results that change with the order reveal a
-    race that no barrier orders."""
-    if order not in THREAD_ORDERS:
-        raise ValueError(f"unknown thread order {order!r}; choose one of {THREAD_ORDERS}")
-    _runtime.cuda_emulation_set_order(THREAD_ORDERS.index(order), seed)
+def set_run_order(order: str, seed: int = 0) -> None:
+    """Run each launch's blocks, and each block's threads between two barriers, in `order` (one of RUN_ORDERS;
+    "forward", block 0 and thread 0 first, is the default; "shuffled" draws a new order each time from `seed`).
+    Results that change with the order reveal a race: threads that no barrier orders, or blocks that write one place
+    (a GPU runs them in any order, and at once)."""
+    if order not in RUN_ORDERS:
+        raise ValueError(f"unknown run order {order!r}; choose one of {RUN_ORDERS}")
+    _runtime.cuda_emulation_set_order(RUN_ORDERS.index(order), seed)
 
 
 # What the launchers' device queries answer: multiprocessors, shared memory for one block (opt-in) and per

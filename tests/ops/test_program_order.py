@@ -1,0 +1,101 @@
+"""Triton's interpreter runs a launch's programs one after another in grid order; a GPU runs them in any order, and
+at once. The triton backend's kernels under every fused pass (the one-launch pass's last arrival to a tile does its
+combine and pooling) give the same bits with the programs run reversed and shuffled: no program waits on, or
+overwrites, another's results by position in the grid. (The cuda backend's blocks: tests/ops/test_cuda_emulation.py.)
+Skips where Triton does not run in its interpreter."""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import random
+from unittest import mock
+
+import pytest
+import torch
+
+from macs_kernels.ops import why_unavailable
+from macs_kernels.ops.backends import triton_interpreted
+from macs_kernels.ops.triton import common
+from macs_kernels.ops.triton.settings import TRITON_SPLIT_KV_PASSES, set_triton_split_kv_pass, triton_split_kv_pass
+from tests.ops.cases import every_op_results
+
+pytestmark = pytest.mark.skipif(not triton_interpreted() or why_unavailable("triton", "cpu") is not None,
+                                reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
+
+
+@contextlib.contextmanager
+def programs_run(order: str, seed: int = 0):
+    """Triton's interpreter runs each launch's programs in `order` ("reverse", "shuffled" anew per launch): the k-th
+    program it starts gets the k-th index of a permutation of the grid."""
+    from triton.runtime.interpreter import interpreter_builder
+
+    set_dim, set_index = interpreter_builder.set_grid_dim, interpreter_builder.set_grid_idx
+    shuffle = random.Random(seed)
+    permutation = []
+
+    def set_grid_dim(nx, ny, nz):
+        permutation[:] = itertools.product(range(nx), range(ny), range(nz))
+        if order == "reverse":
+            permutation.reverse()
+        else:
+            shuffle.shuffle(permutation)
+        permutation.reverse()  # popped from the end
+        set_dim(nx, ny, nz)
+
+    interpreter_builder.set_grid_dim = set_grid_dim
+    interpreter_builder.set_grid_idx = lambda x, y, z: set_index(*permutation.pop())
+    try:
+        yield
+    finally:
+        del interpreter_builder.set_grid_dim, interpreter_builder.set_grid_idx
+
+
+@contextlib.contextmanager
+def empty_memory_poisoned():
+    """torch.empty's float tensors filled with NaN, as a GPU's fresh memory holds whatever was there: a CPU's
+    allocator hands a kernel's scratch back with the last call's results in it, which would hide a program that
+    reads another's before they are written."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        tensor = empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    with mock.patch.object(torch, "empty", poisoned):
+        yield
+
+
+# float32 only: which program writes where does not depend on the dtype (the interpreter takes about 10 s a pass).
+@pytest.mark.parametrize("split_pass", TRITON_SPLIT_KV_PASSES)
+def test_triton_results_do_not_depend_on_the_order_programs_run_in(split_pass, dtype=torch.float32):
+    previous = triton_split_kv_pass()
+    set_triton_split_kv_pass(split_pass)
+    # As many programs as a GPU's multiprocessors would want: each row tile's keys cut into several slices (the
+    # interpreter's default, 4, leaves them whole at these sizes), so that slices arrive in every order.
+    many = mock.patch.object(common, "multiprocessors", lambda device: 64)
+    try:
+        with many, empty_memory_poisoned():
+            expected = every_op_results(dtype, "triton")
+        for order, seed in (("reverse", 0), ("shuffled", 1), ("shuffled", 2)):
+            with many, programs_run(order, seed), empty_memory_poisoned():
+                got = every_op_results(dtype, "triton")
+            for want, result in zip(expected, got, strict=True):
+                assert torch.equal(want, result), f"{order} (seed {seed}) changed a result: programs race"
+    finally:
+        set_triton_split_kv_pass(previous)
+
+
+def test_the_order_is_the_one_asked_for():
+    """The permutation reaches the interpreter: a kernel that records its program ids sees them reversed."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def record(out_ptr, counter_ptr):
+        slot = tl.atomic_add(counter_ptr, 1)
+        tl.store(out_ptr + slot, tl.program_id(0))
+
+    out, counter = torch.zeros(5, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    with programs_run("reverse"):
+        record[(5,)](out, counter)
+    assert out.tolist() == [4, 3, 2, 1, 0]
