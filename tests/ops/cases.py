@@ -2,6 +2,8 @@
 factor values of the grids, ranges with pads / generated keys / unused slots, and result checks."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -152,3 +154,18 @@ def every_op_results(dtype: torch.dtype, backend: str) -> list[torch.Tensor]:
                                       n_rows=torch.full((B,), R), scale=D ** -0.5, n_max=width, backend=backend)
     results += [out, block_out, paged_out, *attention, log_c, row_log_c, z, features]
     return results
+
+
+@contextlib.contextmanager
+def uninitialized_memory_poisoned():
+    """torch's empty tensors filled with NaN (integers with their largest value), from Python and from the launchers'
+    at::empty alike (torch.utils.deterministic.fill_uninitialized_memory, on under deterministic algorithms): a GPU's
+    fresh memory holds whatever was there, while a CPU's allocator hands a kernel's scratch back with the last call's
+    results in it, which hides a kernel that reads scratch before it is written."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)

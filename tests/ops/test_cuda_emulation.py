@@ -16,6 +16,7 @@ from tests.ops.cases import (
     MMA_BLOCKS_BY_REGISTERS,
     MMA_THREADS,
     every_op_results,
+    uninitialized_memory_poisoned,
     why_no_cuda_backend,
 )
 
@@ -32,11 +33,12 @@ def test_cuda_results_do_not_depend_on_the_order_blocks_and_threads_run_in(kerne
     set_cuda_split_kv_kernel(kernel)
     emulation.set_device("4 SMs")  # few splits of many tiles: every kernel's tile loop goes round
     try:
-        expected = every_op_results(dtype, "cuda")
-        for order, seed in (("reverse", 0), ("shuffled", 1), ("shuffled", 2)):
-            emulation.set_run_order(order, seed)
-            for want, got in zip(expected, every_op_results(dtype, "cuda")):
-                assert torch.equal(want, got), f"{order} (seed {seed}) changed a result: a race"
+        with uninitialized_memory_poisoned():  # the launchers' scratch too
+            expected = every_op_results(dtype, "cuda")
+            for order, seed in (("reverse", 0), ("shuffled", 1), ("shuffled", 2)):
+                emulation.set_run_order(order, seed)
+                for want, got in zip(expected, every_op_results(dtype, "cuda"), strict=True):
+                    assert torch.equal(want, got), f"{order} (seed {seed}) changed a result: a race"
     finally:
         emulation.set_run_order("forward")
         emulation.set_device("H200")

@@ -17,7 +17,7 @@ from macs_kernels.ops import why_unavailable
 from macs_kernels.ops.backends import triton_interpreted
 from macs_kernels.ops.triton import common
 from macs_kernels.ops.triton.settings import TRITON_SPLIT_KV_PASSES, set_triton_split_kv_pass, triton_split_kv_pass
-from tests.ops.cases import every_op_results
+from tests.ops.cases import every_op_results, uninitialized_memory_poisoned
 
 pytestmark = pytest.mark.skipif(not triton_interpreted() or why_unavailable("triton", "cpu") is not None,
                                 reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
@@ -50,21 +50,6 @@ def programs_run(order: str, seed: int = 0):
         del interpreter_builder.set_grid_dim, interpreter_builder.set_grid_idx
 
 
-@contextlib.contextmanager
-def empty_memory_poisoned():
-    """torch.empty's float tensors filled with NaN, as a GPU's fresh memory holds whatever was there: a CPU's
-    allocator hands a kernel's scratch back with the last call's results in it, which would hide a program that
-    reads another's before they are written."""
-    empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        tensor = empty(*args, **kwargs)
-        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
-
-    with mock.patch.object(torch, "empty", poisoned):
-        yield
-
-
 # float32 only: which program writes where does not depend on the dtype (the interpreter takes about 10 s a pass).
 @pytest.mark.parametrize("split_pass", TRITON_SPLIT_KV_PASSES)
 def test_triton_results_do_not_depend_on_the_order_programs_run_in(split_pass, dtype=torch.float32):
@@ -74,10 +59,10 @@ def test_triton_results_do_not_depend_on_the_order_programs_run_in(split_pass, d
     # interpreter's default, 4, leaves them whole at these sizes), so that slices arrive in every order.
     many = mock.patch.object(common, "multiprocessors", lambda device: 64)
     try:
-        with many, empty_memory_poisoned():
+        with many, uninitialized_memory_poisoned():
             expected = every_op_results(dtype, "triton")
         for order, seed in (("reverse", 0), ("shuffled", 1), ("shuffled", 2)):
-            with many, programs_run(order, seed), empty_memory_poisoned():
+            with many, programs_run(order, seed), uninitialized_memory_poisoned():
                 got = every_op_results(dtype, "triton")
             for want, result in zip(expected, got, strict=True):
                 assert torch.equal(want, result), f"{order} (seed {seed}) changed a result: programs race"
