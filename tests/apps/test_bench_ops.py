@@ -1,0 +1,69 @@
+"""benchmarks/bench_ops.py's providers run where their kernels run: a lent GPU's minutes (the `kernels` preset times
+them by graph replay) are not lost to a provider that cannot be built. On a CPU the triton providers run on Triton's
+interpreter and the cuda ones on the CUDA emulation (MACS_KERNELS_CUDA_EMULATION=1; CI's emulation step), each giving
+the torch backend's attention output and log c on a small GQA problem."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from macs_kernels.ops import why_unavailable
+from macs_kernels.ops.cuda import cuda_split_kv_kernel, set_cuda_split_kv_kernel
+from macs_kernels.ops.triton.settings import set_triton_split_kv_pass, triton_split_kv_pass
+from tests.tolerances import RELATIVE_ERROR, relative_error
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+try:
+    import bench_ops
+finally:
+    sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def _backend(provider: str) -> str | None:
+    """The macs_kernels backend a provider times (None: another library's kernel)."""
+    backend = provider.split("-")[0]
+    return backend if backend in ("torch", "triton", "cuda") else None
+
+
+def _run(provider, op, problem) -> list[torch.Tensor]:
+    """What one call of the provider's build computes: its returned tensors and the log c it updates."""
+    problem.log_c.zero_()
+    returned = provider.build(op, problem)()
+    returned = returned if isinstance(returned, tuple) else (returned,)
+    return [t.float() for t in returned if t is not None] + [problem.log_c.clone()]
+
+
+@pytest.fixture(autouse=True)
+def _split_kernels_restored():
+    """The providers choose the split kernel (cuda) and fused pass (triton) they time: the process's choice after."""
+    cuda = cuda_split_kv_kernel() if why_unavailable("cuda", "cpu") is None else None
+    triton = triton_split_kv_pass()
+    yield
+    if cuda is not None:
+        set_cuda_split_kv_kernel(cuda)
+    set_triton_split_kv_pass(triton)
+
+
+@pytest.mark.parametrize("name", [p.name for p in bench_ops.PROVIDERS if _backend(p.name) in ("triton", "cuda")])
+def test_the_kernel_benchmarks_triton_and_cuda_providers_run_on_a_cpu(name):
+    provider = next(p for p in bench_ops.PROVIDERS if p.name == name)
+    reason = why_unavailable(_backend(name), "cpu")
+    if reason is not None:
+        pytest.skip(reason)
+    torch.manual_seed(0)
+    problem = bench_ops.Problem(batch=2, heads=6, kv_heads=2, dim=64, keys=113, dtype=torch.bfloat16,
+                                device=torch.device("cpu"))
+    reference = next(p for p in bench_ops.PROVIDERS if p.name == "torch")
+    for op in provider.ops:
+        want = _run(reference, op, problem)
+        got = _run(provider, op, problem)
+        assert len(got) == len(want), (op, [t.shape for t in got])
+        if name.endswith("-attention-only"):  # the attention alone: out and lse, no log c update
+            assert not got.pop().any()
+            want.pop()
+        for g, w in zip(got, want, strict=True):
+            assert relative_error(g, w) <= RELATIVE_ERROR[torch.bfloat16], (op, relative_error(g, w))
