@@ -189,7 +189,8 @@ def main() -> None:
     for table, rows in tables.items():
         for row in rows:
             print(json.dumps({"table": table, **row}))
-    args.out.write_text(json.dumps({"environment": environment("cpu"), "batch": BATCH, **tables}, indent=1) + "\n")
+    args.out.write_text(json.dumps({"environment": environment("cpu"), "batch": BATCH, "repeats": args.repeats,
+                                    **tables}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

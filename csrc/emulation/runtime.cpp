@@ -348,16 +348,19 @@ void run_grid(const LaunchConfig& config, void (*run_thread)(void*), void* call)
   s.call = call;
   scheduler = &s;
   launch_failed = false;
-  std::vector<dim3> blocks;
-  blocks.reserve(size_t(config.grid.x) * config.grid.y * config.grid.z);
-  for (unsigned z = 0; z < config.grid.z; ++z) {
-    for (unsigned y = 0; y < config.grid.y; ++y) {
-      for (unsigned x = 0; x < config.grid.x; ++x) blocks.emplace_back(x, y, z);
-    }
+  // Blocks by linear index (x fastest); a shuffled order draws a permutation of them (the only order that stores
+  // one: a grid may hold billions of blocks).
+  const uint64_t count = uint64_t(config.grid.x) * config.grid.y * config.grid.z;
+  std::vector<uint64_t> permutation;
+  if (order == 2) {
+    permutation.resize(count);
+    std::iota(permutation.begin(), permutation.end(), uint64_t(0));
+    std::shuffle(permutation.begin(), permutation.end(), shuffle);
   }
-  if (order == 1) std::reverse(blocks.begin(), blocks.end());
-  if (order == 2) std::shuffle(blocks.begin(), blocks.end(), shuffle);
-  for (const dim3& index : blocks) {
+  for (uint64_t i = 0; i < count; ++i) {
+    const uint64_t linear = order == 0 ? i : (order == 1 ? count - 1 - i : permutation[i]);
+    const dim3 index(unsigned(linear % config.grid.x), unsigned(linear / config.grid.x % config.grid.y),
+                     unsigned(linear / config.grid.x / config.grid.y));
     std::memset(shared_memory, 0xff, config.shared_bytes);
     for (const auto& array : static_shared) std::memset(array.first, 0xff, array.second);
     Block block(config.grid, config.block, index, threads);

@@ -308,17 +308,17 @@ def test_compiled_generate_on_a_gpu_equals_the_reference_at_long_prompts(backend
     assert_eager_rows(model, ids, mask, tokens, rows)
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("prompt", [300, 1200])
 def test_the_cuda_kernels_inside_an_inductor_compiled_step_equal_the_reference(prompt, monkeypatch):
     """Issue 47's failure class: the cuda backend's kernels, with the registry's refusal of them in compiled passes
     (COMPILE_UNSAFE) set aside, run inside generate's inductor-compiled decode steps and give rows equal to the eager
     reference at a 1,200-token prompt (the H200 gave max |d log c| 3.73 there at 7a80728). On a GPU, generate compiles
     as it does for its users: while this fails there, compiled passes keep refusing cuda; once it passes, the refusal
-    can go. On the CPU emulation (MACS_KERNELS_CUDA_EMULATION=1; inductor asked for on every device, with the stride
-    padding it applies on GPUs only: strides over 1,024 elements rounded up to 128 bytes, so above the threshold at
-    1,200 tokens and below it at 300) it passes, so what failed on the H200 lies in what the emulation does not model
-    (CUDA graphs, streams, the GPU's memory) or in the compiled graph of 7a80728 (graph breaks, per-layer frames)."""
+    can go. On the CPU emulation (MACS_KERNELS_CUDA_EMULATION=1; inductor asked for on every device) it passes, so
+    what failed on the H200 lies in what the emulation does not model (CUDA graphs, streams, the GPU's memory) or in
+    the compiled graph of 7a80728 (graph breaks, per-layer frames). The stride padding inductor applies on GPUs only
+    (strides over 1,024 elements rounded up to 128 bytes: a threshold between 300 tokens and 1,200) is on here too,
+    so that a step that pads a tensor is compiled as a GPU would; today's step pads none."""
     if why_no_cuda_backend() is not None:
         pytest.skip(why_no_cuda_backend())
     from macs_kernels.ops import registry

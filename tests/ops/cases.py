@@ -25,9 +25,9 @@ def why_no_cuda_backend() -> str | None:
     return why_unavailable("cuda", CUDA_BACKEND_DEVICE)
 
 
-# The tensor-core split kernel's blocks per multiprocessor by registers (csrc/split_kv_mma's mma_blocks_by_registers,
-# its __launch_bounds__), by (D, with V): what ptxas gives each instantiation (tests/ops/test_cuda_build.py) and what
-# mma_policy sizes its wave by (tests/ops/test_cuda_emulation.py).
+# The tensor-core split kernel's blocks per multiprocessor by registers, by (D, with V): the tests' own statement of
+# csrc/split_kv_mma's mma_blocks_by_registers (its __launch_bounds__), against which ptxas's register counts
+# (tests/ops/test_cuda_build.py) and mma_policy's wave (tests/ops/test_cuda_emulation.py) are checked.
 MMA_THREADS = 128
 MMA_BLOCKS_BY_REGISTERS = {(64, True): 3, (128, True): 2, (64, False): 4, (128, False): 4}
 

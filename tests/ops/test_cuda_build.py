@@ -179,8 +179,6 @@ def test_pipelined_split_kernel_copies_16_bytes_asynchronously_without_spills(co
             assert not re.search(r"\bLDG\.E\.(\w+\.)*128\b", code), f"{name} {arch}: plain 16-byte loads of K/V"
 
 
-
-
 def _resident_by_registers(registers: int, threads: int) -> int:
     """Blocks of `threads` that 64K registers hold at `registers` a thread (allocated per warp in units of 256)."""
     return 65536 // (threads * -(-registers // 8) * 8)

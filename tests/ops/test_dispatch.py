@@ -105,7 +105,9 @@ def test_verdicts_are_cached_per_process_and_device(fresh_verdicts, monkeypatch)
 
 
 def test_named_backend_that_cannot_run_raises():
-    if not cuda_emulated():  # the emulation runs the cuda backend on CPU tensors
+    if cuda_emulated():  # the emulation runs the cuda backend on CPU tensors
+        assert ops.verified_backend("cuda", CPU) == "cuda"
+    else:
         with pytest.raises(ops.BackendUnavailable, match="cuda backend needs CUDA tensors"):
             ops.verified_backend("cuda", CPU)
     with pytest.raises(ValueError, match="unknown backend"):

@@ -15,9 +15,15 @@ import torch
 
 from macs_kernels.ops import why_unavailable
 from macs_kernels.ops.backends import triton_interpreted
-from macs_kernels.ops.triton import common
-from macs_kernels.ops.triton.settings import TRITON_SPLIT_KV_PASSES, set_triton_split_kv_pass, triton_split_kv_pass
 from tests.ops.cases import every_op_results, uninitialized_memory_poisoned
+
+pytest.importorskip("triton")
+from macs_kernels.ops.triton import common, split_kv  # noqa: E402
+from macs_kernels.ops.triton.settings import (  # noqa: E402
+    TRITON_SPLIT_KV_PASSES,
+    set_triton_split_kv_pass,
+    triton_split_kv_pass,
+)
 
 pytestmark = pytest.mark.skipif(not triton_interpreted() or why_unavailable("triton", "cpu") is not None,
                                 reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
@@ -25,8 +31,8 @@ pytestmark = pytest.mark.skipif(not triton_interpreted() or why_unavailable("tri
 
 @contextlib.contextmanager
 def programs_run(order: str, seed: int = 0):
-    """Triton's interpreter runs each launch's programs in `order` ("reverse", "shuffled" anew per launch): the k-th
-    program it starts gets the k-th index of a permutation of the grid."""
+    """Triton's interpreter runs each launch's programs in `order` ("reverse", or "shuffled" anew per launch): the
+    program it starts at grid index (x, y, z) gets that index's place in a permutation of the grid."""
     from triton.runtime.interpreter import interpreter_builder
 
     set_dim, set_index = interpreter_builder.set_grid_dim, interpreter_builder.set_grid_idx
@@ -39,15 +45,24 @@ def programs_run(order: str, seed: int = 0):
             permutation.reverse()
         else:
             shuffle.shuffle(permutation)
-        permutation.reverse()  # popped from the end
         set_dim(nx, ny, nz)
 
-    interpreter_builder.set_grid_dim = set_grid_dim
-    interpreter_builder.set_grid_idx = lambda x, y, z: set_index(*permutation.pop())
-    try:
+    def set_grid_idx(x, y, z):
+        _, ny, nz = interpreter_builder.grid_dim
+        set_index(*permutation[(x * ny + y) * nz + z])
+
+    with mock.patch.object(interpreter_builder, "set_grid_dim", set_grid_dim), \
+            mock.patch.object(interpreter_builder, "set_grid_idx", set_grid_idx):
         yield
-    finally:
-        del interpreter_builder.set_grid_dim, interpreter_builder.set_grid_idx
+
+
+@contextlib.contextmanager
+def many_programs():
+    """As many programs as a GPU's multiprocessors want (the interpreter's default, 4, leaves each row tile's keys
+    whole at these sizes): keys cut into several slices, so that slices arrive in every order."""
+    with mock.patch.object(common, "multiprocessors", lambda device: 64), \
+            mock.patch.object(split_kv, "multiprocessors", lambda device: 64):
+        yield
 
 
 # float32 only: which program writes where does not depend on the dtype (the interpreter takes about 10 s a pass).
@@ -55,14 +70,11 @@ def programs_run(order: str, seed: int = 0):
 def test_triton_results_do_not_depend_on_the_order_programs_run_in(split_pass, dtype=torch.float32):
     previous = triton_split_kv_pass()
     set_triton_split_kv_pass(split_pass)
-    # As many programs as a GPU's multiprocessors would want: each row tile's keys cut into several slices (the
-    # interpreter's default, 4, leaves them whole at these sizes), so that slices arrive in every order.
-    many = mock.patch.object(common, "multiprocessors", lambda device: 64)
     try:
-        with many, uninitialized_memory_poisoned():
+        with many_programs(), uninitialized_memory_poisoned():
             expected = every_op_results(dtype, "triton")
         for order, seed in (("reverse", 0), ("shuffled", 1), ("shuffled", 2)):
-            with many, programs_run(order, seed), uninitialized_memory_poisoned():
+            with many_programs(), programs_run(order, seed), uninitialized_memory_poisoned():
                 got = every_op_results(dtype, "triton")
             for want, result in zip(expected, got, strict=True):
                 assert torch.equal(want, result), f"{order} (seed {seed}) changed a result: programs race"
