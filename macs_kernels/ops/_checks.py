@@ -186,7 +186,12 @@ def zeros_index(batch, device, dtype=torch.int64):
 
 def as_row_index(name, value, batch, rows, device):
     """A (B, R) int32 or int64 index tensor: (B, R) as given (contiguous), or (B,) / a Python int broadcast over the
-    R rows (a view with stride 0 over R: kernels read every range with its strides)."""
+    R rows (a view with stride 0 over R: kernels read every range with its strides). rows None (one row per item, q
+    (B, H, D)): a (B,) tensor, a (B, 1) one's column."""
+    if rows is None:
+        if isinstance(value, torch.Tensor) and value.dim() == 2:
+            return _index_tensor(name, value, (batch, 1), torch.device(device), f"({batch},) or ({batch}, 1)")[:, 0]
+        return as_index(name, value, batch, device)
     if isinstance(value, torch.Tensor) and value.dim() == 2:
         return _index_tensor(name, value, (batch, rows), torch.device(device), f"({batch},) or ({batch}, {rows})")
     column = as_index(name, value, batch, device).unsqueeze(1)
@@ -275,16 +280,17 @@ def check_pages_in_use(block_table, attend_start, kv_len, page_size, pages, vali
     """Every page that holds a key a row of item b attends (keys [min_r attend_start[b, r], max_r kv_len[b, r]))
     is a page of the cache, in [0, pages) (where and when `validate` says: see the module's docstring). Entries
     past an item's last page may be anything: transformers' tables hold -1 there; so may those before its first (a
-    sliding window's freed pages). attend_start: the (B, R) attended starts, or a function of no argument that
-    computes them (only when they are checked)."""
+    sliding window's freed pages). attend_start: the (B, R) or (B,) attended starts, as kv_len, or a function of no
+    argument that computes them (only when they are checked)."""
     values = values_to_check(validate, block_table, kv_len)
     if values is None or kv_len.numel() == 0:
         return
     block_table, kv_len = values
     attend_start = (attend_start() if callable(attend_start) else attend_start).to(kv_len.device)
-    needed = -(-kv_len.amax(dim=1) // page_size)
+    batch = block_table.shape[0]
+    needed = -(-kv_len.reshape(batch, -1).amax(dim=1) // page_size)
     page = torch.arange(block_table.shape[1], device=block_table.device)
-    in_use = (page < needed[:, None]) & (page >= attend_start.amin(dim=1)[:, None] // page_size)
+    in_use = (page < needed[:, None]) & (page >= attend_start.reshape(batch, -1).amin(dim=1)[:, None] // page_size)
     bad = in_use & ((block_table < 0) | (block_table >= pages))
     first = invalid_entry(~bad, f"every block_table entry through which an item attends keys must be a page of "
                                 f"k_pages (0 <= page < {pages})")
@@ -312,3 +318,14 @@ def check_lse(lse, shape, device):
         raise ValueError(f"lse must be a tensor of shape {shape} on {device}")
     if not lse.is_floating_point():
         raise TypeError(f"lse must be floating point, got {lse.dtype}")
+
+
+def as_row_block(q, out, lse, *ranges):
+    """A pooled-row kernel's arguments for one row per item (q (B, H, D), ranges (B,), out (B, N_max), lse (B, H))
+    as the (B, H, 1, D) block of rows its kernel takes, ranges (B, 1), out (B, 1, N_max), lse (B, H, 1); a block
+    (q (B, H, R, D)) as given. The public ops pass a single row as it is: a view per argument would cost each call
+    4-5 us on the host, where the cuda backend's launcher takes both ranks."""
+    if q.dim() == 4:
+        return (q, out, lse, *ranges)
+    return (q.unsqueeze(2), out.unsqueeze(1), None if lse is None else lse.unsqueeze(-1),
+            *(None if index is None else index.unsqueeze(1) for index in ranges))

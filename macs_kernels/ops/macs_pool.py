@@ -77,12 +77,12 @@ def macs_pool(
         if lse is not None:
             raise ValueError("lse cannot be given with a variant: the kernel computes its own normaliser")
         single = q.dim() == 3
-        index = [as_row_index(n, v, q.shape[0], 1 if single else q.shape[2], q.device)
+        index = [as_row_index(n, v, q.shape[0], None if single else q.shape[2], q.device)
                  for n, v in (("input_start", input_start), ("kv_len", kv_len))]
         keys = variant.check(q.shape[1], *index, keys, validate)
-    block, ranges, lse, out = row_arguments(q, keys, input_start, input_end, kv_len, lse, out, validate)
-    _run(kernel(backend, q.device, "macs_pool", variant), (block, k_cache), out, block, ranges, scale, pooling,
-         redistribute, lse, variant)
+    ranges, lse, out = row_arguments(q, keys, input_start, input_end, kv_len, lse, out, validate)
+    _run(kernel(backend, q.device, "macs_pool", variant), (q, k_cache), out, ranges, scale, pooling, redistribute,
+         lse, variant)
     return out
 
 
@@ -96,7 +96,7 @@ def _paged(q, k_pages, block_table, input_start, input_end, kv_len, scale, pooli
     if variant.sinks is not None and lse is not None:
         raise ValueError("lse cannot be given with sinks: the kernel computes its own normaliser")
     page_size = k_pages.shape[1]
-    block, ranges, lse, out = row_arguments(
+    ranges, lse, out = row_arguments(
         q, block_table.shape[1] * page_size, input_start, input_end, kv_len, lse, out, validate
     )
     if not variant.plain:
@@ -104,30 +104,29 @@ def _paged(q, k_pages, block_table, input_start, input_end, kv_len, scale, pooli
     check_pages_in_use(block_table, lambda: torch_backend.window_start(ranges[0], ranges[2], variant.window),
                        ranges[2], page_size, k_pages.shape[0], validate)
     # Page numbers fit int32, the type paged-attention kernels take; int64 tables are converted once here.
-    _run(kernel(backend, q.device, "macs_pool_paged", variant), (block, k_pages, block_table.to(torch.int32)), out,
-         block, ranges, scale, pooling, redistribute, lse, variant)
+    _run(kernel(backend, q.device, "macs_pool_paged", variant), (q, k_pages, block_table.to(torch.int32)), out,
+         ranges, scale, pooling, redistribute, lse, variant)
     return out
 
 
-def _run(run, keys, out, block, ranges, scale, pooling, redistribute, lse, variant):
-    """One launch of a pooled-row kernel: `keys` its leading arguments (the query block and the keys, with the
-    block table of a paged cache), ranges in token positions (converted to key slots for a variant)."""
-    rows_out = out.view(block.shape[0], block.shape[2], out.shape[-1])
+def _run(run, keys, out, ranges, scale, pooling, redistribute, lse, variant):
+    """One launch of a pooled-row kernel: `keys` its leading arguments (the query rows and the keys, with the block
+    table of a paged cache), ranges in token positions (converted to key slots for a variant)."""
     extra = {}
     if not variant.plain:
         ranges, extra = variant.key_slots(*ranges)
-    run(*keys, rows_out, *ranges, as_scale(scale), pooling, bool(redistribute), lse, **extra)
+    run(*keys, out, *ranges, as_scale(scale), pooling, bool(redistribute), lse, **extra)
 
 
 def row_arguments(q, keys, input_start, input_end, kv_len, lse, out, validate=None):
-    """The checked arguments of a pooled-row op whose items hold `keys` key slots: q as a (B, H, R, D) block,
-    the three (B, R) ranges, lse as (B, H, R) or None, and `out` (given, checked, or allocated) in q's rank
-    minus one."""
+    """The checked arguments of a pooled-row op whose items hold `keys` key slots, in q's layout (the kernels take
+    one row per item, q (B, H, D), and blocks of rows, q (B, H, R, D): _checks.as_row_block): the three ranges (B,)
+    or (B, R), lse (B, H[, R]) or None, and `out` (given, checked, or allocated) in q's rank minus one."""
     single_row = q.dim() == 3
-    block = q.unsqueeze(2) if single_row else q
-    batch, heads, rows, _ = block.shape
+    batch, heads = q.shape[:2]
+    rows = 1 if single_row else q.shape[2]
     ranges = [
-        as_row_index(name, value, batch, rows, q.device)
+        as_row_index(name, value, batch, None if single_row else rows, q.device)
         for name, value in (("input_start", input_start), ("input_end", input_end), ("kv_len", kv_len))
     ]
     expected_rank = 2 if single_row else 3
@@ -139,11 +138,10 @@ def row_arguments(q, keys, input_start, input_end, kv_len, lse, out, validate=No
     n_max = int((ranges[1] - ranges[0]).max()) if out is None else out.shape[-1]
     if lse is not None:
         check_lse(lse, (batch, heads) if single_row else (batch, heads, rows), q.device)
-        lse = lse.unsqueeze(-1) if single_row else lse
     expected = (batch, n_max) if single_row else (batch, rows, n_max)
     if out is None:
         out = torch.empty(expected, dtype=torch.float32, device=q.device)
     elif tuple(out.shape) != expected or out.dtype != torch.float32 or out.device != q.device \
             or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous float32 tensor of shape {expected} on {q.device}")
-    return block, ranges, lse, out
+    return ranges, lse, out

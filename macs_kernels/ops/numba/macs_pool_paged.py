@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from numba.core import caching
 
+from macs_kernels.ops._checks import as_row_block
+
 _POOLINGS = {"max": 0, "mean": 1, "min": 2}
 _LOG2E, _LN2_HIGH, _LN2_LOW = 1.44269504088896341, 0.693359375, -2.12194440e-4
 
@@ -194,7 +196,10 @@ def macs_pool_paged(q, k_pages, block_table, out, input_start, input_end, kv_len
     """q (B, H, R, D), k_pages (P, page_size, H_kv, D) any strides, block_table (B, pages) int32, ranges
     (B, R) int32 or int64 (any strides), out (B, R, N_max) float32 written; lse (B, H, R) or None; score_start
     (B, R), softcap, sinks (H,): the layer's attention variant in key slots, as torch_backend.macs_pool takes it (a
-    sliding-window row attends from input_start, its inputs start at score_start)."""
+    sliding-window row attends from input_start, its inputs start at score_start). One row per item: q (B, H, D),
+    ranges (B,), out (B, N_max), lse (B, H)."""
+    q, out, lse, input_start, input_end, kv_len, score_start = as_row_block(
+        q, out, lse, input_start, input_end, kv_len, score_start)
     if k_pages.dtype != torch.float32:
         # Numba has no bfloat16: the attended pages are gathered in float32 (a copy), under a table that
         # numbers them in that order.

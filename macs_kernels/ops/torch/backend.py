@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from macs_kernels.ops._checks import host_readable
+from macs_kernels.ops._checks import as_row_block, host_readable
 from macs_kernels.ops.torch.row import POOLS as _POOL
 from macs_kernels.ops.torch.row import (
     attended_softmax,
@@ -100,11 +100,14 @@ def macs_pool(
     pooling: str, redistribute: bool, lse: Tensor | None, score_start: Tensor | None = None,
     softcap: float | None = None, sinks: Tensor | None = None,
 ) -> None:
-    """q (B, H, R, D), ranges (B, R), out (B, R, N_max): see ops.macs_pool.
+    """q (B, H, R, D), ranges (B, R), out (B, R, N_max), lse (B, H, R); or one row per item: q (B, H, D), ranges
+    (B,), out (B, N_max), lse (B, H). See ops.macs_pool.
 
     The layer's attention variant, in key slots (what ops.Variant.key_slots makes of a window and key_offset):
     the row attends [input_start, kv_len) and its N inputs are [score_start, input_end) (default input_start; a
     sliding window starts later than its inputs, which may precede slot 0); softcap; sinks (H,)."""
+    q, out, lse, input_start, input_end, kv_len, score_start = as_row_block(
+        q, out, lse, input_start, input_end, kv_len, score_start)
     scores = grouped_scores(q, k_cache, scale)
     probabilities, _ = attended_softmax(scores, input_start, kv_len, lse, softcap=softcap, sinks=sinks)
     _pool_rows(probabilities, out, input_start, score_start, input_end, kv_len, pooling, redistribute)
