@@ -6,6 +6,8 @@ the same bits in every order. And the launchers' choice on other GPUs (the
 emulation answers their device queries as DEVICES says). Skips without the emulation."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -24,25 +26,47 @@ pytestmark = pytest.mark.skipif(CUDA_BACKEND_DEVICE != "cpu" or why_no_cuda_back
                                 reason="needs the cuda backend's CPU emulation (MACS_KERNELS_CUDA_EMULATION=1)")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("kernel", CUDA_SPLIT_KV_KERNELS)
-def test_cuda_results_do_not_depend_on_the_order_blocks_and_threads_run_in(kernel, dtype):
+@contextlib.contextmanager
+def split_kernel_on(kernel: str, device: str):
+    """The cuda backend's split kernel `kernel` on the emulated `device` (emulation.DEVICES), the process's choice and
+    an H200 after."""
     from macs_kernels.ops.cuda import cuda_split_kv_kernel, emulation, set_cuda_split_kv_kernel
 
     previous = cuda_split_kv_kernel()
     set_cuda_split_kv_kernel(kernel)
-    emulation.set_device("4 SMs")  # few splits of many tiles: every kernel's tile loop goes round
+    emulation.set_device(device)
     try:
-        with uninitialized_memory_poisoned():  # the launchers' scratch too
+        yield
+    finally:
+        emulation.set_device("H200")
+        set_cuda_split_kv_kernel(previous)
+
+
+def launches_of(call):
+    """The launches of one `call`, after a first one (the first call of the process runs the backend's self-check)."""
+    from macs_kernels.ops.cuda import emulation
+
+    call()
+    emulation.take_launches()
+    call()
+    return emulation.take_launches()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("kernel", CUDA_SPLIT_KV_KERNELS)
+def test_cuda_results_do_not_depend_on_the_order_blocks_and_threads_run_in(kernel, dtype):
+    from macs_kernels.ops.cuda import emulation
+
+    # "4 SMs": few splits of many tiles, so that every kernel's tile loop goes round.
+    with split_kernel_on(kernel, "4 SMs"), uninitialized_memory_poisoned():  # the launchers' scratch too
+        try:
             expected = every_op_results(dtype, "cuda")
             for order, seed in (("reverse", 0), ("shuffled", 1), ("shuffled", 2)):
                 emulation.set_run_order(order, seed)
                 for want, got in zip(expected, every_op_results(dtype, "cuda"), strict=True):
                     assert torch.equal(want, got), f"{order} (seed {seed}) changed a result: a race"
-    finally:
-        emulation.set_run_order("forward")
-        emulation.set_device("H200")
-        set_cuda_split_kv_kernel(previous)
+        finally:
+            emulation.set_run_order("forward")
 
 
 @pytest.mark.parametrize("device, expected", [("H200", "mma_split_kernel<"), ("A100", "mma_split_kernel<"),
@@ -50,20 +74,11 @@ def test_cuda_results_do_not_depend_on_the_order_blocks_and_threads_run_in(kerne
 def test_the_tensor_core_kernel_is_chosen_only_from_sm_80(device, expected):
     """mma.sync.m16n8k16 and ldmatrix need sm_80: on a T4 (7.5) "mma" runs the pipelined kernel (its device code would
     trap there)."""
-    from macs_kernels.ops.cuda import cuda_split_kv_kernel, emulation, set_cuda_split_kv_kernel
-
-    previous = cuda_split_kv_kernel()
-    set_cuda_split_kv_kernel("mma")
-    emulation.set_device(device)
-    try:
-        q, k = torch.randn(1, 8, 64).bfloat16(), torch.randn(2, 1, 2, 100, 64).bfloat16()
-        ops.decode_attention(q, k[0], k[1], kv_len=torch.tensor([100]), scale=0.125, backend="cuda")
-        emulation.take_launches()  # the backend's self-check ran at the first call of the process
-        ops.decode_attention(q, k[0], k[1], kv_len=torch.tensor([100]), scale=0.125, backend="cuda")
-        split = [launch.name for launch in emulation.take_launches() if "split_kernel<" in launch.name]
-    finally:
-        emulation.set_device("H200")
-        set_cuda_split_kv_kernel(previous)
+    q, k = torch.randn(1, 8, 64).bfloat16(), torch.randn(2, 1, 2, 100, 64).bfloat16()
+    with split_kernel_on("mma", device):
+        launches = launches_of(
+            lambda: ops.decode_attention(q, k[0], k[1], kv_len=torch.tensor([100]), scale=0.125, backend="cuda"))
+    split = [launch.name for launch in launches if "split_kernel<" in launch.name]
     assert len(split) == 1 and expected in split[0], split
 
 
@@ -96,7 +111,7 @@ def test_the_tensor_core_kernel_fills_one_wave_of_the_blocks_a_multiprocessor_ho
     """mma_policy splits the keys into as many blocks as the GPU holds at once (its shared memory, its threads, the
     registers ptxas gives the instantiation): more would run a nearly empty second wave, fewer would leave
     multiprocessors idle. Issue 48's shape: 32 query heads on 8 KV heads, one query row, enough keys for every split."""
-    from macs_kernels.ops.cuda import cuda_split_kv_kernel, emulation, set_cuda_split_kv_kernel
+    from macs_kernels.ops.cuda import emulation
 
     batch, heads, kv_heads, keys = 1, 32, 8, 4500
     multiprocessors, _, shared_per_multiprocessor, _ = emulation.DEVICES[device]
@@ -104,21 +119,16 @@ def test_the_tensor_core_kernel_fills_one_wave_of_the_blocks_a_multiprocessor_ho
     q = torch.randn(batch, heads, dim, generator=generator).bfloat16()
     k, v = torch.randn(2, batch, kv_heads, keys, dim, generator=generator).bfloat16()
     kv_len = torch.tensor([keys])
-    previous = cuda_split_kv_kernel()
-    set_cuda_split_kv_kernel("mma")
-    emulation.set_device(device)
-    try:
-        for _ in range(2):  # the first call of the process runs the backend's self-check too
-            emulation.take_launches()
-            if with_v:
-                ops.decode_attention(q, k, v, kv_len=kv_len, scale=dim ** -0.5, backend="cuda")
-            else:
-                ops.macs_update(q, k, torch.zeros(batch, keys), input_start=0, input_end=kv_len, kv_len=kv_len,
-                                scale=dim ** -0.5, backend="cuda")
-        [launch] = [launch for launch in emulation.take_launches() if "mma_split_kernel<" in launch.name]
-    finally:
-        emulation.set_device("H200")
-        set_cuda_split_kv_kernel(previous)
+
+    def call():
+        if with_v:
+            ops.decode_attention(q, k, v, kv_len=kv_len, scale=dim ** -0.5, backend="cuda")
+        else:
+            ops.macs_update(q, k, torch.zeros(batch, keys), input_start=0, input_end=kv_len, kv_len=kv_len,
+                            scale=dim ** -0.5, backend="cuda")
+
+    with split_kernel_on("mma", device):
+        [launch] = [launch for launch in launches_of(call) if "mma_split_kernel<" in launch.name]
     assert launch.block == (MMA_THREADS, 1, 1) and f", {dim}, {str(with_v).lower()}>" in launch.name, launch
     resident = min(shared_per_multiprocessor // (launch.shared_bytes + 1024), 2048 // MMA_THREADS,
                    MMA_BLOCKS_BY_REGISTERS[dim, with_v])
