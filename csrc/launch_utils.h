@@ -261,10 +261,18 @@ struct SplitRun {
     const SplitPolicy& policy = shape.policy;
     const auto floats = q.options().dtype(at::kFloat);
     at::Tensor part_stats = at::empty({shape.batch, shape.heads, shape.rows, policy.splits, 4}, floats);
-    at::Tensor part_acc, scores, stats;
+    at::Tensor part_acc, scores, relative_scores, score_maxima, stats;
     if (v != nullptr) part_acc = at::empty({shape.batch, shape.heads, shape.rows, policy.splits, shape.dim_v}, floats);
     if (pool.out != nullptr) {
-      scores = at::empty({shape.batch, shape.heads, shape.rows, shape.keys}, floats);
+      // The tensor-core kernel keeps the log c update's scores as fp16 relative to group maxima (SplitParams): half
+      // the bytes, log p to 2^-11 of itself, within 16-bit inputs' tolerance; m' out keeps float32 scores.
+      if (policy.kernel == SplitKernel::kMma && pool.epilogue == PoolEpilogue::kAddLogFloor) {
+        relative_scores = at::empty({shape.batch, shape.heads, shape.rows, shape.keys}, q.options().dtype(at::kHalf));
+        score_maxima = at::empty(
+            {shape.batch, shape.heads, shape.rows, ceil_div(shape.keys, kRelativeScoreGroup)}, floats);
+      } else {
+        scores = at::empty({shape.batch, shape.heads, shape.rows, shape.keys}, floats);
+      }
       stats = at::empty({shape.batch, shape.heads, shape.rows, 2}, floats);
       pool.stats = stats.data_ptr<float>();
     }
@@ -289,6 +297,8 @@ struct SplitRun {
           shape.batch, shape.heads, shape.kv_heads, shape.rows, shape.keys, shape.dim, shape.dim_v,
           policy.splits, policy.rows_per_block,
           part_stats.data_ptr<float>(), data(part_acc), data(scores), policy.tile_keys, policy.key_groups,
+          relative_scores.defined() ? reinterpret_cast<__half*>(relative_scores.data_ptr()) : nullptr,
+          data(score_maxima),
       };
       const CombineParams<T> combine{
           part_stats.data_ptr<float>(), data(part_acc), shape.heads * shape.rows, policy.splits, shape.dim_v,

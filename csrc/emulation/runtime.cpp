@@ -140,6 +140,13 @@ std::string launches_text;
 // Whether launches run their kernels: off, a launch is checked and logged only, and an op costs what its host path
 // costs (benchmarks/bench_checks.py).
 bool execute = true;
+const void* running_kernel = nullptr;
+// While counting (off by default), the source of every 16-byte asynchronous copy that reads global memory and the
+// kernel that made it: the bytes the pipelined and tensor-core split kernels read K and V with
+// (macs_kernels/apps/bench/traffic.py attributes them to tensors).
+bool count_copies = false;
+std::vector<uint64_t> copy_sources;
+std::vector<const void*> copy_kernels;
 
 std::string kernel_name(const void* kernel) {
   Dl_info info{};
@@ -299,6 +306,10 @@ void copy16_async(void* shared, const void* global, bool fill) {
   if (fill) check_aligned16(global, "misaligned address: a cp.async source not 16-byte aligned");
   CopyGroup::Copy copy{shared, {}};
   if (fill) std::memcpy(copy.bytes, global, 16);
+  if (fill && count_copies) {
+    copy_sources.push_back(reinterpret_cast<uint64_t>(global));
+    copy_kernels.push_back(running_kernel);
+  }
   current->open.copies.push_back(copy);
   std::memset(shared, 0xff, 16);  // NaN until the group is waited for
 }
@@ -342,6 +353,7 @@ void run_grid(const LaunchConfig& config, void (*run_thread)(void*), void* call)
   launches.push_back(config);
   if (launches.size() > kLaunchLog) launches.pop_front();
   if (!execute) return;
+  running_kernel = config.kernel;
   Scheduler s;
   s.fibers.resize(threads);
   s.run_thread = run_thread;
@@ -400,6 +412,28 @@ extern "C" const char* cuda_emulation_take_launches() {
 extern "C" void cuda_emulation_set_execute(int execute) {
   const std::lock_guard<std::mutex> lock(cuda_emulation::launch_mutex);
   cuda_emulation::execute = execute != 0;
+}
+
+// Counts the asynchronous copies of later launches (1) or not (0); either way forgets those counted so far.
+extern "C" void cuda_emulation_count_copies(int count) {
+  const std::lock_guard<std::mutex> lock(cuda_emulation::launch_mutex);
+  cuda_emulation::count_copies = count != 0;
+  cuda_emulation::copy_sources.clear();
+  cuda_emulation::copy_kernels.clear();
+}
+
+// The copies counted so far: their number, each one's source address and kernel (valid until the next count call).
+extern "C" size_t cuda_emulation_copies(const uint64_t** sources, const void* const** kernels) {
+  const std::lock_guard<std::mutex> lock(cuda_emulation::launch_mutex);
+  *sources = cuda_emulation::copy_sources.data();
+  *kernels = cuda_emulation::copy_kernels.data();
+  return cuda_emulation::copy_sources.size();
+}
+
+extern "C" const char* cuda_emulation_kernel_name(const void* kernel) {
+  static std::string name;
+  name = cuda_emulation::kernel_name(kernel);
+  return name.c_str();
 }
 
 // Runs a launch's blocks, and each block's threads, from now on in `run_order` (0 forward, 1 reverse, 2 shuffled

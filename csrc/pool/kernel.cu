@@ -1,5 +1,6 @@
 // Torch-free definitions and instantiations (plain nvcc compiles this file alone): pooling of attention
-// rows in every supported dtype, pooling of a split-KV pass's float32 scores, and that composition.
+// rows in every supported dtype, pooling of a split-KV pass's scores (float32, or fp16 relative), and that
+// composition.
 #include "pool/kernel.cuh"
 
 namespace macs {
@@ -16,14 +17,20 @@ cudaError_t split_kv_pool(const SplitParams<T>& p, const CombineParams<T>& combi
                           SplitKernel kernel, bool vectorized, cudaStream_t stream) {
   const cudaError_t error = split_kv<T, WITH_V>(p, combine, kernel, vectorized, stream);
   if (error != cudaSuccess || tail.out == nullptr) return error;
-  const PoolParams<float> pool{p.scores,   p.heads * p.rows * p.keys, p.rows * p.keys, p.keys,
-                               tail.stats, tail.out,  tail.n_max,     p.heads,         p.rows,
-                               p.keys,     p.start,   p.input_end,    p.end,           tail.alpha,
-                               tail.pooling, tail.epilogue, tail.score_start};
-  return pool_heads<float, true>(pool, p.batch, stream);
+  const auto pool = [&](const auto* scores, const float* maxima) {
+    using Score = std::remove_const_t<std::remove_pointer_t<decltype(scores)>>;
+    const PoolParams<Score> params{scores,       p.heads * p.rows * p.keys, p.rows * p.keys, p.keys,
+                                   tail.stats,   tail.out,                  tail.n_max,      p.heads,
+                                   p.rows,       p.keys,                    p.start,         p.input_end,
+                                   p.end,        tail.alpha,                tail.pooling,    tail.epilogue,
+                                   tail.score_start, maxima};
+    return pool_heads<Score, true>(params, p.batch, stream);
+  };
+  return p.relative_scores != nullptr ? pool(p.relative_scores, p.score_maxima) : pool(p.scores, nullptr);
 }
 
 template cudaError_t pool_heads<float, true>(const PoolParams<float>&, int64_t, cudaStream_t);
+template cudaError_t pool_heads<__half, true>(const PoolParams<__half>&, int64_t, cudaStream_t);
 #define MACS_INSTANTIATE_POOL(T)                                                                       \
   template cudaError_t pool_heads<T, false>(const PoolParams<T>&, int64_t, cudaStream_t);              \
   template cudaError_t split_kv_pool<T, false>(const SplitParams<T>&, const CombineParams<T>&,         \

@@ -19,7 +19,9 @@ enum class PoolEpilogue : int {
 
 template <typename Src>
 struct PoolParams {
-  const Src* values;  // rows (B, H, [R,] S), or float32 base-2 scores when FROM_SCORES
+  // Rows (B, H, [R,] S); with FROM_SCORES the split-KV pass's base-2 scores: float32, or fp16 relative to
+  // `maxima` (SplitParams::relative_scores).
+  const Src* values;
   int64_t stride_b, stride_h, stride_r;
   // (B, H, R, 2) per query row: the base-2 log-sum-exp that normalises its scores (unused for rows), and
   // its attention mass on generated keys (0 without redistribution).
@@ -33,6 +35,7 @@ struct PoolParams {
   // Where each row's N input columns start when not at `start` (a sliding-window row attends from its
   // window's start; the inputs before it get 0, and may precede slot 0): (B, [R]) key slots, or null data.
   Index score_start{nullptr, 0, 0};
+  const float* maxima = nullptr;  // (B, H, R, ceil(S / kRelativeScoreGroup)) with fp16 relative scores
 };
 
 template <typename Src, bool FROM_SCORES>
@@ -62,13 +65,22 @@ __global__ void __launch_bounds__(kPoolThreads) pool_kernel(PoolParams<Src> p) {
 
   // An input before the attended start is unseen by this row: probability 0, and its slot is not read.
   const bool seen = column0 + i >= range.start;
-  const Src* column = p.values + b * p.stride_b + r * p.stride_r + (seen ? column0 + i : range.start);
+  const int64_t key = seen ? column0 + i : range.start;
+  const Src* column = p.values + b * p.stride_b + r * p.stride_r + key;
+  constexpr bool kRelative = FROM_SCORES && std::is_same_v<Src, __half>;
+  const int64_t groups = ceil_div(p.keys, kRelativeScoreGroup);  // per row of maxima
+  const float* maxima =
+      kRelative ? p.maxima + (b * p.heads * p.rows + r) * groups + key / kRelativeScoreGroup : nullptr;
   float pooled = p.pooling == Pooling::kMax ? kNegInf : (p.pooling == Pooling::kMin ? kInf : 0.0f);
   for (int64_t h = 0; h < p.heads; ++h) {
     float value = 0.0f;
     if (seen) {
       value = to_float(column[h * p.stride_h]);
-      if (FROM_SCORES) value = exp2_diff(value, stats[2 * h]);
+      if constexpr (kRelative) {
+        value = exp2_diff(value, stats[2 * h] - maxima[h * p.rows * groups]);
+      } else if (FROM_SCORES) {
+        value = exp2_diff(value, stats[2 * h]);
+      }
     }
     value += stats[2 * h + 1] / float(n_input);
     pooled = p.pooling == Pooling::kMax ? fmaxf(pooled, value)

@@ -23,6 +23,9 @@
 
 namespace macs {
 
+// Keys per stored maximum of mma_split_kernel's relative scores (SplitParams::relative_scores).
+constexpr int kRelativeScoreGroup = 16;
+
 template <typename T>
 struct SplitParams {
   const T* q;  // (B, H, R, D)
@@ -42,6 +45,13 @@ struct SplitParams {
   float* part_acc;    // (B, H, R, splits, D_v): sum of 2^(score - split max) * v, null without V
   float* scores;      // (B, H, R, S) base-2 scores of the attended keys, or null
   int64_t tile_keys = kTileKeys, key_groups = 1;  // from the policy; read by pipelined_split_kernel only
+  // mma_split_kernel only, in place of `scores` (the log c update of 16-bit inputs: half the score bytes): each
+  // attended key's base-2 score as s - m in fp16, where m is the running max of the row in the warp that scores the
+  // key's group of kRelativeScoreGroup keys (counted from key 0), taken after that group and stored in score_maxima
+  // (B, H, R, ceil(S / 16)) float32. s <= m <= lse, so |s - m| <= |s - lse| = -log2 p: the fp16 value carries log p
+  // to 2^-11 of itself.
+  __half* relative_scores = nullptr;
+  float* score_maxima = nullptr;
 };
 
 // Where the keys of one item and head live: key * key_stride from `head` in a contiguous cache; through
@@ -75,13 +85,14 @@ __device__ __forceinline__ KeyRows<T> cache_rows(const SplitParams<T>& p, bool v
 }
 
 // A split's keys [begin, stop): those any of the block's rows attends (row i attends [starts[i], ends[i])), from the
-// first, cut in whole tiles of `tile_keys` into `splits` shares.
+// first (`first`) rounded down to a multiple of `align`, cut in whole tiles of `tile_keys` into `splits` shares.
 struct SplitKeys {
-  int64_t begin, stop;
+  int64_t begin, stop, first;
 };
 
 __device__ __forceinline__ SplitKeys split_keys(const int64_t* starts, const int64_t* ends, int block_rows,
-                                                int64_t keys, int64_t splits, int64_t split, int64_t tile_keys) {
+                                                int64_t keys, int64_t splits, int64_t split, int64_t tile_keys,
+                                                int64_t align = 1) {
   int64_t first = keys, last = 0;
   for (int i = 0; i < block_rows; ++i) {
     if (starts[i] < ends[i]) {
@@ -90,9 +101,10 @@ __device__ __forceinline__ SplitKeys split_keys(const int64_t* starts, const int
     }
   }
   if (first > last) first = last;
-  const int64_t tiles_per_split = ceil_div(ceil_div(last - first, tile_keys), splits);
-  const int64_t begin = first + split * tiles_per_split * tile_keys;
-  return {begin, min(last, begin + tiles_per_split * tile_keys)};
+  const int64_t aligned = first / align * align;
+  const int64_t tiles_per_split = ceil_div(ceil_div(last - aligned, tile_keys), splits);
+  const int64_t begin = aligned + split * tiles_per_split * tile_keys;
+  return {begin, min(last, begin + tiles_per_split * tile_keys), first};
 }
 
 // Stages keys [tile, tile + kTileKeys) of one head as floats, rows at `pitch`; keys at or past `stop`

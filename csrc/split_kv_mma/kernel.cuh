@@ -1,10 +1,11 @@
 // The tensor-core split kernel: the first pass of the split-KV pass (split_kv/kernel.cuh) with QK^T and PV on
 // tensor cores (mma.sync.m16n8k16, fp16/bf16 in, fp32 accumulate), as FlashInfer's grouped decode with
-// use_tensor_cores and sdpa's flash decoding do. It writes exactly what split_kernel writes (each split's base-2
-// max and sum over attended and over generated keys, the unnormalised partial output, the base-2 fp32 scores that
-// head pooling reads), so the combine pass, head pooling and MACS's row (softmax of the last query, the spread of
-// generated-token mass, max over heads, floor) are shared with the other split kernels and computed from the same
-// fp32 scores: only the attention output sees P rounded to the input dtype before PV, as in FlashAttention.
+// use_tensor_cores and sdpa's flash decoding do. It writes what split_kernel writes (each split's base-2 max and sum
+// over attended and over generated keys, the unnormalised partial output, the base-2 scores that head pooling reads:
+// fp32, or for the log c update fp16 relative to group maxima, SplitParams::relative_scores), so the combine pass,
+// head pooling and MACS's row (softmax of the last query, the spread of generated-token mass, max over heads, floor)
+// are shared with the other split kernels and computed from the same fp32 scores: only the attention output sees P
+// rounded to the input dtype before PV, as in FlashAttention.
 //
 // Why: at GQA 4:1 and D 128 a decode step does 1,024 multiply-adds per key and KV head for 512 bytes of K and V;
 // on CUDA cores (pipelined_split_kernel) that caps the pass at 1.0-1.5 TB/s on an H200 (issue 48).
@@ -40,7 +41,8 @@ constexpr int kMmaPad = 8;                     // elements (16 bytes) of padding
 // 65536 / (kMmaThreads * blocks) registers a thread, and tests/ops/test_cuda_build.py checks, for sm_80 and sm_90,
 // that ptxas spills nothing under the cap and needs more registers than one more block would leave: the policy's
 // wave is then the one the GPU runs, with no tail wave of blocks that cannot be resident. With V, Q's fragments and
-// the output's hold 96 registers at D 128 (2 blocks: 194-200 registers) and 48 at D 64 (3 blocks: 152).
+// the output's hold 96 registers at D 128 (2 blocks: 204-208 registers) and 48 at D 64 (3 blocks: 154-160); without V
+// 124-128 (4 blocks).
 __host__ __device__ constexpr int mma_blocks_by_registers(int64_t dim, bool with_v) {
   return with_v ? (dim == 64 ? 3 : 2) : 4;
 }
@@ -197,21 +199,24 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
     end[h] = real ? range_s[2 * block_rows + rr] : 0;
   }
 
+  // Splits start at a multiple of kRelativeScoreGroup keys, so that each warp's 16 keys are one group of the relative
+  // scores' maxima; keys before the block's first attended key are zero-filled, not read.
+  static_assert(kMmaTileKeys / kMmaWarps == kRelativeScoreGroup, "a warp's keys are one relative-score group");
   const SplitKeys split_slice = split_keys(range_s, range_s + 2 * block_rows, block_rows, p.keys, p.splits, split,
-                                           kMmaTileKeys);
-  const int64_t begin = split_slice.begin, stop = split_slice.stop;
+                                           kMmaTileKeys, kRelativeScoreGroup);
+  const int64_t begin = split_slice.begin, stop = split_slice.stop, first = split_slice.first;
   const int tiles = begin < stop ? int(ceil_div(stop - begin, kMmaTileKeys)) : 0;
   const KeyRows<T> k_rows = cache_rows(p, false, b, kv_head);
   const KeyRows<T> v_rows = WITH_V ? cache_rows(p, true, b, kv_head) : KeyRows<T>{};
 
-  // Keys at or past `stop` are zero-filled (0 * garbage could be NaN) and name the split's first key, reading none.
+  // Keys outside [first, stop) are zero-filled (0 * garbage could be NaN) and name the split's first key, reading none.
   const auto load_tile = [&](int tile) {
     const int64_t tile0 = begin + int64_t(tile) * kMmaTileKeys;
     T* k_dst = k_stages + (tile % kMmaStages) * kMmaTileKeys * PITCH;
     T* v_dst = v_stages + (tile % kMmaStages) * kMmaTileKeys * PITCH;
     for (int c = threadIdx.x; c < kMmaTileKeys * LANES; c += kMmaThreads) {
       const int j = c / LANES, d0 = (c % LANES) * VEC;
-      const bool inside = tile0 + j < stop;
+      const bool inside = tile0 + j < stop && tile0 + j >= first;
       const int64_t key = inside ? tile0 + j : begin;
       copy16_async(k_dst + j * PITCH + d0, k_rows(key) + d0, inside);
       if (WITH_V) copy16_async(v_dst + j * PITCH + d0, v_rows(key) + d0, inside);
@@ -296,6 +301,26 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
       const float new_mg = fmaxf(mg[h], generated_max[h]);
       lg[h] *= exp2_diff(mg[h], new_mg);
       mg[h] = new_mg;
+    }
+    if (p.relative_scores != nullptr) {
+      // m is now at least every score of this warp's 16 keys (one relative-score group) and at most the row's lse.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int vector = g + 8 * h;
+        if (vector >= vectors || key0 >= stop) continue;
+        const int64_t row = (b * p.heads + head0 + vector / block_rows) * p.rows + row0 + vector % block_rows;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int i = 2 * h; i < 2 * h + 2; ++i) {
+            const int64_t key = key0 + 8 * nt + 2 * t + (i & 1);
+            if (key < stop && key >= start[h] && key < end[h]) {
+              p.relative_scores[row * p.keys + key] = __float2half_rn(s[nt][i] - m[h]);
+            }
+          }
+        }
+        if (t == 0) p.score_maxima[row * ceil_div(p.keys, kRelativeScoreGroup) + key0 / kRelativeScoreGroup] = m[h];
+      }
     }
     // Weights in fp32 for the sums; rounded to T for PV: the two n8 C tiles are the k16 A fragment.
     uint32_t pa[4];

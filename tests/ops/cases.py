@@ -3,6 +3,8 @@ factor values of the grids, ranges with pads / generated keys / unused slots, an
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -157,6 +159,17 @@ def every_op_results(dtype: torch.dtype, backend: str) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
+def many_programs(multiprocessors: int = 64):
+    """The triton backend's launch plans for a GPU of `multiprocessors` (the interpreter's default, 4, leaves each row
+    tile's keys whole at the tests' sizes): keys cut into several slices, so that slices arrive in every order and
+    meet at their edges."""
+    from macs_kernels.apps.bench.traffic import triton_launch_plans_for
+
+    with triton_launch_plans_for(multiprocessors):
+        yield
+
+
+@contextlib.contextmanager
 def uninitialized_memory_poisoned():
     """torch's empty tensors filled with NaN (integers with their largest value), from Python and from the launchers'
     at::empty alike (torch.utils.deterministic.fill_uninitialized_memory, on under deterministic algorithms): a GPU's
@@ -169,3 +182,76 @@ def uninitialized_memory_poisoned():
         yield
     finally:
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+@dataclasses.dataclass
+class KeyReadingCall:
+    """One public call of an op that reads the cache in the split-KV pass, with what it must read: `cache`, the
+    tensors K (and V) are read from, and `attended`, the bytes of each that the call's ranges attend (each key row
+    of each KV head, once). `score_columns`: B x H x R x N, the input keys' scores a fused MACS pass keeps."""
+    name: str
+    call: Callable[[], object]
+    cache: dict[str, torch.Tensor]
+    attended: int
+    score_columns: int
+
+
+def key_reading_calls(dtype: torch.dtype, backend: str, device=DEVICE) -> list[KeyReadingCall]:
+    """decode_attention (attention alone, with log c, with m' out), macs_update, macs_pool (one row, a verify block of
+    three) and macs_pool_paged, GQA 3:1, on ragged ranges (a left pad, generated keys, unused slots)."""
+    B, H, H_KV, S, D, R, PAGE = 3, 12, 4, 211, 64, 3, 16
+    generator = torch.Generator().manual_seed(11)
+    make = dict(dtype=dtype, device=device)
+    q = torch.randn(B, H, D, generator=generator).to(**make)
+    block = torch.randn(B, H, R, D, generator=generator).to(**make)
+    k = torch.randn(B, H_KV, S, D, generator=generator).to(**make)
+    v = torch.randn(B, H_KV, S, D, generator=generator).to(**make)
+    pages_per_item = -(-S // PAGE)
+    table = torch.randperm(B * pages_per_item, generator=generator).view(B, pages_per_item).int().to(device)
+    pages = torch.randn(B * pages_per_item, PAGE, H_KV, D, generator=generator).to(**make)
+    index = lambda values: torch.tensor(values, device=device)  # noqa: E731
+    start, end, length = index([0, 7, 50]), index([150, 120, 51]), index([S, 190, 120])
+    width = int((end - start).max())
+    columns = int((end - start).sum())
+    attended = int((length - start).sum()) * H_KV * D * k.element_size()
+    ranges = dict(input_start=start, input_end=end, kv_len=length, scale=D ** -0.5, backend=backend)
+    attention = dict(kv_start=start, kv_len=length, scale=D ** -0.5, backend=backend)
+    state = lambda: torch.zeros(B, width, device=device)  # noqa: E731
+    block_length = torch.stack([length - 2, length - 1, length], dim=1)
+    return [
+        KeyReadingCall("decode_attention", lambda: ops.decode_attention(q, k, v, **attention),
+                       {"k": k, "v": v}, attended, 0),
+        KeyReadingCall("decode_attention with log_c", lambda: ops.decode_attention(
+            q, k, v, input_end=end, log_c=state(), **attention), {"k": k, "v": v}, attended, H * columns),
+        KeyReadingCall("decode_attention with pooled", lambda: ops.decode_attention(
+            q, k, v, input_end=end, pooled=state(), **attention), {"k": k, "v": v}, attended, H * columns),
+        KeyReadingCall("macs_update", lambda: ops.macs_update(q, k, state(), **ranges), {"k": k}, attended,
+                       H * columns),
+        KeyReadingCall("macs_pool", lambda: ops.macs_pool(q, k, out=state(), **ranges), {"k": k}, attended,
+                       H * columns),
+        KeyReadingCall("macs_pool, a verify block", lambda: ops.macs_pool(
+            block, k, out=torch.zeros(B, R, width, device=device), **(ranges | dict(kv_len=block_length))),
+            {"k": k}, attended, H * R * columns),
+        KeyReadingCall("macs_pool_paged", lambda: ops.macs_pool_paged(q, pages, table, out=state(), **ranges),
+                       {"k": pages}, attended, H * columns),
+    ]
+
+
+def assert_relative_score_bound(dtype: torch.dtype, pooling: str, backend: str, device=DEVICE) -> None:
+    """alpha = 1 without redistribution adds log m' itself, the pooled log p: a pass that keeps the log c update's
+    scores as s - m in float16 (m a running max, at most lse) gives each entry's increment within 2^-11 of its size
+    (plus float32 rounding), over scores spread across +-30 where float16 absolute scores would not be; the inputs
+    start at key 5 (not a multiple of any group of keys)."""
+    generator = torch.Generator().manual_seed(2)
+    q = (torch.randn(1, 8, 64, generator=generator) * 12).to(dtype).to(device)
+    k = torch.randn(1, 2, 300, 64, generator=generator).to(dtype).to(device)
+    input_start, input_end, kv_len = (torch.tensor([value], device=device) for value in (5, 290, 300))
+    log_c = torch.zeros(1, 285, device=device)
+    options = dict(input_start=input_start, input_end=input_end, kv_len=kv_len, scale=0.125, alpha=1.0,
+                   pooling=pooling, redistribute=False)
+    want = reference.macs_update_reference(q, k, log_c, **options)
+    ops.macs_update(q, k, log_c, backend=backend, **options)
+    got = log_c.cpu().double()
+    assert want.abs().max() > 20  # log p spans a range that float16 absolute scores would round coarsely
+    bound = 2.0 ** -11 * want.abs() + 1e-5 * (1 + want.abs())
+    assert bool(((got - want).abs() <= bound).all()), float(((got - want).abs() - bound).max())

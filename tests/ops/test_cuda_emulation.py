@@ -18,6 +18,7 @@ from tests.ops.cases import (
     MMA_BLOCKS_BY_REGISTERS,
     MMA_THREADS,
     every_op_results,
+    key_reading_calls,
     uninitialized_memory_poisoned,
     why_no_cuda_backend,
 )
@@ -135,10 +136,55 @@ def test_the_tensor_core_kernel_fills_one_wave_of_the_blocks_a_multiprocessor_ho
     assert launch.grid == (resident * multiprocessors // (batch * kv_heads), kv_heads, batch), (launch, resident)
 
 
+@pytest.mark.parametrize("kernel", CUDA_SPLIT_KV_KERNELS)
+def test_only_the_tensor_core_kernels_log_c_update_pools_float16_scores(kernel):
+    """SplitParams::relative_scores: the mma kernel's log c update keeps half the score bytes (fp16 relative to group
+    maxima; its bound: test_cuda_ops.py), its m' out keeps float32 scores, as every other split kernel does."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 64, generator=generator).bfloat16()
+    k, v = torch.randn(2, 2, 2, 130, 64, generator=generator).bfloat16()
+    ranges = dict(kv_start=torch.tensor([0, 3]), kv_len=torch.tensor([130, 100]), input_end=torch.tensor([120, 90]),
+                  scale=0.125, backend="cuda")
+    with split_kernel_on(kernel, "H200"):
+        pools = {}
+        for state in ("log_c", "pooled"):
+            launches = launches_of(lambda state=state: ops.decode_attention(q, k, v, **{state: torch.zeros(2, 120)},
+                                                                            **ranges))
+            [pools[state]] = [launch.name for launch in launches if "pool_kernel<" in launch.name]
+    expected = "__half" if kernel == "mma" else "float"
+    assert pools == {"log_c": f"void macs::pool_kernel<{expected}, true>(macs::PoolParams<{expected}>)",
+                     "pooled": "void macs::pool_kernel<float, true>(macs::PoolParams<float>)"}, pools
+
+
+@pytest.mark.parametrize("kernel, dtype", [("pipelined", torch.float32), ("pipelined", torch.bfloat16),
+                                           ("mma", torch.bfloat16)], ids=["pipelined-float32", "pipelined-bfloat16",
+                                                                          "mma-bfloat16"])
+def test_the_cuda_split_kernels_copy_each_attended_key_once(kernel, dtype):
+    """The pipelined and tensor-core split kernels (the latter for 16-bit inputs) read K and V only by 16-byte
+    asynchronous copies: every op's copies
+    (counted by the emulation, apps/bench/traffic.py) read each attended key row once, nothing outside the cache, on
+    "4 SMs" (splits of many tiles) and on an H200 (many splits that meet at their edges)."""
+    from macs_kernels.apps.bench.traffic import OUTSIDE, Counts, cuda_copy_traffic
+
+    for device in ("4 SMs", "H200"):
+        with split_kernel_on(kernel, device):
+            for case in key_reading_calls(dtype, "cuda", CUDA_BACKEND_DEVICE):
+                case.call()  # the first call of the process runs the backend's self-check
+                with cuda_copy_traffic(case.cache) as traffic:
+                    case.call()
+                split_kernels = {name for name, _ in traffic.counts if "split_kernel<" in name}
+                assert all(f"{kernel}_split_kernel<" in name for name in split_kernels), (case.name, split_kernels)
+                assert not traffic.of(OUTSIDE).read, f"{case.name}: a copy from outside the cache"
+                for argument in case.cache:
+                    read = sum((traffic.of(argument, name) for name in split_kernels), Counts())
+                    assert (read.read, read.read_distinct) == (case.attended, case.attended), \
+                        f"{case.name} on {device}: {argument} copied {read} for {case.attended} attended bytes"
+
+
 # What a GPU's first run of a kernel found or would find, planted in a copy of csrc/: (file, text, replacement, the
 # split kernel to run [and "misaligned" K/V rows], what the emulation must report). "rows": the rows come back wrong;
 # "order": they change with the order blocks and threads run in; "error: ...": the launch fails saying so; "crash":
-# the process faults.
+# the process faults; "traffic": the rows are right, but the split kernel copies more K/V bytes than the keys attended.
 MUTATIONS = {
     "cp.async wait one group short": (
         "split_kv_mma/kernel.cuh", "copy_async_wait<kMmaStages - 2>();  // this thread",
@@ -159,6 +205,9 @@ MUTATIONS = {
     "shared memory sized short": (
         "split_kv_mma/kernel.cuh", "return size_t(ranges + (stages > merge ? stages : merge));",
         "return size_t(ranges + (stages > merge ? stages : merge) / 2);", "mma", "crash"),
+    "each slice copying 8 keys past its end": (
+        "split_kv_mma/kernel.cuh", "const bool inside = tile0 + j < stop && tile0 + j >= first;",
+        "const bool inside = tile0 + j < stop + 8 && tile0 + j < p.keys && tile0 + j >= first;", "mma", "traffic"),
 }
 
 _PROBE = """
@@ -177,6 +226,7 @@ k, v = (torch.randn(2 * 2 * 301 * 64 + 1, generator=generator).bfloat16()[offset
 kv_len = torch.tensor([301, 250])
 want, _ = decode_attention_reference(q, k, v, kv_start=torch.zeros(2, dtype=torch.long), kv_len=kv_len, scale=0.125)
 results = {}
+emulation.count_async_copies(True)
 for order in emulation.RUN_ORDERS:
     emulation.set_run_order(order, 1)
     try:
@@ -187,9 +237,14 @@ for order in emulation.RUN_ORDERS:
         print(json.dumps({"error": str(error)}))
         sys.exit()
     results[order] = out.float()
+    if order == "forward":
+        copied = 16 * sum(len(sources) for name, sources in emulation.take_async_copies().items()
+                          if "split_kernel<" in name)
 error = ((results["forward"].double() - want).abs().max() / want.abs().max()).item()
 changed = any(not torch.equal(results["forward"], other) for other in results.values())
-print(json.dumps({"error": None, "relative_error": error, "order_changed": changed}))
+attended = 2 * int(kv_len.sum()) * 2 * 64 * 2  # K and V, 2 KV heads, 64 bfloat16 each
+print(json.dumps({"error": None, "relative_error": error, "order_changed": changed, "copied": copied,
+                  "attended": attended}))
 """
 
 
@@ -231,5 +286,8 @@ def test_the_emulation_catches_what_a_gpu_run_found(mutation, mutation_build, tm
         assert found["error"] is not None and expected[len("error: "):] in found["error"], found
     elif expected == "order":
         assert found["error"] is None and found["order_changed"], found
+    elif expected == "traffic":
+        assert found["error"] is None and found["relative_error"] <= RELATIVE_ERROR[torch.bfloat16], found
+        assert found["copied"] > found["attended"], found
     else:
         assert found["error"] is None and found["relative_error"] > RELATIVE_ERROR[torch.bfloat16], found

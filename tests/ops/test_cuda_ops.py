@@ -13,7 +13,7 @@ from macs_kernels.ops import reference
 from macs_kernels.ops.cuda import CUDA_SPLIT_KV_KERNELS, cuda_split_kv_kernel, set_cuda_split_kv_kernel
 from tests.grids import pairwise
 from tests.ops.cases import CUDA_BACKEND_DEVICE as DEVICE
-from tests.ops.cases import assert_close_log_c, why_no_cuda_backend
+from tests.ops.cases import assert_close_log_c, assert_relative_score_bound, why_no_cuda_backend
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
 pytestmark = [pytest.mark.gpu,
@@ -237,3 +237,12 @@ def test_variants_over_row_chunks_and_key_splits(dtype, window, softcap, with_si
     )
     assert relative_error(pooled, expected[:, -1]) < tolerance
     assert relative_error(attention, expected_out[:, -1]) < tolerance
+
+
+@pytest.mark.usefixtures("split_kernel")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pooling", ["max", "min"])
+def test_the_log_c_update_keeps_log_p_within_2_to_the_minus_11(dtype, pooling):
+    """Every split kernel, the tensor-core one keeping its scores as float16 relative to a running max per 16 keys
+    (SplitParams::relative_scores) included: each log c increment within 2^-11 of its size."""
+    assert_relative_score_bound(dtype, pooling, "cuda", DEVICE)

@@ -15,10 +15,9 @@ import torch
 
 from macs_kernels.ops import why_unavailable
 from macs_kernels.ops.backends import triton_interpreted
-from tests.ops.cases import every_op_results, uninitialized_memory_poisoned
+from tests.ops.cases import every_op_results, many_programs, uninitialized_memory_poisoned
 
 pytest.importorskip("triton")
-from macs_kernels.ops.triton import common, split_kv  # noqa: E402
 from macs_kernels.ops.triton.settings import (  # noqa: E402
     TRITON_SPLIT_KV_PASSES,
     set_triton_split_kv_pass,
@@ -53,15 +52,6 @@ def programs_run(order: str, seed: int = 0):
 
     with mock.patch.object(interpreter_builder, "set_grid_dim", set_grid_dim), \
             mock.patch.object(interpreter_builder, "set_grid_idx", set_grid_idx):
-        yield
-
-
-@contextlib.contextmanager
-def many_programs():
-    """As many programs as a GPU's multiprocessors want (the interpreter's default, 4, leaves each row tile's keys
-    whole at these sizes): keys cut into several slices, so that slices arrive in every order."""
-    with mock.patch.object(common, "multiprocessors", lambda device: 64), \
-            mock.patch.object(split_kv, "multiprocessors", lambda device: 64):
         yield
 
 

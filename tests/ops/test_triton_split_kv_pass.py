@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from macs_kernels import ops
-from macs_kernels.ops import reference, registry
-from tests.ops.cases import DEVICE, row_ranges
+from macs_kernels.ops import registry
+from tests.ops.cases import DEVICE, assert_relative_score_bound, row_ranges
 
 pytest.importorskip("triton")
 from macs_kernels.ops.triton import settings  # noqa: E402 - after the skip: it imports triton
@@ -61,22 +61,8 @@ def test_launches_of_a_fused_decode(name, kernels):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("pooling", ["max", "min"])
 def test_float16_relative_scores_keep_log_p_within_2_to_the_minus_11(dtype, pooling, name):
-    """alpha = 1 without redistribution adds log m' itself, the pooled log p: the two-launch pass stores s - m (m the
-    running max, at most lse) in float16, so each entry's increment is within 2^-11 of its size (plus float32
-    rounding), over scores spread across +-30 where float16 absolute scores would not be."""
     settings.set_triton_split_kv_pass(name)
-    q = (torch.randn(1, 8, 64) * 12).to(dtype).to(DEVICE)
-    k = torch.randn(1, 2, 300, 64).to(dtype).to(DEVICE)
-    input_start, input_end, kv_len = (torch.tensor([value], device=DEVICE) for value in (5, 290, 300))
-    log_c = torch.zeros(1, 285, device=DEVICE)
-    options = dict(input_start=input_start, input_end=input_end, kv_len=kv_len, scale=0.125, alpha=1.0,
-                   pooling=pooling, redistribute=False)
-    want = reference.macs_update_reference(q, k, log_c, **options)
-    ops.macs_update(q, k, log_c, backend="triton", **options)
-    got = log_c.cpu().double()
-    assert want.abs().max() > 20  # log p spans a range that float16 absolute scores would round coarsely
-    bound = 2.0 ** -11 * want.abs() + 1e-5 * (1 + want.abs())
-    assert bool(((got - want).abs() <= bound).all()), float(((got - want).abs() - bound).max())
+    assert_relative_score_bound(dtype, pooling, "triton")
 
 
 @pytest.mark.parametrize("pooling", ["max", "min", "mean"])

@@ -21,6 +21,8 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy
+
 NAME = "macs_kernels_cuda_emulation"
 # The sources built: the checkout's csrc/, or MACS_KERNELS_EMULATION_SOURCES (a changed copy, for tests of what the
 # emulation catches).
@@ -117,6 +119,9 @@ library = load()
 # The runtime's controls (csrc/emulation/runtime.cpp), plain C functions of the same library.
 _runtime = ctypes.CDLL(library.__file__)
 _runtime.cuda_emulation_take_launches.restype = ctypes.c_char_p
+_runtime.cuda_emulation_kernel_name.restype = ctypes.c_char_p
+_runtime.cuda_emulation_kernel_name.argtypes = [ctypes.c_void_p]
+_runtime.cuda_emulation_copies.restype = ctypes.c_size_t
 RUN_ORDERS = ("forward", "reverse", "shuffled")
 
 
@@ -171,3 +176,28 @@ def take_launches() -> list[Launch]:
         launches.append(Launch(name, tuple(map(int, grid.split(","))), tuple(map(int, block.split(","))),
                                int(shared_bytes)))
     return launches
+
+
+def count_async_copies(count: bool) -> None:
+    """Record the source address of every later 16-byte asynchronous copy (`cp.async`) that reads global memory
+    (True), or stop (False); either way forget the copies recorded so far."""
+    global _counting_copies
+    _counting_copies = count
+    _runtime.cuda_emulation_count_copies(int(count))
+
+
+_counting_copies = False
+
+
+def take_async_copies() -> dict[str, numpy.ndarray]:
+    """The copies recorded since counting began, by kernel (named as in take_launches): each copy's source address
+    (uint64; it read 16 bytes there), in the order they ran. Forgets them; counting goes on."""
+    sources, kernels = ctypes.POINTER(ctypes.c_uint64)(), ctypes.POINTER(ctypes.c_void_p)()
+    count = _runtime.cuda_emulation_copies(ctypes.byref(sources), ctypes.byref(kernels))
+    if count == 0:
+        return {}
+    addresses = numpy.ctypeslib.as_array(sources, shape=(count,)).copy()
+    made_by = numpy.ctypeslib.as_array(ctypes.cast(kernels, ctypes.POINTER(ctypes.c_uint64)), shape=(count,)).copy()
+    count_async_copies(_counting_copies)
+    return {_runtime.cuda_emulation_kernel_name(int(kernel)).decode(): addresses[made_by == kernel]
+            for kernel in numpy.unique(made_by)}

@@ -1,0 +1,211 @@
+"""The bytes a call's kernels move, counted on a CPU: a memory chart by kernel and argument, as a GPU profiler draws
+one, for machines without a GPU (issue 48: whether the fused MACS pass can take 1.10x its attention's time depends
+first on the bytes it adds).
+
+- `triton_traffic()`: every load, store and atomic of Triton's interpreter (TRITON_INTERPRET=1), each attributed to the
+  launched kernel's tensor argument that holds its address (an address in none of them: argument "(outside)").
+- `cuda_copy_traffic(tensors)`: the CUDA emulation's 16-byte asynchronous copies (MACS_KERNELS_CUDA_EMULATION=1),
+  attributed to the tensors named: the only way the pipelined and tensor-core split kernels read K and V (their other
+  loads and stores are plain C++ accesses there, not seen). A kernel's copies count as one access (its sectors are
+  its distinct sectors).
+
+Per (kernel, argument) three figures each for reads and writes, which bound what DRAM moves:
+- `read` / `written`: the bytes the accesses asked for;
+- `read_distinct` / `written_distinct`: the bytes of distinct addresses over the whole count (every repeat served by
+  the cache: the least DRAM can move);
+- `read_sectors` / `written_sectors`: the 32-byte sectors each access touches, in bytes, summed over accesses (nothing
+  served twice by the cache: the most). The interpreter runs a program's whole tile as one access, so the sectors a
+  warp leaves partial and another warp of the program completes count once, as L1 merges them.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+from collections.abc import Iterator
+from unittest import mock
+
+import numpy
+import torch
+
+SECTOR_BYTES = 32
+OUTSIDE = "(outside)"
+
+
+@dataclasses.dataclass
+class Counts:
+    read: int = 0
+    written: int = 0
+    read_distinct: int = 0
+    written_distinct: int = 0
+    read_sectors: int = 0
+    written_sectors: int = 0
+
+    def __add__(self, other: Counts) -> Counts:
+        return Counts(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)))
+
+
+def span(tensor: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) bytes a tensor's elements occupy (views and strides included)."""
+    if tensor.numel() == 0:
+        return tensor.data_ptr(), tensor.data_ptr()
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    return tensor.data_ptr(), tensor.data_ptr() + (last + 1) * tensor.element_size()
+
+
+class Traffic:
+    """Counts by (kernel, argument), filled while its context is open; `total()` sums them."""
+
+    def __init__(self):
+        self.counts: dict[tuple[str, str], Counts] = {}
+        self._touched: dict[tuple[str, str, str], tuple[int, numpy.ndarray]] = {}
+
+    def record(self, kernel: str, regions: dict[str, tuple[int, int]], kind: str, addresses: numpy.ndarray,
+               item_bytes: int) -> None:
+        """One access of `kind` ("read" or "written"): `item_bytes` at each of `addresses` (uint64), attributed to the
+        region (name -> byte span) that holds it."""
+        addresses = numpy.asarray(addresses, dtype=numpy.uint64).ravel()
+        if addresses.size == 0:
+            return
+        names = list(regions)
+        starts = numpy.array([regions[name][0] for name in names], dtype=numpy.uint64)
+        ends = numpy.array([regions[name][1] for name in names], dtype=numpy.uint64)
+        order = numpy.argsort(starts, kind="stable")
+        slot = numpy.searchsorted(starts[order], addresses, side="right") - 1
+        inside = slot >= 0
+        inside[inside] &= addresses[inside] + numpy.uint64(item_bytes) <= ends[order][slot[inside]]
+        owner = numpy.where(inside, order[numpy.maximum(slot, 0)], -1)
+        for index in numpy.unique(owner):
+            mine = addresses[owner == index]
+            name = OUTSIDE if index < 0 else names[index]
+            counts = self.counts.setdefault((kernel, name), Counts())
+            setattr(counts, kind, getattr(counts, kind) + mine.size * item_bytes)
+            sectors = numpy.unique(numpy.concatenate([mine, mine + numpy.uint64(item_bytes - 1)])
+                                   // numpy.uint64(SECTOR_BYTES)).size
+            setattr(counts, f"{kind}_sectors", getattr(counts, f"{kind}_sectors") + sectors * SECTOR_BYTES)
+            if index >= 0:
+                self._mark(kernel, name, kind, regions[name], mine, item_bytes, counts)
+
+    def _mark(self, kernel, name, kind, region, addresses, item_bytes, counts) -> None:
+        start, end = region
+        key = (kernel, name, kind)
+        if key not in self._touched or self._touched[key][0] != start:
+            self._touched[key] = (start, numpy.zeros(end - start, dtype=bool))
+        touched = self._touched[key][1]
+        offsets = (addresses - numpy.uint64(start)).astype(numpy.int64)
+        bytes_at = (offsets[:, None] + numpy.arange(item_bytes)).ravel()
+        fresh = numpy.unique(bytes_at[~touched[bytes_at]]).size
+        touched[bytes_at] = True
+        setattr(counts, f"{kind}_distinct", getattr(counts, f"{kind}_distinct") + fresh)
+
+    def of(self, argument: str, kernel: str | None = None) -> Counts:
+        """The counts of one argument (alone or with others that name the same tensor), in one kernel or summed over
+        every kernel that has one of that name."""
+        return sum((counts for (k, a), counts in self.counts.items()
+                    if argument in a.split("=") and kernel in (None, k)), Counts())
+
+    def total(self) -> Counts:
+        return sum(self.counts.values(), Counts())
+
+    def rows(self) -> list[dict]:
+        """One dict per (kernel, argument): the counts with their names, for CSV and JSON."""
+        return [{"kernel": kernel, "argument": argument, **dataclasses.asdict(counts)}
+                for (kernel, argument), counts in sorted(self.counts.items())]
+
+
+def _item_bytes(pointer) -> int:
+    from triton.runtime.interpreter import _get_np_dtype
+
+    return numpy.dtype(_get_np_dtype(pointer.get_element_ty())).itemsize
+
+
+def _kept(pointers, mask) -> numpy.ndarray:
+    data = pointers.data
+    return data.ravel() if mask is None else data[numpy.broadcast_to(mask.data.astype(bool), data.shape)]
+
+
+@contextlib.contextmanager
+def triton_traffic() -> Iterator[Traffic]:
+    """Count the memory accesses of every Triton kernel launched inside the context (Triton's interpreter only)."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    traffic = Traffic()
+    launches: list[tuple[str, dict[str, tuple[int, int]]]] = []
+    run_launch = interpreter.GridExecutor.__call__
+
+    def launch(executor, *args, **kwargs):
+        named = inspect.getcallargs(executor.fn, *args, **{k: v for k, v in kwargs.items()
+                                                            if k in inspect.signature(executor.fn).parameters})
+        names_of: dict[tuple[int, int], list[str]] = {}
+        for name, value in named.items():
+            if isinstance(value, torch.Tensor):
+                names_of.setdefault(span(value), []).append(name.removesuffix("_ptr"))
+        # A tensor passed as several arguments (macs_update's K as V, a placeholder for an unused output): one
+        # region named by all of them, "k=v".
+        regions = {"=".join(names): region for region, names in names_of.items()}
+        launches.append((executor.fn.__name__, regions))
+        try:
+            return run_launch(executor, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    def access(kind, pointers, mask):
+        kernel, regions = launches[-1]
+        traffic.record(kernel, regions, kind, _kept(pointers, mask), _item_bytes(pointers))
+
+    load, store = builder.create_masked_load, builder.create_masked_store
+    rmw, cas = builder.create_atomic_rmw, builder.create_atomic_cas
+
+    def masked_load(pointers, mask, *args):
+        access("read", pointers, mask)
+        return load(pointers, mask, *args)
+
+    def masked_store(pointers, value, mask, *args):
+        access("written", pointers, mask)
+        return store(pointers, value, mask, *args)
+
+    def atomic_rmw(op, pointers, value, mask, *args):
+        for kind in ("read", "written"):
+            access(kind, pointers, mask)
+        return rmw(op, pointers, value, mask, *args)
+
+    def atomic_cas(pointers, compare, value, *args):
+        for kind in ("read", "written"):
+            access(kind, pointers, None)
+        return cas(pointers, compare, value, *args)
+
+    with mock.patch.object(interpreter.GridExecutor, "__call__", launch), \
+            mock.patch.object(builder, "create_masked_load", masked_load), \
+            mock.patch.object(builder, "create_masked_store", masked_store), \
+            mock.patch.object(builder, "create_atomic_rmw", atomic_rmw), \
+            mock.patch.object(builder, "create_atomic_cas", atomic_cas):
+        yield traffic
+
+
+@contextlib.contextmanager
+def triton_launch_plans_for(multiprocessors: int) -> Iterator[None]:
+    """The triton backend's launch plans (splits of the keys) as on a GPU of `multiprocessors` (the interpreter answers
+    4): an H200 has 132."""
+    from macs_kernels.ops.triton import common, split_kv
+
+    with mock.patch.object(common, "multiprocessors", lambda device: multiprocessors), \
+            mock.patch.object(split_kv, "multiprocessors", lambda device: multiprocessors):
+        yield
+
+
+@contextlib.contextmanager
+def cuda_copy_traffic(tensors: dict[str, torch.Tensor]) -> Iterator[Traffic]:
+    """Count the asynchronous copies of every cuda kernel launched inside the context (the CUDA emulation only), as
+    reads of the named tensors (argument OUTSIDE: a copy from none of them). Counted when the context closes."""
+    from macs_kernels.ops.cuda import emulation
+
+    traffic = Traffic()
+    regions = {name: span(tensor) for name, tensor in tensors.items()}
+    emulation.count_async_copies(True)
+    try:
+        yield traffic
+        for kernel, sources in emulation.take_async_copies().items():
+            traffic.record(kernel, regions, "read", sources, 16)
+    finally:
+        emulation.count_async_copies(False)

@@ -1,0 +1,88 @@
+"""The bytes the triton backend's kernels move, counted access by access in Triton's interpreter
+(apps/bench/traffic.py): under every fused pass, each op's split pass reads each attended key (and value) row once,
+in whole sectors, and nothing outside its arguments; a fused MACS pass writes each input key's score once, in the
+width its design says, and reads each back once. (The cuda backend's copies: tests/ops/test_cuda_emulation.py;
+the bytes at issue 48's shapes: benchmarks/bench_traffic.py.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from macs_kernels.ops import why_unavailable
+from macs_kernels.ops.backends import triton_interpreted
+from tests.ops.cases import key_reading_calls, many_programs
+
+pytest.importorskip("triton")
+from macs_kernels.apps.bench.traffic import OUTSIDE, Counts, Traffic, triton_traffic  # noqa: E402
+from macs_kernels.ops.triton.settings import (  # noqa: E402
+    TRITON_SPLIT_KV_PASSES,
+    set_triton_split_kv_pass,
+    triton_split_kv_pass,
+)
+
+pytestmark = pytest.mark.skipif(not triton_interpreted() or why_unavailable("triton", "cpu") is not None,
+                                reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
+SPLIT_KERNELS = ("_split_kv_kernel", "_one_launch_kernel")
+
+
+def traffic_of(call) -> Traffic:
+    call()  # the first call of the process runs the backend's self-check
+    with many_programs(), triton_traffic() as traffic:  # key slices meet: a slice reading past its own shows
+        call()
+    return traffic
+
+
+def score_bytes(split_pass: str, name: str, dtype: torch.dtype) -> int:
+    """Bytes per score kept: float32, but float16 `s - m` in the two- and one-launch passes' log c update of
+    half-precision inputs (benchmarks/results/triton_two_launch_pass.md)."""
+    relative = split_pass != "verified" and dtype != torch.float32 and name in ("decode_attention with log_c",
+                                                                                "macs_update")
+    return 2 if relative else 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("split_pass", TRITON_SPLIT_KV_PASSES)
+def test_each_attended_key_is_read_once_and_each_score_written_and_read_once(split_pass, dtype):
+    previous = triton_split_kv_pass()
+    set_triton_split_kv_pass(split_pass)
+    try:
+        for case in key_reading_calls(dtype, "triton"):
+            traffic = traffic_of(case.call)
+            assert not any(argument == OUTSIDE for _, argument in traffic.counts), \
+                f"{case.name}: an access outside every argument of its kernel"
+            for argument in case.cache:
+                read = sum((traffic.of(argument, kernel) for kernel in SPLIT_KERNELS), Counts())
+                assert (read.read, read.read_distinct, read.read_sectors) == (case.attended,) * 3, \
+                    f"{case.name}: {argument} read {read} for {case.attended} attended bytes"
+            if not case.score_columns:
+                continue
+            scores = traffic.of("scores")
+            expected = case.score_columns * score_bytes(split_pass, case.name, dtype)
+            assert (scores.written, scores.written_distinct) == (expected, expected), f"{case.name}: {scores}"
+            # The scores come back once: the pooling kernel's `values` (verified) or the `scores` the pooling reads.
+            read_back = scores.read_distinct + traffic.of("values").read_distinct
+            assert read_back == expected, f"{case.name}: {read_back} score bytes read back, {expected} written"
+    finally:
+        set_triton_split_kv_pass(previous)
+
+
+def test_the_counts_are_the_accesses_made():
+    """A kernel that reads a row twice and writes half of another: the counts say so, sectors included."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_twice(source_ptr, target_ptr):
+        columns = tl.arange(0, 16)
+        first = tl.load(source_ptr + columns)
+        again = tl.load(source_ptr + columns)
+        tl.store(target_ptr + columns * 2, first + again, mask=columns < 8)
+
+    source, target = torch.arange(16, dtype=torch.float32), torch.zeros(32)
+    with triton_traffic() as traffic:
+        copy_twice[(1,)](source, target)
+    read, written = traffic.of("source"), traffic.of("target")
+    assert (read.read, read.read_distinct, read.read_sectors) == (128, 64, 128)
+    # Eight floats two apart: 60 bytes of span, two 32-byte sectors for 32 bytes written.
+    assert (written.written, written.written_distinct, written.written_sectors) == (32, 32, 64)
+    assert torch.equal(target[:16:2], 2 * source[:8])
