@@ -1,6 +1,6 @@
 """The bytes the triton backend's decode step moves at issue 48's shapes, counted on a CPU: CSV, JSON, PNG, no asserts.
 
-    python benchmarks/bench_traffic.py              # B 1: 4k and 32k keys at D 128, 32k at D 64 (about 15 minutes)
+    python benchmarks/bench_traffic.py              # B 1: 4k and 32k keys at D 128, 32k at D 64 (about 10 minutes)
     python benchmarks/bench_traffic.py --quick      # 4k keys at D 128 only (about 2 minutes)
     python benchmarks/bench_traffic.py --all        # also B 8 x 32k and 128k keys (an hour or more)
 
@@ -33,7 +33,11 @@ sys.path.insert(0, str(ROOT))
 from macs_kernels import ops  # noqa: E402
 from macs_kernels.apps.bench import environment, write_csv  # noqa: E402
 from macs_kernels.apps.bench.traffic import triton_launch_plans_for, triton_traffic  # noqa: E402
-from macs_kernels.ops.triton.settings import TRITON_SPLIT_KV_PASSES, set_triton_split_kv_pass  # noqa: E402
+from macs_kernels.ops.triton.settings import (  # noqa: E402
+    TRITON_SPLIT_KV_PASSES,
+    set_triton_split_kv_pass,
+    triton_split_kv_pass,
+)
 
 H200_MULTIPROCESSORS = 132
 HEADS, KV_HEADS, GENERATED = 32, 8, 16
@@ -149,10 +153,14 @@ def main(argv=None) -> None:
     env = environment(torch.device("cpu"))
     detail, summary = [], []
     chosen = [tuple(map(int, shape.split(","))) for shape in args.shape] if args.shape else shapes(args.quick, args.all)
-    for shape in chosen:
-        rows, lines = measure(shape, env)
-        detail += rows
-        summary += lines
+    previous = triton_split_kv_pass()
+    try:
+        for shape in chosen:
+            rows, lines = measure(shape, env)
+            detail += rows
+            summary += lines
+    finally:
+        set_triton_split_kv_pass(previous)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / "traffic_triton_cpu"
     write_csv(detail, stem.with_suffix(".csv"))

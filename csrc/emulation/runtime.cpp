@@ -140,7 +140,7 @@ std::string launches_text;
 // Whether launches run their kernels: off, a launch is checked and logged only, and an op costs what its host path
 // costs (benchmarks/bench_checks.py).
 bool execute = true;
-const void* running_kernel = nullptr;
+const void* running_kernel = nullptr;  // the launch whose blocks run now: what a counted copy is credited to
 // While counting (off by default), the source of every 16-byte asynchronous copy that reads global memory and the
 // kernel that made it: the bytes the pipelined and tensor-core split kernels read K and V with
 // (macs_kernels/apps/bench/traffic.py attributes them to tensors).

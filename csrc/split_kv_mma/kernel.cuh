@@ -199,17 +199,17 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
     end[h] = real ? range_s[2 * block_rows + rr] : 0;
   }
 
-  // Splits start at a multiple of kRelativeScoreGroup keys, so that each warp's 16 keys are one group of the relative
-  // scores' maxima; keys before the block's first attended key are zero-filled, not read.
+  // With relative scores, splits start at a multiple of kRelativeScoreGroup keys, so that each warp's 16 keys are one
+  // group of their maxima; keys before the block's first attended key are zero-filled, not read.
   static_assert(kMmaTileKeys / kMmaWarps == kRelativeScoreGroup, "a warp's keys are one relative-score group");
   const SplitKeys split_slice = split_keys(range_s, range_s + 2 * block_rows, block_rows, p.keys, p.splits, split,
-                                           kMmaTileKeys, kRelativeScoreGroup);
+                                           kMmaTileKeys, p.relative_scores != nullptr ? kRelativeScoreGroup : 1);
   const int64_t begin = split_slice.begin, stop = split_slice.stop, first = split_slice.first;
   const int tiles = begin < stop ? int(ceil_div(stop - begin, kMmaTileKeys)) : 0;
   const KeyRows<T> k_rows = cache_rows(p, false, b, kv_head);
   const KeyRows<T> v_rows = WITH_V ? cache_rows(p, true, b, kv_head) : KeyRows<T>{};
 
-  // Keys outside [first, stop) are zero-filled (0 * garbage could be NaN) and name the split's first key, reading none.
+  // Keys outside [first, stop) are zero-filled (0 * garbage could be NaN): their copies name `begin` and read nothing.
   const auto load_tile = [&](int tile) {
     const int64_t tile0 = begin + int64_t(tile) * kMmaTileKeys;
     T* k_dst = k_stages + (tile % kMmaStages) * kMmaTileKeys * PITCH;

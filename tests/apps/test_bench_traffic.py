@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from macs_kernels.ops import why_unavailable
-from macs_kernels.ops.backends import triton_interpreted
+from tests.ops.cases import NEEDS_TRITON_INTERPRETER
 
 pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,8 +18,7 @@ try:
 finally:
     sys.path.remove(str(ROOT / "benchmarks"))
 
-pytestmark = pytest.mark.skipif(not triton_interpreted() or why_unavailable("triton", "cpu") is not None,
-                                reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
+pytestmark = NEEDS_TRITON_INTERPRETER
 
 
 def test_the_traffic_benchmark_counts_the_bytes_its_calls_must_move(tmp_path):

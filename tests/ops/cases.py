@@ -11,13 +11,19 @@ import torch
 
 from macs_kernels import ops
 from macs_kernels.ops import BACKENDS, reference, why_unavailable
-from macs_kernels.ops.backends import cuda_emulated
+from macs_kernels.ops.backends import cuda_emulated, triton_interpreted
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The cuda backend's tensors: a GPU's, or CPU tensors where MACS_KERNELS_CUDA_EMULATION=1 runs its kernels compiled
 # for the CPU (ops/cuda/emulation.py).
 CUDA_BACKEND_DEVICE = "cpu" if cuda_emulated() else "cuda"
+
+
+# For tests of what Triton's interpreter shows (program order, memory traffic): skipped where triton runs compiled.
+NEEDS_TRITON_INTERPRETER = pytest.mark.skipif(
+    not triton_interpreted() or why_unavailable("triton", "cpu") is not None,
+    reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
 
 
 def why_no_cuda_backend() -> str | None:

@@ -13,19 +13,12 @@ from unittest import mock
 import pytest
 import torch
 
-from macs_kernels.ops import why_unavailable
-from macs_kernels.ops.backends import triton_interpreted
-from tests.ops.cases import every_op_results, many_programs, uninitialized_memory_poisoned
+from tests.ops.cases import NEEDS_TRITON_INTERPRETER, every_op_results, many_programs, uninitialized_memory_poisoned
 
 pytest.importorskip("triton")
-from macs_kernels.ops.triton.settings import (  # noqa: E402
-    TRITON_SPLIT_KV_PASSES,
-    set_triton_split_kv_pass,
-    triton_split_kv_pass,
-)
+from macs_kernels.ops.triton.settings import TRITON_SPLIT_KV_PASSES  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not triton_interpreted() or why_unavailable("triton", "cpu") is not None,
-                                reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
+pytestmark = NEEDS_TRITON_INTERPRETER
 
 
 @contextlib.contextmanager
@@ -56,20 +49,15 @@ def programs_run(order: str, seed: int = 0):
 
 
 # float32 only: which program writes where does not depend on the dtype (the interpreter takes about 10 s a pass).
-@pytest.mark.parametrize("split_pass", TRITON_SPLIT_KV_PASSES)
-def test_triton_results_do_not_depend_on_the_order_programs_run_in(split_pass, dtype=torch.float32):
-    previous = triton_split_kv_pass()
-    set_triton_split_kv_pass(split_pass)
-    try:
-        with many_programs(), uninitialized_memory_poisoned():
-            expected = every_op_results(dtype, "triton")
-        for order, seed in (("reverse", 0), ("shuffled", 1), ("shuffled", 2)):
-            with many_programs(), programs_run(order, seed), uninitialized_memory_poisoned():
-                got = every_op_results(dtype, "triton")
-            for want, result in zip(expected, got, strict=True):
-                assert torch.equal(want, result), f"{order} (seed {seed}) changed a result: programs race"
-    finally:
-        set_triton_split_kv_pass(previous)
+@pytest.mark.parametrize("triton_split_kv", TRITON_SPLIT_KV_PASSES, indirect=True)  # tests/ops/conftest.py
+def test_triton_results_do_not_depend_on_the_order_programs_run_in(triton_split_kv, dtype=torch.float32):
+    with many_programs(), uninitialized_memory_poisoned():
+        expected = every_op_results(dtype, "triton")
+    for order, seed in (("reverse", 0), ("shuffled", 1), ("shuffled", 2)):
+        with many_programs(), programs_run(order, seed), uninitialized_memory_poisoned():
+            got = every_op_results(dtype, "triton")
+        for want, result in zip(expected, got, strict=True):
+            assert torch.equal(want, result), f"{order} (seed {seed}) changed a result: programs race"
 
 
 def test_the_order_is_the_one_asked_for():

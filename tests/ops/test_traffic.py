@@ -8,20 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from macs_kernels.ops import why_unavailable
-from macs_kernels.ops.backends import triton_interpreted
-from tests.ops.cases import key_reading_calls, many_programs
+from tests.ops.cases import NEEDS_TRITON_INTERPRETER, key_reading_calls, many_programs
 
 pytest.importorskip("triton")
 from macs_kernels.apps.bench.traffic import OUTSIDE, Counts, Traffic, triton_traffic  # noqa: E402
-from macs_kernels.ops.triton.settings import (  # noqa: E402
-    TRITON_SPLIT_KV_PASSES,
-    set_triton_split_kv_pass,
-    triton_split_kv_pass,
-)
+from macs_kernels.ops.triton.settings import TRITON_SPLIT_KV_PASSES  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not triton_interpreted() or why_unavailable("triton", "cpu") is not None,
-                                reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
+pytestmark = NEEDS_TRITON_INTERPRETER
 SPLIT_KERNELS = ("_split_kv_kernel", "_one_launch_kernel")
 
 
@@ -41,29 +34,24 @@ def score_bytes(split_pass: str, name: str, dtype: torch.dtype) -> int:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("split_pass", TRITON_SPLIT_KV_PASSES)
-def test_each_attended_key_is_read_once_and_each_score_written_and_read_once(split_pass, dtype):
-    previous = triton_split_kv_pass()
-    set_triton_split_kv_pass(split_pass)
-    try:
-        for case in key_reading_calls(dtype, "triton"):
-            traffic = traffic_of(case.call)
-            assert not any(argument == OUTSIDE for _, argument in traffic.counts), \
-                f"{case.name}: an access outside every argument of its kernel"
-            for argument in case.cache:
-                read = sum((traffic.of(argument, kernel) for kernel in SPLIT_KERNELS), Counts())
-                assert (read.read, read.read_distinct, read.read_sectors) == (case.attended,) * 3, \
-                    f"{case.name}: {argument} read {read} for {case.attended} attended bytes"
-            if not case.score_columns:
-                continue
-            scores = traffic.of("scores")
-            expected = case.score_columns * score_bytes(split_pass, case.name, dtype)
-            assert (scores.written, scores.written_distinct) == (expected, expected), f"{case.name}: {scores}"
-            # The scores come back once: the pooling kernel's `values` (verified) or the `scores` the pooling reads.
-            read_back = scores.read_distinct + traffic.of("values").read_distinct
-            assert read_back == expected, f"{case.name}: {read_back} score bytes read back, {expected} written"
-    finally:
-        set_triton_split_kv_pass(previous)
+@pytest.mark.parametrize("triton_split_kv", TRITON_SPLIT_KV_PASSES, indirect=True)  # tests/ops/conftest.py
+def test_each_attended_key_is_read_once_and_each_score_written_and_read_once(triton_split_kv, dtype):
+    for case in key_reading_calls(dtype, "triton"):
+        traffic = traffic_of(case.call)
+        assert not any(argument == OUTSIDE for _, argument in traffic.counts), \
+            f"{case.name}: an access outside every argument of its kernel"
+        for argument in case.cache:
+            read = sum((traffic.of(argument, kernel) for kernel in SPLIT_KERNELS), Counts())
+            assert (read.read, read.read_distinct, read.read_sectors) == (case.attended,) * 3, \
+                f"{case.name}: {argument} read {read} for {case.attended} attended bytes"
+        if not case.score_columns:
+            continue
+        scores = traffic.of("scores")
+        expected = case.score_columns * score_bytes(triton_split_kv, case.name, dtype)
+        assert (scores.written, scores.written_distinct) == (expected, expected), f"{case.name}: {scores}"
+        # The scores come back once: the pooling kernel's `values` (verified) or the `scores` the pooling reads.
+        read_back = scores.read_distinct + traffic.of("values").read_distinct
+        assert read_back == expected, f"{case.name}: {read_back} score bytes read back, {expected} written"
 
 
 def test_the_counts_are_the_accesses_made():
@@ -86,3 +74,27 @@ def test_the_counts_are_the_accesses_made():
     # Eight floats two apart: 60 bytes of span, two 32-byte sectors for 32 bytes written.
     assert (written.written, written.written_distinct, written.written_sectors) == (32, 32, 64)
     assert torch.equal(target[:16:2], 2 * source[:8])
+
+
+def test_each_address_counts_for_the_arguments_whose_elements_it_is():
+    """K and V interleaved in one packed cache, and a view inside another argument: an access counts for the
+    tensors it is an element of, not for the nearest start."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_rows(k_ptr, v_ptr, out_ptr, stride, N: tl.constexpr, D: tl.constexpr):
+        rows, columns = tl.arange(0, N)[:, None], tl.arange(0, D)[None, :]
+        tl.store(out_ptr + rows * D + columns, tl.load(k_ptr + rows * stride + columns))
+
+    packed = torch.randn(4, 2, 8)  # (S, 2, D): each key's K row, then its V row
+    k, v, out = packed[:, 0], packed[:, 1], torch.zeros(4, 8)
+    with triton_traffic() as traffic:
+        read_rows[(1,)](k, v, out, 16, N=4, D=8)
+    assert (traffic.of("k").read, traffic.of("v").read) == (128, 0) and torch.equal(out, k)
+
+    whole = torch.randn(4, 8)
+    with triton_traffic() as traffic:
+        read_rows[(1,)](whole, whole[1:3], out, 8, N=4, D=8)
+    assert set(traffic.counts) == {("read_rows", "k"), ("read_rows", "k=v"), ("read_rows", "out")}
+    assert (traffic.of("k").read, traffic.of("v").read, traffic.of(OUTSIDE).read) == (128, 64, 0)

@@ -3,7 +3,7 @@ one, for machines without a GPU (issue 48: whether the fused MACS pass can take 
 first on the bytes it adds).
 
 - `triton_traffic()`: every load, store and atomic of Triton's interpreter (TRITON_INTERPRET=1), each attributed to the
-  launched kernel's tensor argument that holds its address (an address in none of them: argument "(outside)").
+  launched kernel's tensor arguments whose elements its address is (in none of them: argument "(outside)").
 - `cuda_copy_traffic(tensors)`: the CUDA emulation's 16-byte asynchronous copies (MACS_KERNELS_CUDA_EMULATION=1),
   attributed to the tensors named: the only way the pipelined and tensor-core split kernels read K and V (their other
   loads and stores are plain C++ accesses there, not seen). A kernel's copies count as one access (its sectors are
@@ -53,47 +53,81 @@ def span(tensor: torch.Tensor) -> tuple[int, int]:
     return tensor.data_ptr(), tensor.data_ptr() + (last + 1) * tensor.element_size()
 
 
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """The bytes of one tensor argument's elements: its span, and where the span has holes (a strided view, K of a
+    packed K/V cache) the sizes and strides that say which addresses in it are elements."""
+    start: int
+    end: int
+    item_bytes: int
+    dims: tuple[tuple[int, int], ...]  # (size, stride in elements), largest stride first; () when the span is dense
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> Region:
+        start, end = span(tensor)
+        dense = tensor.numel() * tensor.element_size() == end - start
+        dims = () if dense else tuple(sorted(((size, stride) for size, stride in zip(tensor.shape, tensor.stride())
+                                              if size > 1 and stride > 0), key=lambda dim: -dim[1]))
+        return cls(start, end, tensor.element_size(), dims)
+
+    def holds(self, addresses: numpy.ndarray) -> numpy.ndarray:
+        held = (addresses >= numpy.uint64(self.start)) & (addresses < numpy.uint64(self.end))
+        if not self.dims:
+            return held
+        offset = (addresses[held] - numpy.uint64(self.start)).astype(numpy.int64)
+        element, ok = offset // self.item_bytes, offset % self.item_bytes == 0
+        for size, stride in self.dims:  # a view of one buffer: each stride exceeds the extent of the smaller ones
+            index = element // stride
+            ok &= index < size
+            element -= index * stride
+        held[held] = ok & (element == 0)
+        return held
+
+
 class Traffic:
-    """Counts by (kernel, argument), filled while its context is open; `total()` sums them."""
+    """Counts by (kernel, argument), filled while its context is open; `total()` sums them. An address that is an
+    element of several arguments (a tensor passed twice, a view inside another) counts for all of them together,
+    under their names joined by "=" ("k=v")."""
 
     def __init__(self):
         self.counts: dict[tuple[str, str], Counts] = {}
-        self._touched: dict[tuple[str, str, str], tuple[int, numpy.ndarray]] = {}
+        self._touched: dict[tuple, numpy.ndarray] = {}
 
-    def record(self, kernel: str, regions: dict[str, tuple[int, int]], kind: str, addresses: numpy.ndarray,
+    def record(self, kernel: str, regions: dict[str, Region], kind: str, addresses: numpy.ndarray,
                item_bytes: int) -> None:
         """One access of `kind` ("read" or "written"): `item_bytes` at each of `addresses` (uint64), attributed to the
-        region (name -> byte span) that holds it."""
+        regions (name -> Region) whose elements hold them."""
         addresses = numpy.asarray(addresses, dtype=numpy.uint64).ravel()
         if addresses.size == 0:
             return
-        names = list(regions)
-        starts = numpy.array([regions[name][0] for name in names], dtype=numpy.uint64)
-        ends = numpy.array([regions[name][1] for name in names], dtype=numpy.uint64)
-        order = numpy.argsort(starts, kind="stable")
-        slot = numpy.searchsorted(starts[order], addresses, side="right") - 1
-        inside = slot >= 0
-        inside[inside] &= addresses[inside] + numpy.uint64(item_bytes) <= ends[order][slot[inside]]
-        owner = numpy.where(inside, order[numpy.maximum(slot, 0)], -1)
-        for index in numpy.unique(owner):
-            mine = addresses[owner == index]
-            name = OUTSIDE if index < 0 else names[index]
+        low, high = int(addresses.min()), int(addresses.max())
+        candidates = [(name, region) for name, region in regions.items()
+                      if region.start <= high and region.end > low]
+        owners = numpy.zeros(addresses.size, dtype=numpy.int64)  # bit i: candidate i holds the address
+        for bit, (_, region) in enumerate(candidates):
+            owners |= region.holds(addresses).astype(numpy.int64) << bit
+        for owner in numpy.unique(owners):
+            mine = addresses[owners == owner]
+            members = [candidate for bit, candidate in enumerate(candidates) if owner >> bit & 1]
+            name = "=".join(member for member, _ in members) or OUTSIDE
             counts = self.counts.setdefault((kernel, name), Counts())
             setattr(counts, kind, getattr(counts, kind) + mine.size * item_bytes)
             sectors = numpy.unique(numpy.concatenate([mine, mine + numpy.uint64(item_bytes - 1)])
                                    // numpy.uint64(SECTOR_BYTES)).size
             setattr(counts, f"{kind}_sectors", getattr(counts, f"{kind}_sectors") + sectors * SECTOR_BYTES)
-            if index >= 0:
-                self._mark(kernel, name, kind, regions[name], mine, item_bytes, counts)
+            if members:
+                self._mark(kernel, name, kind, members[0][1], mine, item_bytes, counts)
 
-    def _mark(self, kernel, name, kind, region, addresses, item_bytes, counts) -> None:
-        start, end = region
-        key = (kernel, name, kind)
-        if key not in self._touched or self._touched[key][0] != start:
-            self._touched[key] = (start, numpy.zeros(end - start, dtype=bool))
-        touched = self._touched[key][1]
-        offsets = (addresses - numpy.uint64(start)).astype(numpy.int64)
+    def _mark(self, kernel, name, kind, region: Region, addresses, item_bytes, counts) -> None:
+        """Adds the bytes at `addresses` that this (kernel, argument, kind) had not touched in this region to its
+        distinct count."""
+        key = (kernel, name, kind, region.start, region.end)
+        if key not in self._touched:
+            self._touched[key] = numpy.zeros(region.end - region.start, dtype=bool)
+        touched = self._touched[key]
+        offsets = (addresses - numpy.uint64(region.start)).astype(numpy.int64)
         bytes_at = (offsets[:, None] + numpy.arange(item_bytes)).ravel()
+        bytes_at = bytes_at[bytes_at < touched.size]
         fresh = numpy.unique(bytes_at[~touched[bytes_at]]).size
         touched[bytes_at] = True
         setattr(counts, f"{kind}_distinct", getattr(counts, f"{kind}_distinct") + fresh)
@@ -131,19 +165,14 @@ def triton_traffic() -> Iterator[Traffic]:
 
     builder = interpreter.interpreter_builder
     traffic = Traffic()
-    launches: list[tuple[str, dict[str, tuple[int, int]]]] = []
+    launches: list[tuple[str, dict[str, Region]]] = []
     run_launch = interpreter.GridExecutor.__call__
 
     def launch(executor, *args, **kwargs):
         named = inspect.getcallargs(executor.fn, *args, **{k: v for k, v in kwargs.items()
                                                             if k in inspect.signature(executor.fn).parameters})
-        names_of: dict[tuple[int, int], list[str]] = {}
-        for name, value in named.items():
-            if isinstance(value, torch.Tensor):
-                names_of.setdefault(span(value), []).append(name.removesuffix("_ptr"))
-        # A tensor passed as several arguments (macs_update's K as V, a placeholder for an unused output): one
-        # region named by all of them, "k=v".
-        regions = {"=".join(names): region for region, names in names_of.items()}
+        regions = {name.removesuffix("_ptr"): Region.of(value) for name, value in named.items()
+                   if isinstance(value, torch.Tensor)}
         launches.append((executor.fn.__name__, regions))
         try:
             return run_launch(executor, *args, **kwargs)
@@ -201,7 +230,7 @@ def cuda_copy_traffic(tensors: dict[str, torch.Tensor]) -> Iterator[Traffic]:
     from macs_kernels.ops.cuda import emulation
 
     traffic = Traffic()
-    regions = {name: span(tensor) for name, tensor in tensors.items()}
+    regions = {name: Region.of(tensor) for name, tensor in tensors.items()}
     emulation.count_async_copies(True)
     try:
         yield traffic

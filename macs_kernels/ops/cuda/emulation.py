@@ -178,15 +178,15 @@ def take_launches() -> list[Launch]:
     return launches
 
 
+_counting_copies = False
+
+
 def count_async_copies(count: bool) -> None:
     """Record the source address of every later 16-byte asynchronous copy (`cp.async`) that reads global memory
     (True), or stop (False); either way forget the copies recorded so far."""
     global _counting_copies
     _counting_copies = count
     _runtime.cuda_emulation_count_copies(int(count))
-
-
-_counting_copies = False
 
 
 def take_async_copies() -> dict[str, numpy.ndarray]:
