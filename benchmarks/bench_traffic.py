@@ -30,7 +30,8 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from macs_kernels import ops  # noqa: E402
+from bench_ops import Problem, backend_call  # noqa: E402
+
 from macs_kernels.apps.bench import environment, write_csv  # noqa: E402
 from macs_kernels.apps.bench.traffic import triton_launch_plans_for, triton_traffic  # noqa: E402
 from macs_kernels.ops.triton.settings import (  # noqa: E402
@@ -40,7 +41,7 @@ from macs_kernels.ops.triton.settings import (  # noqa: E402
 )
 
 H200_MULTIPROCESSORS = 132
-HEADS, KV_HEADS, GENERATED = 32, 8, 16
+HEADS, KV_HEADS = 32, 8
 # Arguments that hold the input keys' scores (and the two- and one-launch passes' block maxima), by any kernel's name
 # for them.
 SCORE_ARGUMENTS = ("scores", "values", "tile_max")
@@ -55,33 +56,21 @@ def shapes(quick: bool, every: bool) -> list[tuple[int, int, int]]:
 
 
 def calls(batch: int, keys: int, dim: int):
-    """(name, split pass, no-argument call, K/V bytes it must read) for one shape."""
-    generator = torch.Generator().manual_seed(0)
-    make = lambda *shape: torch.randn(*shape, generator=generator).bfloat16()  # noqa: E731
-    q, k, v = make(batch, HEADS, dim), make(batch, KV_HEADS, keys, dim), make(batch, KV_HEADS, keys, dim)
-    index = lambda value: torch.full((batch,), value)  # noqa: E731
-    start, kv_len, input_end = index(0), index(keys), index(keys - GENERATED)
-    log_c = torch.zeros(batch, keys - GENERATED)
-    cache = k.numel() * k.element_size()
-    attention = dict(kv_start=start, kv_len=kv_len, scale=dim ** -0.5, backend="triton", validate=False)
-    yield "attention", "", lambda: ops.decode_attention(q, k, v, **attention), 2 * cache
-    for split_pass in TRITON_SPLIT_KV_PASSES:
-        yield "decode_attention with log_c", split_pass, lambda: ops.decode_attention(
-            q, k, v, input_end=input_end, log_c=log_c, **attention), 2 * cache
-    for split_pass in TRITON_SPLIT_KV_PASSES:
-        yield "macs_update", split_pass, lambda: ops.macs_update(
-            q, k, log_c, input_start=start, input_end=input_end, kv_len=kv_len, scale=dim ** -0.5, backend="triton",
-            validate=False), cache
+    """(name, split pass, no-argument call, K/V bytes it must read) for one shape: bench_ops' problem and its triton
+    calls (the kernels, called as the tracer calls them)."""
+    torch.manual_seed(0)
+    problem = Problem(batch, HEADS, KV_HEADS, dim, keys, torch.bfloat16, torch.device("cpu"))
+    yield ("attention", "", backend_call("triton", fused=False)("decode_attention", problem),
+           problem.bytes("decode_attention"))
+    for op, name in (("decode_attention", "decode_attention with log_c"), ("macs_update", "macs_update")):
+        for split_pass in TRITON_SPLIT_KV_PASSES:
+            yield name, split_pass, backend_call("triton", split_kernel=split_pass)(op, problem), problem.bytes(op)
 
 
 def measure(shape, env: dict) -> tuple[list[dict], list[dict]]:
     batch, keys, dim = shape
     detail, summary = [], []
-    for _, _, call, _ in calls(1, 64, dim):  # the first call of each op runs the backend's self-check: not counted
-        call()
     for name, split_pass, call, cache_bytes in calls(batch, keys, dim):
-        if split_pass:
-            set_triton_split_kv_pass(split_pass)
         tick = time.perf_counter()
         with triton_launch_plans_for(H200_MULTIPROCESSORS), triton_traffic() as traffic:
             call()

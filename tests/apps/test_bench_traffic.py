@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 try:
+    import bench_ops
     import bench_traffic
 finally:
     sys.path.remove(str(ROOT / "benchmarks"))
@@ -29,7 +30,7 @@ def test_the_traffic_benchmark_counts_the_bytes_its_calls_must_move(tmp_path):
     rows = [json.loads(line) for line in stem.with_suffix(".json").read_text().splitlines()]
     assert len(rows) == 1 + 2 * 3  # attention, then decode_attention and macs_update under each fused pass
     kv_bytes = 2 * batch * bench_traffic.KV_HEADS * keys * dim * 2
-    inputs = keys - bench_traffic.GENERATED
+    inputs = keys - bench_ops.GENERATED
     for row in rows:
         must_read = kv_bytes if row["call"] != "macs_update" else kv_bytes // 2
         assert row["cache_bytes"] == must_read and row["distinct_bytes"] > must_read, row

@@ -45,14 +45,6 @@ class Counts:
         return Counts(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)))
 
 
-def span(tensor: torch.Tensor) -> tuple[int, int]:
-    """[first, last + 1) bytes a tensor's elements occupy (views and strides included)."""
-    if tensor.numel() == 0:
-        return tensor.data_ptr(), tensor.data_ptr()
-    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
-    return tensor.data_ptr(), tensor.data_ptr() + (last + 1) * tensor.element_size()
-
-
 @dataclasses.dataclass(frozen=True)
 class Region:
     """The bytes of one tensor argument's elements: its span, and where the span has holes (a strided view, K of a
@@ -64,7 +56,9 @@ class Region:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> Region:
-        start, end = span(tensor)
+        start = tensor.data_ptr()
+        last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+        end = start + (last + 1) * tensor.element_size() if tensor.numel() else start
         dense = tensor.numel() * tensor.element_size() == end - start
         dims = () if dense else tuple(sorted(((size, stride) for size, stride in zip(tensor.shape, tensor.stride())
                                               if size > 1 and stride > 0), key=lambda dim: -dim[1]))
