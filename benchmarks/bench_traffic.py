@@ -1,22 +1,26 @@
-"""The bytes the triton backend's decode step moves at issue 48's shapes, counted on a CPU: CSV, JSON, PNG, no asserts.
+"""The bytes a decode step moves at issue 48's shapes, counted on a CPU: CSV, JSON, PNG, no asserts.
 
-    python benchmarks/bench_traffic.py              # B 1: 4k and 32k keys at D 128, 32k at D 64 (about 10 minutes)
+    python benchmarks/bench_traffic.py              # triton: B 1, 4k and 32k keys at D 128, 32k at D 64 (10 minutes)
     python benchmarks/bench_traffic.py --quick      # 4k keys at D 128 only (about 2 minutes)
     python benchmarks/bench_traffic.py --all        # also B 8 x 32k and 128k keys (an hour or more)
+    MACS_KERNELS_CUDA_EMULATION=1 python benchmarks/bench_traffic.py --backend cuda   # the cuda kernels, emulated
 
-Every load and store of Triton's interpreter, by kernel and argument (macs_kernels/apps/bench/traffic.py), with the
-launch plan of an H200 (132 multiprocessors: the same splits, so the same partial results): attention alone, then
-decode_attention fused with the log c update and macs_update under each fused pass (ops/triton/settings.py). bf16,
-32 query heads on 8 KV heads, the last 16 keys generated. What DRAM moves lies between the distinct bytes (every
-repeat served by the cache) and the sector bytes (none served); a kernel's time is not counted: it is a CPU.
+Every access of the backend's kernels, by kernel and argument (macs_kernels/apps/bench/traffic.py: each load and store
+of Triton's interpreter; the CUDA emulation's loads, stores and asynchronous copies), with the launch plan of an H200
+(132 multiprocessors: the same splits, so the same partial results): attention alone, then decode_attention fused with
+the log c update and macs_update, under each of the backend's split passes (triton: ops/triton/settings.py's fused
+passes; cuda: its split kernels, each with its own attention). bf16, 32 query heads on 8 KV heads, the last 16 keys
+generated. What DRAM moves lies between the distinct bytes (every repeat served by the cache) and the sector bytes
+(none served); a kernel's time is not counted: it is a CPU.
 
 Issue 48's goal is the fused pass within 1.10x of attention's time; these are its bytes over attention's, the floor
-of that ratio on a GPU that reads at its bandwidth. Writes benchmarks/results/traffic_triton_cpu.{csv,json,png}
+of that ratio on a GPU that reads at its bandwidth. Writes benchmarks/results/traffic_<backend>_cpu.{csv,json,png}
 (or under --out): one CSV row per (shape, call, kernel, argument), one JSON line per (shape, call).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -33,7 +37,8 @@ sys.path.insert(0, str(ROOT))
 from bench_ops import Problem, backend_call  # noqa: E402
 
 from macs_kernels.apps.bench import environment, write_csv  # noqa: E402
-from macs_kernels.apps.bench.traffic import triton_launch_plans_for, triton_traffic  # noqa: E402
+from macs_kernels.apps.bench.traffic import cuda_traffic, triton_launch_plans_for, triton_traffic  # noqa: E402
+from macs_kernels.ops.cuda import CUDA_SPLIT_KV_KERNELS, cuda_split_kv_kernel, set_cuda_split_kv_kernel  # noqa: E402
 from macs_kernels.ops.triton.settings import (  # noqa: E402
     TRITON_SPLIT_KV_PASSES,
     set_triton_split_kv_pass,
@@ -42,9 +47,12 @@ from macs_kernels.ops.triton.settings import (  # noqa: E402
 
 H200_MULTIPROCESSORS = 132
 HEADS, KV_HEADS = 32, 8
-# Arguments that hold the input keys' scores (and the two- and one-launch passes' block maxima), by any kernel's name
-# for them.
-SCORE_ARGUMENTS = ("scores", "values", "tile_max")
+# Each backend's split passes: what a fused call runs under, and (cuda) its attention alone too.
+SPLIT_PASSES = {"triton": TRITON_SPLIT_KV_PASSES, "cuda": CUDA_SPLIT_KV_KERNELS}
+SPLIT_PASS_SETTINGS = {"triton": (triton_split_kv_pass, set_triton_split_kv_pass),
+                       "cuda": (cuda_split_kv_kernel, set_cuda_split_kv_kernel)}
+# Arguments that hold the input keys' scores (and the maxima they are kept relative to), by any kernel's name for them.
+SCORE_ARGUMENTS = ("scores", "values", "tile_max", "relative_scores", "score_maxima")
 
 
 def shapes(quick: bool, every: bool) -> list[tuple[int, int, int]]:
@@ -55,29 +63,46 @@ def shapes(quick: bool, every: bool) -> list[tuple[int, int, int]]:
     return chosen + ([(8, 32768, 128), (1, 131072, 128)] if every else [])
 
 
-def calls(batch: int, keys: int, dim: int):
-    """(name, split pass, no-argument call, K/V bytes it must read) for one shape: bench_ops' problem and its triton
-    calls (the kernels, called as the tracer calls them)."""
+def calls(backend: str, problem: Problem):
+    """(name, split pass, no-argument call, K/V bytes it must read) for one problem: bench_ops' calls of the backend's
+    kernels, called as the tracer calls them. Triton's attention alone runs no fused pass; each cuda split kernel runs
+    attention too."""
+    for split_pass in SPLIT_PASSES[backend] if backend == "cuda" else ("",):
+        yield ("attention", split_pass, backend_call(backend, fused=False, split_kernel=split_pass or "verified")(
+            "decode_attention", problem), problem.bytes("decode_attention"))
+    for op, name in (("decode_attention", "decode_attention with log_c"), ("macs_update", "macs_update")):
+        for split_pass in SPLIT_PASSES[backend]:
+            yield name, split_pass, backend_call(backend, split_kernel=split_pass)(op, problem), problem.bytes(op)
+
+
+@contextlib.contextmanager
+def counted(backend: str, problem: Problem):
+    """The traffic of the kernels run inside, with an H200's launch plan (the emulation's default device for cuda,
+    whose accesses are credited to the problem's tensors by name and to the buffers its launchers name)."""
+    if backend == "triton":
+        with triton_launch_plans_for(H200_MULTIPROCESSORS), triton_traffic() as traffic:
+            yield traffic
+    else:
+        with cuda_traffic(dict(q=problem.q, k=problem.k, v=problem.v, log_c=problem.log_c, kv_start=problem.start,
+                               kv_len=problem.kv_len, input_end=problem.input_end)) as traffic:
+            yield traffic
+
+
+def measure(backend: str, shape, env: dict) -> tuple[list[dict], list[dict]]:
+    batch, keys, dim = shape
     torch.manual_seed(0)
     problem = Problem(batch, HEADS, KV_HEADS, dim, keys, torch.bfloat16, torch.device("cpu"))
-    yield ("attention", "", backend_call("triton", fused=False)("decode_attention", problem),
-           problem.bytes("decode_attention"))
-    for op, name in (("decode_attention", "decode_attention with log_c"), ("macs_update", "macs_update")):
-        for split_pass in TRITON_SPLIT_KV_PASSES:
-            yield name, split_pass, backend_call("triton", split_kernel=split_pass)(op, problem), problem.bytes(op)
-
-
-def measure(shape, env: dict) -> tuple[list[dict], list[dict]]:
-    batch, keys, dim = shape
     detail, summary = [], []
-    for name, split_pass, call, cache_bytes in calls(batch, keys, dim):
+    for name, split_pass, call, cache_bytes in calls(backend, problem):
+        if backend == "cuda":
+            call()  # the first call of the process runs the backend's self-check, on buffers it names too
         tick = time.perf_counter()
-        with triton_launch_plans_for(H200_MULTIPROCESSORS), triton_traffic() as traffic:
+        with counted(backend, problem) as traffic:
             call()
         total = traffic.total()
         scores = sum(c.read_distinct + c.written_distinct for (_, argument), c in traffic.counts.items()
                      if set(argument.split("=")) <= set(SCORE_ARGUMENTS))  # "scores=m": m, scores unused
-        columns = dict(B=batch, H=HEADS, H_kv=KV_HEADS, D=dim, S=keys, dtype="bfloat16", call=name,
+        columns = dict(B=batch, H=HEADS, H_kv=KV_HEADS, D=dim, S=keys, dtype="bfloat16", backend=backend, call=name,
                        split_pass=split_pass or "(attention only)")
         detail += [columns | row | env for row in traffic.rows()]
         summary.append(columns | dict(
@@ -85,9 +110,10 @@ def measure(shape, env: dict) -> tuple[list[dict], list[dict]]:
             sector_bytes=total.read_sectors + total.written_sectors, score_bytes=scores,
             kernels=len({kernel for kernel, _ in traffic.counts}), seconds=round(time.perf_counter() - tick, 1)))
         print(json.dumps(summary[-1]), flush=True)
-    attention = next(row for row in summary if row["call"] == "attention")
+    attention = {row["split_pass"]: row for row in summary if row["call"] == "attention"}
     for row in summary:
-        floor = attention if row["call"] != "macs_update" else None
+        floor = attention.get(row["split_pass"], attention.get("(attention only)")) \
+            if row["call"] != "macs_update" else None
         for kind in ("distinct", "sector"):
             base = floor[f"{kind}_bytes"] if floor else row["cache_bytes"]
             row[f"{kind}_over_{'attention' if floor else 'K'}"] = round(row[f"{kind}_bytes"] / base, 4)
@@ -111,9 +137,10 @@ def plot(summary: list[dict], path: Path) -> None:
 
     fused = [row for row in summary if row["call"] == "decode_attention with log_c"]
     shapes_seen = sorted({(row["B"], row["S"], row["D"]) for row in fused})
+    split_passes = list(dict.fromkeys(row["split_pass"] for row in fused))
     fig, ax = plt.subplots(figsize=(1.6 + 1.9 * len(shapes_seen), 3.4))
-    width = 0.8 / len(TRITON_SPLIT_KV_PASSES)
-    for i, split_pass in enumerate(TRITON_SPLIT_KV_PASSES):
+    width = 0.8 / len(split_passes)
+    for i, split_pass in enumerate(split_passes):
         rows = [next(r for r in fused if (r["B"], r["S"], r["D"]) == s and r["split_pass"] == split_pass)
                 for s in shapes_seen]
         positions = [j + (i - 1) * width for j in range(len(shapes_seen))]
@@ -125,8 +152,8 @@ def plot(summary: list[dict], path: Path) -> None:
                   fontsize=8)
     ax.set_ylim(1.0, max(1.15, max(r["sector_over_attention"] for r in fused) + 0.02))
     ax.set_ylabel("bytes / attention's", fontsize=8)
-    ax.set_title("Triton fused decode (log c), bytes over attention alone (bf16, 32/8 heads, H200 plan)",
-                 fontsize=8)
+    ax.set_title(f"{fused[0]['backend']} fused decode (log c), bytes over attention alone (bf16, 32/8 heads, H200 "
+                 "plan)", fontsize=8)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -134,24 +161,29 @@ def plot(summary: list[dict], path: Path) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=tuple(SPLIT_PASSES), default="triton",
+                        help="cuda: the CUDA emulation's kernels (MACS_KERNELS_CUDA_EMULATION=1)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--all", action="store_true", help="also B 8 x 32k and 128k keys")
     parser.add_argument("--shape", action="append", metavar="B,KEYS,D", help="these shapes instead (repeatable)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
+    if args.backend == "cuda" and os.environ.get("MACS_KERNELS_CUDA_EMULATION") != "1":
+        parser.error("--backend cuda counts the CUDA emulation's accesses: set MACS_KERNELS_CUDA_EMULATION=1")
     env = environment(torch.device("cpu"))
     detail, summary = [], []
     chosen = [tuple(map(int, shape.split(","))) for shape in args.shape] if args.shape else shapes(args.quick, args.all)
-    previous = triton_split_kv_pass()
+    current, restore = SPLIT_PASS_SETTINGS[args.backend]
+    previous = current()
     try:
         for shape in chosen:
-            rows, lines = measure(shape, env)
+            rows, lines = measure(args.backend, shape, env)
             detail += rows
             summary += lines
     finally:
-        set_triton_split_kv_pass(previous)
+        restore(previous)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / "traffic_triton_cpu"
+    stem = args.out / f"traffic_{args.backend}_cpu"
     write_csv(detail, stem.with_suffix(".csv"))
     stem.with_suffix(".json").write_text("".join(json.dumps(row | env) + "\n" for row in summary))
     plot(summary, stem.with_suffix(".png"))

@@ -140,13 +140,110 @@ std::string launches_text;
 // Whether launches run their kernels: off, a launch is checked and logged only, and an op costs what its host path
 // costs (benchmarks/bench_checks.py).
 bool execute = true;
-const void* running_kernel = nullptr;  // the launch whose blocks run now: what a counted copy is credited to
-// While counting (off by default), the source of every 16-byte asynchronous copy that reads global memory and the
-// kernel that made it: the bytes the pipelined and tensor-core split kernels read K and V with
-// (macs_kernels/apps/bench/traffic.py attributes them to tensors).
-bool count_copies = false;
-std::vector<uint64_t> copy_sources;
-std::vector<const void*> copy_kernels;
+const void* running_kernel = nullptr;  // the launch whose blocks run now (null between launches)
+
+// While counting (off by default; macs_kernels/apps/bench/traffic.py): the global-memory accesses of the kernels this
+// host thread launches. Every 16-byte asynchronous copy that reads global memory, and every plain load and store (the
+// emulation compiles csrc/ with -fsanitize=thread, whose callbacks come here) in a watched span: the caller's
+// tensors, or a buffer the launchers name while counting (name_buffer; an access is credited to the latest one
+// holding it, since the allocator hands a freed buffer's bytes to the next). The callbacks run on every access, so
+// they call nothing instrumented (they would call themselves back): plain arrays, grown by realloc.
+struct Access {
+  uint64_t address;
+  const void* kernel;
+  int32_t buffer;  // index into AccessLog::buffers, or -1
+  uint16_t bytes;
+  uint8_t written, unused = 0;
+};
+struct Span {
+  uint64_t start, end;
+  const char* name;  // a named buffer's (the launchers' string literals)
+};
+constexpr int kMaxWatched = 64;
+// Most accesses of a running kernel are to its fibers' stacks, shared memory and the emulation's own warps: a hash set
+// of the 4 KiB pages the spans touch turns those away with one probe (pages, not larger chunks: small tensors share
+// the heap's pages with the emulation's structures).
+constexpr int kPageShift = 12;
+struct AccessLog {
+  Span watched[kMaxWatched];
+  int watched_count = 0;
+  Span* buffers = nullptr;
+  size_t buffer_count = 0, buffer_capacity = 0;
+  Access* accesses = nullptr;
+  size_t access_count = 0, access_capacity = 0;
+  uint64_t* pages = nullptr;  // open addressing: page index + 1, 0 for an empty slot
+  size_t page_slots = 0, page_count = 0;
+};
+__attribute__((tls_model("initial-exec"))) thread_local AccessLog* access_log = nullptr;
+
+__attribute__((no_sanitize_thread)) size_t page_slot(const AccessLog* log, uint64_t page) {
+  size_t slot = size_t(page * 0x9E3779B97F4A7C15ull) & (log->page_slots - 1);
+  while (log->pages[slot] != 0 && log->pages[slot] != page + 1) slot = (slot + 1) & (log->page_slots - 1);
+  return slot;
+}
+
+__attribute__((no_sanitize_thread)) void add_pages(AccessLog* log, uint64_t start, uint64_t end) {
+  for (uint64_t page = start >> kPageShift; start < end && page <= (end - 1) >> kPageShift; ++page) {
+    if (2 * (log->page_count + 1) > log->page_slots) {
+      uint64_t* old = log->pages;
+      const size_t old_slots = log->page_slots;
+      log->page_slots = old_slots == 0 ? 1024 : 2 * old_slots;
+      log->pages = static_cast<uint64_t*>(std::calloc(log->page_slots, sizeof(uint64_t)));
+      if (log->pages == nullptr) std::abort();
+      for (size_t i = 0; i < old_slots; ++i) {
+        if (old[i] != 0) log->pages[page_slot(log, old[i] - 1)] = old[i];
+      }
+      std::free(old);
+    }
+    const size_t slot = page_slot(log, page);
+    if (log->pages[slot] == 0) {
+      log->pages[slot] = page + 1;
+      ++log->page_count;
+    }
+  }
+}
+
+template <typename T>
+__attribute__((no_sanitize_thread)) void append(T*& items, size_t& count, size_t& capacity, const T& item) {
+  if (count == capacity) {
+    capacity = capacity == 0 ? 4096 : 2 * capacity;
+    items = static_cast<T*>(std::realloc(items, capacity * sizeof(T)));
+    if (items == nullptr) std::abort();
+  }
+  items[count++] = item;
+}
+
+__attribute__((no_sanitize_thread, noinline)) void log_access(AccessLog* log, const void* address, size_t bytes,
+                                                                 bool written, bool copy) {
+  const uint64_t at = reinterpret_cast<uint64_t>(address);
+  if (!copy && (log->page_slots == 0 || log->pages[page_slot(log, at >> kPageShift)] == 0)) return;
+  int32_t buffer = -1;
+  for (size_t i = log->buffer_count; i-- > 0;) {
+    if (at >= log->buffers[i].start && at < log->buffers[i].end) {
+      buffer = int32_t(i);
+      break;
+    }
+  }
+  bool watched = copy || buffer >= 0;
+  for (int i = 0; i < log->watched_count && !watched; ++i) {
+    watched = at >= log->watched[i].start && at < log->watched[i].end;
+  }
+  if (!watched) return;
+  Access access;
+  access.address = at;
+  access.kernel = running_kernel;
+  access.buffer = buffer;
+  access.bytes = uint16_t(bytes);
+  access.written = uint8_t(written);
+  append(log->accesses, log->access_count, log->access_capacity, access);
+}
+
+// Every plain access comes here: the common case (not counting) returns at once.
+__attribute__((no_sanitize_thread, always_inline)) inline void note_access(const void* address, size_t bytes,
+                                                                           bool written, bool copy) {
+  AccessLog* log = access_log;
+  if (__builtin_expect(log != nullptr && running_kernel != nullptr, 0)) log_access(log, address, bytes, written, copy);
+}
 
 std::string kernel_name(const void* kernel) {
   Dl_info info{};
@@ -301,14 +398,14 @@ void check_launch_bounds(int max_threads) {
   }
 }
 
-void copy16_async(void* shared, const void* global, bool fill) {
+// Not instrumented: its read of `global` is counted once, as a copy.
+__attribute__((no_sanitize_thread)) void copy16_async(void* shared, const void* global, bool fill) {
   check_aligned16(shared, "misaligned address: a cp.async destination not 16-byte aligned");
   if (fill) check_aligned16(global, "misaligned address: a cp.async source not 16-byte aligned");
   CopyGroup::Copy copy{shared, {}};
-  if (fill) std::memcpy(copy.bytes, global, 16);
-  if (fill && count_copies) {
-    copy_sources.push_back(reinterpret_cast<uint64_t>(global));
-    copy_kernels.push_back(running_kernel);
+  if (fill) {
+    std::memcpy(copy.bytes, global, 16);
+    note_access(global, 16, false, true);
   }
   current->open.copies.push_back(copy);
   std::memset(shared, 0xff, 16);  // NaN until the group is waited for
@@ -354,6 +451,12 @@ void run_grid(const LaunchConfig& config, void (*run_thread)(void*), void* call)
   if (launches.size() > kLaunchLog) launches.pop_front();
   if (!execute) return;
   running_kernel = config.kernel;
+  struct Ended {
+    ~Ended() {
+      running_kernel = nullptr;
+      scheduler = nullptr;
+    }
+  } ended;
   Scheduler s;
   s.fibers.resize(threads);
   s.run_thread = run_thread;
@@ -377,19 +480,22 @@ void run_grid(const LaunchConfig& config, void (*run_thread)(void*), void* call)
     for (const auto& array : static_shared) std::memset(array.first, 0xff, array.second);
     Block block(config.grid, config.block, index, threads);
     const bool finished = run_block(block, threads);
-    if (launch_failed) {
-      scheduler = nullptr;
-      return;
-    }
+    if (launch_failed) return;
     if (!finished) {
       fail(cudaErrorLaunchFailure, "unspecified launch failure (emulation: the threads of block (" +
                                        std::to_string(index.x) + ", " + std::to_string(index.y) + ", " +
                                        std::to_string(index.z) + ") wait at barriers that the others never reach)");
-      scheduler = nullptr;
       return;
     }
   }
-  scheduler = nullptr;
+}
+
+void name_buffer(const char* name, const void* data, size_t bytes) {
+  AccessLog* log = access_log;
+  if (log == nullptr || bytes == 0) return;
+  const uint64_t start = reinterpret_cast<uint64_t>(data);
+  append(log->buffers, log->buffer_count, log->buffer_capacity, Span{start, start + bytes, name});
+  add_pages(log, start, start + bytes);
 }
 
 }  // namespace cuda_emulation
@@ -414,20 +520,39 @@ extern "C" void cuda_emulation_set_execute(int execute) {
   cuda_emulation::execute = execute != 0;
 }
 
-// Counts the asynchronous copies of later launches (1) or not (0); either way forgets those counted so far.
-extern "C" void cuda_emulation_count_copies(int count) {
-  const std::lock_guard<std::mutex> lock(cuda_emulation::launch_mutex);
-  cuda_emulation::count_copies = count != 0;
-  cuda_emulation::copy_sources.clear();
-  cuda_emulation::copy_kernels.clear();
+// Counts the global-memory accesses of the kernels this thread launches from now on, plain ones within the `count`
+// spans [start, end) of `spans` (at most 64) or in buffers the launchers name (count -1: stops counting); either way
+// forgets those counted so far.
+extern "C" int cuda_emulation_count_accesses(const uint64_t* spans, int count) {
+  using cuda_emulation::access_log;
+  if (count > cuda_emulation::kMaxWatched) return 0;
+  if (access_log != nullptr) {
+    std::free(access_log->buffers);
+    std::free(access_log->accesses);
+    std::free(access_log->pages);
+    delete access_log;
+    access_log = nullptr;
+  }
+  if (count < 0) return 1;
+  auto* log = new cuda_emulation::AccessLog;
+  for (int i = 0; i < count; ++i) {
+    log->watched[i] = {spans[2 * i], spans[2 * i + 1], nullptr};
+    add_pages(log, spans[2 * i], spans[2 * i + 1]);
+  }
+  log->watched_count = count;
+  access_log = log;
+  return 1;
 }
 
-// The copies counted so far: their number, each one's source address and kernel (valid until the next count call).
-extern "C" size_t cuda_emulation_copies(const uint64_t** sources, const void* const** kernels) {
-  const std::lock_guard<std::mutex> lock(cuda_emulation::launch_mutex);
-  *sources = cuda_emulation::copy_sources.data();
-  *kernels = cuda_emulation::copy_kernels.data();
-  return cuda_emulation::copy_sources.size();
+// The accesses counted so far (valid until the next count call): their number; each one's address, kernel, named
+// buffer (an index into `buffers`, or -1), bytes and direction; and the named buffers, each one's span and name.
+extern "C" size_t cuda_emulation_accesses(const void** accesses, const void** buffers, size_t* buffer_count) {
+  const cuda_emulation::AccessLog* log = cuda_emulation::access_log;
+  if (log == nullptr) return 0;
+  *accesses = log->accesses;
+  *buffers = log->buffers;
+  *buffer_count = log->buffer_count;
+  return log->access_count;
 }
 
 extern "C" const char* cuda_emulation_kernel_name(const void* kernel) {
@@ -496,5 +621,54 @@ cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attribute, in
       return cudaErrorInvalidValue;
   }
 }
+
+// The callbacks of -fsanitize=thread (GCC, without its runtime): every plain load and store of the instrumented code,
+// with its address and size, comes here first; an atomic operation comes here instead of running, so these run it.
+// Uninstrumented themselves (they would call themselves back).
+#define CUDA_EMULATION_UNCOUNTED __attribute__((no_sanitize_thread, visibility("hidden")))
+#define CUDA_EMULATION_ACCESS(bytes)                                                                             \
+  CUDA_EMULATION_UNCOUNTED void __tsan_read##bytes(void* address) {                                            \
+    cuda_emulation::note_access(address, bytes, false, false);                                                 \
+  }                                                                                                            \
+  CUDA_EMULATION_UNCOUNTED void __tsan_write##bytes(void* address) {                                           \
+    cuda_emulation::note_access(address, bytes, true, false);                                                  \
+  }
+CUDA_EMULATION_ACCESS(1)
+CUDA_EMULATION_ACCESS(2)
+CUDA_EMULATION_ACCESS(4)
+CUDA_EMULATION_ACCESS(8)
+CUDA_EMULATION_ACCESS(16)
+#undef CUDA_EMULATION_ACCESS
+CUDA_EMULATION_UNCOUNTED void __tsan_read_range(void* address, unsigned long bytes) {
+  cuda_emulation::note_access(address, bytes, false, false);
+}
+CUDA_EMULATION_UNCOUNTED void __tsan_write_range(void* address, unsigned long bytes) {
+  cuda_emulation::note_access(address, bytes, true, false);
+}
+CUDA_EMULATION_UNCOUNTED void __tsan_init(void) {}
+CUDA_EMULATION_UNCOUNTED void __tsan_vptr_update(void**, void*) {}
+#define CUDA_EMULATION_ATOMICS(bits, type)                                                                       \
+  CUDA_EMULATION_UNCOUNTED type __tsan_atomic##bits##_load(const volatile void* at, int) {                    \
+    return __atomic_load_n(static_cast<const volatile type*>(at), __ATOMIC_SEQ_CST);                           \
+  }                                                                                                            \
+  CUDA_EMULATION_UNCOUNTED void __tsan_atomic##bits##_store(volatile void* at, type value, int) {              \
+    __atomic_store_n(static_cast<volatile type*>(at), value, __ATOMIC_SEQ_CST);                                \
+  }                                                                                                            \
+  CUDA_EMULATION_UNCOUNTED type __tsan_atomic##bits##_fetch_add(volatile void* at, type value, int) {          \
+    return __atomic_fetch_add(static_cast<volatile type*>(at), value, __ATOMIC_SEQ_CST);                       \
+  }                                                                                                            \
+  CUDA_EMULATION_UNCOUNTED type __tsan_atomic##bits##_fetch_sub(volatile void* at, type value, int) {          \
+    return __atomic_fetch_sub(static_cast<volatile type*>(at), value, __ATOMIC_SEQ_CST);                       \
+  }                                                                                                            \
+  CUDA_EMULATION_UNCOUNTED bool __tsan_atomic##bits##_compare_exchange_weak(volatile void* at, void* expected, \
+                                                                            type desired, int, int) {          \
+    return __atomic_compare_exchange_n(static_cast<volatile type*>(at), static_cast<type*>(expected), desired, \
+                                       true, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);                              \
+  }
+CUDA_EMULATION_ATOMICS(8, unsigned char)
+CUDA_EMULATION_ATOMICS(32, unsigned int)
+CUDA_EMULATION_ATOMICS(64, unsigned long)
+#undef CUDA_EMULATION_ATOMICS
+#undef CUDA_EMULATION_UNCOUNTED
 
 }  // extern "C"

@@ -43,10 +43,10 @@ struct SplitParams {
   int64_t splits, rows_per_block;  // from split_policy
   float* part_stats;  // (B, H, R, splits, 4): base-2 max and sum over attended keys, then over generated keys
   float* part_acc;    // (B, H, R, splits, D_v): sum of 2^(score - split max) * v, null without V
-  float* scores;      // (B, H, R, S) base-2 scores of the attended keys, or null
+  float* scores;      // (B, H, R, S) base-2 scores of the attended input keys (all head pooling reads), or null
   int64_t tile_keys = kTileKeys, key_groups = 1;  // from the policy; read by pipelined_split_kernel only
   // mma_split_kernel only, in place of `scores` (the log c update of 16-bit inputs: half the score bytes): each
-  // attended key's base-2 score as s - m in fp16, where m is the running max of the row in the warp that scores the
+  // attended input key's base-2 score as s - m in fp16, where m is the running max of the row in the warp that scores the
   // key's group of kRelativeScoreGroup keys (counted from key 0), taken after that group and stored in score_maxima
   // (B, H, R, ceil(S / 16)) float32. s <= m <= lse, so |s - m| <= |s - lse| = -log2 p: the fp16 value carries log p
   // to 2^-11 of itself.
@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(kMaxSplitThreads) split_kernel(SplitParams<T> 
 #pragma unroll 4
         for (int d = 0; d < dim; ++d) dot = fmaf(q_row[d], k_row[d], dot);
         score = SOFTCAP ? p.cap_out * tanhf(dot * p.cap_in) : dot * p.scale_log2;
-        if (p.scores != nullptr) p.scores[row_of(v) * p.keys + key] = score;
+        if (p.scores != nullptr && key < input_end_s[rr]) p.scores[row_of(v) * p.keys + key] = score;
       }
       p_s[pair] = score;
     }

@@ -188,17 +188,6 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
     }
   }
   __syncthreads();
-  // This thread's two vectors' ranges (a padding vector attends nothing).
-  int64_t start[2], input_end[2], end[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int m = g + 8 * h, rr = m % block_rows;
-    const bool real = m < vectors;
-    start[h] = real ? range_s[rr] : 0;
-    input_end[h] = real ? range_s[block_rows + rr] : 0;
-    end[h] = real ? range_s[2 * block_rows + rr] : 0;
-  }
-
   // With relative scores, splits start at a multiple of kRelativeScoreGroup keys, so that each warp's 16 keys are one
   // group of their maxima; keys before the block's first attended key are zero-filled, not read.
   static_assert(kMmaTileKeys / kMmaWarps == kRelativeScoreGroup, "a warp's keys are one relative-score group");
@@ -206,6 +195,19 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
                                            kMmaTileKeys, p.relative_scores != nullptr ? kRelativeScoreGroup : 1);
   const int64_t begin = split_slice.begin, stop = split_slice.stop, first = split_slice.first;
   const int tiles = begin < stop ? int(ceil_div(stop - begin, kMmaTileKeys)) : 0;
+  // This thread's two vectors' attended keys [lo, hi) and first generated key (its input keys: [lo, generated_lo)),
+  // as offsets from `begin` clamped into [0, stop - begin]: the key loop compares 32-bit offsets, not 64-bit keys
+  // (registers: without V at D 128 this kernel has none to spare). A padding vector attends nothing.
+  const auto offset = [&](int64_t key) { return int(min(max(key - begin, int64_t(0)), max(stop - begin, int64_t(0)))); };
+  int lo[2], generated_lo[2], hi[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int m = g + 8 * h, rr = m % block_rows;
+    const bool real = m < vectors;
+    lo[h] = real ? offset(range_s[rr]) : 0;
+    generated_lo[h] = real ? offset(range_s[block_rows + rr]) : 0;
+    hi[h] = real ? offset(range_s[2 * block_rows + rr]) : 0;
+  }
   const KeyRows<T> k_rows = cache_rows(p, false, b, kv_head);
   const KeyRows<T> v_rows = WITH_V ? cache_rows(p, true, b, kv_head) : KeyRows<T>{};
 
@@ -244,7 +246,7 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
     if (tile + kMmaStages - 1 < tiles) load_tile(tile + kMmaStages - 1);
     copy_async_commit();
 
-    const int64_t key0 = begin + int64_t(tile) * kMmaTileKeys + 16 * warp;  // this warp's first key
+    const int j0 = tile * kMmaTileKeys + 16 * warp;  // this warp's first key, as an offset from begin
     const T* k_tile = k_stages + (tile % kMmaStages) * kMmaTileKeys * PITCH + 16 * warp * PITCH;
     const T* v_tile = v_stages + (tile % kMmaStages) * kMmaTileKeys * PITCH + 16 * warp * PITCH;
 
@@ -271,17 +273,17 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int h = i >> 1;
-        const int64_t key = key0 + 8 * nt + 2 * t + (i & 1);
-        const bool attended = key < stop && key >= start[h] && key < end[h];
+        const int j = j0 + 8 * nt + 2 * t + (i & 1);
+        const bool attended = j >= lo[h] && j < hi[h];
         const float score =
             attended ? (capped ? p.cap_out * tanhf(s[nt][i] * p.cap_in) : s[nt][i] * p.scale_log2) : kNegInf;
         s[nt][i] = score;
         step_max[h] = fmaxf(step_max[h], score);
-        if (key >= input_end[h]) generated_max[h] = fmaxf(generated_max[h], score);
-        if (attended && p.scores != nullptr) {
+        if (j >= generated_lo[h]) generated_max[h] = fmaxf(generated_max[h], score);
+        if (p.scores != nullptr && j >= lo[h] && j < generated_lo[h]) {  // an input key (generated_lo <= hi)
           const int vector = g + 8 * h;
           const int64_t row = (b * p.heads + head0 + vector / block_rows) * p.rows + row0 + vector % block_rows;
-          p.scores[row * p.keys + key] = score;
+          p.scores[row * p.keys + begin + j] = score;
         }
       }
     }
@@ -307,19 +309,21 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int vector = g + 8 * h;
-        if (vector >= vectors || key0 >= stop) continue;
+        if (vector >= vectors || j0 >= generated_lo[h]) continue;  // no input key in this group
         const int64_t row = (b * p.heads + head0 + vector / block_rows) * p.rows + row0 + vector % block_rows;
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
           for (int i = 2 * h; i < 2 * h + 2; ++i) {
-            const int64_t key = key0 + 8 * nt + 2 * t + (i & 1);
-            if (key < stop && key >= start[h] && key < end[h]) {
-              p.relative_scores[row * p.keys + key] = __float2half_rn(s[nt][i] - m[h]);
+            const int j = j0 + 8 * nt + 2 * t + (i & 1);
+            if (j >= lo[h] && j < generated_lo[h]) {
+              p.relative_scores[row * p.keys + begin + j] = __float2half_rn(s[nt][i] - m[h]);
             }
           }
         }
-        if (t == 0) p.score_maxima[row * ceil_div(p.keys, kRelativeScoreGroup) + key0 / kRelativeScoreGroup] = m[h];
+        if (t == 0) {
+          p.score_maxima[row * ceil_div(p.keys, kRelativeScoreGroup) + (begin + j0) / kRelativeScoreGroup] = m[h];
+        }
       }
     }
     // Weights in fp32 for the sums; rounded to T for PV: the two n8 C tiles are the k16 A fragment.
@@ -330,10 +334,9 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int h = i >> 1;
-        const int64_t key = key0 + 8 * nt + 2 * t + (i & 1);
         w[i] = exp2_diff(s[nt][i], m[h]);
         l[h] += w[i];
-        if (key >= input_end[h]) lg[h] += exp2_diff(s[nt][i], mg[h]);
+        if (j0 + 8 * nt + 2 * t + (i & 1) >= generated_lo[h]) lg[h] += exp2_diff(s[nt][i], mg[h]);
       }
       pa[2 * nt] = pack2<T>(w[0], w[1]);
       pa[2 * nt + 1] = pack2<T>(w[2], w[3]);

@@ -1,5 +1,6 @@
-"""benchmarks/bench_traffic.py on a small shape: it writes its three files, and its figures are the bytes its calls
-must move (K and V once, each fused pass's scores at their width, written and read back once)."""
+"""benchmarks/bench_traffic.py on a small shape, for each backend it counts (cuda: on the CUDA emulation): it writes its
+three files, and its figures are the bytes its calls must move (K and V once, each fused pass's scores at their
+width, written and read back once, with the maxima they are kept relative to)."""
 from __future__ import annotations
 
 import json
@@ -8,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.ops.cases import NEEDS_TRITON_INTERPRETER
+from tests.ops.cases import NEEDS_CUDA_EMULATION, NEEDS_TRITON_INTERPRETER
 
-pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 try:
@@ -19,18 +19,24 @@ try:
 finally:
     sys.path.remove(str(ROOT / "benchmarks"))
 
-pytestmark = NEEDS_TRITON_INTERPRETER
+# Per backend: the split passes that keep float16 relative scores, and the keys per float32 maximum they keep.
+RELATIVE_SCORES = {"triton": (("two-launch", "one-launch"), 64), "cuda": (("mma",), 16)}
 
 
-def test_the_traffic_benchmark_counts_the_bytes_its_calls_must_move(tmp_path):
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=NEEDS_TRITON_INTERPRETER),
+                                     pytest.param("cuda", marks=NEEDS_CUDA_EMULATION)])
+def test_the_traffic_benchmark_counts_the_bytes_its_calls_must_move(backend, tmp_path):
     batch, keys, dim = 1, 300, 64
-    bench_traffic.main(["--shape", f"{batch},{keys},{dim}", "--out", str(tmp_path)])
-    stem = tmp_path / "traffic_triton_cpu"
+    bench_traffic.main(["--backend", backend, "--shape", f"{batch},{keys},{dim}", "--out", str(tmp_path)])
+    stem = tmp_path / f"traffic_{backend}_cpu"
     assert all(stem.with_suffix(suffix).stat().st_size > 0 for suffix in (".csv", ".json", ".png"))
     rows = [json.loads(line) for line in stem.with_suffix(".json").read_text().splitlines()]
-    assert len(rows) == 1 + 2 * 3  # attention, then decode_attention and macs_update under each fused pass
+    passes = bench_traffic.SPLIT_PASSES[backend]
+    attention_rows = len(passes) if backend == "cuda" else 1  # each cuda split kernel runs attention alone too
+    assert len(rows) == attention_rows + 2 * len(passes)  # then decode_attention and macs_update under each pass
     kv_bytes = 2 * batch * bench_traffic.KV_HEADS * keys * dim * 2
     inputs = keys - bench_ops.GENERATED
+    relative, group = RELATIVE_SCORES[backend]
     for row in rows:
         must_read = kv_bytes if row["call"] != "macs_update" else kv_bytes // 2
         assert row["cache_bytes"] == must_read and row["distinct_bytes"] > must_read, row
@@ -38,9 +44,9 @@ def test_the_traffic_benchmark_counts_the_bytes_its_calls_must_move(tmp_path):
         if row["call"] == "attention":
             assert row["score_bytes"] == 0, row
             continue
-        width = 4 if row["split_pass"] == "verified" else 2  # float16 s - m for bf16's log c update
+        width = 2 if row["split_pass"] in relative else 4  # float16 s - m for bf16's log c update
         scores = 2 * batch * bench_traffic.HEADS * inputs * width  # written, then read back
         assert row["score_bytes"] >= scores, row
-        assert row["score_bytes"] - scores <= 2 * batch * bench_traffic.HEADS * (inputs // 64 + 1) * 4, row
+        assert row["score_bytes"] - scores <= 2 * batch * bench_traffic.HEADS * (inputs // group + 1) * 4, row
         ratio = row["distinct_over_attention"] if row["call"] != "macs_update" else row["distinct_over_K"]
         assert ratio > 1, row

@@ -33,6 +33,12 @@ def why_no_cuda_backend() -> str | None:
     return why_unavailable("cuda", CUDA_BACKEND_DEVICE)
 
 
+# For tests of what the CUDA emulation shows (run orders, memory traffic, emulated devices).
+NEEDS_CUDA_EMULATION = pytest.mark.skipif(
+    CUDA_BACKEND_DEVICE != "cpu" or why_no_cuda_backend() is not None,
+    reason="needs the cuda backend's CPU emulation (MACS_KERNELS_CUDA_EMULATION=1)")
+
+
 # The tensor-core split kernel's blocks per multiprocessor by registers, by (D, with V): the tests' own statement of
 # csrc/split_kv_mma's mma_blocks_by_registers (its __launch_bounds__), against which ptxas's register counts
 # (tests/ops/test_cuda_build.py) and mma_policy's wave (tests/ops/test_cuda_emulation.py) are checked.
@@ -194,12 +200,14 @@ def uninitialized_memory_poisoned():
 class KeyReadingCall:
     """One public call of an op that reads the cache in the split-KV pass, with what it must read: `cache`, the
     tensors K (and V) are read from, and `attended`, the bytes of each that the call's ranges attend (each key row
-    of each KV head, once). `score_columns`: B x H x R x N, the input keys' scores a fused MACS pass keeps."""
+    of each KV head, once). `score_columns`: B x H x R x N, the input keys' scores a fused MACS pass keeps;
+    `updates_log_c`: whether they feed a log c update (where a pass may keep them as float16 relative scores)."""
     name: str
     call: Callable[[], object]
     cache: dict[str, torch.Tensor]
     attended: int
     score_columns: int
+    updates_log_c: bool = False
 
 
 def key_reading_calls(dtype: torch.dtype, backend: str, device=DEVICE) -> list[KeyReadingCall]:
@@ -228,11 +236,11 @@ def key_reading_calls(dtype: torch.dtype, backend: str, device=DEVICE) -> list[K
         KeyReadingCall("decode_attention", lambda: ops.decode_attention(q, k, v, **attention),
                        {"k": k, "v": v}, attended, 0),
         KeyReadingCall("decode_attention with log_c", lambda: ops.decode_attention(
-            q, k, v, input_end=end, log_c=state(), **attention), {"k": k, "v": v}, attended, H * columns),
+            q, k, v, input_end=end, log_c=state(), **attention), {"k": k, "v": v}, attended, H * columns, True),
         KeyReadingCall("decode_attention with pooled", lambda: ops.decode_attention(
             q, k, v, input_end=end, pooled=state(), **attention), {"k": k, "v": v}, attended, H * columns),
         KeyReadingCall("macs_update", lambda: ops.macs_update(q, k, state(), **ranges), {"k": k}, attended,
-                       H * columns),
+                       H * columns, True),
         KeyReadingCall("macs_pool", lambda: ops.macs_pool(q, k, out=state(), **ranges), {"k": k}, attended,
                        H * columns),
         KeyReadingCall("macs_pool, a verify block", lambda: ops.macs_pool(

@@ -17,14 +17,13 @@ from tests.ops.cases import (
     CUDA_BACKEND_DEVICE,
     MMA_BLOCKS_BY_REGISTERS,
     MMA_THREADS,
+    NEEDS_CUDA_EMULATION,
     every_op_results,
     key_reading_calls,
     uninitialized_memory_poisoned,
-    why_no_cuda_backend,
 )
 
-pytestmark = pytest.mark.skipif(CUDA_BACKEND_DEVICE != "cpu" or why_no_cuda_backend() is not None,
-                                reason="needs the cuda backend's CPU emulation (MACS_KERNELS_CUDA_EMULATION=1)")
+pytestmark = NEEDS_CUDA_EMULATION
 
 
 @contextlib.contextmanager
@@ -156,29 +155,47 @@ def test_only_the_tensor_core_kernels_log_c_update_pools_float16_scores(kernel):
                      "pooled": "void macs::pool_kernel<float, true>(macs::PoolParams<float>)"}, pools
 
 
-@pytest.mark.parametrize("kernel, dtype", [("pipelined", torch.float32), ("pipelined", torch.bfloat16),
-                                           ("mma", torch.bfloat16)], ids=["pipelined-float32", "pipelined-bfloat16",
-                                                                          "mma-bfloat16"])
-def test_the_cuda_split_kernels_copy_each_attended_key_once(kernel, dtype):
-    """The pipelined and tensor-core split kernels (the latter for 16-bit inputs) read K and V only by 16-byte
-    asynchronous copies: every op's copies
-    (counted by the emulation, apps/bench/traffic.py) read each attended key row once, nothing outside the cache, on
-    "4 SMs" (splits of many tiles) and on an H200 (many splits that meet at their edges)."""
-    from macs_kernels.apps.bench.traffic import OUTSIDE, Counts, cuda_copy_traffic
+# Each split kernel's name as launched (the tensor-core one takes 16-bit inputs only).
+SPLIT_KERNEL_NAMES = {"verified": "macs::split_kernel<", "pipelined": "macs::pipelined_split_kernel<",
+                      "mma": "macs::mma_split_kernel<"}
+
+
+@pytest.mark.parametrize("kernel, dtype", [(kernel, dtype) for kernel in SPLIT_KERNEL_NAMES
+                                           for dtype in (torch.float32, torch.bfloat16)
+                                           if kernel != "mma" or dtype != torch.float32],
+                         ids=lambda value: str(value).removeprefix("torch."))
+def test_each_split_kernel_reads_each_attended_key_once_and_each_score_once(kernel, dtype):
+    """Every op's split kernel (its accesses counted by the emulation, apps/bench/traffic.py) reads each attended key
+    (and value) row once, nothing outside the cache by copy, on "4 SMs" (splits of many tiles) and on an H200 (many
+    splits that meet at their edges); a fused MACS pass writes each input key's score once, at its width (float32; the
+    tensor-core kernel's log c update: float16 relative to one float32 maximum per 16 keys, each written once), and
+    head pooling reads each back once: no score of a generated key, which no pooling reads."""
+    from macs_kernels.apps.bench.traffic import OUTSIDE, Counts, cuda_traffic
 
     for device in ("4 SMs", "H200"):
         with split_kernel_on(kernel, device):
             for case in key_reading_calls(dtype, "cuda", CUDA_BACKEND_DEVICE):
                 case.call()  # the first call of the process runs the backend's self-check
-                with cuda_copy_traffic(case.cache) as traffic:
+                with cuda_traffic(case.cache) as traffic:
                     case.call()
+                where = f"{case.name} on {device}"
                 split_kernels = {name for name, _ in traffic.counts if "split_kernel<" in name}
-                assert all(f"{kernel}_split_kernel<" in name for name in split_kernels), (case.name, split_kernels)
-                assert not traffic.of(OUTSIDE).read, f"{case.name}: a copy from outside the cache"
+                assert all(SPLIT_KERNEL_NAMES[kernel] in name for name in split_kernels), (where, split_kernels)
+                assert not traffic.of(OUTSIDE).read, f"{where}: a copy from outside the cache"
                 for argument in case.cache:
                     read = sum((traffic.of(argument, name) for name in split_kernels), Counts())
                     assert (read.read, read.read_distinct) == (case.attended, case.attended), \
-                        f"{case.name} on {device}: {argument} copied {read} for {case.attended} attended bytes"
+                        f"{where}: {argument} read {read} for {case.attended} attended bytes"
+                if not case.score_columns:
+                    continue
+                relative = kernel == "mma" and case.updates_log_c
+                scores = traffic.of("relative_scores" if relative else "scores")
+                expected = case.score_columns * (2 if relative else 4)
+                assert (scores.written, scores.written_distinct, scores.read, scores.read_distinct) == \
+                    (expected,) * 4, f"{where}: {scores} for {expected} bytes of scores"
+                maxima = traffic.of("score_maxima")
+                assert maxima.written == maxima.written_distinct == maxima.read_distinct > 0 if relative else \
+                    maxima == Counts(), f"{where}: score maxima {maxima}"
 
 
 # What a GPU's first run of a kernel found or would find, planted in a copy of csrc/: (file, text, replacement, the
@@ -213,6 +230,7 @@ MUTATIONS = {
 _PROBE = """
 import json, sys, torch, warnings
 warnings.simplefilter("ignore")
+from macs_kernels.apps.bench.traffic import cuda_traffic
 from macs_kernels.ops.cuda import emulation, set_cuda_split_kv_kernel
 from macs_kernels.ops.reference import decode_attention_reference
 set_cuda_split_kv_kernel(sys.argv[1])
@@ -226,20 +244,19 @@ k, v = (torch.randn(2 * 2 * 301 * 64 + 1, generator=generator).bfloat16()[offset
 kv_len = torch.tensor([301, 250])
 want, _ = decode_attention_reference(q, k, v, kv_start=torch.zeros(2, dtype=torch.long), kv_len=kv_len, scale=0.125)
 results = {}
-emulation.count_async_copies(True)
 for order in emulation.RUN_ORDERS:
     emulation.set_run_order(order, 1)
     try:
-        # The operator as the engines call it: the public op would copy misaligned rows.
-        out, _ = torch.ops.macs_kernels.decode_attention(q, k, v, torch.zeros(2, dtype=torch.long), kv_len, 0.125,
-                                                         None, None, 0.8, "max", True, None)
+        with cuda_traffic({"k": k, "v": v}) as traffic:
+            # The operator as the engines call it: the public op would copy misaligned rows.
+            out, _ = torch.ops.macs_kernels.decode_attention(q, k, v, torch.zeros(2, dtype=torch.long), kv_len, 0.125,
+                                                             None, None, 0.8, "max", True, None)
     except RuntimeError as error:
         print(json.dumps({"error": str(error)}))
         sys.exit()
     results[order] = out.float()
     if order == "forward":
-        copied = 16 * sum(len(sources) for name, sources in emulation.take_async_copies().items()
-                          if "split_kernel<" in name)
+        copied = traffic.of("k").read + traffic.of("v").read
 error = ((results["forward"].double() - want).abs().max() / want.abs().max()).item()
 changed = any(not torch.equal(results["forward"], other) for other in results.values())
 attended = 2 * int(kv_len.sum()) * 2 * 64 * 2  # K and V, 2 KV heads, 64 bfloat16 each

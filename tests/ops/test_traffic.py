@@ -25,12 +25,10 @@ def traffic_of(call) -> Traffic:
     return traffic
 
 
-def score_bytes(split_pass: str, name: str, dtype: torch.dtype) -> int:
+def score_bytes(split_pass: str, case, dtype: torch.dtype) -> int:
     """Bytes per score kept: float32, but float16 `s - m` in the two- and one-launch passes' log c update of
     half-precision inputs (benchmarks/results/triton_two_launch_pass.md)."""
-    relative = split_pass != "verified" and dtype != torch.float32 and name in ("decode_attention with log_c",
-                                                                                "macs_update")
-    return 2 if relative else 4
+    return 2 if split_pass != "verified" and dtype != torch.float32 and case.updates_log_c else 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -47,7 +45,7 @@ def test_each_attended_key_is_read_once_and_each_score_written_and_read_once(tri
         if not case.score_columns:
             continue
         scores = traffic.of("scores")
-        expected = case.score_columns * score_bytes(triton_split_kv, case.name, dtype)
+        expected = case.score_columns * score_bytes(triton_split_kv, case, dtype)
         assert (scores.written, scores.written_distinct) == (expected, expected), f"{case.name}: {scores}"
         # The scores come back once: the pooling kernel's `values` (verified) or the `scores` the pooling reads.
         read_back = scores.read_distinct + traffic.of("values").read_distinct

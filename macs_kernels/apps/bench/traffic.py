@@ -4,10 +4,10 @@ first on the bytes it adds).
 
 - `triton_traffic()`: every load, store and atomic of Triton's interpreter (TRITON_INTERPRET=1), each attributed to the
   launched kernel's tensor arguments whose elements its address is (in none of them: argument "(outside)").
-- `cuda_copy_traffic(tensors)`: the CUDA emulation's 16-byte asynchronous copies (MACS_KERNELS_CUDA_EMULATION=1),
-  attributed to the tensors named: the only way the pipelined and tensor-core split kernels read K and V (their other
-  loads and stores are plain C++ accesses there, not seen). A kernel's copies count as one access (its sectors are
-  its distinct sectors).
+- `cuda_traffic(tensors)`: the CUDA emulation's (MACS_KERNELS_CUDA_EMULATION=1) 16-byte asynchronous copies and plain
+  loads and stores, attributed to the tensors named and to the buffers the launchers allocate and name (scratch,
+  outputs). A kernel's accesses of one size and direction to one argument count as one access (its sectors are
+  their distinct sectors).
 
 Per (kernel, argument) three figures each for reads and writes, which bound what DRAM moves:
 - `read` / `written`: the bytes the accesses asked for;
@@ -78,6 +78,12 @@ class Region:
         return held
 
 
+def _distinct(values: numpy.ndarray) -> numpy.ndarray:
+    """numpy.unique by sorting: numpy 2.4's hashing unique takes 20x a sort's time on millions of addresses."""
+    values = numpy.sort(values, axis=None)
+    return values[numpy.concatenate(([True], values[1:] != values[:-1]))] if values.size else values
+
+
 class Traffic:
     """Counts by (kernel, argument), filled while its context is open; `total()` sums them. An address that is an
     element of several arguments (a tensor passed twice, a view inside another) counts for all of them together,
@@ -100,14 +106,14 @@ class Traffic:
         owners = numpy.zeros(addresses.size, dtype=numpy.int64)  # bit i: candidate i holds the address
         for bit, (_, region) in enumerate(candidates):
             owners |= region.holds(addresses).astype(numpy.int64) << bit
-        for owner in numpy.unique(owners):
+        for owner in _distinct(owners):
             mine = addresses[owners == owner]
             members = [candidate for bit, candidate in enumerate(candidates) if owner >> bit & 1]
             name = "=".join(member for member, _ in members) or OUTSIDE
             counts = self.counts.setdefault((kernel, name), Counts())
             setattr(counts, kind, getattr(counts, kind) + mine.size * item_bytes)
-            sectors = numpy.unique(numpy.concatenate([mine, mine + numpy.uint64(item_bytes - 1)])
-                                   // numpy.uint64(SECTOR_BYTES)).size
+            sectors = _distinct(numpy.concatenate([mine, mine + numpy.uint64(item_bytes - 1)])
+                                // numpy.uint64(SECTOR_BYTES)).size
             setattr(counts, f"{kind}_sectors", getattr(counts, f"{kind}_sectors") + sectors * SECTOR_BYTES)
             if members:
                 self._mark(kernel, name, kind, members[0][1], mine, item_bytes, counts)
@@ -121,9 +127,9 @@ class Traffic:
         touched = self._touched[key]
         offsets = (addresses - numpy.uint64(region.start)).astype(numpy.int64)
         bytes_at = (offsets[:, None] + numpy.arange(item_bytes)).ravel()
-        bytes_at = bytes_at[bytes_at < touched.size]
-        fresh = numpy.unique(bytes_at[~touched[bytes_at]]).size
-        touched[bytes_at] = True
+        before = int(numpy.count_nonzero(touched))
+        touched[bytes_at[bytes_at < touched.size]] = True
+        fresh = int(numpy.count_nonzero(touched)) - before
         setattr(counts, f"{kind}_distinct", getattr(counts, f"{kind}_distinct") + fresh)
 
     def of(self, argument: str, kernel: str | None = None) -> Counts:
@@ -218,17 +224,33 @@ def triton_launch_plans_for(multiprocessors: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def cuda_copy_traffic(tensors: dict[str, torch.Tensor]) -> Iterator[Traffic]:
-    """Count the asynchronous copies of every cuda kernel launched inside the context (the CUDA emulation only), as
-    reads of the named tensors (argument OUTSIDE: a copy from none of them). Counted when the context closes."""
+def cuda_traffic(tensors: dict[str, torch.Tensor]) -> Iterator[Traffic]:
+    """Count the global-memory accesses of every cuda kernel launched inside the context (the CUDA emulation only):
+    those in a buffer the launcher named (scratch such as "scores", outputs it allocates) under that name, the others
+    attributed to the named tensors (an asynchronous copy from none of them: argument OUTSIDE). Plain accesses
+    elsewhere are not seen. Counted when the context closes; each (kernel, argument, size, direction) counts as one
+    access."""
     from macs_kernels.ops.cuda import emulation
 
     traffic = Traffic()
     regions = {name: Region.of(tensor) for name, tensor in tensors.items()}
-    emulation.count_async_copies(True)
+    emulation.count_accesses([(region.start, region.end) for region in regions.values()])
     try:
         yield traffic
-        for kernel, sources in emulation.take_async_copies().items():
-            traffic.record(kernel, regions, "read", sources, 16)
+        counted = emulation.counted_accesses()
+        records = counted.records
+        # One group per (kernel, buffer, direction, size): sorted by that key, cut where it changes.
+        key = numpy.stack([records[field].astype(numpy.int64) for field in ("kernel", "buffer", "written", "bytes")])
+        order = numpy.lexsort(key[::-1])
+        cuts = numpy.flatnonzero((numpy.diff(key[:, order], axis=1) != 0).any(axis=0)) + 1
+        for group in numpy.split(order, cuts) if order.size else ():
+            kernel, buffer, written, item_bytes = (int(value) for value in key[:, group[0]])
+            if buffer >= 0:
+                named = counted.buffers[buffer]
+                owners = {named.name: Region(named.start, named.end, 1, ())}
+            else:
+                owners = regions
+            traffic.record(counted.kernels[kernel], owners, "written" if written else "read",
+                           records["address"][group], item_bytes)
     finally:
-        emulation.count_async_copies(False)
+        emulation.count_accesses(None)

@@ -102,6 +102,9 @@ def load():
             # CUDA code reads one type through a pointer to another (16-byte loads, packed halves), as nvcc allows.
             # A misaligned access faults on the GPU: here it aborts the process, naming the line.
             "-fsanitize=alignment", "-fno-sanitize-recover=alignment",
+            # Every plain load and store calls the runtime (csrc/emulation/runtime.cpp's __tsan_* callbacks), which
+            # counts those of running kernels while asked to (count_accesses); no sanitizer runtime is linked.
+            "-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0",
             "-O2", "-fno-strict-aliasing", "-include", str(sources / "emulation" / "cpu.h"), "-DMACS_CPU_EMULATION",
             # torch's extension flags (csrc/common.cuh): conversions are explicit calls.
             "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
@@ -121,7 +124,7 @@ _runtime = ctypes.CDLL(library.__file__)
 _runtime.cuda_emulation_take_launches.restype = ctypes.c_char_p
 _runtime.cuda_emulation_kernel_name.restype = ctypes.c_char_p
 _runtime.cuda_emulation_kernel_name.argtypes = [ctypes.c_void_p]
-_runtime.cuda_emulation_copies.restype = ctypes.c_size_t
+_runtime.cuda_emulation_accesses.restype = ctypes.c_size_t
 RUN_ORDERS = ("forward", "reverse", "shuffled")
 
 
@@ -178,26 +181,47 @@ def take_launches() -> list[Launch]:
     return launches
 
 
-_counting_copies = False
+# csrc/emulation/runtime.cpp's records of an access and of a named buffer.
+ACCESS = numpy.dtype([("address", numpy.uint64), ("kernel", numpy.uint64), ("buffer", numpy.int32),
+                      ("bytes", numpy.uint16), ("written", numpy.uint8), ("unused", numpy.uint8)])
+_BUFFER = numpy.dtype([("start", numpy.uint64), ("end", numpy.uint64), ("name", numpy.uint64)])
 
 
-def count_async_copies(count: bool) -> None:
-    """Record the source address of every later 16-byte asynchronous copy (`cp.async`) that reads global memory
-    (True), or stop (False); either way forget the copies recorded so far."""
-    global _counting_copies
-    _counting_copies = count
-    _runtime.cuda_emulation_count_copies(int(count))
+class Buffer(NamedTuple):
+    """A buffer a launcher named while accesses were counted: scratch ("scores", "part_acc", ...) or an output."""
+    name: str
+    start: int
+    end: int
 
 
-def take_async_copies() -> dict[str, numpy.ndarray]:
-    """The copies recorded since counting began, by kernel (named as in take_launches): each copy's source address
-    (uint64; it read 16 bytes there), in the order they ran. Forgets them; counting goes on."""
-    sources, kernels = ctypes.POINTER(ctypes.c_uint64)(), ctypes.POINTER(ctypes.c_void_p)()
-    count = _runtime.cuda_emulation_copies(ctypes.byref(sources), ctypes.byref(kernels))
-    if count == 0:
-        return {}
-    addresses = numpy.ctypeslib.as_array(sources, shape=(count,)).copy()
-    made_by = numpy.ctypeslib.as_array(ctypes.cast(kernels, ctypes.POINTER(ctypes.c_uint64)), shape=(count,)).copy()
-    count_async_copies(_counting_copies)
-    return {_runtime.cuda_emulation_kernel_name(int(kernel)).decode(): addresses[made_by == kernel]
-            for kernel in numpy.unique(made_by)}
+class Accesses(NamedTuple):
+    """Global-memory accesses of running kernels, in the order they ran: `records` (ACCESS: address, kernel,
+    buffer, bytes, written) whose `buffer` indexes `buffers` (-1: in none of them), and each kernel's name."""
+    records: numpy.ndarray
+    buffers: list[Buffer]
+    kernels: dict[int, str]
+
+
+def count_accesses(spans: list[tuple[int, int]] | None) -> None:
+    """Record the global-memory accesses of the kernels this thread launches from now on (None: stop): every 16-byte
+    asynchronous copy (`cp.async`) that reads global memory, and every plain load and store in one of `spans`
+    ([start, end) addresses, at most 64) or in a buffer a launcher names (csrc/launch_utils.h's name_buffers).
+    Either way forget what was recorded so far."""
+    watched = numpy.asarray(spans if spans is not None else [], dtype=numpy.uint64).reshape(-1, 2)
+    if not _runtime.cuda_emulation_count_accesses(watched.ctypes.data_as(ctypes.c_void_p),
+                                                  -1 if spans is None else len(watched)):
+        raise ValueError(f"at most 64 spans can be watched, got {len(watched)}")
+
+
+def counted_accesses() -> Accesses:
+    """The accesses recorded since counting began (counting goes on)."""
+    records, buffers, buffer_count = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_size_t()
+    count = _runtime.cuda_emulation_accesses(ctypes.byref(records), ctypes.byref(buffers), ctypes.byref(buffer_count))
+    records = numpy.frombuffer(ctypes.string_at(records, count * ACCESS.itemsize), ACCESS) if count else \
+        numpy.empty(0, ACCESS)
+    named = numpy.frombuffer(ctypes.string_at(buffers, buffer_count.value * _BUFFER.itemsize), _BUFFER) \
+        if buffer_count.value else numpy.empty(0, _BUFFER)
+    return Accesses(records.copy(), [Buffer(ctypes.string_at(int(b["name"])).decode(), int(b["start"]), int(b["end"]))
+                                     for b in named],
+                    {int(kernel): _runtime.cuda_emulation_kernel_name(int(kernel)).decode()
+                     for kernel in numpy.unique(records["kernel"])})
