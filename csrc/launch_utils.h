@@ -15,6 +15,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "pool/kernel.cuh"
 #include "split_kv_choice.h"
@@ -23,16 +24,33 @@
 namespace macs {
 
 // Names the buffers a launcher allocates (scratch, outputs) in the CPU emulation's byte counts, which credit each
-// access to the buffer it falls in (macs_kernels/apps/bench/traffic.py); a GPU build compiles nothing here.
-inline void name_buffers(std::initializer_list<std::pair<const char*, const at::Tensor*>> buffers) {
+// access to the buffer it falls in (macs_kernels/apps/bench/traffic.py), for as long as it lives (declare it after
+// them); a GPU build compiles nothing here.
+class NamedBuffers {
+ public:
+  NamedBuffers(std::initializer_list<std::pair<const char*, const at::Tensor*>> buffers) {
 #ifdef MACS_CPU_EMULATION
-  for (const auto& [name, buffer] : buffers) {
-    if (buffer->defined()) cuda_emulation::name_buffer(name, buffer->data_ptr(), buffer->nbytes());
-  }
+    for (const auto& [name, buffer] : buffers) {
+      if (buffer->defined()) {
+        cuda_emulation::name_buffer(name, buffer->data_ptr(), buffer->nbytes());
+        named_.push_back(buffer->data_ptr());
+      }
+    }
 #else
-  (void)buffers;
+    (void)buffers;
 #endif
-}
+  }
+  NamedBuffers(const NamedBuffers&) = delete;
+  NamedBuffers& operator=(const NamedBuffers&) = delete;
+#ifdef MACS_CPU_EMULATION
+  ~NamedBuffers() {
+    for (const void* data : named_) cuda_emulation::forget_buffer(data);
+  }
+
+ private:
+  std::vector<const void*> named_;
+#endif
+};
 
 inline void check_tensor(const char* op, const char* name, const at::Tensor& t, int64_t dim,
                          const at::Tensor& like) {
@@ -290,8 +308,9 @@ struct SplitRun {
       stats = at::empty({shape.batch, shape.heads, shape.rows, 2}, floats);
       pool.stats = stats.data_ptr<float>();
     }
-    name_buffers({{"part_stats", &part_stats}, {"part_acc", &part_acc}, {"scores", &scores},
-                  {"relative_scores", &relative_scores}, {"score_maxima", &score_maxima}, {"stats", &stats}});
+    const NamedBuffers named({{"part_stats", &part_stats}, {"part_acc", &part_acc}, {"scores", &scores},
+                              {"relative_scores", &relative_scores}, {"score_maxima", &score_maxima},
+                              {"stats", &stats}});
     const auto data = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
     const double softcap = variant == nullptr ? 0.0 : variant->softcap;
     const c10::cuda::CUDAGuard guard(q.device());

@@ -201,8 +201,10 @@ inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
 }
 
 // Names a buffer of `bytes` at `data` in the byte counts of the kernels this thread launches next
-// (macs_kernels/apps/bench/traffic.py; csrc/launch_utils.h's name_buffers); nothing unless they are being counted.
+// (macs_kernels/apps/bench/traffic.py; csrc/launch_utils.h's NamedBuffers); nothing unless they are being counted.
 void name_buffer(const char* name, const void* data, size_t bytes);
+// Ends the name of the buffer at `data` (it is freed).
+void forget_buffer(const void* data);
 
 // cp.async.cg.shared.global, 16 bytes (`fill` false: zeros, nothing read), commit_group and wait_group.
 void copy16_async(void* shared, const void* global, bool fill);

@@ -140,14 +140,16 @@ std::string launches_text;
 // Whether launches run their kernels: off, a launch is checked and logged only, and an op costs what its host path
 // costs (benchmarks/bench_checks.py).
 bool execute = true;
-const void* running_kernel = nullptr;  // the launch whose blocks run now (null between launches)
+// The launch whose blocks this thread runs now (null between launches): what a counted access is credited to.
+__attribute__((tls_model("initial-exec"))) thread_local const void* running_kernel = nullptr;
 
 // While counting (off by default; macs_kernels/apps/bench/traffic.py): the global-memory accesses of the kernels this
 // host thread launches. Every 16-byte asynchronous copy that reads global memory, and every plain load and store (the
 // emulation compiles csrc/ with -fsanitize=thread, whose callbacks come here) in a watched span: the caller's
-// tensors, or a buffer the launchers name while counting (name_buffer; an access is credited to the latest one
-// holding it, since the allocator hands a freed buffer's bytes to the next). The callbacks run on every access, so
-// they call nothing instrumented (they would call themselves back): plain arrays, grown by realloc.
+// tensors, or a buffer the launchers name while counting, from name_buffer until forget_buffer (an access is credited
+// to the latest living one that holds it). Atomic operations are not counted (the kernels make none). The callbacks
+// run on every access, so they call nothing instrumented (they would call themselves back): plain arrays, grown by
+// realloc.
 struct Access {
   uint64_t address;
   const void* kernel;
@@ -157,7 +159,8 @@ struct Access {
 };
 struct Span {
   uint64_t start, end;
-  const char* name;  // a named buffer's (the launchers' string literals)
+  const char* name;     // a named buffer's (the launchers' string literals)
+  uint64_t alive = 1;  // a named buffer's: 0 once freed
 };
 constexpr int kMaxWatched = 64;
 // Most accesses of a running kernel are to its fibers' stacks, shared memory and the emulation's own warps: a hash set
@@ -219,7 +222,7 @@ __attribute__((no_sanitize_thread, noinline)) void log_access(AccessLog* log, co
   if (!copy && (log->page_slots == 0 || log->pages[page_slot(log, at >> kPageShift)] == 0)) return;
   int32_t buffer = -1;
   for (size_t i = log->buffer_count; i-- > 0;) {
-    if (at >= log->buffers[i].start && at < log->buffers[i].end) {
+    if (at >= log->buffers[i].start && at < log->buffers[i].end && log->buffers[i].alive) {
       buffer = int32_t(i);
       break;
     }
@@ -490,11 +493,23 @@ void run_grid(const LaunchConfig& config, void (*run_thread)(void*), void* call)
   }
 }
 
+void forget_buffer(const void* data) {
+  AccessLog* log = access_log;
+  if (log == nullptr) return;
+  const uint64_t start = reinterpret_cast<uint64_t>(data);
+  for (size_t i = log->buffer_count; i-- > 0;) {
+    if (log->buffers[i].start == start && log->buffers[i].alive) {
+      log->buffers[i].alive = 0;  // its bytes may become another buffer's, or no buffer's
+      return;
+    }
+  }
+}
+
 void name_buffer(const char* name, const void* data, size_t bytes) {
   AccessLog* log = access_log;
   if (log == nullptr || bytes == 0) return;
   const uint64_t start = reinterpret_cast<uint64_t>(data);
-  append(log->buffers, log->buffer_count, log->buffer_capacity, Span{start, start + bytes, name});
+  append(log->buffers, log->buffer_count, log->buffer_capacity, Span{start, start + bytes, name, 1});
   add_pages(log, start, start + bytes);
 }
 
@@ -521,22 +536,22 @@ extern "C" void cuda_emulation_set_execute(int execute) {
 }
 
 // Counts the global-memory accesses of the kernels this thread launches from now on, plain ones within the `count`
-// spans [start, end) of `spans` (at most 64) or in buffers the launchers name (count -1: stops counting); either way
-// forgets those counted so far.
+// spans [start, end) of `spans` or in buffers the launchers name (count -1: stops counting); either way forgets those
+// counted so far. More than 64 spans: stops counting and returns 0.
 extern "C" int cuda_emulation_count_accesses(const uint64_t* spans, int count) {
   using cuda_emulation::access_log;
-  if (count > cuda_emulation::kMaxWatched) return 0;
-  if (access_log != nullptr) {
-    std::free(access_log->buffers);
-    std::free(access_log->accesses);
-    std::free(access_log->pages);
-    delete access_log;
+  if (cuda_emulation::AccessLog* old = access_log) {
     access_log = nullptr;
+    std::free(old->buffers);
+    std::free(old->accesses);
+    std::free(old->pages);
+    delete old;
   }
   if (count < 0) return 1;
+  if (count > cuda_emulation::kMaxWatched) return 0;
   auto* log = new cuda_emulation::AccessLog;
   for (int i = 0; i < count; ++i) {
-    log->watched[i] = {spans[2 * i], spans[2 * i + 1], nullptr};
+    log->watched[i] = {spans[2 * i], spans[2 * i + 1], nullptr, 1};
     add_pages(log, spans[2 * i], spans[2 * i + 1]);
   }
   log->watched_count = count;
@@ -639,11 +654,16 @@ CUDA_EMULATION_ACCESS(4)
 CUDA_EMULATION_ACCESS(8)
 CUDA_EMULATION_ACCESS(16)
 #undef CUDA_EMULATION_ACCESS
+// A range (an aggregate's copy) in pieces of at most 16 bytes, as the vector accesses that would move it.
 CUDA_EMULATION_UNCOUNTED void __tsan_read_range(void* address, unsigned long bytes) {
-  cuda_emulation::note_access(address, bytes, false, false);
+  for (unsigned long at = 0; at < bytes; at += 16) {
+    cuda_emulation::note_access(static_cast<char*>(address) + at, bytes - at < 16 ? bytes - at : 16, false, false);
+  }
 }
 CUDA_EMULATION_UNCOUNTED void __tsan_write_range(void* address, unsigned long bytes) {
-  cuda_emulation::note_access(address, bytes, true, false);
+  for (unsigned long at = 0; at < bytes; at += 16) {
+    cuda_emulation::note_access(static_cast<char*>(address) + at, bytes - at < 16 ? bytes - at : 16, true, false);
+  }
 }
 CUDA_EMULATION_UNCOUNTED void __tsan_init(void) {}
 CUDA_EMULATION_UNCOUNTED void __tsan_vptr_update(void**, void*) {}

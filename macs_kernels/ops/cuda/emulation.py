@@ -3,8 +3,10 @@ the environment before macs_kernels is imported, the cuda backend takes CPU tens
 kernels, launchers and host policy) compiled by the host's C++ compiler, as TRITON_INTERPRET=1 runs the triton
 backend's kernels in Triton's interpreter.
 
-csrc/emulation/cpu.h makes each CUDA thread an OS thread and computes the warp-collective instructions (shuffles,
-mma.sync, ldmatrix, cp.async) as the PTX ISA defines them; its comment says what it shows and what it cannot. The
+csrc/emulation/cpu.h makes each CUDA thread a fiber and computes the warp-collective instructions (shuffles,
+mma.sync, ldmatrix, cp.async) as the PTX ISA defines them; its comment says what it shows and what it cannot. Every
+load and store of the compiled code calls the runtime (GCC's thread-sanitizer instrumentation, no sanitizer
+runtime), which counts the global-memory accesses of running kernels when asked (count_accesses). The
 launchers register the operators `torch.ops.macs_kernels.<op>` for the CPU dispatch key (so every CPU call of an
 operator in this process runs them), on an emulated H200 (132 multiprocessors, compute capability 9.0).
 
@@ -184,7 +186,7 @@ def take_launches() -> list[Launch]:
 # csrc/emulation/runtime.cpp's records of an access and of a named buffer.
 ACCESS = numpy.dtype([("address", numpy.uint64), ("kernel", numpy.uint64), ("buffer", numpy.int32),
                       ("bytes", numpy.uint16), ("written", numpy.uint8), ("unused", numpy.uint8)])
-_BUFFER = numpy.dtype([("start", numpy.uint64), ("end", numpy.uint64), ("name", numpy.uint64)])
+_BUFFER = numpy.dtype([("start", numpy.uint64), ("end", numpy.uint64), ("name", numpy.uint64), ("alive", numpy.uint64)])
 
 
 class Buffer(NamedTuple):
@@ -205,8 +207,8 @@ class Accesses(NamedTuple):
 def count_accesses(spans: list[tuple[int, int]] | None) -> None:
     """Record the global-memory accesses of the kernels this thread launches from now on (None: stop): every 16-byte
     asynchronous copy (`cp.async`) that reads global memory, and every plain load and store in one of `spans`
-    ([start, end) addresses, at most 64) or in a buffer a launcher names (csrc/launch_utils.h's name_buffers).
-    Either way forget what was recorded so far."""
+    ([start, end) addresses, at most 64) or in a buffer a launcher names while it lives (csrc/launch_utils.h's
+    NamedBuffers). Either way forget what was recorded so far."""
     watched = numpy.asarray(spans if spans is not None else [], dtype=numpy.uint64).reshape(-1, 2)
     if not _runtime.cuda_emulation_count_accesses(watched.ctypes.data_as(ctypes.c_void_p),
                                                   -1 if spans is None else len(watched)):
