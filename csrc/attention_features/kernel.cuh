@@ -1,8 +1,9 @@
 // AT2 features: per query head, the softmax attention of R target rows on a span of source keys, summed
 // over the rows. Valid row r (< n_rows[b]) attends keys [kv_start, kv_len - n_rows + r + 1).
 //
-// features_lse_kernel (only without a given lse): one warp per row, lanes stride over the row's keys with
-// an online log-sum-exp, merged across the warp.
+// features_lse_kernel (only without a given lse): one block per (b, h, kFeatureWarps rows), one warp per row. The
+// rows' keys pass through shared memory a tile of 32 at a time, read once (and coalesced) for all the block's rows;
+// lane j scores key j into an online log-sum-exp, merged across the warp at the end.
 // features_kernel: one block per (b, h, tile of 32 source keys). The tile's keys sit in shared memory
 // (float, rows padded by one against bank conflicts); each warp takes one target row at a time, lane j
 // scores key j, and keeps its column's running sum over rows in a register; the warps' sums are added
@@ -58,32 +59,42 @@ struct FeatureRows {
 };
 
 template <typename T>
-__device__ __forceinline__ float dot_row(const T* __restrict__ a, const float* __restrict__ b, int64_t dim) {
-  float s = 0.0f;
-  for (int64_t d = 0; d < dim; ++d) s = fmaf(to_float(a[d]), b[d], s);
-  return s;
-}
-
-template <typename T>
 __global__ void __launch_bounds__(kFeatureWarps * 32) features_lse_kernel(FeaturesParams<T> p) {
+  __shared__ float k_tile[kFeatureTile][kFeatureMaxDim + 1];
   __shared__ float q_rows[kFeatureWarps][kFeatureMaxDim];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t bh = blockIdx.x, b = bh / p.heads, h = bh % p.heads;
-  const int64_t r = int64_t(blockIdx.y) * kFeatureWarps + warp;
+  const int64_t first_row = int64_t(blockIdx.y) * kFeatureWarps, r = first_row + warp;
   const FeatureRows rows(p.kv_start, p.kv_len, p.n_rows, b, p.rows, p.keys);
-  if (r >= p.rows) return;
-  if (r >= rows.n_rows) {
-    if (lane == 0) p.lse[bh * p.rows + r] = 0.0f;
-    return;
+  if (r < p.rows && r >= rows.n_rows && lane == 0) p.lse[bh * p.rows + r] = 0.0f;
+  const bool valid = r < rows.n_rows;  // the same for every lane of the warp
+  if (valid) {
+    const T* q = p.q + b * p.q_sb + h * p.q_sh + r * p.q_sr;
+    for (int64_t d = lane; d < p.dim; d += 32) q_rows[warp][d] = to_float(q[d]);
   }
-  const T* q = p.q + b * p.q_sb + h * p.q_sh + r * p.q_sr;
-  for (int64_t d = lane; d < p.dim; d += 32) q_rows[warp][d] = to_float(q[d]);
-  __syncwarp();
+  // Row r attends [max(start, base + r + 1 - window), base + r + 1): the block's first row starts first, its last
+  // valid row ends last.
+  const int64_t row_lo = max(rows.start, rows.base + r + 1 - p.window), row_hi = rows.base + r + 1;
+  const int64_t lo = max(rows.start, rows.base + first_row + 1 - p.window);
+  const int64_t hi = first_row < rows.n_rows ? rows.base + min(first_row + kFeatureWarps, rows.n_rows) : lo;
   const T* k = p.k + b * p.k_sb + (h / p.group) * p.k_sh;
   SoftmaxState state;
-  for (int64_t n = max(rows.start, rows.base + r + 1 - p.window) + lane; n < rows.base + r + 1; n += 32) {
-    state.merge(feature_score(p, dot_row(k + n * p.k_ss, q_rows[warp], p.dim)), 1.0f);
+  for (int64_t tile = lo; tile < hi; tile += kFeatureTile) {
+    const int64_t tile_keys = min(int64_t(kFeatureTile), hi - tile);
+    __syncthreads();  // the previous tile is no longer read (and, the first time, q_rows are written)
+    for (int64_t i = threadIdx.x; i < tile_keys * p.dim; i += blockDim.x) {
+      const int64_t j = i / p.dim, d = i % p.dim;
+      k_tile[j][d] = to_float(k[(tile + j) * p.k_ss + d]);
+    }
+    __syncthreads();
+    const int64_t n = tile + lane;
+    if (valid && lane < tile_keys && n >= row_lo && n < row_hi) {
+      float dot = 0.0f;
+      for (int64_t d = 0; d < p.dim; ++d) dot = fmaf(q_rows[warp][d], k_tile[lane][d], dot);
+      state.merge(feature_score(p, dot), 1.0f);
+    }
   }
+  if (!valid) return;
   for (int offset = 16; offset > 0; offset >>= 1) {
     const float m = __shfl_xor_sync(0xffffffffu, state.m, offset);
     const float l = __shfl_xor_sync(0xffffffffu, state.l, offset);

@@ -198,6 +198,27 @@ def test_each_split_kernel_reads_each_attended_key_once_and_each_score_once(kern
                     maxima == Counts(), f"{where}: score maxima {maxima}"
 
 
+def test_the_features_lse_pass_reads_each_key_once_per_block_of_rows():
+    """attention_features' lse pass (without a given lse) reads a query head's keys once per block of 8 rows, each
+    block up to its last row's end, and no other K; it read them once per row (8x the bytes here) before."""
+    from macs_kernels.apps.bench.traffic import cuda_traffic
+
+    batch, heads, kv_heads, rows, keys, dim = 1, 6, 2, 13, 300, 64
+    q = torch.randn(batch, heads, rows, dim).bfloat16()
+    k = torch.randn(batch, kv_heads, keys, dim).bfloat16()
+    call = lambda: ops.attention_features(q, k, source_start=10, source_end=280, kv_len=keys, scale=0.125,  # noqa: E731
+                                          backend="cuda")
+    call()
+    with cuda_traffic({"k": k}) as traffic:
+        call()
+    [lse_pass] = [kernel for kernel, _ in traffic.counts if "features_lse_kernel<" in kernel]
+    read = traffic.of("k", lse_pass)
+    row_bytes = dim * k.element_size()
+    blocks = [keys - rows + min(first + 8, rows) for first in range(0, rows, 8)]  # keys [0, block end)
+    assert read.read == heads * sum(blocks) * row_bytes, read
+    assert read.read_distinct == k.numel() * k.element_size(), read
+
+
 # What a GPU's first run of a kernel found or would find, planted in a copy of csrc/: (file, text, replacement, the
 # split kernel to run [and "misaligned" K/V rows], what the emulation must report). "rows": the rows come back wrong;
 # "order": they change with the order blocks and threads run in; "error: ...": the launch fails saying so; "crash":

@@ -239,6 +239,28 @@ def test_variants_over_row_chunks_and_key_splits(dtype, window, softcap, with_si
     assert relative_error(attention, expected_out[:, -1]) < tolerance
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window, softcap, with_sinks", [(None, None, False), (37, None, False), (None, 20.0, True)])
+def test_attention_features_computing_its_lse(dtype, window, softcap, with_sinks):
+    """attention_features without a given lse (its lse pass stages each key tile once for a block of 8 rows) against
+    the float64 reference: GQA 3:1, 13 rows (a partial block), fewer valid rows than R, left pads, 1023 keys."""
+    batch, kv_heads, group, rows, keys, dim = 2, 2, 3, 13, 1023, 64
+    heads = kv_heads * group
+    q = 2 * torch.randn(batch, heads, rows, dim, device=DEVICE).to(dtype)
+    k = torch.randn(batch, kv_heads, keys, dim, device=DEVICE).to(dtype)
+    sinks = 2 * torch.randn(heads, device=DEVICE) if with_sinks else None
+    index = dict(source_start=torch.tensor([2, 40], device=DEVICE), source_end=torch.tensor([1000, 990], device=DEVICE),
+                 kv_start=torch.tensor([0, 35], device=DEVICE), kv_len=torch.tensor([1023, 1001], device=DEVICE),
+                 n_rows=torch.tensor([13, 9], device=DEVICE))
+    scale = dim ** -0.5
+    expected = reference.attention_features_reference(q.cpu(), k.cpu(), scale=scale, window=window, softcap=softcap,
+                                                      sinks=None if sinks is None else sinks.cpu(),
+                                                      **{name: value.cpu() for name, value in index.items()})
+    variant = ops.Variant(window=window, softcap=softcap, sinks=sinks)
+    features = ops.attention_features(q, k, scale=scale, variant=variant, backend="cuda", **index)
+    assert relative_error(features, expected.to(features.device)) < RELATIVE_ERROR[dtype]
+
+
 @pytest.mark.usefixtures("split_kernel")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("pooling", ["max", "min"])
