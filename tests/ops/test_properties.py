@@ -224,4 +224,7 @@ def test_torch_backend_equals_the_reference(op, data):
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_gpu_backends_equal_the_reference(op, backend, data):
+    reason = ops.why_unavailable(backend, DEVICE, op)  # the CUDA emulation registers no efficient_attention kernel
+    if reason is not None:
+        pytest.skip(reason)
     _check_against_reference(op, *data.draw(valid_call(op)), backend=backend)
