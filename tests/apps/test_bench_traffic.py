@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ops.cases import NEEDS_CUDA_EMULATION, NEEDS_TRITON_INTERPRETER
+from tests.ops.cases import NEEDS_CUDA_EMULATION, NEEDS_TRITON_INTERPRETER, RELATIVE_SCORE_PASSES
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -19,8 +19,6 @@ try:
 finally:
     sys.path.remove(str(ROOT / "benchmarks"))
 
-# Per backend: the split passes that keep float16 relative scores, and the keys per float32 maximum they keep.
-RELATIVE_SCORES = {"triton": (("two-launch", "one-launch"), 64), "cuda": (("mma",), 16)}
 
 
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=NEEDS_TRITON_INTERPRETER),
@@ -36,7 +34,7 @@ def test_the_traffic_benchmark_counts_the_bytes_its_calls_must_move(backend, tmp
     assert len(rows) == attention_rows + 2 * len(passes)  # then decode_attention and macs_update under each pass
     kv_bytes = 2 * batch * bench_traffic.KV_HEADS * keys * dim * 2
     inputs = keys - bench_ops.GENERATED
-    relative, group = RELATIVE_SCORES[backend]
+    relative, group = RELATIVE_SCORE_PASSES[backend]
     for row in rows:
         must_read = kv_bytes if row["call"] != "macs_update" else kv_bytes // 2
         assert row["cache_bytes"] == must_read and row["distinct_bytes"] > must_read, row

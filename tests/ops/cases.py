@@ -210,6 +210,18 @@ class KeyReadingCall:
     updates_log_c: bool = False
 
 
+# Per backend, the split passes whose log c update keeps 16-bit inputs' scores as float16 `s - m`, and the keys per
+# float32 maximum m they keep (Triton's two- and one-launch passes, benchmarks/results/triton_two_launch_pass.md; the
+# cuda mma kernel, SplitParams::relative_scores); every other score is float32.
+RELATIVE_SCORE_PASSES = {"triton": (("two-launch", "one-launch"), 64), "cuda": (("mma",), 16)}
+
+
+def score_bytes(backend: str, split_pass: str, dtype: torch.dtype, case: KeyReadingCall) -> int:
+    """Bytes per input key's score that `case` keeps under `split_pass` of `backend`."""
+    relative = split_pass in RELATIVE_SCORE_PASSES[backend][0] and dtype != torch.float32 and case.updates_log_c
+    return 2 if relative else 4
+
+
 def key_reading_calls(dtype: torch.dtype, backend: str, device=DEVICE) -> list[KeyReadingCall]:
     """decode_attention (attention alone, with log c, with m' out), macs_update, macs_pool (one row, a verify block of
     three) and macs_pool_paged, GQA 3:1, on ragged ranges (a left pad, generated keys, unused slots)."""

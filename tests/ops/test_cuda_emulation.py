@@ -20,6 +20,7 @@ from tests.ops.cases import (
     NEEDS_CUDA_EMULATION,
     every_op_results,
     key_reading_calls,
+    score_bytes,
     uninitialized_memory_poisoned,
 )
 
@@ -188,9 +189,10 @@ def test_each_split_kernel_reads_each_attended_key_once_and_each_score_once(kern
                         f"{where}: {argument} read {read} for {case.attended} attended bytes"
                 if not case.score_columns:
                     continue
-                relative = kernel == "mma" and case.updates_log_c
+                width = score_bytes("cuda", kernel, dtype, case)
+                relative = width == 2
                 scores = traffic.of("relative_scores" if relative else "scores")
-                expected = case.score_columns * (2 if relative else 4)
+                expected = case.score_columns * width
                 assert (scores.written, scores.written_distinct, scores.read, scores.read_distinct) == \
                     (expected,) * 4, f"{where}: {scores} for {expected} bytes of scores"
                 maxima = traffic.of("score_maxima")

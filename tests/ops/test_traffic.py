@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.ops.cases import NEEDS_TRITON_INTERPRETER, key_reading_calls, many_programs
+from tests.ops.cases import NEEDS_TRITON_INTERPRETER, key_reading_calls, many_programs, score_bytes
 
 pytest.importorskip("triton")
 from macs_kernels.apps.bench.traffic import OUTSIDE, Counts, Traffic, triton_traffic  # noqa: E402
@@ -25,12 +25,6 @@ def traffic_of(call) -> Traffic:
     return traffic
 
 
-def score_bytes(split_pass: str, case, dtype: torch.dtype) -> int:
-    """Bytes per score kept: float32, but float16 `s - m` in the two- and one-launch passes' log c update of
-    half-precision inputs (benchmarks/results/triton_two_launch_pass.md)."""
-    return 2 if split_pass != "verified" and dtype != torch.float32 and case.updates_log_c else 4
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("triton_split_kv", TRITON_SPLIT_KV_PASSES, indirect=True)  # tests/ops/conftest.py
 def test_each_attended_key_is_read_once_and_each_score_written_and_read_once(triton_split_kv, dtype):
@@ -45,7 +39,7 @@ def test_each_attended_key_is_read_once_and_each_score_written_and_read_once(tri
         if not case.score_columns:
             continue
         scores = traffic.of("scores")
-        expected = case.score_columns * score_bytes(triton_split_kv, case, dtype)
+        expected = case.score_columns * score_bytes("triton", triton_split_kv, dtype, case)
         assert (scores.written, scores.written_distinct) == (expected, expected), f"{case.name}: {scores}"
         # The scores come back once: the pooling kernel's `values` (verified) or the `scores` the pooling reads.
         read_back = scores.read_distinct + traffic.of("values").read_distinct
