@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from macs_kernels.apps.bench.sass import blocks_per_multiprocessor, cuobjdump, sass_by_function
 from macs_kernels.ops.cuda import CUDA_SPLIT_KV_DEFAULT, set_cuda_split_kv_kernel
 from macs_kernels.ops.registry import BackendUnavailable
 from tests.ops.cases import MMA_BLOCKS_BY_REGISTERS, MMA_THREADS
@@ -139,24 +140,6 @@ def test_kernels_compile_for_sm80_and_sm90_in_every_dtype_with_one_copy_each(com
                     assert symbol in cubin, f"{piece}/{arch}: {kernel} is not instantiated for {dtype}"
 
 
-def _cuobjdump():
-    """cuobjdump from the CUDA toolkit, or the copy Triton's wheel ships; None when neither is here."""
-    found = shutil.which("cuobjdump")
-    if found is None:
-        spec = importlib.util.find_spec("triton")
-        if spec is not None and spec.origin is not None:
-            candidate = Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-            found = str(candidate) if candidate.exists() else None
-    return found
-
-
-def _sass_by_function(cubin: Path) -> dict:
-    dump = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, timeout=300)
-    assert dump.returncode == 0, dump.stderr
-    sections = re.split(r"\n\s*Function : (\w+)\n", dump.stdout)
-    return dict(zip(sections[1::2], sections[2::2]))
-
-
 def test_pipelined_split_kernel_copies_16_bytes_asynchronously_without_spills(compiled_pieces):
     folder, results = compiled_pieces
     entries = PTXAS_ENTRY.findall(results["split_kv_pipelined"].stderr)
@@ -165,10 +148,10 @@ def test_pipelined_split_kernel_copies_16_bytes_asynchronously_without_spills(co
     for name, arch, stack, spill_stores, spill_loads, registers in entries:
         assert (int(stack), int(spill_stores), int(spill_loads)) == (0, 0, 0), f"{name} {arch}: local memory"
         assert int(registers) <= PIPELINED_MAX_REGISTERS, f"{name} {arch}: {registers} registers"
-    if _cuobjdump() is None:
+    if cuobjdump() is None:
         pytest.skip("no cuobjdump (neither the CUDA toolkit's nor Triton's) to read the SASS")
     for arch in ARCHES:
-        sass = _sass_by_function(folder / "split_kv_pipelined" / f"kernel.compute_{arch[3:]}.cubin")
+        sass = sass_by_function(folder / "split_kv_pipelined" / f"kernel.compute_{arch[3:]}.cubin")
         assert {name for name, _ in kernels} <= set(sass), f"{arch}: kernels missing from the SASS"
         for name, code in sass.items():
             assert re.search(r"\bLDGSTS\.E\.BYPASS(\.\w+)*\.128\b", code), f"{name} {arch}: no 16-byte cp.async"
@@ -177,11 +160,6 @@ def test_pipelined_split_kernel_copies_16_bytes_asynchronously_without_spills(co
             assert not re.search(r"\b(LDL|STL)\b", code), f"{name} {arch}: local memory"
             # K and V reach the kernel only through the asynchronous copies: no plain 16-byte global loads.
             assert not re.search(r"\bLDG\.E\.(\w+\.)*128\b", code), f"{name} {arch}: plain 16-byte loads of K/V"
-
-
-def _resident_by_registers(registers: int, threads: int) -> int:
-    """Blocks of `threads` that 64K registers hold at `registers` a thread (allocated per warp in units of 256)."""
-    return 65536 // (threads * -(-registers // 8) * 8)
 
 
 def _mma_instantiation(name: str) -> tuple[int, bool]:
@@ -200,11 +178,12 @@ def test_mma_split_kernel_runs_on_tensor_cores_from_asynchronous_copies_without_
         # Exactly the policy's count: more registers would leave blocks of its wave waiting for a second one, fewer
         # would leave multiprocessors idle.
         blocks = MMA_BLOCKS_BY_REGISTERS[_mma_instantiation(name)]
-        assert _resident_by_registers(int(registers), MMA_THREADS) == blocks, f"{name} {arch}: {registers} registers"
-    if _cuobjdump() is None:
+        resident = blocks_per_multiprocessor(int(arch[3:]), int(registers), MMA_THREADS)
+        assert resident == blocks, f"{name} {arch}: {registers} registers"
+    if cuobjdump() is None:
         pytest.skip("no cuobjdump (neither the CUDA toolkit's nor Triton's) to read the SASS")
     for arch in ARCHES:
-        sass = _sass_by_function(folder / "split_kv_mma" / f"kernel.compute_{arch[3:]}.cubin")
+        sass = sass_by_function(folder / "split_kv_mma" / f"kernel.compute_{arch[3:]}.cubin")
         assert {name for name, _ in kernels} == set(sass), f"{arch}: kernels missing from the SASS"
         for name, code in sass.items():
             dim, with_v = _mma_instantiation(name)

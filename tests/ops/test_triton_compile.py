@@ -18,6 +18,20 @@ from pathlib import Path
 
 import pytest
 
+from macs_kernels.apps.bench.sass import (
+    SPLIT_INDEX,
+    cuobjdump,
+    sass_by_function,
+    tensor_core_loop,
+    wide_compares,
+)
+from macs_kernels.apps.bench.sass import (
+    one_launch_variant as _one_launch,
+)
+from macs_kernels.apps.bench.sass import (
+    split_kv_variant as _split_kv,
+)
+
 ROOT = Path(__file__).resolve().parents[2]
 TARGETS = (80, 90)
 
@@ -25,42 +39,18 @@ FEATURES_INDEX = {
     name: "i64" for name in ("source_start_ptr", "source_end_ptr", "start_ptr", "kv_len_ptr", "n_rows_ptr")
 }
 
-SPLIT_INDEX = {"start_ptr": "i64", "input_end_ptr": "i64", "kv_len_ptr": "i64", "block_table_ptr": "i32",
-               "score_start_ptr": "i64"}
 # The pooling's ranges: the attended keys, the inputs and where a window's inputs start.
 POOL_INDEX = {"pool_start_ptr": "i64", "input_end_ptr": "i64", "start_ptr": "i64", "kv_len_ptr": "i64"}
 POOL_RANGES = {"start_ptr": "i64", "end_ptr": "i64", "kv_len_ptr": "i64", "column_start_ptr": "i64"}
 
 
-def _split_kv(dtype, *, D, GROUP, BLOCK_M, WITH_V=False, WITH_SCORES=True, DOT_F32=False, PAGE_SIZE=0,
-              SOFTCAP=False, WINDOWED=False, scores="fp32"):
-    """A `_split_kv_kernel` variant: q, k and v in `dtype`, one tile over the head dimension; scores "fp16" are the
-    two-launch pass's relative ones."""
-    return (
-        "split_kv", "_split_kv_kernel",
-        {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "scores_ptr": scores, **SPLIT_INDEX},
-        dict(D=D, BLOCK_D=D, GROUP=GROUP, BLOCK_M=BLOCK_M, BLOCK_N=64, WITH_V=WITH_V, WITH_SCORES=WITH_SCORES,
-             DOT_F32=DOT_F32, PAGE_SIZE=PAGE_SIZE, SOFTCAP=SOFTCAP, WINDOWED=WINDOWED),
-        dict(num_warps=4, num_stages=3),
-    )
-
-
-def _one_launch(dtype, *, D, GROUP, BLOCK_M, WITH_V=False, PAGE_SIZE=0, SOFTCAP=False, WINDOWED=False, scores="fp32",
-                POOLING="max", INTO_LOG_C=True, HAS_SINKS=False, LSE_GIVEN=False):
-    """A `_one_launch_kernel` variant (the one-launch fused pass): as _split_kv's, with the pooling's constexprs."""
-    _, _, pointers, constexprs, options = _split_kv(dtype, D=D, GROUP=GROUP, BLOCK_M=BLOCK_M, WITH_V=WITH_V,
-                                                    PAGE_SIZE=PAGE_SIZE, SOFTCAP=SOFTCAP, WINDOWED=WINDOWED,
-                                                    scores=scores)
-    pointers = dict(pointers, out_ptr=dtype, sinks_ptr=dtype, pool_start_ptr="i64", counter_ptr="i32")
-    group_pad = 1 << (GROUP - 1).bit_length()
-    constexprs = dict(constexprs, GROUP_PAD=group_pad, BLOCK_I=max(16, 4096 // group_pad), HAS_SINKS=HAS_SINKS,
-                      LSE_GIVEN=LSE_GIVEN, REDISTRIBUTE=True, POOLING=POOLING, INTO_LOG_C=INTO_LOG_C)
-    return "split_kv", "_one_launch_kernel", pointers, constexprs, options
-
-
 # name -> (module, kernel, pointer element types, constexprs, options)
 VARIANTS = {
     "decode_bf16_gqa4_d128": _split_kv("bf16", D=128, GROUP=4, BLOCK_M=16, WITH_V=True),
+    "decode_bf16_gqa4_d64": _split_kv("bf16", D=64, GROUP=4, BLOCK_M=16, WITH_V=True),
+    # The same decode step's attention alone (decode_attention without MACS).
+    "attention_bf16_gqa4_d128": _split_kv("bf16", D=128, GROUP=4, BLOCK_M=16, WITH_V=True, WITH_SCORES=False),
+    "attention_bf16_gqa4_d64": _split_kv("bf16", D=64, GROUP=4, BLOCK_M=16, WITH_V=True, WITH_SCORES=False),
     "update_fp16_gqa3_d64": _split_kv("fp16", D=64, GROUP=3, BLOCK_M=16),
     # macs_pool of a verify block: 9 query heads per KV head x 5 rows = 45 rows in a 64-row tile.
     "pool_block_bf16_gqa9_d64": _split_kv("bf16", D=64, GROUP=9, BLOCK_M=64),
@@ -198,37 +188,22 @@ VARIANTS = {
 }
 
 _SCRIPT = r"""
-import importlib, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, sys
 sys.path.insert(0, sys.argv[1])
+from macs_kernels.apps.bench.sass import compile_triton
 variants = json.loads(sys.argv[2])
-FLOATS = {"scale", "alpha", "softcap"}
 results = {}
-for (name, (module, kernel_name, pointers, constexprs, options)), float_type in (
+for (name, variant), floats in (
         [(item, "fp32") for item in variants.items()] + [(item, "fp64") for item in variants.items()]):
-    kernel = getattr(importlib.import_module("macs_kernels.ops.triton." + module), kernel_name)
-    if float_type == "fp64":
+    if floats == "fp64":
         name = "inductor_" + name
-    signature, attrs = {}, {}
-    for index, arg in enumerate(kernel.arg_names):
-        if arg in constexprs:
-            signature[arg] = "constexpr"
-        elif arg.endswith("_ptr"):
-            signature[arg] = "*" + pointers.get(arg, "fp32")
-            attrs[(index,)] = [["tt.divisibility", 16]]
-        elif arg in FLOATS:
-            signature[arg] = float_type
-        else:
-            signature[arg] = "i32"
-            if arg.startswith("stride_"):
-                attrs[(index,)] = [["tt.divisibility", 16]]
-    for arch in json.loads(sys.argv[3]) if float_type == "fp32" else [90]:
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
-                                  target=GPUTarget("cuda", arch, 32), options=options)
+    for arch in json.loads(sys.argv[3]) if floats == "fp32" else [90]:
+        compiled = compile_triton(*variant, arch, floats)
+        cubin = f"{sys.argv[4]}/{name}@sm_{arch}.cubin"
+        with open(cubin, "wb") as file:
+            file.write(compiled.asm["cubin"])
         results[f"{name}@sm_{arch}"] = {
-            "ptx": compiled.asm["ptx"], "cubin_bytes": len(compiled.asm["cubin"]),
+            "ptx": compiled.asm["ptx"], "cubin_bytes": len(compiled.asm["cubin"]), "cubin": cubin,
             "shared": compiled.metadata.shared,
         }
 print(json.dumps(results))
@@ -236,10 +211,11 @@ print(json.dumps(results))
 
 
 @pytest.fixture(scope="module")
-def compiled():
+def compiled(tmp_path_factory):
     env = dict(os.environ, TRITON_INTERPRET="0")
+    cubins = tmp_path_factory.mktemp("cubins")
     done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(ROOT), json.dumps(VARIANTS), json.dumps(TARGETS)],
+        [sys.executable, "-c", _SCRIPT, str(ROOT), json.dumps(VARIANTS), json.dumps(TARGETS), str(cubins)],
         env=env, capture_output=True, text=True, timeout=600, check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
@@ -302,3 +278,26 @@ def test_one_launch_pass_keeps_scores_in_l2_and_counts_arrivals(compiled, varian
     assert re.search(r"(red|atom)\.global\.gpu\.relaxed\.(max|min|add)", ptx)
     assert re.search(r"ld\.global\.cg", ptx)
     assert ".local" not in ptx
+
+
+def _key_loop(cubin: str) -> list[str]:
+    (sass,) = sass_by_function(Path(cubin)).values()
+    return tensor_core_loop(sass)
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+@pytest.mark.parametrize("dim", [64, 128])
+def test_fused_key_loop_is_the_attention_loop_and_the_score_stores(compiled, dim, arch):
+    """The verified fused pass's key loop (decode with MACS, bf16, GQA 4:1) adds the score stores to the attention
+    loop and little else: its masks compare int32 offsets against per-row bounds set before the loop, where they once
+    compared int64 keys (two instructions each, three bounds per element). Then the loop ran 1.24-1.34x the attention
+    loop's instructions under Triton 3.6, as the fused pass ran 1.17-1.31x attention's time on an H200 (issue 48);
+    benchmarks/results/triton_two_launch_pass.md has the counts."""
+    if cuobjdump() is None:
+        pytest.skip("no cuobjdump (neither the CUDA toolkit's nor Triton's) to read the SASS")
+    attention, fused = (_key_loop(compiled[f"{name}_bf16_gqa4_d{dim}@sm_{arch}"]["cubin"])
+                        for name in ("attention", "decode"))
+    wide = wide_compares(fused), wide_compares(attention)
+    assert wide[0] == wide[1], f"the score path adds 64-bit compares: {wide[0]} against attention's {wide[1]}"
+    lengths = len(fused), len(attention)
+    assert lengths[0] <= 1.2 * lengths[1], f"{lengths[0]} instructions against attention's {lengths[1]}"

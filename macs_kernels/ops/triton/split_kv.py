@@ -36,6 +36,7 @@ from macs_kernels.ops.triton.common import (
     MIN_SCORE,
     SplitKV,
     cdiv,
+    clamped,
     dot,
     dot_in_f32,
     head_block,
@@ -66,6 +67,12 @@ def _key_slots(n, in_slice, b, block_table_ptr, stride_tb, pages, PAGE_SIZE: tl.
         page = tl.zeros_like(n).to(tl.int64) + b
         slot = n
     return page, slot
+
+
+@triton.jit
+def _slice_offset(key, first, span):
+    """int32 offset of `key` from the slice's first key, clamped into [0, span]."""
+    return clamped(key - first, 0, span).to(tl.int32)
 
 
 @triton.jit
@@ -124,8 +131,20 @@ def _split_slice(
         # Whole key blocks, so that the combine finds the block of key n at n // BLOCK_N.
         first = lo - lo % BLOCK_N
     row_index = (b * kv_heads * GROUP + head) * rows + r
+    # Each row's bounds as int32 offsets from `first`, clamped into the slice's `span` keys: a mask of the (BLOCK_M,
+    # BLOCK_N) tile is then one 32-bit compare per element and bound (an int64 compare takes two instructions), with
+    # the slice's own bounds folded in. Attended keys: [attended_lo, attended_hi); inputs whose scores are stored:
+    # [attended_lo, input_hi) (only an unchecked input range longer than the row of scores reaches column n_scores);
+    # generated keys: from generated_lo.
+    span = tl.maximum(hi - first, 0)
+    attended_lo = _slice_offset(tl.maximum(start, lo), first, span)
+    attended_hi = _slice_offset(tl.minimum(kv_len, hi), first, span)
+    input_hi = tl.minimum(attended_hi, _slice_offset(tl.minimum(input_end, score_start + n_scores), first, span))
+    generated_lo = _slice_offset(input_end, first, span)
+    score_rows = scores_ptr + b * stride_sb + head * stride_sh + r * stride_sr + (first - score_start)
     for n0 in range(first, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
+        offset = (n0 - first).to(tl.int32) + tl.arange(0, BLOCK_N)
         # Keys past the slice load as 0, not as whatever an unused cache slot holds (0 * NaN would poison
         # the dot).
         in_slice = n < hi
@@ -135,16 +154,14 @@ def _split_slice(
         page, slot = _key_slots(n, in_slice, b, block_table_ptr, stride_tb, pages, PAGE_SIZE)
         k_rows = k_head + page * stride_kb + slot * stride_ks
         k = operand(tl.load(k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0), DOT_F32)
-        attended = in_slice[None, :] & (n[None, :] >= start[:, None]) & (n[None, :] < kv_len[:, None])
+        attended = (offset[None, :] >= attended_lo[:, None]) & (offset[None, :] < attended_hi[:, None])
         s = dot(q, tl.trans(k), DOT_F32) * scale
         if SOFTCAP:
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
         s = tl.where(attended, s, float("-inf"))
         if WITH_SCORES:
-            column = n[None, :] - score_start[:, None]
-            # Only an unchecked input range longer than the row of scores reaches column n_scores.
-            is_input = attended & (n[None, :] < input_end[:, None]) & (column < n_scores)
-            columns = scores_ptr + b * stride_sb + head[:, None] * stride_sh + r[:, None] * stride_sr + column
+            is_input = (offset[None, :] >= attended_lo[:, None]) & (offset[None, :] < input_hi[:, None])
+            columns = score_rows[:, None] + offset[None, :]
             if not relative:
                 if KEEP_SCORES:
                     tl.store(columns, s, mask=is_input, eviction_policy="evict_last")
@@ -165,7 +182,7 @@ def _split_slice(
                 tl.store(tile_max_ptr + row_index * key_tiles + n0 // BLOCK_N, m_new, mask=row_ok)
         p = tl.exp(shifted)
         l = l * correction + tl.sum(p, 1)
-        l_gen = l_gen * correction + tl.sum(tl.where(n[None, :] >= input_end[:, None], p, 0.0), 1)
+        l_gen = l_gen * correction + tl.sum(tl.where(offset[None, :] >= generated_lo[:, None], p, 0.0), 1)
         if WITH_V:
             v_rows = v_head + page * stride_vb + slot * stride_vs
             v = operand(tl.load(v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0), DOT_F32)

@@ -1,0 +1,168 @@
+"""What a kernel compiles to, read on a machine without a GPU (issue 48: the fused pass's time over attention's follows
+its key loop's instructions where the bytes do not explain it).
+
+- `compile_triton`: one of our Triton kernels compiled for sm_80 / sm_90 by `triton.compile` with a `GPUTarget`, with
+  the argument types its launcher's JIT gives it on a GPU, or those inductor gives a user-defined kernel inside
+  torch.compile. The kernels must be real JITFunctions: import them with TRITON_INTERPRET unset or 0.
+- `cuobjdump`, `sass_by_function`, `resources`: any cubin's SASS and per-function registers, stack and shared memory, by
+  the CUDA toolkit's cuobjdump or the copy Triton's wheel ships.
+- `loops`, `tensor_core_loop`, `opcode`, `wide_compares`: the loops of a function's SASS and their instructions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
+_BRANCH_TARGET = re.compile(r"\bBRA\s+(?:\w+,\s*)?0x([0-9a-f]+)")
+_RESOURCES = re.compile(r"Function (\w+):\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+# The split kernels' index tensors: int64 ranges (int32 ones compile their own kernel), an int32 block table.
+SPLIT_INDEX = {"start_ptr": "i64", "input_end_ptr": "i64", "kv_len_ptr": "i64", "block_table_ptr": "i32",
+               "score_start_ptr": "i64"}
+# Scalar arguments the launchers pass as Python floats: inductor types them fp64 on devices that have fp64.
+_FLOAT_ARGUMENTS = frozenset({"scale", "alpha", "softcap"})
+
+
+def compile_triton(module: str, kernel_name: str, pointers: dict, constexprs: dict, options: dict, arch: int,
+                   floats: str = "fp32"):
+    """`macs_kernels.ops.triton.<module>.<kernel_name>` compiled for sm_<arch>: pointer arguments typed by `pointers`
+    (argument name -> element type, "fp32" when absent), pointers and strides divisible by 16 (a contiguous cache with
+    D = 64 or 128), other integers i32, float scalars `floats` ("fp64" is inductor's signature). Returns Triton's
+    CompiledKernel (asm["ptx"], asm["cubin"], metadata)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = getattr(importlib.import_module(f"macs_kernels.ops.triton.{module}"), kernel_name)
+    signature, attrs = {}, {}
+    for index, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*" + pointers.get(name, "fp32")
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif name in _FLOAT_ARGUMENTS:
+            signature[name] = floats
+        else:
+            signature[name] = "i32"
+            if name.startswith("stride_"):
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
+                          options=options)
+
+
+def split_kv_variant(dtype, *, D, GROUP, BLOCK_M, WITH_V=False, WITH_SCORES=True, DOT_F32=False, PAGE_SIZE=0,
+                     SOFTCAP=False, WINDOWED=False, scores="fp32"):
+    """`compile_triton`'s arguments for a `_split_kv_kernel` variant (ops/triton/split_kv.py): q, k and v in `dtype`,
+    one tile over the head dimension, the launcher's options; scores "fp16" are the two-launch pass's relative ones."""
+    return (
+        "split_kv", "_split_kv_kernel",
+        {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "scores_ptr": scores, **SPLIT_INDEX},
+        dict(D=D, BLOCK_D=D, GROUP=GROUP, BLOCK_M=BLOCK_M, BLOCK_N=64, WITH_V=WITH_V, WITH_SCORES=WITH_SCORES,
+             DOT_F32=DOT_F32, PAGE_SIZE=PAGE_SIZE, SOFTCAP=SOFTCAP, WINDOWED=WINDOWED),
+        dict(num_warps=4, num_stages=3),
+    )
+
+
+def one_launch_variant(dtype, *, D, GROUP, BLOCK_M, WITH_V=False, PAGE_SIZE=0, SOFTCAP=False, WINDOWED=False,
+                       scores="fp32", POOLING="max", INTO_LOG_C=True, HAS_SINKS=False, LSE_GIVEN=False):
+    """A `_one_launch_kernel` variant (the one-launch fused pass): as split_kv_variant's, with the pooling's
+    constexprs."""
+    _, _, pointers, constexprs, options = split_kv_variant(dtype, D=D, GROUP=GROUP, BLOCK_M=BLOCK_M, WITH_V=WITH_V,
+                                                           PAGE_SIZE=PAGE_SIZE, SOFTCAP=SOFTCAP, WINDOWED=WINDOWED,
+                                                           scores=scores)
+    pointers = dict(pointers, out_ptr=dtype, sinks_ptr=dtype, pool_start_ptr="i64", counter_ptr="i32")
+    group_pad = 1 << (GROUP - 1).bit_length()
+    constexprs = dict(constexprs, GROUP_PAD=group_pad, BLOCK_I=max(16, 4096 // group_pad), HAS_SINKS=HAS_SINKS,
+                      LSE_GIVEN=LSE_GIVEN, REDISTRIBUTE=True, POOLING=POOLING, INTO_LOG_C=INTO_LOG_C)
+    return "split_kv", "_one_launch_kernel", pointers, constexprs, options
+
+
+def cuobjdump() -> str | None:
+    """cuobjdump from the CUDA toolkit, or the copy Triton's wheel ships; None when neither is here."""
+    found = shutil.which("cuobjdump")
+    if found is None:
+        spec = importlib.util.find_spec("triton")
+        if spec is not None and spec.origin is not None:
+            candidate = Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+            found = str(candidate) if candidate.exists() else None
+    return found
+
+
+def _dump(cubin: Path, *options: str) -> str:
+    done = subprocess.run([cuobjdump(), *options, str(cubin)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def sass_by_function(cubin: Path) -> dict[str, str]:
+    """Kernel name -> its SASS."""
+    sections = re.split(r"\n\s*Function : (\w+)\n", _dump(cubin, "-sass"))
+    return dict(zip(sections[1::2], sections[2::2]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Resources:
+    """What one thread of a function holds (registers, stack and local memory in bytes) and its block's static shared
+    memory in bytes (Triton's kernels take theirs dynamically: CompiledKernel.metadata.shared)."""
+    registers: int
+    stack: int
+    shared: int
+    local: int
+
+
+def resources(cubin: Path) -> dict[str, Resources]:
+    """Kernel name -> its Resources, as cuobjdump --dump-resource-usage reads them."""
+    return {name: Resources(*(int(value) for value in values))
+            for name, *values in _RESOURCES.findall(_dump(cubin, "--dump-resource-usage"))}
+
+
+# Shared memory an SM holds (bytes) by architecture, of which each resident block also takes 1 KiB for the system.
+_SHARED_PER_MULTIPROCESSOR = {80: 164 * 1024, 86: 100 * 1024, 89: 100 * 1024, 90: 228 * 1024}
+
+
+def blocks_per_multiprocessor(arch: int, registers: int, threads: int, shared: int = 0) -> int:
+    """Blocks of `threads` threads an SM of sm_<arch> holds at once: 64K registers allocated per warp in units of 256
+    (8 a thread), at most 2048 threads, and (shared > 0) its shared memory at `shared` bytes a block."""
+    blocks = min(65536 // (threads * -(-registers // 8) * 8), 2048 // threads)
+    if shared:
+        blocks = min(blocks, _SHARED_PER_MULTIPROCESSOR[arch] // (shared + 1024))
+    return blocks
+
+
+def loops(sass: str) -> list[list[str]]:
+    """The instructions of each loop of one function's SASS (cuobjdump's, with absolute branch targets): from the
+    target of a backward branch to the branch, inclusive."""
+    instructions = [(int(address, 16), text.strip()) for address, text in _INSTRUCTION.findall(sass)]
+    found = []
+    for address, text in instructions:
+        target = _BRANCH_TARGET.search(text)
+        if target is not None and int(target.group(1), 16) < address:
+            start = int(target.group(1), 16)
+            found.append([body for at, body in instructions if start <= at <= address])
+    return found
+
+
+def tensor_core_loop(sass: str) -> list[str]:
+    """A split kernel's loop over key blocks: of the loops that run tensor-core products (HMMA), the one with the most
+    of them, the shortest if several (code placed after a loop can branch back into it, which `loops` also lists)."""
+    def products(body):
+        return sum(opcode(instruction).startswith("HMMA") for instruction in body)
+
+    return min((body for body in loops(sass) if products(body)), key=lambda body: (-products(body), len(body)))
+
+
+def wide_compares(instructions: list[str]) -> int:
+    """64-bit integer compares: each is a pair of ISETPs, the second extended (.EX); this counts the pairs."""
+    return sum(opcode(instruction).startswith("ISETP") and opcode(instruction).endswith(".EX")
+               for instruction in instructions)
+
+
+def opcode(instruction: str) -> str:
+    """The opcode with its modifiers, without a predicate guard: `@!P0 ISETP.GE.AND.EX P1, ...` -> ISETP.GE.AND.EX."""
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0]
