@@ -85,6 +85,19 @@ struct KeyRange {
   }
 };
 
+// n / divisor by one multiply, exact while n * divisor < 2^32: a block's vector index split into (query head, query
+// row) where key loops do it per stored score, which a 32-bit division by a runtime value (about 20 instructions)
+// made a sizeable share of the fused pass's loop. multiplier = ceil(2^32 / divisor), so n * multiplier / 2^32 is n /
+// divisor plus less than n / 2^32 < 1 / divisor: never enough to reach the next integer.
+struct SmallDivisor {
+  uint32_t divisor;
+  uint64_t multiplier;
+  __host__ __device__ explicit SmallDivisor(uint32_t d)
+      : divisor(d), multiplier(((uint64_t(1) << 32) + d - 1) / d) {}
+  __device__ __forceinline__ uint32_t quotient(uint32_t n) const { return uint32_t((n * multiplier) >> 32); }
+  __device__ __forceinline__ uint32_t remainder(uint32_t n) const { return n - quotient(n) * divisor; }
+};
+
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);

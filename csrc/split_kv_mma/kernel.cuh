@@ -208,6 +208,14 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
     generated_lo[h] = real ? offset(range_s[block_rows + rr]) : 0;
     hi[h] = real ? offset(range_s[2 * block_rows + rr]) : 0;
   }
+  // The flat (b, h, r) row of each vector, once: the key loop indexes the scores by it, and computing it there cost
+  // a division by block_rows per stored score.
+  int64_t score_row[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int vector = g + 8 * h;
+    score_row[h] = (b * p.heads + head0 + vector / block_rows) * p.rows + row0 + vector % block_rows;
+  }
   const KeyRows<T> k_rows = cache_rows(p, false, b, kv_head);
   const KeyRows<T> v_rows = WITH_V ? cache_rows(p, true, b, kv_head) : KeyRows<T>{};
 
@@ -281,9 +289,7 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
         step_max[h] = fmaxf(step_max[h], score);
         if (j >= generated_lo[h]) generated_max[h] = fmaxf(generated_max[h], score);
         if (p.scores != nullptr && j >= lo[h] && j < generated_lo[h]) {  // an input key (generated_lo <= hi)
-          const int vector = g + 8 * h;
-          const int64_t row = (b * p.heads + head0 + vector / block_rows) * p.rows + row0 + vector % block_rows;
-          p.scores[row * p.keys + begin + j] = score;
+          p.scores[score_row[h] * p.keys + begin + j] = score;
         }
       }
     }
@@ -308,9 +314,8 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
       // m is now at least every score of this warp's 16 keys (one relative-score group) and at most the row's lse.
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int vector = g + 8 * h;
-        if (vector >= vectors || j0 >= generated_lo[h]) continue;  // no input key in this group
-        const int64_t row = (b * p.heads + head0 + vector / block_rows) * p.rows + row0 + vector % block_rows;
+        if (g + 8 * h >= vectors || j0 >= generated_lo[h]) continue;  // no input key in this group
+        const int64_t row = score_row[h];
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll

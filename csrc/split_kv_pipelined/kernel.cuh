@@ -212,14 +212,16 @@ __global__ void __launch_bounds__(kPipelinedMaxThreads, kPipelinedMinBlocks) pip
   };
   // Scores of tile t (buffer t % 2) to their rows, for the attended input keys (the pooling reads no others),
   // consecutive threads on consecutive keys.
+  const SmallDivisor by_block_rows(block_rows);  // exact: v < vectors and block_rows <= vectors, both below 2^16
   const auto store_scores = [&](int t) {
     const int64_t tile0 = begin + int64_t(t) * tile_keys;
     const float* tile_scores = score_s + (t & 1) * vectors * tile_keys;
     for (int e = threadIdx.x; e < vectors * tile_keys; e += blockDim.x) {
-      const int v = e >> tile_shift, j = e & (tile_keys - 1), r = v % block_rows;
+      const int v = e >> tile_shift, j = e & (tile_keys - 1), head = int(by_block_rows.quotient(v));
+      const int r = v - head * block_rows;
       const int64_t key = tile0 + j;
       if (key < stop && key >= range_s[r] && key < range_s[block_rows + r]) {
-        p.scores[((b * p.heads + head0 + v / block_rows) * p.rows + row0 + r) * p.keys + key] = tile_scores[e];
+        p.scores[((b * p.heads + head0 + head) * p.rows + row0 + r) * p.keys + key] = tile_scores[e];
       }
     }
   };
