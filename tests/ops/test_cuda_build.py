@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from macs_kernels.apps.bench.sass import blocks_per_multiprocessor, cuobjdump, sass_by_function
+from macs_kernels.apps.bench.sass import blocks_per_multiprocessor, cuobjdump, loops, opcode, sass_by_function
 from macs_kernels.ops.cuda import CUDA_SPLIT_KV_DEFAULT, set_cuda_split_kv_kernel
 from macs_kernels.ops.registry import BackendUnavailable
 from tests.ops.cases import MMA_BLOCKS_BY_REGISTERS, MMA_THREADS
@@ -160,6 +160,10 @@ def test_pipelined_split_kernel_copies_16_bytes_asynchronously_without_spills(co
             assert not re.search(r"\b(LDL|STL)\b", code), f"{name} {arch}: local memory"
             # K and V reach the kernel only through the asynchronous copies: no plain 16-byte global loads.
             assert not re.search(r"\bLDG\.E\.(\w+\.)*128\b", code), f"{name} {arch}: plain 16-byte loads of K/V"
+            # Its tile loop (the largest) divides by no runtime value: a signed 32-bit division is about 20
+            # instructions (IABS, I2F, MUFU.RCP, ...), and storing the scores did one per score before SmallDivisor.
+            tile_loop = max(loops(code), key=len)
+            assert not any(opcode(instruction) == "IABS" for instruction in tile_loop), f"{name} {arch}: a division"
 
 
 def _mma_instantiation(name: str) -> tuple[int, bool]:
