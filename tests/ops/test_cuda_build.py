@@ -25,22 +25,24 @@ import shutil
 import subprocess
 import sysconfig
 import time
-from pathlib import Path
 
 import pytest
 
-from macs_kernels.apps.bench.sass import blocks_per_multiprocessor, cuobjdump, loops, opcode, sass_by_function
+from macs_kernels.apps.bench.sass import (
+    CSRC,
+    TORCH_NVCC_FLAGS,
+    blocks_per_multiprocessor,
+    cuobjdump,
+    loops,
+    nvcc,
+    opcode,
+    sass_by_function,
+)
 from macs_kernels.ops.cuda import CUDA_SPLIT_KV_DEFAULT, set_cuda_split_kv_kernel
 from macs_kernels.ops.registry import BackendUnavailable
 from tests.ops.cases import MMA_BLOCKS_BY_REGISTERS, MMA_THREADS
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
 ARCHES = ("sm_80", "sm_90")
-# What torch.utils.cpp_extension passes to nvcc: the kernels must not rely on implicit half conversions.
-TORCH_NVCC_FLAGS = [
-    "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
-    "-D__CUDA_NO_HALF2_OPERATORS__", "--expt-relaxed-constexpr",
-]
 DTYPES = {"float": "f", "half": "6__half", "bfloat16": "13__nv_bfloat16"}  # as mangled in template arguments
 # The operators macs_kernels/ops defines; each has csrc/<op>/launch.cu registering its CUDA kernel.
 OPS = (
@@ -67,10 +69,7 @@ REGISTRATION = re.compile(r'TORCH_LIBRARY_IMPL\(macs_kernels, CUDA, m\) \{ m\.im
 
 
 def _nvcc():
-    found = shutil.which("nvcc")
-    if found is None and os.environ.get("CUDA_HOME"):
-        candidate = Path(os.environ["CUDA_HOME"]) / "bin" / "nvcc"
-        found = str(candidate) if candidate.exists() else None
+    found = nvcc()
     if found is None:
         pytest.skip("nvcc is not installed (not on PATH, nor in $CUDA_HOME/bin): the CUDA sources cannot be "
                     "compile-checked")

@@ -4,6 +4,8 @@ its key loop's instructions where the bytes do not explain it).
 - `compile_triton`: one of our Triton kernels compiled for sm_80 / sm_90 by `triton.compile` with a `GPUTarget`, with
   the argument types its launcher's JIT gives it on a GPU, or those inductor gives a user-defined kernel inside
   torch.compile. The kernels must be real JITFunctions: import them with TRITON_INTERPRET unset or 0.
+- `compile_cuda`: one piece of csrc/ (its torch-free kernel.cu) compiled by nvcc to a cubin, with the flags torch's
+  extension build passes (a source checkout: the wheel ships no csrc/).
 - `cuobjdump`, `sass_by_function`, `resources`: any cubin's SASS and per-function registers, stack and shared memory, by
   the CUDA toolkit's cuobjdump or the copy Triton's wheel ships.
 - `loops`, `tensor_core_loop`, `opcode`, `wide_compares`: the loops of a function's SASS and their instructions.
@@ -13,11 +15,18 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
+CSRC = Path(__file__).resolve().parents[3] / "csrc"
+# What torch.utils.cpp_extension passes to nvcc: the kernels must not rely on implicit half conversions.
+TORCH_NVCC_FLAGS = [
+    "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-D__CUDA_NO_HALF2_OPERATORS__", "--expt-relaxed-constexpr",
+]
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
 _BRANCH_TARGET = re.compile(r"\bBRA\s+(?:\w+,\s*)?0x([0-9a-f]+)")
 _RESOURCES = re.compile(r"Function (\w+):\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
@@ -81,6 +90,24 @@ def one_launch_variant(dtype, *, D, GROUP, BLOCK_M, WITH_V=False, PAGE_SIZE=0, S
     constexprs = dict(constexprs, GROUP_PAD=group_pad, BLOCK_I=max(16, 4096 // group_pad), HAS_SINKS=HAS_SINKS,
                       LSE_GIVEN=LSE_GIVEN, REDISTRIBUTE=True, POOLING=POOLING, INTO_LOG_C=INTO_LOG_C)
     return "split_kv", "_one_launch_kernel", pointers, constexprs, options
+
+
+def nvcc() -> str | None:
+    """nvcc on PATH or in $CUDA_HOME/bin; None when neither has it."""
+    found = shutil.which("nvcc")
+    if found is None and os.environ.get("CUDA_HOME"):
+        candidate = Path(os.environ["CUDA_HOME"]) / "bin" / "nvcc"
+        found = str(candidate) if candidate.exists() else None
+    return found
+
+
+def compile_cuda(piece: str, arch: int, cubin: Path) -> Path:
+    """csrc/<piece>/kernel.cu compiled for sm_<arch> into `cubin` (every instantiation it holds)."""
+    done = subprocess.run([nvcc(), "-std=c++17", "-O3", "-cubin", f"-arch=sm_{arch}", "-I", str(CSRC),
+                           *TORCH_NVCC_FLAGS, "-o", str(cubin), str(CSRC / piece / "kernel.cu")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return cubin
 
 
 def cuobjdump() -> str | None:
