@@ -8,9 +8,9 @@ Issue 48's decode step (bf16, 32 query heads on 8 KV heads: a GQA group of 4 in 
 split kernel compiled by `triton.compile` for each architecture as attention alone and under each fused MACS pass
 (ops/triton/settings.py). cuda: the `mma` and `pipelined` split kernels (csrc/split_kv_mma, csrc/split_kv_pipelined)
 by nvcc, every instantiation; attention alone and the fused pass run one instantiation there (the scores are a
-pointer). Per kernel: registers, the blocks an SM holds, and its key loop's SASS (Triton and `mma`: the loop of
-tensor-core products; `pipelined`: its largest loop, over key tiles): instructions, 64-bit integer compares, signed
-32-bit divisions (IABS), barriers, global stores.
+pointer). Per kernel: registers, the blocks an SM holds, and its key loop's SASS (the loop over key tiles, which
+issues the next tile's asynchronous copies): instructions, 64-bit integer compares, signed 32-bit divisions (IABS),
+barriers, global stores.
 
 Why: the bytes do not explain the fused pass's time. On an H200 the verified Triton pass took 1.17-1.31x attention's
 time where its bytes account for 1.06-1.13x; its key loop then issued 1.24-1.34x attention's instructions per key
@@ -42,14 +42,13 @@ from macs_kernels.apps.bench.sass import (  # noqa: E402
     blocks_per_multiprocessor,
     compile_cuda,
     compile_triton,
-    loops,
+    key_loop,
     nvcc,
     one_launch_variant,
     opcode,
     resources,
     sass_by_function,
     split_kv_variant,
-    tensor_core_loop,
     wide_compares,
 )
 
@@ -89,7 +88,7 @@ def measure_triton(folder: Path) -> list[dict]:
                 cubin.write_bytes(compiled.asm["cubin"])
                 (used,) = resources(cubin).values()
                 (sass,) = sass_by_function(cubin).values()
-                loop = tensor_core_loop(sass)
+                loop = key_loop(sass)
                 threads = 32 * variant[4]["num_warps"]
                 shared = compiled.metadata.shared
                 rows.append({
@@ -115,10 +114,7 @@ def measure_cuda(folder: Path) -> list[dict]:
                 kernel = re.match(r"_ZN4macs\d+(\w+?_split_kernel)I", name).group(1)
                 dtype = next(short for mangled, short in CUDA_DTYPES.items() if f"I{mangled}" in name)
                 dim = re.search(r"Li(\d+)E", name)
-                if "mma" in kernel:
-                    loop = tensor_core_loop(sass)
-                else:  # its loop over key tiles holds the others
-                    loop = max(loops(sass), key=len)
+                loop = key_loop(sass)
                 rows.append({
                     "arch": f"sm_{arch}", "kernel": kernel, "dtype": dtype, "D": int(dim.group(1)) if dim else "",
                     "with_v": "Lb1E" in name, "registers": used[name].registers, "local_bytes": used[name].local,

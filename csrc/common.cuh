@@ -85,17 +85,26 @@ struct KeyRange {
   }
 };
 
-// n / divisor by one multiply, exact while n * divisor < 2^32: a block's vector index split into (query head, query
-// row) where key loops do it per stored score, which a 32-bit division by a runtime value (about 20 instructions)
-// made a sizeable share of the fused pass's loop. multiplier = ceil(2^32 / divisor), so n * multiplier / 2^32 is n /
-// divisor plus less than n / 2^32 < 1 / divisor: never enough to reach the next integer.
-struct SmallDivisor {
-  uint32_t divisor;
-  uint64_t multiplier;
-  __host__ __device__ explicit SmallDivisor(uint32_t d)
-      : divisor(d), multiplier(((uint64_t(1) << 32) + d - 1) / d) {}
-  __device__ __forceinline__ uint32_t quotient(uint32_t n) const { return uint32_t((n * multiplier) >> 32); }
-  __device__ __forceinline__ uint32_t remainder(uint32_t n) const { return n - quotient(n) * divisor; }
+// n / divisor for every 32-bit n by a multiply-high, two adds and two shifts (Granlund and Montgomery, PLDI 1994;
+// FlashInfer's uint_fastdiv), for the divisors key loops meet at run time: a block's query rows (a vector's head and
+// row) and a paged cache's page size (a key's page). A 32-bit division is about 20 instructions, and the stores of the
+// fused pass's scores and every 16-byte copy of a paged tile did one. With l = ceil(log2 divisor) and multiplier =
+// floor(2^32 (2^l - divisor) / divisor) + 1: t = n * multiplier / 2^32 and n / divisor = (t + (n - t) >> min(l, 1)) >>
+// max(l - 1, 0). 1 <= divisor < 2^31.
+struct FastDivisor {
+  uint32_t divisor, multiplier, shift_1, shift_2;
+  __host__ __device__ FastDivisor() : FastDivisor(1u) {}
+  __host__ __device__ explicit FastDivisor(uint32_t d) : divisor(d) {
+    uint32_t l = 0;
+    while ((uint64_t(1) << l) < d) ++l;
+    multiplier = uint32_t(((uint64_t(1) << 32) * ((uint64_t(1) << l) - d)) / d + 1);
+    shift_1 = l < 1 ? l : 1;
+    shift_2 = l > 1 ? l - 1 : 0;
+  }
+  __host__ __device__ __forceinline__ uint32_t quotient(uint32_t n) const {
+    const uint32_t t = uint32_t((uint64_t(n) * multiplier) >> 32);
+    return (t + ((n - t) >> shift_1)) >> shift_2;
+  }
 };
 
 __device__ __forceinline__ float warp_sum(float x) {

@@ -61,17 +61,16 @@ struct KeyRows {
   const T* head;  // the item's head, or the head in page 0 when paged
   int64_t key_stride, page_stride;
   const int32_t* table;  // the item's block-table row, or null
-  int page_size, page_count;
-  int page_shift;  // log2(page_size) when it is a power of two, else -1
+  FastDivisor page_size;
+  int page_count;
 
   __device__ __forceinline__ const T* operator()(int64_t key) const {
     if (table == nullptr) return head + key * key_stride;
-    // 32-bit division: 64-bit division is emulated. Keys are < 2^31 (checked by the launcher). The public
-    // op validates the pages; clamping keeps a direct torch.ops call with a bad table in bounds.
-    const int k = int(key);
-    const int index = page_shift >= 0 ? k >> page_shift : k / page_size;
+    // 32-bit: keys are in [0, 2^31) (the launcher checks the bound; the kernels clamp ranges at 0). The public op
+    // validates the pages; clamping keeps a direct torch.ops call with a bad table in bounds.
+    const uint32_t k = uint32_t(key), index = page_size.quotient(k);
     const int page = min(max(table[index], 0), page_count - 1);
-    return head + int64_t(page) * page_stride + int64_t(k - index * page_size) * key_stride;
+    return head + int64_t(page) * page_stride + int64_t(k - index * page_size.divisor) * key_stride;
   }
 };
 
@@ -82,10 +81,8 @@ __device__ __forceinline__ KeyRows<T> cache_rows(const SplitParams<T>& p, bool v
   const int32_t* table = paged ? p.block_table + b * p.table_stride : nullptr;
   const T* base = values ? p.v : p.k;
   const int64_t item = values ? p.v_sb : p.k_sb, head = values ? p.v_sh : p.k_sh;
-  const int page_size = int(p.page_size);
-  const int page_shift = page_size > 0 && (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
   return KeyRows<T>{base + (paged ? 0 : b * item) + kv_head * head, values ? p.v_ss : p.k_ss, item, table,
-                    page_size, int(p.page_count), page_shift};
+                    FastDivisor(paged ? uint32_t(p.page_size) : 1u), int(p.page_count)};
 }
 
 // A split's keys [begin, stop): those any of the block's rows attends (row i attends [starts[i], ends[i])), from the

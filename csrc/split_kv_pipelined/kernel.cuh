@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kPipelinedMaxThreads, kPipelinedMinBlocks) pip
   };
   // Scores of tile t (buffer t % 2) to their rows, for the attended input keys (the pooling reads no others),
   // consecutive threads on consecutive keys.
-  const SmallDivisor by_block_rows(block_rows);  // exact: v < vectors and block_rows <= vectors, both below 2^16
+  const FastDivisor by_block_rows(block_rows);
   const auto store_scores = [&](int t) {
     const int64_t tile0 = begin + int64_t(t) * tile_keys;
     const float* tile_scores = score_s + (t & 1) * vectors * tile_keys;

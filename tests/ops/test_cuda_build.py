@@ -33,7 +33,7 @@ from macs_kernels.apps.bench.sass import (
     TORCH_NVCC_FLAGS,
     blocks_per_multiprocessor,
     cuobjdump,
-    loops,
+    key_loop,
     nvcc,
     opcode,
     sass_by_function,
@@ -159,10 +159,15 @@ def test_pipelined_split_kernel_copies_16_bytes_asynchronously_without_spills(co
             assert not re.search(r"\b(LDL|STL)\b", code), f"{name} {arch}: local memory"
             # K and V reach the kernel only through the asynchronous copies: no plain 16-byte global loads.
             assert not re.search(r"\bLDG\.E\.(\w+\.)*128\b", code), f"{name} {arch}: plain 16-byte loads of K/V"
-            # Its tile loop (the largest) divides by no runtime value: a signed 32-bit division is about 20
-            # instructions (IABS, I2F, MUFU.RCP, ...), and storing the scores did one per score before SmallDivisor.
-            tile_loop = max(loops(code), key=len)
-            assert not any(opcode(instruction) == "IABS" for instruction in tile_loop), f"{name} {arch}: a division"
+            # Its tile loop divides by no runtime value (csrc/common.cuh, FastDivisor): a signed 32-bit division is
+            # about 20 instructions (IABS, I2F, MUFU.RCP, ...), once per stored score and per paged copy before.
+            assert _key_loop_divisions(code) == 0, f"{name} {arch}: a division in the key loop"
+
+
+def _key_loop_divisions(sass: str) -> int:
+    """Signed 32-bit divisions by a runtime value in a split kernel's key loop (each takes the absolute values of its
+    operands: IABS)."""
+    return sum(opcode(instruction) == "IABS" for instruction in key_loop(sass))
 
 
 def _mma_instantiation(name: str) -> tuple[int, bool]:
@@ -198,6 +203,8 @@ def test_mma_split_kernel_runs_on_tensor_cores_from_asynchronous_copies_without_
             assert bool(re.search(r"\bLDSM\.16\.MT88\.4\b", code)) == with_v, f"{name} {arch}: V by ldmatrix.trans"
             assert not re.search(r"\b(LDL|STL)\b", code), f"{name} {arch}: local memory"
             assert not re.search(r"\bLDG\.E\.(\w+\.)*128\b", code), f"{name} {arch}: plain 16-byte loads of K/V"
+            # As the pipelined kernel's: no division in the key loop (each thread's score rows are set before it).
+            assert _key_loop_divisions(code) == 0, f"{name} {arch}: a division in the key loop"
 
 
 def test_unknown_split_kernel_is_refused_by_name():

@@ -21,8 +21,8 @@ import pytest
 from macs_kernels.apps.bench.sass import (
     SPLIT_INDEX,
     cuobjdump,
+    key_loop,
     sass_by_function,
-    tensor_core_loop,
     wide_compares,
 )
 from macs_kernels.apps.bench.sass import (
@@ -282,7 +282,7 @@ def test_one_launch_pass_keeps_scores_in_l2_and_counts_arrivals(compiled, varian
 
 def _key_loop(cubin: str) -> list[str]:
     (sass,) = sass_by_function(Path(cubin)).values()
-    return tensor_core_loop(sass)
+    return key_loop(sass)
 
 
 @pytest.mark.parametrize("arch", TARGETS)
@@ -292,7 +292,7 @@ def test_fused_key_loop_is_the_attention_loop_and_the_score_stores(compiled, dim
     loop and little else: its masks compare int32 offsets against per-row bounds set before the loop, where they once
     compared int64 keys (two instructions each, three bounds per element). Then the loop ran 1.24-1.34x the attention
     loop's instructions under Triton 3.6, as the fused pass ran 1.17-1.31x attention's time on an H200 (issue 48);
-    benchmarks/results/triton_two_launch_pass.md has the counts."""
+    benchmarks/results/triton_sass_*.json has the counts."""
     if cuobjdump() is None:
         pytest.skip("no cuobjdump (neither the CUDA toolkit's nor Triton's) to read the SASS")
     attention, fused = (_key_loop(compiled[f"{name}_bf16_gqa4_d{dim}@sm_{arch}"]["cubin"])

@@ -8,7 +8,7 @@ its key loop's instructions where the bytes do not explain it).
   extension build passes (a source checkout: the wheel ships no csrc/).
 - `cuobjdump`, `sass_by_function`, `resources`: any cubin's SASS and per-function registers, stack and shared memory, by
   the CUDA toolkit's cuobjdump or the copy Triton's wheel ships.
-- `loops`, `tensor_core_loop`, `opcode`, `wide_compares`: the loops of a function's SASS and their instructions.
+- `loops`, `key_loop`, `opcode`, `wide_compares`: the loops of a function's SASS and their instructions.
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ TORCH_NVCC_FLAGS = [
     "-D__CUDA_NO_HALF2_OPERATORS__", "--expt-relaxed-constexpr",
 ]
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
-_BRANCH_TARGET = re.compile(r"\bBRA\s+(?:\w+,\s*)?0x([0-9a-f]+)")
+# A branch and its target: `BRA 0x2c50`, `@!P5 BRA 0x4820`, `@P0 BRA.U !UP0, 0x1230`.
+_BRANCH_TARGET = re.compile(r"\bBRA(?:\.\w+)*\s+(?:!?U?P\w+,\s*)?0x([0-9a-f]+)")
 _RESOURCES = re.compile(r"Function (\w+):\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 # The split kernels' index tensors: int64 ranges (int32 ones compile their own kernel), an int32 block table.
 SPLIT_INDEX = {"start_ptr": "i64", "input_end_ptr": "i64", "kv_len_ptr": "i64", "block_table_ptr": "i32",
@@ -164,24 +165,24 @@ def blocks_per_multiprocessor(arch: int, registers: int, threads: int, shared: i
 
 def loops(sass: str) -> list[list[str]]:
     """The instructions of each loop of one function's SASS (cuobjdump's, with absolute branch targets): from the
-    target of a backward branch to the branch, inclusive."""
+    target of a backward branch to the branch. Loops nest; a backward branch whose range starts inside another loop
+    and ends after it is code placed after that loop jumping back into it (a divergent path's return), not a loop."""
     instructions = [(int(address, 16), text.strip()) for address, text in _INSTRUCTION.findall(sass)]
-    found = []
+    ranges = []
     for address, text in instructions:
         target = _BRANCH_TARGET.search(text)
         if target is not None and int(target.group(1), 16) < address:
-            start = int(target.group(1), 16)
-            found.append([body for at, body in instructions if start <= at <= address])
-    return found
+            ranges.append((int(target.group(1), 16), address))
+    nested = [(start, end) for start, end in ranges
+              if not any(outer_start < start <= outer_end < end for outer_start, outer_end in ranges)]
+    return [[body for at, body in instructions if start <= at <= end] for start, end in nested]
 
 
-def tensor_core_loop(sass: str) -> list[str]:
-    """A split kernel's loop over key blocks: of the loops that run tensor-core products (HMMA), the one with the most
-    of them, the shortest if several (code placed after a loop can branch back into it, which `loops` also lists)."""
-    def products(body):
-        return sum(opcode(instruction).startswith("HMMA") for instruction in body)
-
-    return min((body for body in loops(sass) if products(body)), key=lambda body: (-products(body), len(body)))
+def key_loop(sass: str) -> list[str]:
+    """A split kernel's loop over key tiles: the longest loop that issues asynchronous copies (LDGSTS), those of the
+    next tile (a loop nested in it, the copies themselves, is shorter)."""
+    return max((body for body in loops(sass) if any(opcode(instruction).startswith("LDGSTS") for instruction in body)),
+               key=len)
 
 
 def wide_compares(instructions: list[str]) -> int:
