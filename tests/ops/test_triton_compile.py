@@ -22,6 +22,7 @@ from macs_kernels.apps.bench.sass import (
     SPLIT_INDEX,
     cuobjdump,
     key_loop,
+    loops,
     sass_by_function,
     wide_compares,
 )
@@ -301,3 +302,18 @@ def test_fused_key_loop_is_the_attention_loop_and_the_score_stores(compiled, dim
     assert wide[0] == wide[1], f"the score path adds 64-bit compares: {wide[0]} against attention's {wide[1]}"
     lengths = len(fused), len(attention)
     assert lengths[0] <= 1.2 * lengths[1], f"{lengths[0]} instructions against attention's {lengths[1]}"
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+@pytest.mark.parametrize("variant", ["features_bf16_d64", "lse_fp16_d64", "lse_softcap_sinks_bf16_d64"])
+def test_feature_masks_compare_32_bit_offsets(compiled, variant, arch):
+    """AT2's feature kernels mask each (BLOCK_R x BLOCK_N) score tile with int32 offsets from bounds set outside the
+    tile: a 64-bit compare per element would put at least one per element a thread holds in the loop (64 x 64 / 128
+    threads = 32). Comparing int64 keys there, the loops held 68-74."""
+    if cuobjdump() is None:
+        pytest.skip("no cuobjdump (neither the CUDA toolkit's nor Triton's) to read the SASS")
+    (sass,) = sass_by_function(Path(compiled[f"{variant}@sm_{arch}"]["cubin"])).values()
+    (loop,) = loops(sass)
+    constexprs = VARIANTS[variant][3]
+    elements_per_thread = constexprs["BLOCK_R"] * constexprs["BLOCK_N"] // (32 * VARIANTS[variant][4]["num_warps"])
+    assert wide_compares(loop) < elements_per_thread, f"{wide_compares(loop)} 64-bit compares in the loop"

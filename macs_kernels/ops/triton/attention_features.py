@@ -77,11 +77,17 @@ def _features_lse_kernel(
     l = tl.zeros([BLOCK_R], tl.float32)
     hi = base + tl.minimum(n_rows, tl.program_id(1) * BLOCK_R + BLOCK_R)
     lo = tl.maximum(start, base + tl.program_id(1) * BLOCK_R + 1 - window)  # the tile's first row's window
+    # Row r attends keys (base + r - window, base + r]: as int32 offsets from lo clamped into [0, hi - lo], set once,
+    # so that the (rows x keys) mask is one 32-bit compare per bound (an int64 compare takes two instructions).
+    span = tl.maximum(hi - lo, 0)
+    row_lo = clamped(base + r + 1 - window - lo, 0, span).to(tl.int32)
+    row_hi = tl.where(row_ok, clamped(base + r + 1 - lo, 0, span), 0).to(tl.int32)
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
+        offset = (n0 - lo).to(tl.int32) + tl.arange(0, BLOCK_N)
         k = tl.load(k_base + n[:, None] * stride_ks + d[None, :], mask=(n[:, None] < hi) & (d[None, :] < D), other=0.0)
         s = _log2_scores(dot(q, tl.trans(operand(k, DOT_F32)), DOT_F32), scale, softcap, SOFTCAP)
-        attended = (n[None, :] <= base + r[:, None]) & (n[None, :] > base + r[:, None] - window) & row_ok[:, None]
+        attended = (offset[None, :] >= row_lo[:, None]) & (offset[None, :] < row_hi[:, None])
         s = tl.where(attended, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         l = l * tl.exp2(m - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
@@ -113,9 +119,15 @@ def _features_kernel(
     source_end = clamped(tl.load(source_end_ptr + b), 0, keys)
     n_rows, base = _feature_rows(kv_len_ptr, n_rows_ptr, b, rows, keys)
     i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile0 = source_start + tl.program_id(1) * BLOCK_N
     n = source_start + i
     d = tl.arange(0, BLOCK_D)
     key_ok = (n >= 0) & (n < source_end)
+    # Keys and rows' bounds as int32 offsets j from the tile's first key, clamped into [0, BLOCK_N]: the (rows x keys)
+    # mask is then one 32-bit compare per bound (an int64 compare takes two instructions).
+    j = tl.arange(0, BLOCK_N)
+    key_lo = clamped(-tile0, 0, BLOCK_N).to(tl.int32)
+    key_hi = clamped(source_end - tile0, 0, BLOCK_N).to(tl.int32)
     k = tl.load(k_ptr + b * stride_kb + kv_head * stride_kh + n[:, None] * stride_ks + d[None, :],
                 mask=key_ok[:, None] & (d[None, :] < D), other=0.0)
     k = operand(k, DOT_F32)
@@ -132,8 +144,9 @@ def _features_kernel(
         s = _log2_scores(dot(operand(q, DOT_F32), tl.trans(k), DOT_F32), scale, softcap, SOFTCAP)
         lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + r, mask=row_ok, other=0.0)
         p = tl.exp2(s - lse[:, None] * LOG2E)
-        seen = row_ok[:, None] & key_ok[None, :] & (n[None, :] <= base + r[:, None]) \
-            & (n[None, :] > base + r[:, None] - window)
+        seen_lo = tl.maximum(clamped(base + r + 1 - window - tile0, 0, BLOCK_N).to(tl.int32), key_lo)
+        seen_hi = tl.minimum(tl.where(row_ok, clamped(base + r + 1 - tile0, 0, BLOCK_N), 0).to(tl.int32), key_hi)
+        seen = (j[None, :] >= seen_lo[:, None]) & (j[None, :] < seen_hi[:, None])
         acc += tl.sum(tl.where(seen, p, 0.0), axis=0)
     tl.store(out_ptr + (b * heads + h) * n_max + i, acc, mask=i < n_max)
 
