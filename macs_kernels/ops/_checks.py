@@ -113,6 +113,17 @@ def values_readable(what: str, *tensors: torch.Tensor) -> None:
                          "values on the host")
 
 
+# Keys a cache may hold per item: the kernels count a tile's keys as 32-bit offsets (Triton's masks, the cuda kernels'
+# key loops), and a tile may run up to 2^16 keys past the last one.
+MAX_KEYS = 2**31 - 2**16
+
+
+def check_keys(name: str, keys: int) -> None:
+    if keys > MAX_KEYS:
+        raise ValueError(f"{name}: {keys} keys per item, more than the kernels' 32-bit key offsets reach (at most "
+                         f"{MAX_KEYS})")
+
+
 def check_tensor(name, tensor, ndim, *, float_dtype=True):
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -245,6 +256,7 @@ def check_q_k(q, k_cache, v_cache=None, *, q_dims=3):
         )
     if heads % k_cache.shape[1]:
         raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({k_cache.shape[1]})")
+    check_keys("k_cache", k_cache.shape[2])
     if k_cache.device != q.device:
         raise ValueError(f"q is on {q.device} but k_cache is on {k_cache.device}")
     if v_cache is not None:
@@ -271,6 +283,7 @@ def check_paged(q, k_pages, block_table):
         raise TypeError(f"block_table must be int32 or int64, got {block_table.dtype}")
     if block_table.shape[0] != batch:
         raise ValueError(f"block_table must be ({batch}, pages), got {tuple(block_table.shape)}")
+    check_keys("k_pages through block_table", block_table.shape[1] * k_pages.shape[1])
     for name, tensor in (("k_pages", k_pages), ("block_table", block_table)):
         if tensor.device != q.device:
             raise ValueError(f"q is on {q.device} but {name} is on {tensor.device}")

@@ -79,3 +79,22 @@ def test_every_public_op_with_index_values_takes_validate():
                  "macs_update", "macs_update_rows", "macs_zscore"):
         parameter = inspect.signature(getattr(ops, name)).parameters["validate"]
         assert parameter.kind is inspect.Parameter.KEYWORD_ONLY and parameter.default is None, name
+
+
+def test_a_cache_longer_than_32_bit_key_offsets_is_refused_before_any_work():
+    """The kernels count a tile's keys in 32 bits: a cache of more than MAX_KEYS keys per item is refused from its
+    shape (stride-0 views: nothing that large is allocated), contiguous or paged, by every op that reads one."""
+    q, _, _, pooled = _data()
+    huge = torch.zeros(1, 1, 1, D).expand(B, H_KV, _checks.MAX_KEYS + 1, D)
+    ranges = dict(input_start=0, input_end=5, kv_len=torch.tensor([9, 10]), scale=1.0, backend="torch")
+    message = rf"k_cache: {_checks.MAX_KEYS + 1} keys per item, more than the kernels' 32-bit key offsets reach"
+    with pytest.raises(ValueError, match=message):
+        ops.decode_attention(q, huge, huge, kv_start=0, input_end=5, kv_len=torch.tensor([9, 10]), scale=1.0,
+                             pooled=pooled, backend="torch")
+    with pytest.raises(ValueError, match=message):
+        ops.macs_update(q, huge, torch.zeros(B, N_MAX), **ranges)
+    with pytest.raises(ValueError, match=message):
+        ops.macs_pool(q, huge, **ranges)
+    pages = torch.zeros(6, 1, H_KV, D).expand(6, 2**29, H_KV, D)
+    with pytest.raises(ValueError, match=r"k_pages through block_table: 2147483648 keys per item"):
+        ops.macs_pool_paged(q, pages, torch.zeros(B, 4, dtype=torch.int32), **ranges)
