@@ -1,5 +1,5 @@
-"""What a kernel compiles to, read on a machine without a GPU (issue 48: the fused pass's time over attention's follows
-its key loop's instructions where the bytes do not explain it).
+"""What a kernel compiles to, read on a machine without a GPU (issue 48: where the bytes do not explain the fused
+pass's time over attention's, its key loop's instructions may; a GPU's timing decides).
 
 - `compile_triton`: one of our Triton kernels compiled for sm_80 / sm_90 by `triton.compile` with a `GPUTarget`, with
   the argument types its launcher's JIT gives it on a GPU, or those inductor gives a user-defined kernel inside
