@@ -39,9 +39,11 @@ sys.path.insert(0, str(ROOT))
 
 from macs_kernels.apps.bench import environment, write_csv  # noqa: E402
 from macs_kernels.apps.bench.sass import (  # noqa: E402
+    MANGLED_DTYPES,
     blocks_per_multiprocessor,
     compile_cuda,
     compile_triton,
+    divisions,
     key_loop,
     nvcc,
     one_launch_variant,
@@ -55,7 +57,7 @@ from macs_kernels.apps.bench.sass import (  # noqa: E402
 ARCHES = (80, 90)
 DIMS = (64, 128)
 CUDA_PIECES = ("split_kv_mma", "split_kv_pipelined")
-CUDA_DTYPES = {"13__nv_bfloat16": "bf16", "6__half": "fp16", "f": "fp32"}  # as mangled in template arguments
+SHORT_DTYPES = {"float": "fp32", "half": "fp16", "bfloat16": "bf16"}
 
 
 def variants(dim: int) -> dict:
@@ -72,7 +74,7 @@ def variants(dim: int) -> dict:
 def loop_figures(loop: list[str]) -> dict:
     return {
         "loop_instructions": len(loop), "loop_wide_compares": wide_compares(loop),
-        "loop_divisions": sum(opcode(instruction) == "IABS" for instruction in loop),
+        "loop_divisions": divisions(loop),
         "loop_barriers": sum(opcode(instruction).startswith("BAR") for instruction in loop),
         "loop_global_stores": sum(opcode(instruction).startswith("STG") for instruction in loop),
     }
@@ -112,7 +114,7 @@ def measure_cuda(folder: Path) -> list[dict]:
             used = resources(cubin)
             for name, sass in sass_by_function(cubin).items():
                 kernel = re.match(r"_ZN4macs\d+(\w+?_split_kernel)I", name).group(1)
-                dtype = next(short for mangled, short in CUDA_DTYPES.items() if f"I{mangled}" in name)
+                dtype = next(SHORT_DTYPES[dtype] for dtype, mangled in MANGLED_DTYPES.items() if f"I{mangled}" in name)
                 dim = re.search(r"Li(\d+)E", name)
                 loop = key_loop(sass)
                 rows.append({

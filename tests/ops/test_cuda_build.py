@@ -30,12 +30,13 @@ import pytest
 
 from macs_kernels.apps.bench.sass import (
     CSRC,
+    MANGLED_DTYPES,
     TORCH_NVCC_FLAGS,
     blocks_per_multiprocessor,
     cuobjdump,
+    divisions,
     key_loop,
     nvcc,
-    opcode,
     sass_by_function,
 )
 from macs_kernels.ops.cuda import CUDA_SPLIT_KV_DEFAULT, set_cuda_split_kv_kernel
@@ -43,7 +44,7 @@ from macs_kernels.ops.registry import BackendUnavailable
 from tests.ops.cases import MMA_BLOCKS_BY_REGISTERS, MMA_THREADS
 
 ARCHES = ("sm_80", "sm_90")
-DTYPES = {"float": "f", "half": "6__half", "bfloat16": "13__nv_bfloat16"}  # as mangled in template arguments
+DTYPES = MANGLED_DTYPES
 # The operators macs_kernels/ops defines; each has csrc/<op>/launch.cu registering its CUDA kernel.
 OPS = (
     "attention_features", "decode_attention", "macs_pool", "macs_pool_paged", "macs_update", "macs_update_rows",
@@ -161,13 +162,7 @@ def test_pipelined_split_kernel_copies_16_bytes_asynchronously_without_spills(co
             assert not re.search(r"\bLDG\.E\.(\w+\.)*128\b", code), f"{name} {arch}: plain 16-byte loads of K/V"
             # Its tile loop divides by no runtime value (csrc/common.cuh, FastDivisor): a signed 32-bit division is
             # about 20 instructions (IABS, I2F, MUFU.RCP, ...), once per stored score and per paged copy before.
-            assert _key_loop_divisions(code) == 0, f"{name} {arch}: a division in the key loop"
-
-
-def _key_loop_divisions(sass: str) -> int:
-    """Signed 32-bit divisions by a runtime value in a split kernel's key loop (each takes the absolute values of its
-    operands: IABS)."""
-    return sum(opcode(instruction) == "IABS" for instruction in key_loop(sass))
+            assert divisions(key_loop(code)) == 0, f"{name} {arch}: a division in the key loop"
 
 
 def _mma_instantiation(name: str) -> tuple[int, bool]:
@@ -204,7 +199,7 @@ def test_mma_split_kernel_runs_on_tensor_cores_from_asynchronous_copies_without_
             assert not re.search(r"\b(LDL|STL)\b", code), f"{name} {arch}: local memory"
             assert not re.search(r"\bLDG\.E\.(\w+\.)*128\b", code), f"{name} {arch}: plain 16-byte loads of K/V"
             # As the pipelined kernel's: no division in the key loop (each thread's score rows are set before it).
-            assert _key_loop_divisions(code) == 0, f"{name} {arch}: a division in the key loop"
+            assert divisions(key_loop(code)) == 0, f"{name} {arch}: a division in the key loop"
 
 
 def test_unknown_split_kernel_is_refused_by_name():

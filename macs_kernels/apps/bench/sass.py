@@ -8,7 +8,7 @@ pass's time over attention's, its key loop's instructions may; a GPU's timing de
   extension build passes (a source checkout: the wheel ships no csrc/).
 - `cuobjdump`, `sass_by_function`, `resources`: any cubin's SASS and per-function registers, stack and shared memory, by
   the CUDA toolkit's cuobjdump or the copy Triton's wheel ships.
-- `loops`, `key_loop`, `opcode`, `wide_compares`: the loops of a function's SASS and their instructions.
+- `loops`, `key_loop`, `opcode`, `wide_compares`, `divisions`: the loops of a function's SASS and their instructions.
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ TORCH_NVCC_FLAGS = [
     "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
     "-D__CUDA_NO_HALF2_OPERATORS__", "--expt-relaxed-constexpr",
 ]
+# The kernels' element types as C++ names them, and as they appear mangled in template arguments.
+MANGLED_DTYPES = {"float": "f", "half": "6__half", "bfloat16": "13__nv_bfloat16"}
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
 # A branch and its target: `BRA 0x2c50`, `@!P5 BRA 0x4820`, `@P0 BRA.U !UP0, 0x1230`.
 _BRANCH_TARGET = re.compile(r"\bBRA(?:\.\w+)*\s+(?:!?U?P\w+,\s*)?0x([0-9a-f]+)")
@@ -189,6 +191,11 @@ def wide_compares(instructions: list[str]) -> int:
     """64-bit integer compares: each is a pair of ISETPs, the second extended (.EX); this counts the pairs."""
     return sum(opcode(instruction).startswith("ISETP") and opcode(instruction).endswith(".EX")
                for instruction in instructions)
+
+
+def divisions(instructions: list[str]) -> int:
+    """Signed 32-bit divisions by a runtime value: each takes the absolute values of its operands (IABS) first."""
+    return sum(opcode(instruction) == "IABS" for instruction in instructions)
 
 
 def opcode(instruction: str) -> str:
