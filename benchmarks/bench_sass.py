@@ -62,7 +62,7 @@ SHORT_DTYPES = {"float": "fp32", "half": "fp16", "bfloat16": "bf16"}
 
 def variants(dim: int) -> dict:
     """Pass name -> compile_triton's arguments for the decode step's split kernel."""
-    shape = dict(D=dim, GROUP=4, BLOCK_M=16, WITH_V=True)
+    shape = dict(D=dim, GROUP=4, rows=16, WITH_V=True)
     return {
         "attention": split_kv_variant("bf16", WITH_SCORES=False, **shape),
         "verified": split_kv_variant("bf16", **shape),

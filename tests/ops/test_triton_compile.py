@@ -23,6 +23,7 @@ from macs_kernels.apps.bench.sass import (
     cuobjdump,
     key_loop,
     loops,
+    resources,
     sass_by_function,
     wide_compares,
 )
@@ -45,52 +46,50 @@ POOL_INDEX = {"pool_start_ptr": "i64", "input_end_ptr": "i64", "start_ptr": "i64
 POOL_RANGES = {"start_ptr": "i64", "end_ptr": "i64", "kv_len_ptr": "i64", "column_start_ptr": "i64"}
 
 
+def _with_pointers(variant, **pointers):
+    """A variant with some of its pointers' element types changed."""
+    module, kernel, types, constexprs, options = variant
+    return module, kernel, dict(types, **pointers), constexprs, options
+
+
 # name -> (module, kernel, pointer element types, constexprs, options)
 VARIANTS = {
-    "decode_bf16_gqa4_d128": _split_kv("bf16", D=128, GROUP=4, BLOCK_M=16, WITH_V=True),
-    "decode_bf16_gqa4_d64": _split_kv("bf16", D=64, GROUP=4, BLOCK_M=16, WITH_V=True),
+    "decode_bf16_gqa4_d128": _split_kv("bf16", D=128, GROUP=4, rows=16, WITH_V=True),
+    "decode_bf16_gqa4_d64": _split_kv("bf16", D=64, GROUP=4, rows=16, WITH_V=True),
     # The same decode step's attention alone (decode_attention without MACS).
-    "attention_bf16_gqa4_d128": _split_kv("bf16", D=128, GROUP=4, BLOCK_M=16, WITH_V=True, WITH_SCORES=False),
-    "attention_bf16_gqa4_d64": _split_kv("bf16", D=64, GROUP=4, BLOCK_M=16, WITH_V=True, WITH_SCORES=False),
-    "update_fp16_gqa3_d64": _split_kv("fp16", D=64, GROUP=3, BLOCK_M=16),
+    "attention_bf16_gqa4_d128": _split_kv("bf16", D=128, GROUP=4, rows=16, WITH_V=True, WITH_SCORES=False),
+    "attention_bf16_gqa4_d64": _split_kv("bf16", D=64, GROUP=4, rows=16, WITH_V=True, WITH_SCORES=False),
+    "update_fp16_gqa3_d64": _split_kv("fp16", D=64, GROUP=3, rows=16),
     # macs_pool of a verify block: 9 query heads per KV head x 5 rows = 45 rows in a 64-row tile.
-    "pool_block_bf16_gqa9_d64": _split_kv("bf16", D=64, GROUP=9, BLOCK_M=64),
+    "pool_block_bf16_gqa9_d64": _split_kv("bf16", D=64, GROUP=9, rows=45),
     # macs_pool_paged: keys gathered through the block table, transformers' page size and flash_attn's.
-    "pool_paged_bf16_gqa3_d64_page16": _split_kv("bf16", D=64, GROUP=3, BLOCK_M=16, PAGE_SIZE=16),
-    "pool_paged_fp16_gqa9_d128_page256": _split_kv("fp16", D=128, GROUP=9, BLOCK_M=64, PAGE_SIZE=256),
+    "pool_paged_bf16_gqa3_d64_page16": _split_kv("bf16", D=64, GROUP=3, rows=16, PAGE_SIZE=16),
+    "pool_paged_fp16_gqa9_d128_page256": _split_kv("fp16", D=128, GROUP=9, rows=45, PAGE_SIZE=256),
     # vLLM's FLASH_ATTN cache (macs_kernels.engines.vllm.flash): 16-slot blocks, a Llama-style GQA 4:1 at D = 128.
-    "pool_paged_bf16_gqa4_d128_page16": _split_kv("bf16", D=128, GROUP=4, BLOCK_M=16, PAGE_SIZE=16),
+    "pool_paged_bf16_gqa4_d128_page16": _split_kv("bf16", D=128, GROUP=4, rows=16, PAGE_SIZE=16),
     # FlashAttention's and vLLM's int32 lengths, read as they are (ops take int32 and int64 ranges).
-    "decode_bf16_gqa4_d128_int32_ranges": (
-        "split_kv", "_split_kv_kernel", {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16",
-                                         **dict.fromkeys(SPLIT_INDEX, "i32")},
-        dict(D=128, BLOCK_D=128, GROUP=4, BLOCK_M=16, BLOCK_N=64, WITH_V=True, WITH_SCORES=True, DOT_F32=False,
-             PAGE_SIZE=0, SOFTCAP=False, WINDOWED=False), dict(num_warps=4, num_stages=3),
-    ),
+    "decode_bf16_gqa4_d128_int32_ranges": _with_pointers(
+        _split_kv("bf16", D=128, GROUP=4, rows=16, WITH_V=True), **dict.fromkeys(SPLIT_INDEX, "i32")),
     # int32 lengths beside the int64 zeros of a default start: one kernel per mix of widths.
-    "decode_bf16_gqa4_d128_mixed_ranges": (
-        "split_kv", "_split_kv_kernel", {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16", **SPLIT_INDEX,
-                                         "input_end_ptr": "i32", "kv_len_ptr": "i32"},
-        dict(D=128, BLOCK_D=128, GROUP=4, BLOCK_M=16, BLOCK_N=64, WITH_V=True, WITH_SCORES=True, DOT_F32=False,
-             PAGE_SIZE=0, SOFTCAP=False, WINDOWED=False), dict(num_warps=4, num_stages=3),
-    ),
-    "decode_fp32_mha_d128": _split_kv("fp32", D=128, GROUP=1, BLOCK_M=16, WITH_V=True, WITH_SCORES=False,
+    "decode_bf16_gqa4_d128_mixed_ranges": _with_pointers(
+        _split_kv("bf16", D=128, GROUP=4, rows=16, WITH_V=True), input_end_ptr="i32", kv_len_ptr="i32"),
+    "decode_fp32_mha_d128": _split_kv("fp32", D=128, GROUP=1, rows=16, WITH_V=True, WITH_SCORES=False,
                                       DOT_F32=True),
     # Attention variants (ops.Variant): Gemma 2's softcap in the split pass, gpt-oss's sinks in the combine.
-    "pool_softcap_bf16_gqa2_d256": _split_kv("bf16", D=256, GROUP=2, BLOCK_M=16, SOFTCAP=True),
+    "pool_softcap_bf16_gqa2_d256": _split_kv("bf16", D=256, GROUP=2, rows=16, SOFTCAP=True),
     # A sliding window: score columns from the window's inputs' start.
-    "pool_window_bf16_gqa4_d128": _split_kv("bf16", D=128, GROUP=4, BLOCK_M=16, WINDOWED=True),
-    "decode_softcap_fp16_gqa4_d128": _split_kv("fp16", D=128, GROUP=4, BLOCK_M=16, WITH_V=True, SOFTCAP=True),
+    "pool_window_bf16_gqa4_d128": _split_kv("bf16", D=128, GROUP=4, rows=16, WINDOWED=True),
+    "decode_softcap_fp16_gqa4_d128": _split_kv("fp16", D=128, GROUP=4, rows=16, WITH_V=True, SOFTCAP=True),
     # The paged op of a variant layer (a window is a runtime start, sinks are the combine's): Gemma 2's GQA 2:1 at
     # D = 256 in vLLM's 16-slot blocks, and GQA 4:1 at D = 128 in flash_attn's 256-slot pages.
-    "pool_paged_softcap_bf16_gqa2_d256_page16": _split_kv("bf16", D=256, GROUP=2, BLOCK_M=16, PAGE_SIZE=16,
+    "pool_paged_softcap_bf16_gqa2_d256_page16": _split_kv("bf16", D=256, GROUP=2, rows=16, PAGE_SIZE=16,
                                                           SOFTCAP=True),
-    "pool_paged_softcap_fp16_gqa4_d128_page256": _split_kv("fp16", D=128, GROUP=4, BLOCK_M=16, PAGE_SIZE=256,
+    "pool_paged_softcap_fp16_gqa4_d128_page256": _split_kv("fp16", D=128, GROUP=4, rows=16, PAGE_SIZE=256,
                                                            SOFTCAP=True),
     # The two-launch fused pass (ops.triton.settings.TRITON_SPLIT_KV_PASSES): float16 relative scores, then the combine
     # with the head pooling folded in.
-    "two_launch_decode_bf16_gqa4_d128": _split_kv("bf16", D=128, GROUP=4, BLOCK_M=16, WITH_V=True, scores="fp16"),
-    "two_launch_update_bf16_gqa3_d64": _split_kv("bf16", D=64, GROUP=3, BLOCK_M=16, scores="fp16"),
+    "two_launch_decode_bf16_gqa4_d128": _split_kv("bf16", D=128, GROUP=4, rows=16, WITH_V=True, scores="fp16"),
+    "two_launch_update_bf16_gqa3_d64": _split_kv("bf16", D=64, GROUP=3, rows=16, scores="fp16"),
     "two_launch_combine_pool_bf16": (
         "split_kv", "_combine_pool_kernel",
         {"out_ptr": "bf16", "scores_ptr": "fp16", **POOL_INDEX},
@@ -103,21 +102,18 @@ VARIANTS = {
              LSE_GIVEN=True, REDISTRIBUTE=True, POOLING="mean", INTO_LOG_C=False, WINDOWED=True), dict(num_warps=4),
     ),
     # The one-launch fused pass: the split kernel with the combine and the pooling after its last arrival.
-    "one_launch_decode_bf16_gqa4_d128": _one_launch("bf16", D=128, GROUP=4, BLOCK_M=16, WITH_V=True, scores="fp16"),
-    "one_launch_decode_bf16_gqa4_d64": _one_launch("bf16", D=64, GROUP=4, BLOCK_M=16, WITH_V=True, scores="fp16"),
-    "one_launch_update_fp16_gqa3_d64_min": _one_launch("fp16", D=64, GROUP=3, BLOCK_M=16, scores="fp16",
+    "one_launch_decode_bf16_gqa4_d128": _one_launch("bf16", D=128, GROUP=4, rows=16, WITH_V=True, scores="fp16"),
+    "one_launch_decode_bf16_gqa4_d64": _one_launch("bf16", D=64, GROUP=4, rows=16, WITH_V=True, scores="fp16"),
+    "one_launch_update_fp16_gqa3_d64_min": _one_launch("fp16", D=64, GROUP=3, rows=16, scores="fp16",
                                                        POOLING="min", LSE_GIVEN=True),
     "one_launch_pool_block_sinks_bf16_gqa9_d64_mean": _one_launch(
-        "bf16", D=64, GROUP=9, BLOCK_M=64, POOLING="mean", INTO_LOG_C=False, HAS_SINKS=True, SOFTCAP=True),
-    "one_launch_decode_bf16_gqa4_d128_int32_ranges": (
-        "split_kv", "_one_launch_kernel",
-        dict(_one_launch("bf16", D=128, GROUP=4, BLOCK_M=16, WITH_V=True, scores="fp16")[2],
-             **dict.fromkeys((*SPLIT_INDEX, "pool_start_ptr"), "i32")),
-        *_one_launch("bf16", D=128, GROUP=4, BLOCK_M=16, WITH_V=True, scores="fp16")[3:],
-    ),
-    "one_launch_pool_paged_bf16_gqa4_d128_page16": _one_launch("bf16", D=128, GROUP=4, BLOCK_M=16, PAGE_SIZE=16,
+        "bf16", D=64, GROUP=9, rows=45, POOLING="mean", INTO_LOG_C=False, HAS_SINKS=True, SOFTCAP=True),
+    "one_launch_decode_bf16_gqa4_d128_int32_ranges": _with_pointers(
+        _one_launch("bf16", D=128, GROUP=4, rows=16, WITH_V=True, scores="fp16"),
+        **dict.fromkeys((*SPLIT_INDEX, "pool_start_ptr"), "i32")),
+    "one_launch_pool_paged_bf16_gqa4_d128_page16": _one_launch("bf16", D=128, GROUP=4, rows=16, PAGE_SIZE=16,
                                                                INTO_LOG_C=False),
-    "one_launch_pool_window_bf16_gqa4_d128": _one_launch("bf16", D=128, GROUP=4, BLOCK_M=16, WINDOWED=True,
+    "one_launch_pool_window_bf16_gqa4_d128": _one_launch("bf16", D=128, GROUP=4, rows=16, WINDOWED=True,
                                                          INTO_LOG_C=False),
     "combine_bf16": (
         "split_kv", "_split_kv_combine_kernel", {"out_ptr": "bf16"},
@@ -188,6 +184,16 @@ VARIANTS = {
     ),
 }
 
+# The decode step's tiles as the launcher sizes them by rows per KV head, head dimension and dtype
+# (ops.triton.common.split_kv_block): 16, 32 and 64 rows (a GQA 8:1 verify block of 8 rows fills 64) at D = 64, 128
+# and 256 (Gemma's), on tensor cores and on CUDA cores (float32). Their scalars are those of the split variants above,
+# which compile with inductor's signature too.
+VARIANTS.update({
+    f"tiles_{dtype}_d{dim}_rows{rows}": _split_kv(dtype, D=dim, GROUP=4, rows=rows, WITH_V=True,
+                                                  DOT_F32=dtype == "fp32")
+    for dtype in ("bf16", "fp32") for dim in (64, 128, 256) for rows in (16, 32, 64)
+})
+
 _SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -195,7 +201,8 @@ from macs_kernels.apps.bench.sass import compile_triton
 variants = json.loads(sys.argv[2])
 results = {}
 for (name, variant), floats in (
-        [(item, "fp32") for item in variants.items()] + [(item, "fp64") for item in variants.items()]):
+        [(item, "fp32") for item in variants.items()]
+        + [(item, "fp64") for item in variants.items() if not item[0].startswith("tiles_")]):
     if floats == "fp64":
         name = "inductor_" + name
     for arch in json.loads(sys.argv[3]) if floats == "fp32" else [90]:
@@ -232,7 +239,7 @@ def test_kernel_compiles(compiled, variant, arch):
     assert result["shared"] <= 160 * 1024  # fits sm_80's shared memory with room to spare
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", sorted(name for name in VARIANTS if not name.startswith("tiles_")))
 def test_kernel_compiles_with_inductors_signature(compiled, variant, arch=90):
     """With fp64 float scalars every kernel still compiles, and its loops stay in fp32: the PTX of the plain
     signature and inductor's differ only by the conversions at entry (no fp64 arithmetic past them)."""
@@ -279,6 +286,28 @@ def test_one_launch_pass_keeps_scores_in_l2_and_counts_arrivals(compiled, varian
     assert re.search(r"(red|atom)\.global\.gpu\.relaxed\.(max|min|add)", ptx)
     assert re.search(r"ld\.global\.cg", ptx)
     assert ".local" not in ptx
+
+
+# Shared memory one block may take: sm_90 227 KiB; sm_80 163 KiB, but its code must also fit the 99 KiB of sm_86, sm_89
+# and sm_120 (consumer and L4/L40S GPUs), whose Triton code took exactly sm_80's shared memory at every tile tried.
+SHARED_LIMIT = {80: 99 * 1024, 90: 227 * 1024}
+SPLIT_KERNELS = sorted(name for name, variant in VARIANTS.items()
+                       if variant[1] in ("_split_kv_kernel", "_one_launch_kernel"))
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+@pytest.mark.parametrize("variant", SPLIT_KERNELS)
+def test_split_kernel_tiles_fit_shared_memory_without_spilling(compiled, variant, arch):
+    """The split kernels' tiles (ops.triton.common.split_kv_block) keep every value in registers and their K and V
+    stages in the shared memory a block gets. With one tile policy for all (64 keys, 4 warps) a 64-row tile spilled
+    48-840 bytes a thread on tensor cores, float32's CUDA-core products 0.5-24 KiB, and at D = 256 the stages took
+    240 KiB (no GPU launches that) or, at 16 rows, 140 KiB (not on sm_86/89)."""
+    if cuobjdump() is None:
+        pytest.skip("no cuobjdump (neither the CUDA toolkit's nor Triton's) to read the resources")
+    result = compiled[f"{variant}@sm_{arch}"]
+    (used,) = resources(Path(result["cubin"])).values()
+    assert used.stack == 0 and used.local == 0, f"{used.stack} bytes of stack a thread: registers spill"
+    assert result["shared"] <= SHARED_LIMIT[arch], f"{result['shared']} bytes of shared memory"
 
 
 def _key_loop(cubin: str) -> list[str]:

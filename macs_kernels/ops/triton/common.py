@@ -130,24 +130,44 @@ def head_block(dim: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class SplitKV:
-    """Tiles of the split-KV pass: BLOCK_M query rows (a GQA group's heads x query rows) per program,
-    BLOCK_N keys per step, the keys cut into `splits` slices of `split_size` keys."""
+    """Tiles of the split-KV pass: BLOCK_M query rows (a GQA group's heads x query rows) per program of `num_warps`
+    warps, BLOCK_N keys per step, the keys cut into `splits` slices of `split_size` keys."""
     block_m: int
     block_n: int
+    num_warps: int
     splits: int
     split_size: int
 
 
-def split_kv_tiles(batch: int, kv_heads: int, group_rows: int, keys: int, device: torch.device) -> SplitKV:
-    """Enough (row tile, key slice) programs to fill the GPU twice over, whole key blocks per slice; tl.dot
-    needs 16 rows, and more than 64 rows per program would spill the accumulator."""
-    block_m = min(64, max(16, next_pow2(group_rows)))
-    block_n = 128 if INTERPRETED else 64
+def split_kv_block(group_rows: int, dim: int, exact_f32: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the split kernels: no tile spills registers, and the K and V stages fit the
+    99 KiB of shared memory a block gets on sm_86/89/120 (sm_80: 163 KiB, sm_90: 227 KiB), as compiled for sm_80 and
+    sm_90 (tests/ops/test_triton_compile.py). tl.dot needs 16 rows and keys. On tensor cores the keys of a step (16 to
+    64) times the head dimension and the rows (at least 32) stay within 2^18, and 64 rows take 8 warps: with 64 keys
+    and 4 warps throughout, 64-row tiles spilled up to 840 bytes a thread and D = 256 took up to 240 KiB. float32
+    products run on CUDA cores, where a thread holds its rows' and keys' whole head dimension: 16 keys a step, and 16
+    rows at D = 256 (64 keys spilled up to 24 KiB a thread)."""
+    block_d = head_block(dim)
+    if exact_f32:
+        block_m = min(64 if block_d <= 128 else 16, max(16, next_pow2(group_rows)))
+        block_n = 16
+    else:
+        block_m = min(64, max(16, next_pow2(group_rows)))
+        block_n = max(16, min(64, 2 ** 18 // (max(block_m, 32) * block_d)))
+    return block_m, block_n, 8 if block_m == 64 else 4
+
+
+def split_kv_tiles(batch: int, kv_heads: int, group_rows: int, keys: int, dim: int, exact_f32: bool,
+                   device: torch.device) -> SplitKV:
+    """Enough (row tile, key slice) programs to fill the GPU twice over, whole key blocks per slice, with
+    split_kv_block's tiles (the interpreter, which runs programs one by one, prefers 128 keys a step)."""
+    block_m, block_n, num_warps = split_kv_block(group_rows, dim, exact_f32)
+    block_n = 128 if INTERPRETED else block_n
     programs = batch * kv_heads * cdiv(group_rows, block_m)
     blocks = cdiv(keys, block_n)
     splits = min(blocks, max(1, cdiv(2 * multiprocessors(device), programs)))
     per_split = cdiv(blocks, splits)
-    return SplitKV(block_m, block_n, cdiv(blocks, per_split), per_split * block_n)
+    return SplitKV(block_m, block_n, num_warps, cdiv(blocks, per_split), per_split * block_n)
 
 
 def pool_block(heads: int, n_max: int) -> int:

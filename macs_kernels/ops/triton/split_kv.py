@@ -616,7 +616,8 @@ def _one_launch(q, k_cache, v_cache, start, input_end, kv_len, scale, target, *,
         given.stride(0), given.stride(1), given.stride(2), target3.stride(0), target3.stride(1), *pool_start.stride(),
         **constexprs, GROUP_PAD=next_pow2(constexprs["GROUP"]),
         BLOCK_I=pool_block(constexprs["GROUP"], n_target), HAS_SINKS=sinks is not None, LSE_GIVEN=lse is not None,
-        REDISTRIBUTE=redistribute, POOLING=pooling, INTO_LOG_C=into_log_c, num_warps=4, num_stages=3,
+        REDISTRIBUTE=redistribute, POOLING=pooling, INTO_LOG_C=into_log_c, num_warps=split.tiles.num_warps,
+        num_stages=3,
     )
     return out, own_lse
 
@@ -669,7 +670,7 @@ def _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block
     split, grid, args, constexprs = _split_plan(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores,
                                                 block_table, score_start, softcap, relative_scores=relative_scores)
     launch(_split_kv_kernel, grid, *args[:10], split.m, split.l, split.l_gen, split.acc, *args[10:], **constexprs,
-           num_warps=4, num_stages=3)
+           num_warps=split.tiles.num_warps, num_stages=3)
     return split
 
 
@@ -696,7 +697,7 @@ def _split_plan(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, 
     group = heads // kv_heads
     with_v = v_cache is not None
     dot_f32 = dot_in_f32(q, k_cache, *((v_cache,) if with_v else ()))
-    tiles = split_kv_tiles(batch, kv_heads, group * rows, keys, q.device)
+    tiles = split_kv_tiles(batch, kv_heads, group * rows, keys, dim, dot_f32, q.device)
     f32 = dict(device=q.device, dtype=torch.float32)
     m, l, l_gen = (torch.empty(batch, heads, rows, tiles.splits, **f32) for _ in range(3))
     acc = torch.empty(batch, heads, rows, tiles.splits, dim, **f32) if with_v else m
