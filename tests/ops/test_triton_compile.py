@@ -28,6 +28,9 @@ from macs_kernels.apps.bench.sass import (
     wide_compares,
 )
 from macs_kernels.apps.bench.sass import (
+    features_variant as _features,
+)
+from macs_kernels.apps.bench.sass import (
     one_launch_variant as _one_launch,
 )
 from macs_kernels.apps.bench.sass import (
@@ -36,10 +39,6 @@ from macs_kernels.apps.bench.sass import (
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGETS = (80, 90)
-
-FEATURES_INDEX = {
-    name: "i64" for name in ("source_start_ptr", "source_end_ptr", "start_ptr", "kv_len_ptr", "n_rows_ptr")
-}
 
 # The pooling's ranges: the attended keys, the inputs and where a window's inputs start.
 POOL_INDEX = {"pool_start_ptr": "i64", "input_end_ptr": "i64", "start_ptr": "i64", "kv_len_ptr": "i64"}
@@ -158,30 +157,15 @@ VARIANTS = {
     "zscore": (
         "macs_zscore", "_macs_zscore_kernel", {"n_ptr": "i64"}, dict(BLOCK=1024), dict(num_warps=4),
     ),
-    "features_bf16_d64": (
-        "attention_features", "_features_kernel", {"q_ptr": "bf16", "k_ptr": "bf16", **FEATURES_INDEX},
-        dict(D=64, BLOCK_D=64, BLOCK_R=64, BLOCK_N=64, DOT_F32=False, SOFTCAP=False), dict(num_warps=4),
-    ),
-    "features_fp32_d128": (
-        "attention_features", "_features_kernel", FEATURES_INDEX,
-        dict(D=128, BLOCK_D=128, BLOCK_R=64, BLOCK_N=64, DOT_F32=True, SOFTCAP=False), dict(num_warps=4),
-    ),
-    "lse_fp16_d64": (
-        "attention_features", "_features_lse_kernel", {"q_ptr": "fp16", "k_ptr": "fp16", **FEATURES_INDEX},
-        dict(D=64, BLOCK_D=64, BLOCK_R=64, BLOCK_N=64, DOT_F32=False, SOFTCAP=False, HAS_SINKS=False),
-        dict(num_warps=4),
-    ),
+    "features_bf16_d64": _features("_features_kernel", "bf16", D=64, rows=64),
+    "lse_fp16_d64": _features("_features_lse_kernel", "fp16", D=64, rows=64),
     # Attention variants: Gemma 2's softcap (D = 256), gpt-oss's sinks with a softcap in the lse pass.
-    "features_softcap_bf16_d256": (
-        "attention_features", "_features_kernel", {"q_ptr": "bf16", "k_ptr": "bf16", **FEATURES_INDEX},
-        dict(D=256, BLOCK_D=256, BLOCK_R=64, BLOCK_N=64, DOT_F32=False, SOFTCAP=True), dict(num_warps=4),
-    ),
-    "lse_softcap_sinks_bf16_d64": (
-        "attention_features", "_features_lse_kernel",
-        {"q_ptr": "bf16", "k_ptr": "bf16", "sinks_ptr": "bf16", **FEATURES_INDEX},
-        dict(D=64, BLOCK_D=64, BLOCK_R=64, BLOCK_N=64, DOT_F32=False, SOFTCAP=True, HAS_SINKS=True),
-        dict(num_warps=4),
-    ),
+    "features_softcap_bf16_d256": _features("_features_kernel", "bf16", D=256, rows=64, SOFTCAP=True),
+    "lse_softcap_sinks_bf16_d64": _features("_features_lse_kernel", "bf16", D=64, rows=64, SOFTCAP=True,
+                                            HAS_SINKS=True),
+    # float32 (products on CUDA cores) at each head dimension.
+    **{f"{kernel}_fp32_d{dim}": _features(f"_{kernel}_kernel", "fp32", D=dim, rows=64)
+       for kernel in ("features", "features_lse") for dim in (64, 128, 256)},
 }
 
 # The decode step's tiles as the launcher sizes them by rows per KV head, head dimension and dtype
@@ -291,17 +275,19 @@ def test_one_launch_pass_keeps_scores_in_l2_and_counts_arrivals(compiled, varian
 # Shared memory one block may take: sm_90 227 KiB; sm_80 163 KiB, but its code must also fit the 99 KiB of sm_86, sm_89
 # and sm_120 (consumer and L4/L40S GPUs), whose Triton code took exactly sm_80's shared memory at every tile tried.
 SHARED_LIMIT = {80: 99 * 1024, 90: 227 * 1024}
-SPLIT_KERNELS = sorted(name for name, variant in VARIANTS.items()
-                       if variant[1] in ("_split_kv_kernel", "_one_launch_kernel"))
+TILED_KERNELS = sorted(name for name, variant in VARIANTS.items()
+                       if variant[1] in ("_split_kv_kernel", "_one_launch_kernel", "_features_kernel",
+                                         "_features_lse_kernel"))
 
 
 @pytest.mark.parametrize("arch", TARGETS)
-@pytest.mark.parametrize("variant", SPLIT_KERNELS)
-def test_split_kernel_tiles_fit_shared_memory_without_spilling(compiled, variant, arch):
-    """The split kernels' tiles (ops.triton.common.split_kv_block) keep every value in registers and their K and V
-    stages in the shared memory a block gets. With one tile policy for all (64 keys, 4 warps) a 64-row tile spilled
-    48-840 bytes a thread on tensor cores, float32's CUDA-core products 0.5-24 KiB, and at D = 256 the stages took
-    240 KiB (no GPU launches that) or, at 16 rows, 140 KiB (not on sm_86/89)."""
+@pytest.mark.parametrize("variant", TILED_KERNELS)
+def test_tiles_fit_shared_memory_without_spilling(compiled, variant, arch):
+    """The split kernels' tiles (ops.triton.common.split_kv_block) and AT2's feature kernels' (features_block) keep
+    every value in registers and their stages in the shared memory a block gets. With one tile policy for all (64 keys,
+    4 warps) a 64-row split tile spilled 48-840 bytes a thread on tensor cores, float32's CUDA-core products up to
+    24 KiB, and at D = 256 the stages took up to 240 KiB (no GPU launches that) or, at 16 rows, 140 KiB (not on
+    sm_86/89); the feature kernels' 64 x 64 float32 tiles spilled 9.7-11 KiB at D = 128."""
     if cuobjdump() is None:
         pytest.skip("no cuobjdump (neither the CUDA toolkit's nor Triton's) to read the resources")
     result = compiled[f"{variant}@sm_{arch}"]

@@ -99,6 +99,24 @@ def one_launch_variant(dtype, *, D, GROUP, rows, WITH_V=False, PAGE_SIZE=0, SOFT
     return "split_kv", "_one_launch_kernel", pointers, constexprs, options
 
 
+# attention_features' index tensors: int64 ranges.
+FEATURES_INDEX = dict.fromkeys(("source_start_ptr", "source_end_ptr", "start_ptr", "kv_len_ptr", "n_rows_ptr"), "i64")
+
+
+def features_variant(kernel_name, dtype, *, D, rows, SOFTCAP=False, HAS_SINKS=False):
+    """An attention_features kernel (`_features_kernel`, or `_features_lse_kernel` with HAS_SINKS) for `rows` target
+    rows in `dtype` ("fp32": products on CUDA cores), with the launcher's tiles (features_block) and options."""
+    from macs_kernels.ops.triton.common import features_block
+
+    exact_f32 = dtype == "fp32"
+    block_r, block_n = features_block(rows, exact_f32)
+    pointers = dict(FEATURES_INDEX, q_ptr=dtype, k_ptr=dtype, **({"sinks_ptr": dtype} if HAS_SINKS else {}))
+    constexprs = dict(D=D, BLOCK_D=D, BLOCK_R=block_r, BLOCK_N=block_n, DOT_F32=exact_f32, SOFTCAP=SOFTCAP)
+    if kernel_name == "_features_lse_kernel":
+        constexprs["HAS_SINKS"] = HAS_SINKS
+    return "attention_features", kernel_name, pointers, constexprs, dict(num_warps=4)
+
+
 def nvcc() -> str | None:
     """nvcc on PATH or in $CUDA_HOME/bin; None when neither has it."""
     found = shutil.which("nvcc")

@@ -141,7 +141,12 @@ def _features_kernel(
         row_ok = r < n_rows
         q = tl.load(q_ptr + b * stride_qb + h * stride_qh + r[:, None] * stride_qr + d[None, :],
                     mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
-        s = _log2_scores(dot(operand(q, DOT_F32), tl.trans(k), DOT_F32), scale, softcap, SOFTCAP)
+        if DOT_F32:
+            # CUDA-core products as k . q^T: as q . k^T, with k held across the row tiles, even (16, 16) tiles spilled
+            # (240-264 bytes a thread at D = 128). The transpose costs nothing: the compiler takes its layout.
+            s = _log2_scores(tl.trans(dot(k, tl.trans(operand(q, DOT_F32)), DOT_F32)), scale, softcap, SOFTCAP)
+        else:
+            s = _log2_scores(dot(q, tl.trans(k), DOT_F32), scale, softcap, SOFTCAP)
         lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + r, mask=row_ok, other=0.0)
         p = tl.exp2(s - lse[:, None] * LOG2E)
         seen_lo = tl.maximum(clamped(base + r + 1 - window - tile0, 0, BLOCK_N).to(tl.int32), key_lo)
@@ -159,7 +164,7 @@ def attention_features(q, k_cache, source_start, source_end, kv_start, kv_len, n
     group = heads // k_cache.shape[1]
     dot_f32 = dot_in_f32(q, k_cache)
     block_d = head_block(dim)
-    block_r, block_n = features_tiles(rows)
+    block_r, block_n = features_tiles(rows, dot_f32)
     strides = (q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     consts = dict(D=dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_N=block_n, DOT_F32=dot_f32,
                   SOFTCAP=softcap is not None, num_warps=4)

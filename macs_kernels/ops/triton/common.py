@@ -181,9 +181,20 @@ def row_block(length: int) -> int:
     return min(next_pow2(length), 4096 if INTERPRETED else 1024)
 
 
-def features_tiles(rows: int) -> tuple[int, int]:
-    """(BLOCK_R target rows, BLOCK_N source keys) of attention_features."""
-    return (16 if rows <= 16 else (32 if INTERPRETED else 64)), 64
+def features_block(rows: int, exact_f32: bool) -> tuple[int, int]:
+    """(BLOCK_R target rows, BLOCK_N source keys) of attention_features on a GPU: no spills, as compiled for sm_80 and
+    sm_90 (tests/ops/test_triton_compile.py). float32 products run on CUDA cores, where a thread holds its rows' and
+    keys' whole head dimension: (16, 16) tiles (64 x 64 ones spilled 9.7-11 KiB a thread at D = 128)."""
+    if exact_f32:
+        return 16, 16
+    return (16 if rows <= 16 else 64), 64
+
+
+def features_tiles(rows: int, exact_f32: bool) -> tuple[int, int]:
+    """attention_features' tiles: features_block's, or the interpreter's (which runs programs one by one)."""
+    if INTERPRETED:
+        return (16 if rows <= 16 else 32), 64
+    return features_block(rows, exact_f32)
 
 
 def back_projection_tiles(rows_m: int, keys: int) -> tuple[int, int]:
