@@ -174,6 +174,10 @@ def resources(cubin: Path) -> dict[str, Resources]:
             for name, *values in _RESOURCES.findall(_dump(cubin, "--dump-resource-usage"))}
 
 
+# Shared memory one block may take (bytes) by the architecture the code was compiled for: sm_90's 227 KiB; sm_80's code
+# must also run on sm_86, sm_89 and sm_120 (99 KiB a block: consumer GPUs, L4, L40S), whose Triton code took exactly
+# sm_80's shared memory at every tile tried.
+SHARED_PER_BLOCK = {80: 99 * 1024, 90: 227 * 1024}
 # Shared memory an SM holds (bytes) by architecture, of which each resident block also takes 1 KiB for the system.
 _SHARED_PER_MULTIPROCESSOR = {80: 164 * 1024, 86: 100 * 1024, 89: 100 * 1024, 90: 228 * 1024}
 

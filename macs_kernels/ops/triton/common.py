@@ -197,6 +197,16 @@ def features_tiles(rows: int, exact_f32: bool) -> tuple[int, int]:
     return features_block(rows, exact_f32)
 
 
-def back_projection_tiles(rows_m: int, keys: int) -> tuple[int, int]:
-    """(BLOCK_M coefficient rows, BLOCK_S keys) of the efficient-attention back-projection."""
-    return max(16, min(next_pow2(rows_m), 64)), max(16, min(next_pow2(keys), 256 if INTERPRETED else 64))
+def back_projection_block(dim: int) -> tuple[int, int, int]:
+    """(BLOCK_M coefficient rows, BLOCK_S keys, num_warps) of the efficient-attention back-projection on a GPU: no
+    spills and at most 99 KiB of shared memory, as compiled for sm_80 and sm_90 (tests/ops/test_efficient_compile.py).
+    Its products are exact (float32 on CUDA cores, float64 MMA): (16, 16) tiles, 8 warps at D = 256. Tiles of up to
+    64 rows and 64 keys spilled up to 37 KiB a thread and, in float64 at D >= 128, took 152-416 KiB."""
+    return 16, 16, 8 if head_block(dim) > 128 else 4
+
+
+def back_projection_tiles(rows_m: int, keys: int, dim: int) -> tuple[int, int, int]:
+    """back_projection_block's tiles, or the interpreter's (which runs programs one by one: few, large tiles)."""
+    if INTERPRETED:
+        return max(16, min(next_pow2(rows_m), 64)), max(16, min(next_pow2(keys), 256)), 4
+    return back_projection_block(dim)

@@ -73,7 +73,7 @@ def back_project(coefficients, v_cache, kv_start, kv_len, causal):
     batch, heads, rows, width = coefficients.shape
     kv_heads, keys, dim = v_cache.shape[1:]
     rows_m = heads // kv_heads * rows
-    block_m, block_s = back_projection_tiles(rows_m, keys)
+    block_m, block_s, num_warps = back_projection_tiles(rows_m, keys, dim)
     block_d = head_block(dim)
     row_tiles = cdiv(rows_m, block_m)
     splits = max(1, min(cdiv(keys, block_s), cdiv(2 * multiprocessors(v_cache.device), batch * kv_heads * row_tiles)))
@@ -84,7 +84,7 @@ def back_project(coefficients, v_cache, kv_start, kv_len, causal):
         coefficients, v_cache, a_eff, partial, kv_start, kv_len,
         kv_heads, rows_m, rows, keys, dim, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         CAUSAL=causal, COMPUTE=tl.float64 if coefficients.dtype == torch.float64 else tl.float32,
-        BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
+        BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=num_warps,
     )
     return a_eff, partial.sum(dim=0)
 
