@@ -273,19 +273,15 @@ def test_one_launch_pass_keeps_scores_in_l2_and_counts_arrivals(compiled, varian
     assert ".local" not in ptx
 
 
-TILED_KERNELS = sorted(name for name, variant in VARIANTS.items()
-                       if variant[1] in ("_split_kv_kernel", "_one_launch_kernel", "_features_kernel",
-                                         "_features_lse_kernel"))
-
-
 @pytest.mark.parametrize("arch", TARGETS)
-@pytest.mark.parametrize("variant", TILED_KERNELS)
-def test_tiles_fit_shared_memory_without_spilling(compiled, variant, arch):
-    """The split kernels' tiles (ops.triton.common.split_kv_block) and AT2's feature kernels' (features_block) keep
-    every value in registers and their stages in the shared memory a block gets. With one tile policy for all (64 keys,
-    4 warps) a 64-row split tile spilled 48-840 bytes a thread on tensor cores, float32's CUDA-core products up to
-    24 KiB, and at D = 256 the stages took up to 240 KiB (no GPU launches that) or, at 16 rows, 140 KiB (not on
-    sm_86/89); the feature kernels' 64 x 64 float32 tiles spilled 9.7-11 KiB at D = 128."""
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_kernel_fits_shared_memory_without_spilling(compiled, variant, arch):
+    """Every kernel keeps its values in registers and its stages in the shared memory a block gets, with the tiles its
+    launcher picks: the split kernels' (ops.triton.common.split_kv_block) and AT2's feature kernels' (features_block)
+    by rows, head dimension and dtype. With one tile policy for all (64 keys, 4 warps) a 64-row split tile spilled
+    48-840 bytes a thread on tensor cores, float32's CUDA-core products up to 24 KiB, and at D = 256 the stages took up
+    to 240 KiB (no GPU launches that) or, at 16 rows, 140 KiB (not on sm_86/89); the feature kernels' 64 x 64 float32
+    tiles spilled 9.7-11 KiB at D = 128."""
     if cuobjdump() is None:
         pytest.skip("no cuobjdump (neither the CUDA toolkit's nor Triton's) to read the resources")
     result = compiled[f"{variant}@sm_{arch}"]
