@@ -1,7 +1,8 @@
 """Every split-KV pass a GPU runs, against the float64 references: the cuda backend's split kernels
 (CUDA_SPLIT_KV_KERNELS: verified, pipelined, mma) and the triton backend's fused passes (TRITON_SPLIT_KV_PASSES:
 verified, two-launch, one-launch). The fused decode's out, lse, m' (pooled) and log c update in fp32 and bf16, GQA 1,
-4 and 8, D 64 and 128, ragged per-row ranges with generated keys, an odd key count. The `kernels` preset of .ci/gpu
+4 and 8, D 64 and 128, ragged per-row ranges with generated keys, an odd key count; and m' of a verify block whose 40
+rows per KV head fill triton's largest tiles, at D 128 and 256. The `kernels` preset of .ci/gpu
 runs it (under compute-sanitizer too, -k mma), so that one GPU run can decide between the kernels. Skips without a
 CUDA device and the backend."""
 from __future__ import annotations
@@ -101,3 +102,34 @@ def test_the_fused_decode_matches_float64(backend, name, dtype, group, dim):
         assert relative_error(pooled[b, :n], want_pool[b, 0, :n]) < RELATIVE_ERROR[torch.float32]
         assert relative_error(log_c[b, :n], want_log_c[b, :n]) < RELATIVE_ERROR[dtype]
         assert bool((log_c[b, n:].cpu() == start_log_c[b, n:]).all())
+
+
+ROW_TILE_CASES = list(itertools.product((torch.float32, torch.bfloat16), (128, 256)))
+
+
+@pytest.mark.usefixtures("chosen")
+@pytest.mark.parametrize("dtype, dim", ROW_TILE_CASES,
+                         ids=[f"{str(dtype).removeprefix('torch.')}-d{dim}" for dtype, dim in ROW_TILE_CASES])
+@pytest.mark.parametrize("backend, name", _kernels())
+def test_a_verify_block_of_many_rows_matches_float64(backend, name, dtype, dim):
+    """m' of a 5-row verify block at GQA 8:1, 40 rows per KV head: the triton backend's 64-row tiles on 8 warps, with
+    fewer keys a step at D = 256 and in float32 (ops.triton.common.split_kv_block), which no decode row reaches."""
+    batch, kv_heads, group, rows, keys = 2, 2, 8, 5, 777
+    generator = torch.Generator().manual_seed(rows * 1000 + dim)
+    q = torch.randn(batch, group * kv_heads, rows, dim, generator=generator).to(dtype)
+    k = torch.randn(batch, kv_heads, keys, dim, generator=generator).to(dtype)
+    # Row r of item b ends its keys at base + r + 1, its inputs 16 keys before base.
+    base = torch.tensor([keys - rows, 500])[:, None]
+    kv_len = base + torch.arange(rows) + 1
+    input_start = torch.tensor([0, 13])[:, None].expand(batch, rows)
+    input_end = (base - 16).expand(batch, rows)
+    ranges = dict(input_start=input_start, input_end=input_end, kv_len=kv_len, scale=1.0 / math.sqrt(dim))
+    device = CUDA_BACKEND_DEVICE if backend == "cuda" else "cuda"
+    got = ops.macs_pool(q.to(device), k.to(device), backend=backend,
+                        **{name: value.to(device) if torch.is_tensor(value) else value
+                           for name, value in ranges.items()})
+    synchronize(device)
+    want = reference.macs_pool_reference(q, k, **ranges)
+    for b in range(batch):
+        n = int(input_end[b, 0] - input_start[b, 0])
+        assert relative_error(got[b, :, :n], want[b, :, :n]) < RELATIVE_ERROR[torch.float32]
