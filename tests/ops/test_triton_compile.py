@@ -93,12 +93,14 @@ VARIANTS = {
     "two_launch_combine_pool_bf16": (
         "split_kv", "_combine_pool_kernel",
         {"out_ptr": "bf16", "scores_ptr": "fp16", **POOL_INDEX},
-        dict(D=128, BLOCK_D=128, SPLITS_PAD=128, H_PAD=32, BLOCK_I=128, KEY_BLOCK=64, WITH_V=True, HAS_SINKS=False,
+        dict(D=128, BLOCK_D=128, SPLITS_PAD=128, SPLITS_CHUNK=64, H_PAD=32, BLOCK_I=128, KEY_BLOCK=64, WITH_V=True,
+             HAS_SINKS=False,
              LSE_GIVEN=False, REDISTRIBUTE=True, POOLING="max", INTO_LOG_C=True, WINDOWED=False), dict(num_warps=4),
     ),
     "two_launch_combine_pool_sinks_out": (
         "split_kv", "_combine_pool_kernel", {"sinks_ptr": "bf16", **POOL_INDEX},
-        dict(D=64, BLOCK_D=64, SPLITS_PAD=64, H_PAD=16, BLOCK_I=256, KEY_BLOCK=64, WITH_V=False, HAS_SINKS=True,
+        dict(D=64, BLOCK_D=64, SPLITS_PAD=64, SPLITS_CHUNK=64, H_PAD=16, BLOCK_I=256, KEY_BLOCK=64, WITH_V=False,
+             HAS_SINKS=True,
              LSE_GIVEN=True, REDISTRIBUTE=True, POOLING="mean", INTO_LOG_C=False, WINDOWED=True), dict(num_warps=4),
     ),
     # The one-launch fused pass: the split kernel with the combine and the pooling after its last arrival.
@@ -117,15 +119,21 @@ VARIANTS = {
                                                          INTO_LOG_C=False),
     "combine_bf16": (
         "split_kv", "_split_kv_combine_kernel", {"out_ptr": "bf16"},
-        dict(D=128, BLOCK_D=128, SPLITS_PAD=64, WITH_V=True, HAS_SINKS=False), dict(num_warps=4),
+        dict(D=128, BLOCK_D=128, SPLITS_PAD=64, SPLITS_CHUNK=64, WITH_V=True, HAS_SINKS=False), dict(num_warps=4),
     ),
     "combine_sinks_bf16": (
         "split_kv", "_split_kv_combine_kernel", {"out_ptr": "bf16", "sinks_ptr": "bf16"},
-        dict(D=64, BLOCK_D=64, SPLITS_PAD=64, WITH_V=True, HAS_SINKS=True), dict(num_warps=4),
+        dict(D=64, BLOCK_D=64, SPLITS_PAD=64, SPLITS_CHUNK=64, WITH_V=True, HAS_SINKS=True), dict(num_warps=4),
+    ),
+    # One KV head's batch-1 decode on an H200: 264 slices (512 padded) at Gemma 3's D = 256, their accumulators read
+    # 32 slices at a time.
+    "combine_bf16_d256_512_slices": (
+        "split_kv", "_split_kv_combine_kernel", {"out_ptr": "bf16"},
+        dict(D=256, BLOCK_D=256, SPLITS_PAD=512, SPLITS_CHUNK=32, WITH_V=True, HAS_SINKS=False), dict(num_warps=4),
     ),
     "combine_sinks_pool": (
         "split_kv", "_split_kv_combine_kernel", {},
-        dict(D=64, BLOCK_D=64, SPLITS_PAD=16, WITH_V=False, HAS_SINKS=True), dict(num_warps=4),
+        dict(D=64, BLOCK_D=64, SPLITS_PAD=16, SPLITS_CHUNK=16, WITH_V=False, HAS_SINKS=True), dict(num_warps=4),
     ),
     "pool_scores_max": (
         "pool", "_pool_kernel", POOL_RANGES,

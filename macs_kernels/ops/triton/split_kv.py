@@ -48,6 +48,7 @@ from macs_kernels.ops.triton.common import (
     operand,
     pool_block,
     split_kv_tiles,
+    splits_chunk,
 )
 from macs_kernels.ops.triton.pool import pool, pool_tile
 from macs_kernels.ops.triton.settings import triton_split_kv_pass
@@ -230,7 +231,8 @@ def _key_tile(key, KEY_BLOCK: tl.constexpr, key_tiles):
 
 @triton.jit
 def _merge_splits(m, l, l_gen, sink, HAS_SINKS: tl.constexpr, AXIS: tl.constexpr):
-    """Merge the key slices of rows along AXIS of (m, l, l_gen): (weight of each slice, lse, lse_gen)."""
+    """Merge the key slices of rows along AXIS of (m, l, l_gen): (lse, lse_gen, l, top), a slice weighing
+    exp(m - top) / l in the rows' output."""
     top = tl.max(m, AXIS)
     # Slices in which the row attends no key have l = 0; every row attends a key somewhere.
     weight = tl.exp(m - tl.expand_dims(top, AXIS))
@@ -238,27 +240,28 @@ def _merge_splits(m, l, l_gen, sink, HAS_SINKS: tl.constexpr, AXIS: tl.constexpr
     l_gen = tl.sum(weight * l_gen, AXIS)
     if HAS_SINKS:
         rescale = tl.exp(top - tl.maximum(top, sink))
-        weight = weight * tl.expand_dims(rescale, AXIS)
         l = l * rescale + tl.exp(sink - tl.maximum(top, sink))
         l_gen = l_gen * rescale
         top = tl.maximum(top, sink)
-    return weight, top + tl.log(l), top + tl.log(l_gen), l
+    return top + tl.log(l), top + tl.log(l_gen), l, top
 
 
 @triton.jit
 def _combine_row(
     row, m_ptr, l_ptr, l_gen_ptr, acc_ptr, out_ptr, lse_ptr, lse_gen_ptr, sinks_ptr,
     splits, heads, rows, stride_ob, stride_oh, stride_or,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr, WITH_V: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLITS_CHUNK: tl.constexpr,
+    WITH_V: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """Row `row` of (B, H, R): its lse, lse_gen and (WITH_V) out from the slices' partials."""
+    """Row `row` of (B, H, R): its lse, lse_gen and (WITH_V) out from the slices' partials, SPLITS_CHUNK slices'
+    accumulators at a time (all of them at once spilled: 2.9 KiB a thread for 512 slices at D = 128, which one KV
+    head's decode gets on an H200)."""
     sp = tl.arange(0, SPLITS_PAD)
     sp_mask = sp < splits
     sink = 0.0
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + row // rows % heads).to(tl.float32)
-    weight, lse, lse_gen, l = _merge_splits(
+    lse, lse_gen, l, top = _merge_splits(
         tl.load(m_ptr + row * splits + sp, mask=sp_mask, other=MIN_SCORE),
         tl.load(l_ptr + row * splits + sp, mask=sp_mask, other=0.0),
         tl.load(l_gen_ptr + row * splits + sp, mask=sp_mask, other=0.0), sink, HAS_SINKS, 0)
@@ -266,9 +269,15 @@ def _combine_row(
     tl.store(lse_gen_ptr + row, lse_gen)
     if WITH_V:
         d = tl.arange(0, BLOCK_D)
-        acc = tl.load(acc_ptr + (row * splits + sp)[:, None] * D + d[None, :],
-                      mask=sp_mask[:, None] & (d < D)[None, :], other=0.0)
-        out = tl.sum(weight[:, None] * acc, 0) / l
+        out = tl.zeros([BLOCK_D], tl.float32)
+        for first in range(0, SPLITS_PAD, SPLITS_CHUNK):  # a trip count ptxas knows; padding slices load nothing
+            chunk = first + tl.arange(0, SPLITS_CHUNK)
+            chunk_mask = chunk < splits
+            weight = tl.exp(tl.load(m_ptr + row * splits + chunk, mask=chunk_mask, other=MIN_SCORE) - top)
+            acc = tl.load(acc_ptr + (row * splits + chunk)[:, None] * D + d[None, :],
+                          mask=chunk_mask[:, None] & (d < D)[None, :], other=0.0)
+            out += tl.sum(weight[:, None] * acc, 0)
+        out = out / l
         target = out_ptr + row // (heads * rows) * stride_ob + row // rows % heads * stride_oh + row % rows * stride_or
         tl.store(target + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
@@ -277,12 +286,12 @@ def _combine_row(
 def _split_kv_combine_kernel(
     m_ptr, l_ptr, l_gen_ptr, acc_ptr, out_ptr, lse_ptr, lse_gen_ptr, sinks_ptr,
     splits, heads, rows, stride_ob, stride_oh, stride_or,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr, WITH_V: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLITS_CHUNK: tl.constexpr,
+    WITH_V: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     _combine_row(tl.program_id(0).to(tl.int64), m_ptr, l_ptr, l_gen_ptr, acc_ptr, out_ptr, lse_ptr, lse_gen_ptr,
-                 sinks_ptr, splits, heads, rows, stride_ob, stride_oh, stride_or, D, BLOCK_D, SPLITS_PAD, WITH_V,
-                 HAS_SINKS)
+                 sinks_ptr, splits, heads, rows, stride_ob, stride_oh, stride_or, D, BLOCK_D, SPLITS_PAD,
+                 SPLITS_CHUNK, WITH_V, HAS_SINKS)
 
 
 @triton.jit
@@ -292,9 +301,10 @@ def _combine_pool_kernel(
     alpha, splits, heads, rows, n_target, pool_programs, tiles_per_program, key_tiles, keys,
     stride_ob, stride_oh, stride_or, stride_sb, stride_sh, stride_sr, stride_gb, stride_gh, stride_gr,
     stride_pb, stride_pr, stride_eb, stride_er, stride_ib, stride_ir, stride_lb, stride_lr, stride_tb, stride_tr,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr, H_PAD: tl.constexpr, BLOCK_I: tl.constexpr,
-    KEY_BLOCK: tl.constexpr, WITH_V: tl.constexpr, HAS_SINKS: tl.constexpr, LSE_GIVEN: tl.constexpr,
-    REDISTRIBUTE: tl.constexpr, POOLING: tl.constexpr, INTO_LOG_C: tl.constexpr, WINDOWED: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLITS_CHUNK: tl.constexpr,
+    H_PAD: tl.constexpr, BLOCK_I: tl.constexpr, KEY_BLOCK: tl.constexpr, WITH_V: tl.constexpr,
+    HAS_SINKS: tl.constexpr, LSE_GIVEN: tl.constexpr, REDISTRIBUTE: tl.constexpr, POOLING: tl.constexpr,
+    INTO_LOG_C: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     """The combine and the head pooling in one launch: grid (B * R, pool_programs + H). Programs from
     pool_programs on are `_combine_row` for head program_id(1) - pool_programs; the others each merge the slices of
@@ -308,7 +318,7 @@ def _combine_pool_kernel(
     if program >= pool_programs:
         _combine_row((b * heads + program - pool_programs) * rows + r, m_ptr, l_ptr, l_gen_ptr, acc_ptr, out_ptr,
                      lse_ptr, lse_gen_ptr, sinks_ptr, splits, heads, rows, stride_ob, stride_oh, stride_or, D, BLOCK_D,
-                     SPLITS_PAD, WITH_V, HAS_SINKS)
+                     SPLITS_PAD, SPLITS_CHUNK, WITH_V, HAS_SINKS)
     else:
         h = tl.arange(0, H_PAD)
         h_mask = h < heads
@@ -319,7 +329,7 @@ def _combine_pool_kernel(
         sink = tl.zeros([H_PAD], tl.float32)
         if HAS_SINKS:
             sink = tl.load(sinks_ptr + h, mask=h_mask, other=0.0).to(tl.float32)
-        _, lse, lse_gen, _ = _merge_splits(
+        lse, lse_gen, _, _ = _merge_splits(
             tl.load(m_ptr + partial, mask=partial_mask, other=MIN_SCORE),
             tl.load(l_ptr + partial, mask=partial_mask, other=1.0),  # padding heads: a finite lse, never used
             tl.load(l_gen_ptr + partial, mask=partial_mask, other=0.0), sink, HAS_SINKS, 1)
@@ -535,8 +545,9 @@ def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores
         _split_kv_combine_kernel, (q.shape[0] * q.shape[1] * q.shape[2],),
         split.m, split.l, split.l_gen, split.acc, target, lse, lse_gen, split.m if sinks is None else sinks,
         split.tiles.splits, q.shape[1], q.shape[2], *(target.stride(i) if split.with_v else 0 for i in range(3)),
-        D=q.shape[3], BLOCK_D=head_block(q.shape[3]), SPLITS_PAD=next_pow2(split.tiles.splits), WITH_V=split.with_v,
-        HAS_SINKS=sinks is not None, num_warps=4,
+        D=q.shape[3], BLOCK_D=head_block(q.shape[3]), SPLITS_PAD=next_pow2(split.tiles.splits),
+        SPLITS_CHUNK=splits_chunk(split.tiles.splits, q.shape[3]), WITH_V=split.with_v, HAS_SINKS=sinks is not None,
+        num_warps=4,
     )
     return out, lse, lse_gen, split.scores if n_scores else None
 
@@ -585,7 +596,8 @@ def fused_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, target, *, 
         *(out.stride(i) if split.with_v else 0 for i in range(3)), scores.stride(0), scores.stride(1),
         scores.stride(2), given.stride(0), given.stride(1), given.stride(2), *pool_start.stride(), *input_end.stride(),
         *start.stride(), *kv_len.stride(), target3.stride(0), target3.stride(1),
-        D=dim, BLOCK_D=head_block(dim), SPLITS_PAD=next_pow2(split.tiles.splits), H_PAD=next_pow2(heads),
+        D=dim, BLOCK_D=head_block(dim), SPLITS_PAD=next_pow2(split.tiles.splits),
+        SPLITS_CHUNK=splits_chunk(split.tiles.splits, dim), H_PAD=next_pow2(heads),
         BLOCK_I=block_i, KEY_BLOCK=split.tiles.block_n, WITH_V=split.with_v, HAS_SINKS=sinks is not None,
         LSE_GIVEN=lse is not None, REDISTRIBUTE=redistribute, POOLING=pooling, INTO_LOG_C=into_log_c,
         WINDOWED=score_start is not None, num_warps=4,
