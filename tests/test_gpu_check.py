@@ -67,11 +67,44 @@ def test_the_script_runs_pytest_in_every_test_stage():
             "(test_out_of_range_values and cuda) or (cuda-mma and bfloat16)"] in invocations
 
 
+def _or_clauses(expression: str) -> list[str]:
+    """The top-level `or` clauses of a -k expression."""
+    clauses, depth, start = [], 0, 0
+    for at, char in enumerate(expression):
+        depth += (char == "(") - (char == ")")
+        if depth == 0 and expression.startswith(" or ", at):
+            clauses.append(expression[start:at].strip())
+            start = at + len(" or ")
+    return [*clauses, expression[start:].strip()]
+
+
+def _parts(invocation: list[str]) -> list[list[str]]:
+    """Selections that must each collect tests for an invocation that merges several: each path with the whole -k
+    expression, and all the paths with each of its top-level `or` clauses (a clause that matches nothing is a stage
+    part that runs nothing while the others keep the count above zero)."""
+    if "-k" not in invocation:
+        return []
+    at = invocation.index("-k")
+    expression, rest = invocation[at + 1], invocation[:at] + invocation[at + 2:]
+    paths = [word for index, word in enumerate(rest)
+             if word.startswith("tests/") and (index == 0 or rest[index - 1] != "--ignore")]
+    clauses = _or_clauses(expression)
+    return ([[path, "-k", expression] for path in paths] if len(paths) > 1 else []) + (
+        [[*rest, "-k", clause] for clause in clauses] if len(clauses) > 1 else [])
+
+
+def test_or_clauses_split_at_the_top_level_only():
+    assert _or_clauses("(a and b) or (c or d) or e") == ["(a and b)", "(c or d)", "e"]
+    assert _or_clauses("not x") == ["not x"]
+
+
 def test_every_pytest_run_of_the_gpu_check_selects_tests():
     invocations = pytest_invocations()
-    collected = subprocess.run([sys.executable, "-c", _COLLECT, json.dumps(invocations)], cwd=ROOT,
+    selections = invocations + [part for invocation in invocations for part in _parts(invocation)]
+    collected = subprocess.run([sys.executable, "-c", _COLLECT, json.dumps(selections)], cwd=ROOT,
                                capture_output=True, text=True, timeout=600)
     assert collected.returncode == 0, collected.stderr[-3000:]
     counts = json.loads(collected.stdout.strip().splitlines()[-1])
-    empty = [" ".join(args) for args, count in zip(invocations, counts) if count <= 0]
+    assert len(selections) > len(invocations)  # the merged runs are checked part by part
+    empty = [" ".join(args) for args, count in zip(selections, counts) if count <= 0]
     assert not empty, f"selections of .ci/gpu that collect no test (or fail to collect): {empty}"

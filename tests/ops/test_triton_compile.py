@@ -186,6 +186,12 @@ VARIANTS.update({
                                                   DOT_F32=dtype == "fp32")
     for dtype in ("bf16", "fp32") for dim in (64, 128, 256) for rows in (16, 32, 64)
 })
+# The one-launch pass's tiles hold 16 rows at most (ops.triton.common.ONE_LAUNCH_ROWS): a GQA 8:1 verify block of 8
+# rows with log c's fp16 relative scores.
+VARIANTS.update({
+    f"tiles_one_launch_bf16_d{dim}_rows64": _one_launch("bf16", D=dim, GROUP=8, rows=64, WITH_V=True, scores="fp16")
+    for dim in (64, 128, 256)
+})
 
 _SCRIPT = r"""
 import json, sys

@@ -108,3 +108,54 @@ def test_one_launch_leaves_its_workspace_as_found_and_agrees_with_verified(pooli
             if kind == identity:
                 assert int(counters.abs().sum()) == 0
                 assert bool((pooled == identity).all())
+
+
+@pytest.mark.parametrize("name", ["two-launch", "one-launch"])
+@pytest.mark.parametrize("keys_a_step", [16, 32])
+def test_relative_scores_hold_with_the_key_blocks_a_gpu_takes(monkeypatch, keys_a_step, name):
+    """On a GPU the split kernels step 16 or 32 keys at D = 256 or 64 rows (common.split_kv_block; the interpreter
+    steps 128): the relative scores' block maxima (one per BLOCK_N keys, read back at key // BLOCK_N) keep the bound."""
+    from macs_kernels.ops.triton import common, split_kv
+
+    plan = common.split_kv_tiles
+
+    def gpu_keys(*args, **kwargs):
+        tiles = plan(*args, **kwargs)
+        blocks = common.cdiv(tiles.splits * tiles.split_size, keys_a_step)
+        per_split = common.cdiv(blocks, tiles.splits)
+        return common.SplitKV(tiles.block_m, keys_a_step, tiles.num_warps, common.cdiv(blocks, per_split),
+                              per_split * keys_a_step)
+
+    monkeypatch.setattr(split_kv, "split_kv_tiles", gpu_keys)
+    settings.set_triton_split_kv_pass(name)
+    assert_relative_score_bound(torch.bfloat16, "max", "triton")
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_the_combine_reads_the_slices_a_chunk_at_a_time(monkeypatch, sinks):
+    """The combine sums the slices' accumulators SPLITS_CHUNK at a time (common.splits_chunk): 1 to 3 slices a chunk,
+    over 5 slices with some empty, give the float64 reference's output and lse."""
+    from macs_kernels.ops import reference
+    from macs_kernels.ops.triton import split_kv
+    from macs_kernels.ops.triton.common import SplitKV
+    from tests.tolerances import RELATIVE_ERROR, relative_error
+
+    monkeypatch.setattr(split_kv, "split_kv_tiles", lambda *args, **kwargs: SplitKV(16, 128, 4, 5, 128))
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 64, generator=generator)
+    k, v = torch.randn(2, 2, 2, 600, 64, generator=generator)
+    kv_start, kv_len = torch.tensor([0, 300]), torch.tensor([600, 431])  # the second item: slices 0-1 attend nothing
+    head_sinks = torch.randn(4, generator=generator) if sinks else None
+    for chunk in (1, 2, 4):
+        monkeypatch.setattr(split_kv, "splits_chunk", lambda splits, dim, chunk=chunk: chunk)
+        out, lse = ops.decode_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), kv_start=kv_start.to(DEVICE),
+                                        kv_len=kv_len.to(DEVICE), scale=0.125, sinks=head_sinks, backend="triton")
+        if sinks:
+            want_out, want_lse = ops.decode_attention(q.double(), k.double(), v.double(), kv_start=kv_start,
+                                                      kv_len=kv_len, scale=0.125, sinks=head_sinks.double(),
+                                                      backend="torch")
+        else:
+            want_out, want_lse = reference.decode_attention_reference(q, k, v, kv_start=kv_start, kv_len=kv_len,
+                                                                      scale=0.125)
+        assert relative_error(out, want_out) < RELATIVE_ERROR[torch.float32], chunk
+        assert relative_error(lse, want_lse) < RELATIVE_ERROR[torch.float32], chunk

@@ -69,13 +69,14 @@ def compile_triton(module: str, kernel_name: str, pointers: dict, constexprs: di
 
 
 def split_kv_variant(dtype, *, D, GROUP, rows, WITH_V=False, WITH_SCORES=True, DOT_F32=False, PAGE_SIZE=0,
-                     SOFTCAP=False, WINDOWED=False, scores="fp32"):
+                     SOFTCAP=False, WINDOWED=False, scores="fp32", max_rows=64):
     """`compile_triton`'s arguments for a `_split_kv_kernel` variant (ops/triton/split_kv.py): q, k and v in `dtype`,
     `rows` query rows per KV head (the group's heads times the query rows), one tile over the head dimension, the
-    launcher's tiles and options (split_kv_block); scores "fp16" are the two-launch pass's relative ones."""
+    launcher's tiles of at most max_rows rows and options (split_kv_block); scores "fp16" are the two-launch pass's
+    relative ones."""
     from macs_kernels.ops.triton.common import split_kv_block
 
-    block_m, block_n, num_warps = split_kv_block(rows, D, DOT_F32)
+    block_m, block_n, num_warps = split_kv_block(rows, D, DOT_F32, max_rows)
     return (
         "split_kv", "_split_kv_kernel",
         {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "scores_ptr": scores, **SPLIT_INDEX},
@@ -89,9 +90,11 @@ def one_launch_variant(dtype, *, D, GROUP, rows, WITH_V=False, PAGE_SIZE=0, SOFT
                        scores="fp32", POOLING="max", INTO_LOG_C=True, HAS_SINKS=False, LSE_GIVEN=False):
     """A `_one_launch_kernel` variant (the one-launch fused pass): as split_kv_variant's, with the pooling's
     constexprs."""
+    from macs_kernels.ops.triton.common import ONE_LAUNCH_ROWS
+
     _, _, pointers, constexprs, options = split_kv_variant(dtype, D=D, GROUP=GROUP, rows=rows, WITH_V=WITH_V,
                                                            PAGE_SIZE=PAGE_SIZE, SOFTCAP=SOFTCAP, WINDOWED=WINDOWED,
-                                                           scores=scores)
+                                                           scores=scores, max_rows=ONE_LAUNCH_ROWS)
     pointers = dict(pointers, out_ptr=dtype, sinks_ptr=dtype, pool_start_ptr="i64", counter_ptr="i32")
     group_pad = 1 << (GROUP - 1).bit_length()
     constexprs = dict(constexprs, GROUP_PAD=group_pad, BLOCK_I=max(16, 4096 // group_pad), HAS_SINKS=HAS_SINKS,

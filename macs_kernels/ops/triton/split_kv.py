@@ -34,6 +34,7 @@ import triton.language as tl
 
 from macs_kernels.ops.triton.common import (
     MIN_SCORE,
+    ONE_LAUNCH_ROWS,
     SplitKV,
     cdiv,
     clamped,
@@ -613,7 +614,8 @@ def _one_launch(q, k_cache, v_cache, start, input_end, kv_len, scale, target, *,
     n_target = target.shape[-1]
     relative = into_log_c and k_cache.dtype in (torch.float16, torch.bfloat16)
     split, grid, args, constexprs = _split_plan(q, k_cache, v_cache, start, input_end, kv_len, scale, n_target,
-                                                block_table, score_start, softcap, relative_scores=relative)
+                                                block_table, score_start, softcap, relative_scores=relative,
+                                                max_rows=ONE_LAUNCH_ROWS)
     out, own_lse, lse_gen = _outputs(q, split)
     given = own_lse if lse is None else lse
     target3 = target.view(batch, rows, n_target)
@@ -692,9 +694,9 @@ def _cache_keys(k_cache, block_table) -> int:
 
 
 def _split_plan(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block_table, score_start, softcap, *,
-                relative_scores):
-    """The buffers (a _Split), grid, arguments and constexprs of the split kernel: `args` are `_split_kv_kernel`'s
-    without its four partial pointers (m_ptr .. acc_ptr, which follow args[:10])."""
+                relative_scores, max_rows=64):
+    """The buffers (a _Split), grid, arguments and constexprs of the split kernel (tiles of at most max_rows rows):
+    `args` are `_split_kv_kernel`'s without its four partial pointers (m_ptr .. acc_ptr, which follow args[:10])."""
     batch, heads, rows, dim = q.shape
     paged = block_table is not None
     keys = _cache_keys(k_cache, block_table)
@@ -709,7 +711,7 @@ def _split_plan(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, 
     group = heads // kv_heads
     with_v = v_cache is not None
     dot_f32 = dot_in_f32(q, k_cache, *((v_cache,) if with_v else ()))
-    tiles = split_kv_tiles(batch, kv_heads, group * rows, keys, dim, dot_f32, q.device)
+    tiles = split_kv_tiles(batch, kv_heads, group * rows, keys, dim, dot_f32, q.device, max_rows)
     f32 = dict(device=q.device, dtype=torch.float32)
     m, l, l_gen = (torch.empty(batch, heads, rows, tiles.splits, **f32) for _ in range(3))
     acc = torch.empty(batch, heads, rows, tiles.splits, dim, **f32) if with_v else m
