@@ -93,15 +93,23 @@ VARIANTS = {
     "two_launch_combine_pool_bf16": (
         "split_kv", "_combine_pool_kernel",
         {"out_ptr": "bf16", "scores_ptr": "fp16", **POOL_INDEX},
-        dict(D=128, BLOCK_D=128, SPLITS_PAD=128, SPLITS_CHUNK=64, H_PAD=32, BLOCK_I=128, KEY_BLOCK=64, WITH_V=True,
-             HAS_SINKS=False,
-             LSE_GIVEN=False, REDISTRIBUTE=True, POOLING="max", INTO_LOG_C=True, WINDOWED=False), dict(num_warps=4),
+        dict(D=128, BLOCK_D=128, SPLITS_PAD=128, SPLITS_CHUNK=64, HEAD_SPLITS_CHUNK=128, H_PAD=32, BLOCK_I=128,
+             KEY_BLOCK=64, WITH_V=True, HAS_SINKS=False, LSE_GIVEN=False, REDISTRIBUTE=True, POOLING="max",
+             INTO_LOG_C=True, WINDOWED=False), dict(num_warps=4),
+    ),
+    # StarCoder's 48 heads on one KV head at batch 1 on an H200: 264 slices (512 padded), merged 64 at a time.
+    "two_launch_combine_pool_mqa_512_slices": (
+        "split_kv", "_combine_pool_kernel",
+        {"out_ptr": "bf16", "scores_ptr": "fp16", **POOL_INDEX},
+        dict(D=128, BLOCK_D=128, SPLITS_PAD=512, SPLITS_CHUNK=64, HEAD_SPLITS_CHUNK=64, H_PAD=64, BLOCK_I=64,
+             KEY_BLOCK=64, WITH_V=True, HAS_SINKS=True, LSE_GIVEN=False, REDISTRIBUTE=True, POOLING="max",
+             INTO_LOG_C=True, WINDOWED=False), dict(num_warps=4),
     ),
     "two_launch_combine_pool_sinks_out": (
         "split_kv", "_combine_pool_kernel", {"sinks_ptr": "bf16", **POOL_INDEX},
-        dict(D=64, BLOCK_D=64, SPLITS_PAD=64, SPLITS_CHUNK=64, H_PAD=16, BLOCK_I=256, KEY_BLOCK=64, WITH_V=False,
-             HAS_SINKS=True,
-             LSE_GIVEN=True, REDISTRIBUTE=True, POOLING="mean", INTO_LOG_C=False, WINDOWED=True), dict(num_warps=4),
+        dict(D=64, BLOCK_D=64, SPLITS_PAD=64, SPLITS_CHUNK=64, HEAD_SPLITS_CHUNK=64, H_PAD=16, BLOCK_I=256,
+             KEY_BLOCK=64, WITH_V=False, HAS_SINKS=True, LSE_GIVEN=True, REDISTRIBUTE=True, POOLING="mean",
+             INTO_LOG_C=False, WINDOWED=True), dict(num_warps=4),
     ),
     # The one-launch fused pass: the split kernel with the combine and the pooling after its last arrival.
     "one_launch_decode_bf16_gqa4_d128": _one_launch("bf16", D=128, GROUP=4, rows=16, WITH_V=True, scores="fp16"),

@@ -131,31 +131,43 @@ def test_relative_scores_hold_with_the_key_blocks_a_gpu_takes(monkeypatch, keys_
     assert_relative_score_bound(torch.bfloat16, "max", "triton")
 
 
+@pytest.mark.parametrize("name", ["verified", "two-launch"])
 @pytest.mark.parametrize("sinks", [False, True])
-def test_the_combine_reads_the_slices_a_chunk_at_a_time(monkeypatch, sinks):
-    """The combine sums the slices' accumulators SPLITS_CHUNK at a time (common.splits_chunk): 1 to 3 slices a chunk,
-    over 5 slices with some empty, give the float64 reference's output and lse."""
+def test_the_combine_reads_the_slices_a_chunk_at_a_time(monkeypatch, sinks, name):
+    """The combine merges the slices SPLITS_CHUNK at a time (common.splits_chunk): the output's accumulators, and in the
+    two-launch pass the pooling's (heads, slices) partials. 1 to 4 slices a chunk, over 5 slices with some empty, give
+    the float64 reference's output, lse and m' (with sinks: the torch backend's in float64)."""
     from macs_kernels.ops import reference
     from macs_kernels.ops.triton import split_kv
     from macs_kernels.ops.triton.common import SplitKV
     from tests.tolerances import RELATIVE_ERROR, relative_error
 
+    settings.set_triton_split_kv_pass(name)
     monkeypatch.setattr(split_kv, "split_kv_tiles", lambda *args, **kwargs: SplitKV(16, 128, 4, 5, 128))
     generator = torch.Generator().manual_seed(5)
     q = torch.randn(2, 4, 64, generator=generator)
     k, v = torch.randn(2, 2, 2, 600, 64, generator=generator)
-    kv_start, kv_len = torch.tensor([0, 300]), torch.tensor([600, 431])  # the second item: slices 0-1 attend nothing
+    # The second item's slices 0 and 1 attend nothing.
+    kv_start, input_end, kv_len = torch.tensor([0, 300]), torch.tensor([590, 420]), torch.tensor([600, 431])
     head_sinks = torch.randn(4, generator=generator) if sinks else None
+    ranges = dict(kv_start=kv_start, kv_len=kv_len, input_end=input_end, scale=0.125)
+    if sinks:
+        want_pooled = torch.zeros(2, 590)
+        want_out, want_lse = ops.decode_attention(q.double(), k.double(), v.double(), pooled=want_pooled,
+                                                  sinks=head_sinks.double(), backend="torch", **ranges)
+    else:
+        want_out, want_lse = reference.decode_attention_reference(q, k, v, kv_start=kv_start, kv_len=kv_len,
+                                                                  scale=0.125)
+        want_pooled = reference.macs_pool_reference(q[:, :, None], k, input_start=kv_start[:, None],
+                                                    input_end=input_end[:, None], kv_len=kv_len[:, None],
+                                                    scale=0.125)[:, 0]
     for chunk in (1, 2, 4):
-        monkeypatch.setattr(split_kv, "splits_chunk", lambda splits, dim, chunk=chunk: chunk)
-        out, lse = ops.decode_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), kv_start=kv_start.to(DEVICE),
-                                        kv_len=kv_len.to(DEVICE), scale=0.125, sinks=head_sinks, backend="triton")
-        if sinks:
-            want_out, want_lse = ops.decode_attention(q.double(), k.double(), v.double(), kv_start=kv_start,
-                                                      kv_len=kv_len, scale=0.125, sinks=head_sinks.double(),
-                                                      backend="torch")
-        else:
-            want_out, want_lse = reference.decode_attention_reference(q, k, v, kv_start=kv_start, kv_len=kv_len,
-                                                                      scale=0.125)
+        monkeypatch.setattr(split_kv, "splits_chunk", lambda splits, width, chunk=chunk: chunk)
+        pooled = torch.zeros(2, 590, device=DEVICE)
+        out, lse = ops.decode_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), pooled=pooled, sinks=head_sinks,
+                                        backend="triton", **{key: value.to(DEVICE) if torch.is_tensor(value) else value
+                                                             for key, value in ranges.items()})
         assert relative_error(out, want_out) < RELATIVE_ERROR[torch.float32], chunk
         assert relative_error(lse, want_lse) < RELATIVE_ERROR[torch.float32], chunk
+        for b, n in enumerate((590, 120)):
+            assert relative_error(pooled[b, :n], want_pooled[b, :n]) < RELATIVE_ERROR[torch.float32], (chunk, b)
