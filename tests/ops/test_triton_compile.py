@@ -52,6 +52,15 @@ def _with_pointers(variant, **pointers):
     return module, kernel, dict(types, **pointers), constexprs, options
 
 
+def _combine_pool(pointers, **changes):
+    """A `_combine_pool_kernel` variant (the two-launch pass's combine and pooling): D 128, 128 slices, 32 heads, max
+    pooling into log c, with `changes`."""
+    constexprs = dict(D=128, BLOCK_D=128, SPLITS_PAD=128, SPLITS_CHUNK=64, HEAD_SPLITS_CHUNK=128, H_PAD=32, BLOCK_I=128,
+                      KEY_BLOCK=64, WITH_V=True, HAS_SINKS=False, LSE_GIVEN=False, REDISTRIBUTE=True, POOLING="max",
+                      INTO_LOG_C=True, WINDOWED=False)
+    return "split_kv", "_combine_pool_kernel", {**pointers, **POOL_INDEX}, dict(constexprs, **changes), {"num_warps": 4}
+
+
 # name -> (module, kernel, pointer element types, constexprs, options)
 VARIANTS = {
     "decode_bf16_gqa4_d128": _split_kv("bf16", D=128, GROUP=4, rows=16, WITH_V=True),
@@ -90,27 +99,14 @@ VARIANTS = {
     # with the head pooling folded in.
     "two_launch_decode_bf16_gqa4_d128": _split_kv("bf16", D=128, GROUP=4, rows=16, WITH_V=True, scores="fp16"),
     "two_launch_update_bf16_gqa3_d64": _split_kv("bf16", D=64, GROUP=3, rows=16, scores="fp16"),
-    "two_launch_combine_pool_bf16": (
-        "split_kv", "_combine_pool_kernel",
-        {"out_ptr": "bf16", "scores_ptr": "fp16", **POOL_INDEX},
-        dict(D=128, BLOCK_D=128, SPLITS_PAD=128, SPLITS_CHUNK=64, HEAD_SPLITS_CHUNK=128, H_PAD=32, BLOCK_I=128,
-             KEY_BLOCK=64, WITH_V=True, HAS_SINKS=False, LSE_GIVEN=False, REDISTRIBUTE=True, POOLING="max",
-             INTO_LOG_C=True, WINDOWED=False), dict(num_warps=4),
-    ),
+    "two_launch_combine_pool_bf16": _combine_pool({"out_ptr": "bf16", "scores_ptr": "fp16"}),
     # StarCoder's 48 heads on one KV head at batch 1 on an H200: 264 slices (512 padded), merged 64 at a time.
-    "two_launch_combine_pool_mqa_512_slices": (
-        "split_kv", "_combine_pool_kernel",
-        {"out_ptr": "bf16", "scores_ptr": "fp16", **POOL_INDEX},
-        dict(D=128, BLOCK_D=128, SPLITS_PAD=512, SPLITS_CHUNK=64, HEAD_SPLITS_CHUNK=64, H_PAD=64, BLOCK_I=64,
-             KEY_BLOCK=64, WITH_V=True, HAS_SINKS=True, LSE_GIVEN=False, REDISTRIBUTE=True, POOLING="max",
-             INTO_LOG_C=True, WINDOWED=False), dict(num_warps=4),
-    ),
-    "two_launch_combine_pool_sinks_out": (
-        "split_kv", "_combine_pool_kernel", {"sinks_ptr": "bf16", **POOL_INDEX},
-        dict(D=64, BLOCK_D=64, SPLITS_PAD=64, SPLITS_CHUNK=64, HEAD_SPLITS_CHUNK=64, H_PAD=16, BLOCK_I=256,
-             KEY_BLOCK=64, WITH_V=False, HAS_SINKS=True, LSE_GIVEN=True, REDISTRIBUTE=True, POOLING="mean",
-             INTO_LOG_C=False, WINDOWED=True), dict(num_warps=4),
-    ),
+    "two_launch_combine_pool_mqa_512_slices": _combine_pool(
+        {"out_ptr": "bf16", "scores_ptr": "fp16"}, SPLITS_PAD=512, HEAD_SPLITS_CHUNK=64, H_PAD=64, BLOCK_I=64,
+        HAS_SINKS=True),
+    "two_launch_combine_pool_sinks_out": _combine_pool(
+        {"sinks_ptr": "bf16"}, D=64, BLOCK_D=64, SPLITS_PAD=64, HEAD_SPLITS_CHUNK=64, H_PAD=16, BLOCK_I=256,
+        WITH_V=False, HAS_SINKS=True, LSE_GIVEN=True, POOLING="mean", INTO_LOG_C=False, WINDOWED=True),
     # The one-launch fused pass: the split kernel with the combine and the pooling after its last arrival.
     "one_launch_decode_bf16_gqa4_d128": _one_launch("bf16", D=128, GROUP=4, rows=16, WITH_V=True, scores="fp16"),
     "one_launch_decode_bf16_gqa4_d64": _one_launch("bf16", D=64, GROUP=4, rows=16, WITH_V=True, scores="fp16"),
