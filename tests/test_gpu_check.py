@@ -79,18 +79,19 @@ def _or_clauses(expression: str) -> list[str]:
 
 
 def _parts(invocation: list[str]) -> list[list[str]]:
-    """Selections that must each collect tests for an invocation that merges several: each path with the whole -k
-    expression, and all the paths with each of its top-level `or` clauses (a clause that matches nothing is a stage
-    part that runs nothing while the others keep the count above zero)."""
-    if "-k" not in invocation:
-        return []
-    at = invocation.index("-k")
-    expression, rest = invocation[at + 1], invocation[:at] + invocation[at + 2:]
-    paths = [word for index, word in enumerate(rest)
-             if word.startswith("tests/") and (index == 0 or rest[index - 1] != "--ignore")]
-    clauses = _or_clauses(expression)
-    return ([[path, "-k", expression] for path in paths] if len(paths) > 1 else []) + (
-        [[*rest, "-k", clause] for clause in clauses] if len(clauses) > 1 else [])
+    """Selections that must each collect tests for an invocation that merges several: each path with every other
+    option, and all the paths with each top-level `or` clause of its -k expression (a part that matches nothing is a
+    stage part that runs nothing while the others keep the count above zero)."""
+    paths = [word for index, word in enumerate(invocation)
+             if word.startswith("tests/") and (index == 0 or invocation[index - 1] not in ("--ignore", "-k", "-m"))]
+    options = [word for word in invocation if word not in paths]
+    parts = [[path, *options] for path in paths] if len(paths) > 1 else []
+    if "-k" in invocation:
+        at = options.index("-k")
+        clauses = _or_clauses(options[at + 1])
+        if len(clauses) > 1:
+            parts += [[*paths, *options[:at], "-k", clause, *options[at + 2:]] for clause in clauses]
+    return parts
 
 
 def test_or_clauses_split_at_the_top_level_only():

@@ -114,7 +114,8 @@ ROW_TILE_CASES = list(itertools.product((torch.float32, torch.bfloat16), (128, 2
 def test_a_verify_block_of_many_rows_matches_float64(backend, name, dtype, dim):
     """m' of a 5-row verify block at GQA 8:1, 40 rows per KV head (macs_pool: no V, no relative scores): the triton
     backend's tiles for many rows (ops.triton.common.split_kv_block: 64 rows on 8 warps in bf16 and at D 128 in
-    float32, fewer keys a step at D 256, 16 rows at D 256 in float32), which no decode row reaches."""
+    float32, fewer keys a step at D 256, 16 rows at D 256 in float32 and in the one-launch pass), which no decode row
+    reaches."""
     batch, kv_heads, group, rows, keys = 2, 2, 8, 5, 777
     generator = torch.Generator().manual_seed(rows * 1000 + dim)
     q = torch.randn(batch, group * kv_heads, rows, dim, generator=generator).to(dtype)

@@ -103,7 +103,7 @@ VARIANTS = {
     # StarCoder's 48 heads on one KV head at batch 1 on an H200: 264 slices (512 padded), merged 64 at a time.
     "two_launch_combine_pool_mqa_512_slices": _combine_pool(
         {"out_ptr": "bf16", "scores_ptr": "fp16"}, SPLITS_PAD=512, HEAD_SPLITS_CHUNK=64, H_PAD=64, BLOCK_I=64,
-        HAS_SINKS=True),
+        KEY_BLOCK=32, HAS_SINKS=True),
     "two_launch_combine_pool_sinks_out": _combine_pool(
         {"sinks_ptr": "bf16"}, D=64, BLOCK_D=64, SPLITS_PAD=64, HEAD_SPLITS_CHUNK=64, H_PAD=16, BLOCK_I=256,
         WITH_V=False, HAS_SINKS=True, LSE_GIVEN=True, POOLING="mean", INTO_LOG_C=False, WINDOWED=True),

@@ -149,7 +149,8 @@ def test_the_combine_reads_the_slices_a_chunk_at_a_time(monkeypatch, sinks, name
     k, v = torch.randn(2, 2, 2, 600, 64, generator=generator)
     # The second item's slices 0 and 1 attend nothing.
     kv_start, input_end, kv_len = torch.tensor([0, 300]), torch.tensor([590, 420]), torch.tensor([600, 431])
-    head_sinks = torch.randn(4, generator=generator) if sinks else None
+    # Two heads' sinks above every score of theirs: the merge's rescale by the sink takes effect.
+    head_sinks = torch.randn(4, generator=generator) + torch.tensor([6.0, 0.0, 6.0, 0.0]) if sinks else None
     ranges = dict(kv_start=kv_start, kv_len=kv_len, input_end=input_end, scale=0.125)
     if sinks:
         want_pooled = torch.zeros(2, 590)

@@ -86,15 +86,16 @@ def split_kv_variant(dtype, *, D, GROUP, rows, WITH_V=False, WITH_SCORES=True, D
     )
 
 
-def one_launch_variant(dtype, *, D, GROUP, rows, WITH_V=False, PAGE_SIZE=0, SOFTCAP=False, WINDOWED=False,
-                       scores="fp32", POOLING="max", INTO_LOG_C=True, HAS_SINKS=False, LSE_GIVEN=False):
+def one_launch_variant(dtype, *, D, GROUP, rows, WITH_V=False, DOT_F32=False, PAGE_SIZE=0, SOFTCAP=False,
+                       WINDOWED=False, scores="fp32", POOLING="max", INTO_LOG_C=True, HAS_SINKS=False,
+                       LSE_GIVEN=False):
     """A `_one_launch_kernel` variant (the one-launch fused pass): as split_kv_variant's, with the pooling's
     constexprs."""
     from macs_kernels.ops.triton.common import ONE_LAUNCH_ROWS
 
     _, _, pointers, constexprs, options = split_kv_variant(dtype, D=D, GROUP=GROUP, rows=rows, WITH_V=WITH_V,
-                                                           PAGE_SIZE=PAGE_SIZE, SOFTCAP=SOFTCAP, WINDOWED=WINDOWED,
-                                                           scores=scores, max_rows=ONE_LAUNCH_ROWS)
+                                                           DOT_F32=DOT_F32, PAGE_SIZE=PAGE_SIZE, SOFTCAP=SOFTCAP,
+                                                           WINDOWED=WINDOWED, scores=scores, max_rows=ONE_LAUNCH_ROWS)
     pointers = dict(pointers, out_ptr=dtype, sinks_ptr=dtype, pool_start_ptr="i64", counter_ptr="i32")
     group_pad = 1 << (GROUP - 1).bit_length()
     constexprs = dict(constexprs, GROUP_PAD=group_pad, BLOCK_I=max(16, 4096 // group_pad), HAS_SINKS=HAS_SINKS,

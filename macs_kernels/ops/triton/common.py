@@ -139,8 +139,8 @@ class SplitKV:
     split_size: int
 
 
-# Rows of a one-launch pass's tile: its combine's (rows, D) output beside the split's state spilled 32-160 bytes a
-# thread on sm_80 with 32- and 64-row tiles.
+# Rows of a one-launch pass's tile: its combine's (rows, D) output beside the split's state spilled up to 160 bytes a
+# thread on sm_80 and 40 on sm_90 with 32- and 64-row tiles.
 ONE_LAUNCH_ROWS = 16
 
 
@@ -176,9 +176,9 @@ def split_kv_tiles(batch: int, kv_heads: int, group_rows: int, keys: int, dim: i
 
 
 def splits_chunk(splits: int, width: int) -> int:
-    """Key slices the combine reads at a time, `width` values each (a head dimension's accumulators, or two for each of
-    a row's heads): 8192 values, 64 a thread."""
-    return min(next_pow2(splits), max(1, 8192 // width))
+    """Key slices a combine reads at a time, `width` values each (the output's: a head dimension's accumulators; the
+    two-launch pooling's: twice its padded heads): at most 8192 values, 64 a thread of 4 warps; a power of two."""
+    return min(next_pow2(splits), max(1, 8192 // next_pow2(width)))
 
 
 def pool_block(heads: int, n_max: int) -> int:
