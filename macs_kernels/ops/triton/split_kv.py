@@ -231,28 +231,12 @@ def _key_tile(key, KEY_BLOCK: tl.constexpr, key_tiles):
 
 
 @triton.jit
-def _merge_splits(m, l, l_gen, sink, HAS_SINKS: tl.constexpr, AXIS: tl.constexpr):
-    """Merge the key slices of rows along AXIS of (m, l, l_gen): (lse, lse_gen, l, top), a slice weighing
-    exp(m - top) / l in the rows' output."""
-    top = tl.max(m, AXIS)
-    # Slices in which the row attends no key have l = 0; every row attends a key somewhere.
-    weight = tl.exp(m - tl.expand_dims(top, AXIS))
-    l = tl.sum(weight * l, AXIS)
-    l_gen = tl.sum(weight * l_gen, AXIS)
-    if HAS_SINKS:
-        rescale = tl.exp(top - tl.maximum(top, sink))
-        l = l * rescale + tl.exp(sink - tl.maximum(top, sink))
-        l_gen = l_gen * rescale
-        top = tl.maximum(top, sink)
-    return top + tl.log(l), top + tl.log(l_gen), l, top
-
-
-@triton.jit
 def _merge_split_chunks(m_ptr, l_ptr, l_gen_ptr, row_index, row_ok, splits, sink, HAS_SINKS: tl.constexpr,
                         ROWS: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLITS_CHUNK: tl.constexpr):
-    """_merge_splits of ROWS rows' slices, SPLITS_CHUNK slices at a time (an online merge; all (ROWS, SPLITS_PAD) at
-    once spilled 0.7 KiB to 14 KiB a thread from 32 heads over 512 slices to 128 over 512): (lse, lse_gen). Rows not
-    row_ok get a finite lse, never used."""
+    """Merge ROWS rows' key slices, SPLITS_CHUNK slices at a time (an online merge; all (ROWS, SPLITS_PAD) at once
+    spilled 0.7 KiB to 14 KiB a thread from 32 heads over 512 slices to 128 over 512): (lse, lse_gen, l, top), a slice
+    weighing exp(m - top) / l in its row's output. Slices in which a row attends no key have l = 0; every row attends
+    a key somewhere. Rows not row_ok get a finite lse, never used."""
     top = tl.full([ROWS], MIN_SCORE, tl.float32)
     l = tl.zeros([ROWS], tl.float32)
     l_gen = tl.zeros([ROWS], tl.float32)
@@ -273,7 +257,7 @@ def _merge_split_chunks(m_ptr, l_ptr, l_gen_ptr, row_index, row_ok, splits, sink
         l = l * rescale + tl.exp(sink - tl.maximum(top, sink))
         l_gen = l_gen * rescale
         top = tl.maximum(top, sink)
-    return top + tl.log(l), top + tl.log(l_gen)
+    return top + tl.log(l), top + tl.log(l_gen), l, top
 
 
 @triton.jit
@@ -286,17 +270,14 @@ def _combine_row(
     """Row `row` of (B, H, R): its lse, lse_gen and (WITH_V) out from the slices' partials, SPLITS_CHUNK slices'
     accumulators at a time (all of them at once spilled: 2.9 KiB a thread for 512 slices at D = 128, which one KV
     head's decode gets on an H200)."""
-    sp = tl.arange(0, SPLITS_PAD)
-    sp_mask = sp < splits
-    sink = 0.0
+    one_row = row + tl.arange(0, 1)
+    sink = tl.zeros([1], tl.float32)
     if HAS_SINKS:
-        sink = tl.load(sinks_ptr + row // rows % heads).to(tl.float32)
-    lse, lse_gen, l, top = _merge_splits(
-        tl.load(m_ptr + row * splits + sp, mask=sp_mask, other=MIN_SCORE),
-        tl.load(l_ptr + row * splits + sp, mask=sp_mask, other=0.0),
-        tl.load(l_gen_ptr + row * splits + sp, mask=sp_mask, other=0.0), sink, HAS_SINKS, 0)
-    tl.store(lse_ptr + row, lse)
-    tl.store(lse_gen_ptr + row, lse_gen)
+        sink = tl.load(sinks_ptr + one_row // rows % heads).to(tl.float32)
+    lse, lse_gen, l, top = _merge_split_chunks(m_ptr, l_ptr, l_gen_ptr, one_row, one_row >= 0, splits, sink,
+                                               HAS_SINKS, 1, SPLITS_PAD, SPLITS_PAD)
+    tl.store(lse_ptr + one_row, lse)
+    tl.store(lse_gen_ptr + one_row, lse_gen)
     if WITH_V:
         d = tl.arange(0, BLOCK_D)
         out = tl.zeros([BLOCK_D], tl.float32)
@@ -357,8 +338,8 @@ def _combine_pool_kernel(
         sink = tl.zeros([H_PAD], tl.float32)
         if HAS_SINKS:
             sink = tl.load(sinks_ptr + h, mask=h_mask, other=0.0).to(tl.float32)
-        lse, lse_gen = _merge_split_chunks(m_ptr, l_ptr, l_gen_ptr, row_index, h_mask, splits, sink, HAS_SINKS, H_PAD,
-                                           SPLITS_PAD, HEAD_SPLITS_CHUNK)
+        lse, lse_gen, _, _ = _merge_split_chunks(m_ptr, l_ptr, l_gen_ptr, row_index, h_mask, splits, sink, HAS_SINKS,
+                                                 H_PAD, SPLITS_PAD, HEAD_SPLITS_CHUNK)
         if LSE_GIVEN:
             lse = tl.load(given_lse_ptr + b * stride_gb + h * stride_gh + r * stride_gr, mask=h_mask, other=0.0)
             lse = lse.to(tl.float32)
