@@ -12,11 +12,10 @@ torch's flash kernel and flash-attn compute attention only (no MACS) and are the
 fused decode with; torch's flash kernel has no GQA, so it reads K/V repeated to H heads.
 All providers attend keys [0, S) with the last 16 keys as generated tokens (N = S - 16 inputs).
 On GPU: triton.testing.do_bench, and for B = 1 also one replay of a captured CUDA graph. The cuda backend runs
-twice: its verified split kernel (cuda, cuda-attention-only) and the pipelined one (cuda-pipelined...); torch's
+each split kernel by name (cuda-verified, cuda-pipelined, cuda-mma, each with an -attention-only call); torch's
 scaled_dot_product_attention with enable_gqa is the anchor (torch-sdpa-gqa, column vs_sdpa = time over its time).
     python benchmarks/bench_ops.py --shapes issue   # issue 43's shapes, graph replay at every batch, ratio table
     python benchmarks/bench_ops.py --shapes issue48 --graph-only   # issue 48's table as JSON lines (ratios)
-The tensor-core split kernel (csrc/split_kv_mma, "mma") runs as cuda-mma and cuda-mma-attention-only.
 """
 from __future__ import annotations
 
@@ -38,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from macs_kernels import ops  # noqa: E402
 from macs_kernels.apps.bench import device_stem, environment, write_csv  # noqa: E402
-from macs_kernels.ops.cuda import set_cuda_split_kv_kernel  # noqa: E402
+from macs_kernels.ops.cuda import CUDA_SPLIT_KV_DEFAULT, set_cuda_split_kv_kernel  # noqa: E402
 from macs_kernels.ops.registry import implementation, why_unavailable  # noqa: E402
 
 OPS = ("macs_update", "decode_attention")
@@ -74,18 +73,20 @@ class Problem:
 
 # --- providers: each builds, for one (op, problem), a no-argument callable that runs the op once ---------
 
-def backend_call(backend: str, fused: bool = True, split_kernel: str = "verified"):
-    """A macs_kernels backend, called with validated arguments as the tracer does (no host sync); decode_attention's
-    `pooled` is given too (it has no default, see docs/backends.md "Ops: each declared once"). `split_kernel` is the
-    cuda backend's split kernel, or the triton backend's fused pass, chosen for the timings that follow the build (a
-    CUDA graph keeps it)."""
-    def build(op: str, p: Problem):
-        if backend == "cuda":
-            set_cuda_split_kv_kernel(split_kernel)
-        if backend == "triton":
-            from macs_kernels.ops.triton.settings import set_triton_split_kv_pass
+def choose_split_kernel(backend: str, split_kernel: str | None) -> None:
+    """Run the cuda backend's `split_kernel` (None: the default) in the timings that follow; a CUDA graph keeps it.
+    Every cuda build sets it: the choice is process-wide, and a provider that inherited the previous one's would time
+    the wrong kernel."""
+    if backend == "cuda":
+        set_cuda_split_kv_kernel(split_kernel or CUDA_SPLIT_KV_DEFAULT)
 
-            set_triton_split_kv_pass(split_kernel)
+
+def backend_call(backend: str, fused: bool = True, split_kernel: str | None = None):
+    """A macs_kernels backend, called with validated arguments as the tracer does (no host sync); decode_attention's
+    `pooled` is given too (it has no default, see docs/backends.md "Ops: each declared once"). `split_kernel`: the
+    cuda split kernel (choose_split_kernel)."""
+    def build(op: str, p: Problem):
+        choose_split_kernel(backend, split_kernel)
         function = implementation(backend, op)
         macs = dict(alpha=0.8, pooling="max", redistribute=True)
         if op == "macs_update":
@@ -147,30 +148,25 @@ PROVIDERS = (
     Provider("triton", OPS, lambda d: gpu_with()(d) or why_unavailable("triton", d), backend_call("triton")),
     Provider("triton-attention-only", ("decode_attention",),
              lambda d: gpu_with()(d) or why_unavailable("triton", d), backend_call("triton", fused=False)),
-    # The two-launch fused pass (pool folded into the combine), selectable beside the verified default; its
-    # attention-only call is triton-attention-only's.
-    Provider("triton-two-launch", OPS, lambda d: gpu_with()(d) or why_unavailable("triton", d),
-             backend_call("triton", split_kernel="two-launch")),
-    # The one-launch fused pass (combine and pooling after each tile's last arrival, scores read back from L2).
-    Provider("triton-one-launch", OPS, lambda d: gpu_with()(d) or why_unavailable("triton", d),
-             backend_call("triton", split_kernel="one-launch")),
-    Provider("cuda", OPS, lambda d: gpu_with()(d) or why_unavailable("cuda", d), backend_call("cuda")),
-    Provider("cuda-attention-only", ("decode_attention",),
-             lambda d: gpu_with()(d) or why_unavailable("cuda", d), backend_call("cuda", fused=False)),
-    # The rewritten split kernel (csrc/split_kv_pipelined), selectable beside the verified default.
+    # The cuda split kernels by name (the default among them: CUDA_SPLIT_KV_DEFAULT).
+    Provider("cuda-verified", OPS, lambda d: gpu_with()(d) or why_unavailable("cuda", d),
+             backend_call("cuda", split_kernel="verified")),
+    Provider("cuda-verified-attention-only", ("decode_attention",),
+             lambda d: gpu_with()(d) or why_unavailable("cuda", d),
+             backend_call("cuda", fused=False, split_kernel="verified")),
     Provider("cuda-pipelined", OPS, lambda d: gpu_with()(d) or why_unavailable("cuda", d),
              backend_call("cuda", split_kernel="pipelined")),
     Provider("cuda-pipelined-attention-only", ("decode_attention",),
              lambda d: gpu_with()(d) or why_unavailable("cuda", d),
              backend_call("cuda", fused=False, split_kernel="pipelined")),
-    # The tensor-core split kernel (csrc/split_kv_mma), selectable beside the verified default.
+    # The tensor-core split kernel (csrc/split_kv_mma).
     Provider("cuda-mma", OPS, lambda d: gpu_with()(d) or why_unavailable("cuda", d),
              backend_call("cuda", split_kernel="mma")),
     Provider("cuda-mma-attention-only", ("decode_attention",),
              lambda d: gpu_with()(d) or why_unavailable("cuda", d),
              backend_call("cuda", fused=False, split_kernel="mma")),
-    # The public op (argument checks with the device default, index arguments, backend choice) around the kernel
-    # the provider without "-public" times: issue 48's goal is <= 1.05x (or 2 us) of it inside a graph.
+    # The public op (argument checks with the device default, index arguments, backend choice) around the default
+    # kernel, which default_kernel_provider names: issue 48's goal is <= 1.05x (or 2 us) of it inside a graph.
     Provider("triton-public", OPS, lambda d: gpu_with()(d) or why_unavailable("triton", d),
              lambda op, p: public_call("triton")(op, p)),
     Provider("cuda-public", OPS, lambda d: gpu_with()(d) or why_unavailable("cuda", d),
@@ -230,6 +226,11 @@ def add_sdpa_ratio(rows) -> None:
         row["vs_sdpa"] = round(row["ms"] / reference, 3) if reference else ""
 
 
+def default_kernel_provider(backend: str) -> str:
+    """The provider that times `backend`'s default kernels called directly."""
+    return f"cuda-{CUDA_SPLIT_KV_DEFAULT}" if backend == "cuda" else backend
+
+
 def print_json_lines(rows) -> None:
     """decode_attention under graph replay, one JSON line per shape and provider: us per call, TB/s of K+V, time
     over sdpa's and, for a fused provider, over its own attention-only call (issue 48's goals: <= 1.10); for a
@@ -245,7 +246,7 @@ def print_json_lines(rows) -> None:
         own = attention.get((_config(row), row["provider"]))
         if own and not row["provider"].endswith("-attention-only"):
             line["fused_vs_attention"] = round(row["ms"] / own, 3)
-        kernel = kernels.get((_config(row), row["provider"].removesuffix("-public")))
+        kernel = kernels.get((_config(row), default_kernel_provider(row["provider"].removesuffix("-public"))))
         if kernel and row["provider"].endswith("-public"):
             line["public_vs_kernel"] = round(row["ms"] / kernel, 3)
             line["public_extra_us"] = round(1e3 * (row["ms"] - kernel), 2)
@@ -271,8 +272,10 @@ def print_ratio_table(rows) -> None:
 # --- eager host cost of a public op call (issue 42) --------------------------------------------------------------
 
 def public_call(backend: str):
-    """The public op (argument checks, backend choice, then the kernel), with the arguments backend_call gives."""
+    """The public op (argument checks, backend choice, then the kernel), with the arguments backend_call gives, on the
+    cuda backend's default split kernel."""
     def build(op: str, p: Problem):
+        choose_split_kernel(backend, None)
         if op == "macs_update":
             return lambda: ops.macs_update(p.q, p.k, p.log_c, input_start=p.start, input_end=p.input_end,
                                            kv_len=p.kv_len, scale=p.scale, backend=backend)

@@ -5,14 +5,14 @@
     python benchmarks/bench_sass.py --backend cuda    # csrc's split kernels by nvcc (about a minute)
 
 Issue 48's decode step (bf16, 32 query heads on 8 KV heads: a GQA group of 4 in one 16-row tile, V read). Triton: its
-split kernel compiled by `triton.compile` for each architecture as attention alone and under each fused MACS pass
-(ops/triton/settings.py). cuda: the `mma` and `pipelined` split kernels (csrc/split_kv_mma, csrc/split_kv_pipelined)
+split kernel compiled by `triton.compile` for each architecture as attention alone and with the fused MACS pass's
+scores. cuda: the `mma` and `pipelined` split kernels (csrc/split_kv_mma, csrc/split_kv_pipelined)
 by nvcc, every instantiation; attention alone and the fused pass run one instantiation there (the scores are a
 pointer). Per kernel: registers, the blocks an SM holds, and its key loop's SASS (the loop over key tiles, which
 issues the next tile's asynchronous copies): instructions, 64-bit integer compares, signed 32-bit divisions (IABS),
 barriers, global stores.
 
-Why: the bytes do not explain the fused pass's time. On an H200 the verified Triton pass took 1.17-1.31x attention's
+Why: the bytes do not explain the fused pass's time. On an H200 the Triton fused pass took 1.17-1.31x attention's
 time where its bytes account for 1.06-1.13x; its key loop then issued 1.24-1.34x attention's instructions per key
 block (Triton 3.6), and a decode step's loop, two blocks of four warps per SM, has little to overlap them with.
 
@@ -46,7 +46,6 @@ from macs_kernels.apps.bench.sass import (  # noqa: E402
     divisions,
     key_loop,
     nvcc,
-    one_launch_variant,
     opcode,
     resources,
     sass_by_function,
@@ -65,9 +64,7 @@ def variants(dim: int) -> dict:
     shape = dict(D=dim, GROUP=4, rows=16, WITH_V=True)
     return {
         "attention": split_kv_variant("bf16", WITH_SCORES=False, **shape),
-        "verified": split_kv_variant("bf16", **shape),
-        "two-launch": split_kv_variant("bf16", scores="fp16", **shape),
-        "one-launch": one_launch_variant("bf16", scores="fp16", **shape),
+        "fused": split_kv_variant("bf16", **shape),
     }
 
 

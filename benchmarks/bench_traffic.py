@@ -8,8 +8,8 @@
 Every access of the backend's kernels, by kernel and argument (macs_kernels/apps/bench/traffic.py: each load and store
 of Triton's interpreter; the CUDA emulation's loads, stores and asynchronous copies), with the launch plan of an H200
 (132 multiprocessors: the same splits, so the same partial results): attention alone, then decode_attention fused with
-the log c update and macs_update, under each of the backend's split passes (triton: ops/triton/settings.py's fused
-passes; cuda: its split kernels, each with its own attention). bf16, 32 query heads on 8 KV heads, the last 16 keys
+the log c update and macs_update (triton: its fused pass; cuda: under each split kernel, each with its own
+attention). bf16, 32 query heads on 8 KV heads, the last 16 keys
 generated. What DRAM moves lies between the distinct bytes (every repeat served by the cache) and the sector bytes
 (none served); a kernel's time is not counted: it is a CPU.
 
@@ -39,18 +39,11 @@ from bench_ops import Problem, backend_call  # noqa: E402
 from macs_kernels.apps.bench import environment, write_csv  # noqa: E402
 from macs_kernels.apps.bench.traffic import cuda_traffic, triton_launch_plans_for, triton_traffic  # noqa: E402
 from macs_kernels.ops.cuda import CUDA_SPLIT_KV_KERNELS, cuda_split_kv_kernel, set_cuda_split_kv_kernel  # noqa: E402
-from macs_kernels.ops.triton.settings import (  # noqa: E402
-    TRITON_SPLIT_KV_PASSES,
-    set_triton_split_kv_pass,
-    triton_split_kv_pass,
-)
 
 H200_MULTIPROCESSORS = 132
 HEADS, KV_HEADS = 32, 8
 # Each backend's split passes: what a fused call runs under, and (cuda) its attention alone too.
-SPLIT_PASSES = {"triton": TRITON_SPLIT_KV_PASSES, "cuda": CUDA_SPLIT_KV_KERNELS}
-SPLIT_PASS_SETTINGS = {"triton": (triton_split_kv_pass, set_triton_split_kv_pass),
-                       "cuda": (cuda_split_kv_kernel, set_cuda_split_kv_kernel)}
+SPLIT_PASSES = {"triton": ("fused",), "cuda": CUDA_SPLIT_KV_KERNELS}
 # Arguments that hold the input keys' scores (and the maxima they are kept relative to), by any kernel's name for them.
 SCORE_ARGUMENTS = ("scores", "values", "tile_max", "relative_scores", "score_maxima")
 
@@ -68,11 +61,12 @@ def calls(backend: str, problem: Problem):
     kernels, called as the tracer calls them. Triton's attention alone runs no fused pass; each cuda split kernel runs
     attention too."""
     for split_pass in SPLIT_PASSES[backend] if backend == "cuda" else ("",):
-        yield ("attention", split_pass, backend_call(backend, fused=False, split_kernel=split_pass or "verified")(
+        yield ("attention", split_pass, backend_call(backend, fused=False, split_kernel=split_pass or None)(
             "decode_attention", problem), problem.bytes("decode_attention"))
     for op, name in (("decode_attention", "decode_attention with log_c"), ("macs_update", "macs_update")):
         for split_pass in SPLIT_PASSES[backend]:
-            yield name, split_pass, backend_call(backend, split_kernel=split_pass)(op, problem), problem.bytes(op)
+            call = backend_call(backend, split_kernel=split_pass if backend == "cuda" else None)(op, problem)
+            yield name, split_pass, call, problem.bytes(op)
 
 
 @contextlib.contextmanager
@@ -173,15 +167,15 @@ def main(argv=None) -> None:
     env = environment(torch.device("cpu"))
     detail, summary = [], []
     chosen = [tuple(map(int, shape.split(","))) for shape in args.shape] if args.shape else shapes(args.quick, args.all)
-    current, restore = SPLIT_PASS_SETTINGS[args.backend]
-    previous = current()
+    previous = cuda_split_kv_kernel() if args.backend == "cuda" else None
     try:
         for shape in chosen:
             rows, lines = measure(args.backend, shape, env)
             detail += rows
             summary += lines
     finally:
-        restore(previous)
+        if previous is not None:
+            set_cuda_split_kv_kernel(previous)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"traffic_{args.backend}_cpu"
     write_csv(detail, stem.with_suffix(".csv"))

@@ -15,8 +15,7 @@ from macs_kernels.ops import why_unavailable
 from macs_kernels.ops.cuda import cuda_split_kv_kernel, set_cuda_split_kv_kernel
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
-pytest.importorskip("triton")  # bench_ops imports the Triton backend's settings
-from macs_kernels.ops.triton.settings import set_triton_split_kv_pass, triton_split_kv_pass  # noqa: E402
+pytest.importorskip("triton")  # bench_ops times Triton with triton.testing
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -41,14 +40,12 @@ def _run(provider, op, problem) -> list[torch.Tensor]:
 
 
 @pytest.fixture(autouse=True)
-def _split_kernels_restored():
-    """The providers choose the split kernel (cuda) and fused pass (triton) they time: the process's choice after."""
+def _split_kernel_restored():
+    """The cuda providers choose the split kernel they time: the process's choice after."""
     cuda = cuda_split_kv_kernel() if why_unavailable("cuda", "cpu") is None else None
-    triton = triton_split_kv_pass()
     yield
     if cuda is not None:
         set_cuda_split_kv_kernel(cuda)
-    set_triton_split_kv_pass(triton)
 
 
 @pytest.mark.parametrize("name", [p.name for p in bench_ops.PROVIDERS if _backend(p.name) in ("triton", "cuda")])
@@ -70,3 +67,27 @@ def test_the_kernel_benchmarks_providers_run_on_a_cpu(name):
             want.pop()
         for g, w in zip(got, want, strict=True):
             assert relative_error(g, w) <= RELATIVE_ERROR[torch.bfloat16], (op, relative_error(g, w))
+
+
+def test_the_cuda_public_provider_times_the_default_split_kernel():
+    """The split-kernel choice is process-wide: the public provider built after one that chose another kernel (the
+    tensor-core one) still times the default, and its ratio is to the provider that calls the default directly (an
+    H200 run timed cuda-public on the tensor-core kernel against the verified one's time)."""
+    reason = why_unavailable("cuda", "cpu")
+    if reason is not None:
+        pytest.skip(reason)
+    from macs_kernels.ops.cuda import CUDA_SPLIT_KV_DEFAULT
+
+    problem = bench_ops.Problem(batch=1, heads=2, kv_heads=1, dim=64, keys=33, dtype=torch.float32,
+                                device=torch.device("cpu"))
+    providers = {p.name: p for p in bench_ops.PROVIDERS}
+    for name in providers:
+        if _backend(name) != "cuda" or name == "cuda-public":
+            continue
+        providers[name].build("decode_attention", problem)
+        providers["cuda-public"].build("decode_attention", problem)
+        assert cuda_split_kv_kernel() == CUDA_SPLIT_KV_DEFAULT, name
+    assert bench_ops.default_kernel_provider("cuda") == f"cuda-{CUDA_SPLIT_KV_DEFAULT}" in providers
+    providers["cuda-mma"].build("decode_attention", problem)
+    providers[bench_ops.default_kernel_provider("cuda")].build("decode_attention", problem)
+    assert cuda_split_kv_kernel() == CUDA_SPLIT_KV_DEFAULT

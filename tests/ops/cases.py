@@ -211,9 +211,8 @@ class KeyReadingCall:
 
 
 # Per backend, the split passes whose log c update keeps 16-bit inputs' scores as float16 `s - m`, and the keys per
-# float32 maximum m they keep (Triton's two- and one-launch passes, benchmarks/results/triton_two_launch_pass.md; the
-# cuda mma kernel, SplitParams::relative_scores); every other score is float32.
-RELATIVE_SCORE_PASSES = {"triton": (("two-launch", "one-launch"), 64), "cuda": (("mma",), 16)}
+# float32 maximum m they keep (the cuda mma kernel, SplitParams::relative_scores); every other score is float32.
+RELATIVE_SCORE_PASSES = {"triton": ((), 1), "cuda": (("mma",), 16)}
 
 
 def score_bytes(backend: str, split_pass: str, dtype: torch.dtype, case: KeyReadingCall) -> int:

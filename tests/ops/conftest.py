@@ -1,8 +1,6 @@
-"""The triton backend's fused ops run under every one of its fused passes
-(ops.triton.settings.TRITON_SPLIT_KV_PASSES): the tests of the modules below that take a `backend` run once more with
-backend "triton" per pass other than the default ("two-launch", "one-launch"); the cuda backend's, under every split
-kernel (ops.cuda.CUDA_SPLIT_KV_KERNELS: "verified" and "mma" besides the default). `on_device`: index tensors as the
-argument checks see a GPU's."""
+"""The cuda backend's fused ops run under every one of its split kernels (ops.cuda.CUDA_SPLIT_KV_KERNELS: "verified"
+and "mma" besides the default): the tests of the modules below that take a `backend` run once more with backend
+"cuda" per other kernel. `on_device`: index tensors as the argument checks see a GPU's."""
 from __future__ import annotations
 
 import pytest
@@ -15,11 +13,6 @@ from macs_kernels.ops.cuda import (
     set_cuda_split_kv_kernel,
 )
 from tests.ops.cases import CUDA_BACKEND_DEVICE
-
-try:  # the triton backend's package, where triton is installed
-    from macs_kernels.ops.triton import settings
-except ImportError:
-    settings = None
 
 FUSED_OP_MODULES = {
     "test_decode_attention", "test_macs_update", "test_macs_pool", "test_macs_pool_paged", "test_variants",
@@ -34,37 +27,20 @@ CUDA_OTHER_KERNELS = () if why_unavailable("cuda", CUDA_BACKEND_DEVICE) else tup
 
 def pytest_generate_tests(metafunc):
     module = metafunc.module.__name__.rsplit(".", 1)[-1]
-    if "backend" in metafunc.fixturenames and module in FUSED_OP_MODULES:
-        if settings is not None:
-            metafunc.parametrize("triton_split_kv", settings.TRITON_SPLIT_KV_PASSES, indirect=True)
-        if CUDA_OTHER_KERNELS:
-            metafunc.parametrize("cuda_split_kv", (CUDA_SPLIT_KV_DEFAULT, *CUDA_OTHER_KERNELS), indirect=True)
+    if "backend" in metafunc.fixturenames and module in FUSED_OP_MODULES and CUDA_OTHER_KERNELS:
+        metafunc.parametrize("cuda_split_kv", (CUDA_SPLIT_KV_DEFAULT, *CUDA_OTHER_KERNELS), indirect=True)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Another pass or split kernel changes only what its backend runs: drop its copies of the other backends'
-    tests (tests without a `backend` parameter choose their pass themselves)."""
+    """Another split kernel changes only what the cuda backend runs: drop its copies of the other backends' tests
+    (tests without a `backend` parameter choose their kernel themselves)."""
     redundant = [item for item in items if getattr(item, "callspec", None) is not None
                  and "backend" in item.callspec.params
-                 and ((item.callspec.params.get("triton_split_kv", "verified") != "verified"
-                       and item.callspec.params.get("backend") != "triton")
-                      or (item.callspec.params.get("cuda_split_kv", CUDA_SPLIT_KV_DEFAULT) != CUDA_SPLIT_KV_DEFAULT
-                          and item.callspec.params.get("backend") != "cuda"))]
+                 and item.callspec.params.get("cuda_split_kv", CUDA_SPLIT_KV_DEFAULT) != CUDA_SPLIT_KV_DEFAULT
+                 and item.callspec.params.get("backend") != "cuda"]
     if redundant:
         config.hook.pytest_deselected(items=redundant)
         items[:] = [item for item in items if item not in redundant]
-
-
-@pytest.fixture(autouse=True)
-def triton_split_kv(request):
-    """The triton fused pass a test runs (the default unless parametrized)."""
-    if settings is None:
-        yield None
-        return
-    previous = settings.triton_split_kv_pass()
-    settings.set_triton_split_kv_pass(getattr(request, "param", previous))
-    yield settings.triton_split_kv_pass()
-    settings.set_triton_split_kv_pass(previous)
 
 
 @pytest.fixture(autouse=True)

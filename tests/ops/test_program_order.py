@@ -1,8 +1,7 @@
 """Triton's interpreter runs a launch's programs one after another in grid order; a GPU runs them in any order, and
-at once. The triton backend's kernels under every fused pass (the one-launch pass's last arrival to a tile does its
-combine and pooling) give the same bits with the programs run reversed and shuffled: no program waits on, or
-overwrites, another's results by position in the grid. (The cuda backend's blocks: tests/ops/test_cuda_emulation.py.)
-Skips where Triton does not run in its interpreter."""
+at once. The triton backend's kernels give the same bits with the programs run reversed and shuffled: no program
+waits on, or overwrites, another's results by position in the grid. (The cuda backend's blocks:
+tests/ops/test_cuda_emulation.py.) Skips where Triton does not run in its interpreter."""
 from __future__ import annotations
 
 import contextlib
@@ -16,7 +15,6 @@ import torch
 from tests.ops.cases import NEEDS_TRITON_INTERPRETER, every_op_results, many_programs, uninitialized_memory_poisoned
 
 pytest.importorskip("triton")
-from macs_kernels.ops.triton.settings import TRITON_SPLIT_KV_PASSES  # noqa: E402
 
 pytestmark = NEEDS_TRITON_INTERPRETER
 
@@ -48,9 +46,8 @@ def programs_run(order: str, seed: int = 0):
         yield
 
 
-# float32 only: which program writes where does not depend on the dtype (the interpreter takes about 10 s a pass).
-@pytest.mark.parametrize("triton_split_kv", TRITON_SPLIT_KV_PASSES, indirect=True)  # tests/ops/conftest.py
-def test_triton_results_do_not_depend_on_the_order_programs_run_in(triton_split_kv, dtype=torch.float32):
+# float32 only: which program writes where does not depend on the dtype (the interpreter takes about 10 s a run).
+def test_triton_results_do_not_depend_on_the_order_programs_run_in(dtype=torch.float32):
     with many_programs(), uninitialized_memory_poisoned():
         expected = every_op_results(dtype, "triton")
     for order, seed in (("reverse", 0), ("shuffled", 1), ("shuffled", 2)):

@@ -1,10 +1,9 @@
 """Every split-KV pass a GPU runs, against the float64 references: the cuda backend's split kernels
-(CUDA_SPLIT_KV_KERNELS: verified, pipelined, mma) and the triton backend's fused passes (TRITON_SPLIT_KV_PASSES:
-verified, two-launch, one-launch). The fused decode's out, lse, m' (pooled) and log c update in fp32 and bf16, GQA 1,
-4 and 8, D 64 and 128, ragged per-row ranges with generated keys, an odd key count; and m' of a verify block whose 40
-rows per KV head fill triton's largest tiles, at D 128 and 256. The `kernels` preset of .ci/gpu
-runs it (under compute-sanitizer too, -k mma), so that one GPU run can decide between the kernels. Skips without a
-CUDA device and the backend."""
+(CUDA_SPLIT_KV_KERNELS: verified, pipelined, mma) and the triton backend's fused pass. The fused decode's out, lse,
+m' (pooled) and log c update in fp32 and bf16, GQA 1, 4 and 8, D 64 and 128, ragged per-row ranges with generated
+keys, an odd key count; and m' of a verify block whose 40 rows per KV head fill triton's largest tiles, at D 128 and
+256. The `kernels` preset of .ci/gpu runs it (under compute-sanitizer too, -k mma), so that one GPU run can decide
+between the kernels. Skips without a CUDA device and the backend."""
 from __future__ import annotations
 
 import itertools
@@ -20,17 +19,9 @@ from tests.ops.cases import CUDA_BACKEND_DEVICE, synchronize, why_no_cuda_backen
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
 
-def _triton_passes():
-    try:
-        from macs_kernels.ops.triton import settings
-    except ImportError:
-        return ()
-    return settings.TRITON_SPLIT_KV_PASSES
-
-
 def _kernels():
     params = []
-    for backend, names in (("cuda", CUDA_SPLIT_KV_KERNELS), ("triton", _triton_passes())):
+    for backend, names in (("cuda", CUDA_SPLIT_KV_KERNELS), ("triton", ("fused",))):
         if backend == "cuda":
             reason = why_no_cuda_backend()
         else:
@@ -43,21 +34,15 @@ def _kernels():
 
 @pytest.fixture
 def chosen(request):
-    """Run the backend's split kernel or fused pass named by the test's parameters; the process's choice is
-    restored afterwards."""
+    """Run the cuda split kernel named by the test's parameters; the process's choice is restored afterwards."""
     backend, name = request.node.callspec.params["backend"], request.node.callspec.params["name"]
-    if backend == "cuda":
-        previous = cuda_split_kv_kernel()
-        set_cuda_split_kv_kernel(name)
+    if backend != "cuda":
         yield
-        set_cuda_split_kv_kernel(previous)
         return
-    from macs_kernels.ops.triton import settings
-
-    previous = settings.triton_split_kv_pass()
-    settings.set_triton_split_kv_pass(name)
+    previous = cuda_split_kv_kernel()
+    set_cuda_split_kv_kernel(name)
     yield
-    settings.set_triton_split_kv_pass(previous)
+    set_cuda_split_kv_kernel(previous)
 
 
 CASES = list(itertools.product((torch.float32, torch.bfloat16), (1, 4, 8), (64, 128)))
@@ -95,7 +80,7 @@ def test_the_fused_decode_matches_float64(backend, name, dtype, group, dim):
                                                  input_end=input_end, kv_len=kv_len, scale=scale)
     assert relative_error(out, want_out) < RELATIVE_ERROR[dtype]
     # lse and m' come from fp32 scores of the inputs as given: float32's tolerance in every dtype; log c of bf16
-    # inputs from the float16 relative scores of triton's two- and one-launch passes: bf16's.
+    # inputs from the float16 relative scores of cuda's mma kernel: bf16's.
     assert relative_error(lse, want_lse) < RELATIVE_ERROR[torch.float32]
     for b in range(batch):
         n = int(input_end[b] - kv_start[b])
@@ -113,9 +98,8 @@ ROW_TILE_CASES = list(itertools.product((torch.float32, torch.bfloat16), (128, 2
 @pytest.mark.parametrize("backend, name", _kernels())
 def test_a_verify_block_of_many_rows_matches_float64(backend, name, dtype, dim):
     """m' of a 5-row verify block at GQA 8:1, 40 rows per KV head (macs_pool: no V, no relative scores): the triton
-    backend's tiles for many rows (ops.triton.common.split_kv_block: 64 rows on 8 warps in bf16 and at D 128 in
-    float32, fewer keys a step at D 256, 16 rows at D 256 in float32 and in the one-launch pass), which no decode row
-    reaches."""
+    backend's tiles for many rows (ops.triton.common.split_kv_block: 64 rows on 8 warps in bf16, fewer keys a step at
+    D 256, 16 rows from D 128 up in float32), which no decode row reaches."""
     batch, kv_heads, group, rows, keys = 2, 2, 8, 5, 777
     generator = torch.Generator().manual_seed(rows * 1000 + dim)
     q = torch.randn(batch, group * kv_heads, rows, dim, generator=generator).to(dtype)

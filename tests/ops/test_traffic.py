@@ -1,21 +1,19 @@
 """The bytes the triton backend's kernels move, counted access by access in Triton's interpreter
-(apps/bench/traffic.py): under every fused pass, each op's split pass reads each attended key (and value) row once,
-in whole sectors, and nothing outside its arguments; a fused MACS pass writes each input key's score once, in the
-width its design says, and reads each back once. (The cuda backend's copies: tests/ops/test_cuda_emulation.py;
+(apps/bench/traffic.py): each op's split pass reads each attended key (and value) row once,
+in whole sectors, and nothing outside its arguments; a fused MACS pass writes each input key's score once, in
+float32, and reads each back once. (The cuda backend's copies: tests/ops/test_cuda_emulation.py;
 the bytes at issue 48's shapes: benchmarks/bench_traffic.py.)"""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.ops.cases import NEEDS_TRITON_INTERPRETER, key_reading_calls, many_programs, score_bytes
+from tests.ops.cases import NEEDS_TRITON_INTERPRETER, key_reading_calls, many_programs
 
 pytest.importorskip("triton")
-from macs_kernels.apps.bench.traffic import OUTSIDE, Counts, Traffic, triton_traffic  # noqa: E402
-from macs_kernels.ops.triton.settings import TRITON_SPLIT_KV_PASSES  # noqa: E402
+from macs_kernels.apps.bench.traffic import OUTSIDE, Traffic, triton_traffic  # noqa: E402
 
 pytestmark = NEEDS_TRITON_INTERPRETER
-SPLIT_KERNELS = ("_split_kv_kernel", "_one_launch_kernel")
 
 
 def traffic_of(call) -> Traffic:
@@ -26,22 +24,21 @@ def traffic_of(call) -> Traffic:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("triton_split_kv", TRITON_SPLIT_KV_PASSES, indirect=True)  # tests/ops/conftest.py
-def test_each_attended_key_is_read_once_and_each_score_written_and_read_once(triton_split_kv, dtype):
+def test_each_attended_key_is_read_once_and_each_score_written_and_read_once(dtype):
     for case in key_reading_calls(dtype, "triton"):
         traffic = traffic_of(case.call)
         assert not any(argument == OUTSIDE for _, argument in traffic.counts), \
             f"{case.name}: an access outside every argument of its kernel"
         for argument in case.cache:
-            read = sum((traffic.of(argument, kernel) for kernel in SPLIT_KERNELS), Counts())
+            read = traffic.of(argument, "_split_kv_kernel")
             assert (read.read, read.read_distinct, read.read_sectors) == (case.attended,) * 3, \
                 f"{case.name}: {argument} read {read} for {case.attended} attended bytes"
         if not case.score_columns:
             continue
         scores = traffic.of("scores")
-        expected = case.score_columns * score_bytes("triton", triton_split_kv, dtype, case)
+        expected = case.score_columns * 4
         assert (scores.written, scores.written_distinct) == (expected, expected), f"{case.name}: {scores}"
-        # The scores come back once: the pooling kernel's `values` (verified) or the `scores` the pooling reads.
+        # The scores come back once: the pooling kernel's `values`.
         read_back = scores.read_distinct + traffic.of("values").read_distinct
         assert read_back == expected, f"{case.name}: {read_back} score bytes read back, {expected} written"
 

@@ -32,9 +32,6 @@ from macs_kernels.apps.bench.sass import (
     features_variant as _features,
 )
 from macs_kernels.apps.bench.sass import (
-    one_launch_variant as _one_launch,
-)
-from macs_kernels.apps.bench.sass import (
     split_kv_variant as _split_kv,
 )
 
@@ -42,7 +39,6 @@ ROOT = Path(__file__).resolve().parents[2]
 TARGETS = (80, 90)
 
 # The pooling's ranges: the attended keys, the inputs and where a window's inputs start.
-POOL_INDEX = {"pool_start_ptr": "i64", "input_end_ptr": "i64", "start_ptr": "i64", "kv_len_ptr": "i64"}
 POOL_RANGES = {"start_ptr": "i64", "end_ptr": "i64", "kv_len_ptr": "i64", "column_start_ptr": "i64"}
 
 
@@ -50,15 +46,6 @@ def _with_pointers(variant, **pointers):
     """A variant with some of its pointers' element types changed."""
     module, kernel, types, constexprs, options = variant
     return module, kernel, dict(types, **pointers), constexprs, options
-
-
-def _combine_pool(pointers, **changes):
-    """A `_combine_pool_kernel` variant (the two-launch pass's combine and pooling): D 128, 128 slices, 32 heads, max
-    pooling into log c, with `changes`."""
-    constexprs = dict(D=128, BLOCK_D=128, SPLITS_PAD=128, SPLITS_CHUNK=64, HEAD_SPLITS_CHUNK=128, H_PAD=32, BLOCK_I=128,
-                      KEY_BLOCK=64, WITH_V=True, HAS_SINKS=False, LSE_GIVEN=False, REDISTRIBUTE=True, POOLING="max",
-                      INTO_LOG_C=True, WINDOWED=False)
-    return "split_kv", "_combine_pool_kernel", {**pointers, **POOL_INDEX}, dict(constexprs, **changes), {"num_warps": 4}
 
 
 # name -> (module, kernel, pointer element types, constexprs, options)
@@ -95,32 +82,6 @@ VARIANTS = {
                                                           SOFTCAP=True),
     "pool_paged_softcap_fp16_gqa4_d128_page256": _split_kv("fp16", D=128, GROUP=4, rows=16, PAGE_SIZE=256,
                                                            SOFTCAP=True),
-    # The two-launch fused pass (ops.triton.settings.TRITON_SPLIT_KV_PASSES): float16 relative scores, then the combine
-    # with the head pooling folded in.
-    "two_launch_decode_bf16_gqa4_d128": _split_kv("bf16", D=128, GROUP=4, rows=16, WITH_V=True, scores="fp16"),
-    "two_launch_update_bf16_gqa3_d64": _split_kv("bf16", D=64, GROUP=3, rows=16, scores="fp16"),
-    "two_launch_combine_pool_bf16": _combine_pool({"out_ptr": "bf16", "scores_ptr": "fp16"}),
-    # StarCoder's 48 heads on one KV head at batch 1 on an H200: 264 slices (512 padded), merged 64 at a time.
-    "two_launch_combine_pool_mqa_512_slices": _combine_pool(
-        {"out_ptr": "bf16", "scores_ptr": "fp16"}, SPLITS_PAD=512, HEAD_SPLITS_CHUNK=64, H_PAD=64, BLOCK_I=64,
-        KEY_BLOCK=32, HAS_SINKS=True),
-    "two_launch_combine_pool_sinks_out": _combine_pool(
-        {"sinks_ptr": "bf16"}, D=64, BLOCK_D=64, SPLITS_PAD=64, HEAD_SPLITS_CHUNK=64, H_PAD=16, BLOCK_I=256,
-        WITH_V=False, HAS_SINKS=True, LSE_GIVEN=True, POOLING="mean", INTO_LOG_C=False, WINDOWED=True),
-    # The one-launch fused pass: the split kernel with the combine and the pooling after its last arrival.
-    "one_launch_decode_bf16_gqa4_d128": _one_launch("bf16", D=128, GROUP=4, rows=16, WITH_V=True, scores="fp16"),
-    "one_launch_decode_bf16_gqa4_d64": _one_launch("bf16", D=64, GROUP=4, rows=16, WITH_V=True, scores="fp16"),
-    "one_launch_update_fp16_gqa3_d64_min": _one_launch("fp16", D=64, GROUP=3, rows=16, scores="fp16",
-                                                       POOLING="min", LSE_GIVEN=True),
-    "one_launch_pool_block_sinks_bf16_gqa9_d64_mean": _one_launch(
-        "bf16", D=64, GROUP=9, rows=45, POOLING="mean", INTO_LOG_C=False, HAS_SINKS=True, SOFTCAP=True),
-    "one_launch_decode_bf16_gqa4_d128_int32_ranges": _with_pointers(
-        _one_launch("bf16", D=128, GROUP=4, rows=16, WITH_V=True, scores="fp16"),
-        **dict.fromkeys((*SPLIT_INDEX, "pool_start_ptr"), "i32")),
-    "one_launch_pool_paged_bf16_gqa4_d128_page16": _one_launch("bf16", D=128, GROUP=4, rows=16, PAGE_SIZE=16,
-                                                               INTO_LOG_C=False),
-    "one_launch_pool_window_bf16_gqa4_d128": _one_launch("bf16", D=128, GROUP=4, rows=16, WINDOWED=True,
-                                                         INTO_LOG_C=False),
     "combine_bf16": (
         "split_kv", "_split_kv_combine_kernel", {"out_ptr": "bf16"},
         dict(D=128, BLOCK_D=128, SPLITS_PAD=64, SPLITS_CHUNK=64, WITH_V=True, HAS_SINKS=False), dict(num_warps=4),
@@ -190,13 +151,6 @@ VARIANTS.update({
                                                   DOT_F32=dtype == "fp32")
     for dtype in ("bf16", "fp32") for dim in (64, 128, 256) for rows in (16, 32, 64)
 })
-# The one-launch pass's tiles hold 16 rows at most (ops.triton.common.ONE_LAUNCH_ROWS): a GQA 8:1 verify block of 8
-# rows with log c's fp16 relative scores.
-VARIANTS.update({
-    f"tiles_one_launch_bf16_d{dim}_rows64": _one_launch("bf16", D=dim, GROUP=8, rows=64, WITH_V=True, scores="fp16")
-    for dim in (64, 128, 256)
-})
-
 _SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -256,9 +210,7 @@ def test_kernel_compiles_with_inductors_signature(compiled, variant, arch=90):
     "decode_bf16_gqa4_d128", "update_fp16_gqa3_d64", "pool_block_bf16_gqa9_d64", "pool_paged_bf16_gqa3_d64_page16",
     "pool_paged_fp16_gqa9_d128_page256", "pool_paged_bf16_gqa4_d128_page16", "pool_softcap_bf16_gqa2_d256",
     "decode_softcap_fp16_gqa4_d128", "pool_paged_softcap_bf16_gqa2_d256_page16",
-    "pool_paged_softcap_fp16_gqa4_d128_page256", "two_launch_decode_bf16_gqa4_d128", "two_launch_update_bf16_gqa3_d64",
-    "one_launch_decode_bf16_gqa4_d128", "one_launch_decode_bf16_gqa4_d64", "one_launch_update_fp16_gqa3_d64_min",
-    "one_launch_pool_paged_bf16_gqa4_d128_page16",
+    "pool_paged_softcap_fp16_gqa4_d128_page256",
 ])
 def test_split_pass_uses_tensor_cores_and_16_byte_loads(compiled, variant, arch):
     """The GQA group's scores come from one tensor-core product per K tile, fed by 128-bit loads."""
@@ -273,22 +225,6 @@ def test_split_pass_uses_tensor_cores_and_16_byte_loads(compiled, variant, arch)
                                      "lse_softcap_sinks_bf16_d64"])
 def test_half_precision_feature_scores_use_tensor_cores(compiled, variant, arch):
     assert re.search(r"\b(mma\.sync\.aligned\.m16n8k16|wgmma\.mma_async)", compiled[f"{variant}@sm_{arch}"]["ptx"])
-
-
-@pytest.mark.parametrize("arch", TARGETS)
-@pytest.mark.parametrize("variant", sorted(name for name in VARIANTS if name.startswith("one_launch_")))
-def test_one_launch_pass_keeps_scores_in_l2_and_counts_arrivals(compiled, variant, arch):
-    """The one-launch pass: scores stored with an L2 evict-last policy, the arrival counters as gpu-scope acq_rel
-    atomic adds (one per tile, one per item) reset by a relaxed exchange, the pooling by relaxed gpu-scope
-    reductions, the other programs' partials and scores read from L2 (.cg), and no local memory (no spills)."""
-    ptx = compiled[f"{variant}@sm_{arch}"]["ptx"]
-    assert re.search(r"createpolicy\.fractional\.L2::evict_last", ptx)
-    assert re.search(r"st\.global\.[^ ]*L2::cache_hint", ptx)
-    assert len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)) == 2
-    assert len(re.findall(r"atom\.global\.gpu\.relaxed\.exch", ptx)) == 2
-    assert re.search(r"(red|atom)\.global\.gpu\.relaxed\.(max|min|add)", ptx)
-    assert re.search(r"ld\.global\.cg", ptx)
-    assert ".local" not in ptx
 
 
 @pytest.mark.parametrize("arch", TARGETS)
@@ -316,7 +252,7 @@ def _key_loop(cubin: str) -> list[str]:
 @pytest.mark.parametrize("arch", TARGETS)
 @pytest.mark.parametrize("dim", [64, 128])
 def test_fused_key_loop_is_the_attention_loop_and_the_score_stores(compiled, dim, arch):
-    """The verified fused pass's key loop (decode with MACS, bf16, GQA 4:1) adds the score stores to the attention
+    """The fused pass's key loop (decode with MACS, bf16, GQA 4:1) adds the score stores to the attention
     loop and little else: its masks compare int32 offsets against per-row bounds set before the loop, where they once
     compared int64 keys (two instructions each, three bounds per element). Then the loop ran 1.24-1.34x the attention
     loop's instructions under Triton 3.6, as the fused pass ran 1.17-1.31x attention's time on an H200 (issue 48);

@@ -69,38 +69,20 @@ def compile_triton(module: str, kernel_name: str, pointers: dict, constexprs: di
 
 
 def split_kv_variant(dtype, *, D, GROUP, rows, WITH_V=False, WITH_SCORES=True, DOT_F32=False, PAGE_SIZE=0,
-                     SOFTCAP=False, WINDOWED=False, scores="fp32", max_rows=64):
+                     SOFTCAP=False, WINDOWED=False):
     """`compile_triton`'s arguments for a `_split_kv_kernel` variant (ops/triton/split_kv.py): q, k and v in `dtype`,
     `rows` query rows per KV head (the group's heads times the query rows), one tile over the head dimension, the
-    launcher's tiles of at most max_rows rows and options (split_kv_block); scores "fp16" are the two-launch pass's
-    relative ones."""
+    launcher's tiles and options (split_kv_block)."""
     from macs_kernels.ops.triton.common import split_kv_block
 
-    block_m, block_n, num_warps = split_kv_block(rows, D, DOT_F32, max_rows)
+    block_m, block_n, num_warps = split_kv_block(rows, D, DOT_F32)
     return (
         "split_kv", "_split_kv_kernel",
-        {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "scores_ptr": scores, **SPLIT_INDEX},
+        {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, **SPLIT_INDEX},
         dict(D=D, BLOCK_D=D, GROUP=GROUP, BLOCK_M=block_m, BLOCK_N=block_n, WITH_V=WITH_V, WITH_SCORES=WITH_SCORES,
              DOT_F32=DOT_F32, PAGE_SIZE=PAGE_SIZE, SOFTCAP=SOFTCAP, WINDOWED=WINDOWED),
         dict(num_warps=num_warps, num_stages=3),
     )
-
-
-def one_launch_variant(dtype, *, D, GROUP, rows, WITH_V=False, DOT_F32=False, PAGE_SIZE=0, SOFTCAP=False,
-                       WINDOWED=False, scores="fp32", POOLING="max", INTO_LOG_C=True, HAS_SINKS=False,
-                       LSE_GIVEN=False):
-    """A `_one_launch_kernel` variant (the one-launch fused pass): as split_kv_variant's, with the pooling's
-    constexprs."""
-    from macs_kernels.ops.triton.common import ONE_LAUNCH_ROWS
-
-    _, _, pointers, constexprs, options = split_kv_variant(dtype, D=D, GROUP=GROUP, rows=rows, WITH_V=WITH_V,
-                                                           DOT_F32=DOT_F32, PAGE_SIZE=PAGE_SIZE, SOFTCAP=SOFTCAP,
-                                                           WINDOWED=WINDOWED, scores=scores, max_rows=ONE_LAUNCH_ROWS)
-    pointers = dict(pointers, out_ptr=dtype, sinks_ptr=dtype, pool_start_ptr="i64", counter_ptr="i32")
-    group_pad = 1 << (GROUP - 1).bit_length()
-    constexprs = dict(constexprs, GROUP_PAD=group_pad, BLOCK_I=max(16, 4096 // group_pad), HAS_SINKS=HAS_SINKS,
-                      LSE_GIVEN=LSE_GIVEN, REDISTRIBUTE=True, POOLING=POOLING, INTO_LOG_C=INTO_LOG_C)
-    return "split_kv", "_one_launch_kernel", pointers, constexprs, options
 
 
 # attention_features' index tensors: int64 ranges.

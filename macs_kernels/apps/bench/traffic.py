@@ -216,10 +216,9 @@ def triton_traffic() -> Iterator[Traffic]:
 def triton_launch_plans_for(multiprocessors: int) -> Iterator[None]:
     """The triton backend's launch plans (splits of the keys) as on a GPU of `multiprocessors` (the interpreter answers
     4): an H200 has 132."""
-    from macs_kernels.ops.triton import common, split_kv
+    from macs_kernels.ops.triton import common
 
-    with mock.patch.object(common, "multiprocessors", lambda device: multiprocessors), \
-            mock.patch.object(split_kv, "multiprocessors", lambda device: multiprocessors):
+    with mock.patch.object(common, "multiprocessors", lambda device: multiprocessors):
         yield
 
 

@@ -139,34 +139,30 @@ class SplitKV:
     split_size: int
 
 
-# Rows of a one-launch pass's tile: its combine's (rows, D) output beside the split's state spilled up to 160 bytes a
-# thread on sm_80 and 40 on sm_90 with 32- and 64-row tiles.
-ONE_LAUNCH_ROWS = 16
-
-
-def split_kv_block(group_rows: int, dim: int, exact_f32: bool, max_rows: int = 64) -> tuple[int, int, int]:
+def split_kv_block(group_rows: int, dim: int, exact_f32: bool) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) of the split kernels: no tile spills registers, and the K and V stages fit the
     99 KiB of shared memory a block gets on sm_86/89/120 (sm_80: 163 KiB, sm_90: 227 KiB), as compiled for sm_80 and
     sm_90 (tests/ops/test_triton_compile.py). tl.dot needs 16 rows and keys. On tensor cores the keys of a step (16 to
     64) times the head dimension and the rows (at least 32) stay within 2^18, and 64 rows take 8 warps: with 64 keys
     and 4 warps throughout, 64-row tiles spilled up to 840 bytes a thread and D = 256 took up to 240 KiB. float32
     products run on CUDA cores, where a thread holds its rows' and keys' whole head dimension: 16 keys a step, and 16
-    rows at D = 256 (64 keys spilled up to 24 KiB a thread). max_rows caps the rows (the one-launch pass's)."""
+    rows from D = 128 up (64 keys spilled up to 24 KiB a thread; Triton 3.6.0, the H200's, still spilled 408-488 bytes
+    with 16 keys and 32-64 rows at D = 128)."""
     block_d = head_block(dim)
     if exact_f32:
-        block_m = min(64 if block_d <= 128 else 16, max_rows, max(16, next_pow2(group_rows)))
+        block_m = min(64 if block_d < 128 else 16, max(16, next_pow2(group_rows)))
         block_n = 16
     else:
-        block_m = min(max_rows, max(16, next_pow2(group_rows)))
+        block_m = min(64, max(16, next_pow2(group_rows)))
         block_n = max(16, min(64, 2 ** 18 // (max(block_m, 32) * block_d)))
     return block_m, block_n, 8 if block_m == 64 else 4
 
 
 def split_kv_tiles(batch: int, kv_heads: int, group_rows: int, keys: int, dim: int, exact_f32: bool,
-                   device: torch.device, max_rows: int = 64) -> SplitKV:
+                   device: torch.device) -> SplitKV:
     """Enough (row tile, key slice) programs to fill the GPU twice over, whole key blocks per slice, with
     split_kv_block's tiles (the interpreter, which runs programs one by one, prefers 128 keys a step)."""
-    block_m, block_n, num_warps = split_kv_block(group_rows, dim, exact_f32, max_rows)
+    block_m, block_n, num_warps = split_kv_block(group_rows, dim, exact_f32)
     block_n = 128 if INTERPRETED else block_n
     programs = batch * kv_heads * cdiv(group_rows, block_m)
     blocks = cdiv(keys, block_n)
@@ -176,8 +172,8 @@ def split_kv_tiles(batch: int, kv_heads: int, group_rows: int, keys: int, dim: i
 
 
 def splits_chunk(splits: int, width: int) -> int:
-    """Key slices a combine reads at a time, `width` values each (the output's: a head dimension's accumulators; the
-    two-launch pooling's: twice its padded heads): at most 8192 values, 64 a thread of 4 warps; a power of two."""
+    """Key slices the combine reads at a time, `width` values each (a head dimension's accumulators): at most 8192
+    values, 64 a thread of 4 warps; a power of two."""
     return min(next_pow2(splits), max(1, 8192 // next_pow2(width)))
 
 
