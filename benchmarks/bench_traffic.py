@@ -45,7 +45,7 @@ HEADS, KV_HEADS = 32, 8
 # Each backend's split passes: what a fused call runs under, and (cuda) its attention alone too.
 SPLIT_PASSES = {"triton": ("fused",), "cuda": CUDA_SPLIT_KV_KERNELS}
 # Arguments that hold the input keys' scores (and the maxima they are kept relative to), by any kernel's name for them.
-SCORE_ARGUMENTS = ("scores", "values", "tile_max", "relative_scores", "score_maxima")
+SCORE_ARGUMENTS = ("scores", "values", "relative_scores", "score_maxima")
 
 
 def shapes(quick: bool, every: bool) -> list[tuple[int, int, int]]:

@@ -20,3 +20,16 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+def pytest_runtest_logreport(report):
+    """With MACS_KERNELS_EARLY_FAILURES=1 (.ci/gpu's test stages), each failure's traceback is printed when it happens,
+    not only in the summary at the end: a stage killed at its time limit still says why its tests failed (one did,
+    on an H200, with three failures and nothing but dots to show). xdist's workers talk to the controller over their
+    stdout, so only the controller (or a run without workers) prints."""
+    if (report.failed and os.environ.get("MACS_KERNELS_EARLY_FAILURES") == "1"
+            and "PYTEST_XDIST_WORKER" not in os.environ):
+        import sys
+
+        sys.__stdout__.write(f"\n--- failed: {report.nodeid} ({report.when})\n{report.longreprtext}\n---\n")
+        sys.__stdout__.flush()

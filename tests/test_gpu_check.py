@@ -109,3 +109,26 @@ def test_every_pytest_run_of_the_gpu_check_selects_tests():
     assert len(selections) > len(invocations)  # the merged runs are checked part by part
     empty = [" ".join(args) for args, count in zip(selections, counts) if count <= 0]
     assert not empty, f"selections of .ci/gpu that collect no test (or fail to collect): {empty}"
+
+
+def test_a_failure_is_printed_when_it_happens(tmp_path):
+    """MACS_KERNELS_EARLY_FAILURES=1 (the script exports it) prints each failure's traceback before the run's own
+    summary, with and without xdist's workers, so that a stage killed before its summary still names its failures."""
+    (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_runtest_logreport  # noqa: F401\n")
+    (tmp_path / "test_planted.py").write_text(
+        "def test_planted():\n    assert 1 + 1 == 3, 'planted failure'\n\ndef test_passes():\n    pass\n")
+    env = dict(__import__("os").environ, MACS_KERNELS_EARLY_FAILURES="1", PYTHONPATH=str(ROOT))
+    env.pop("PYTEST_XDIST_WORKER", None)  # this test's own worker, where one runs it
+    runs = [[]]
+    if subprocess.run([sys.executable, "-c", "import xdist"], capture_output=True).returncode == 0:
+        runs.append(["-n", "2"])
+    for extra in runs:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *extra, str(tmp_path)],
+                              capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+        output = done.stdout
+        assert done.returncode == 1, output
+        early = output.index("--- failed: test_planted.py::test_planted (call)")
+        assert "planted failure" in output[early:output.index("---\n", early + 4)]
+        assert early < output.index("= FAILURES =") and output.count("--- failed:") == 1, output
+        if not extra:  # in order: before the next test's result line (xdist's workers finish in any order)
+            assert early < output.index("test_planted.py::test_passes PASSED"), output

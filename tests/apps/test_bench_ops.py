@@ -5,6 +5,7 @@ the torch backend's attention output and log c on a small GQA problem (CI's emul
 by their ids)."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -91,3 +92,17 @@ def test_the_cuda_public_provider_times_the_default_split_kernel():
     providers["cuda-mma"].build("decode_attention", problem)
     providers[bench_ops.default_kernel_provider("cuda")].build("decode_attention", problem)
     assert cuda_split_kv_kernel() == CUDA_SPLIT_KV_DEFAULT
+
+
+def test_the_public_ops_ratio_is_to_the_default_kernels_time(capsys):
+    """print_json_lines divides a public op's time by the time of the provider that calls the default kernel
+    directly: with every cuda kernel timed, cuda-public's ratio is to cuda-<default>'s, not to another's."""
+    from macs_kernels.ops.cuda import CUDA_SPLIT_KV_DEFAULT, CUDA_SPLIT_KV_KERNELS
+
+    shape = dict(op="decode_attention", mode="cudagraph", B=1, H=32, H_kv=8, D=128, S=4096, GB_s=1.0, vs_sdpa=1.0)
+    times = {f"cuda-{kernel}": 0.01 * (n + 2) for n, kernel in enumerate(CUDA_SPLIT_KV_KERNELS)}
+    times |= {"cuda-public": 0.1, "triton": 0.03, "triton-public": 0.06}
+    bench_ops.print_json_lines([dict(shape, provider=name, ms=ms) for name, ms in times.items()])
+    lines = {line["provider"]: line for line in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert lines["cuda-public"]["public_vs_kernel"] == round(0.1 / times[f"cuda-{CUDA_SPLIT_KV_DEFAULT}"], 3)
+    assert lines["triton-public"]["public_vs_kernel"] == 2.0

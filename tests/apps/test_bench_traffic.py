@@ -34,7 +34,7 @@ def test_the_traffic_benchmark_counts_the_bytes_its_calls_must_move(backend, tmp
     assert len(rows) == attention_rows + 2 * len(passes)  # then decode_attention and macs_update under each pass
     kv_bytes = 2 * batch * bench_traffic.KV_HEADS * keys * dim * 2
     inputs = keys - bench_ops.GENERATED
-    relative, group = RELATIVE_SCORE_PASSES[backend]
+    relative, group = RELATIVE_SCORE_PASSES.get(backend, ((), None))
     for row in rows:
         must_read = kv_bytes if row["call"] != "macs_update" else kv_bytes // 2
         assert row["cache_bytes"] == must_read and row["distinct_bytes"] > must_read, row
@@ -45,6 +45,8 @@ def test_the_traffic_benchmark_counts_the_bytes_its_calls_must_move(backend, tmp
         width = 2 if row["split_pass"] in relative else 4  # float16 s - m for bf16's log c update
         scores = 2 * batch * bench_traffic.HEADS * inputs * width  # written, then read back
         assert row["score_bytes"] >= scores, row
-        assert row["score_bytes"] - scores <= 2 * batch * bench_traffic.HEADS * (inputs // group + 1) * 4, row
+        # Beyond the scores, only the float32 maxima that relative scores are kept against (one per `group` keys).
+        maxima = 2 * batch * bench_traffic.HEADS * (inputs // group + 1) * 4 if row["split_pass"] in relative else 0
+        assert row["score_bytes"] - scores <= maxima, row
         ratio = row["distinct_over_attention"] if row["call"] != "macs_update" else row["distinct_over_K"]
         assert ratio > 1, row

@@ -1,8 +1,8 @@
 """Every split-KV pass a GPU runs, against the float64 references: the cuda backend's split kernels
 (CUDA_SPLIT_KV_KERNELS: verified, pipelined, mma) and the triton backend's fused pass. The fused decode's out, lse,
 m' (pooled) and log c update in fp32 and bf16, GQA 1, 4 and 8, D 64 and 128, ragged per-row ranges with generated
-keys, an odd key count; and m' of a verify block whose 40 rows per KV head fill triton's largest tiles, at D 128 and
-256. The `kernels` preset of .ci/gpu runs it (under compute-sanitizer too, -k mma), so that one GPU run can decide
+keys, an odd key count; and m' of a verify block of 40 rows per KV head, triton's 64-row tiles in bf16, at D 128
+and 256. The `kernels` preset of .ci/gpu runs it (under compute-sanitizer too, -k mma), so that one GPU run can decide
 between the kernels. Skips without a CUDA device and the backend."""
 from __future__ import annotations
 

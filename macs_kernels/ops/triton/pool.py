@@ -69,17 +69,8 @@ def _pool_kernel(
         gen = tl.load(gen_ptr + b * stride_gb + h * stride_gh + r * stride_gr, mask=h_mask, other=0.0)
         if FROM_SCORES:
             gen = tl.exp(gen - lse)
-    pool_tile(x, gen, h_mask, i, n_input, heads, n_target, target_ptr + b * stride_tb + r * stride_tr, alpha,
-              REDISTRIBUTE, POOLING, INTO_LOG_C)
-
-
-@triton.jit
-def pool_tile(x, gen, h_mask, i, n_input, heads, n_target, target_row, alpha, REDISTRIBUTE: tl.constexpr,
-              POOLING: tl.constexpr, INTO_LOG_C: tl.constexpr):
-    """Pool probabilities x (H_PAD, BLOCK_I) of inputs i over heads, each head's generated mass gen (H_PAD,) spread
-    over the n_input inputs, into target_row: log(alpha * m' + 1 - alpha) added for i < n_input, or m' written (0 for
-    n_input <= i < n_target). Only an unchecked input range is longer than the n_target columns of the row."""
-    i_mask = (i < n_input) & (i < n_target)
+    # Each head's generated mass spread over the n_input inputs; log(alpha * m' + 1 - alpha) added for i < n_input,
+    # or m' written (0 for n_input <= i < n_target).
     if REDISTRIBUTE:
         x += gen[:, None] / n_input.to(tl.float32)
     if POOLING == "max":
@@ -88,7 +79,7 @@ def pool_tile(x, gen, h_mask, i, n_input, heads, n_target, target_row, alpha, RE
         pooled = tl.min(tl.where(h_mask[:, None], x, float("inf")), 0)
     else:
         pooled = tl.sum(tl.where(h_mask[:, None], x, 0.0), 0) / heads
-    target = target_row + i
+    target = target_ptr + b * stride_tb + r * stride_tr + i
     if INTO_LOG_C:
         # Efficient-attention rows can pool below zero; clamping keeps the floor's log defined.
         term = tl.log(alpha * tl.maximum(pooled, 0.0) + (1.0 - alpha))

@@ -14,7 +14,7 @@ H_kv x S x 2D bytes of K.
 The fused MACS pass (`fused_pass`) then pools the input keys' probabilities over heads (pool.py's `_pool_kernel`):
 three launches. Two passes with fewer launches (the pooling folded into the combine, with float16 relative scores;
 everything in the split launch after each tile's last arrival) were slower on an H200 at every shape of issue 48's
-table (1.08-1.19x and 2.0-9.8x this pass's time, benchmarks/results/ops_issue48_h200_0d14256.csv) and are gone.
+table (1.08-1.19x and 2.0-11.0x this pass's time, benchmarks/results/ops_issue48_h200_0d14256.csv) and are gone.
 
 Attention variants (ops.Variant): a sliding window is a row whose attended start lies after its input start
 (its score columns count from the input start, `score_start`, which may precede the cache's first slot: the
