@@ -146,8 +146,8 @@ def split_kv_block(group_rows: int, dim: int, exact_f32: bool) -> tuple[int, int
     64) times the head dimension and the rows (at least 32) stay within 2^18, and 64 rows take 8 warps: with 64 keys
     and 4 warps throughout, 64-row tiles spilled up to 840 bytes a thread and D = 256 took up to 240 KiB. float32
     products run on CUDA cores, where a thread holds its rows' and keys' whole head dimension: 16 keys a step, and 16
-    rows from a 128-wide head tile up (D > 64) (64 keys spilled up to 24 KiB a thread; Triton 3.6.0, the H200's, still spilled 408-488 bytes
-    with 16 keys and 32-64 rows at D = 128)."""
+    rows from a 128-wide head tile up (D > 64): 64 keys spilled up to 24 KiB a thread, and Triton 3.6.0 (the H200's)
+    still spilled 408-488 bytes with 16 keys and 32-64 rows at D = 128."""
     block_d = head_block(dim)
     if exact_f32:
         block_m = min(64 if block_d < 128 else 16, max(16, next_pow2(group_rows)))
