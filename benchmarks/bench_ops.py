@@ -4,7 +4,8 @@
     python benchmarks/bench_ops.py --quick    # a few seconds
     python benchmarks/bench_ops.py --host-only   # the eager host cost per public call only
 Writes benchmarks/results/ops_<device>.csv and .png, and ops_<device>_host.csv: the eager host cost of one public
-op call (host_us: the public op's time per call less its kernel's, on a tiny problem) (or under --out).
+op call (host_us: the public op's time per call less its kernel's, on a tiny problem), and
+ops_<device>_host_profile.txt: where that call's host time goes, by function (or under --out).
 
 Bytes that must move: K once for macs_update, K and V once for decode_attention (q, log_c and the
 outputs are under 1% of that). GB/s = those bytes / time, whatever a provider actually reads:
@@ -322,6 +323,40 @@ def host_costs(device: torch.device, dtype: torch.dtype, env: dict) -> list[dict
     return rows
 
 
+def host_profile(device: torch.device, dtype: torch.dtype, path: Path, calls: int = 300) -> None:
+    """Where an eager public decode_attention call (with log c, the tiny problem of host_costs) spends its host time,
+    per backend: cProfile's functions by their own time, written to `path`, the top few printed. Issue 48's goal is
+    <= 30 us a call on cuda and <= 60 on triton; a GPU run measured 47 and 230."""
+    import cProfile
+    import io
+    import pstats
+
+    problem = Problem(1, 2, 1, 64, 64, dtype, device)
+    report = io.StringIO()
+    for backend in ("torch",) if device.type == "cpu" else ("torch", "triton", "cuda"):
+        if why_unavailable(backend, device):
+            continue
+        call = public_call(backend)("decode_attention", problem)
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(calls):
+            call()
+        profiler.disable()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+        report.write(f"=== {backend}: {calls} public decode_attention calls (with log c)\n{text.getvalue()}\n")
+        lines = text.getvalue().splitlines()
+        header = next(n for n, line in enumerate(lines) if "ncalls" in line)
+        print(f"host profile, {backend}:", *lines[header:header + 9], sep="\n  ")
+    path.write_text(report.getvalue())
+    print(f"wrote {path}")
+
+
 def plot(rows, path: Path):
     import matplotlib
     matplotlib.use("Agg")
@@ -384,6 +419,7 @@ def main(argv=None):
     stem = args.name or device_stem("ops", env, device)
     write_csv(host_costs(device, dtype, env), args.out / f"{stem}_host.csv")
     print(f"wrote {args.out / stem}_host.csv")
+    host_profile(device, dtype, args.out / f"{stem}_host_profile.txt")
     if args.host_only:
         return
     providers = []

@@ -106,3 +106,14 @@ def test_the_public_ops_ratio_is_to_the_default_kernels_time(capsys):
     lines = {line["provider"]: line for line in map(json.loads, capsys.readouterr().out.splitlines())}
     assert lines["cuda-public"]["public_vs_kernel"] == round(0.1 / times[f"cuda-{CUDA_SPLIT_KV_DEFAULT}"], 3)
     assert lines["triton-public"]["public_vs_kernel"] == 2.0
+
+
+def test_the_host_profile_names_where_a_public_call_spends_its_time(tmp_path, capsys):
+    """bench_ops' host profile (what the GPU check records beside the eager host cost): per backend that runs here,
+    the public decode_attention's functions by their own time, the argument checks among them."""
+    path = tmp_path / "profile.txt"
+    bench_ops.host_profile(torch.device("cpu"), torch.float32, path, calls=5)
+    text = path.read_text()
+    assert "=== torch: 5 public decode_attention calls" in text
+    assert "_checks.py" in text and "decode_attention.py" in text
+    assert "host profile, torch:" in capsys.readouterr().out
