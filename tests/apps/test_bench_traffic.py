@@ -34,7 +34,7 @@ def test_the_traffic_benchmark_counts_the_bytes_its_calls_must_move(backend, tmp
     assert len(rows) == attention_rows + 2 * len(passes)  # then decode_attention and macs_update under each pass
     kv_bytes = 2 * batch * bench_traffic.KV_HEADS * keys * dim * 2
     inputs = keys - bench_ops.GENERATED
-    relative, group = RELATIVE_SCORE_PASSES.get(backend, ((), None))
+    relative, group = RELATIVE_SCORE_PASSES[backend]
     for row in rows:
         must_read = kv_bytes if row["call"] != "macs_update" else kv_bytes // 2
         assert row["cache_bytes"] == must_read and row["distinct_bytes"] > must_read, row

@@ -212,13 +212,12 @@ class KeyReadingCall:
 
 # Per backend, the split passes whose log c update keeps 16-bit inputs' scores as float16 `s - m`, and the keys per
 # float32 maximum m they keep (the cuda mma kernel, SplitParams::relative_scores); every other score is float32.
-RELATIVE_SCORE_PASSES = {"cuda": (("mma",), 16)}
+RELATIVE_SCORE_PASSES = {"triton": ((), None), "cuda": (("mma",), 16)}
 
 
 def score_bytes(backend: str, split_pass: str, dtype: torch.dtype, case: KeyReadingCall) -> int:
     """Bytes per input key's score that `case` keeps under `split_pass` of `backend`."""
-    relative = (split_pass in RELATIVE_SCORE_PASSES.get(backend, ((),))[0] and dtype != torch.float32
-                and case.updates_log_c)
+    relative = split_pass in RELATIVE_SCORE_PASSES[backend][0] and dtype != torch.float32 and case.updates_log_c
     return 2 if relative else 4
 
 

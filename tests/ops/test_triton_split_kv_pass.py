@@ -93,7 +93,7 @@ def test_the_combine_reads_the_slices_a_chunk_at_a_time(monkeypatch, sinks):
                                                     input_end=input_end[:, None], kv_len=kv_len[:, None],
                                                     scale=0.125)[:, 0]
     for chunk in (1, 2, 4):
-        monkeypatch.setattr(split_kv, "splits_chunk", lambda splits, width, chunk=chunk: chunk)
+        monkeypatch.setattr(split_kv, "splits_chunk", lambda splits, dim, chunk=chunk: chunk)
         pooled = torch.zeros(2, 590, device=DEVICE)
         out, lse = ops.decode_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), pooled=pooled, sinks=head_sinks,
                                         backend="triton", **{key: value.to(DEVICE) if torch.is_tensor(value) else value

@@ -171,10 +171,10 @@ def split_kv_tiles(batch: int, kv_heads: int, group_rows: int, keys: int, dim: i
     return SplitKV(block_m, block_n, num_warps, cdiv(blocks, per_split), per_split * block_n)
 
 
-def splits_chunk(splits: int, width: int) -> int:
-    """Key slices the combine reads at a time, `width` values each (a head dimension's accumulators): at most 8192
-    values, 64 a thread of 4 warps; a power of two."""
-    return min(next_pow2(splits), max(1, 8192 // next_pow2(width)))
+def splits_chunk(splits: int, dim: int) -> int:
+    """Key slices whose (slices, head dimension) accumulators the combine reads at a time: at most 8192 values, 64 a
+    thread of 4 warps; a power of two."""
+    return min(next_pow2(splits), max(1, 8192 // head_block(dim)))
 
 
 def pool_block(heads: int, n_max: int) -> int:

@@ -244,7 +244,7 @@ def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores
         split.m, split.l, split.l_gen, split.acc, target, lse, lse_gen, split.m if sinks is None else sinks,
         split.tiles.splits, q.shape[1], q.shape[2], *(target.stride(i) if split.with_v else 0 for i in range(3)),
         D=q.shape[3], BLOCK_D=head_block(q.shape[3]), SPLITS_PAD=next_pow2(split.tiles.splits),
-        SPLITS_CHUNK=splits_chunk(split.tiles.splits, head_block(q.shape[3])), WITH_V=split.with_v,
+        SPLITS_CHUNK=splits_chunk(split.tiles.splits, q.shape[3]), WITH_V=split.with_v,
         HAS_SINKS=sinks is not None,
         num_warps=4,
     )
