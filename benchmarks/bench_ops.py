@@ -21,6 +21,7 @@ scaled_dot_product_attention with enable_gqa is the anchor (torch-sdpa-gqa, colu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import itertools
@@ -313,14 +314,26 @@ def host_costs(device: torch.device, dtype: torch.dtype, env: dict) -> list[dict
     for backend in ("torch",) if device.type == "cpu" else ("torch", "triton", "cuda"):
         if why_unavailable(backend, device):
             continue
-        for op in OPS:
-            public_us = time_calls(public_call(backend)(op, problem), device)
-            kernel_us = time_calls(backend_call(backend)(op, problem), device)
-            rows.append({**env, "op": op, "backend": backend, "dtype": str(dtype)[6:], "public_us": round(public_us, 2),
-                         "kernel_us": round(kernel_us, 2), "host_us": round(public_us - kernel_us, 2)})
-            print(f"{op:17s} {backend:7s} public {public_us:8.2f} us  kernel {kernel_us:8.2f} us  "
+        for op, (launch, launching) in itertools.product(OPS, launch_paths(backend)):
+            with launching():
+                public_us = time_calls(public_call(backend)(op, problem), device)
+                kernel_us = time_calls(backend_call(backend)(op, problem), device)
+            rows.append({**env, "op": op, "backend": backend, "launch": launch, "dtype": str(dtype)[6:],
+                         "public_us": round(public_us, 2), "kernel_us": round(kernel_us, 2),
+                         "host_us": round(public_us - kernel_us, 2)})
+            print(f"{op:17s} {backend:7s} {launch:15s} public {public_us:8.2f} us  kernel {kernel_us:8.2f} us  "
                   f"host cost {public_us - kernel_us:8.2f} us", flush=True)
     return rows
+
+
+def launch_paths(backend: str) -> tuple[tuple[str, Callable], ...]:
+    """(name, context) per way `backend`'s kernels launch: Triton's direct launches (its default) and its JIT's own
+    path, the baseline they are compared with (ops/triton/common.py, `launch`); one path for the other backends."""
+    if backend != "triton":
+        return (("", contextlib.nullcontext),)
+    from macs_kernels.ops.triton import common
+
+    return ("direct", contextlib.nullcontext), ("JITFunction.run", common.jit_launches)
 
 
 def host_profile(device: torch.device, dtype: torch.dtype, path: Path, calls: int = 300) -> None:

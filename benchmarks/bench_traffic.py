@@ -94,8 +94,9 @@ def measure(backend: str, shape, env: dict) -> tuple[list[dict], list[dict]]:
         with counted(backend, problem) as traffic:
             call()
         total = traffic.total()
+        # A score argument may be a view inside a workspace argument ("scores=partials").
         scores = sum(c.read_distinct + c.written_distinct for (_, argument), c in traffic.counts.items()
-                     if set(argument.split("=")) <= set(SCORE_ARGUMENTS))  # "scores=m": m, scores unused
+                     if set(argument.split("=")) & set(SCORE_ARGUMENTS))
         columns = dict(B=batch, H=HEADS, H_kv=KV_HEADS, D=dim, S=keys, dtype="bfloat16", backend=backend, call=name,
                        split_pass=split_pass or "(attention only)")
         detail += [columns | row | env for row in traffic.rows()]

@@ -15,12 +15,20 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 
 import torch
 import triton
 import triton.language as tl
+from triton.compiler import CompiledKernel
+from triton.runtime.driver import driver
 
 from macs_kernels.ops.backends import triton_interpreted
+
+try:
+    from triton import knobs
+except ImportError:  # Triton < 3.4
+    knobs = None
 
 LOG2E = tl.constexpr(1.4426950408889634)
 MIN_SCORE = tl.constexpr(-1.0e30)
@@ -29,6 +37,10 @@ MIN_SCORE = tl.constexpr(-1.0e30)
 # the environment on every launch cost microseconds of host time per op. backends.triton_interpreted() still reads
 # the environment (it answers before triton is imported); both agree unless TRITON_INTERPRET changes afterwards.
 INTERPRETED = triton_interpreted()
+# Whether `launch` may call a compiled kernel's launcher itself: Triton >= 3.4 outside the interpreter, whose
+# JITFunction and CompiledKernel internals it uses (the same since 3.4: the binder last in `device_caches`, the
+# launcher's arguments, the knobs' launch hooks).
+DIRECT_LAUNCHES = knobs is not None and not INTERPRETED
 
 # Kernel name -> launches since import: lets an integration test prove that Triton really ran.
 LAUNCHES: collections.Counter = collections.Counter()
@@ -95,9 +107,61 @@ def uncounted():
         LAUNCHES.update(saved)
 
 
-def launch(kernel, grid, *args, **kwargs) -> None:
+# (id of the kernel, device, the arguments' specialisation, launch options) -> the kernel Triton compiled for them. The
+# kernels are module globals, alive as long as the process (a JITFunction's own hash costs a microsecond).
+_COMPILED: dict[tuple, CompiledKernel] = {}
+
+
+def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
+    """kernel[grid](*args, **options), less most of Triton's per-launch Python.
+
+    Past binding and specialising the arguments, `JITFunction.run` spends 5-10 us of host Python per launch on these
+    kernels' 15-43 arguments (knobs read, a cache key formatted from the options, global-variable checks, launch
+    metadata), three launches per fused decode. The first launch of each specialisation (the JIT's own binder: dtypes,
+    16-byte alignment, integers' divisibility by 16 and 1s, constexprs) takes Triton's path, which compiles, and
+    leaves its CompiledKernel here; later ones call that kernel's launcher straight, as inductor launches the kernels
+    it compiled. Triton's own path also runs under torch.compile's tracing (which must see kernel[grid]), in the
+    interpreter, on Triton < 3.4 (other internals), and while a launch hook (a profiler) or a pre-run hook is set.
+    Triton's debug and instrumentation knobs are read at a specialisation's first launch."""
     LAUNCHES[kernel.fn.__name__] += 1
-    kernel[grid](*args, **kwargs)
+    if not DIRECT_LAUNCHES or torch.compiler.is_compiling() or _hooked(kernel):
+        kernel[grid](*args, **options)
+        return
+    device = driver.active.get_current_device()
+    bound, specialization, _ = kernel.device_caches[device][-1](*args, **options)
+    key = (id(kernel), device, tuple(specialization), tuple(options.items()))
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        compiled = kernel[grid](*args, **options)
+        if isinstance(compiled, CompiledKernel):
+            _COMPILED[key] = compiled
+        return
+    grid = grid + (1,) * (3 - len(grid))
+    compiled.run(*grid, driver.active.get_current_stream(device), compiled.function, compiled.packed_metadata, None,
+                 None, None, *bound.values())
+
+
+@contextlib.contextmanager
+def jit_launches():
+    """Launches inside take Triton's own path (JITFunction.run): what the benchmarks and tests compare direct launches
+    with."""
+    global DIRECT_LAUNCHES
+    saved, DIRECT_LAUNCHES = DIRECT_LAUNCHES, False
+    try:
+        yield
+    finally:
+        DIRECT_LAUNCHES = saved
+
+
+def _hooked(kernel) -> bool:
+    """Whether a launch hook is installed or the kernel has a pre-run hook."""
+    return _installed(knobs.runtime.launch_enter_hook) or _installed(knobs.runtime.launch_exit_hook) \
+        or bool(kernel.pre_run_hooks)
+
+
+def _installed(hook) -> bool:
+    """Triton >= 3.6 keeps a launch hook in a HookChain, empty by default; 3.4-3.5 in an Optional knob."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def cdiv(a: int, b: int) -> int:
@@ -107,11 +171,15 @@ def cdiv(a: int, b: int) -> int:
 
 
 def next_pow2(value: int) -> int:
-    return 1 << max(0, int(value) - 1).bit_length()
+    """The least power of two >= value (1 for value <= 1); int() specialises a traced size."""
+    value = int(value)
+    return 1 << (value - 1).bit_length() if value > 1 else 1
 
 
+@functools.cache
 def multiprocessors(device: torch.device) -> int:
-    """Streaming multiprocessors to fill; the interpreter runs programs one by one, so a few suffice."""
+    """Streaming multiprocessors to fill; the interpreter runs programs one by one, so a few suffice. Cached per device
+    (a CUDA tensor's device has its index): the query costs microseconds of every launch plan."""
     if INTERPRETED or device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count

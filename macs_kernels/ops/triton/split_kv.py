@@ -23,7 +23,7 @@ HAS_SINKS adds each head's sink logit to the denominator in the combine (the sin
 """
 from __future__ import annotations
 
-import dataclasses
+from typing import NamedTuple
 
 import torch
 import triton
@@ -31,7 +31,6 @@ import triton.language as tl
 
 from macs_kernels.ops.triton.common import (
     MIN_SCORE,
-    SplitKV,
     cdiv,
     clamped,
     dot,
@@ -72,8 +71,8 @@ def _slice_offset(key, first, span):
 @triton.jit
 def _split_kv_kernel(
     q_ptr, k_ptr, v_ptr, start_ptr, input_end_ptr, kv_len_ptr, block_table_ptr, score_start_ptr,
-    scores_ptr, m_ptr, l_ptr, l_gen_ptr, acc_ptr,
-    scale, softcap, split_size, splits, kv_heads, rows, keys, n_scores, pages,
+    scores_ptr, partials_ptr,
+    scale, softcap, split_size, splits, kv_heads, rows, keys, n_scores, pages, stride_part,
     stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ib, stride_ir, stride_eb, stride_er, stride_lb, stride_lr, stride_fb, stride_fr,
     stride_tb, stride_sb, stride_sh, stride_sr,
@@ -163,31 +162,34 @@ def _split_kv_kernel(
             v = operand(tl.load(v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0), DOT_F32)
             acc = acc * correction[:, None] + dot(p.to(v.dtype), v, DOT_F32)
         m = m_new
-    tl.store(m_ptr + partial, m, mask=row_ok)
-    tl.store(l_ptr + partial, l, mask=row_ok)
-    tl.store(l_gen_ptr + partial, l_gen, mask=row_ok)
+    tl.store(partials_ptr + partial, m, mask=row_ok)
+    tl.store(partials_ptr + stride_part + partial, l, mask=row_ok)
+    tl.store(partials_ptr + 2 * stride_part + partial, l_gen, mask=row_ok)
     if WITH_V:
-        tl.store(acc_ptr + partial[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_mask[None, :])
+        tl.store(partials_ptr + 3 * stride_part + partial[:, None] * D + d[None, :], acc,
+                 mask=row_ok[:, None] & d_mask[None, :])
 
 
 @triton.jit
 def _combine_row(
-    row, m_ptr, l_ptr, l_gen_ptr, acc_ptr, out_ptr, lse_ptr, lse_gen_ptr, sinks_ptr,
-    splits, heads, rows, stride_ob, stride_oh, stride_or,
+    row, partials_ptr, out_ptr, lse_ptr, lse_gen_ptr, sinks_ptr,
+    splits, heads, rows, stride_part, stride_ob, stride_oh, stride_or,
     D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLITS_CHUNK: tl.constexpr,
     WITH_V: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """Row `row` of (B, H, R): its lse, lse_gen and (WITH_V) out from the slices' partials, a slice weighing
+    """Row `row` of (B, H, R): its lse, lse_gen and (WITH_V) out from the slices' partials (m, l, l_gen and acc, each
+    in its region of the workspace, `stride_part` apart), a slice weighing
     exp(m - top) / l. Slices in which the row attends no key have l = 0; every row attends a key somewhere. The
     accumulators are summed SPLITS_CHUNK slices at a time (all of them at once spilled: 2.9 KiB a thread for 512
     slices at D = 128, which one KV head's decode gets on an H200)."""
     sp = tl.arange(0, SPLITS_PAD)
     sp_mask = sp < splits
-    m = tl.load(m_ptr + row * splits + sp, mask=sp_mask, other=MIN_SCORE)
+    stats = partials_ptr + row * splits
+    m = tl.load(stats + sp, mask=sp_mask, other=MIN_SCORE)
     top = tl.max(m, 0)
     weight = tl.exp(m - top)
-    l = tl.sum(weight * tl.load(l_ptr + row * splits + sp, mask=sp_mask, other=0.0), 0)
-    l_gen = tl.sum(weight * tl.load(l_gen_ptr + row * splits + sp, mask=sp_mask, other=0.0), 0)
+    l = tl.sum(weight * tl.load(stats + stride_part + sp, mask=sp_mask, other=0.0), 0)
+    l_gen = tl.sum(weight * tl.load(stats + 2 * stride_part + sp, mask=sp_mask, other=0.0), 0)
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + row // rows % heads).to(tl.float32)
         rescale = tl.exp(top - tl.maximum(top, sink))
@@ -202,8 +204,8 @@ def _combine_row(
         for first in range(0, SPLITS_PAD, SPLITS_CHUNK):  # a trip count ptxas knows; padding slices load nothing
             chunk = first + tl.arange(0, SPLITS_CHUNK)
             chunk_mask = chunk < splits
-            chunk_weight = tl.exp(tl.load(m_ptr + row * splits + chunk, mask=chunk_mask, other=MIN_SCORE) - top)
-            acc = tl.load(acc_ptr + (row * splits + chunk)[:, None] * D + d[None, :],
+            chunk_weight = tl.exp(tl.load(stats + chunk, mask=chunk_mask, other=MIN_SCORE) - top)
+            acc = tl.load(partials_ptr + 3 * stride_part + (row * splits + chunk)[:, None] * D + d[None, :],
                           mask=chunk_mask[:, None] & (d < D)[None, :], other=0.0)
             out += tl.sum(chunk_weight[:, None] * acc, 0)
         out = out / l
@@ -213,14 +215,14 @@ def _combine_row(
 
 @triton.jit
 def _split_kv_combine_kernel(
-    m_ptr, l_ptr, l_gen_ptr, acc_ptr, out_ptr, lse_ptr, lse_gen_ptr, sinks_ptr,
-    splits, heads, rows, stride_ob, stride_oh, stride_or,
+    partials_ptr, out_ptr, lse_ptr, lse_gen_ptr, sinks_ptr,
+    splits, heads, rows, stride_part, stride_ob, stride_oh, stride_or,
     D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLITS_CHUNK: tl.constexpr,
     WITH_V: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    _combine_row(tl.program_id(0).to(tl.int64), m_ptr, l_ptr, l_gen_ptr, acc_ptr, out_ptr, lse_ptr, lse_gen_ptr,
-                 sinks_ptr, splits, heads, rows, stride_ob, stride_oh, stride_or, D, BLOCK_D, SPLITS_PAD,
-                 SPLITS_CHUNK, WITH_V, HAS_SINKS)
+    _combine_row(tl.program_id(0).to(tl.int64), partials_ptr, out_ptr, lse_ptr, lse_gen_ptr, sinks_ptr, splits,
+                 heads, rows, stride_part, stride_ob, stride_oh, stride_or, D, BLOCK_D, SPLITS_PAD, SPLITS_CHUNK,
+                 WITH_V, HAS_SINKS)
 
 
 def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block_table=None, *,
@@ -234,21 +236,22 @@ def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores
     block_table[b, j // page_size]; otherwise they are (B, H_kv, S, D).
 
     Returns (out (B, H, R, D) in q's dtype or None, lse (B, H, R) float32, lse_gen (B, H, R) float32 (-inf
-    where no generated key), scores (B, H, R, n_scores) float32 or None).
+    where no generated key), scores (B, H, R, n_scores) float32 or None); lse_gen and scores are views of the pass's
+    workspace.
     """
     split = _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block_table, score_start, softcap)
-    out, lse, lse_gen = _outputs(q, split)
+    batch, heads, rows, dim = q.shape
+    out = torch.empty(batch, heads, rows, dim, device=q.device, dtype=q.dtype) if split.with_v else None
+    lse = torch.empty(batch, heads, rows, device=q.device, dtype=torch.float32)
     target = out if split.with_v else lse
     launch(
-        _split_kv_combine_kernel, (q.shape[0] * q.shape[1] * q.shape[2],),
-        split.m, split.l, split.l_gen, split.acc, target, lse, lse_gen, split.m if sinks is None else sinks,
-        split.tiles.splits, q.shape[1], q.shape[2], *(target.stride(i) if split.with_v else 0 for i in range(3)),
-        D=q.shape[3], BLOCK_D=head_block(q.shape[3]), SPLITS_PAD=next_pow2(split.tiles.splits),
-        SPLITS_CHUNK=splits_chunk(split.tiles.splits, q.shape[3]), WITH_V=split.with_v,
-        HAS_SINKS=sinks is not None,
-        num_warps=4,
+        _split_kv_combine_kernel, (batch * heads * rows,),
+        split.workspace, target, lse, split.lse_gen, split.workspace if sinks is None else sinks,
+        split.splits, heads, rows, split.stride_part, *(target.stride()[:3] if split.with_v else (0, 0, 0)),
+        D=dim, BLOCK_D=head_block(dim), SPLITS_PAD=next_pow2(split.splits),
+        SPLITS_CHUNK=splits_chunk(split.splits, dim), WITH_V=split.with_v, HAS_SINKS=sinks is not None, num_warps=4,
     )
-    return out, lse, lse_gen, split.scores if n_scores else None
+    return out, lse, split.lse_gen, split.scores
 
 
 def fused_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, target, *, pool_start, lse=None, alpha=None,
@@ -266,24 +269,23 @@ def fused_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, target, *, 
     return out, own_lse
 
 
-@dataclasses.dataclass(frozen=True)
-class _Split:
-    """What the split kernel left for the combine: per (row, slice) partials and the input keys' float32 scores."""
-    tiles: SplitKV
+class _Split(NamedTuple):
+    """What the split kernel left for the combine, in one float32 workspace (one allocation, not six: each costs
+    microseconds of host time on a GPU): the per (row, slice) partials m, l, l_gen and (with_v) acc, each in a region
+    `stride_part` floats long (acc: stride_part x D), then lse_gen (B, H, R), which the combine writes, and the input
+    keys' scores (B, H, R, n_scores), the split kernel's (None without)."""
+    splits: int
     with_v: bool
-    m: torch.Tensor
-    l: torch.Tensor
-    l_gen: torch.Tensor
-    acc: torch.Tensor
-    scores: torch.Tensor
+    workspace: torch.Tensor
+    stride_part: int
+    lse_gen: torch.Tensor
+    scores: torch.Tensor | None
 
 
-def _outputs(q, split: _Split):
-    """Empty out (B, H, R, D) in q's dtype (None without V), lse and lse_gen (B, H, R) float32."""
-    batch, heads, rows, dim = q.shape
-    out = torch.empty(batch, heads, rows, dim, device=q.device, dtype=q.dtype) if split.with_v else None
-    lse, lse_gen = (torch.empty(batch, heads, rows, device=q.device, dtype=torch.float32) for _ in range(2))
-    return out, lse, lse_gen
+def _aligned(floats: int) -> int:
+    """floats rounded up to a multiple of 16: every workspace region starts 64-byte aligned, as an allocation would,
+    and Triton specialises its offsets as multiples of 16 (vector loads and stores)."""
+    return -(-floats // 16) * 16
 
 
 def _cache_keys(k_cache, block_table) -> int:
@@ -292,7 +294,7 @@ def _cache_keys(k_cache, block_table) -> int:
 
 
 def _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block_table, score_start, softcap):
-    """Launch `_split_kv_kernel` (arguments as split_kv_pass's) into new partial and score buffers (a _Split)."""
+    """Launch `_split_kv_kernel` (arguments as split_kv_pass's) into a new workspace (a _Split)."""
     batch, heads, rows, dim = q.shape
     paged = block_table is not None
     keys = _cache_keys(k_cache, block_table)
@@ -308,29 +310,33 @@ def _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block
     with_v = v_cache is not None
     dot_f32 = dot_in_f32(q, k_cache, *((v_cache,) if with_v else ()))
     tiles = split_kv_tiles(batch, kv_heads, group * rows, keys, dim, dot_f32, q.device)
-    f32 = dict(device=q.device, dtype=torch.float32)
-    m, l, l_gen = (torch.empty(batch, heads, rows, tiles.splits, **f32) for _ in range(3))
-    acc = torch.empty(batch, heads, rows, tiles.splits, dim, **f32) if with_v else m
+    query_rows = batch * heads * rows
+    stride_part = _aligned(query_rows * tiles.splits)
+    lse_gen_at = stride_part * (3 + dim if with_v else 3)
+    scores_at = lse_gen_at + _aligned(query_rows)
+    workspace = torch.empty(scores_at + query_rows * n_scores, device=q.device, dtype=torch.float32)
+    lse_gen = workspace.as_strided((batch, heads, rows), (heads * rows, rows, 1), lse_gen_at)
     windowed = score_start is not None
+    scores = None
     if n_scores:
-        scores = (torch.full if windowed else torch.empty)(
-            (batch, heads, rows, max(n_scores, 1)), *((float("-inf"),) if windowed else ()), **f32)
-    else:
-        scores = m
+        scores = workspace.as_strided((batch, heads, rows, n_scores), (heads * rows * n_scores, rows * n_scores,
+                                                                       n_scores, 1), scores_at)
+        if windowed:
+            scores.fill_(float("-inf"))
     v = v_cache if with_v else k_cache
     launch(
         _split_kv_kernel, (batch * kv_heads * cdiv(group * rows, tiles.block_m), tiles.splits),
         q, k_cache, v, start, input_end, kv_len, block_table if paged else start,
-        score_start if windowed else start, scores, m, l, l_gen, acc,
+        score_start if windowed else start, lse_gen if scores is None else scores, workspace,
         scale, 1.0 if softcap is None else float(softcap), tiles.split_size, tiles.splits, kv_heads, rows,
-        keys, scores.shape[3] if n_scores else 0, k_cache.shape[0] if paged else 0,
-        q.stride(0), q.stride(1), q.stride(2), *k_strides, *(v_strides if with_v else k_strides),
+        keys, n_scores, k_cache.shape[0] if paged else 0, stride_part,
+        *q.stride()[:3], *k_strides, *(v_strides if with_v else k_strides),
         *start.stride(), *input_end.stride(), *kv_len.stride(), *(score_start if windowed else start).stride(),
         block_table.stride(0) if paged else 0,
-        scores.stride(0), scores.stride(1), scores.stride(2),
+        *(scores.stride()[:3] if n_scores else (0, 0, 0)),
         D=dim, BLOCK_D=head_block(dim), GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         WITH_V=with_v, WITH_SCORES=bool(n_scores), DOT_F32=dot_f32, PAGE_SIZE=page_size,
         SOFTCAP=softcap is not None, WINDOWED=windowed,
         num_warps=tiles.num_warps, num_stages=3,
     )
-    return _Split(tiles, with_v, m, l, l_gen, acc, scores)
+    return _Split(tiles.splits, with_v, workspace, stride_part, lse_gen, scores)

@@ -1,0 +1,87 @@
+"""A Triton driver that launches nothing: Triton's whole host path (binding and specialising the arguments, compiling
+for a real GPU target with ptxas, the launcher call) on a machine without a GPU, so that what a launch costs the host,
+and which compiled kernel it calls with which arguments, can be measured and tested here (issue 48: a public op's
+eager host time). The kernels must be real JITFunctions: import them with TRITON_INTERPRET unset or 0, after
+`activate()`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+
+# What a launcher records: (kernel name, compiled kernel's hash, grid, arguments).
+Launch = tuple[str, str, tuple[int, int, int], tuple]
+
+
+@dataclasses.dataclass
+class NullDriver:
+    """Stands in for Triton's CUDA driver on device 0: kernels compile for sm_<arch> and load nowhere; each launch is
+    appended to `launches` (and runs the launch hooks it is given, as Triton's launcher does) instead of running."""
+
+    arch: int = 90
+    launches: list[Launch] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        self.utils = _NullUtils()
+
+    def launcher_cls(self, src, metadata):
+        def launcher(grid_0, grid_1, grid_2, stream, function, packed_metadata, launch_metadata, enter_hook,
+                     exit_hook, *args):
+            for hook in (enter_hook, exit_hook):
+                if hook is not None:
+                    hook(launch_metadata)
+            self.launches.append((metadata.name, metadata.hash, (grid_0, grid_1, grid_2), args))
+        return launcher
+
+    @staticmethod
+    def is_active() -> bool:
+        return True
+
+    @staticmethod
+    def get_current_device() -> int:
+        return 0
+
+    @staticmethod
+    def get_current_stream(device=None) -> int:
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", self.arch, 32)
+
+    @staticmethod
+    def get_active_torch_device() -> torch.device:
+        return torch.device("cpu")
+
+
+class _NullUtils:
+    """An H200's limits (what `CompiledKernel` checks before its first launch); binaries load as handle 0."""
+
+    @staticmethod
+    def get_device_properties(device) -> dict:
+        return {"max_shared_mem": 232448, "multiprocessor_count": 132}
+
+    @staticmethod
+    def load_binary(name, kernel, shared, device):
+        return 0, 0, 128, 0, 1024  # module, function, registers, spills, threads per block
+
+
+@contextlib.contextmanager
+def activate(arch: int = 90) -> Iterator[NullDriver]:
+    """Triton's active driver is a NullDriver inside the context."""
+    from triton.runtime.driver import driver
+
+    # Read without making the default driver, which fails on a machine without a GPU: Triton >= 3.6 keeps it in
+    # `_active` behind a property (None until made), 3.4-3.5 in `active` behind a lazy proxy.
+    state = vars(driver)
+    previous = state["_active"] if "_active" in state else state["active"]
+    null = NullDriver(arch)
+    driver.set_active(null)
+    try:
+        yield null
+    finally:
+        driver.set_active(previous)

@@ -1,0 +1,156 @@
+"""The Triton launchers' direct launches (ops/triton/common.py, `launch`) call the kernel Triton's own path would call,
+with the same grid and arguments, for every specialisation a call can change; a launch hook still sees every launch.
+
+Run with no GPU through a null driver (macs_kernels.apps.bench.null_driver): the kernels compile for sm_90 and each
+launch is recorded instead of run. Real JITFunctions need TRITON_INTERPRET=0, which the test default is not, so the
+calls run in one subprocess.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_SCRIPT = r"""
+import collections, contextlib, importlib, json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from macs_kernels.apps.bench import null_driver
+
+with null_driver.activate() as null:
+    from triton import knobs
+    from triton.runtime.jit import JITFunction
+
+    common = importlib.import_module("macs_kernels.ops.triton.common")
+    triton_ops = importlib.import_module("macs_kernels.ops.triton")
+    jit_runs = collections.Counter()
+    jit_run = JITFunction.run
+
+    def counted_run(self, *args, **kwargs):
+        jit_runs[self.fn.__name__] += 1
+        return jit_run(self, *args, **kwargs)
+
+    JITFunction.run = counted_run
+
+    def described(value):
+        if isinstance(value, torch.Tensor):
+            return ["tensor", str(value.dtype), list(value.shape), list(value.stride()), value.data_ptr() % 16 == 0]
+        return value
+
+    def recorded(call, direct):
+        jit_runs.clear()
+        del null.launches[:]
+        with contextlib.nullcontext() if direct else common.jit_launches():
+            call()
+        return {"launches": [[name, digest, list(grid), [described(a) for a in args]]
+                             for name, digest, grid, args in null.launches], "jit_runs": sum(jit_runs.values())}
+
+    def problem(batch, heads, kv_heads, keys, dim, dtype, index=torch.int64, aligned_q=True):
+        torch.manual_seed(0)
+        q = torch.randn(batch * heads * dim + 1, dtype=dtype)
+        q = (q[:-1] if aligned_q else q[1:]).view(batch, heads, dim)
+        k, v = (torch.randn(batch, kv_heads, keys, dim, dtype=dtype) for _ in range(2))
+        start = torch.zeros(batch, dtype=index)
+        kv_len = torch.full((batch,), keys, dtype=index)
+        return q, k, v, start, kv_len, (kv_len - 5).to(index), torch.zeros(batch, keys)
+
+    def fused(batch, heads, kv_heads, keys, dim, dtype, **options):
+        q, k, v, start, kv_len, input_end, log_c = problem(batch, heads, kv_heads, keys, dim, dtype, **options)
+        return lambda: triton_ops.decode_attention(q, k, v, start, kv_len, dim ** -0.5, log_c, input_end, 0.8, "max",
+                                                   True, None)
+
+    def attention(batch, heads, kv_heads, keys, dim, dtype):
+        q, k, v, start, kv_len, _, _ = problem(batch, heads, kv_heads, keys, dim, dtype)
+        return lambda: triton_ops.decode_attention(q, k, v, start, kv_len, dim ** -0.5, None, None, 0.8, "max", True,
+                                                   None)
+
+    def windowed(batch, heads, kv_heads, keys, dim, dtype):
+        q, k, v, start, kv_len, input_end, _ = problem(batch, heads, kv_heads, keys, dim, dtype)
+        pooled = torch.zeros(batch, keys)
+        return lambda: triton_ops.decode_attention(q, k, v, start + 7, kv_len, dim ** -0.5, None, input_end, 0.8,
+                                                   "max", True, pooled, score_start=start, softcap=30.0)
+
+    cases = {
+        "fused bf16 GQA 3:1 D64 113 keys": fused(2, 12, 4, 113, 64, torch.bfloat16),
+        "its int32 ranges": fused(2, 12, 4, 113, 64, torch.bfloat16, index=torch.int32),
+        "its q 2 bytes off 16": fused(2, 12, 4, 113, 64, torch.bfloat16, aligned_q=False),
+        "fused fp32 batch 1 D128 1023 keys": fused(1, 8, 8, 1023, 128, torch.float32),
+        "attention fp16 GQA 4:1 D128 1024 keys": attention(1, 32, 8, 1024, 128, torch.float16),
+        "window and softcap bf16 D64": windowed(2, 6, 2, 96, 64, torch.bfloat16),
+    }
+    results = {}
+    for name, call in cases.items():
+        first = recorded(call, direct=True)  # compiles: Triton's path
+        results[name] = {"first": first, "direct": recorded(call, direct=True), "triton": recorded(call, direct=False)}
+
+    hook_calls = []
+    hook = lambda metadata: hook_calls.append(metadata)
+    chain = knobs.runtime.launch_enter_hook
+    if hasattr(chain, "add"):  # Triton >= 3.6: a HookChain
+        chain.add(hook)
+    else:
+        knobs.runtime.launch_enter_hook = hook
+    hooked = recorded(cases["fused bf16 GQA 3:1 D64 113 keys"], direct=True)
+    results["hooked"] = {"jit_runs": hooked["jit_runs"], "hook_calls": len(hook_calls)}
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def launches():
+    done = subprocess.run([sys.executable, "-c", _SCRIPT, str(ROOT)], env=dict(os.environ, TRITON_INTERPRET="0"),
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+CASES = ("fused bf16 GQA 3:1 D64 113 keys", "its int32 ranges", "its q 2 bytes off 16",
+         "fused fp32 batch 1 D128 1023 keys", "attention fp16 GQA 4:1 D128 1024 keys", "window and softcap bf16 D64")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_direct_launch_calls_the_kernel_tritons_path_calls_with_the_same_arguments(launches, case):
+    result = launches[case]
+    assert result["direct"]["jit_runs"] == 0, "a repeated call went through JITFunction.run"
+    assert result["triton"]["jit_runs"] == len(result["triton"]["launches"]) > 0
+    assert result["direct"]["launches"] == result["triton"]["launches"]
+    assert result["first"]["launches"] == result["triton"]["launches"]
+
+
+def test_each_specialisation_gets_its_own_kernel(launches):
+    """int32 ranges, an unaligned q and the plain call compile three split kernels: a cache keyed on less than the
+    specialisation would have launched the first for all three."""
+    kernels = {case: {name: digest for name, digest, _, _ in launches[case]["direct"]["launches"]}
+               for case in CASES[:3]}
+    assert len({kernels[case]["_split_kv_kernel"] for case in CASES[:3]}) == 3
+    # The combine reads only the workspace and the outputs: the same kernel for all three.
+    assert len({kernels[case]["_split_kv_combine_kernel"] for case in CASES[:3]}) == 1
+
+
+def test_a_launch_hook_sees_every_launch(launches):
+    """With a launch hook installed (a profiler's), every launch takes Triton's path, which calls the hook."""
+    assert launches["hooked"] == {"jit_runs": 3, "hook_calls": 3}
+
+
+def test_the_host_benchmark_times_both_launch_paths_of_each_call(tmp_path):
+    """benchmarks/bench_triton_host.py records every call under both launch paths, with its profile and plot."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_triton_host.py"), "--rounds", "2",
+                           "--calls", "3", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    stem = tmp_path / "triton_host_cpu"
+    assert all(stem.with_suffix(suffix).stat().st_size > 0 for suffix in (".csv", ".png"))
+    rows = [json.loads(line) for line in stem.with_suffix(".json").read_text().splitlines()]
+    assert sorted((row["call"], row["launch"]) for row in rows) == sorted(
+        (call, launch) for call in ("decode_attention with log c", "decode_attention", "macs_update")
+        for launch in ("direct", "JITFunction.run"))
+    assert all(0 < row["best_us"] <= row["median_us"] for row in rows)
+    assert "_split" in (tmp_path / "triton_host_cpu_profile.txt").read_text()
