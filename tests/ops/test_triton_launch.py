@@ -40,18 +40,24 @@ with null_driver.activate() as null:
 
     JITFunction.run = counted_run
 
-    def described(value):
+    # A tensor by the input it views (by name: two swapped inputs differ) or as a new buffer, and its layout.
+    def described(value, inputs):
         if isinstance(value, torch.Tensor):
-            return ["tensor", str(value.dtype), list(value.shape), list(value.stride()), value.data_ptr() % 16 == 0]
+            source = next((name for name, tensor in inputs.items() if tensor.data_ptr() == value.data_ptr()), "new")
+            return [source, str(value.dtype), list(value.shape), list(value.stride()), value.data_ptr() % 16 == 0]
         return value
 
-    def recorded(call, direct):
+    def recorded(case, direct, stream):
+        call, inputs = case
+        null.stream = stream
         jit_runs.clear()
         del null.launches[:]
         with contextlib.nullcontext() if direct else common.jit_launches():
             call()
-        return {"launches": [[name, digest, list(grid), [described(a) for a in args]]
-                             for name, digest, grid, args in null.launches], "jit_runs": sum(jit_runs.values())}
+        return {"launches": [[name, digest, list(grid), stream, function, list(packed),
+                              [described(a, inputs) for a in args]]
+                             for name, digest, grid, stream, function, packed, args in null.launches],
+                "jit_runs": sum(jit_runs.values())}
 
     def problem(batch, heads, kv_heads, keys, dim, dtype, index=torch.int64, aligned_q=True):
         torch.manual_seed(0)
@@ -60,23 +66,24 @@ with null_driver.activate() as null:
         k, v = (torch.randn(batch, kv_heads, keys, dim, dtype=dtype) for _ in range(2))
         start = torch.zeros(batch, dtype=index)
         kv_len = torch.full((batch,), keys, dtype=index)
-        return q, k, v, start, kv_len, (kv_len - 5).to(index), torch.zeros(batch, keys)
+        return dict(q=q, k=k, v=v, start=start, kv_len=kv_len, input_end=(kv_len - 5).to(index),
+                    state=torch.zeros(batch, keys), attend=start + 7)
 
     def fused(batch, heads, kv_heads, keys, dim, dtype, **options):
-        q, k, v, start, kv_len, input_end, log_c = problem(batch, heads, kv_heads, keys, dim, dtype, **options)
-        return lambda: triton_ops.decode_attention(q, k, v, start, kv_len, dim ** -0.5, log_c, input_end, 0.8, "max",
-                                                   True, None)
+        t = problem(batch, heads, kv_heads, keys, dim, dtype, **options)
+        return lambda: triton_ops.decode_attention(t["q"], t["k"], t["v"], t["start"], t["kv_len"], dim ** -0.5,
+                                                   t["state"], t["input_end"], 0.8, "max", True, None), t
 
     def attention(batch, heads, kv_heads, keys, dim, dtype):
-        q, k, v, start, kv_len, _, _ = problem(batch, heads, kv_heads, keys, dim, dtype)
-        return lambda: triton_ops.decode_attention(q, k, v, start, kv_len, dim ** -0.5, None, None, 0.8, "max", True,
-                                                   None)
+        t = problem(batch, heads, kv_heads, keys, dim, dtype)
+        return lambda: triton_ops.decode_attention(t["q"], t["k"], t["v"], t["start"], t["kv_len"], dim ** -0.5,
+                                                   None, None, 0.8, "max", True, None), t
 
     def windowed(batch, heads, kv_heads, keys, dim, dtype):
-        q, k, v, start, kv_len, input_end, _ = problem(batch, heads, kv_heads, keys, dim, dtype)
-        pooled = torch.zeros(batch, keys)
-        return lambda: triton_ops.decode_attention(q, k, v, start + 7, kv_len, dim ** -0.5, None, input_end, 0.8,
-                                                   "max", True, pooled, score_start=start, softcap=30.0)
+        t = problem(batch, heads, kv_heads, keys, dim, dtype)
+        return lambda: triton_ops.decode_attention(t["q"], t["k"], t["v"], t["attend"], t["kv_len"], dim ** -0.5,
+                                                   None, t["input_end"], 0.8, "max", True, t["state"],
+                                                   score_start=t["start"], softcap=30.0), t
 
     cases = {
         "fused bf16 GQA 3:1 D64 113 keys": fused(2, 12, 4, 113, 64, torch.bfloat16),
@@ -87,9 +94,10 @@ with null_driver.activate() as null:
         "window and softcap bf16 D64": windowed(2, 6, 2, 96, 64, torch.bfloat16),
     }
     results = {}
-    for name, call in cases.items():
-        first = recorded(call, direct=True)  # compiles: Triton's path
-        results[name] = {"first": first, "direct": recorded(call, direct=True), "triton": recorded(call, direct=False)}
+    for name, case in cases.items():
+        first = recorded(case, direct=True, stream=3)  # compiles: Triton's path
+        results[name] = {"first": first, "direct": recorded(case, direct=True, stream=11),
+                         "triton": recorded(case, direct=False, stream=11)}
 
     hook_calls = []
     hook = lambda metadata: hook_calls.append(metadata)
@@ -98,7 +106,7 @@ with null_driver.activate() as null:
         chain.add(hook)
     else:
         knobs.runtime.launch_enter_hook = hook
-    hooked = recorded(cases["fused bf16 GQA 3:1 D64 113 keys"], direct=True)
+    hooked = recorded(cases["fused bf16 GQA 3:1 D64 113 keys"], direct=True, stream=11)
     results["hooked"] = {"jit_runs": hooked["jit_runs"], "hook_calls": len(hook_calls)}
 print(json.dumps(results))
 """
@@ -121,14 +129,17 @@ def test_a_direct_launch_calls_the_kernel_tritons_path_calls_with_the_same_argum
     result = launches[case]
     assert result["direct"]["jit_runs"] == 0, "a repeated call went through JITFunction.run"
     assert result["triton"]["jit_runs"] == len(result["triton"]["launches"]) > 0
+    # Grid, stream (the current one: 11, the first call ran on 3), function handle, metadata and arguments.
     assert result["direct"]["launches"] == result["triton"]["launches"]
-    assert result["first"]["launches"] == result["triton"]["launches"]
+    assert [launch[3] for launch in result["first"]["launches"]] == [3] * len(result["first"]["launches"])
+    assert [launch[:3] + launch[4:] for launch in result["first"]["launches"]] == \
+        [launch[:3] + launch[4:] for launch in result["triton"]["launches"]]
 
 
 def test_each_specialisation_gets_its_own_kernel(launches):
     """int32 ranges, an unaligned q and the plain call compile three split kernels: a cache keyed on less than the
     specialisation would have launched the first for all three."""
-    kernels = {case: {name: digest for name, digest, _, _ in launches[case]["direct"]["launches"]}
+    kernels = {case: {name: digest for name, digest, *_ in launches[case]["direct"]["launches"]}
                for case in CASES[:3]}
     assert len({kernels[case]["_split_kv_kernel"] for case in CASES[:3]}) == 3
     # The combine reads only the workspace and the outputs: the same kernel for all three.

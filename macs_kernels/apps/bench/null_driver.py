@@ -8,20 +8,24 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from collections.abc import Iterator
 
 import torch
 
-# What a launcher records: (kernel name, compiled kernel's hash, grid, arguments).
-Launch = tuple[str, str, tuple[int, int, int], tuple]
+# What a launcher records: (kernel name, compiled kernel's hash, grid, stream, function handle, packed metadata,
+# arguments).
+Launch = tuple[str, str, tuple[int, int, int], int, int, tuple, tuple]
 
 
 @dataclasses.dataclass
 class NullDriver:
-    """Stands in for Triton's CUDA driver on device 0: kernels compile for sm_<arch> and load nowhere; each launch is
-    appended to `launches` (and runs the launch hooks it is given, as Triton's launcher does) instead of running."""
+    """Stands in for Triton's CUDA driver on device 0: kernels compile for sm_<arch> and load nowhere, each under a
+    function handle of its own; each launch is appended to `launches` (and runs the launch hooks it is given, as
+    Triton's launcher does) instead of running. `stream` is the current stream a launch should go to."""
 
     arch: int = 90
+    stream: int = 0
     launches: list[Launch] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
@@ -33,7 +37,8 @@ class NullDriver:
             for hook in (enter_hook, exit_hook):
                 if hook is not None:
                     hook(launch_metadata)
-            self.launches.append((metadata.name, metadata.hash, (grid_0, grid_1, grid_2), args))
+            self.launches.append((metadata.name, metadata.hash, (grid_0, grid_1, grid_2), stream, function,
+                                  tuple(packed_metadata), args))
         return launcher
 
     @staticmethod
@@ -44,9 +49,8 @@ class NullDriver:
     def get_current_device() -> int:
         return 0
 
-    @staticmethod
-    def get_current_stream(device=None) -> int:
-        return 0
+    def get_current_stream(self, device=None) -> int:
+        return self.stream
 
     def get_current_target(self):
         from triton.backends.compiler import GPUTarget
@@ -59,15 +63,18 @@ class NullDriver:
 
 
 class _NullUtils:
-    """An H200's limits (what `CompiledKernel` checks before its first launch); binaries load as handle 0."""
+    """An H200's limits (what `CompiledKernel` checks before its first launch); each binary loads as a new handle."""
+
+    def __init__(self):
+        self._handles = itertools.count(1)
 
     @staticmethod
     def get_device_properties(device) -> dict:
         return {"max_shared_mem": 232448, "multiprocessor_count": 132}
 
-    @staticmethod
-    def load_binary(name, kernel, shared, device):
-        return 0, 0, 128, 0, 1024  # module, function, registers, spills, threads per block
+    def load_binary(self, name, kernel, shared, device):
+        handle = next(self._handles)
+        return handle, handle, 128, 0, 1024  # module, function, registers, spills, threads per block
 
 
 @contextlib.contextmanager

@@ -107,35 +107,40 @@ def uncounted():
         LAUNCHES.update(saved)
 
 
-# (id of the kernel, device, the arguments' specialisation, launch options) -> the kernel Triton compiled for them. The
-# kernels are module globals, alive as long as the process (a JITFunction's own hash costs a microsecond).
-_COMPILED: dict[tuple, CompiledKernel] = {}
+# (id of the kernel, device, the arguments' specialisation, launch options, Triton's compile knobs) -> (the kernel, the
+# CompiledKernel Triton made for them). Keyed by id (a JITFunction's own hash costs a microsecond); the entry keeps
+# the kernel alive, so that its id cannot be reused while the entry exists.
+_COMPILED: dict[tuple, tuple] = {}
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
     """kernel[grid](*args, **options), less most of Triton's per-launch Python.
 
     Past binding and specialising the arguments, `JITFunction.run` spends 5-10 us of host Python per launch on these
-    kernels' 15-43 arguments (knobs read, a cache key formatted from the options, global-variable checks, launch
-    metadata), three launches per fused decode. The first launch of each specialisation (the JIT's own binder: dtypes,
-    16-byte alignment, integers' divisibility by 16 and 1s, constexprs) takes Triton's path, which compiles, and
-    leaves its CompiledKernel here; later ones call that kernel's launcher straight, as inductor launches the kernels
-    it compiled. Triton's own path also runs under torch.compile's tracing (which must see kernel[grid]), in the
-    interpreter, on Triton < 3.4 (other internals), and while a launch hook (a profiler) or a pre-run hook is set.
-    Triton's debug and instrumentation knobs are read at a specialisation's first launch."""
+    kernels' up to 52 arguments (a cache key formatted from the options, global-variable checks, launch metadata),
+    three launches per fused decode. The first launch of each specialisation (the JIT's own binder: dtypes, 16-byte
+    alignment, integers' divisibility by 16 and 1s, constexprs; with the knobs that change a compile: debug,
+    instrumentation, fpsan) takes Triton's path, which compiles, and leaves its CompiledKernel here; later ones call
+    that kernel's launcher straight, as inductor launches the kernels it compiled. Skipped with it: the check that the
+    globals a kernel read have not changed (these kernels read only constexpr globals). Triton's own path also runs
+    under torch.compile's tracing (which must see kernel[grid]), in the interpreter, on Triton < 3.4 (other
+    internals), and while a launch hook (a profiler), a pre-run hook or a stages-inspection hook is set."""
     LAUNCHES[kernel.fn.__name__] += 1
     if not DIRECT_LAUNCHES or torch.compiler.is_compiling() or _hooked(kernel):
         kernel[grid](*args, **options)
         return
     device = driver.active.get_current_device()
     bound, specialization, _ = kernel.device_caches[device][-1](*args, **options)
-    key = (id(kernel), device, tuple(specialization), tuple(options.items()))
-    compiled = _COMPILED.get(key)
-    if compiled is None:
+    key = (id(kernel), device, tuple(specialization), tuple(options.items()), knobs.runtime.debug,
+           getattr(knobs.compilation, "instrumentation_mode", None),
+           getattr(knobs.compilation, "fpsan_homomorphic_casts", None))
+    entry = _COMPILED.get(key)
+    if entry is None:
         compiled = kernel[grid](*args, **options)
         if isinstance(compiled, CompiledKernel):
-            _COMPILED[key] = compiled
+            _COMPILED[key] = kernel, compiled
         return
+    compiled = entry[1]
     grid = grid + (1,) * (3 - len(grid))
     compiled.run(*grid, driver.active.get_current_stream(device), compiled.function, compiled.packed_metadata, None,
                  None, None, *bound.values())
@@ -154,9 +159,10 @@ def jit_launches():
 
 
 def _hooked(kernel) -> bool:
-    """Whether a launch hook is installed or the kernel has a pre-run hook."""
+    """Whether a launch hook or a stages-inspection hook (Triton >= 3.9: it changes the compile) is installed, or the
+    kernel has a pre-run hook."""
     return _installed(knobs.runtime.launch_enter_hook) or _installed(knobs.runtime.launch_exit_hook) \
-        or bool(kernel.pre_run_hooks)
+        or getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None or bool(kernel.pre_run_hooks)
 
 
 def _installed(hook) -> bool:

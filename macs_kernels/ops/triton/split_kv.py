@@ -283,8 +283,8 @@ class _Split(NamedTuple):
 
 
 def _aligned(floats: int) -> int:
-    """floats rounded up to a multiple of 16: every workspace region starts 64-byte aligned, as an allocation would,
-    and Triton specialises its offsets as multiples of 16 (vector loads and stores)."""
+    """floats rounded up to a multiple of 16: every workspace region starts 64-byte aligned (the allocation itself is
+    512-byte aligned), and Triton specialises their offsets as multiples of 16 (vector loads and stores)."""
     return -(-floats // 16) * 16
 
 
