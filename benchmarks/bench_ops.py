@@ -255,6 +255,40 @@ def print_json_lines(rows) -> None:
         print(json.dumps(line), flush=True)
 
 
+# The providers whose kernels kernel_times breaks down: each fused pass beside its attention alone, and sdpa.
+BROKEN_DOWN = ("triton", "triton-attention-only", "cuda-mma", "cuda-mma-attention-only", "cuda-pipelined",
+               "cuda-pipelined-attention-only", SDPA)
+
+
+def kernel_times(provider: Provider, op: str, problem: Problem, device: torch.device, calls: int = 20) -> list[dict]:
+    """The provider's time per call by kernel: torch.profiler over `calls` eager calls after a warm-up, each kernel's
+    own device time (its CPU time on a CPU, where the "kernels" are aten ops) over the calls, and how many launches of
+    it a call makes. Where a fused pass's time over its attention goes (issue 48: at batch 8 every fused pass took
+    50-114 us over its attention on an H200, at batch 1 7-30)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn = provider.build(op, problem)
+    fn()
+    synchronize()
+    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as profiler:
+        for _ in range(calls):
+            fn()
+        synchronize()
+    rows = []
+    for event in profiler.key_averages():
+        own = event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total
+        if own > 0:
+            rows.append({"provider": provider.name, "op": op, "B": problem.batch, "H": problem.heads,
+                         "H_kv": problem.kv_heads, "D": problem.dim, "S": problem.keys, "kernel": event.key,
+                         "launches": round(event.count / calls, 2), "us": round(own / calls, 2)})
+    return rows
+
+
 def print_ratio_table(rows) -> None:
     """decode_attention per shape: sdpa's microseconds, then each provider's time over sdpa's (graph replay)."""
     chosen = [r for r in rows if r["op"] == "decode_attention" and r["mode"] == "cudagraph"]
@@ -423,6 +457,9 @@ def main(argv=None):
                         help="CPU threads for torch (on a shared machine, 1 avoids OpenMP spin contention)")
     parser.add_argument("--host-only", action="store_true",
                         help="only the eager host cost per public call (<stem>_host.csv), a few seconds")
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="also each fused pass's, its attention's and sdpa's time by kernel (torch.profiler, "
+                             "<stem>_kernels.csv, JSON lines)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.threads:
@@ -443,7 +480,7 @@ def main(argv=None):
         else:
             providers.append(provider)
 
-    rows = []
+    rows, broken_down = [], []
     for batch, heads, kv_heads, dim, keys in grid(args.quick, device, args.shapes):
         problem = Problem(batch, heads, kv_heads, dim, keys, dtype, device)
         for op, provider in itertools.product(args.ops, providers):
@@ -460,11 +497,20 @@ def main(argv=None):
                              "ms": round(ms, 5), "bytes": moved, "GB_s": round(moved / ms / 1e6, 2)})
                 print(f"{op:17s} {provider.name:22s} {mode:9s} B={batch} H={heads}/{kv_heads} D={dim} "
                       f"S={keys:6d}  {ms:9.4f} ms  {moved / ms / 1e6:8.1f} GB/s", flush=True)
+        if args.kernel_times:
+            for provider in (p for p in providers if p.name in BROKEN_DOWN):
+                for op in (o for o in args.ops if o in provider.ops):
+                    by_kernel = kernel_times(provider, op, problem, device)
+                    broken_down += by_kernel
+                    print(*(json.dumps({"kernel_us": row}) for row in by_kernel), sep="\n", flush=True)
         del problem
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
     add_sdpa_ratio(rows)
+    if broken_down:
+        write_csv([{**env, **row} for row in broken_down], args.out / f"{stem}_kernels.csv")
+        print(f"wrote {args.out / stem}_kernels.csv")
     write_csv(rows, args.out / f"{stem}.csv")
     plot(rows, args.out / f"{stem}.png")
     print(f"wrote {args.out / stem}.csv and .png")

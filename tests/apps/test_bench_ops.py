@@ -117,3 +117,15 @@ def test_the_host_profile_names_where_a_public_call_spends_its_time(tmp_path, ca
     assert "=== torch: 5 public decode_attention calls" in text
     assert "_checks.py" in text and "decode_attention.py" in text
     assert "host profile, torch:" in capsys.readouterr().out
+
+
+def test_the_kernel_breakdown_times_each_kernel_of_a_call():
+    """kernel_times (the GPU check's per-kernel split of a fused pass against its attention), here on the torch
+    provider, whose "kernels" on a CPU are aten ops: the score matmul among them, each with its launches per call."""
+    problem = bench_ops.Problem(batch=1, heads=4, kv_heads=2, dim=64, keys=256, dtype=torch.float32,
+                                device=torch.device("cpu"))
+    torch_provider = next(p for p in bench_ops.PROVIDERS if p.name == "torch")
+    rows = bench_ops.kernel_times(torch_provider, "decode_attention", problem, torch.device("cpu"), calls=4)
+    by_kernel = {row["kernel"]: row for row in rows}
+    assert by_kernel["aten::logsumexp"]["launches"] >= 1 and by_kernel["aten::exp_"]["launches"] >= 1
+    assert all(row["us"] > 0 and row["launches"] > 0 and row["S"] == 256 for row in rows)

@@ -36,7 +36,9 @@ from macs_kernels.apps.bench.sass import (
     cuobjdump,
     divisions,
     key_loop,
+    loops,
     nvcc,
+    opcode,
     sass_by_function,
 )
 from macs_kernels.ops.cuda import CUDA_SPLIT_KV_DEFAULT, set_cuda_split_kv_kernel
@@ -200,6 +202,25 @@ def test_mma_split_kernel_runs_on_tensor_cores_from_asynchronous_copies_without_
             assert not re.search(r"\bLDG\.E\.(\w+\.)*128\b", code), f"{name} {arch}: plain 16-byte loads of K/V"
             # As the pipelined kernel's: no division in the key loop (each thread's score rows are set before it).
             assert divisions(key_loop(code)) == 0, f"{name} {arch}: a division in the key loop"
+
+
+def test_pool_kernel_loads_a_chunk_of_heads_before_using_any(compiled_pieces):
+    """The head pooling after a split pass is bound by memory latency: in its loop over heads each thread issues at
+    least a chunk of 8 heads' loads (with fp16 relative scores, 16 with their maxima) before the first result is used.
+    Before, each load was consumed before the next was issued: 32 DRAM round trips a key at 32 heads."""
+    if cuobjdump() is None:
+        pytest.skip("no cuobjdump (neither the CUDA toolkit's nor Triton's) to read the SASS")
+    folder, _ = compiled_pieces
+    for arch in ARCHES:
+        sass = sass_by_function(folder / "pool" / f"kernel.compute_{arch[3:]}.cubin")
+        kernels = {name: code for name, code in sass.items() if "pool_kernel" in name}
+        assert len(kernels) == len(DTYPES) + 2, f"{arch}: rows in each dtype, float32 and fp16 relative scores"
+        for name, code in kernels.items():
+            head_loop = [opcode(instruction) for instruction in
+                         max(loops(code), key=lambda body: sum(opcode(i).startswith("LDG") for i in body))]
+            first_use = next(n for n, op in enumerate(head_loop) if op.startswith(("MUFU", "FMNMX", "FADD")))
+            issued = sum(op.startswith("LDG") for op in head_loop[:first_use])
+            assert issued >= 8, f"{name} {arch}: {issued} loads before the first use"
 
 
 def test_unknown_split_kernel_is_refused_by_name():
