@@ -480,7 +480,7 @@ def main(argv=None):
         else:
             providers.append(provider)
 
-    rows, broken_down = [], []
+    rows = []
     for batch, heads, kv_heads, dim, keys in grid(args.quick, device, args.shapes):
         problem = Problem(batch, heads, kv_heads, dim, keys, dtype, device)
         for op, provider in itertools.product(args.ops, providers):
@@ -497,20 +497,11 @@ def main(argv=None):
                              "ms": round(ms, 5), "bytes": moved, "GB_s": round(moved / ms / 1e6, 2)})
                 print(f"{op:17s} {provider.name:22s} {mode:9s} B={batch} H={heads}/{kv_heads} D={dim} "
                       f"S={keys:6d}  {ms:9.4f} ms  {moved / ms / 1e6:8.1f} GB/s", flush=True)
-        if args.kernel_times:
-            for provider in (p for p in providers if p.name in BROKEN_DOWN):
-                for op in (o for o in args.ops if o in provider.ops):
-                    by_kernel = kernel_times(provider, op, problem, device)
-                    broken_down += by_kernel
-                    print(*(json.dumps({"kernel_us": row}) for row in by_kernel), sep="\n", flush=True)
         del problem
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
     add_sdpa_ratio(rows)
-    if broken_down:
-        write_csv([{**env, **row} for row in broken_down], args.out / f"{stem}_kernels.csv")
-        print(f"wrote {args.out / stem}_kernels.csv")
     write_csv(rows, args.out / f"{stem}.csv")
     plot(rows, args.out / f"{stem}.png")
     print(f"wrote {args.out / stem}.csv and .png")
@@ -518,6 +509,27 @@ def main(argv=None):
         print_ratio_table(rows)
     if args.shapes == "issue48":
         print_json_lines(rows)
+    if args.kernel_times:
+        # After every timing and its table: the profiler's CUPTI stays attached once it has run.
+        write_kernel_times(providers, args, device, dtype, env, args.out / f"{stem}_kernels.csv")
+
+
+def write_kernel_times(providers, args, device: torch.device, dtype: torch.dtype, env: dict, path: Path) -> None:
+    """kernel_times of the BROKEN_DOWN providers at every shape of the run, as JSON lines and into `path`."""
+    rows = []
+    for batch, heads, kv_heads, dim, keys in grid(args.quick, device, args.shapes):
+        problem = Problem(batch, heads, kv_heads, dim, keys, dtype, device)
+        for provider in (p for p in providers if p.name in BROKEN_DOWN):
+            for op in (o for o in args.ops if o in provider.ops):
+                by_kernel = kernel_times(provider, op, problem, device)
+                rows += by_kernel
+                print(*(json.dumps({"kernel_us": row}) for row in by_kernel), sep="\n", flush=True)
+        del problem
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if rows:
+        write_csv([{**env, **row} for row in rows], path)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

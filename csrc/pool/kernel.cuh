@@ -4,9 +4,10 @@
 // Pooling needs all H heads of a key, so it runs after the rows (or the split-KV pass's scores and their
 // per-row log-sum-exp) are complete: one thread per input key loops over the heads; consecutive threads
 // read consecutive keys of a head's row. Grid (ceil(N_max / kPoolThreads), R, B). A thread loads kPoolHeadChunk
-// heads' values before it uses any: the loop is bound by memory latency (one DRAM round trip per chunk), and with
-// each load consumed before the next (a branch on whether the key is seen kept them apart) the pooling took 12-38 us
-// after a decode step on an H200, 32 round trips for 32 heads.
+// heads' values before it uses any: the loop is bound by memory latency, one DRAM round trip per chunk, where each
+// load consumed before the next was issued (a branch on whether the key is seen kept them apart) made 32 round trips
+// for 32 heads (every cuda fused pass took 12-78 us over its attention on an H200; how much of that this was, a GPU
+// run of the kernels preset says).
 #pragma once
 
 #include "split_kv/kernel.cuh"
@@ -71,8 +72,8 @@ __global__ void __launch_bounds__(kPoolThreads) pool_kernel(PoolParams<Src> p) {
     return;
   }
 
-  // An input before the attended start is unseen by this row: probability 0 (its loads read the attended start's
-  // slot, in bounds, and are discarded).
+  // An input before the attended start is unseen by this row: probability 0, and its slot is not read (an unchecked
+  // range may put the attended start at the end of the cache).
   const bool seen = column0 + i >= range.start;
   const int64_t key = seen ? column0 + i : range.start;
   const Src* column = p.values + b * p.stride_b + r * p.stride_r + key;
@@ -98,10 +99,10 @@ __global__ void __launch_bounds__(kPoolThreads) pool_kernel(PoolParams<Src> p) {
                                           : pooled + value;
   };
   const auto maximum_of = [&](int64_t h) { return kRelative ? maxima[h * p.rows * groups] : 0.0f; };
-  // Whole chunks with unconditional loads (a predicated or clamped tail load made the compiler wait for the first
-  // load, or read a head twice), then the heads left one by one.
+  // A seen key's heads in whole chunks of unconditional loads (a predicated or clamped tail load made the compiler
+  // wait for the first load, or read a head twice), then the heads left one by one; an unseen key's without loads.
   int64_t h0 = 0;
-  for (; h0 + kPoolHeadChunk <= p.heads; h0 += kPoolHeadChunk) {
+  for (; seen && h0 + kPoolHeadChunk <= p.heads; h0 += kPoolHeadChunk) {
     float loaded[kPoolHeadChunk], maximum[kPoolHeadChunk];
 #pragma unroll
     for (int j = 0; j < kPoolHeadChunk; ++j) {
@@ -111,7 +112,9 @@ __global__ void __launch_bounds__(kPoolThreads) pool_kernel(PoolParams<Src> p) {
 #pragma unroll
     for (int j = 0; j < kPoolHeadChunk; ++j) pool_head(h0 + j, loaded[j], maximum[j]);
   }
-  for (; h0 < p.heads; ++h0) pool_head(h0, to_float(column[h0 * p.stride_h]), maximum_of(h0));
+  for (; h0 < p.heads; ++h0) {
+    pool_head(h0, seen ? to_float(column[h0 * p.stride_h]) : 0.0f, seen ? maximum_of(h0) : 0.0f);
+  }
   if (p.pooling == Pooling::kMean) pooled /= float(p.heads);
   if (p.epilogue == PoolEpilogue::kStore) {
     *out = pooled;

@@ -129,3 +129,15 @@ def test_the_kernel_breakdown_times_each_kernel_of_a_call():
     by_kernel = {row["kernel"]: row for row in rows}
     assert by_kernel["aten::logsumexp"]["launches"] >= 1 and by_kernel["aten::exp_"]["launches"] >= 1
     assert all(row["us"] > 0 and row["launches"] > 0 and row["S"] == 256 for row in rows)
+
+
+def test_the_kernel_times_follow_the_table_at_every_shape(tmp_path, monkeypatch, capsys):
+    """bench_ops --kernel-times (the kernels preset's breakdown) profiles the chosen providers at each shape of the run
+    after the timings, printing JSON lines and writing <stem>_kernels.csv: here the torch provider on a CPU."""
+    monkeypatch.setattr(bench_ops, "BROKEN_DOWN", ("torch",))
+    monkeypatch.setattr(bench_ops, "PROVIDERS", tuple(p for p in bench_ops.PROVIDERS if p.name == "torch"))
+    bench_ops.main(["--quick", "--kernel-times", "--ops", "decode_attention", "--out", str(tmp_path), "--name", "k"])
+    lines = [json.loads(line)["kernel_us"] for line in capsys.readouterr().out.splitlines()
+             if line.startswith('{"kernel_us"')]
+    assert {(row["S"], row["D"]) for row in lines} == {(1024, 128), (4096, 64)}  # --quick's two shapes
+    assert (tmp_path / "k_kernels.csv").read_text().count("\n") == len(lines) + 1

@@ -210,6 +210,29 @@ def divisions(instructions: list[str]) -> int:
     return sum(opcode(instruction) == "IABS" for instruction in instructions)
 
 
+_REGISTER = re.compile(r"\bR(\d+)\b")
+
+
+def loads_in_flight(instructions: list[str]) -> int:
+    """How many global loads (LDG) a straight run of `instructions` issues before one instruction reads a register one
+    of them loads: the loads a thread has in flight at once when a loop of these is bound by memory latency."""
+    loaded: set[int] = set()
+    issued = 0
+    for instruction in instructions:
+        operation = opcode(instruction)
+        operands = [part.strip() for part in re.sub(r"^@!?U?P\w+\s+", "", instruction).split(None, 1)[-1].split(",")]
+        # The first operand is written, except by a store (ST*), whose operands are all read.
+        read = operands if operation.startswith("ST") else operands[1:]
+        if any(int(register) in loaded for operand in read for register in _REGISTER.findall(operand)):
+            break
+        if operation.startswith("LDG"):
+            first = int(_REGISTER.search(operands[0]).group(1))
+            width = 4 if operation.endswith(".128") else 2 if operation.endswith(".64") else 1
+            loaded.update(range(first, first + width))
+            issued += 1
+    return issued
+
+
 def opcode(instruction: str) -> str:
     """The opcode with its modifiers, without a predicate guard: `@!P0 ISETP.GE.AND.EX P1, ...` -> ISETP.GE.AND.EX."""
     return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0]
