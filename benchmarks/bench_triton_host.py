@@ -41,18 +41,12 @@ def per_call_us(call, calls: int) -> float:
     return (time.perf_counter() - tick) / calls * 1e6
 
 
-def launch_paths() -> dict:
-    """name -> context of each launch path the imported macs_kernels has: direct launches and Triton's own path, or
-    (a checkout before direct launches) its one path."""
-    from macs_kernels.ops.triton import common
-
-    if not hasattr(common, "jit_launches"):
-        return {"default": contextlib.nullcontext}
-    return {"direct": contextlib.nullcontext, "JITFunction.run": common.jit_launches}
-
-
 def measure(problem, backend_call, rounds: int, calls: int) -> list[dict]:
-    paths = launch_paths()
+    import bench_ops
+
+    # The imported checkout's launch paths (bench_ops.launch_paths); one before direct launches has only its own.
+    paths = dict(bench_ops.launch_paths("triton")) if hasattr(bench_ops, "launch_paths") else {
+        "default": contextlib.nullcontext}
     rows = []
     for name, op, fused in CALLS:
         call = backend_call("triton", fused=fused)(op, problem)
