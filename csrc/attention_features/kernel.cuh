@@ -95,11 +95,7 @@ __global__ void __launch_bounds__(kFeatureWarps * 32) features_lse_kernel(Featur
     }
   }
   if (!valid) return;
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const float m = __shfl_xor_sync(0xffffffffu, state.m, offset);
-    const float l = __shfl_xor_sync(0xffffffffu, state.l, offset);
-    state.merge(m, l);
-  }
+  state.merge_warp();
   if (p.sinks != nullptr) state.merge(p.sinks[h] * kLog2e, 1.0f);
   if (lane == 0) p.lse[bh * p.rows + r] = state.lse();
 }

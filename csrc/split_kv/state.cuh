@@ -19,6 +19,14 @@ struct SoftmaxState {
     l = l * exp2_diff(m, top) + other_l * exp2_diff(other_m, top);
     m = top;
   }
+  // Every lane of a warp ends with the merge of the warp's 32 states.
+  __device__ __forceinline__ void merge_warp() {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const float other_m = __shfl_xor_sync(0xffffffffu, m, offset), other_l = __shfl_xor_sync(0xffffffffu, l, offset);
+      merge(other_m, other_l);
+    }
+  }
   __device__ __forceinline__ float lse2() const { return l > 0.0f ? m + log2f(l) : kNegInf; }
   // Natural-log log-sum-exp of the unscaled scores.
   __device__ __forceinline__ float lse() const { return lse2() / kLog2e; }

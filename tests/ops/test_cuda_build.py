@@ -233,6 +233,23 @@ def test_pool_kernel_loads_a_chunk_of_heads_before_using_any(compiled_pieces):
             assert loads_in_flight(head_loop) == expected, f"{name} {arch}: {loads_in_flight(head_loop)} in flight"
 
 
+def test_combine_kernel_loads_a_chunk_of_splits_before_using_any(compiled_pieces):
+    """The combine pass reads partials another kernel wrote (L2 round trips): each thread issues a chunk of 8 splits'
+    partial outputs and maxima (policy.cuh's kCombineChunk) before an instruction reads one; ptxas reads one of the 16
+    early. Before, its loops over splits had 2 to 8 loads in flight, a round trip for every split or two: 33 to 66
+    of them at one item on an H200."""
+    if cuobjdump() is None:
+        pytest.skip("no cuobjdump (neither the CUDA toolkit's nor Triton's) to read the SASS")
+    folder, _ = compiled_pieces
+    for arch in ARCHES:
+        sass = sass_by_function(folder / "split_kv" / f"kernel.compute_{arch[3:]}.cubin")
+        kernels = {name: code for name, code in sass.items() if "combine_kernel" in name}
+        assert len(kernels) == len(DTYPES), f"{arch}: {sorted(kernels)}"
+        for name, code in kernels.items():
+            split_loop = max(loops(code), key=lambda body: sum(opcode(i).startswith("LDG") for i in body))
+            assert loads_in_flight(split_loop) >= 2 * 8 - 1, f"{name} {arch}: {loads_in_flight(split_loop)} in flight"
+
+
 def test_unknown_split_kernel_is_refused_by_name():
     with pytest.raises(ValueError, match=r"unknown cuda split kernel 'flash'; choose one of \('verified', "
                                          r"'pipelined', 'mma'\)"):
