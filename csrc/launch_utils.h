@@ -28,12 +28,21 @@ namespace macs {
 // them); a GPU build compiles nothing here.
 class NamedBuffers {
  public:
-  NamedBuffers(std::initializer_list<std::pair<const char*, const at::Tensor*>> buffers) {
+  struct Span {
+    const char* name;
+    const void* data;  // null: not allocated, nothing to name
+    size_t bytes;
+  };
+  static Span of(const char* name, const at::Tensor& t) {
+    return {name, t.defined() ? t.data_ptr() : nullptr, t.defined() ? t.nbytes() : 0};
+  }
+
+  NamedBuffers(std::initializer_list<Span> buffers) {
 #ifdef MACS_CPU_EMULATION
-    for (const auto& [name, buffer] : buffers) {
-      if (buffer->defined()) {
-        cuda_emulation::name_buffer(name, buffer->data_ptr(), buffer->nbytes());
-        named_.push_back(buffer->data_ptr());
+    for (const Span& buffer : buffers) {
+      if (buffer.data != nullptr) {
+        cuda_emulation::name_buffer(buffer.name, buffer.data, buffer.bytes);
+        named_.push_back(buffer.data);
       }
     }
 #else
@@ -271,6 +280,34 @@ struct SplitShape {
   }
 };
 
+// Regions of one float32 scratch tensor: reserved (sized) first, then allocated at once. Each region starts on a
+// 64-byte boundary (16 floats; the allocation itself is aligned further), so 16-byte vector accesses stay aligned.
+class Scratch {
+ public:
+  struct Region {
+    const char* name;
+    int64_t offset = -1;  // in floats; -1: not reserved
+    size_t bytes = 0;
+  };
+
+  // `count` elements of `element_bytes` each, when `wanted`.
+  Region reserve(const char* name, int64_t count, bool wanted = true, int64_t element_bytes = 4) {
+    if (!wanted) return {name};
+    const Region region{name, floats_, size_t(count * element_bytes)};
+    floats_ += ceil_div(ceil_div(count * element_bytes, int64_t(4)), int64_t(16)) * 16;
+    return region;
+  }
+  void allocate(const at::Tensor& like) { tensor_ = at::empty({floats_}, like.options().dtype(at::kFloat)); }
+  float* floats(const Region& region) const {
+    return region.offset < 0 ? nullptr : tensor_.data_ptr<float>() + region.offset;
+  }
+  NamedBuffers::Span named(const Region& region) const { return {region.name, floats(region), region.bytes}; }
+
+ private:
+  int64_t floats_ = 0;
+  at::Tensor tensor_;
+};
+
 // The split-KV pass's float32 scratch and its launch, then head pooling of its scores when `pool.out` is
 // set (pool/kernel.cuh's split_kv_pool). `v`, `lse_in`, `out` and `lse_out` may be null.
 struct SplitRun {
@@ -291,27 +328,26 @@ struct SplitRun {
 
   void launch() {
     const SplitPolicy& policy = shape.policy;
-    const auto floats = q.options().dtype(at::kFloat);
-    at::Tensor part_stats = at::empty({shape.batch, shape.heads, shape.rows, policy.splits, 4}, floats);
-    at::Tensor part_acc, scores, relative_scores, score_maxima, stats;
-    if (v != nullptr) part_acc = at::empty({shape.batch, shape.heads, shape.rows, policy.splits, shape.dim_v}, floats);
-    if (pool.out != nullptr) {
-      // The tensor-core kernel keeps the log c update's scores as fp16 relative to group maxima (SplitParams): half
-      // the bytes, log p to 2^-11 of itself, within 16-bit inputs' tolerance; m' out keeps float32 scores.
-      if (policy.kernel == SplitKernel::kMma && pool.epilogue == PoolEpilogue::kAddLogFloor) {
-        relative_scores = at::empty({shape.batch, shape.heads, shape.rows, shape.keys}, q.options().dtype(at::kHalf));
-        score_maxima = at::empty(
-            {shape.batch, shape.heads, shape.rows, ceil_div(shape.keys, kRelativeScoreGroup)}, floats);
-      } else {
-        scores = at::empty({shape.batch, shape.heads, shape.rows, shape.keys}, floats);
-      }
-      stats = at::empty({shape.batch, shape.heads, shape.rows, 2}, floats);
-      pool.stats = stats.data_ptr<float>();
-    }
-    const NamedBuffers named({{"part_stats", &part_stats}, {"part_acc", &part_acc}, {"scores", &scores},
-                              {"relative_scores", &relative_scores}, {"score_maxima", &score_maxima},
-                              {"stats", &stats}});
-    const auto data = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
+    const int64_t query_rows = shape.batch * shape.heads * shape.rows;
+    // The tensor-core kernel keeps the log c update's scores as fp16 relative to group maxima (SplitParams): half
+    // the bytes, log p to 2^-11 of itself, within 16-bit inputs' tolerance; m' out keeps float32 scores.
+    const bool pooled = pool.out != nullptr;
+    const bool relative = pooled && policy.kernel == SplitKernel::kMma && pool.epilogue == PoolEpilogue::kAddLogFloor;
+    // All the pass's scratch in one float32 allocation (each costs host time on a GPU), regions 64-byte aligned:
+    // the splits' partials (B, H, R, splits, 4) and (B, H, R, splits, D_v), the input keys' scores (B, H, R, S) as
+    // float32, or fp16 with their maxima (B, H, R, ceil(S / 16)), and head pooling's (B, H, R, 2) stats.
+    Scratch scratch;
+    const Scratch::Region part_stats = scratch.reserve("part_stats", query_rows * policy.splits * 4);
+    const Scratch::Region part_acc = scratch.reserve("part_acc", query_rows * policy.splits * shape.dim_v, v != nullptr);
+    const Scratch::Region scores = scratch.reserve("scores", query_rows * shape.keys, pooled && !relative);
+    const Scratch::Region relative_scores = scratch.reserve("relative_scores", query_rows * shape.keys, relative, 2);
+    const Scratch::Region score_maxima =
+        scratch.reserve("score_maxima", query_rows * ceil_div(shape.keys, kRelativeScoreGroup), relative);
+    const Scratch::Region stats = scratch.reserve("stats", query_rows * 2, pooled);
+    scratch.allocate(q);
+    const NamedBuffers named({scratch.named(part_stats), scratch.named(part_acc), scratch.named(scores),
+                              scratch.named(relative_scores), scratch.named(score_maxima), scratch.named(stats)});
+    if (pooled) pool.stats = scratch.floats(stats);
     const double softcap = variant == nullptr ? 0.0 : variant->softcap;
     const c10::cuda::CUDAGuard guard(q.device());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -331,14 +367,13 @@ struct SplitRun {
           softcap > 0.0 ? float(scale / softcap) : 0.0f, float(softcap * double(kLog2e)),
           shape.batch, shape.heads, shape.kv_heads, shape.rows, shape.keys, shape.dim, shape.dim_v,
           policy.splits, policy.rows_per_block,
-          part_stats.data_ptr<float>(), data(part_acc), data(scores), policy.tile_keys, policy.key_groups,
-          relative_scores.defined() ? reinterpret_cast<__half*>(relative_scores.data_ptr()) : nullptr,
-          data(score_maxima),
+          scratch.floats(part_stats), scratch.floats(part_acc), scratch.floats(scores), policy.tile_keys,
+          policy.key_groups, reinterpret_cast<__half*>(scratch.floats(relative_scores)), scratch.floats(score_maxima),
       };
       const CombineParams<T> combine{
-          part_stats.data_ptr<float>(), data(part_acc), shape.heads * shape.rows, policy.splits, shape.dim_v,
-          shape.rows, variant == nullptr ? nullptr : data(variant->sinks),
-          lse_in == nullptr ? nullptr : lse_in->data_ptr<float>(), redistribute, data(stats),
+          scratch.floats(part_stats), scratch.floats(part_acc), shape.heads * shape.rows, policy.splits, shape.dim_v,
+          shape.rows, variant == nullptr || !variant->sinks.defined() ? nullptr : variant->sinks.data_ptr<float>(),
+          lse_in == nullptr ? nullptr : lse_in->data_ptr<float>(), redistribute, scratch.floats(stats),
           lse_out == nullptr ? nullptr : lse_out->data_ptr<float>(),
           out == nullptr ? nullptr : reinterpret_cast<T*>(out->data_ptr()),
       };

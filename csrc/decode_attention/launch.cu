@@ -43,7 +43,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(
   }
   at::Tensor out = at::empty({shape.batch, shape.heads, shape.dim_v}, q.options());
   at::Tensor lse = at::empty({shape.batch, shape.heads}, q.options().dtype(at::kFloat));
-  const NamedBuffers named({{"out", &out}, {"lse", &lse}});
+  const NamedBuffers named({NamedBuffers::of("out", out), NamedBuffers::of("lse", lse)});
   if (shape.batch == 0 || shape.heads == 0) return {out, lse};
   if (tail.n_max == 0) tail.out = nullptr;
 

@@ -1,0 +1,179 @@
+"""Why each decode pass of issue 48 runs at the speed it does, by hardware counters: Nsight Compute (ncu) on one call
+of each provider whose kernels bench_ops breaks down (each fused pass, its attention alone, sdpa), at 1 and 8 items
+of 32k keys (bf16, 32 query / 8 KV heads, D 128; the mma kernel's bandwidth gap and the Triton fused pass's batch-8
+overhead). Per kernel: its time, DRAM bytes and throughput, achieved occupancy, issue-slot use and the warp stall
+reasons that cost the most.
+
+    python benchmarks/ncu_kernels.py --out OUT      # profile, export, summarise (a GPU and ncu)
+    python benchmarks/ncu_kernels.py --summarise OUT/ncu_issue48_raw.csv --out OUT   # again, from the export
+
+Under ncu (`--profile-from-start off --clock-control none`: the clocks as found, METHOD.md), the script reruns itself
+with `--run`: it warms every call up outside the profiled range, then profiles one call of each, a marker kernel
+(torch.cuda._sleep's spin_kernel) before each, and lists the calls in order (OUT/ncu_issue48.json). The report
+(OUT/ncu_issue48.ncu-rep, for ncu-ui) is exported as ncu's raw page (OUT/ncu_issue48_raw.csv); the summary splits its
+kernels at the markers, prints a table and JSON lines ({"ncu": ...}) and writes OUT/ncu_issue48.csv. `.ci/gpu`'s
+kernels preset runs it.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+
+from macs_kernels.apps.bench import write_csv  # noqa: E402
+
+NAME = "ncu_issue48"
+MARKER = "spin_kernel"
+SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "SchedulerStats")
+EXTRA_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "smsp__inst_executed.sum")
+SHAPES = ((1, 32, 8, 128, 32768), (8, 32, 8, 128, 32768))  # B, H, H_kv, D, S
+# ncu's raw metric names: what the table shows, by column.
+METRICS = {
+    "us": "gpu__time_duration.sum",
+    "dram_read_MB": "dram__bytes_read.sum",
+    "dram_write_MB": "dram__bytes_write.sum",
+    "dram_pct": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "occupancy_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "issue_pct": "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    "cycles_per_issue": "smsp__average_warp_latency_per_inst_issued.ratio",
+    "instructions": "smsp__inst_executed.sum",
+    "registers": "launch__registers_per_thread",
+    "grid": "launch__grid_size",
+}
+STALL = re.compile(r"smsp__average_warp(?:s_issue|_latency_issue)_stalled_(\w+?)(?:_per_issue_active)?\.ratio$")
+SCALE = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6,
+         "byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}
+
+
+def run(manifest: Path, device: str = "cuda", shapes=SHAPES) -> None:
+    """One profiled call per (shape, provider), each after a marker kernel; the order goes to `manifest`."""
+    import torch
+    from bench_ops import BROKEN_DOWN, PROVIDERS, Problem
+
+    device = torch.device(device)
+    providers = [p for p in PROVIDERS if p.name in BROKEN_DOWN and not p.unavailable(device)]
+    calls = []
+    for batch, heads, kv_heads, dim, keys in shapes:
+        problem = Problem(batch, heads, kv_heads, dim, keys, torch.bfloat16, device)
+        built = [(p.name, p.build("decode_attention", problem)) for p in providers]
+        for _, fn in built:  # compile and warm up outside the profiled range
+            fn()
+            fn()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        for name, fn in built:
+            torch.cuda._sleep(1)
+            fn()
+            calls.append({"provider": name, "B": batch, "H": heads, "H_kv": kv_heads, "D": dim, "S": keys})
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        del problem, built
+        torch.cuda.empty_cache()
+    manifest.write_text(json.dumps(calls, indent=1))
+    print(f"profiled {len(calls)} calls; wrote {manifest}")
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def read_raw(path: Path) -> list[dict]:
+    """ncu's raw page (--csv --page raw): one dict per kernel, metric name -> value, times in us and bytes in MB."""
+    lines = path.read_text().splitlines()
+    start = next(n for n, line in enumerate(lines) if '"Kernel Name"' in line)
+    reader = list(csv.reader(lines[start:]))
+    header, rows = reader[0], reader[1:]
+    units = {}
+    if rows and rows[0][header.index("Kernel Name")] == "":  # the units row
+        units, rows = dict(zip(header, rows[0])), rows[1:]
+    kernels = []
+    for row in rows:
+        values = dict(zip(header, row))
+        kernel = {"kernel": values["Kernel Name"]}
+        for name, text in values.items():
+            number = _number(text)
+            kernel[name] = number * SCALE.get(units.get(name, ""), 1.0) if number is not None else text
+        kernels.append(kernel)
+    return kernels
+
+
+def summarise(raw: Path, manifest: Path, out: Path) -> list[dict]:
+    calls = json.loads(manifest.read_text())
+    kernels = read_raw(raw)
+    groups, current = [], None
+    for kernel in kernels:
+        if MARKER in kernel["kernel"]:
+            current = []
+            groups.append(current)
+        elif current is not None:
+            current.append(kernel)
+    if len(groups) != len(calls):
+        raise SystemExit(f"{raw}: {len(groups)} marked calls, but the manifest lists {len(calls)}")
+    rows = []
+    for call, group in zip(calls, groups):
+        for kernel in group:
+            stalls = {}  # reason -> warp cycles per issued instruction (ncu names it two ways)
+            for name, value in kernel.items():
+                if (match := STALL.match(name)) and isinstance(value, float):
+                    stalls.setdefault(match.group(1), value)
+            stalls = sorted(stalls.items(), key=lambda stall: -stall[1])
+            row = {**call, "kernel": kernel["kernel"][:60]}
+            row.update({column: round(kernel[metric], 2) if isinstance(kernel.get(metric), float) else None
+                        for column, metric in METRICS.items()})
+            row["top_stalls"] = " ".join(f"{reason}={value:.1f}" for reason, value in stalls[:4])
+            rows.append(row)
+            print(json.dumps({"ncu": row}), flush=True)
+    print(f"{'B':>2} {'provider':30s} {'kernel':42s} {'us':>8} {'DRAM%':>6} {'occ%':>5} {'issue%':>6}  top stalls "
+          "(warp cycles per issued instruction)")
+    for row in rows:
+        print(f"{row['B']:>2} {row['provider']:30s} {row['kernel'][:42]:42s} {row['us'] or 0:8.1f} "
+              f"{row['dram_pct'] or 0:6.1f} {row['occupancy_pct'] or 0:5.1f} {row['issue_pct'] or 0:6.1f}  "
+              f"{row['top_stalls']}")
+    write_csv(rows, out / f"{NAME}.csv")
+    print(f"wrote {out / NAME}.csv")
+    return rows
+
+
+def profile(out: Path, python: str = sys.executable) -> Path:
+    """Run `--run` under ncu into OUT/ncu_issue48.ncu-rep and export its raw page; returns the CSV's path."""
+    ncu = shutil.which("ncu") or str(Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "ncu")
+    report, raw = out / f"{NAME}.ncu-rep", out / f"{NAME}_raw.csv"
+    subprocess.run([ncu, "--profile-from-start", "off", "--clock-control", "none",
+                    *(option for section in SECTIONS for option in ("--section", section)),
+                    "--metrics", ",".join(EXTRA_METRICS), "-o", str(report.with_suffix("")), "-f",
+                    python, __file__, "--run", "--out", str(out)], check=True)
+    with raw.open("w") as handle:
+        subprocess.run([ncu, "--import", str(report), "--page", "raw", "--csv", "--print-units", "base"],
+                       stdout=handle, check=True)
+    return raw
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--run", action="store_true", help="make the profiled calls (what ncu runs)")
+    parser.add_argument("--summarise", type=Path, default=None, help="summarise this raw export of a profile")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    manifest = args.out / f"{NAME}.json"
+    if args.run:
+        run(manifest)
+        return
+    summarise(args.summarise or profile(args.out), manifest, args.out)
+
+
+if __name__ == "__main__":
+    main()
