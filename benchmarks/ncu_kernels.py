@@ -7,7 +7,8 @@ reasons that cost the most.
     python benchmarks/ncu_kernels.py --out OUT      # profile, export, summarise (a GPU and ncu)
     python benchmarks/ncu_kernels.py --summarise OUT/ncu_issue48_raw.csv --out OUT   # again, from the export
 
-Under ncu (`--profile-from-start off --clock-control none`: the clocks as found, METHOD.md), the script reruns itself
+Under ncu (`--profile-from-start off`; `--clock-control none`: the clocks as found; `--cache-control none`: the
+combine and pooling kernels read what the split kernel left in L2, as they do in a pass), the script reruns itself
 with `--run`: it warms every call up outside the profiled range, then profiles one call of each, a marker kernel
 (torch.cuda._sleep's spin_kernel) before each, and lists the calls in order (OUT/ncu_issue48.json). The report
 (OUT/ncu_issue48.ncu-rep, for ncu-ui) is exported as ncu's raw page (OUT/ncu_issue48_raw.csv); the summary splits its
@@ -50,7 +51,9 @@ METRICS = {
     "registers": "launch__registers_per_thread",
     "grid": "launch__grid_size",
 }
-STALL = re.compile(r"smsp__average_warp(?:s_issue|_latency_issue)_stalled_(\w+?)(?:_per_issue_active)?\.ratio$")
+# Warps stalled for each reason per issue cycle, i.e. its share of the warp cycles per issued instruction ("selected"
+# is the issuing itself).
+STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio$")
 SCALE = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6,
          "byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}
 
@@ -93,7 +96,9 @@ def _number(text: str) -> float | None:
 def read_raw(path: Path) -> list[dict]:
     """ncu's raw page (--csv --page raw): one dict per kernel, metric name -> value, times in us and bytes in MB."""
     lines = path.read_text().splitlines()
-    start = next(n for n, line in enumerate(lines) if '"Kernel Name"' in line)
+    start = next((n for n, line in enumerate(lines) if '"Kernel Name"' in line), None)
+    if start is None:
+        raise SystemExit(f"{path} holds no ncu raw page (no \"Kernel Name\" header): see ncu's messages above")
     reader = list(csv.reader(lines[start:]))
     header, rows = reader[0], reader[1:]
     units = {}
@@ -125,11 +130,9 @@ def summarise(raw: Path, manifest: Path, out: Path) -> list[dict]:
     rows = []
     for call, group in zip(calls, groups):
         for kernel in group:
-            stalls = {}  # reason -> warp cycles per issued instruction (ncu names it two ways)
-            for name, value in kernel.items():
-                if (match := STALL.match(name)) and isinstance(value, float):
-                    stalls.setdefault(match.group(1), value)
-            stalls = sorted(stalls.items(), key=lambda stall: -stall[1])
+            stalls = sorted(((match.group(1), value) for name, value in kernel.items()
+                             if (match := STALL.match(name)) and isinstance(value, float)
+                             and match.group(1) != "selected"), key=lambda stall: -stall[1])
             row = {**call, "kernel": kernel["kernel"][:60]}
             row.update({column: round(kernel[metric], 2) if isinstance(kernel.get(metric), float) else None
                         for column, metric in METRICS.items()})
@@ -150,8 +153,10 @@ def summarise(raw: Path, manifest: Path, out: Path) -> list[dict]:
 def profile(out: Path, python: str = sys.executable) -> Path:
     """Run `--run` under ncu into OUT/ncu_issue48.ncu-rep and export its raw page; returns the CSV's path."""
     ncu = shutil.which("ncu") or str(Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "ncu")
+    if not Path(ncu).exists():
+        raise SystemExit("ncu (Nsight Compute) is neither on PATH nor in $CUDA_HOME/bin")
     report, raw = out / f"{NAME}.ncu-rep", out / f"{NAME}_raw.csv"
-    subprocess.run([ncu, "--profile-from-start", "off", "--clock-control", "none",
+    subprocess.run([ncu, "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "none",
                     *(option for section in SECTIONS for option in ("--section", section)),
                     "--metrics", ",".join(EXTRA_METRICS), "-o", str(report.with_suffix("")), "-f",
                     python, __file__, "--run", "--out", str(out)], check=True)

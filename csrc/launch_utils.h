@@ -298,8 +298,9 @@ class Scratch {
     return region;
   }
   void allocate(const at::Tensor& like) { tensor_ = at::empty({floats_}, like.options().dtype(at::kFloat)); }
+  // Null for a region not reserved or empty: the kernels test their optional outputs' pointers.
   float* floats(const Region& region) const {
-    return region.offset < 0 ? nullptr : tensor_.data_ptr<float>() + region.offset;
+    return region.offset < 0 || region.bytes == 0 ? nullptr : tensor_.data_ptr<float>() + region.offset;
   }
   NamedBuffers::Span named(const Region& region) const { return {region.name, floats(region), region.bytes}; }
 

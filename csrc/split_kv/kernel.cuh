@@ -281,20 +281,32 @@ struct CombineParams {
   T* out;          // (B, H, R, D_v) contiguous, or null
 };
 
+// combine_kernel's dynamic shared memory: each split's weight in its row's output. The policies split the keys into
+// at most one wave of blocks (16 a multiprocessor at the most, 2,112 on an H200): far under the 48 KB a launch
+// may take without opting in.
+__host__ __device__ inline size_t combine_smem_bytes(int64_t splits) { return size_t(splits) * sizeof(float); }
+
 // A row's splits are merged by all its block's threads at once, and each thread sums its output columns over
 // kCombineChunk splits at a time with the chunk's loads issued before any is used: the row's partials were written
 // by another kernel, so each read is an L2 round trip, and a loop that reads a split or two per round trip takes 33
-// to 66 of them at one item on an H200 (where 32 blocks, a row each, do all the work).
+// to 66 of them at one item on an H200 (where 32 blocks, a row each, do all the work). The splits' weights wait in
+// shared memory: a weight read from global memory next to its accumulator lets ptxas load the accumulator only after
+// the weight's test, a second round trip per chunk.
 template <typename T>
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams<T> p) {
-  __shared__ float warp_states[kCombineThreads / 32][4];
+  static_assert(kCombineThreads % 32 == 0, "whole warps");
+  constexpr int kWarps = kCombineThreads / 32;
+  __shared__ float warp_states[kWarps][4];
+  extern __shared__ float split_weight[];  // [splits]: each split's max, then 2^(max - the row's max)
   const int64_t row = blockIdx.y * p.rows_per_item + blockIdx.x;
   const float* part = p.part_stats + row * p.splits * 4;
+  const int splits = int(p.splits);  // at most a wave of blocks
   SoftmaxState all, generated;
-  for (int64_t s = threadIdx.x; s < p.splits; s += blockDim.x) {
+  for (int s = threadIdx.x; s < splits; s += kCombineThreads) {
     const float4 stats = reinterpret_cast<const float4*>(part)[s];  // (max, sum, generated max, generated sum)
     all.merge(stats.x, stats.y);
     generated.merge(stats.z, stats.w);
+    split_weight[s] = stats.x;
   }
   all.merge_warp();
   generated.merge_warp();
@@ -307,7 +319,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams<
   }
   __syncthreads();
   all = generated = SoftmaxState{};
-  for (int w = 0; w < int(blockDim.x / 32); ++w) {  // every thread merges the warps' states in the same order
+  for (int w = 0; w < kWarps; ++w) {  // every thread merges the warps' states in the same order
     all.merge(warp_states[w][0], warp_states[w][1]);
     generated.merge(warp_states[w][2], warp_states[w][3]);
   }
@@ -321,24 +333,24 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams<
     }
   }
   if (p.out == nullptr) return;
+  // Each thread turns the maxima it stored into weights; a split whose rows attend no key (max -inf) weighs 0.
+  for (int s = threadIdx.x; s < splits; s += kCombineThreads) split_weight[s] = exp2_diff(split_weight[s], all.m);
+  __syncthreads();
   const float inverse = all.l > 0.0f ? 1.0f / all.l : 0.0f;
   const float* acc = p.part_acc + row * p.splits * p.dim_v;
-  const int splits = int(p.splits);  // at most a wave of blocks
-  for (int64_t d = threadIdx.x; d < p.dim_v; d += blockDim.x) {
+  for (int64_t d = threadIdx.x; d < p.dim_v; d += kCombineThreads) {
     float sum = 0.0f;
     for (int first = 0; first < splits; first += kCombineChunk) {
-      // Past the last split the chunk reads the last one again, weighed 0: unconditional loads stay together.
-      float split_max[kCombineChunk], split_acc[kCombineChunk];
+      // Past the last split the chunk reads the last one again and adds nothing: unconditional loads stay together.
+      float split_acc[kCombineChunk], weight[kCombineChunk];
+#pragma unroll
+      for (int i = 0; i < kCombineChunk; ++i) weight[i] = first + i < splits ? split_weight[first + i] : 0.0f;
+#pragma unroll
+      for (int i = 0; i < kCombineChunk; ++i) split_acc[i] = acc[int64_t(min(first + i, splits - 1)) * p.dim_v + d];
 #pragma unroll
       for (int i = 0; i < kCombineChunk; ++i) {
-        const int s = min(first + i, splits - 1);
-        split_max[i] = first + i < splits ? part[4 * s] : kNegInf;
-        split_acc[i] = acc[int64_t(s) * p.dim_v + d];
-      }
-#pragma unroll
-      for (int i = 0; i < kCombineChunk; ++i) {
-        // A split whose rows attend no key (max -inf) adds nothing, whatever its accumulator holds.
-        if (split_max[i] != kNegInf) sum = fmaf(exp2f(split_max[i] - all.m), split_acc[i], sum);
+        // A weight of 0 adds nothing, whatever the split's accumulator holds.
+        if (weight[i] != 0.0f) sum = fmaf(weight[i], split_acc[i], sum);
       }
     }
     p.out[row * p.dim_v + d] = from_float<T>(sum * inverse);

@@ -17,15 +17,16 @@ import ncu_kernels  # noqa: E402
 
 COLUMNS = ["ID", "Process ID", "Kernel Name", "gpu__time_duration.sum", "dram__bytes_read.sum",
            "dram__throughput.avg.pct_of_peak_sustained_elapsed", "launch__registers_per_thread",
-           "smsp__average_warp_latency_issue_stalled_barrier.ratio",
+           "smsp__average_warp_latency_issue_stalled_barrier.ratio",  # cycles over the whole run: not a share
            "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
-           "smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio",
-           "smsp__average_warp_latency_issue_stalled_wait.ratio"]
-UNITS = ["", "", "", "nsecond", "byte", "%", "register/thread", "", "", "", ""]
+           "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+           "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
+           "smsp__average_warps_issue_stalled_selected_per_issue_active.ratio"]
+UNITS = ["", "", "", "nsecond", "byte", "%", "register/thread", "", "", "", "", ""]
 
 
 def _kernel(number: int, name: str, ns: str, read: str, barrier: str, scoreboard: str) -> list[str]:
-    return [str(number), "77", name, ns, read, "61.5", "168", barrier, "0.5", scoreboard, "2"]
+    return [str(number), "77", name, ns, read, "61.5", "168", "123,456", barrier, scoreboard, "2", "1"]
 
 
 def _export(tmp_path: Path, kernels: list[list[str]]) -> Path:
@@ -62,7 +63,7 @@ def test_the_summary_splits_calls_at_markers_and_ranks_stall_reasons(tmp_path, c
         ("cuda-mma-attention-only", "void macs::combine_kernel"), ("torch-sdpa-gqa", "flash_fwd_splitkv_kernel")]
     mma, combine, sdpa = rows
     assert (mma["us"], mma["dram_read_MB"], mma["dram_pct"], mma["registers"]) == (52.4, 134.22, 61.5, 168.0)
-    # The barrier stall named both ways counts once (the first name's value); the costliest come first.
+    # Stalls per issued instruction, the costliest first; neither the whole run's cycles nor the issuing itself.
     assert mma["top_stalls"] == "barrier=7.2 long_scoreboard=3.5 wait=2.0"
     assert combine["top_stalls"] == "long_scoreboard=9.0 wait=2.0 barrier=0.2"
     assert sdpa["us"] == 38.0 and mma["cycles_per_issue"] is None  # a metric the export lacks
