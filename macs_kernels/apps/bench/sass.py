@@ -177,6 +177,11 @@ def blocks_per_multiprocessor(arch: int, registers: int, threads: int, shared: i
     return blocks
 
 
+def instructions(sass: str) -> list[str]:
+    """One function's SASS instructions in order (cuobjdump's text, guard predicates kept)."""
+    return [text.strip() for _, text in _INSTRUCTION.findall(sass)]
+
+
 def loops(sass: str) -> list[list[str]]:
     """The instructions of each loop of one function's SASS (cuobjdump's, with absolute branch targets): from the
     target of a backward branch to the branch. Loops nest; a backward branch whose range starts inside another loop

@@ -171,6 +171,19 @@ def _split_kv_kernel(
 
 
 @triton.jit
+def _chunk_partials(partials_ptr, stats, row, splits, stride_part, first, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    SPLITS_CHUNK: tl.constexpr):
+    """Slices [first, first + SPLITS_CHUNK)'s maxima and accumulators of row `row` (padding slices: MIN_SCORE, 0)."""
+    chunk = first + tl.arange(0, SPLITS_CHUNK)
+    chunk_mask = chunk < splits
+    d = tl.arange(0, BLOCK_D)
+    m = tl.load(stats + chunk, mask=chunk_mask, other=MIN_SCORE)
+    acc = tl.load(partials_ptr + 3 * stride_part + (row * splits + chunk)[:, None] * D + d[None, :],
+                  mask=chunk_mask[:, None] & (d < D)[None, :], other=0.0)
+    return m, acc
+
+
+@triton.jit
 def _combine_row(
     row, partials_ptr, out_ptr, lse_ptr, lse_gen_ptr, sinks_ptr,
     splits, heads, rows, stride_part, stride_ob, stride_oh, stride_or,
@@ -185,32 +198,38 @@ def _combine_row(
     sp = tl.arange(0, SPLITS_PAD)
     sp_mask = sp < splits
     stats = partials_ptr + row * splits
+    # Every load that needs no other's value comes before the first block-wide max: the split kernel wrote the
+    # partials (each load an L2 round trip), and a load after a reduction's barrier waits for it.
     m = tl.load(stats + sp, mask=sp_mask, other=MIN_SCORE)
-    top = tl.max(m, 0)
-    weight = tl.exp(m - top)
-    l = tl.sum(weight * tl.load(stats + stride_part + sp, mask=sp_mask, other=0.0), 0)
-    l_gen = tl.sum(weight * tl.load(stats + 2 * stride_part + sp, mask=sp_mask, other=0.0), 0)
+    l = tl.load(stats + stride_part + sp, mask=sp_mask, other=0.0)
+    l_gen = tl.load(stats + 2 * stride_part + sp, mask=sp_mask, other=0.0)
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + row // rows % heads).to(tl.float32)
+    if WITH_V:
+        chunk_m, chunk_acc = _chunk_partials(partials_ptr, stats, row, splits, stride_part, 0, D, BLOCK_D,
+                                             SPLITS_CHUNK)
+    top = tl.max(m, 0)
+    weight = tl.exp(m - top)
+    l = tl.sum(weight * l, 0)
+    l_gen = tl.sum(weight * l_gen, 0)
+    if HAS_SINKS:
         rescale = tl.exp(top - tl.maximum(top, sink))
         l = l * rescale + tl.exp(sink - tl.maximum(top, sink))
         l_gen = l_gen * rescale
         top = tl.maximum(top, sink)
-    tl.store(lse_ptr + row, top + tl.log(l))
-    tl.store(lse_gen_ptr + row, top + tl.log(l_gen))
     if WITH_V:
         d = tl.arange(0, BLOCK_D)
         out = tl.zeros([BLOCK_D], tl.float32)
-        for first in range(0, SPLITS_PAD, SPLITS_CHUNK):  # a trip count ptxas knows; padding slices load nothing
-            chunk = first + tl.arange(0, SPLITS_CHUNK)
-            chunk_mask = chunk < splits
-            chunk_weight = tl.exp(tl.load(stats + chunk, mask=chunk_mask, other=MIN_SCORE) - top)
-            acc = tl.load(partials_ptr + 3 * stride_part + (row * splits + chunk)[:, None] * D + d[None, :],
-                          mask=chunk_mask[:, None] & (d < D)[None, :], other=0.0)
-            out += tl.sum(chunk_weight[:, None] * acc, 0)
+        for first in tl.static_range(0, SPLITS_PAD, SPLITS_CHUNK):
+            if first > 0:
+                chunk_m, chunk_acc = _chunk_partials(partials_ptr, stats, row, splits, stride_part, first, D,
+                                                     BLOCK_D, SPLITS_CHUNK)
+            out += tl.sum(tl.exp(chunk_m - top)[:, None] * chunk_acc, 0)
         out = out / l
         target = out_ptr + row // (heads * rows) * stride_ob + row // rows % heads * stride_oh + row % rows * stride_or
         tl.store(target + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+    tl.store(lse_ptr + row, top + tl.log(l))
+    tl.store(lse_gen_ptr + row, top + tl.log(l_gen))
 
 
 @triton.jit
