@@ -81,6 +81,8 @@ __global__ void __launch_bounds__(kPoolThreads) pool_kernel(PoolParams<Src> p) {
   const int64_t groups = ceil_div(p.keys, kRelativeScoreGroup);  // per row of maxima
   const float* maxima =
       kRelative ? p.maxima + (b * p.heads * p.rows + r) * groups + key / kRelativeScoreGroup : nullptr;
+  // Loaded with the heads, not after them: each load is a DRAM or L2 round trip.
+  const float previous = p.epilogue == PoolEpilogue::kAddLogFloor ? *out : 0.0f;
   float pooled = p.pooling == Pooling::kMax ? kNegInf : (p.pooling == Pooling::kMin ? kInf : 0.0f);
   // Head h's loaded value (and, with relative scores, its maximum) into the pool.
   const auto pool_head = [&](int64_t h, float loaded, float maximum) {
@@ -120,7 +122,7 @@ __global__ void __launch_bounds__(kPoolThreads) pool_kernel(PoolParams<Src> p) {
     *out = pooled;
   } else {
     // Efficient-attention rows can pool below zero; clamping keeps the floor's log defined.
-    *out += logf(p.alpha * fmaxf(pooled, 0.0f) + (1.0f - p.alpha));
+    *out = previous + logf(p.alpha * fmaxf(pooled, 0.0f) + (1.0f - p.alpha));
   }
 }
 
