@@ -215,22 +215,29 @@ def test_loads_in_flight_stop_at_the_first_instruction_that_reads_a_loaded_regis
     assert loads_in_flight([independent[0], "MOV R4, R2", independent[1]]) == 2  # R4 written, not read
 
 
-def test_pool_kernel_loads_a_chunk_of_heads_before_using_any(compiled_pieces):
-    """The head pooling after a split pass is bound by memory latency: in its loop over heads each thread issues a
-    chunk of 8 heads' loads (16 with fp16 relative scores: their maxima too) before an instruction reads one; for
-    sm_80 ptxas converts the first fp16 relative score after 5 of its 16 and issues the rest after. Before, each load
-    was read before the next was issued (1 or 2 in flight): 32 DRAM round trips a key at 32 heads."""
+def _loading_loops(compiled_pieces, piece: str, kernel: str) -> dict[tuple[str, str], list[str]]:
+    """(arch, function) -> the loop with the most global loads, of each instantiation of `kernel` in `piece`."""
     if cuobjdump() is None:
         pytest.skip("no cuobjdump (neither the CUDA toolkit's nor Triton's) to read the SASS")
     folder, _ = compiled_pieces
+    return {(arch, name): max(loops(code), key=lambda body: sum(opcode(i).startswith("LDG") for i in body))
+            for arch in ARCHES
+            for name, code in sass_by_function(folder / piece / f"kernel.compute_{arch[3:]}.cubin").items()
+            if kernel in name}
+
+
+def test_pool_kernel_loads_a_chunk_of_heads_before_using_any(compiled_pieces):
+    """The head pooling after a split pass is bound by memory latency: in its loop over heads each thread issues a
+    chunk of 8 heads' loads (16 with fp16 relative scores: their maxima too) before an instruction reads one; for
+    sm_80 ptxas converts the first fp16 relative score after 4 of its 16 and issues the rest after. Before, each load
+    was read before the next was issued (1 or 2 in flight): 32 DRAM round trips a key at 32 heads."""
+    loops_by_kernel = _loading_loops(compiled_pieces, "pool", "pool_kernel")
     for arch in ARCHES:
-        sass = sass_by_function(folder / "pool" / f"kernel.compute_{arch[3:]}.cubin")
-        kernels = {name: code for name, code in sass.items() if "pool_kernel" in name}
+        kernels = [name for kernel_arch, name in loops_by_kernel if kernel_arch == arch]
         assert len(kernels) == len(DTYPES) + 2, f"{arch}: rows in each dtype, float32 and fp16 relative scores"
-        for name, code in kernels.items():
-            head_loop = max(loops(code), key=lambda body: sum(opcode(i).startswith("LDG") for i in body))
-            expected = (5 if arch == "sm_80" else 16) if "I6__halfLb1E" in name else 8
-            assert loads_in_flight(head_loop) == expected, f"{name} {arch}: {loads_in_flight(head_loop)} in flight"
+    for (arch, name), head_loop in loops_by_kernel.items():
+        expected = (4 if arch == "sm_80" else 16) if "I6__halfLb1E" in name else 8
+        assert loads_in_flight(head_loop) == expected, f"{name} {arch}: {loads_in_flight(head_loop)} in flight"
 
 
 def test_combine_kernel_loads_a_chunk_of_splits_before_using_any(compiled_pieces):
@@ -239,16 +246,10 @@ def test_combine_kernel_loads_a_chunk_of_splits_before_using_any(compiled_pieces
     memory (read from global memory beside them, ptxas loaded one accumulator only after its weight's test: a second
     round trip a chunk). Before, its loops over splits had 2 to 8 loads in flight, a round trip for every split or two:
     33 to 66 of them at one item on an H200."""
-    if cuobjdump() is None:
-        pytest.skip("no cuobjdump (neither the CUDA toolkit's nor Triton's) to read the SASS")
-    folder, _ = compiled_pieces
-    for arch in ARCHES:
-        sass = sass_by_function(folder / "split_kv" / f"kernel.compute_{arch[3:]}.cubin")
-        kernels = {name: code for name, code in sass.items() if "combine_kernel" in name}
-        assert len(kernels) == len(DTYPES), f"{arch}: {sorted(kernels)}"
-        for name, code in kernels.items():
-            split_loop = max(loops(code), key=lambda body: sum(opcode(i).startswith("LDG") for i in body))
-            assert loads_in_flight(split_loop) == 8, f"{name} {arch}: {loads_in_flight(split_loop)} in flight"
+    loops_by_kernel = _loading_loops(compiled_pieces, "split_kv", "combine_kernel")
+    assert len(loops_by_kernel) == len(ARCHES) * len(DTYPES), sorted(loops_by_kernel)
+    for (arch, name), split_loop in loops_by_kernel.items():
+        assert loads_in_flight(split_loop) == 8, f"{name} {arch}: {loads_in_flight(split_loop)} in flight"
 
 
 def test_unknown_split_kernel_is_refused_by_name():
