@@ -64,7 +64,13 @@ def run(manifest: Path, device: str = "cuda", shapes=SHAPES) -> None:
     from bench_ops import BROKEN_DOWN, PROVIDERS, Problem
 
     device = torch.device(device)
-    providers = [p for p in PROVIDERS if p.name in BROKEN_DOWN and not p.unavailable(device)]
+    providers = []
+    for provider in (p for p in PROVIDERS if p.name in BROKEN_DOWN):
+        reason = provider.unavailable(device)
+        if reason:
+            print(f"skipping {provider.name}: {reason}", flush=True)
+        else:
+            providers.append(provider)
     calls = []
     for batch, heads, kv_heads, dim, keys in shapes:
         problem = Problem(batch, heads, kv_heads, dim, keys, torch.bfloat16, device)

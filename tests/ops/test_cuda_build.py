@@ -247,7 +247,8 @@ def test_combine_kernel_loads_a_chunk_of_splits_before_using_any(compiled_pieces
     round trip a chunk). Before, its loops over splits had 2 to 8 loads in flight, a round trip for every split or two:
     33 to 66 of them at one item on an H200."""
     loops_by_kernel = _loading_loops(compiled_pieces, "split_kv", "combine_kernel")
-    assert len(loops_by_kernel) == len(ARCHES) * len(DTYPES), sorted(loops_by_kernel)
+    for arch in ARCHES:
+        assert len([name for kernel_arch, name in loops_by_kernel if kernel_arch == arch]) == len(DTYPES), arch
     for (arch, name), split_loop in loops_by_kernel.items():
         assert loads_in_flight(split_loop) == 8, f"{name} {arch}: {loads_in_flight(split_loop)} in flight"
 

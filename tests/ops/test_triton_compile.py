@@ -24,7 +24,6 @@ from macs_kernels.apps.bench.sass import (
     cuobjdump,
     instructions,
     key_loop,
-    loads_in_flight,
     loops,
     opcode,
     resources,
@@ -271,24 +270,21 @@ def test_fused_key_loop_is_the_attention_loop_and_the_score_stores(compiled, dim
 
 
 @pytest.mark.parametrize("arch", TARGETS)
-@pytest.mark.parametrize("variant", ["combine_bf16", "combine_sinks_bf16", "combine_sinks_pool"])
+@pytest.mark.parametrize("variant", ["combine_bf16", "combine_sinks_bf16"])
 def test_combine_issues_every_load_before_its_first_reduction(compiled, variant, arch):
     """The combine reads what the split kernel just wrote: each load is an L2 round trip. Its slices' maxima, sums,
-    sink and (one chunk of them here) accumulators are all loaded before the block-wide max's barrier, or, where one
-    warp's shuffles reduce, before any is used; loaded where they were used, the sums waited for the max, the generated
-    sums for the sums, the accumulators for both: 4 round trips. (ptxas may still start the max's shuffles, which
-    wait for the maxima, before issuing the last accumulators: 15-22 of 35 loads in flight at D 128.)"""
+    sink and first chunk of accumulators (the only one here) are all loaded before the block-wide max's barrier;
+    loaded where they were used, the sums waited for the maxima's reduction, the generated sums for the sums', the
+    sink and accumulators for those: 4 round trips. (ptxas may still start the max's shuffles, which wait for the
+    maxima, before issuing the last accumulators: 6-30 of 35 loads in flight at D 128 under Triton 3.6 and 3.9,
+    2 round trips.)"""
     if cuobjdump() is None:
         pytest.skip("no cuobjdump (neither the CUDA toolkit's nor Triton's) to read the SASS")
     (sass,) = sass_by_function(Path(compiled[f"{variant}@sm_{arch}"]["cubin"])).values()
     code = instructions(sass)
-    loads = [n for n, instruction in enumerate(code) if opcode(instruction).startswith("LDG")]
-    barriers = [n for n, instruction in enumerate(code) if opcode(instruction).startswith("BAR")]
-    if barriers:
-        late = [code[n] for n in loads if n > barriers[0]]
-        assert not late, f"{len(late)} loads after the first barrier: {late[:3]}"
-    else:
-        assert loads_in_flight(code[loads[0]:]) == len(loads), f"{loads_in_flight(code[loads[0]:])} of {len(loads)}"
+    first_barrier = next(n for n, instruction in enumerate(code) if opcode(instruction).startswith("BAR"))
+    late = [instruction for instruction in code[first_barrier:] if opcode(instruction).startswith("LDG")]
+    assert not late, f"{len(late)} loads after the first barrier: {late[:3]}"
 
 
 @pytest.mark.parametrize("arch", TARGETS)

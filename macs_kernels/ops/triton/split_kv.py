@@ -198,8 +198,8 @@ def _combine_row(
     sp = tl.arange(0, SPLITS_PAD)
     sp_mask = sp < splits
     stats = partials_ptr + row * splits
-    # Every load that needs no other's value comes before the first block-wide max: the split kernel wrote the
-    # partials (each load an L2 round trip), and a load after a reduction's barrier waits for it.
+    # The statistics, the sink and the first chunk of accumulators load before the first block-wide max: the split
+    # kernel wrote them (each load an L2 round trip), and a load after a reduction's barrier waits for it.
     m = tl.load(stats + sp, mask=sp_mask, other=MIN_SCORE)
     l = tl.load(stats + stride_part + sp, mask=sp_mask, other=0.0)
     l_gen = tl.load(stats + 2 * stride_part + sp, mask=sp_mask, other=0.0)
@@ -219,11 +219,10 @@ def _combine_row(
         top = tl.maximum(top, sink)
     if WITH_V:
         d = tl.arange(0, BLOCK_D)
-        out = tl.zeros([BLOCK_D], tl.float32)
-        for first in tl.static_range(0, SPLITS_PAD, SPLITS_CHUNK):
-            if first > 0:
-                chunk_m, chunk_acc = _chunk_partials(partials_ptr, stats, row, splits, stride_part, first, D,
-                                                     BLOCK_D, SPLITS_CHUNK)
+        out = tl.sum(tl.exp(chunk_m - top)[:, None] * chunk_acc, 0)
+        for first in range(SPLITS_CHUNK, SPLITS_PAD, SPLITS_CHUNK):  # a loop, not unrolled: 16 chunks at D 256
+            chunk_m, chunk_acc = _chunk_partials(partials_ptr, stats, row, splits, stride_part, first, D, BLOCK_D,
+                                                 SPLITS_CHUNK)
             out += tl.sum(tl.exp(chunk_m - top)[:, None] * chunk_acc, 0)
         out = out / l
         target = out_ptr + row // (heads * rows) * stride_ob + row // rows % heads * stride_oh + row % rows * stride_or
