@@ -9,8 +9,9 @@ reasons that cost the most.
 
 Under ncu (`--profile-from-start off`; `--clock-control none`: the clocks as found; `--cache-control none`: the
 combine and pooling kernels read what the split kernel left in L2, as they do in a pass), the script reruns itself
-with `--run`: it warms every call up outside the profiled range, then profiles one call of each, a marker kernel
-(torch.cuda._sleep's spin_kernel) before each, and lists the calls in order (OUT/ncu_issue48.json). The report
+with `--run`: for each provider in turn it builds the call (a cuda build chooses the split kernel for the whole
+process), warms it up outside the profiled range, then profiles one call after a marker kernel (torch.cuda._sleep's
+spin_kernel), and lists the calls in order (OUT/ncu_issue48.json). The report
 (OUT/ncu_issue48.ncu-rep, for ncu-ui) is exported as ncu's raw page (OUT/ncu_issue48_raw.csv); the summary splits its
 kernels at the markers, prints a table and JSON lines ({"ncu": ...}) and writes OUT/ncu_issue48.csv. `.ci/gpu`'s
 kernels preset runs it.
@@ -74,19 +75,19 @@ def run(manifest: Path, device: str = "cuda", shapes=SHAPES) -> None:
     calls = []
     for batch, heads, kv_heads, dim, keys in shapes:
         problem = Problem(batch, heads, kv_heads, dim, keys, torch.bfloat16, device)
-        built = [(p.name, p.build("decode_attention", problem)) for p in providers]
-        for _, fn in built:  # compile and warm up outside the profiled range
+        for provider in providers:
+            # Built right before its calls: a cuda build chooses the split kernel for the whole process.
+            fn = provider.build("decode_attention", problem)
+            fn()  # compiled and warmed up outside the profiled range
             fn()
-            fn()
-        torch.cuda.synchronize()
-        torch.cuda.profiler.start()
-        for name, fn in built:
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
             torch.cuda._sleep(1)
             fn()
-            calls.append({"provider": name, "B": batch, "H": heads, "H_kv": kv_heads, "D": dim, "S": keys})
-        torch.cuda.synchronize()
-        torch.cuda.profiler.stop()
-        del problem, built
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+            calls.append({"provider": provider.name, "B": batch, "H": heads, "H_kv": kv_heads, "D": dim, "S": keys})
+        del problem
         torch.cuda.empty_cache()
     manifest.write_text(json.dumps(calls, indent=1))
     print(f"profiled {len(calls)} calls; wrote {manifest}")

@@ -81,20 +81,24 @@ def test_an_export_whose_calls_differ_from_the_manifest_is_refused(tmp_path):
 
 
 def test_the_run_profiles_one_call_of_each_provider_after_its_marker(tmp_path, monkeypatch):
-    """What ncu runs, with the CUDA calls recorded instead (no GPU here) and the torch provider standing in for the
-    broken-down ones: every call warmed up before the profiled range, one call each inside it, a marker first."""
+    """What ncu runs, with the CUDA calls recorded instead (no GPU here) and torch providers standing in for the
+    broken-down ones: each provider built right before its calls (a cuda build chooses the split kernel for the whole
+    process), warmed up before the profiled range, then one call inside it after a marker."""
     import bench_ops
     import torch
 
     events = []
     original = bench_ops.backend_call("torch")
 
-    def counted(op, problem):
-        fn = original(op, problem)
-        return lambda: (events.append("call"), fn())
+    def recorded(name):
+        def build(op, problem):
+            events.append(f"build {name}")
+            fn = original(op, problem)
+            return lambda: (events.append("call"), fn())
+        return bench_ops.Provider(name, bench_ops.OPS, lambda device: None, build)
 
-    monkeypatch.setattr(bench_ops, "BROKEN_DOWN", ("torch",))
-    monkeypatch.setattr(bench_ops, "PROVIDERS", (bench_ops.Provider("torch", bench_ops.OPS, lambda d: None, counted),))
+    monkeypatch.setattr(bench_ops, "BROKEN_DOWN", ("first", "second"))
+    monkeypatch.setattr(bench_ops, "PROVIDERS", (recorded("first"), recorded("second")))
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: events.append("marker"))
     monkeypatch.setattr(torch.cuda.profiler, "start", lambda: events.append("start"))
     monkeypatch.setattr(torch.cuda.profiler, "stop", lambda: events.append("stop"))
@@ -102,5 +106,7 @@ def test_the_run_profiles_one_call_of_each_provider_after_its_marker(tmp_path, m
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     manifest = tmp_path / "calls.json"
     ncu_kernels.run(manifest, "cpu", shapes=((1, 4, 2, 16, 40), (2, 4, 2, 16, 40)))
-    assert events == ["call", "call", "start", "marker", "call", "stop"] * 2
-    assert [(call["provider"], call["B"]) for call in json.loads(manifest.read_text())] == [("torch", 1), ("torch", 2)]
+    one = ["call", "call", "start", "marker", "call", "stop"]
+    assert events == (["build first", *one, "build second", *one]) * 2
+    assert [(call["provider"], call["B"]) for call in json.loads(manifest.read_text())] == [
+        ("first", 1), ("second", 1), ("first", 2), ("second", 2)]
