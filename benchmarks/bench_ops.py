@@ -255,6 +255,18 @@ def print_json_lines(rows) -> None:
         print(json.dumps(line), flush=True)
 
 
+def available_providers(device: torch.device, names=None) -> list[Provider]:
+    """The providers (those named in `names`, or all) that can run on `device`; each other one is named with why."""
+    providers = []
+    for provider in (p for p in PROVIDERS if names is None or p.name in names):
+        reason = provider.unavailable(device)
+        if reason:
+            print(f"skipping {provider.name}: {reason}", flush=True)
+        else:
+            providers.append(provider)
+    return providers
+
+
 # The providers whose kernels kernel_times breaks down: each fused pass beside its attention alone, and sdpa.
 BROKEN_DOWN = ("triton", "triton-attention-only", "cuda-mma", "cuda-mma-attention-only", "cuda-pipelined",
                "cuda-pipelined-attention-only", SDPA)
@@ -472,13 +484,7 @@ def main(argv=None):
     host_profile(device, dtype, args.out / f"{stem}_host_profile.txt")
     if args.host_only:
         return
-    providers = []
-    for provider in PROVIDERS:
-        reason = provider.unavailable(device)
-        if reason:
-            print(f"skipping {provider.name}: {reason}")
-        else:
-            providers.append(provider)
+    providers = available_providers(device)
 
     rows = []
     for batch, heads, kv_heads, dim, keys in grid(args.quick, device, args.shapes):

@@ -62,16 +62,10 @@ SCALE = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6,
 def run(manifest: Path, device: str = "cuda", shapes=SHAPES) -> None:
     """One profiled call per (shape, provider), each after a marker kernel; the order goes to `manifest`."""
     import torch
-    from bench_ops import BROKEN_DOWN, PROVIDERS, Problem
+    from bench_ops import BROKEN_DOWN, Problem, available_providers
 
     device = torch.device(device)
-    providers = []
-    for provider in (p for p in PROVIDERS if p.name in BROKEN_DOWN):
-        reason = provider.unavailable(device)
-        if reason:
-            print(f"skipping {provider.name}: {reason}", flush=True)
-        else:
-            providers.append(provider)
+    providers = available_providers(device, BROKEN_DOWN)
     calls = []
     for batch, heads, kv_heads, dim, keys in shapes:
         problem = Problem(batch, heads, kv_heads, dim, keys, torch.bfloat16, device)

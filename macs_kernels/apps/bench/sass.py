@@ -225,7 +225,7 @@ def loads_in_flight(instructions: list[str]) -> int:
     issued = 0
     for instruction in instructions:
         operation = opcode(instruction)
-        operands = [part.strip() for part in re.sub(r"^@!?U?P\w+\s+", "", instruction).split(None, 1)[-1].split(",")]
+        operands = [part.strip() for part in _unguarded(instruction).split(None, 1)[-1].split(",")]
         # The first operand is written, except by a store (ST*), whose operands are all read.
         read = operands if operation.startswith("ST") else operands[1:]
         if any(int(register) in loaded for operand in read for register in _REGISTER.findall(operand)):
@@ -238,6 +238,11 @@ def loads_in_flight(instructions: list[str]) -> int:
     return issued
 
 
+def _unguarded(instruction: str) -> str:
+    """The instruction without its predicate guard (`@!P0 `, `@UP1 `)."""
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction)
+
+
 def opcode(instruction: str) -> str:
     """The opcode with its modifiers, without a predicate guard: `@!P0 ISETP.GE.AND.EX P1, ...` -> ISETP.GE.AND.EX."""
-    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0]
+    return _unguarded(instruction).split()[0]
