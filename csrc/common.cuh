@@ -22,7 +22,7 @@ enum class Pooling : int { kMax = 0, kMean = 1, kMin = 2 };
 constexpr float kInf = __builtin_huge_valf();
 constexpr float kNegInf = -kInf;
 
-// Scores are carried as score * log2(e), so that each exponential is one exp2f (split_kv/state.cuh).
+// Scores are carried as score * log2(e), so that each exponential is one exp2 (split_kv/state.cuh).
 constexpr float kLog2e = 1.4426950408889634f;
 
 __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

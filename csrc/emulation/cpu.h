@@ -200,6 +200,32 @@ inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
   warp_sync();
 }
 
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16: lane i names row i % 8 of matrix i / 8; register j of lane (g, t) gets
+// elements [g][2t] (low half) and [g][2t+1] of matrix j (PTX ISA, ldmatrix).
+inline void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+  Thread& self = thread();
+  check_aligned16(row, "misaligned address: an ldmatrix row not 16-byte aligned");
+  self.warp->addresses[self.lane] = row;
+  warp_sync();
+  const int g = self.lane / 4, t = self.lane % 4;
+  for (int j = 0; j < 4; ++j) {
+    const auto* elements = static_cast<const uint16_t*>(self.warp->addresses[8 * j + g]);
+    r[j] = uint32_t(elements[2 * t]) | (uint32_t(elements[2 * t + 1]) << 16);
+  }
+  warp_sync();
+}
+
+// vote.sync.any: true on every lane when `predicate` holds on any.
+inline bool any_lane(bool predicate) {
+  const uint32_t word = predicate;
+  return warp_exchange(&word, 1, [](const Warp& w) {
+    for (int lane = 0; lane < w.lanes; ++lane) {
+      if (w.words[lane][0] != 0) return true;
+    }
+    return false;
+  });
+}
+
 // Names a buffer of `bytes` at `data` in the byte counts of the kernels this thread launches next
 // (macs_kernels/apps/bench/traffic.py; csrc/launch_utils.h's NamedBuffers); nothing unless they are being counted.
 void name_buffer(const char* name, const void* data, size_t bytes);
@@ -261,6 +287,7 @@ inline void __syncthreads() { ::cuda_emulation::thread().block->sync.arrive_and_
 inline void __syncwarp(unsigned = 0xffffffffu) { ::cuda_emulation::warp_sync(); }
 template <typename V>
 inline V __shfl_xor_sync(unsigned, V value, int offset) { return ::cuda_emulation::shfl_xor(value, offset); }
+inline int __any_sync(unsigned, int predicate) { return ::cuda_emulation::any_lane(predicate != 0); }
 template <typename V>
 inline V __ldg(const V* pointer) { return *pointer; }
 inline int __ffs(int x) { return __builtin_ffs(x); }

@@ -1,13 +1,27 @@
 // The partial softmax state of the split-KV pass (like FlashInfer's state.cuh): scores are carried in
-// base 2, x = score * log2(e), so every exponential is one exp2f; the log-sum-exp leaves in natural log.
+// base 2, x = score * log2(e), so every exponential is one exp2; the log-sum-exp leaves in natural log.
 #pragma once
 
 #include "common.cuh"
 
 namespace macs {
 
+// 2^x by the SFU alone (ex2.approx.ftz, as FlashAttention's and FlashInfer's softmax): exp2f adds four instructions
+// a call for results below 2^-126, which it keeps as subnormals and this flushes to 0. Every exponent here is a score
+// less the largest it is summed with, whose own term is 1, so no sum can tell the difference.
+__device__ __forceinline__ float fast_exp2(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  const float y = exp2f(x);
+  return y < 1.17549435e-38f ? 0.0f : y;
+#endif
+}
+
 // 2^(x - m), and 0 when x is -inf (then m may be -inf too: no NaN from -inf - -inf).
-__device__ __forceinline__ float exp2_diff(float x, float m) { return x == kNegInf ? 0.0f : exp2f(x - m); }
+__device__ __forceinline__ float exp2_diff(float x, float m) { return x == kNegInf ? 0.0f : fast_exp2(x - m); }
 
 // Sum of 2^x over the merged base-2 scores x, held as l * 2^m; m = -inf and l = 0 when empty.
 struct SoftmaxState {

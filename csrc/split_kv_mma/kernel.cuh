@@ -41,10 +41,10 @@ constexpr int kMmaPad = 8;                     // elements (16 bytes) of padding
 // 65536 / (kMmaThreads * blocks) registers a thread, and tests/ops/test_cuda_build.py checks, for sm_80 and sm_90,
 // that ptxas spills nothing under the cap and needs more registers than one more block would leave: the policy's
 // wave is then the one the GPU runs, with no tail wave of blocks that cannot be resident. With V, Q's fragments and
-// the output's hold 96 registers at D 128 (2 blocks: 204-208 registers) and 48 at D 64 (3 blocks: 154-160); without V
-// 124-128 (4 blocks).
+// the output's hold 96 registers at D 128 (2 blocks: 195-201 registers) and 48 at D 64 (3 blocks: 140-148); without V
+// 116-118 at D 128 (4 blocks) and 96-99 at D 64 (5 blocks).
 __host__ __device__ constexpr int mma_blocks_by_registers(int64_t dim, bool with_v) {
-  return with_v ? (dim == 64 ? 3 : 2) : 4;
+  return with_v ? (dim == 64 ? 3 : 2) : (dim == 64 ? 5 : 4);
 }
 
 __host__ inline bool mma_fits(int64_t group, int64_t dim, int64_t dim_v, bool with_v, bool vectorized,
@@ -125,6 +125,21 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
 #endif
 }
 
+// Four 8x8 16-bit matrices from shared memory: lane i names row i % 8 of matrix i / 8; register j gets the element
+// pair (row g; columns 2t, 2t + 1) of matrix j (PTX ISA, ldmatrix).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+#elif defined(__CUDA_ARCH__)
+  __trap();  // as mma16816
+#elif defined(MACS_CPU_EMULATION)
+  cuda_emulation::ldmatrix_x4(r, row);
+#endif
+}
+
 // Four 8x8 16-bit matrices from shared memory, transposed: lane i names row i % 8 of matrix i / 8; register j gets
 // the element pair (rows 2t, 2t + 1; column g) of matrix j (PTX ISA, ldmatrix).
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
@@ -197,7 +212,7 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
   const int tiles = begin < stop ? int(ceil_div(stop - begin, kMmaTileKeys)) : 0;
   // This thread's two vectors' attended keys [lo, hi) and first generated key (its input keys: [lo, generated_lo)),
   // as offsets from `begin` clamped into [0, stop - begin]: the key loop compares 32-bit offsets, not 64-bit keys
-  // (registers: without V at D 128 this kernel has none to spare). A padding vector attends nothing.
+  // (64-bit compares take two instructions and twice the registers). A padding vector attends nothing.
   const auto offset = [&](int64_t key) { return int(min(max(key - begin, int64_t(0)), max(stop - begin, int64_t(0)))); };
   int lo[2], generated_lo[2], hi[2];
 #pragma unroll
@@ -219,17 +234,38 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
   const KeyRows<T> k_rows = cache_rows(p, false, b, kv_head);
   const KeyRows<T> v_rows = WITH_V ? cache_rows(p, true, b, kv_head) : KeyRows<T>{};
 
+  // Thread c copies 16 bytes at column (c % LANES) * VEC of keys c / LANES + COPY_STEP i of each tile: COPIES copies
+  // of K (and V) in straight-line code, each a pointer step from the last where the cache is contiguous (a copy loop
+  // over c with a key lookup each took four times the instructions of this tile's MMAs).
+  constexpr int COPY_STEP = kMmaThreads / LANES, COPIES = kMmaTileKeys / COPY_STEP;
+  static_assert(kMmaThreads % LANES == 0 && kMmaTileKeys % COPY_STEP == 0, "whole rows per pass of the block");
+  const int copy_key = threadIdx.x / LANES, copy_d = (threadIdx.x % LANES) * VEC;
+  const int first_offset = int(first - begin), stop_offset = int(stop - begin);
   // Keys outside [first, stop) are zero-filled (0 * garbage could be NaN): their copies name `begin` and read nothing.
+  const T* k_outside = k_rows(begin) + copy_d;
+  const T* v_outside = WITH_V ? v_rows(begin) + copy_d : nullptr;
+  const int64_t k_step = COPY_STEP * k_rows.key_stride, v_step = COPY_STEP * v_rows.key_stride;
   const auto load_tile = [&](int tile) {
-    const int64_t tile0 = begin + int64_t(tile) * kMmaTileKeys;
-    T* k_dst = k_stages + (tile % kMmaStages) * kMmaTileKeys * PITCH;
-    T* v_dst = v_stages + (tile % kMmaStages) * kMmaTileKeys * PITCH;
-    for (int c = threadIdx.x; c < kMmaTileKeys * LANES; c += kMmaThreads) {
-      const int j = c / LANES, d0 = (c % LANES) * VEC;
-      const bool inside = tile0 + j < stop && tile0 + j >= first;
-      const int64_t key = inside ? tile0 + j : begin;
-      copy16_async(k_dst + j * PITCH + d0, k_rows(key) + d0, inside);
-      if (WITH_V) copy16_async(v_dst + j * PITCH + d0, v_rows(key) + d0, inside);
+    const int key0 = tile * kMmaTileKeys + copy_key;  // this thread's first key of the tile, from begin
+    const int stage = (tile % kMmaStages) * kMmaTileKeys * PITCH + copy_key * PITCH + copy_d;
+    const auto copy_keys = [&](const auto& k_source, const auto& v_source) {
+#pragma unroll
+      for (int i = 0; i < COPIES; ++i) {
+        const int j = key0 + i * COPY_STEP;
+        const bool inside = j < stop_offset && j >= first_offset;
+        copy16_async(k_stages + stage + i * COPY_STEP * PITCH, inside ? k_source(i, j) : k_outside, inside);
+        if constexpr (WITH_V) {
+          copy16_async(v_stages + stage + i * COPY_STEP * PITCH, inside ? v_source(i, j) : v_outside, inside);
+        }
+      }
+    };
+    if (k_rows.table == nullptr) {
+      const T* k_first = k_rows.head + (begin + key0) * k_rows.key_stride + copy_d;
+      const T* v_first = WITH_V ? v_rows.head + (begin + key0) * v_rows.key_stride + copy_d : nullptr;
+      copy_keys([&](int i, int) { return k_first + i * k_step; }, [&](int i, int) { return v_first + i * v_step; });
+    } else {
+      copy_keys([&](int, int j) { return k_rows(begin + j) + copy_d; },
+                [&](int, int j) { return v_rows(begin + j) + copy_d; });
     }
   };
 
@@ -258,57 +294,103 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
     const T* k_tile = k_stages + (tile % kMmaStages) * kMmaTileKeys * PITCH + 16 * warp * PITCH;
     const T* v_tile = v_stages + (tile % kMmaStages) * kMmaTileKeys * PITCH + 16 * warp * PITCH;
 
-    // S = Q K^T over this warp's 16 keys: s[nt][2h + i] = S[g + 8h][8 nt + 2t + i]. B[k][n] = K[n][k]: the pair
-    // along k is two adjacent elements of key n's row.
+    // S = Q K^T over this warp's 16 keys: s[nt][2h + i] = S[g + 8h][8 nt + 2t + i]. B[k][n] = K[n][k]: key n's row
+    // as stored, so one ldmatrix gives a k-step's B fragments of both n8 tiles: its matrices are keys 8 nt + (0..7)
+    // at columns 16 ks + 8 half, for (nt, half) = (0, 0), (0, 1), (1, 0), (1, 1).
     float s[2][4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[nt][i] = 0.0f;
-      const T* key_row = k_tile + (8 * nt + g) * PITCH + 2 * t;
+    }
+    const T* k_lane = k_tile + (8 * (lane >> 4) + (lane & 7)) * PITCH + 8 * ((lane >> 3) & 1);
 #pragma unroll
-      for (int ks = 0; ks < KSTEPS; ++ks) {
-        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(key_row + 16 * ks);
-        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(key_row + 16 * ks + 8);
-        mma16816<T>(s[nt], qa[ks], b0, b1);
-      }
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+      uint32_t kb[4];
+      ldmatrix_x4(kb, k_lane + 16 * ks);
+      mma16816<T>(s[0], qa[ks], kb[0], kb[1]);
+      mma16816<T>(s[1], qa[ks], kb[2], kb[3]);
     }
 
-    // Scale, mask, write the scores head pooling reads, and step the online softmax of vectors g and g + 8.
-    float step_max[2] = {kNegInf, kNegInf}, generated_max[2] = {kNegInf, kNegInf};
+    // Scale (the softcap's branch taken alike by the whole block), mask, write the scores head pooling reads, and
+    // step the online softmax of vectors g and g + 8.
+    if (capped) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[nt][i] = p.cap_out * tanhf(s[nt][i] * p.cap_in);
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[nt][i] *= p.scale_log2;
+      }
+    }
+    float step_max[2] = {kNegInf, kNegInf};
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int h = i >> 1;
-        const int j = j0 + 8 * nt + 2 * t + (i & 1);
-        const bool attended = j >= lo[h] && j < hi[h];
-        const float score =
-            attended ? (capped ? p.cap_out * tanhf(s[nt][i] * p.cap_in) : s[nt][i] * p.scale_log2) : kNegInf;
-        s[nt][i] = score;
-        step_max[h] = fmaxf(step_max[h], score);
-        if (j >= generated_lo[h]) generated_max[h] = fmaxf(generated_max[h], score);
-        if (p.scores != nullptr && j >= lo[h] && j < generated_lo[h]) {  // an input key (generated_lo <= hi)
-          p.scores[score_row[h] * p.keys + begin + j] = score;
+        const int h = i >> 1, j = j0 + 8 * nt + 2 * t + (i & 1);
+        if (j < lo[h] || j >= hi[h]) s[nt][i] = kNegInf;
+        step_max[h] = fmaxf(step_max[h], s[nt][i]);
+      }
+    }
+    if (p.scores != nullptr) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int h = i >> 1, j = j0 + 8 * nt + 2 * t + (i & 1);
+          if (j >= lo[h] && j < generated_lo[h]) p.scores[score_row[h] * p.keys + begin + j] = s[nt][i];  // input
         }
       }
     }
     float factor[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      // The four lanes of a row (t = 0..3) agree on its maxima.
+      // The four lanes of a row (t = 0..3) agree on its max.
 #pragma unroll
       for (int offset = 1; offset < 4; offset <<= 1) {
         step_max[h] = fmaxf(step_max[h], __shfl_xor_sync(0xffffffffu, step_max[h], offset));
-        generated_max[h] = fmaxf(generated_max[h], __shfl_xor_sync(0xffffffffu, generated_max[h], offset));
       }
       const float new_m = fmaxf(m[h], step_max[h]);
       factor[h] = exp2_diff(m[h], new_m);
       l[h] *= factor[h];
       m[h] = new_m;
-      const float new_mg = fmaxf(mg[h], generated_max[h]);
-      lg[h] *= exp2_diff(mg[h], new_mg);
-      mg[h] = new_mg;
+    }
+    // The generated keys' softmax steps only where one of the warp's rows attends a generated key among its 16 (a
+    // decode step's last tiles): elsewhere each step would add 0 and scale by 1.
+    const bool generated_here = (j0 + 16 > generated_lo[0] && j0 < hi[0]) || (j0 + 16 > generated_lo[1] && j0 < hi[1]);
+    if (__any_sync(0xffffffffu, generated_here)) {
+      float generated_max[2] = {kNegInf, kNegInf};
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int h = i >> 1;
+          if (j0 + 8 * nt + 2 * t + (i & 1) >= generated_lo[h]) generated_max[h] = fmaxf(generated_max[h], s[nt][i]);
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int offset = 1; offset < 4; offset <<= 1) {
+          generated_max[h] = fmaxf(generated_max[h], __shfl_xor_sync(0xffffffffu, generated_max[h], offset));
+        }
+        const float new_mg = fmaxf(mg[h], generated_max[h]);
+        lg[h] *= exp2_diff(mg[h], new_mg);
+        mg[h] = new_mg;
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int h = i >> 1;
+          if (j0 + 8 * nt + 2 * t + (i & 1) >= generated_lo[h]) lg[h] += exp2_diff(s[nt][i], mg[h]);
+        }
+      }
     }
     if (p.relative_scores != nullptr) {
       // m is now at least every score of this warp's 16 keys (one relative-score group) and at most the row's lse.
@@ -338,27 +420,29 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
       float w[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int h = i >> 1;
-        w[i] = exp2_diff(s[nt][i], m[h]);
-        l[h] += w[i];
-        if (j0 + 8 * nt + 2 * t + (i & 1) >= generated_lo[h]) lg[h] += exp2_diff(s[nt][i], mg[h]);
+        w[i] = exp2_diff(s[nt][i], m[i >> 1]);
+        l[i >> 1] += w[i];
       }
       pa[2 * nt] = pack2<T>(w[0], w[1]);
       pa[2 * nt + 1] = pack2<T>(w[2], w[3]);
     }
     if (WITH_V) {
-      // O = O * factor + P V. Lane i of ldmatrix names key (i % 8) + 8 ((i / 8) % 2) at columns 8 (i / 16) of the
-      // pair of n8 tiles: registers {0, 1} are B of the first n8 tile, {2, 3} of the second.
+      // O = O * factor + P V; the factor is 1 on every row once the maxima settle, and the scaling (a multiply per
+      // output register) is skipped while no row of the warp needs it.
+      if (__any_sync(0xffffffffu, factor[0] != 1.0f || factor[1] != 1.0f)) {
+#pragma unroll
+        for (int n = 0; n < NTILES; ++n) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[n][i] *= factor[i >> 1];
+        }
+      }
+      // Lane i of ldmatrix names key (i % 8) + 8 ((i / 8) % 2) at columns 8 (i / 16) of the pair of n8 tiles:
+      // registers {0, 1} are B of the first n8 tile, {2, 3} of the second.
       const T* v_lane = v_tile + ((lane & 7) + 8 * ((lane >> 3) & 1)) * PITCH + 8 * (lane >> 4);
 #pragma unroll
       for (int n = 0; n < NTILES; n += 2) {
         uint32_t vb[4];
         ldmatrix_x4_trans(vb, v_lane + 8 * n);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          acc[n][i] *= factor[i >> 1];
-          acc[n + 1][i] *= factor[i >> 1];
-        }
         mma16816<T>(acc[n], pa, vb[0], vb[1]);
         mma16816<T>(acc[n + 1], pa, vb[2], vb[3]);
       }

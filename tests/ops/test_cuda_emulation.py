@@ -114,7 +114,7 @@ def test_the_tensor_core_kernel_fills_one_wave_of_the_blocks_a_multiprocessor_ho
     multiprocessors idle. Issue 48's shape: 32 query heads on 8 KV heads, one query row, enough keys for every split."""
     from macs_kernels.ops.cuda import emulation
 
-    batch, heads, kv_heads, keys = 1, 32, 8, 4500
+    batch, heads, kv_heads, keys = 1, 32, 8, 5300
     multiprocessors, _, shared_per_multiprocessor, _ = emulation.DEVICES[device]
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(batch, heads, dim, generator=generator).bfloat16()
@@ -134,6 +134,48 @@ def test_the_tensor_core_kernel_fills_one_wave_of_the_blocks_a_multiprocessor_ho
     resident = min(shared_per_multiprocessor // (launch.shared_bytes + 1024), 2048 // MMA_THREADS,
                    MMA_BLOCKS_BY_REGISTERS[dim, with_v])
     assert launch.grid == (resident * multiprocessors // (batch * kv_heads), kv_heads, batch), (launch, resident)
+
+
+@pytest.mark.parametrize("order", ["rising", "falling"])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_the_tensor_core_kernel_rescales_whenever_a_later_tile_raises_a_rows_max(order, dim):
+    """mma_split_kernel skips rescaling its outputs while no row of a warp has a new max, and steps the generated keys'
+    sums only in tiles holding some. On "4 SMs" each split holds several tiles: scores rising along the keys raise
+    every row's max in every tile, falling ones only in the first; the last 10 and 16 keys are generated, beginning
+    inside a warp's 16 keys. out, lse, m' and the log c update against float64."""
+    from macs_kernels.ops import reference
+    from tests.tolerances import RELATIVE_ERROR, relative_error
+
+    batch, kv_heads, group, keys = 2, 1, 4, 2000
+    generator = torch.Generator().manual_seed(dim)
+    direction = torch.nn.functional.normalize(torch.randn(dim, generator=generator), dim=0)
+    q = (30 * direction + 0.1 * torch.randn(batch, kv_heads * group, dim, generator=generator)).bfloat16()
+    along = torch.linspace(-2.0, 2.0, keys) if order == "rising" else torch.linspace(2.0, -2.0, keys)
+    k = (along[:, None] * direction + 0.05 * torch.randn(batch, kv_heads, keys, dim, generator=generator)).bfloat16()
+    v = torch.randn(batch, kv_heads, keys, dim, generator=generator).bfloat16()
+    start, end, length = [0, 3], [1990, 1979], [keys, keys - 5]  # the generated keys: the largest when rising
+    ranges = dict(kv_start=start, kv_len=length, scale=dim ** -0.5)
+    width = max(e - s for s, e in zip(start, end))
+    start_log_c = -torch.rand(batch, width, generator=generator)
+    log_c, pooled = start_log_c.clone(), torch.zeros(batch, width)
+    with split_kernel_on("mma", "4 SMs"):
+        [launch] = [launch for launch in launches_of(lambda: ops.decode_attention(q, k, v, backend="cuda", **ranges))
+                    if "mma_split_kernel<" in launch.name]
+        out, lse = ops.decode_attention(q, k, v, pooled=pooled, input_end=end, backend="cuda", **ranges)
+        ops.decode_attention(q, k, v, log_c=log_c, input_end=end, backend="cuda", **ranges)
+    assert keys / launch.grid[0] >= 3 * 64, f"{launch.grid[0]} splits of {keys} keys: fewer than 3 tiles each"
+    want_out, want_lse = reference.decode_attention_reference(q, k, v, **ranges)
+    assert relative_error(out, want_out) < RELATIVE_ERROR[torch.bfloat16]
+    assert relative_error(lse, want_lse) < RELATIVE_ERROR[torch.float32]
+    # m' (fp32 scores): the generated keys' mass spread over the inputs; log c (fp16 relative scores) under the floor.
+    inputs = dict(input_start=torch.tensor(start), input_end=torch.tensor(end), kv_len=torch.tensor(length))
+    want_pooled = reference.macs_pool_reference(q[:, :, None], k, scale=dim ** -0.5,
+                                                **{name: value[:, None] for name, value in inputs.items()})
+    want_log_c = reference.macs_update_reference(q, k, start_log_c.double(), scale=dim ** -0.5, **inputs)
+    for b in range(batch):
+        n = end[b] - start[b]
+        assert relative_error(pooled[b, :n], want_pooled[b, 0, :n]) < RELATIVE_ERROR[torch.float32]
+        assert relative_error(log_c[b, :n], want_log_c[b, :n]) < RELATIVE_ERROR[torch.bfloat16]
 
 
 @pytest.mark.parametrize("kernel", CUDA_SPLIT_KV_KERNELS)
