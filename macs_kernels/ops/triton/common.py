@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.compiler import CompiledKernel
+from triton.language.extra import libdevice
 from triton.runtime.driver import driver
 
 from macs_kernels.ops.backends import triton_interpreted
@@ -44,6 +45,22 @@ DIRECT_LAUNCHES = knobs is not None and not INTERPRETED
 
 # Kernel name -> launches since import: lets an integration test prove that Triton really ran.
 LAUNCHES: collections.Counter = collections.Counter()
+
+if INTERPRETED:  # the interpreter runs no libdevice call
+
+    @triton.jit
+    def fast_exp(x):
+        """e^x."""
+        return tl.exp(x)
+else:
+
+    @triton.jit
+    def fast_exp(x):
+        """e^x on the SFU alone: ex2.approx.ftz of x log2(e), as FlashAttention's softmax takes it. tl.exp lowers to
+        ex2.approx.f32, around which ptxas adds a fix-up for results below 2^-126 (a compare and two predicated
+        multiplies a call: 10 calls a key tile in the split kernel's loop); those flush to 0 here, where each is a
+        term of a sum whose largest term is 1 or a probability that MACS floors (m = a m' + 1 - a)."""
+        return libdevice.exp2(x * LOG2E)
 
 
 @triton.jit

@@ -35,6 +35,7 @@ from macs_kernels.ops.triton.common import (
     clamped,
     dot,
     dot_in_f32,
+    fast_exp,
     head_block,
     key_range,
     launch,
@@ -153,8 +154,10 @@ def _split_kv_kernel(
             is_input = (offset[None, :] >= attended_lo[:, None]) & (offset[None, :] < input_hi[:, None])
             tl.store(score_rows[:, None] + offset[None, :], s, mask=is_input)
         m_new = tl.maximum(m, tl.max(s, 1))
+        # The rescale stays tl.exp: with its two calls on fast_exp too, ptxas spilled 8 bytes a thread at two tiles'
+        # register caps (D 64 paged on sm_80, D 256 on sm_90).
         correction = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
+        p = fast_exp(s - m_new[:, None])
         l = l * correction + tl.sum(p, 1)
         l_gen = l_gen * correction + tl.sum(tl.where(offset[None, :] >= generated_lo[:, None], p, 0.0), 1)
         if WITH_V:
@@ -209,21 +212,21 @@ def _combine_row(
         chunk_m, chunk_acc = _chunk_partials(partials_ptr, stats, row, splits, stride_part, 0, D, BLOCK_D,
                                              SPLITS_CHUNK)
     top = tl.max(m, 0)
-    weight = tl.exp(m - top)
+    weight = fast_exp(m - top)
     l = tl.sum(weight * l, 0)
     l_gen = tl.sum(weight * l_gen, 0)
     if HAS_SINKS:
-        rescale = tl.exp(top - tl.maximum(top, sink))
-        l = l * rescale + tl.exp(sink - tl.maximum(top, sink))
+        rescale = fast_exp(top - tl.maximum(top, sink))
+        l = l * rescale + fast_exp(sink - tl.maximum(top, sink))
         l_gen = l_gen * rescale
         top = tl.maximum(top, sink)
     if WITH_V:
         d = tl.arange(0, BLOCK_D)
-        out = tl.sum(tl.exp(chunk_m - top)[:, None] * chunk_acc, 0)
+        out = tl.sum(fast_exp(chunk_m - top)[:, None] * chunk_acc, 0)
         for first in range(SPLITS_CHUNK, SPLITS_PAD, SPLITS_CHUNK):  # a loop, not unrolled: 16 chunks at D 256
             chunk_m, chunk_acc = _chunk_partials(partials_ptr, stats, row, splits, stride_part, first, D, BLOCK_D,
                                                  SPLITS_CHUNK)
-            out += tl.sum(tl.exp(chunk_m - top)[:, None] * chunk_acc, 0)
+            out += tl.sum(fast_exp(chunk_m - top)[:, None] * chunk_acc, 0)
         out = out / l
         target = out_ptr + row // (heads * rows) * stride_ob + row // rows % heads * stride_oh + row % rows * stride_or
         tl.store(target + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
