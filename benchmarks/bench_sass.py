@@ -10,7 +10,8 @@ scores. cuda: the `mma` and `pipelined` split kernels (csrc/split_kv_mma, csrc/s
 by nvcc, every instantiation; attention alone and the fused pass run one instantiation there (the scores are a
 pointer). Per kernel: registers, the blocks an SM holds, and its key loop's SASS (the loop over key tiles, which
 issues the next tile's asynchronous copies): instructions, 64-bit integer compares, signed 32-bit divisions (IABS),
-barriers, global stores.
+barriers, global stores, asynchronous copies, exponentials and their subnormal fix-ups (a compare with -126 each).
+These are static counts: a branch's both sides count (the cuda kernels' copies of a contiguous and of a paged cache).
 
 Why: the bytes do not explain the fused pass's time. On an H200 the Triton fused pass took 1.17-1.31x attention's
 time where its bytes account for 1.06-1.13x; its key loop then issued 1.24-1.34x attention's instructions per key
@@ -74,6 +75,10 @@ def loop_figures(loop: list[str]) -> dict:
         "loop_divisions": divisions(loop),
         "loop_barriers": sum(opcode(instruction).startswith("BAR") for instruction in loop),
         "loop_global_stores": sum(opcode(instruction).startswith("STG") for instruction in loop),
+        "loop_copies": sum(opcode(instruction).startswith("LDGSTS") and not instruction.startswith("@!PT")
+                           for instruction in loop),
+        "loop_exponentials": sum(opcode(instruction) == "MUFU.EX2" for instruction in loop),
+        "loop_subnormal_fixups": sum("-126" in instruction for instruction in loop),
     }
 
 
