@@ -216,18 +216,18 @@ __global__ void __launch_bounds__(kMaxSplitThreads) split_kernel(SplitParams<T> 
       const float score = p_s[v * kTileKeys + lane];
       const float old_m = m_s[v], old_mg = mg_s[v];
       const float new_m = fmaxf(old_m, warp_max(score));
-      const float weight = exp2_diff(score, new_m);
-      const float factor = exp2_diff(old_m, new_m);
+      const float weight = exp2_weight(score, new_m);
+      const float factor = exp2_weight(old_m, new_m);
       const float tile_sum = warp_sum(weight);
       const float generated = tile + lane >= input_end_s[v % block_rows] ? score : kNegInf;
       const float new_mg = fmaxf(old_mg, warp_max(generated));
-      const float generated_sum = warp_sum(exp2_diff(generated, new_mg));
+      const float generated_sum = warp_sum(exp2_weight(generated, new_mg));
       p_s[v * kTileKeys + lane] = weight;
       __syncwarp();  // the shuffles converge the lanes but do not order their reads of m_s and mg_s before these writes
       if (lane == 0) {
         m_s[v] = new_m;
         l_s[v] = l_s[v] * factor + tile_sum;
-        lg_s[v] = lg_s[v] * exp2_diff(old_mg, new_mg) + generated_sum;
+        lg_s[v] = lg_s[v] * exp2_weight(old_mg, new_mg) + generated_sum;
         mg_s[v] = new_mg;
         factor_s[v] = factor;
       }
@@ -334,7 +334,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams<
   }
   if (p.out == nullptr) return;
   // Each thread turns the maxima it stored into weights; a split whose rows attend no key (max -inf) weighs 0.
-  for (int s = threadIdx.x; s < splits; s += kCombineThreads) split_weight[s] = exp2_diff(split_weight[s], all.m);
+  for (int s = threadIdx.x; s < splits; s += kCombineThreads) split_weight[s] = exp2_weight(split_weight[s], all.m);
   __syncthreads();
   const float inverse = all.l > 0.0f ? 1.0f / all.l : 0.0f;
   const float* acc = p.part_acc + row * p.splits * p.dim_v;

@@ -6,9 +6,11 @@
 
 namespace macs {
 
+// 2^(x - m), and 0 when x is -inf (then m may be -inf too: no NaN from -inf - -inf).
+__device__ __forceinline__ float exp2_diff(float x, float m) { return x == kNegInf ? 0.0f : exp2f(x - m); }
+
 // 2^x by the SFU alone (ex2.approx.ftz, as FlashAttention's and FlashInfer's softmax): exp2f adds four instructions
-// a call for results below 2^-126, which it keeps as subnormals and this flushes to 0. Every exponent here is a score
-// less the largest it is summed with, whose own term is 1, so no sum can tell the difference.
+// a call to keep results below 2^-126 as subnormals, which this flushes to 0.
 __device__ __forceinline__ float fast_exp2(float x) {
 #if defined(__CUDA_ARCH__)
   float y;
@@ -20,8 +22,10 @@ __device__ __forceinline__ float fast_exp2(float x) {
 #endif
 }
 
-// 2^(x - m), and 0 when x is -inf (then m may be -inf too: no NaN from -inf - -inf).
-__device__ __forceinline__ float exp2_diff(float x, float m) { return x == kNegInf ? 0.0f : fast_exp2(x - m); }
+// exp2_diff for a term of a sum that holds a term 1 (m is the largest x summed, or a running max that the largest
+// becomes): a term below 2^-126 of it is no part of any float32 result, so fast_exp2 serves. Not for a result that
+// is itself a probability or a sum of small terms (head pooling, the generated keys' share of a row).
+__device__ __forceinline__ float exp2_weight(float x, float m) { return x == kNegInf ? 0.0f : fast_exp2(x - m); }
 
 // Sum of 2^x over the merged base-2 scores x, held as l * 2^m; m = -inf and l = 0 when empty.
 struct SoftmaxState {
@@ -30,7 +34,7 @@ struct SoftmaxState {
   __device__ __forceinline__ void merge(float other_m, float other_l) {
     const float top = fmaxf(m, other_m);
     if (top == kNegInf) return;
-    l = l * exp2_diff(m, top) + other_l * exp2_diff(other_m, top);
+    l = l * exp2_weight(m, top) + other_l * exp2_weight(other_m, top);
     m = top;
   }
   // Every lane of a warp ends with the merge of the warp's 32 states.

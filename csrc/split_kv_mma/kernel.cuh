@@ -41,10 +41,10 @@ constexpr int kMmaPad = 8;                     // elements (16 bytes) of padding
 // 65536 / (kMmaThreads * blocks) registers a thread, and tests/ops/test_cuda_build.py checks, for sm_80 and sm_90,
 // that ptxas spills nothing under the cap and needs more registers than one more block would leave: the policy's
 // wave is then the one the GPU runs, with no tail wave of blocks that cannot be resident. With V, Q's fragments and
-// the output's hold 96 registers at D 128 (2 blocks: 195-201 registers) and 48 at D 64 (3 blocks: 140-148); without V
-// 116-118 at D 128 (4 blocks) and 96-99 at D 64 (5 blocks).
+// the output's hold 96 registers at D 128 (2 blocks: 184-188 registers) and 48 at D 64 (4 blocks: 126-128); without V
+// 114-115 at D 128 (4 blocks) and 96 at D 64 (5 blocks).
 __host__ __device__ constexpr int mma_blocks_by_registers(int64_t dim, bool with_v) {
-  return with_v ? (dim == 64 ? 3 : 2) : (dim == 64 ? 5 : 4);
+  return with_v ? (dim == 64 ? 4 : 2) : (dim == 64 ? 5 : 4);
 }
 
 __host__ inline bool mma_fits(int64_t group, int64_t dim, int64_t dim_v, bool with_v, bool vectorized,
@@ -241,9 +241,11 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
   static_assert(kMmaThreads % LANES == 0 && kMmaTileKeys % COPY_STEP == 0, "whole rows per pass of the block");
   const int copy_key = threadIdx.x / LANES, copy_d = (threadIdx.x % LANES) * VEC;
   const int first_offset = int(first - begin), stop_offset = int(stop - begin);
-  // Keys outside [first, stop) are zero-filled (0 * garbage could be NaN): their copies name `begin` and read nothing.
-  const T* k_outside = k_rows(begin) + copy_d;
-  const T* v_outside = WITH_V ? v_rows(begin) + copy_d : nullptr;
+  // Keys outside [first, stop) are zero-filled (0 * garbage could be NaN): their copies name the head's (or page 0's)
+  // first row, which exists, and read nothing. (A key lookup here would read the block table past its row for a split
+  // without tiles.)
+  const T* k_outside = k_rows.head + copy_d;
+  const T* v_outside = WITH_V ? v_rows.head + copy_d : nullptr;
   const int64_t k_step = COPY_STEP * k_rows.key_stride, v_step = COPY_STEP * v_rows.key_stride;
   const auto load_tile = [&](int tile) {
     const int key0 = tile * kMmaTileKeys + copy_key;  // this thread's first key of the tile, from begin
@@ -259,7 +261,7 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
         }
       }
     };
-    if (k_rows.table == nullptr) {
+    if (WITH_V || k_rows.table == nullptr) {  // the launcher takes a paged cache without V only
       const T* k_first = k_rows.head + (begin + key0) * k_rows.key_stride + copy_d;
       const T* v_first = WITH_V ? v_rows.head + (begin + key0) * v_rows.key_stride + copy_d : nullptr;
       copy_keys([&](int i, int) { return k_first + i * k_step; }, [&](int i, int) { return v_first + i * v_step; });
@@ -348,6 +350,7 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
       }
     }
     float factor[2];
+    bool max_rose = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       // The four lanes of a row (t = 0..3) agree on its max.
@@ -356,7 +359,8 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
         step_max[h] = fmaxf(step_max[h], __shfl_xor_sync(0xffffffffu, step_max[h], offset));
       }
       const float new_m = fmaxf(m[h], step_max[h]);
-      factor[h] = exp2_diff(m[h], new_m);
+      factor[h] = exp2_weight(m[h], new_m);
+      max_rose |= new_m != m[h];
       l[h] *= factor[h];
       m[h] = new_m;
     }
@@ -369,8 +373,8 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const int h = i >> 1;
-          if (j0 + 8 * nt + 2 * t + (i & 1) >= generated_lo[h]) generated_max[h] = fmaxf(generated_max[h], s[nt][i]);
+          const int h = i >> 1, j = j0 + 8 * nt + 2 * t + (i & 1);
+          if (j >= generated_lo[h]) generated_max[h] = fmaxf(generated_max[h], s[nt][i]);
         }
       }
 #pragma unroll
@@ -380,15 +384,15 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
           generated_max[h] = fmaxf(generated_max[h], __shfl_xor_sync(0xffffffffu, generated_max[h], offset));
         }
         const float new_mg = fmaxf(mg[h], generated_max[h]);
-        lg[h] *= exp2_diff(mg[h], new_mg);
+        lg[h] *= exp2_weight(mg[h], new_mg);
         mg[h] = new_mg;
       }
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const int h = i >> 1;
-          if (j0 + 8 * nt + 2 * t + (i & 1) >= generated_lo[h]) lg[h] += exp2_diff(s[nt][i], mg[h]);
+          const int h = i >> 1, j = j0 + 8 * nt + 2 * t + (i & 1);
+          if (j >= generated_lo[h]) lg[h] += exp2_weight(s[nt][i], mg[h]);
         }
       }
     }
@@ -420,16 +424,16 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
       float w[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        w[i] = exp2_diff(s[nt][i], m[i >> 1]);
+        w[i] = exp2_weight(s[nt][i], m[i >> 1]);
         l[i >> 1] += w[i];
       }
       pa[2 * nt] = pack2<T>(w[0], w[1]);
       pa[2 * nt + 1] = pack2<T>(w[2], w[3]);
     }
     if (WITH_V) {
-      // O = O * factor + P V; the factor is 1 on every row once the maxima settle, and the scaling (a multiply per
-      // output register) is skipped while no row of the warp needs it.
-      if (__any_sync(0xffffffffu, factor[0] != 1.0f || factor[1] != 1.0f)) {
+      // O = O * factor + P V. Where a row's max stayed, its factor is 1 (or 0 on outputs still 0, while it is -inf):
+      // the scaling, a multiply per output register, waits for a row of the warp whose max rose.
+      if (__any_sync(0xffffffffu, max_rose)) {
 #pragma unroll
         for (int n = 0; n < NTILES; ++n) {
 #pragma unroll
@@ -501,7 +505,7 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
       float total = 0.0f;
 #pragma unroll
       for (int w = 0; w < kMmaWarps; ++w) {
-        total = fmaf(exp2_diff(merge_stats[4 * (w * kMmaRows + vector)], all.m),
+        total = fmaf(exp2_weight(merge_stats[4 * (w * kMmaRows + vector)], all.m),
                      merge_acc[(w * kMmaRows + vector) * DIM + d], total);
       }
       out[d] = total;

@@ -280,21 +280,21 @@ __global__ void __launch_bounds__(kPipelinedMaxThreads, kPipelinedMinBlocks) pip
         if (part == 0 && keeps) tile_scores[j0 + k] = s[k];
       }
       if (step_max > m) {
-        const float factor = exp2_diff(m, step_max);
+        const float factor = exp2_weight(m, step_max);
         l *= factor;
 #pragma unroll
         for (int i = 0; i < VEC; ++i) acc[i] *= factor;
         m = step_max;
       }
       if (generated_max > mg) {
-        lg *= exp2_diff(mg, generated_max);
+        lg *= exp2_weight(mg, generated_max);
         mg = generated_max;
       }
 #pragma unroll
       for (int k = 0; k < kKeysPerStep; ++k) {
-        const float weight = exp2_diff(s[k], m);
+        const float weight = exp2_weight(s[k], m);
         l += weight;
-        if (j0 + k >= generated_lo) lg += exp2_diff(s[k], mg);
+        if (j0 + k >= generated_lo) lg += exp2_weight(s[k], mg);
         if (WITH_V) {
           const uint4 raw = *reinterpret_cast<const uint4*>(v_tile + (j0 + k) * dim);
           const T* value = reinterpret_cast<const T*>(&raw);
@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(kPipelinedMaxThreads, kPipelinedMinBlocks) pip
 #pragma unroll
     for (int i = 0; i < VEC; ++i) total[i] = 0.0f;
     for (int z = 0; z < key_groups; ++z) {
-      const float weight = exp2_diff(merge_stats[4 * (z * vectors + vector)], all.m);
+      const float weight = exp2_weight(merge_stats[4 * (z * vectors + vector)], all.m);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) total[i] = fmaf(weight, merge_acc[(z * vectors + vector) * dim + part * VEC + i],
                                                     total[i]);

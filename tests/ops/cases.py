@@ -43,7 +43,7 @@ NEEDS_CUDA_EMULATION = pytest.mark.skipif(
 # csrc/split_kv_mma's mma_blocks_by_registers (its __launch_bounds__), against which ptxas's register counts
 # (tests/ops/test_cuda_build.py) and mma_policy's wave (tests/ops/test_cuda_emulation.py) are checked.
 MMA_THREADS = 128
-MMA_BLOCKS_BY_REGISTERS = {(64, True): 3, (128, True): 2, (64, False): 5, (128, False): 4}
+MMA_BLOCKS_BY_REGISTERS = {(64, True): 4, (128, True): 2, (64, False): 5, (128, False): 4}
 
 
 def synchronize(device) -> None:

@@ -136,23 +136,34 @@ def test_the_tensor_core_kernel_fills_one_wave_of_the_blocks_a_multiprocessor_ho
     assert launch.grid == (resident * multiprocessors // (batch * kv_heads), kv_heads, batch), (launch, resident)
 
 
+def _scores_along_the_keys(order: str, batch: int, heads: int, keys: int, dim: int, falling_heads: int = 0):
+    """q (B, H, D) and K (B, 1, keys, D) in bf16 whose scores rise along the keys ("rising") or fall, for every head
+    but the first `falling_heads`, whose scores go the other way: one direction plus noise, 30 q . k / |q| apart."""
+    generator = torch.Generator().manual_seed(dim + heads)
+    direction = torch.nn.functional.normalize(torch.randn(dim, generator=generator), dim=0)
+    sign = torch.ones(heads)
+    sign[:falling_heads] = -1.0
+    q = 30 * sign[:, None] * direction + 0.1 * torch.randn(batch, heads, dim, generator=generator)
+    along = torch.linspace(-2.0, 2.0, keys) if order == "rising" else torch.linspace(2.0, -2.0, keys)
+    k = along[:, None] * direction + 0.05 * torch.randn(batch, 1, keys, dim, generator=generator)
+    return q.bfloat16(), k.bfloat16(), generator
+
+
 @pytest.mark.parametrize("order", ["rising", "falling"])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_the_tensor_core_kernel_rescales_whenever_a_later_tile_raises_a_rows_max(order, dim):
-    """mma_split_kernel skips rescaling its outputs while no row of a warp has a new max, and steps the generated keys'
-    sums only in tiles holding some. On "4 SMs" each split holds several tiles: scores rising along the keys raise
-    every row's max in every tile, falling ones only in the first; the last 10 and 16 keys are generated, beginning
-    inside a warp's 16 keys. out, lse, m' and the log c update against float64."""
+@pytest.mark.parametrize("group, falling_heads", [(4, 0), (16, 8)], ids=["gqa4", "gqa16-mixed"])
+def test_the_tensor_core_kernel_rescales_whenever_a_later_tile_raises_a_rows_max(order, dim, group, falling_heads):
+    """mma_split_kernel rescales a warp's outputs only in tiles where the max of one of its 16 rows rose, and steps the
+    generated keys' sums only in tiles holding some. On "4 SMs" each split holds several tiles: scores rising along
+    the keys raise a row's max in every tile, falling ones only in the first. At GQA 4:1 12 of the 16 rows pad; at
+    16:1 all are heads, rows 0-7 falling where 8-15 rise. The last 10 and 16 keys are generated, beginning inside a
+    warp's 16 keys. out, lse, m' and the log c update against float64."""
     from macs_kernels.ops import reference
     from tests.tolerances import RELATIVE_ERROR, relative_error
 
-    batch, kv_heads, group, keys = 2, 1, 4, 2000
-    generator = torch.Generator().manual_seed(dim)
-    direction = torch.nn.functional.normalize(torch.randn(dim, generator=generator), dim=0)
-    q = (30 * direction + 0.1 * torch.randn(batch, kv_heads * group, dim, generator=generator)).bfloat16()
-    along = torch.linspace(-2.0, 2.0, keys) if order == "rising" else torch.linspace(2.0, -2.0, keys)
-    k = (along[:, None] * direction + 0.05 * torch.randn(batch, kv_heads, keys, dim, generator=generator)).bfloat16()
-    v = torch.randn(batch, kv_heads, keys, dim, generator=generator).bfloat16()
+    batch, keys = 2, 2000
+    q, k, generator = _scores_along_the_keys(order, batch, group, keys, dim, falling_heads)
+    v = torch.randn(batch, 1, keys, dim, generator=generator).bfloat16()
     start, end, length = [0, 3], [1990, 1979], [keys, keys - 5]  # the generated keys: the largest when rising
     ranges = dict(kv_start=start, kv_len=length, scale=dim ** -0.5)
     width = max(e - s for s, e in zip(start, end))
@@ -176,6 +187,30 @@ def test_the_tensor_core_kernel_rescales_whenever_a_later_tile_raises_a_rows_max
         n = end[b] - start[b]
         assert relative_error(pooled[b, :n], want_pooled[b, 0, :n]) < RELATIVE_ERROR[torch.float32]
         assert relative_error(log_c[b, :n], want_log_c[b, :n]) < RELATIVE_ERROR[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_the_tensor_core_kernel_takes_each_rows_generated_keys_from_its_own_range(dim):
+    """12 query rows of one head (a verify block without GQA) fill 12 of mma's 16 rows: a lane holds rows g and g + 8,
+    and rows 8-11 sit only in the second half of the warp's vote on generated keys. Row r attends 1500 + 40r keys, the
+    last 10 + r generated: in the last tiles only rows 8-11 have generated keys, each beginning inside a warp's 16.
+    m' (macs_pool) against float64, on "4 SMs"."""
+    from macs_kernels.ops import reference
+    from tests.tolerances import RELATIVE_ERROR, relative_error
+
+    batch, rows, keys = 2, 12, 1960
+    q, k, _ = _scores_along_the_keys("rising", batch, rows, keys, dim)
+    q = q[:, None]  # (B, 1, R, D): one head's rows, each rising along the keys
+    kv_len = torch.tensor([[1500 + 40 * r for r in range(rows)]] * batch)
+    ranges = dict(input_start=torch.tensor([[0] * rows, [11] * rows]), input_end=kv_len - 10 - torch.arange(rows),
+                  kv_len=kv_len, scale=dim ** -0.5)
+    with split_kernel_on("mma", "4 SMs"):
+        got = ops.macs_pool(q, k, backend="cuda", **ranges)
+    want = reference.macs_pool_reference(q, k, **ranges)
+    for b in range(batch):
+        for r in range(rows):
+            n = int(ranges["input_end"][b, r] - ranges["input_start"][b, r])
+            assert relative_error(got[b, r, :n], want[b, r, :n]) < RELATIVE_ERROR[torch.float32], (b, r)
 
 
 @pytest.mark.parametrize("kernel", CUDA_SPLIT_KV_KERNELS)

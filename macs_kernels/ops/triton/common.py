@@ -58,8 +58,9 @@ else:
     def fast_exp(x):
         """e^x on the SFU alone: ex2.approx.ftz of x log2(e), as FlashAttention's softmax takes it. tl.exp lowers to
         ex2.approx.f32, around which ptxas adds a fix-up for results below 2^-126 (a compare and two predicated
-        multiplies a call: 10 calls a key tile in the split kernel's loop); those flush to 0 here, where each is a
-        term of a sum whose largest term is 1 or a probability that MACS floors (m = a m' + 1 - a)."""
+        multiplies a call: 10 calls a key tile in the split kernel's loop); those flush to 0 here. For a term of a sum
+        that holds a term 1 (x less the max it is summed with), where a term below 2^-126 of it is no part of a float32
+        result; not for a probability that is an output (head pooling keeps tl.exp)."""
         return libdevice.exp2(x * LOG2E)
 
 

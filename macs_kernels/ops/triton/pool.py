@@ -12,16 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from macs_kernels.ops.triton.common import (
-    cdiv,
-    clamped,
-    fast_exp,
-    input_columns,
-    launch,
-    next_pow2,
-    pool_block,
-    row_block,
-)
+from macs_kernels.ops.triton.common import cdiv, clamped, input_columns, launch, next_pow2, pool_block, row_block
 
 
 @triton.jit
@@ -72,12 +63,12 @@ def _pool_kernel(
                 mask=tile_mask, other=0.0).to(tl.float32)
     if FROM_SCORES:
         lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + r * stride_lr, mask=h_mask, other=0.0)
-        x = fast_exp(x - lse.to(tl.float32)[:, None])
+        x = tl.exp(x - lse.to(tl.float32)[:, None])
     gen = 0.0
     if REDISTRIBUTE:
         gen = tl.load(gen_ptr + b * stride_gb + h * stride_gh + r * stride_gr, mask=h_mask, other=0.0)
         if FROM_SCORES:
-            gen = fast_exp(gen - lse)
+            gen = tl.exp(gen - lse)
     # Each head's generated mass spread over the n_input inputs; log(alpha * m' + 1 - alpha) added for i < n_input,
     # or m' written (0 for n_input <= i < n_target).
     if REDISTRIBUTE:
