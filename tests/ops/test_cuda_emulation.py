@@ -156,8 +156,9 @@ def test_the_tensor_core_kernel_rescales_whenever_a_later_tile_raises_a_rows_max
     """mma_split_kernel rescales a warp's outputs only in tiles where the max of one of its 16 rows rose, and steps the
     generated keys' sums only in tiles holding some. On "4 SMs" each split holds several tiles: scores rising along
     the keys raise a row's max in every tile, falling ones only in the first. At GQA 4:1 12 of the 16 rows pad; at
-    16:1 all are heads, rows 0-7 falling where 8-15 rise. The last 10 and 16 keys are generated, beginning inside a
-    warp's 16 keys. out, lse, m' and the log c update against float64."""
+    16:1 all are heads, rows 0-7 going the other way from rows 8-15. The last 10 and 16 keys are generated, beginning
+    inside a warp's 16 keys (their share of a row counts when rising). out, lse, m' and the log c update against
+    float64."""
     from macs_kernels.ops import reference
     from tests.tolerances import RELATIVE_ERROR, relative_error
 
@@ -192,9 +193,10 @@ def test_the_tensor_core_kernel_rescales_whenever_a_later_tile_raises_a_rows_max
 @pytest.mark.parametrize("dim", [64, 128])
 def test_the_tensor_core_kernel_takes_each_rows_generated_keys_from_its_own_range(dim):
     """12 query rows of one head (a verify block without GQA) fill 12 of mma's 16 rows: a lane holds rows g and g + 8,
-    and rows 8-11 sit only in the second half of the warp's vote on generated keys. Row r attends 1500 + 40r keys, the
-    last 10 + r generated: in the last tiles only rows 8-11 have generated keys, each beginning inside a warp's 16.
-    m' (macs_pool) against float64, on "4 SMs"."""
+    and rows 8-11 sit only in the second half of the warp's vote on generated keys. Row r attends keys up to 1500 +
+    40r (from key 0 in the first item, 11 in the second), the last 10 + r generated: in the last tiles only rows 8-11
+    have generated keys, each beginning inside a warp's 16. m' (macs_pool) against float64, on "4 SMs", each split
+    several tiles."""
     from macs_kernels.ops import reference
     from tests.tolerances import RELATIVE_ERROR, relative_error
 
@@ -205,7 +207,10 @@ def test_the_tensor_core_kernel_takes_each_rows_generated_keys_from_its_own_rang
     ranges = dict(input_start=torch.tensor([[0] * rows, [11] * rows]), input_end=kv_len - 10 - torch.arange(rows),
                   kv_len=kv_len, scale=dim ** -0.5)
     with split_kernel_on("mma", "4 SMs"):
+        [launch] = [launch for launch in launches_of(lambda: ops.macs_pool(q, k, backend="cuda", **ranges))
+                    if "mma_split_kernel<" in launch.name]
         got = ops.macs_pool(q, k, backend="cuda", **ranges)
+    assert keys / launch.grid[0] >= 3 * 64, f"{launch.grid[0]} splits of {keys} keys: fewer than 3 tiles each"
     want = reference.macs_pool_reference(q, k, **ranges)
     for b in range(batch):
         for r in range(rows):

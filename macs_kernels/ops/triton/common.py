@@ -60,7 +60,8 @@ else:
         ex2.approx.f32, around which ptxas adds a fix-up for results below 2^-126 (a compare and two predicated
         multiplies a call: 10 calls a key tile in the split kernel's loop); those flush to 0 here. For a term of a sum
         that holds a term 1 (x less the max it is summed with), where a term below 2^-126 of it is no part of a float32
-        result; not for a probability that is an output (head pooling keeps tl.exp)."""
+        result; not for a probability that is an output (head pooling keeps tl.exp). The split kernel's generated
+        keys' sum shares those weights: split_kv_pass says what that costs lse_gen."""
         return libdevice.exp2(x * LOG2E)
 
 

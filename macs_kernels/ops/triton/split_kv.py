@@ -257,8 +257,9 @@ def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores
     block_table[b, j // page_size]; otherwise they are (B, H_kv, S, D).
 
     Returns (out (B, H, R, D) in q's dtype or None, lse (B, H, R) float32, lse_gen (B, H, R) float32 (-inf
-    where no generated key, or where their weights all fall below 2^-126 of the largest key's: fast_exp), scores
-    (B, H, R, n_scores) float32 or None); lse_gen and scores are views of the pass's workspace.
+    where no generated key; it may also be -inf where the generated keys' share of the row is below about 2^-126:
+    their weights are taken from the running max by fast_exp), scores (B, H, R, n_scores) float32 or None); lse_gen and
+    scores are views of the pass's workspace.
     """
     split = _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block_table, score_start, softcap)
     batch, heads, rows, dim = q.shape
