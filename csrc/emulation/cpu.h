@@ -184,33 +184,21 @@ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b
   }
 }
 
-// ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: lane i names row i % 8 of matrix i / 8 (eight 16-bit elements);
-// register j of lane (g, t) gets elements [2t][g] (low half) and [2t+1][g] of matrix j (PTX ISA, ldmatrix).
-inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lane i names row i % 8 of matrix i / 8 (eight 16-bit elements);
+// register j of lane (g, t) gets elements [g][2t] (low half) and [g][2t+1] of matrix j, or with `transposed`
+// [2t][g] and [2t+1][g] (PTX ISA, ldmatrix).
+inline void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool transposed) {
   Thread& self = thread();
   check_aligned16(row, "misaligned address: an ldmatrix row not 16-byte aligned");
   self.warp->addresses[self.lane] = row;
   warp_sync();
   const int g = self.lane / 4, t = self.lane % 4;
   for (int j = 0; j < 4; ++j) {
-    const auto* low = static_cast<const uint16_t*>(self.warp->addresses[8 * j + 2 * t]);
-    const auto* high = static_cast<const uint16_t*>(self.warp->addresses[8 * j + 2 * t + 1]);
-    r[j] = uint32_t(low[g]) | (uint32_t(high[g]) << 16);
-  }
-  warp_sync();
-}
-
-// ldmatrix.sync.aligned.m8n8.x4.shared.b16: lane i names row i % 8 of matrix i / 8; register j of lane (g, t) gets
-// elements [g][2t] (low half) and [g][2t+1] of matrix j (PTX ISA, ldmatrix).
-inline void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
-  Thread& self = thread();
-  check_aligned16(row, "misaligned address: an ldmatrix row not 16-byte aligned");
-  self.warp->addresses[self.lane] = row;
-  warp_sync();
-  const int g = self.lane / 4, t = self.lane % 4;
-  for (int j = 0; j < 4; ++j) {
-    const auto* elements = static_cast<const uint16_t*>(self.warp->addresses[8 * j + g]);
-    r[j] = uint32_t(elements[2 * t]) | (uint32_t(elements[2 * t + 1]) << 16);
+    const auto element = [&](int matrix_row, int column) {
+      return uint32_t(static_cast<const uint16_t*>(self.warp->addresses[8 * j + matrix_row])[column]);
+    };
+    r[j] = transposed ? element(2 * t, g) | element(2 * t + 1, g) << 16
+                      : element(g, 2 * t) | element(g, 2 * t + 1) << 16;
   }
   warp_sync();
 }

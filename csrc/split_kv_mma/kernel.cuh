@@ -126,33 +126,32 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
 }
 
 // Four 8x8 16-bit matrices from shared memory: lane i names row i % 8 of matrix i / 8; register j gets the element
-// pair (row g; columns 2t, 2t + 1) of matrix j (PTX ISA, ldmatrix).
+// pair (row g; columns 2t, 2t + 1) of matrix j, or TRANSPOSED (rows 2t, 2t + 1; column g) (PTX ISA, ldmatrix).
+template <bool TRANSPOSED>
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
+  if constexpr (TRANSPOSED) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+  }
 #elif defined(__CUDA_ARCH__)
   __trap();  // as mma16816
 #elif defined(MACS_CPU_EMULATION)
-  cuda_emulation::ldmatrix_x4(r, row);
+  cuda_emulation::ldmatrix_x4(r, row, TRANSPOSED);
 #endif
 }
 
-// Four 8x8 16-bit matrices from shared memory, transposed: lane i names row i % 8 of matrix i / 8; register j gets
-// the element pair (rows 2t, 2t + 1; column g) of matrix j (PTX ISA, ldmatrix).
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-#elif defined(__CUDA_ARCH__)
-  __trap();  // as mma16816
-#elif defined(MACS_CPU_EMULATION)
-  cuda_emulation::ldmatrix_x4_trans(r, row);
-#endif
+// The max of x over the four lanes that hold a row of an m16n8 C fragment (t = 0..3, the same g).
+__device__ __forceinline__ float row_max(float x) {
+#pragma unroll
+  for (int offset = 1; offset < 4; offset <<= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
 }
 
 template <typename T, int DIM, bool WITH_V>
@@ -309,7 +308,7 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
 #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks) {
       uint32_t kb[4];
-      ldmatrix_x4(kb, k_lane + 16 * ks);
+      ldmatrix_x4<false>(kb, k_lane + 16 * ks);
       mma16816<T>(s[0], qa[ks], kb[0], kb[1]);
       mma16816<T>(s[1], qa[ks], kb[2], kb[3]);
     }
@@ -353,12 +352,7 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
     bool max_rose = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      // The four lanes of a row (t = 0..3) agree on its max.
-#pragma unroll
-      for (int offset = 1; offset < 4; offset <<= 1) {
-        step_max[h] = fmaxf(step_max[h], __shfl_xor_sync(0xffffffffu, step_max[h], offset));
-      }
-      const float new_m = fmaxf(m[h], step_max[h]);
+      const float new_m = fmaxf(m[h], row_max(step_max[h]));
       factor[h] = exp2_weight(m[h], new_m);
       max_rose |= new_m != m[h];
       l[h] *= factor[h];
@@ -379,11 +373,7 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int offset = 1; offset < 4; offset <<= 1) {
-          generated_max[h] = fmaxf(generated_max[h], __shfl_xor_sync(0xffffffffu, generated_max[h], offset));
-        }
-        const float new_mg = fmaxf(mg[h], generated_max[h]);
+        const float new_mg = fmaxf(mg[h], row_max(generated_max[h]));
         lg[h] *= exp2_weight(mg[h], new_mg);
         mg[h] = new_mg;
       }
@@ -446,7 +436,7 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
 #pragma unroll
       for (int n = 0; n < NTILES; n += 2) {
         uint32_t vb[4];
-        ldmatrix_x4_trans(vb, v_lane + 8 * n);
+        ldmatrix_x4<true>(vb, v_lane + 8 * n);
         mma16816<T>(acc[n], pa, vb[0], vb[1]);
         mma16816<T>(acc[n + 1], pa, vb[2], vb[3]);
       }
