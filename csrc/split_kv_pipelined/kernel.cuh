@@ -196,18 +196,39 @@ __global__ void __launch_bounds__(kPipelinedMaxThreads, kPipelinedMinBlocks) pip
   const KeyRows<T> k_rows = cache_rows(p, false, b, kv_head);
   const KeyRows<T> v_rows = WITH_V ? cache_rows(p, true, b, kv_head) : KeyRows<T>{};
 
-  // Keys at or past `stop` are zero-filled (0 * garbage could be NaN): their copies name the split's first key, which
-  // exists, and read no byte of it.
+  // Thread c copies 16 bytes at column (c % lanes) * VEC of tile keys c / lanes + copy_step i, each a pointer step
+  // from the last where the cache is contiguous (a key lookup a copy took about four times the instructions). Keys
+  // at or past `stop` are zero-filled (0 * garbage could be NaN): their copies name the head's (or page 0's) first
+  // row, which exists, and read no byte of it.
+  const int copy_step = int(blockDim.x) >> lane_shift, copy_key = int(threadIdx.x) >> lane_shift;
+  const int copy_d = part * VEC, stop_offset = tiles > 0 ? int(stop - begin) : 0;
+  const T* k_outside = k_rows.head + copy_d;
+  const T* v_outside = WITH_V ? v_rows.head + copy_d : nullptr;
+  const int64_t k_step = copy_step * k_rows.key_stride, v_step = copy_step * v_rows.key_stride;
   const auto load_tile = [&](int t) {
-    const int64_t tile0 = begin + int64_t(t) * tile_keys;
-    T* k_dst = k_stages + (t % kPipelineStages) * tile_keys * dim;
-    T* v_dst = v_stages + (t % kPipelineStages) * tile_keys * dim;
-    for (int c = threadIdx.x; c < tile_keys * lanes; c += blockDim.x) {
-      const int j = c >> lane_shift, d0 = (c & (lanes - 1)) * VEC;
-      const bool inside = tile0 + j < stop;
-      const int64_t key = inside ? tile0 + j : begin;
-      copy16_async(k_dst + j * dim + d0, k_rows(key) + d0, inside);
-      if (WITH_V) copy16_async(v_dst + j * dim + d0, v_rows(key) + d0, inside);
+    const int key0 = t * tile_keys;  // the tile's first key, from begin
+    const int stage = (t % kPipelineStages) * tile_keys * dim + copy_key * dim + copy_d;
+    T* k_dst = k_stages + stage;
+    T* v_dst = v_stages + stage;
+    if (WITH_V || k_rows.table == nullptr) {  // the launcher takes a paged cache without V only
+      const T* k_src = k_rows.head + (begin + key0 + copy_key) * k_rows.key_stride + copy_d;
+      const T* v_src = WITH_V ? v_rows.head + (begin + key0 + copy_key) * v_rows.key_stride + copy_d : nullptr;
+      for (int j = copy_key; j < tile_keys; j += copy_step) {
+        const bool inside = key0 + j < stop_offset;
+        copy16_async(k_dst, inside ? k_src : k_outside, inside);
+        k_dst += copy_step * dim;
+        k_src += k_step;
+        if constexpr (WITH_V) {
+          copy16_async(v_dst, inside ? v_src : v_outside, inside);
+          v_dst += copy_step * dim;
+          v_src += v_step;
+        }
+      }
+    } else {
+      for (int j = copy_key; j < tile_keys; j += copy_step, k_dst += copy_step * dim) {
+        const bool inside = key0 + j < stop_offset;
+        copy16_async(k_dst, inside ? k_rows(begin + key0 + j) + copy_d : k_outside, inside);
+      }
     }
   };
   // Scores of tile t (buffer t % 2) to their rows, for the attended input keys (the pooling reads no others),
