@@ -235,7 +235,7 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
 
   // Thread c copies 16 bytes at column (c % LANES) * VEC of keys c / LANES + COPY_STEP i of each tile: COPIES copies
   // of K (and V) in straight-line code, each a pointer step from the last where the cache is contiguous (a copy loop
-  // over c with a key lookup each took four times the instructions of this tile's MMAs).
+  // over c with a key lookup each took about 410 of a warp's 945 instructions a tile at D 128 with V on sm_90).
   constexpr int COPY_STEP = kMmaThreads / LANES, COPIES = kMmaTileKeys / COPY_STEP;
   static_assert(kMmaThreads % LANES == 0 && kMmaTileKeys % COPY_STEP == 0, "whole rows per pass of the block");
   const int copy_key = threadIdx.x / LANES, copy_d = (threadIdx.x % LANES) * VEC;
