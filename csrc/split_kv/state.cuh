@@ -2,6 +2,8 @@
 // base 2, x = score * log2(e), so every exponential is one exp2; the log-sum-exp leaves in natural log.
 #pragma once
 
+#include <cfloat>
+
 #include "common.cuh"
 
 namespace macs {
@@ -18,7 +20,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 #else
   const float y = exp2f(x);
-  return y < 1.17549435e-38f ? 0.0f : y;
+  return y < FLT_MIN ? 0.0f : y;
 #endif
 }
 
