@@ -4,8 +4,9 @@
     python benchmarks/bench_ops.py --quick    # a few seconds
     python benchmarks/bench_ops.py --host-only   # the eager host cost per public call only
 Writes benchmarks/results/ops_<device>.csv and .png, and ops_<device>_host.csv: the eager host cost of one public
-op call (host_us: the public op's time per call less its kernel's, on a tiny problem), and
-ops_<device>_host_profile.txt: where that call's host time goes, by function (or under --out).
+op call (host_us: the public op's time per call less its kernel's, on a tiny problem),
+ops_<device>_host_profile.txt: where that call's host time goes, by Python function, and ops_<device>_host_events.csv:
+below Python, by torch.profiler event (the operator, allocations, CUDA runtime calls) (or under --out).
 
 Bytes that must move: K once for macs_update, K and V once for decode_attention (q, log_c and the
 outputs are under 1% of that). GB/s = those bytes / time, whatever a provider actually reads:
@@ -192,6 +193,11 @@ def time_cpu(fn) -> float:
     return statistics.median(times) * 1e3
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def time_gpu(fn, graphed: bool) -> float:
     import triton.testing
 
@@ -279,18 +285,14 @@ def kernel_times(provider: Provider, op: str, problem: Problem, device: torch.de
     50-114 us over its attention on an H200, at batch 1 7-30)."""
     from torch.profiler import ProfilerActivity, profile
 
-    def synchronize():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     fn = provider.build(op, problem)
     fn()
-    synchronize()
+    synchronize(device)
     activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
     with profile(activities=[activity]) as profiler:
         for _ in range(calls):
             fn()
-        synchronize()
+        synchronize(device)
     rows = []
     for event in profiler.key_averages():
         own = event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total
@@ -335,20 +337,23 @@ def public_call(backend: str):
 def time_calls(fn, device: torch.device, calls: int = 200) -> float:
     """Microseconds per call of `calls` back-to-back calls, the best of five runs. On a GPU the calls queue
     without waiting, so on kernels this small it is the host's time per call."""
-    def synchronize():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     fn()
     best = float("inf")
     for _ in range(5):
-        synchronize()
+        synchronize(device)
         tick = time.perf_counter()
         for _ in range(calls):
             fn()
-        synchronize()
+        synchronize(device)
         best = min(best, (time.perf_counter() - tick) / calls)
     return best * 1e6
+
+
+def host_cost_backends(device: torch.device) -> list[str]:
+    """The backends whose eager host cost is measured on `device`: torch on a CPU; torch, triton and cuda where they
+    run on a GPU."""
+    names = ("torch",) if device.type == "cpu" else ("torch", "triton", "cuda")
+    return [backend for backend in names if why_unavailable(backend, device) is None]
 
 
 def host_costs(device: torch.device, dtype: torch.dtype, env: dict) -> list[dict]:
@@ -357,9 +362,7 @@ def host_costs(device: torch.device, dtype: torch.dtype, env: dict) -> list[dict
     op adds per call (argument checks, backend choice; no host sync). Goal on a GPU: <= 20 us."""
     problem = Problem(1, 2, 1, 64, 64, dtype, device)
     rows = []
-    for backend in ("torch",) if device.type == "cpu" else ("torch", "triton", "cuda"):
-        if why_unavailable(backend, device):
-            continue
+    for backend in host_cost_backends(device):
         for op, (launch, launching) in itertools.product(OPS, launch_paths(backend)):
             with launching():
                 public_us = time_calls(public_call(backend)(op, problem), device)
@@ -392,20 +395,16 @@ def host_profile(device: torch.device, dtype: torch.dtype, path: Path, calls: in
 
     problem = Problem(1, 2, 1, 64, 64, dtype, device)
     report = io.StringIO()
-    for backend in ("torch",) if device.type == "cpu" else ("torch", "triton", "cuda"):
-        if why_unavailable(backend, device):
-            continue
+    for backend in host_cost_backends(device):
         call = public_call(backend)("decode_attention", problem)
         call()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(calls):
             call()
         profiler.disable()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
         report.write(f"=== {backend}: {calls} public decode_attention calls (with log c)\n{text.getvalue()}\n")
@@ -413,6 +412,44 @@ def host_profile(device: torch.device, dtype: torch.dtype, path: Path, calls: in
         header = next(n for n, line in enumerate(lines) if "ncalls" in line)
         print(f"host profile, {backend}:", *lines[header:header + 9], sep="\n  ")
     path.write_text(report.getvalue())
+    print(f"wrote {path}")
+
+
+def host_events(device: torch.device, dtype: torch.dtype, calls: int = 100) -> list[dict]:
+    """Where an eager public decode_attention call (with log c, host_costs' tiny problem) spends its host time below
+    Python, per backend: torch.profiler's host-side events (the operator, aten ops such as its allocations, and on a GPU
+    the CUDA runtime calls CUPTI reports: kernel launches, function attributes), each with its count per call and its
+    own host time per call, the costliest first. The profiler adds time to each event it records: the counts are
+    exact, the times are for comparing events with each other. Issue 48: on an H200 an eager cuda call took 47 us of
+    host time, 26 with its kernel called directly (three launches), which cProfile (host_profile) sees as one
+    builtin."""
+    from torch.profiler import ProfilerActivity, profile
+
+    problem = Problem(1, 2, 1, 64, 64, dtype, device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    rows = []
+    for backend in host_cost_backends(device):
+        call = public_call(backend)("decode_attention", problem)
+        call()
+        synchronize(device)
+        with profile(activities=activities) as profiler:
+            for _ in range(calls):
+                call()
+            synchronize(device)
+        events = [event for event in profiler.key_averages() if event.self_cpu_time_total > 0]
+        rows += [{"backend": backend, "event": event.key, "per_call": round(event.count / calls, 2),
+                  "self_us_per_call": round(event.self_cpu_time_total / calls, 2)}
+                 for event in sorted(events, key=lambda event: -event.self_cpu_time_total)]
+    return rows
+
+
+def write_host_events(device: torch.device, dtype: torch.dtype, env: dict, path: Path) -> None:
+    """host_events into `path`, each backend's costliest few as JSON lines."""
+    rows = host_events(device, dtype)
+    for backend in dict.fromkeys(row["backend"] for row in rows):
+        costliest = [row for row in rows if row["backend"] == backend][:8]
+        print(*(json.dumps({"host_event": row}) for row in costliest), sep="\n", flush=True)
+    write_csv([{**env, **row} for row in rows], path)
     print(f"wrote {path}")
 
 
@@ -483,6 +520,7 @@ def main(argv=None):
     print(f"wrote {args.out / stem}_host.csv")
     host_profile(device, dtype, args.out / f"{stem}_host_profile.txt")
     if args.host_only:
+        write_host_events(device, dtype, env, args.out / f"{stem}_host_events.csv")
         return
     providers = available_providers(device)
 
@@ -518,6 +556,7 @@ def main(argv=None):
     if args.kernel_times:
         # After every timing and its table: the profiler's CUPTI stays attached once it has run.
         write_kernel_times(providers, args, device, dtype, env, args.out / f"{stem}_kernels.csv")
+    write_host_events(device, dtype, env, args.out / f"{stem}_host_events.csv")
 
 
 def write_kernel_times(providers, args, device: torch.device, dtype: torch.dtype, env: dict, path: Path) -> None:

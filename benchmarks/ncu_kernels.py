@@ -1,8 +1,8 @@
 """Why each decode pass of issue 48 runs at the speed it does, by hardware counters: Nsight Compute (ncu) on one call
 of each provider whose kernels bench_ops breaks down (each fused pass, its attention alone, sdpa), at 1 and 8 items
 of 32k keys (bf16, 32 query / 8 KV heads, D 128; the mma kernel's bandwidth gap and the Triton fused pass's batch-8
-overhead). Per kernel: its time, DRAM bytes and throughput, achieved occupancy, issue-slot use and the warp stall
-reasons that cost the most.
+overhead). Per kernel: its time, DRAM bytes and throughput, achieved occupancy, issue-slot use, how evenly its grid
+keeps the SMs busy, and the warp stall reasons that cost the most.
 
     python benchmarks/ncu_kernels.py --out OUT      # profile, export, summarise (a GPU and ncu)
     python benchmarks/ncu_kernels.py --summarise OUT/ncu_issue48_raw.csv --out OUT   # again, from the export
@@ -37,7 +37,8 @@ from macs_kernels.apps.bench import write_csv  # noqa: E402
 NAME = "ncu_issue48"
 MARKER = "spin_kernel"
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "SchedulerStats")
-EXTRA_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "smsp__inst_executed.sum")
+EXTRA_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "smsp__inst_executed.sum", "sm__cycles_active.avg",
+                 "sm__cycles_active.max")
 SHAPES = ((1, 32, 8, 128, 32768), (8, 32, 8, 128, 32768))  # B, H, H_kv, D, S
 # ncu's raw metric names: what the table shows, by column.
 METRICS = {
@@ -52,6 +53,9 @@ METRICS = {
     "registers": "launch__registers_per_thread",
     "grid": "launch__grid_size",
 }
+# How evenly the grid spreads over the SMs: their mean active cycles over the busiest one's (1: every SM works as long
+# as the busiest). Issue 48's Triton grid at 8 x 32k keys is 320 programs on 132 SMs, 2 or 3 each; at 1 x 32k, 256.
+SM_CYCLES = ("sm__cycles_active.avg", "sm__cycles_active.max")
 # Warps stalled for each reason per issue cycle, i.e. its share of the warp cycles per issued instruction ("selected"
 # is the issuing itself).
 STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio$")
@@ -137,15 +141,17 @@ def summarise(raw: Path, manifest: Path, out: Path) -> list[dict]:
             row = {**call, "kernel": kernel["kernel"][:60]}
             row.update({column: round(kernel[metric], 2) if isinstance(kernel.get(metric), float) else None
                         for column, metric in METRICS.items()})
+            mean, busiest = (kernel.get(metric) for metric in SM_CYCLES)
+            row["sm_balance"] = round(mean / busiest, 3) if isinstance(mean, float) and busiest else None
             row["top_stalls"] = " ".join(f"{reason}={value:.1f}" for reason, value in stalls[:4])
             rows.append(row)
             print(json.dumps({"ncu": row}), flush=True)
-    print(f"{'B':>2} {'provider':30s} {'kernel':42s} {'us':>8} {'DRAM%':>6} {'occ%':>5} {'issue%':>6}  top stalls "
-          "(warp cycles per issued instruction)")
+    print(f"{'B':>2} {'provider':30s} {'kernel':42s} {'us':>8} {'DRAM%':>6} {'occ%':>5} {'issue%':>6} {'SMbal':>5}  "
+          "top stalls (warp cycles per issued instruction)")
     for row in rows:
         print(f"{row['B']:>2} {row['provider']:30s} {row['kernel'][:42]:42s} {row['us'] or 0:8.1f} "
-              f"{row['dram_pct'] or 0:6.1f} {row['occupancy_pct'] or 0:5.1f} {row['issue_pct'] or 0:6.1f}  "
-              f"{row['top_stalls']}")
+              f"{row['dram_pct'] or 0:6.1f} {row['occupancy_pct'] or 0:5.1f} {row['issue_pct'] or 0:6.1f} "
+              f"{row['sm_balance'] or 0:5.2f}  {row['top_stalls']}")
     write_csv(rows, out / f"{NAME}.csv")
     print(f"wrote {out / NAME}.csv")
     return rows

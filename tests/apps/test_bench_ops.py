@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,32 @@ def test_the_host_profile_names_where_a_public_call_spends_its_time(tmp_path, ca
     assert "=== torch: 5 public decode_attention calls" in text
     assert "_checks.py" in text and "decode_attention.py" in text
     assert "host profile, torch:" in capsys.readouterr().out
+
+
+def test_the_null_driver_keeps_the_last_launches_a_timing_loop_asks_for():
+    """bench_triton_host's null driver holds `keep` launch records: an unbounded list of them (every record holds its
+    arguments) made Python's full garbage collections pause its timing loops for 0.2 s."""
+    from macs_kernels.apps.bench.null_driver import NullDriver
+
+    metadata = types.SimpleNamespace(name="kernel", hash="digest")
+    for keep, recorded in ((2, [(3, 1, 1), (4, 1, 1)]), (None, [(n, 1, 1) for n in range(1, 5)])):
+        null = NullDriver(keep=keep)
+        launcher = null.launcher_cls(None, metadata)
+        for n in range(1, 5):
+            launcher(n, 1, 1, null.stream, 7, (), None, None, None, "argument")
+        assert [grid for _, _, grid, *_ in null.launches] == recorded
+
+
+def test_the_host_events_count_what_a_public_call_does_below_python():
+    """bench_ops' host events (the GPU check's breakdown of an eager call below Python: on a GPU the CUDA runtime
+    calls), here the torch backend's public decode_attention on a CPU: its aten ops, each with its exact count per call,
+    the costliest first."""
+    rows = bench_ops.host_events(torch.device("cpu"), torch.float32, calls=6)
+    by_event = {row["event"]: row for row in rows}
+    assert {row["backend"] for row in rows} == {"torch"}
+    assert by_event["aten::logsumexp"]["per_call"] >= 1 and float(by_event["aten::logsumexp"]["per_call"]).is_integer()
+    times = [row["self_us_per_call"] for row in rows]
+    assert times == sorted(times, reverse=True) and all(t > 0 for t in times)
 
 
 def test_the_kernel_breakdown_times_each_kernel_of_a_call():

@@ -21,12 +21,14 @@ COLUMNS = ["ID", "Process ID", "Kernel Name", "gpu__time_duration.sum", "dram__b
            "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
            "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
            "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
-           "smsp__average_warps_issue_stalled_selected_per_issue_active.ratio"]
-UNITS = ["", "", "", "nsecond", "byte", "%", "register/thread", "", "", "", "", ""]
+           "smsp__average_warps_issue_stalled_selected_per_issue_active.ratio", "sm__cycles_active.avg",
+           "sm__cycles_active.max"]
+UNITS = ["", "", "", "nsecond", "byte", "%", "register/thread", "", "", "", "", "", "cycle", "cycle"]
 
 
-def _kernel(number: int, name: str, ns: str, read: str, barrier: str, scoreboard: str) -> list[str]:
-    return [str(number), "77", name, ns, read, "61.5", "168", "123,456", barrier, scoreboard, "2", "1"]
+def _kernel(number: int, name: str, ns: str, read: str, barrier: str, scoreboard: str,
+            sm_cycles: tuple[str, str] = ("80,000", "100,000")) -> list[str]:
+    return [str(number), "77", name, ns, read, "61.5", "168", "123,456", barrier, scoreboard, "2", "1", *sm_cycles]
 
 
 def _export(tmp_path: Path, kernels: list[list[str]]) -> Path:
@@ -52,7 +54,7 @@ def test_the_summary_splits_calls_at_markers_and_ranks_stall_reasons(tmp_path, c
         _kernel(2, "void macs::combine_kernel<__nv_bfloat16>(macs::CombineParams<__nv_bfloat16>)", "2,100",
                 "1,048,576", "0.25", "9"),
         _kernel(3, "spin_kernel(long)", "1,000", "0", "0", "0"),
-        _kernel(4, "flash_fwd_splitkv_kernel", "38,000", "134,217,728", "1", "4"),
+        _kernel(4, "flash_fwd_splitkv_kernel", "38,000", "134,217,728", "1", "4", ("0", "0")),
     ])
     _manifest(tmp_path, ["cuda-mma-attention-only", "torch-sdpa-gqa"])
     ncu_kernels.main(["--summarise", str(raw), "--out", str(tmp_path)])
@@ -67,6 +69,8 @@ def test_the_summary_splits_calls_at_markers_and_ranks_stall_reasons(tmp_path, c
     assert mma["top_stalls"] == "barrier=7.2 long_scoreboard=3.5 wait=2.0"
     assert combine["top_stalls"] == "long_scoreboard=9.0 wait=2.0 barrier=0.2"
     assert sdpa["us"] == 38.0 and mma["cycles_per_issue"] is None  # a metric the export lacks
+    # The SMs' mean active cycles over the busiest one's; none where no SM was active.
+    assert (mma["sm_balance"], sdpa["sm_balance"]) == (0.8, None)
     with (tmp_path / f"{ncu_kernels.NAME}.csv").open() as handle:
         assert [row["kernel"] for row in csv.DictReader(handle)] == [row["kernel"] for row in rows]
 

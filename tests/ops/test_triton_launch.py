@@ -51,7 +51,7 @@ with null_driver.activate() as null:
         call, inputs = case
         null.stream = stream
         jit_runs.clear()
-        del null.launches[:]
+        null.launches.clear()
         with contextlib.nullcontext() if direct else common.jit_launches():
             call()
         return {"launches": [[name, digest, list(grid), stream, function, list(packed),

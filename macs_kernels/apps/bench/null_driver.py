@@ -6,6 +6,7 @@ eager host time). The kernels must be real JITFunctions: import them with TRITON
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -22,13 +23,17 @@ Launch = tuple[str, str, tuple[int, int, int], int, int, tuple, tuple]
 class NullDriver:
     """Stands in for Triton's CUDA driver on device 0: kernels compile for sm_<arch> and load nowhere, each under a
     function handle of its own; each launch is appended to `launches` (and runs the launch hooks it is given, as
-    Triton's launcher does) instead of running. `stream` is the current stream a launch should go to."""
+    Triton's launcher does) instead of running. `stream` is the current stream a launch should go to. `keep`: how
+    many of the last launches `launches` holds (None: all). A timing loop keeps few: every record holds its
+    arguments, and tens of thousands of them make Python's full garbage collections pause the loop for 0.2 s each."""
 
     arch: int = 90
     stream: int = 0
-    launches: list[Launch] = dataclasses.field(default_factory=list)
+    keep: int | None = None
+    launches: collections.deque[Launch] = dataclasses.field(init=False)
 
     def __post_init__(self):
+        self.launches = collections.deque(maxlen=self.keep)
         self.utils = _NullUtils()
 
     def launcher_cls(self, src, metadata):
@@ -78,15 +83,15 @@ class _NullUtils:
 
 
 @contextlib.contextmanager
-def activate(arch: int = 90) -> Iterator[NullDriver]:
-    """Triton's active driver is a NullDriver inside the context."""
+def activate(arch: int = 90, keep: int | None = None) -> Iterator[NullDriver]:
+    """Triton's active driver is a NullDriver (`arch`, `keep`) inside the context."""
     from triton.runtime.driver import driver
 
     # Read without making the default driver, which fails on a machine without a GPU: Triton >= 3.6 keeps it in
     # `_active` behind a property (None until made), 3.4-3.5 in `active` behind a lazy proxy.
     state = vars(driver)
     previous = state["_active"] if "_active" in state else state["active"]
-    null = NullDriver(arch)
+    null = NullDriver(arch, keep=keep)
     driver.set_active(null)
     try:
         yield null
