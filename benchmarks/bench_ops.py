@@ -101,6 +101,40 @@ def backend_call(backend: str, fused: bool = True, split_kernel: str | None = No
     return build
 
 
+def whole_wave_tiles(per_multiprocessor: int) -> Callable:
+    """split_kv_tiles with the key splits rounded down to whole waves of `per_multiprocessor` programs an SM, where
+    split_kv_tiles rounds up from twice the SMs (an experiment of issue 48: at 8 x 32k keys its 5 splits of 64 row
+    tiles are 320 programs on an H200's 132 SMs, 2 or 3 each, the one shape of the table with SMs of 3, and the one
+    whose fused pass took 1.43x its attention; whole waves are 256 programs at 2 an SM, 384 at 3)."""
+    from macs_kernels.ops.triton import common
+
+    def tiles(batch, kv_heads, group_rows, keys, dim, exact_f32, device):
+        default = common.split_kv_tiles(batch, kv_heads, group_rows, keys, dim, exact_f32, device)
+        programs = batch * kv_heads * common.cdiv(group_rows, default.block_m)
+        blocks = common.cdiv(keys, default.block_n)
+        wanted = min(blocks, max(1, per_multiprocessor * common.multiprocessors(device) // programs))
+        per_split = common.cdiv(blocks, wanted)
+        return dataclasses.replace(default, splits=common.cdiv(blocks, per_split),
+                                   split_size=per_split * default.block_n)
+    return tiles
+
+
+def triton_whole_waves_call(per_multiprocessor: int, fused: bool = True):
+    """backend_call("triton") with whole_wave_tiles(per_multiprocessor)'s splits."""
+    def build(op: str, p: Problem):
+        from unittest import mock
+
+        from macs_kernels.ops.triton import split_kv
+
+        call = backend_call("triton", fused=fused)(op, p)
+
+        def run():
+            with mock.patch.object(split_kv, "split_kv_tiles", whole_wave_tiles(per_multiprocessor)):
+                return call()
+        return run
+    return build
+
+
 def torch_sdpa_gqa_call(op: str, p: Problem):
     """torch's own GQA decode attention (the issue's anchor): K/V read once per KV head, whatever kernel it picks."""
     q = p.q[:, :, None]
@@ -162,6 +196,13 @@ PROVIDERS = (
     Provider("cuda-pipelined-attention-only", ("decode_attention",),
              lambda d: gpu_with()(d) or why_unavailable("cuda", d),
              backend_call("cuda", fused=False, split_kernel="pipelined")),
+    # Triton's splits in whole waves (triton_whole_waves_call): beside "triton", which they should beat at 8 x 32k.
+    Provider("triton-waves-of-2", OPS, lambda d: gpu_with()(d) or why_unavailable("triton", d),
+             triton_whole_waves_call(2)),
+    Provider("triton-waves-of-3", OPS, lambda d: gpu_with()(d) or why_unavailable("triton", d),
+             triton_whole_waves_call(3)),
+    Provider("triton-waves-of-3-attention-only", ("decode_attention",),
+             lambda d: gpu_with()(d) or why_unavailable("triton", d), triton_whole_waves_call(3, fused=False)),
     # The tensor-core split kernel (csrc/split_kv_mma).
     Provider("cuda-mma", OPS, lambda d: gpu_with()(d) or why_unavailable("cuda", d),
              backend_call("cuda", split_kernel="mma")),

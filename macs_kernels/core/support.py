@@ -80,6 +80,14 @@ UNSUPPORTED = {
                                "backend scores one row per request and pass",
 }
 
+# (engine, method or "*", (layout, layout)) -> why two layouts that each run are refused together.
+UNSUPPORTED_TOGETHER = {
+    ("generate", "*", ("sliding_window", "compiled")): "a window layer's key slots roll with its cache, whose token "
+                                                       "count the tracer reads on the host every pass, and a compiled "
+                                                       "decode step runs no Python per layer (pass "
+                                                       "disable_compile=True, or use the uncompiled forward)",
+}
+
 
 def _rule(engine: str, method: str, layout: str):
     if engine not in ENGINES or method not in METHODS or layout not in LAYOUTS:
@@ -107,6 +115,19 @@ def message(engine: str, method: str, layout: str) -> str | None:
         METHODS[method] if rule_method != "*" else None, LAYOUTS[layout] if rule_layout != "*" else None,
     ) if part)
     return f"{what} is not supported under macs_kernels' {engine} engine: {UNSUPPORTED[key]}"
+
+
+def message_together(engine: str, method: str, layouts: tuple[str, str]) -> str | None:
+    """The refusal of `method` with both `layouts` on `engine` where each runs alone but not the two together (naming
+    only the options its rule names), or None."""
+    for layout in layouts:
+        _rule(engine, method, layout)  # names checked
+    for key in ((engine, method, layouts), (engine, "*", layouts)):
+        if key in UNSUPPORTED_TOGETHER:
+            both = " with ".join(LAYOUTS[layout] for layout in layouts)
+            what = both if key[1] == "*" else f"{METHODS[method]} with {both}"
+            return f"{what} is not supported under macs_kernels' {engine} engine: {UNSUPPORTED_TOGETHER[key]}"
+    return None
 
 
 def check(engine: str, method: str, layout: str) -> None:
@@ -148,4 +169,6 @@ def markdown_table() -> str:
         lines.append(f"| {layout}: {description} | " + " | ".join(cells) + " |")
     lines += ["", "| engine | method | layout | why it is refused |", "|---|---|---|---|"]
     lines += [f"| {engine} | {method} | {layout} | {why} |" for (engine, method, layout), why in UNSUPPORTED.items()]
+    lines += [f"| {engine} | {method} | {' + '.join(layouts)} | {why} |"
+              for (engine, method, layouts), why in UNSUPPORTED_TOGETHER.items()]
     return "\n".join(lines) + "\n"

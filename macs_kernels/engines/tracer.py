@@ -21,6 +21,7 @@ import threading
 
 import torch
 
+from macs_kernels.core import support
 from macs_kernels.core.config import MacsConfig
 from macs_kernels.core.rows import NAN_MESSAGE
 from macs_kernels.core.scores import step_scores
@@ -257,8 +258,10 @@ class Tracer(TraceResults):
 
     def check_compiled(self) -> None:
         """Refuse what this tracer does not follow under torch.compile (see check_generate for the modes)."""
+        if self.windowed:
+            raise NotImplementedError(support.message_together(
+                "generate", support.method_of(self.config), ("sliding_window", "compiled")))
         unsupported = [name for name, applies in (("per-layer hooks", self.hooks), ("tensor parallelism", self.shards),
-                                                  ("sliding-window layers", self.windowed),
                                                   ("keep_pooled", self.keep_pooled)) if applies]
         if unsupported:
             raise NotImplementedError(

@@ -71,6 +71,26 @@ def test_the_kernel_benchmarks_providers_run_on_a_cpu(name):
             assert relative_error(g, w) <= RELATIVE_ERROR[torch.bfloat16], (op, relative_error(g, w))
 
 
+def test_the_whole_wave_providers_give_each_sm_the_same_programs_where_the_default_does_not(monkeypatch):
+    """bench_ops' triton-waves-of-N providers (issue 48's experiment beside the default Triton pass): on an H200's 132
+    SMs, issue 48's batch-8 shape gets 320 programs by default (2 or 3 an SM) and whole waves of 2 or 3 with them;
+    a batch-1 shape whose default is already one wave of 2 keeps it."""
+    from macs_kernels.ops.triton import common
+
+    monkeypatch.setattr(common, "INTERPRETED", False)
+    monkeypatch.setattr(common, "multiprocessors", lambda device: 132)
+    device = torch.device("cpu")
+    programs = {}
+    for name, tiles in (("default", common.split_kv_tiles), ("2", bench_ops.whole_wave_tiles(2)),
+                        ("3", bench_ops.whole_wave_tiles(3))):
+        for batch, keys in ((8, 32768), (1, 32768)):
+            split = tiles(batch, 8, 4, keys, 128, False, device)
+            assert split.splits * split.split_size >= keys > (split.splits - 1) * split.split_size
+            programs[name, batch] = batch * 8 * split.splits
+    assert (programs["default", 8], programs["2", 8], programs["3", 8]) == (320, 256, 384)
+    assert programs["default", 1] == programs["2", 1] == 256
+
+
 def test_the_cuda_public_provider_times_the_default_split_kernel():
     """The split-kernel choice is process-wide: the public provider built after one that chose another kernel (the
     tensor-core one) still times the default, and its ratio is to the provider that calls the default directly (an
