@@ -102,10 +102,12 @@ def backend_call(backend: str, fused: bool = True, split_kernel: str | None = No
 
 
 def whole_wave_tiles(per_multiprocessor: int) -> Callable:
-    """split_kv_tiles with the key splits rounded down to whole waves of `per_multiprocessor` programs an SM, where
+    """split_kv_tiles with the key splits rounded down to at most `per_multiprocessor` programs an SM, where
     split_kv_tiles rounds up from twice the SMs (an experiment of issue 48: at 8 x 32k keys its 5 splits of 64 row
     tiles are 320 programs on an H200's 132 SMs, 2 or 3 each, the one shape of the table with SMs of 3, and the one
-    whose fused pass took 1.43x its attention; whole waves are 256 programs at 2 an SM, 384 at 3)."""
+    whose fused pass took 1.43x its attention; rounded down, 256 programs at 2 an SM, 384 at 3). Three of these
+    programs are resident on an SM at once at D 128 on sm_90 (168 registers a thread, 72 KiB of shared memory:
+    results/triton_sass_3.6.0.csv), so either count runs in one wave."""
     from macs_kernels.ops.triton import common
 
     def tiles(batch, kv_heads, group_rows, keys, dim, exact_f32, device):
@@ -127,9 +129,10 @@ def triton_whole_waves_call(per_multiprocessor: int, fused: bool = True):
         from macs_kernels.ops.triton import split_kv
 
         call = backend_call("triton", fused=fused)(op, p)
+        tiles = whole_wave_tiles(per_multiprocessor)
 
         def run():
-            with mock.patch.object(split_kv, "split_kv_tiles", whole_wave_tiles(per_multiprocessor)):
+            with mock.patch.object(split_kv, "split_kv_tiles", tiles):
                 return call()
         return run
     return build
@@ -196,7 +199,7 @@ PROVIDERS = (
     Provider("cuda-pipelined-attention-only", ("decode_attention",),
              lambda d: gpu_with()(d) or why_unavailable("cuda", d),
              backend_call("cuda", fused=False, split_kernel="pipelined")),
-    # Triton's splits in whole waves (triton_whole_waves_call): beside "triton", which they should beat at 8 x 32k.
+    # Triton's splits rounded down to whole waves (triton_whole_waves_call), beside "triton" at issue 48's shapes only.
     Provider("triton-waves-of-2", OPS, lambda d: gpu_with()(d) or why_unavailable("triton", d),
              triton_whole_waves_call(2)),
     Provider("triton-waves-of-3", OPS, lambda d: gpu_with()(d) or why_unavailable("triton", d),
@@ -314,6 +317,8 @@ def available_providers(device: torch.device, names=None) -> list[Provider]:
     return providers
 
 
+# Experiments timed at issue 48's shapes only (--shapes issue48).
+ISSUE48_EXPERIMENTS = ("triton-waves-of-2", "triton-waves-of-3", "triton-waves-of-3-attention-only")
 # The providers whose kernels kernel_times breaks down: each fused pass beside its attention alone, and sdpa.
 BROKEN_DOWN = ("triton", "triton-attention-only", "cuda-mma", "cuda-mma-attention-only", "cuda-pipelined",
                "cuda-pipelined-attention-only", SDPA)
@@ -390,6 +395,12 @@ def time_calls(fn, device: torch.device, calls: int = 200) -> float:
     return best * 1e6
 
 
+def host_problem(device: torch.device, dtype: torch.dtype) -> Problem:
+    """The tiny problem (B=1, H=2/1, D=64, S=64) whose public calls the host cost is read on: its kernels take a few
+    microseconds of GPU time, so eager calls queue as fast as the host issues them."""
+    return Problem(1, 2, 1, 64, 64, dtype, device)
+
+
 def host_cost_backends(device: torch.device) -> list[str]:
     """The backends whose eager host cost is measured on `device`: torch on a CPU; torch, triton and cuda where they
     run on a GPU."""
@@ -401,7 +412,7 @@ def host_costs(device: torch.device, dtype: torch.dtype, env: dict) -> list[dict
     """Per backend and op, on a tiny problem (B=1, H=2/1, D=64, S=64): the public op's time per call, its
     resolved kernel's called directly with validated arguments, and the difference, host_us: what the public
     op adds per call (argument checks, backend choice; no host sync). Goal on a GPU: <= 20 us."""
-    problem = Problem(1, 2, 1, 64, 64, dtype, device)
+    problem = host_problem(device, dtype)
     rows = []
     for backend in host_cost_backends(device):
         for op, (launch, launching) in itertools.product(OPS, launch_paths(backend)):
@@ -434,7 +445,7 @@ def host_profile(device: torch.device, dtype: torch.dtype, path: Path, calls: in
     import io
     import pstats
 
-    problem = Problem(1, 2, 1, 64, 64, dtype, device)
+    problem = host_problem(device, dtype)
     report = io.StringIO()
     for backend in host_cost_backends(device):
         call = public_call(backend)("decode_attention", problem)
@@ -466,21 +477,23 @@ def host_events(device: torch.device, dtype: torch.dtype, calls: int = 100) -> l
     builtin."""
     from torch.profiler import ProfilerActivity, profile
 
-    problem = Problem(1, 2, 1, 64, 64, dtype, device)
+    problem = host_problem(device, dtype)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     rows = []
     for backend in host_cost_backends(device):
         call = public_call(backend)("decode_attention", problem)
         call()
         synchronize(device)
+        # No sync inside: its wait for the queued kernels is no host cost of a call.
         with profile(activities=activities) as profiler:
             for _ in range(calls):
                 call()
-            synchronize(device)
-        events = [event for event in profiler.key_averages() if event.self_cpu_time_total > 0]
-        rows += [{"backend": backend, "event": event.key, "per_call": round(event.count / calls, 2),
-                  "self_us_per_call": round(event.self_cpu_time_total / calls, 2)}
-                 for event in sorted(events, key=lambda event: -event.self_cpu_time_total)]
+        synchronize(device)
+        events = [{"backend": backend, "event": event.key, "per_call": round(event.count / calls, 2),
+                   "self_us_per_call": round(event.self_cpu_time_total / calls, 2)}
+                  for event in profiler.key_averages()]
+        rows += sorted((event for event in events if event["self_us_per_call"] > 0),
+                       key=lambda event: -event["self_us_per_call"])
     return rows
 
 
@@ -560,11 +573,17 @@ def main(argv=None):
     write_csv(host_costs(device, dtype, env), args.out / f"{stem}_host.csv")
     print(f"wrote {args.out / stem}_host.csv")
     host_profile(device, dtype, args.out / f"{stem}_host_profile.txt")
-    if args.host_only:
-        write_host_events(device, dtype, env, args.out / f"{stem}_host_events.csv")
-        return
-    providers = available_providers(device)
+    if not args.host_only:
+        write_table(args, device, dtype, env, stem)
+    # Last: the profiler's CUPTI, which host_events and kernel_times attach, stays attached once it has run.
+    write_host_events(device, dtype, env, args.out / f"{stem}_host_events.csv")
 
+
+def write_table(args, device: torch.device, dtype: torch.dtype, env: dict, stem: str) -> None:
+    """Every available provider timed at every shape of the run: <stem>.csv and .png, the run's ratio table or JSON
+    lines, and with --kernel-times each broken-down provider's time by kernel."""
+    providers = [provider for provider in available_providers(device)
+                 if args.shapes == "issue48" or provider.name not in ISSUE48_EXPERIMENTS]
     rows = []
     for batch, heads, kv_heads, dim, keys in grid(args.quick, device, args.shapes):
         problem = Problem(batch, heads, kv_heads, dim, keys, dtype, device)
@@ -597,7 +616,6 @@ def main(argv=None):
     if args.kernel_times:
         # After every timing and its table: the profiler's CUPTI stays attached once it has run.
         write_kernel_times(providers, args, device, dtype, env, args.out / f"{stem}_kernels.csv")
-    write_host_events(device, dtype, env, args.out / f"{stem}_host_events.csv")
 
 
 def write_kernel_times(providers, args, device: torch.device, dtype: torch.dtype, env: dict, path: Path) -> None:

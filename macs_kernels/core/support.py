@@ -1,8 +1,11 @@
 """What every engine can follow, as one table: a combination of engine, method and layout either yields rows
 that equal the teacher-forced eager reference (the conformance suite checks each) or is refused before any
-work by `check`, with one message naming the options.
+work by `check`, with one message naming the options; two layouts that each run may still be refused together
+(`check_together`).
 """
 from __future__ import annotations
+
+import itertools
 
 from macs_kernels.ops import variant
 
@@ -118,16 +121,24 @@ def message(engine: str, method: str, layout: str) -> str | None:
 
 
 def message_together(engine: str, method: str, layouts: tuple[str, str]) -> str | None:
-    """The refusal of `method` with both `layouts` on `engine` where each runs alone but not the two together (naming
-    only the options its rule names), or None."""
+    """The refusal of `method` with both `layouts` (in either order) on `engine` where each runs alone but not the two
+    together (naming only the options its rule names), or None."""
     for layout in layouts:
         _rule(engine, method, layout)  # names checked
-    for key in ((engine, method, layouts), (engine, "*", layouts)):
-        if key in UNSUPPORTED_TOGETHER:
-            both = " with ".join(LAYOUTS[layout] for layout in layouts)
-            what = both if key[1] == "*" else f"{METHODS[method]} with {both}"
-            return f"{what} is not supported under macs_kernels' {engine} engine: {UNSUPPORTED_TOGETHER[key]}"
+    for rule_method, pair in itertools.product((method, "*"), (tuple(layouts), tuple(layouts)[::-1])):
+        why = UNSUPPORTED_TOGETHER.get((engine, rule_method, pair))
+        if why is not None:
+            both = " with ".join(LAYOUTS[layout] for layout in pair)
+            what = both if rule_method == "*" else f"{METHODS[method]} with {both}"
+            return f"{what} is not supported under macs_kernels' {engine} engine: {why}"
     return None
+
+
+def check_together(engine: str, method: str, layouts: tuple[str, str]) -> None:
+    """Raise NotImplementedError, naming the options, when `method` with both `layouts` cannot run on `engine`."""
+    refusal = message_together(engine, method, layouts)
+    if refusal is not None:
+        raise NotImplementedError(refusal)
 
 
 def check(engine: str, method: str, layout: str) -> None:

@@ -259,8 +259,7 @@ class Tracer(TraceResults):
     def check_compiled(self) -> None:
         """Refuse what this tracer does not follow under torch.compile (see check_generate for the modes)."""
         if self.windowed:
-            raise NotImplementedError(support.message_together(
-                "generate", support.method_of(self.config), ("sliding_window", "compiled")))
+            support.check_together("generate", support.method_of(self.config), ("sliding_window", "compiled"))
         unsupported = [name for name, applies in (("per-layer hooks", self.hooks), ("tensor parallelism", self.shards),
                                                   ("keep_pooled", self.keep_pooled)) if applies]
         if unsupported:
