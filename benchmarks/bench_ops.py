@@ -101,43 +101,6 @@ def backend_call(backend: str, fused: bool = True, split_kernel: str | None = No
     return build
 
 
-def whole_wave_tiles(per_multiprocessor: int) -> Callable:
-    """split_kv_tiles with the key splits rounded down to at most `per_multiprocessor` programs an SM, where
-    split_kv_tiles rounds up from twice the SMs (an experiment of issue 48: at 8 x 32k keys its 5 splits of 64 row
-    tiles are 320 programs on an H200's 132 SMs, 2 or 3 each, the one shape of the table with SMs of 3, and the one
-    whose fused pass took 1.43x its attention; rounded down, 256 programs at 2 an SM, 384 at 3). Three of these
-    programs are resident on an SM at once at D 128 on sm_90 (168 registers a thread, 72 KiB of shared memory:
-    results/triton_sass_3.6.0.csv), so either count runs in one wave."""
-    from macs_kernels.ops.triton import common
-
-    def tiles(batch, kv_heads, group_rows, keys, dim, exact_f32, device):
-        default = common.split_kv_tiles(batch, kv_heads, group_rows, keys, dim, exact_f32, device)
-        programs = batch * kv_heads * common.cdiv(group_rows, default.block_m)
-        blocks = common.cdiv(keys, default.block_n)
-        wanted = min(blocks, max(1, per_multiprocessor * common.multiprocessors(device) // programs))
-        per_split = common.cdiv(blocks, wanted)
-        return dataclasses.replace(default, splits=common.cdiv(blocks, per_split),
-                                   split_size=per_split * default.block_n)
-    return tiles
-
-
-def triton_whole_waves_call(per_multiprocessor: int, fused: bool = True):
-    """backend_call("triton") with whole_wave_tiles(per_multiprocessor)'s splits."""
-    def build(op: str, p: Problem):
-        from unittest import mock
-
-        from macs_kernels.ops.triton import split_kv
-
-        call = backend_call("triton", fused=fused)(op, p)
-        tiles = whole_wave_tiles(per_multiprocessor)
-
-        def run():
-            with mock.patch.object(split_kv, "split_kv_tiles", tiles):
-                return call()
-        return run
-    return build
-
-
 def torch_sdpa_gqa_call(op: str, p: Problem):
     """torch's own GQA decode attention (the issue's anchor): K/V read once per KV head, whatever kernel it picks."""
     q = p.q[:, :, None]
@@ -199,13 +162,6 @@ PROVIDERS = (
     Provider("cuda-pipelined-attention-only", ("decode_attention",),
              lambda d: gpu_with()(d) or why_unavailable("cuda", d),
              backend_call("cuda", fused=False, split_kernel="pipelined")),
-    # Triton's splits rounded down to whole waves (triton_whole_waves_call), beside "triton" at issue 48's shapes only.
-    Provider("triton-waves-of-2", OPS, lambda d: gpu_with()(d) or why_unavailable("triton", d),
-             triton_whole_waves_call(2)),
-    Provider("triton-waves-of-3", OPS, lambda d: gpu_with()(d) or why_unavailable("triton", d),
-             triton_whole_waves_call(3)),
-    Provider("triton-waves-of-3-attention-only", ("decode_attention",),
-             lambda d: gpu_with()(d) or why_unavailable("triton", d), triton_whole_waves_call(3, fused=False)),
     # The tensor-core split kernel (csrc/split_kv_mma).
     Provider("cuda-mma", OPS, lambda d: gpu_with()(d) or why_unavailable("cuda", d),
              backend_call("cuda", split_kernel="mma")),
@@ -317,8 +273,6 @@ def available_providers(device: torch.device, names=None) -> list[Provider]:
     return providers
 
 
-# Experiments timed at issue 48's shapes only (--shapes issue48).
-ISSUE48_EXPERIMENTS = ("triton-waves-of-2", "triton-waves-of-3", "triton-waves-of-3-attention-only")
 # The providers whose kernels kernel_times breaks down: each fused pass beside its attention alone, and sdpa.
 BROKEN_DOWN = ("triton", "triton-attention-only", "cuda-mma", "cuda-mma-attention-only", "cuda-pipelined",
                "cuda-pipelined-attention-only", SDPA)
@@ -582,8 +536,7 @@ def main(argv=None):
 def write_table(args, device: torch.device, dtype: torch.dtype, env: dict, stem: str) -> None:
     """Every available provider timed at every shape of the run: <stem>.csv and .png, the run's ratio table or JSON
     lines, and with --kernel-times each broken-down provider's time by kernel."""
-    providers = [provider for provider in available_providers(device)
-                 if args.shapes == "issue48" or provider.name not in ISSUE48_EXPERIMENTS]
+    providers = available_providers(device)
     rows = []
     for batch, heads, kv_heads, dim, keys in grid(args.quick, device, args.shapes):
         problem = Problem(batch, heads, kv_heads, dim, keys, dtype, device)

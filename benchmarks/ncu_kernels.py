@@ -45,7 +45,7 @@ METRICS = {
     "us": "gpu__time_duration.sum",
     "dram_read_MB": "dram__bytes_read.sum",
     "dram_write_MB": "dram__bytes_write.sum",
-    "dram_pct": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram_pct": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
     "occupancy_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
     "issue_pct": "smsp__issue_active.avg.pct_of_peak_sustained_active",
     "cycles_per_issue": "smsp__average_warp_latency_per_inst_issued.ratio",
@@ -54,12 +54,13 @@ METRICS = {
     "grid": "launch__grid_size",
 }
 # How evenly the grid spreads over the SMs: their mean active cycles over the busiest one's (1: every SM works as long
-# as the busiest). Issue 48's Triton grid at 8 x 32k keys is 320 programs on 132 SMs, 2 or 3 each; at 1 x 32k, 256.
+# as the busiest). Issue 48's Triton grid at 8 x 32k keys was 320 programs on 132 SMs, 2 or 3 each: 0.70 (H200).
 SM_CYCLES = ("sm__cycles_active.avg", "sm__cycles_active.max")
 # Warps stalled for each reason per issue cycle, i.e. its share of the warp cycles per issued instruction ("selected"
 # is the issuing itself).
 STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio$")
-SCALE = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6,
+# Units as ncu names them: spelled out, or (--print-units base on the H200's ncu) abbreviated.
+SCALE = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6, "ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6,
          "byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}
 
 

@@ -71,54 +71,6 @@ def test_the_kernel_benchmarks_providers_run_on_a_cpu(name):
             assert relative_error(g, w) <= RELATIVE_ERROR[torch.bfloat16], (op, relative_error(g, w))
 
 
-def test_the_whole_wave_tiles_round_the_splits_down_where_the_default_leaves_an_sm_3(monkeypatch):
-    """bench_ops.whole_wave_tiles (the triton-waves-of-N providers, issue 48's experiment beside the default Triton
-    pass): on an H200's 132 SMs, issue 48's batch-8 shape gets 320 programs by default (2 or 3 an SM) and at most 2 or
-    3 an SM rounded down; a batch-1 shape whose default has at most 2 keeps it."""
-    from macs_kernels.ops.triton import common
-
-    monkeypatch.setattr(common, "INTERPRETED", False)
-    monkeypatch.setattr(common, "multiprocessors", lambda device: 132)
-    device = torch.device("cpu")
-    programs = {}
-    for name, tiles in (("default", common.split_kv_tiles), ("2", bench_ops.whole_wave_tiles(2)),
-                        ("3", bench_ops.whole_wave_tiles(3))):
-        for batch, keys in ((8, 32768), (1, 32768)):
-            split = tiles(batch, 8, 4, keys, 128, False, device)
-            assert split.splits * split.split_size >= keys > (split.splits - 1) * split.split_size
-            programs[name, batch] = batch * 8 * split.splits
-    assert (programs["default", 8], programs["2", 8], programs["3", 8]) == (320, 256, 384)
-    assert programs["default", 1] == programs["2", 1] == 256
-
-
-def test_the_whole_wave_providers_launch_their_splits(monkeypatch):
-    """The triton-waves-of-3 provider's pass runs with its own split count (a patch that missed the launcher would time
-    the default's), and computes what the default provider computes: on the interpreter (4 "SMs", 128-key blocks),
-    2,000 keys of 4 row tiles are 2 slices by default and 3 at 3 an SM."""
-    from macs_kernels.ops.triton import split_kv
-
-    if why_unavailable("triton", "cpu") is not None:
-        pytest.skip(why_unavailable("triton", "cpu"))
-    launched = []
-    split = split_kv._split
-
-    def recorded(*args, **kwargs):
-        result = split(*args, **kwargs)
-        launched.append(result.splits)
-        return result
-
-    monkeypatch.setattr(split_kv, "_split", recorded)
-    torch.manual_seed(0)
-    problem = bench_ops.Problem(batch=2, heads=6, kv_heads=2, dim=64, keys=2000, dtype=torch.bfloat16,
-                                device=torch.device("cpu"))
-    providers = {p.name: p for p in bench_ops.PROVIDERS}
-    default = _run(providers["triton"], "decode_attention", problem)
-    waves = _run(providers["triton-waves-of-3"], "decode_attention", problem)
-    assert launched == [2, 3]
-    for got, want in zip(waves, default, strict=True):
-        assert relative_error(got, want) <= RELATIVE_ERROR[torch.bfloat16]
-
-
 def test_the_cuda_public_provider_times_the_default_split_kernel():
     """The split-kernel choice is process-wide: the public provider built after one that chose another kernel (the
     tensor-core one) still times the default, and its ratio is to the provider that calls the default directly (an

@@ -16,14 +16,14 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import ncu_kernels  # noqa: E402
 
 COLUMNS = ["ID", "Process ID", "Kernel Name", "gpu__time_duration.sum", "dram__bytes_read.sum",
-           "dram__throughput.avg.pct_of_peak_sustained_elapsed", "launch__registers_per_thread",
+           "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed", "launch__registers_per_thread",
            "smsp__average_warp_latency_issue_stalled_barrier.ratio",  # cycles over the whole run: not a share
            "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
            "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
            "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
            "smsp__average_warps_issue_stalled_selected_per_issue_active.ratio", "sm__cycles_active.avg",
            "sm__cycles_active.max"]
-UNITS = ["", "", "", "nsecond", "byte", "%", "register/thread", "", "", "", "", "", "cycle", "cycle"]
+UNITS = ["", "", "", "ns", "byte", "%", "register/thread", "", "", "", "", "", "cycle", "cycle"]
 
 
 def _kernel(number: int, name: str, ns: str, read: str, barrier: str, scoreboard: str,

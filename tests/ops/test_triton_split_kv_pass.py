@@ -31,6 +31,24 @@ def test_launches_of_a_fused_decode():
     assert dict(LAUNCHES - before) == {"_split_kv_kernel": 1, "_split_kv_combine_kernel": 1, "_pool_kernel": 1}
 
 
+def test_the_split_plan_puts_at_most_two_programs_on_an_sm(monkeypatch):
+    """split_kv_tiles on an H200's 132 SMs: issue 48's shapes (bf16, 32/8 heads) get up to twice the SMs' programs,
+    rounded down, whole key blocks a slice. Rounded up, 8 x 32k keys got 320 (2 or 3 an SM), and its fused pass took
+    1.31x the time of 256 (ops_issue48_h200_64cce54.csv, triton-waves-of-2)."""
+    from macs_kernels.ops.triton import common
+
+    monkeypatch.setattr(common, "INTERPRETED", False)
+    monkeypatch.setattr(common, "multiprocessors", lambda device: 132)
+    programs = {}
+    for batch, keys, dim in ((1, 4096, 128), (1, 32768, 128), (1, 131072, 128), (8, 32768, 128), (1, 32768, 64),
+                             (64, 32768, 128)):
+        tiles = common.split_kv_tiles(batch, 8, 4, keys, dim, False, torch.device("cpu"))
+        assert tiles.splits * tiles.split_size >= keys > (tiles.splits - 1) * tiles.split_size
+        assert tiles.split_size % tiles.block_n == 0
+        programs[batch, keys, dim] = batch * 8 * tiles.splits
+    assert list(programs.values()) == [256, 256, 264, 256, 256, 512]  # 512 row tiles: one slice each
+
+
 @pytest.mark.parametrize("keys_a_step", [16, 32])
 def test_the_fused_decode_holds_with_the_key_blocks_a_gpu_takes(monkeypatch, keys_a_step):
     """On a GPU the split kernel steps 16 or 32 keys at D = 256, in float32 or with 64 rows (common.split_kv_block; the
