@@ -13,8 +13,8 @@ outputs are under 1% of that). GB/s = those bytes / time, whatever a provider ac
 torch's flash kernel and flash-attn compute attention only (no MACS) and are the floor to compare the
 fused decode with; torch's flash kernel has no GQA, so it reads K/V repeated to H heads.
 All providers attend keys [0, S) with the last 16 keys as generated tokens (N = S - 16 inputs).
-On GPU: triton.testing.do_bench, and for B = 1 also one replay of a captured CUDA graph. The cuda backend runs
-each split kernel by name (cuda-verified, cuda-pipelined, cuda-mma, each with an -attention-only call); torch's
+On GPU: triton.testing.do_bench, and for B = 1 also one replay of a captured CUDA graph. The cuda backend runs the
+split kernel its shape chooses (ops/cuda/__init__.py; bf16 at D 64 and 128: the tensor-core one); torch's
 scaled_dot_product_attention with enable_gqa is the anchor (torch-sdpa-gqa, column vs_sdpa = time over its time).
     python benchmarks/bench_ops.py --shapes issue   # issue 43's shapes, graph replay at every batch, ratio table
     python benchmarks/bench_ops.py --shapes issue48 --graph-only   # issue 48's table as JSON lines (ratios)
@@ -40,7 +40,6 @@ sys.path.insert(0, str(ROOT))
 
 from macs_kernels import ops  # noqa: E402
 from macs_kernels.apps.bench import device_stem, environment, write_csv  # noqa: E402
-from macs_kernels.ops.cuda import CUDA_SPLIT_KV_DEFAULT, set_cuda_split_kv_kernel  # noqa: E402
 from macs_kernels.ops.registry import implementation, why_unavailable  # noqa: E402
 
 OPS = ("macs_update", "decode_attention")
@@ -76,20 +75,10 @@ class Problem:
 
 # --- providers: each builds, for one (op, problem), a no-argument callable that runs the op once ---------
 
-def choose_split_kernel(backend: str, split_kernel: str | None) -> None:
-    """Run the cuda backend's `split_kernel` (None: the default) in the timings that follow; a CUDA graph keeps it.
-    Every cuda build sets it: the choice is process-wide, and a provider that inherited the previous one's would time
-    the wrong kernel."""
-    if backend == "cuda":
-        set_cuda_split_kv_kernel(split_kernel or CUDA_SPLIT_KV_DEFAULT)
-
-
-def backend_call(backend: str, fused: bool = True, split_kernel: str | None = None):
+def backend_call(backend: str, fused: bool = True):
     """A macs_kernels backend, called with validated arguments as the tracer does (no host sync); decode_attention's
-    `pooled` is given too (it has no default, see docs/backends.md "Ops: each declared once"). `split_kernel`: the
-    cuda split kernel (choose_split_kernel)."""
+    `pooled` is given too (it has no default, see docs/backends.md "Ops: each declared once")."""
     def build(op: str, p: Problem):
-        choose_split_kernel(backend, split_kernel)
         function = implementation(backend, op)
         macs = dict(alpha=0.8, pooling="max", redistribute=True)
         if op == "macs_update":
@@ -151,25 +140,11 @@ PROVIDERS = (
     Provider("triton", OPS, lambda d: gpu_with()(d) or why_unavailable("triton", d), backend_call("triton")),
     Provider("triton-attention-only", ("decode_attention",),
              lambda d: gpu_with()(d) or why_unavailable("triton", d), backend_call("triton", fused=False)),
-    # The cuda split kernels by name (the default among them: CUDA_SPLIT_KV_DEFAULT).
-    Provider("cuda-verified", OPS, lambda d: gpu_with()(d) or why_unavailable("cuda", d),
-             backend_call("cuda", split_kernel="verified")),
-    Provider("cuda-verified-attention-only", ("decode_attention",),
-             lambda d: gpu_with()(d) or why_unavailable("cuda", d),
-             backend_call("cuda", fused=False, split_kernel="verified")),
-    Provider("cuda-pipelined", OPS, lambda d: gpu_with()(d) or why_unavailable("cuda", d),
-             backend_call("cuda", split_kernel="pipelined")),
-    Provider("cuda-pipelined-attention-only", ("decode_attention",),
-             lambda d: gpu_with()(d) or why_unavailable("cuda", d),
-             backend_call("cuda", fused=False, split_kernel="pipelined")),
-    # The tensor-core split kernel (csrc/split_kv_mma).
-    Provider("cuda-mma", OPS, lambda d: gpu_with()(d) or why_unavailable("cuda", d),
-             backend_call("cuda", split_kernel="mma")),
-    Provider("cuda-mma-attention-only", ("decode_attention",),
-             lambda d: gpu_with()(d) or why_unavailable("cuda", d),
-             backend_call("cuda", fused=False, split_kernel="mma")),
-    # The public op (argument checks with the device default, index arguments, backend choice) around the default
-    # kernel, which default_kernel_provider names: issue 48's goal is <= 1.05x (or 2 us) of it inside a graph.
+    Provider("cuda", OPS, lambda d: gpu_with()(d) or why_unavailable("cuda", d), backend_call("cuda")),
+    Provider("cuda-attention-only", ("decode_attention",), lambda d: gpu_with()(d) or why_unavailable("cuda", d),
+             backend_call("cuda", fused=False)),
+    # The public op (argument checks with the device default, index arguments, backend choice) around the backend's
+    # kernels (the provider without -public): issue 48's goal is <= 1.05x (or 2 us) of them inside a graph.
     Provider("triton-public", OPS, lambda d: gpu_with()(d) or why_unavailable("triton", d),
              lambda op, p: public_call("triton")(op, p)),
     Provider("cuda-public", OPS, lambda d: gpu_with()(d) or why_unavailable("cuda", d),
@@ -234,11 +209,6 @@ def add_sdpa_ratio(rows) -> None:
         row["vs_sdpa"] = round(row["ms"] / reference, 3) if reference else ""
 
 
-def default_kernel_provider(backend: str) -> str:
-    """The provider that times `backend`'s default kernels called directly."""
-    return f"cuda-{CUDA_SPLIT_KV_DEFAULT}" if backend == "cuda" else backend
-
-
 def print_json_lines(rows) -> None:
     """decode_attention under graph replay, one JSON line per shape and provider: us per call, TB/s of K+V, time
     over sdpa's and, for a fused provider, over its own attention-only call (issue 48's goals: <= 1.10); for a
@@ -254,7 +224,7 @@ def print_json_lines(rows) -> None:
         own = attention.get((_config(row), row["provider"]))
         if own and not row["provider"].endswith("-attention-only"):
             line["fused_vs_attention"] = round(row["ms"] / own, 3)
-        kernel = kernels.get((_config(row), default_kernel_provider(row["provider"].removesuffix("-public"))))
+        kernel = kernels.get((_config(row), row["provider"].removesuffix("-public")))
         if kernel and row["provider"].endswith("-public"):
             line["public_vs_kernel"] = round(row["ms"] / kernel, 3)
             line["public_extra_us"] = round(1e3 * (row["ms"] - kernel), 2)
@@ -274,8 +244,7 @@ def available_providers(device: torch.device, names=None) -> list[Provider]:
 
 
 # The providers whose kernels kernel_times breaks down: each fused pass beside its attention alone, and sdpa.
-BROKEN_DOWN = ("triton", "triton-attention-only", "cuda-mma", "cuda-mma-attention-only", "cuda-pipelined",
-               "cuda-pipelined-attention-only", SDPA)
+BROKEN_DOWN = ("triton", "triton-attention-only", "cuda", "cuda-attention-only", SDPA)
 
 
 def kernel_times(provider: Provider, op: str, problem: Problem, device: torch.device, calls: int = 20) -> list[dict]:
@@ -322,10 +291,8 @@ def print_ratio_table(rows) -> None:
 # --- eager host cost of a public op call (issue 42) --------------------------------------------------------------
 
 def public_call(backend: str):
-    """The public op (argument checks, backend choice, then the kernel), with the arguments backend_call gives, on the
-    cuda backend's default split kernel."""
+    """The public op (argument checks, backend choice, then the kernel), with the arguments backend_call gives."""
     def build(op: str, p: Problem):
-        choose_split_kernel(backend, None)
         if op == "macs_update":
             return lambda: ops.macs_update(p.q, p.k, p.log_c, input_start=p.start, input_end=p.input_end,
                                            kv_len=p.kv_len, scale=p.scale, backend=backend)

@@ -3,15 +3,15 @@
     python benchmarks/bench_traffic.py              # triton: B 1, 4k and 32k keys at D 128, 32k at D 64 (10 minutes)
     python benchmarks/bench_traffic.py --quick      # 4k keys at D 128 only (about 2 minutes)
     python benchmarks/bench_traffic.py --all        # also B 8 x 32k and 128k keys (an hour or more)
-    MACS_KERNELS_CUDA_EMULATION=1 python benchmarks/bench_traffic.py --backend cuda   # emulated (16 minutes, 6 GB)
+    MACS_KERNELS_CUDA_EMULATION=1 python benchmarks/bench_traffic.py --backend cuda   # emulated (6 GB)
 
 Every access of the backend's kernels, by kernel and argument (macs_kernels/apps/bench/traffic.py: each load and store
 of Triton's interpreter; the CUDA emulation's loads, stores and asynchronous copies), with the launch plan of an H200
 (132 multiprocessors: the same splits, so the same partial results): attention alone, then decode_attention fused with
-the log c update and macs_update (triton: its fused pass; cuda: under each split kernel, each with its own
-attention). bf16, 32 query heads on 8 KV heads, the last 16 keys
-generated. What DRAM moves lies between the distinct bytes (every repeat served by the cache) and the sector bytes
-(none served); a kernel's time is not counted: it is a CPU.
+the log c update and macs_update (triton: its fused pass; cuda: the split kernel the shape chooses, named in the
+split_pass column). bf16, 32 query heads on 8 KV heads, the last 16 keys generated. What DRAM moves lies between the
+distinct bytes (every repeat served by the cache) and the sector bytes (none served); a kernel's time is not counted:
+it is a CPU.
 
 Issue 48's goal is the fused pass within 1.10x of attention's time; these are its bytes over attention's, the floor
 of that ratio on a GPU that reads at its bandwidth. Writes benchmarks/results/traffic_<backend>_cpu.{csv,json,png}
@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -38,12 +39,10 @@ from bench_ops import Problem, backend_call  # noqa: E402
 
 from macs_kernels.apps.bench import environment, write_csv  # noqa: E402
 from macs_kernels.apps.bench.traffic import cuda_traffic, triton_launch_plans_for, triton_traffic  # noqa: E402
-from macs_kernels.ops.cuda import CUDA_SPLIT_KV_KERNELS, cuda_split_kv_kernel, set_cuda_split_kv_kernel  # noqa: E402
 
 H200_MULTIPROCESSORS = 132
 HEADS, KV_HEADS = 32, 8
-# Each backend's split passes: what a fused call runs under, and (cuda) its attention alone too.
-SPLIT_PASSES = {"triton": ("fused",), "cuda": CUDA_SPLIT_KV_KERNELS}
+BACKENDS = ("triton", "cuda")
 # Arguments that hold the input keys' scores (and the maxima they are kept relative to), by any kernel's name for them.
 SCORE_ARGUMENTS = ("scores", "values", "relative_scores", "score_maxima")
 
@@ -57,16 +56,22 @@ def shapes(quick: bool, every: bool) -> list[tuple[int, int, int]]:
 
 
 def calls(backend: str, problem: Problem):
-    """(name, split pass, no-argument call, K/V bytes it must read) for one problem: bench_ops' calls of the backend's
-    kernels, called as the tracer calls them. Triton's attention alone runs no fused pass; each cuda split kernel runs
-    attention too."""
-    for split_pass in SPLIT_PASSES[backend] if backend == "cuda" else ("",):
-        yield ("attention", split_pass, backend_call(backend, fused=False, split_kernel=split_pass or None)(
-            "decode_attention", problem), problem.bytes("decode_attention"))
+    """(name, no-argument call, K/V bytes it must read) for one problem: bench_ops' calls of the backend's kernels,
+    called as the tracer calls them: attention alone, then the fused passes."""
+    attention = backend_call(backend, fused=False)("decode_attention", problem)
+    yield "attention", attention, problem.bytes("decode_attention")
     for op, name in (("decode_attention", "decode_attention with log_c"), ("macs_update", "macs_update")):
-        for split_pass in SPLIT_PASSES[backend]:
-            call = backend_call(backend, split_kernel=split_pass if backend == "cuda" else None)(op, problem)
-            yield name, split_pass, call, problem.bytes(op)
+        yield name, backend_call(backend)(op, problem), problem.bytes(op)
+
+
+def split_pass_of(backend: str, traffic) -> str:
+    """The fused pass a call ran: triton's, or the cuda split kernel its shape chose (its name without
+    "_split_kernel": mma, pipelined, or "general" for split_kernel)."""
+    if backend == "triton":
+        return "fused"
+    [name] = {match.group(1) or "general" for kernel, _ in traffic.counts
+              if (match := re.search(r"macs::(\w*?)_?split_kernel<", kernel))}
+    return name
 
 
 @contextlib.contextmanager
@@ -87,7 +92,7 @@ def measure(backend: str, shape, env: dict) -> tuple[list[dict], list[dict]]:
     torch.manual_seed(0)
     problem = Problem(batch, HEADS, KV_HEADS, dim, keys, torch.bfloat16, torch.device("cpu"))
     detail, summary = [], []
-    for name, split_pass, call, cache_bytes in calls(backend, problem):
+    for name, call, cache_bytes in calls(backend, problem):
         if backend == "cuda":
             call()  # the first call of the process runs the backend's self-check, on buffers it names too
         tick = time.perf_counter()
@@ -97,18 +102,18 @@ def measure(backend: str, shape, env: dict) -> tuple[list[dict], list[dict]]:
         # A score argument may be a view inside a workspace argument ("scores=partials").
         scores = sum(c.read_distinct + c.written_distinct for (_, argument), c in traffic.counts.items()
                      if set(argument.split("=")) & set(SCORE_ARGUMENTS))
+        split_pass = "(attention only)" if name == "attention" else split_pass_of(backend, traffic)
         columns = dict(B=batch, H=HEADS, H_kv=KV_HEADS, D=dim, S=keys, dtype="bfloat16", backend=backend, call=name,
-                       split_pass=split_pass or "(attention only)")
+                       split_pass=split_pass)
         detail += [columns | row | env for row in traffic.rows()]
         summary.append(columns | dict(
             cache_bytes=cache_bytes, distinct_bytes=total.read_distinct + total.written_distinct,
             sector_bytes=total.read_sectors + total.written_sectors, score_bytes=scores,
             kernels=len({kernel for kernel, _ in traffic.counts}), seconds=round(time.perf_counter() - tick, 1)))
         print(json.dumps(summary[-1]), flush=True)
-    attention = {row["split_pass"]: row for row in summary if row["call"] == "attention"}
+    [attention] = [row for row in summary if row["call"] == "attention"]
     for row in summary:
-        floor = attention.get(row["split_pass"], attention.get("(attention only)")) \
-            if row["call"] != "macs_update" else None
+        floor = attention if row["call"] != "macs_update" else None
         for kind in ("distinct", "sector"):
             base = floor[f"{kind}_bytes"] if floor else row["cache_bytes"]
             row[f"{kind}_over_{'attention' if floor else 'K'}"] = round(row[f"{kind}_bytes"] / base, 4)
@@ -136,9 +141,11 @@ def plot(summary: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(1.6 + 1.9 * len(shapes_seen), 3.4))
     width = 0.8 / len(split_passes)
     for i, split_pass in enumerate(split_passes):
-        rows = [next(r for r in fused if (r["B"], r["S"], r["D"]) == s and r["split_pass"] == split_pass)
-                for s in shapes_seen]
-        positions = [j + (i - 1) * width for j in range(len(shapes_seen))]
+        # A shape's cuda split kernel is the one its D chooses: each pass has bars at its own shapes.
+        placed = [(j, r) for j, s in enumerate(shapes_seen) for r in fused
+                  if (r["B"], r["S"], r["D"]) == s and r["split_pass"] == split_pass]
+        positions = [j + (i - 1) * width for j, _ in placed]
+        rows = [r for _, r in placed]
         ax.bar(positions, [r["distinct_over_attention"] for r in rows], width, label=f"{split_pass} (distinct)")
         ax.scatter(positions, [r["sector_over_attention"] for r in rows], color="black", marker="_", s=120,
                    zorder=3, label="sectors" if i == 0 else None)
@@ -156,7 +163,7 @@ def plot(summary: list[dict], path: Path) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", choices=tuple(SPLIT_PASSES), default="triton",
+    parser.add_argument("--backend", choices=BACKENDS, default="triton",
                         help="cuda: the CUDA emulation's kernels (MACS_KERNELS_CUDA_EMULATION=1)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--all", action="store_true", help="also B 8 x 32k and 128k keys")
@@ -168,15 +175,10 @@ def main(argv=None) -> None:
     env = environment(torch.device("cpu"))
     detail, summary = [], []
     chosen = [tuple(map(int, shape.split(","))) for shape in args.shape] if args.shape else shapes(args.quick, args.all)
-    previous = cuda_split_kv_kernel() if args.backend == "cuda" else None
-    try:
-        for shape in chosen:
-            rows, lines = measure(args.backend, shape, env)
-            detail += rows
-            summary += lines
-    finally:
-        if previous is not None:
-            set_cuda_split_kv_kernel(previous)
+    for shape in chosen:
+        rows, lines = measure(args.backend, shape, env)
+        detail += rows
+        summary += lines
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"traffic_{args.backend}_cpu"
     write_csv(detail, stem.with_suffix(".csv"))

@@ -9,10 +9,10 @@ keeps the SMs busy, and the warp stall reasons that cost the most.
 
 Under ncu (`--profile-from-start off`; `--clock-control none`: the clocks as found; `--cache-control none`: the
 combine and pooling kernels read what the split kernel left in L2, as they do in a pass), the script reruns itself
-with `--run`: for each provider in turn it builds the call (a cuda build chooses the split kernel for the whole
-process), warms it up outside the profiled range, then profiles one call after a marker kernel (torch.cuda._sleep's
-spin_kernel), and lists the calls in order (OUT/ncu_issue48.json). The report
-(OUT/ncu_issue48.ncu-rep, for ncu-ui) is exported as ncu's raw page (OUT/ncu_issue48_raw.csv); the summary splits its
+with `--run`: for each provider in turn it builds the call, warms it up outside the profiled range, then profiles
+one call after a marker kernel (torch.cuda._sleep's spin_kernel), and lists the calls in order
+(OUT/ncu_issue48.json). The report (OUT/ncu_issue48.ncu-rep, for ncu-ui) is exported as ncu's raw page
+(OUT/ncu_issue48_raw.csv); the summary splits its
 kernels at the markers, prints a table and JSON lines ({"ncu": ...}) and writes OUT/ncu_issue48.csv. `.ci/gpu`'s
 kernels preset runs it.
 """
@@ -75,7 +75,6 @@ def run(manifest: Path, device: str = "cuda", shapes=SHAPES) -> None:
     for batch, heads, kv_heads, dim, keys in shapes:
         problem = Problem(batch, heads, kv_heads, dim, keys, torch.bfloat16, device)
         for provider in providers:
-            # Built right before its calls: a cuda build chooses the split kernel for the whole process.
             fn = provider.build("decode_attention", problem)
             fn()  # compiled and warmed up outside the profiled range
             fn()

@@ -18,7 +18,6 @@
 #include <vector>
 
 #include "pool/kernel.cuh"
-#include "split_kv_choice.h"
 #include "split_kv_mma/kernel.cuh"
 
 namespace macs {
@@ -192,7 +191,7 @@ const T* pointer(const at::Tensor& t) {
 // q (B, H, D) or (B, H, R, D) against k_cache (B, H_kv, S, D) and v_cache (B, H_kv, S, D_v), or against
 // pages k_cache (P, page_size, H_kv, D) and their block_table (B, pages) int32 (then S = pages * page_size
 // per item, and no V), checked for the split-KV pass, with its tile policy for this GPU (which must fit
-// the block in shared memory): the pipelined kernel's where it is chosen (split_kv_choice.h) and fits.
+// the block in shared memory) for the kernel the shape runs (SplitKernel).
 struct SplitShape {
   int64_t batch, heads, kv_heads, rows, keys, dim, dim_v;
   int64_t page_size = 0;  // 0: contiguous keys
@@ -246,10 +245,6 @@ struct SplitShape {
       vectorized = vectorized && rows_aligned16(*v);
     }
     const int64_t group = heads / kv_heads;
-    const int choice = current_split_kernel();
-    TORCH_CHECK(choice >= 0, op, ": ", kSplitKernelVariable, "='", std::getenv(kSplitKernelVariable),
-                "' names no split kernel; choose '", kSplitKernelNames[0], "', '", kSplitKernelNames[1], "' or '",
-                kSplitKernelNames[2], "'");
     TORCH_CHECK(group * dim_v <= kMaxVectorsTimesDimV, op, ": the cuda backend supports (H / H_kv) * D_v <= ",
                 kMaxVectorsTimesDimV, ", got ", group, " * ", dim_v);
     if (batch == 0 || heads == 0) {
@@ -259,20 +254,18 @@ struct SplitShape {
     const int64_t sm_count = device_attribute(cudaDevAttrMultiProcessorCount, q);
     const int64_t limit = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, q);
     const int64_t smem_per_sm = device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, q);
-    // "mma" falls back to what "pipelined" runs, and that to split_kernel, where a shape or this GPU's shared
-    // memory does not fit.
-    // The tensor-core kernel's m16n8k16 MMA and ldmatrix need sm_80 (its device code traps below).
-    if (choice == int(SplitKernel::kMma) && device_attribute(cudaDevAttrComputeCapabilityMajor, q) >= 8 &&
+    // The fastest kernel that takes the shape and whose block fits this GPU's shared memory (SplitKernel). The
+    // tensor-core kernel's m16n8k16 MMA and ldmatrix need sm_80 (its device code traps below).
+    if (device_attribute(cudaDevAttrComputeCapabilityMajor, q) >= 8 &&
         mma_fits(group, dim, dim_v, v != nullptr, vectorized, q.element_size())) {
       policy = mma_policy(batch, heads, kv_heads, rows, keys, dim, v != nullptr, sm_count, smem_per_sm);
     }
-    if (choice != int(SplitKernel::kVerified) &&
-        (policy.kernel == SplitKernel::kVerified || int64_t(policy.smem_bytes) > limit) &&
+    if ((policy.kernel == SplitKernel::kGeneral || int64_t(policy.smem_bytes) > limit) &&
         pipelined_fits(group, dim, dim_v, v != nullptr, vectorized, q.element_size())) {
       policy = pipelined_policy(batch, heads, kv_heads, rows, keys, dim, dim_v, v != nullptr, q.element_size(),
                                 sm_count, smem_per_sm);
     }
-    if (policy.kernel == SplitKernel::kVerified || int64_t(policy.smem_bytes) > limit) {
+    if (policy.kernel == SplitKernel::kGeneral || int64_t(policy.smem_bytes) > limit) {
       policy = split_policy(batch, heads, kv_heads, rows, keys, dim, dim_v, v != nullptr, sm_count);
     }
     TORCH_CHECK(int64_t(policy.smem_bytes) <= limit, op, ": a block of ", group, " query heads with D=", dim,

@@ -35,7 +35,7 @@ cudaError_t split_kv(const SplitParams<T>& p, const CombineParams<T>& combine, S
     if (kernel == SplitKernel::kMma) error = mma_split<T, WITH_V>(p, stream);
   }
   if (kernel == SplitKernel::kPipelined) error = pipelined_split<T, WITH_V>(p, stream);
-  if (kernel == SplitKernel::kVerified) error = launch_split_kernel<T, WITH_V>(p, vectorized, stream);
+  if (kernel == SplitKernel::kGeneral) error = launch_split_kernel<T, WITH_V>(p, vectorized, stream);
   if (error != cudaSuccess) return error;
   const dim3 combine_grid(unsigned(combine.rows_per_item), unsigned(p.batch));
   combine_kernel<T><<<combine_grid, kCombineThreads, combine_smem_bytes(p.splits), stream>>>(combine);

@@ -11,8 +11,9 @@
 // 2. combine_kernel, grid (H * R, B): merges the splits of each query row into out and lse, and the
 //    values head pooling needs: the normalising lse (given or computed) and the mass on generated keys.
 //    With per-head sink logits (gpt-oss), each sink joins its rows' denominator and attends no value.
-// split_kv_pipelined/kernel.cuh's pipelined_split_kernel is a rewrite of pass 1 that writes the same partials,
-// selectable beside split_kernel (split_kv_choice.h); pass 2 and head pooling serve both.
+// split_kv_pipelined/kernel.cuh's pipelined_split_kernel and split_kv_mma/kernel.cuh's mma_split_kernel are
+// faster rewrites of pass 1 for the shapes they take (SplitKernel in policy.cuh), writing the same partials; pass 2
+// and head pooling serve all three.
 // Row (b, r) attends keys [start, end) of item b; [input_end, end) are its generated keys (a sliding-window
 // row attends from its window's start: its pooled columns may start earlier, see pool/kernel.cuh). The keys of
 // an item are contiguous (B, H_kv, S, D) or in pages (P, page_size, H_kv, D) found through a block table.

@@ -4,9 +4,13 @@
 #pragma once
 
 #include "common.cuh"
-#include "split_kv_choice.h"
 
 namespace macs {
+
+// The split kernels of pass 1, chosen by shape (SplitShape in launch_utils.h): the tensor-core one
+// (split_kv_mma/kernel.cuh) where it fits, else the pipelined one (split_kv_pipelined/kernel.cuh), else split_kernel
+// (split_kv/kernel.cuh), which takes any shape.
+enum class SplitKernel : int { kGeneral, kPipelined, kMma };
 
 constexpr int kTileKeys = 32;         // one key per lane in the per-row softmax step
 constexpr int kMaxAccumulators = 16;  // output elements per thread: vectors * D_v <= threads * 16
@@ -51,7 +55,7 @@ struct SplitPolicy {
   // The split kernel this policy is for; pipelined_split_kernel's (split_kv_pipelined/kernel.cuh) and
   // mma_split_kernel's: keys per staged tile and the key groups that share each tile; split_kernel's tiles are
   // kTileKeys.
-  SplitKernel kernel = SplitKernel::kVerified;
+  SplitKernel kernel = SplitKernel::kGeneral;
   int64_t tile_keys = kTileKeys, key_groups = 1;
 };
 

@@ -180,7 +180,7 @@ def default_backend(device: torch.device | str, ops: tuple[str, ...] = TRACER_OP
     runs.
 
     - CUDA, a captured or compiled pass (torch.compile, a CUDA graph): triton, else cuda, else torch. Triton's
-      kernels are 4-6x faster than the verified CUDA kernels (H200, issues 42/43), and capture removes the
+      kernels were 4-6x faster than the first CUDA split kernel (H200, issues 42/43), and capture removes the
       launch cost that is Triton's only handicap.
     - CUDA, an eager pass: cuda, else triton, else torch. Triton's per-launch host cost (about 0.3 ms per layer)
       dominates an eager decode step, which the CUDA kernels' lower launch cost wins.

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from macs_kernels.ops import why_unavailable
-from macs_kernels.ops.cuda import cuda_split_kv_kernel, set_cuda_split_kv_kernel
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
 pytest.importorskip("triton")  # bench_ops times Triton with triton.testing
@@ -41,15 +40,6 @@ def _run(provider, op, problem) -> list[torch.Tensor]:
     return [t.float() for t in returned if t is not None] + [problem.log_c.clone()]
 
 
-@pytest.fixture(autouse=True)
-def _split_kernel_restored():
-    """The cuda providers choose the split kernel they time: the process's choice after."""
-    cuda = cuda_split_kv_kernel() if why_unavailable("cuda", "cpu") is None else None
-    yield
-    if cuda is not None:
-        set_cuda_split_kv_kernel(cuda)
-
-
 @pytest.mark.parametrize("name", [p.name for p in bench_ops.PROVIDERS if _backend(p.name) in ("triton", "cuda")])
 def test_the_kernel_benchmarks_providers_run_on_a_cpu(name):
     provider = next(p for p in bench_ops.PROVIDERS if p.name == name)
@@ -71,42 +61,18 @@ def test_the_kernel_benchmarks_providers_run_on_a_cpu(name):
             assert relative_error(g, w) <= RELATIVE_ERROR[torch.bfloat16], (op, relative_error(g, w))
 
 
-def test_the_cuda_public_provider_times_the_default_split_kernel():
-    """The split-kernel choice is process-wide: the public provider built after one that chose another kernel (the
-    tensor-core one) still times the default, and its ratio is to the provider that calls the default directly (an
-    H200 run timed cuda-public on the tensor-core kernel against the verified one's time)."""
-    reason = why_unavailable("cuda", "cpu")
-    if reason is not None:
-        pytest.skip(reason)
-    from macs_kernels.ops.cuda import CUDA_SPLIT_KV_DEFAULT
-
-    problem = bench_ops.Problem(batch=1, heads=2, kv_heads=1, dim=64, keys=33, dtype=torch.float32,
-                                device=torch.device("cpu"))
-    providers = {p.name: p for p in bench_ops.PROVIDERS}
-    for name in providers:
-        if _backend(name) != "cuda" or name == "cuda-public":
-            continue
-        providers[name].build("decode_attention", problem)
-        providers["cuda-public"].build("decode_attention", problem)
-        assert cuda_split_kv_kernel() == CUDA_SPLIT_KV_DEFAULT, name
-    assert bench_ops.default_kernel_provider("cuda") == f"cuda-{CUDA_SPLIT_KV_DEFAULT}" in providers
-    providers["cuda-mma"].build("decode_attention", problem)
-    providers[bench_ops.default_kernel_provider("cuda")].build("decode_attention", problem)
-    assert cuda_split_kv_kernel() == CUDA_SPLIT_KV_DEFAULT
-
-
-def test_the_public_ops_ratio_is_to_the_default_kernels_time(capsys):
-    """print_json_lines divides a public op's time by the time of the provider that calls the default kernel
-    directly: with every cuda kernel timed, cuda-public's ratio is to cuda-<default>'s, not to another's."""
-    from macs_kernels.ops.cuda import CUDA_SPLIT_KV_DEFAULT, CUDA_SPLIT_KV_KERNELS
-
+def test_each_ratio_is_to_the_same_backends_call(capsys):
+    """print_json_lines divides a public op's time by the time of the provider that calls its backend's kernels
+    directly, and a fused pass's by its own attention alone: never by another backend's."""
     shape = dict(op="decode_attention", mode="cudagraph", B=1, H=32, H_kv=8, D=128, S=4096, GB_s=1.0, vs_sdpa=1.0)
-    times = {f"cuda-{kernel}": 0.01 * (n + 2) for n, kernel in enumerate(CUDA_SPLIT_KV_KERNELS)}
-    times |= {"cuda-public": 0.1, "triton": 0.03, "triton-public": 0.06}
+    times = {"cuda": 0.04, "cuda-attention-only": 0.032, "cuda-public": 0.1, "triton": 0.03,
+             "triton-attention-only": 0.025, "triton-public": 0.06}
     bench_ops.print_json_lines([dict(shape, provider=name, ms=ms) for name, ms in times.items()])
     lines = {line["provider"]: line for line in map(json.loads, capsys.readouterr().out.splitlines())}
-    assert lines["cuda-public"]["public_vs_kernel"] == round(0.1 / times[f"cuda-{CUDA_SPLIT_KV_DEFAULT}"], 3)
+    assert lines["cuda-public"]["public_vs_kernel"] == 2.5 and lines["cuda-public"]["public_extra_us"] == 60.0
     assert lines["triton-public"]["public_vs_kernel"] == 2.0
+    assert lines["cuda"]["fused_vs_attention"] == 1.25 and lines["triton"]["fused_vs_attention"] == 1.2
+    assert "public_vs_kernel" not in lines["cuda"] and "fused_vs_attention" not in lines["cuda-attention-only"]
 
 
 def test_the_host_profile_names_where_a_public_call_spends_its_time(tmp_path, capsys):

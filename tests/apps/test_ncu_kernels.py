@@ -56,13 +56,13 @@ def test_the_summary_splits_calls_at_markers_and_ranks_stall_reasons(tmp_path, c
         _kernel(3, "spin_kernel(long)", "1,000", "0", "0", "0"),
         _kernel(4, "flash_fwd_splitkv_kernel", "38,000", "134,217,728", "1", "4", ("0", "0")),
     ])
-    _manifest(tmp_path, ["cuda-mma-attention-only", "torch-sdpa-gqa"])
+    _manifest(tmp_path, ["cuda-attention-only", "torch-sdpa-gqa"])
     ncu_kernels.main(["--summarise", str(raw), "--out", str(tmp_path)])
 
     rows = [json.loads(line)["ncu"] for line in capsys.readouterr().out.splitlines() if line.startswith('{"ncu"')]
     assert [(row["provider"], row["kernel"].split("<")[0]) for row in rows] == [
-        ("cuda-mma-attention-only", "void macs::mma_split_kernel"),
-        ("cuda-mma-attention-only", "void macs::combine_kernel"), ("torch-sdpa-gqa", "flash_fwd_splitkv_kernel")]
+        ("cuda-attention-only", "void macs::mma_split_kernel"),
+        ("cuda-attention-only", "void macs::combine_kernel"), ("torch-sdpa-gqa", "flash_fwd_splitkv_kernel")]
     mma, combine, sdpa = rows
     assert (mma["us"], mma["dram_read_MB"], mma["dram_pct"], mma["registers"]) == (52.4, 134.22, 61.5, 168.0)
     # Stalls per issued instruction, the costliest first; neither the whole run's cycles nor the issuing itself.
@@ -79,15 +79,15 @@ def test_an_export_whose_calls_differ_from_the_manifest_is_refused(tmp_path):
     raw = _export(tmp_path, [_kernel(0, "spin_kernel(long)", "1", "0", "0", "0"),
                              _kernel(1, "void macs::combine_kernel<float>(macs::CombineParams<float>)", "5", "4",
                                      "1", "1")])
-    _manifest(tmp_path, ["cuda-mma", "triton"])
+    _manifest(tmp_path, ["cuda", "triton"])
     with pytest.raises(SystemExit, match="1 marked calls, but the manifest lists 2"):
         ncu_kernels.main(["--summarise", str(raw), "--out", str(tmp_path)])
 
 
 def test_the_run_profiles_one_call_of_each_provider_after_its_marker(tmp_path, monkeypatch):
     """What ncu runs, with the CUDA calls recorded instead (no GPU here) and torch providers standing in for the
-    broken-down ones: each provider built right before its calls (a cuda build chooses the split kernel for the whole
-    process), warmed up before the profiled range, then one call inside it after a marker."""
+    broken-down ones: each provider built right before its calls, warmed up before the profiled range, then one call
+    inside it after a marker."""
     import bench_ops
     import torch
 

@@ -71,11 +71,11 @@ def test_triton_backend_equals_torch_backend_and_really_runs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel, dtype", [("verified", torch.float32), ("pipelined", torch.float32),
-                                           ("mma", torch.bfloat16)])
-def test_cuda_backend_equals_torch_backend_on_a_model_of_the_default_shape(kernel, dtype):
-    """Generation traced on the cuda backend, under each split kernel (the tensor-core one takes bf16), gives the
-    torch backend's tokens and rows: on a GPU, or on the CPU where the emulation runs the kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32-pipelined", "bfloat16-mma"])
+def test_cuda_backend_equals_torch_backend_on_a_model_of_the_default_shape(dtype):
+    """Generation traced on the cuda backend, in float32 (the pipelined split kernel at D 64) and bf16 (the
+    tensor-core one; tests/ops/test_cuda_registration.py checks the choice by shape), gives the torch backend's
+    tokens and rows: on a GPU, or on the CPU where the emulation runs the kernels
     (MACS_KERNELS_CUDA_EMULATION=1; the torch backend never calls the operators, so it stays the independent side).
     In bf16 the two backends' attention outputs round differently, so the rows agree to bf16's tolerance."""
     if why_no_cuda_backend():
@@ -84,7 +84,6 @@ def test_cuda_backend_equals_torch_backend_on_a_model_of_the_default_shape(kerne
 
     from macs_kernels import attach
     from macs_kernels.apps.bench import ARCHITECTURES
-    from macs_kernels.ops.cuda import cuda_split_kv_kernel, set_cuda_split_kv_kernel
 
     device = torch.device(CUDA_BACKEND_DEVICE)
     torch.manual_seed(0)
@@ -95,16 +94,10 @@ def test_cuda_backend_equals_torch_backend_on_a_model_of_the_default_shape(kerne
     mask = torch.ones_like(prompts)
     mask[1, :7] = 0  # a left-padded second row
     runs = {}
-    previous = cuda_split_kv_kernel()
-    set_cuda_split_kv_kernel(kernel)
-    try:
-        for backend in ("torch", "cuda"):
-            with torch.no_grad(), attach(model, backend=backend) as tracer:
-                out = model.generate(prompts, attention_mask=mask, max_new_tokens=8, do_sample=False,
-                                     pad_token_id=0)
-            runs[backend] = (out, [tracer.rows(b) for b in range(2)])
-    finally:
-        set_cuda_split_kv_kernel(previous)
+    for backend in ("torch", "cuda"):
+        with torch.no_grad(), attach(model, backend=backend) as tracer:
+            out = model.generate(prompts, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        runs[backend] = (out, [tracer.rows(b) for b in range(2)])
     assert torch.equal(runs["torch"][0], runs["cuda"][0])
     for (log_torch, z_torch), (log_cuda, z_cuda) in zip(runs["torch"][1], runs["cuda"][1]):
         if dtype == torch.float32:

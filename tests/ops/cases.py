@@ -130,10 +130,10 @@ def reference_lse(q, k, input_start, kv_len, scale):
     ], dtype=torch.float32, device=DEVICE)
 
 
-def every_op_results(dtype: torch.dtype, backend: str) -> list[torch.Tensor]:
+def every_op_results(dtype: torch.dtype, backend: str, D: int = 64) -> list[torch.Tensor]:
     """What every op computes on `backend` from one set of CPU inputs (fresh outputs each call): the race tests'
     results (tests/ops/test_cuda_emulation.py, test_program_order.py)."""
-    B, H, H_KV, S, D, R, PAGE = 3, 12, 4, 211, 64, 3, 16  # GQA 3:1, keys over several tiles and splits
+    B, H, H_KV, S, R, PAGE = 3, 12, 4, 211, 3, 16  # GQA 3:1, keys over several tiles and splits
     generator = torch.Generator().manual_seed(5)
     q = torch.randn(B, H, D, generator=generator).to(dtype)
     block = torch.randn(B, H, R, D, generator=generator).to(dtype)
@@ -210,6 +210,20 @@ class KeyReadingCall:
     updates_log_c: bool = False
 
 
+# The cuda backend chooses its split kernel by shape (ops/cuda/__init__.py): (dtype, D) of inputs that each kernel
+# serves at GQA up to 8:1, so that a test runs a kernel by its inputs, and the kernel's name as launched. (At bf16
+# D 256, pipelined's too, a block of 256 threads holds 2 rows at GQA 3:1: a verify block of 3 rows reads K twice.)
+CUDA_SPLIT_KERNEL_SHAPES = {
+    "mma": ((torch.bfloat16, 64), (torch.float16, 128)),
+    "pipelined": ((torch.float32, 64), (torch.bfloat16, 32)),
+    "general": ((torch.float32, 72), (torch.bfloat16, 72)),
+}
+CUDA_SPLIT_KERNEL_NAMES = {"mma": "macs::mma_split_kernel<", "pipelined": "macs::pipelined_split_kernel<",
+                           "general": "macs::split_kernel<"}
+CUDA_SPLIT_KERNEL_CASES = [pytest.param(kernel, dtype, dim, id=f"{kernel}-{str(dtype).removeprefix('torch.')}-d{dim}")
+                           for kernel, shapes in CUDA_SPLIT_KERNEL_SHAPES.items() for dtype, dim in shapes]
+
+
 # Per backend, the split passes whose log c update keeps 16-bit inputs' scores as float16 `s - m`, and the keys per
 # float32 maximum m they keep (the cuda mma kernel, SplitParams::relative_scores); every other score is float32.
 RELATIVE_SCORE_PASSES = {"triton": ((), None), "cuda": (("mma",), 16)}
@@ -221,10 +235,10 @@ def score_bytes(backend: str, split_pass: str, dtype: torch.dtype, case: KeyRead
     return 2 if relative else 4
 
 
-def key_reading_calls(dtype: torch.dtype, backend: str, device=DEVICE) -> list[KeyReadingCall]:
+def key_reading_calls(dtype: torch.dtype, backend: str, device=DEVICE, D: int = 64) -> list[KeyReadingCall]:
     """decode_attention (attention alone, with log c, with m' out), macs_update, macs_pool (one row, a verify block of
     three) and macs_pool_paged, GQA 3:1, on ragged ranges (a left pad, generated keys, unused slots)."""
-    B, H, H_KV, S, D, R, PAGE = 3, 12, 4, 211, 64, 3, 16
+    B, H, H_KV, S, R, PAGE = 3, 12, 4, 211, 3, 16
     generator = torch.Generator().manual_seed(11)
     make = dict(dtype=dtype, device=device)
     q = torch.randn(B, H, D, generator=generator).to(**make)

@@ -8,20 +8,18 @@ launcher csrc/<op>/launch.cu registers the CUDA kernel of the operator Python de
 compiled against the torch headers of the installed (CPU) wheel in a slow test. setup.py links the extension
 against the shared C++ runtime even with a toolchain that only has the static one.
 
-The pipelined split kernel (csrc/split_kv_pipelined, selectable beside the verified split_kernel) is held to the
-evidence that needs no GPU: no spills or local memory, registers within its budget, and in its SASS the
-asynchronous 16-byte copies (LDGSTS) into shared memory and the 16-byte shared-memory reads (LDS.128) it was written
-for. benchmarks/results/cuda_split_kv_resources.md records these figures.
-The tensor-core split kernel (csrc/split_kv_mma, selectable as "mma") is held to the same: no local memory, and in
-its SASS the m16n8k16 tensor-core MMAs (HMMA.16816.F32, with .BF16 for bfloat16), the LDGSTS copies and the
-transposing ldmatrix (LDSM.16.MT88.4) that loads V's fragments. Its values are checked on the CPU by the emulation
-(MACS_KERNELS_CUDA_EMULATION=1, ops/cuda/emulation.py), which runs the same source.
+The pipelined split kernel (csrc/split_kv_pipelined) is held to the evidence that needs no GPU: no spills or local
+memory, registers within its budget, and in its SASS the asynchronous 16-byte copies (LDGSTS) into shared memory and
+the 16-byte shared-memory reads (LDS.128) it was written for. benchmarks/results/cuda_split_kv_resources.md records
+these figures. The tensor-core split kernel (csrc/split_kv_mma, which 16-bit inputs at D 64 and 128 run) is held to
+the same: no local memory, and in its SASS the m16n8k16 tensor-core MMAs (HMMA.16816.F32, with .BF16 for bfloat16),
+the LDGSTS copies and the transposing ldmatrix (LDSM.16.MT88.4) that loads V's fragments. Its values are checked on
+the CPU by the emulation (MACS_KERNELS_CUDA_EMULATION=1, ops/cuda/emulation.py), which runs the same source.
 """
 import concurrent.futures
 import importlib.util
 import os
 import re
-import shutil
 import subprocess
 import sysconfig
 import time
@@ -42,8 +40,6 @@ from macs_kernels.apps.bench.sass import (
     opcode,
     sass_by_function,
 )
-from macs_kernels.ops.cuda import CUDA_SPLIT_KV_DEFAULT, set_cuda_split_kv_kernel
-from macs_kernels.ops.registry import BackendUnavailable
 from tests.ops.cases import MMA_BLOCKS_BY_REGISTERS, MMA_THREADS
 
 ARCHES = ("sm_80", "sm_90")
@@ -288,43 +284,6 @@ def test_combine_kernel_loads_a_chunk_of_splits_before_using_any(compiled_pieces
         assert len([name for kernel_arch, name in loops_by_kernel if kernel_arch == arch]) == len(DTYPES), arch
     for (arch, name), split_loop in loops_by_kernel.items():
         assert loads_in_flight(split_loop) == 8, f"{name} {arch}: {loads_in_flight(split_loop)} in flight"
-
-
-def test_unknown_split_kernel_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"unknown cuda split kernel 'flash'; choose one of \('verified', "
-                                         r"'pipelined', 'mma'\)"):
-        set_cuda_split_kv_kernel("flash")
-    assert CUDA_SPLIT_KV_DEFAULT == "pipelined", "the default kernel is the fastest one shown exact on a GPU"
-    if importlib.util.find_spec("macs_kernels._C") is None:
-        with pytest.raises(BackendUnavailable, match="extension macs_kernels._C is absent"):
-            set_cuda_split_kv_kernel("pipelined")
-
-
-def test_selection_state_defaults_to_the_pipelined_kernel_and_reads_the_variable_once(tmp_path):
-    """split_kv_choice.h on its own (host code): unset or empty is "pipelined"; the variable is read at the first
-    call, later changes to it are not; a bad value is -1 (the launchers and _C turn it into an error naming it)."""
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        pytest.skip("no host C++ compiler")
-    program = tmp_path / "choice.cpp"
-    program.write_text(
-        '#include <cstdio>\n#include <cstdlib>\n#include "split_kv_choice.h"\n'
-        "int main(int argc, char** argv) {\n"
-        "  const int first = macs::current_split_kernel();\n"
-        '  setenv(macs::kSplitKernelVariable, "verified", 1);\n'
-        '  std::printf("%d %d\\n", first, macs::current_split_kernel());\n'
-        "}\n")
-    binary = tmp_path / "choice"
-    build = subprocess.run([compiler, "-std=c++17", "-I", str(CSRC), "-o", str(binary), str(program)],
-                           capture_output=True, text=True, timeout=120)
-    assert build.returncode == 0, build.stderr
-    for value, expected in ((None, "1 1"), ("", "1 1"), ("verified", "0 0"), ("pipelined", "1 1"), ("mma", "2 2"),
-                            ("Pipelined", "-1 0")):
-        env = {k: v for k, v in os.environ.items() if k != "MACS_KERNELS_CUDA_SPLIT_KV"}
-        if value is not None:
-            env["MACS_KERNELS_CUDA_SPLIT_KV"] = value
-        run = subprocess.run([str(binary)], capture_output=True, text=True, env=env, timeout=60)
-        assert run.stdout.split() == expected.split(), f"{value!r}: {run.stdout}"
 
 
 @pytest.mark.slow

@@ -1,9 +1,9 @@
 """The emulation of the cuda backend (MACS_KERNELS_CUDA_EMULATION=1, ops/cuda/emulation.py) as a race detector: a
 launch's blocks run one after another, and a block's threads as fibers one after another between two barriers, so a
 result that changes when they run in another order (reverse, shuffled each time) is a race, in any kernel of csrc/:
-threads that no barrier orders, or blocks that write one place. Every op's kernels, under every split kernel, give
-the same bits in every order. And the launchers' choice on other GPUs (the
-emulation answers their device queries as DEVICES says). Skips without the emulation."""
+threads that no barrier orders, or blocks that write one place. Every op's kernels, with inputs that each split kernel
+serves, give the same bits in every order. And the launchers' choice on other GPUs (the emulation answers their
+device queries as DEVICES says). Skips without the emulation."""
 from __future__ import annotations
 
 import contextlib
@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from macs_kernels import ops
-from macs_kernels.ops.cuda import CUDA_SPLIT_KV_KERNELS
 from tests.ops.cases import (
     CUDA_BACKEND_DEVICE,
+    CUDA_SPLIT_KERNEL_CASES,
+    CUDA_SPLIT_KERNEL_NAMES,
+    CUDA_SPLIT_KERNEL_SHAPES,
     MMA_BLOCKS_BY_REGISTERS,
     MMA_THREADS,
     NEEDS_CUDA_EMULATION,
@@ -28,19 +30,15 @@ pytestmark = NEEDS_CUDA_EMULATION
 
 
 @contextlib.contextmanager
-def split_kernel_on(kernel: str, device: str):
-    """The cuda backend's split kernel `kernel` on the emulated `device` (emulation.DEVICES), the process's choice and
-    an H200 after."""
-    from macs_kernels.ops.cuda import cuda_split_kv_kernel, emulation, set_cuda_split_kv_kernel
+def emulated(device: str):
+    """The emulated GPU `device` (emulation.DEVICES), an H200 after."""
+    from macs_kernels.ops.cuda import emulation
 
-    previous = cuda_split_kv_kernel()
-    set_cuda_split_kv_kernel(kernel)
     emulation.set_device(device)
     try:
         yield
     finally:
         emulation.set_device("H200")
-        set_cuda_split_kv_kernel(previous)
 
 
 def launches_of(call):
@@ -53,18 +51,20 @@ def launches_of(call):
     return emulation.take_launches()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("kernel", CUDA_SPLIT_KV_KERNELS)
-def test_cuda_results_do_not_depend_on_the_order_blocks_and_threads_run_in(kernel, dtype):
+@pytest.mark.parametrize("kernel, dtype, dim", CUDA_SPLIT_KERNEL_CASES)
+def test_cuda_results_do_not_depend_on_the_order_blocks_and_threads_run_in(kernel, dtype, dim):
     from macs_kernels.ops.cuda import emulation
 
     # "4 SMs": few splits of many tiles, so that every kernel's tile loop goes round.
-    with split_kernel_on(kernel, "4 SMs"), uninitialized_memory_poisoned():  # the launchers' scratch too
+    with emulated("4 SMs"), uninitialized_memory_poisoned():  # the launchers' scratch too
         try:
-            expected = every_op_results(dtype, "cuda")
+            launches = launches_of(lambda: every_op_results(dtype, "cuda", dim))
+            split = {launch.name for launch in launches if "split_kernel<" in launch.name}
+            assert split and all(CUDA_SPLIT_KERNEL_NAMES[kernel] in name for name in split), split
+            expected = every_op_results(dtype, "cuda", dim)
             for order, seed in (("reverse", 0), ("shuffled", 1), ("shuffled", 2)):
                 emulation.set_run_order(order, seed)
-                for want, got in zip(expected, every_op_results(dtype, "cuda"), strict=True):
+                for want, got in zip(expected, every_op_results(dtype, "cuda", dim), strict=True):
                     assert torch.equal(want, got), f"{order} (seed {seed}) changed a result: a race"
         finally:
             emulation.set_run_order("forward")
@@ -73,10 +73,10 @@ def test_cuda_results_do_not_depend_on_the_order_blocks_and_threads_run_in(kerne
 @pytest.mark.parametrize("device, expected", [("H200", "mma_split_kernel<"), ("A100", "mma_split_kernel<"),
                                               ("T4", "pipelined_split_kernel<")])
 def test_the_tensor_core_kernel_is_chosen_only_from_sm_80(device, expected):
-    """mma.sync.m16n8k16 and ldmatrix need sm_80: on a T4 (7.5) "mma" runs the pipelined kernel (its device code would
-    trap there)."""
+    """mma.sync.m16n8k16 and ldmatrix need sm_80: on a T4 (7.5) the tensor-core kernel's shapes run the pipelined
+    kernel (its device code would trap there)."""
     q, k = torch.randn(1, 8, 64).bfloat16(), torch.randn(2, 1, 2, 100, 64).bfloat16()
-    with split_kernel_on("mma", device):
+    with emulated(device):
         launches = launches_of(
             lambda: ops.decode_attention(q, k[0], k[1], kv_len=torch.tensor([100]), scale=0.125, backend="cuda"))
     split = [launch.name for launch in launches if "split_kernel<" in launch.name]
@@ -128,7 +128,7 @@ def test_the_tensor_core_kernel_fills_one_wave_of_the_blocks_a_multiprocessor_ho
             ops.macs_update(q, k, torch.zeros(batch, keys), input_start=0, input_end=kv_len, kv_len=kv_len,
                             scale=dim ** -0.5, backend="cuda")
 
-    with split_kernel_on("mma", device):
+    with emulated(device):
         [launch] = [launch for launch in launches_of(call) if "mma_split_kernel<" in launch.name]
     assert launch.block == (MMA_THREADS, 1, 1) and f", {dim}, {str(with_v).lower()}>" in launch.name, launch
     resident = min(shared_per_multiprocessor // (launch.shared_bytes + 1024), 2048 // MMA_THREADS,
@@ -170,7 +170,7 @@ def test_the_tensor_core_kernel_rescales_whenever_a_later_tile_raises_a_rows_max
     width = max(e - s for s, e in zip(start, end))
     start_log_c = -torch.rand(batch, width, generator=generator)
     log_c, pooled = start_log_c.clone(), torch.zeros(batch, width)
-    with split_kernel_on("mma", "4 SMs"):
+    with emulated("4 SMs"):
         [launch] = [launch for launch in launches_of(lambda: ops.decode_attention(q, k, v, backend="cuda", **ranges))
                     if "mma_split_kernel<" in launch.name]
         out, lse = ops.decode_attention(q, k, v, pooled=pooled, input_end=end, backend="cuda", **ranges)
@@ -206,7 +206,7 @@ def test_the_tensor_core_kernel_takes_each_rows_generated_keys_from_its_own_rang
     kv_len = torch.tensor([[1500 + 40 * r for r in range(rows)]] * batch)
     ranges = dict(input_start=torch.tensor([[0] * rows, [11] * rows]), input_end=kv_len - 10 - torch.arange(rows),
                   kv_len=kv_len, scale=dim ** -0.5)
-    with split_kernel_on("mma", "4 SMs"):
+    with emulated("4 SMs"):
         [launch] = [launch for launch in launches_of(lambda: ops.macs_pool(q, k, backend="cuda", **ranges))
                     if "mma_split_kernel<" in launch.name]
         got = ops.macs_pool(q, k, backend="cuda", **ranges)
@@ -218,36 +218,31 @@ def test_the_tensor_core_kernel_takes_each_rows_generated_keys_from_its_own_rang
             assert relative_error(got[b, r, :n], want[b, r, :n]) < RELATIVE_ERROR[torch.float32], (b, r)
 
 
-@pytest.mark.parametrize("kernel", CUDA_SPLIT_KV_KERNELS)
-def test_only_the_tensor_core_kernels_log_c_update_pools_float16_scores(kernel):
+@pytest.mark.parametrize("kernel, dtype, dim", CUDA_SPLIT_KERNEL_CASES)
+def test_only_the_tensor_core_kernels_log_c_update_pools_float16_scores(kernel, dtype, dim):
     """SplitParams::relative_scores: the mma kernel's log c update keeps half the score bytes (fp16 relative to group
-    maxima; its bound: test_cuda_ops.py), its m' out keeps float32 scores, as every other split kernel does."""
+    maxima; its bound: test_cuda_ops.py), its m' out keeps float32 scores, as every other split kernel does, on
+    16-bit inputs too."""
     generator = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 8, 64, generator=generator).bfloat16()
-    k, v = torch.randn(2, 2, 2, 130, 64, generator=generator).bfloat16()
+    q = torch.randn(2, 8, dim, generator=generator).to(dtype)
+    k, v = torch.randn(2, 2, 2, 130, dim, generator=generator).to(dtype)
     ranges = dict(kv_start=torch.tensor([0, 3]), kv_len=torch.tensor([130, 100]), input_end=torch.tensor([120, 90]),
-                  scale=0.125, backend="cuda")
-    with split_kernel_on(kernel, "H200"):
+                  scale=dim ** -0.5, backend="cuda")
+    with emulated("H200"):
         pools = {}
         for state in ("log_c", "pooled"):
             launches = launches_of(lambda state=state: ops.decode_attention(q, k, v, **{state: torch.zeros(2, 120)},
                                                                             **ranges))
             [pools[state]] = [launch.name for launch in launches if "pool_kernel<" in launch.name]
+            [split] = [launch.name for launch in launches if "split_kernel<" in launch.name]
+            assert CUDA_SPLIT_KERNEL_NAMES[kernel] in split, split
     expected = "__half" if kernel == "mma" else "float"
     assert pools == {"log_c": f"void macs::pool_kernel<{expected}, true>(macs::PoolParams<{expected}>)",
                      "pooled": "void macs::pool_kernel<float, true>(macs::PoolParams<float>)"}, pools
 
 
-# Each split kernel's name as launched (the tensor-core one takes 16-bit inputs only).
-SPLIT_KERNEL_NAMES = {"verified": "macs::split_kernel<", "pipelined": "macs::pipelined_split_kernel<",
-                      "mma": "macs::mma_split_kernel<"}
-
-
-@pytest.mark.parametrize("kernel, dtype", [(kernel, dtype) for kernel in SPLIT_KERNEL_NAMES
-                                           for dtype in (torch.float32, torch.bfloat16)
-                                           if kernel != "mma" or dtype != torch.float32],
-                         ids=lambda value: str(value).removeprefix("torch."))
-def test_each_split_kernel_reads_each_attended_key_once_and_each_score_once(kernel, dtype):
+@pytest.mark.parametrize("kernel, dtype, dim", CUDA_SPLIT_KERNEL_CASES)
+def test_each_split_kernel_reads_each_attended_key_once_and_each_score_once(kernel, dtype, dim):
     """Every op's split kernel (its accesses counted by the emulation, apps/bench/traffic.py) reads each attended key
     (and value) row once, nothing outside the cache by copy, on "4 SMs" (splits of many tiles) and on an H200 (many
     splits that meet at their edges); a fused MACS pass writes each input key's score once, at its width (float32; the
@@ -256,14 +251,15 @@ def test_each_split_kernel_reads_each_attended_key_once_and_each_score_once(kern
     from macs_kernels.apps.bench.traffic import OUTSIDE, Counts, cuda_traffic
 
     for device in ("4 SMs", "H200"):
-        with split_kernel_on(kernel, device):
-            for case in key_reading_calls(dtype, "cuda", CUDA_BACKEND_DEVICE):
+        with emulated(device):
+            for case in key_reading_calls(dtype, "cuda", CUDA_BACKEND_DEVICE, dim):
                 case.call()  # the first call of the process runs the backend's self-check
                 with cuda_traffic(case.cache) as traffic:
                     case.call()
                 where = f"{case.name} on {device}"
                 split_kernels = {name for name, _ in traffic.counts if "split_kernel<" in name}
-                assert all(SPLIT_KERNEL_NAMES[kernel] in name for name in split_kernels), (where, split_kernels)
+                assert split_kernels and all(CUDA_SPLIT_KERNEL_NAMES[kernel] in name for name in split_kernels), \
+                    (where, split_kernels)
                 assert not traffic.of(OUTSIDE).read, f"{where}: a copy from outside the cache"
                 for argument in case.cache:
                     read = sum((traffic.of(argument, name) for name in split_kernels), Counts())
@@ -304,16 +300,17 @@ def test_the_features_lse_pass_reads_each_key_once_per_block_of_rows():
 
 
 # What a GPU's first run of a kernel found or would find, planted in a copy of csrc/: (file, text, replacement, the
-# split kernel to run [and "misaligned" K/V rows], what the emulation must report). "rows": the rows come back wrong;
-# "order": they change with the order blocks and threads run in; "error: ...": the launch fails saying so; "crash":
-# the process faults; "traffic": the rows are right, but the split kernel copies more K/V bytes than the keys attended.
+# split kernel whose bfloat16 inputs to run [and "misaligned" K/V rows], what the emulation must report). "rows": the
+# rows come back wrong; "order": they change with the order blocks and threads run in; "error: ...": the launch fails
+# saying so; "crash": the process faults; "traffic": the rows are right, but the split kernel copies more K/V bytes
+# than the keys attended.
 MUTATIONS = {
     "cp.async wait one group short": (
         "split_kv_mma/kernel.cuh", "copy_async_wait<kMmaStages - 2>();  // this thread",
         "copy_async_wait<kMmaStages - 1>();  // this thread", "mma", "rows"),
     "no barrier before a tile is restaged": (
         "split_kv/kernel.cuh", "    __syncthreads();  // the previous tile's shared memory is no longer read\n", "",
-        "verified", "order"),
+        "general", "order"),
     "two blocks writing one output row": (
         "split_kv/kernel.cuh", "    p.out[row * p.dim_v + d] = from_float<T>(sum * inverse);\n",
         "    p.out[row * p.dim_v + d] = from_float<T>(sum * inverse);\n"
@@ -328,24 +325,24 @@ MUTATIONS = {
         "split_kv_mma/kernel.cuh", "return size_t(ranges + (stages > merge ? stages : merge));",
         "return size_t(ranges + (stages > merge ? stages : merge) / 2);", "mma", "crash"),
     "each slice copying 8 keys past its end": (
-        "split_kv_mma/kernel.cuh", "const bool inside = tile0 + j < stop && tile0 + j >= first;",
-        "const bool inside = tile0 + j < stop + 8 && tile0 + j < p.keys && tile0 + j >= first;", "mma", "traffic"),
+        "split_kv_mma/kernel.cuh", "const bool inside = j < stop_offset && j >= first_offset;",
+        "const bool inside = j < stop_offset + 8 && begin + j < p.keys && j >= first_offset;", "mma", "traffic"),
 }
 
 _PROBE = """
 import json, sys, torch, warnings
 warnings.simplefilter("ignore")
 from macs_kernels.apps.bench.traffic import cuda_traffic
-from macs_kernels.ops.cuda import emulation, set_cuda_split_kv_kernel
+from macs_kernels.ops.cuda import emulation
 from macs_kernels.ops.reference import decode_attention_reference
-set_cuda_split_kv_kernel(sys.argv[1])
+dim = int(sys.argv[1])
 emulation.set_device("4 SMs")
 generator = torch.Generator().manual_seed(3)
-q = torch.randn(2, 8, 64, generator=generator).bfloat16()
+q = torch.randn(2, 8, dim, generator=generator).bfloat16()
 # argv[2] "misaligned": every K and V row 2 bytes past a 16-byte boundary, as in a view of a sliced buffer.
 offset = int(sys.argv[2] == "misaligned")
-k, v = (torch.randn(2 * 2 * 301 * 64 + 1, generator=generator).bfloat16()[offset:offset + 2 * 2 * 301 * 64]
-        .view(2, 2, 301, 64) for _ in range(2))
+k, v = (torch.randn(2 * 2 * 301 * dim + 1, generator=generator).bfloat16()[offset:offset + 2 * 2 * 301 * dim]
+        .view(2, 2, 301, dim) for _ in range(2))
 kv_len = torch.tensor([301, 250])
 want, _ = decode_attention_reference(q, k, v, kv_start=torch.zeros(2, dtype=torch.long), kv_len=kv_len, scale=0.125)
 results = {}
@@ -362,11 +359,12 @@ for order in emulation.RUN_ORDERS:
     results[order] = out.float()
     if order == "forward":
         copied = traffic.of("k").read + traffic.of("v").read
+        split = sorted({name for name, _ in traffic.counts if "split_kernel<" in name})
 error = ((results["forward"].double() - want).abs().max() / want.abs().max()).item()
 changed = any(not torch.equal(results["forward"], other) for other in results.values())
-attended = 2 * int(kv_len.sum()) * 2 * 64 * 2  # K and V, 2 KV heads, 64 bfloat16 each
+attended = 2 * int(kv_len.sum()) * 2 * dim * 2  # K and V, 2 KV heads, dim bfloat16 each
 print(json.dumps({"error": None, "relative_error": error, "order_changed": changed, "copied": copied,
-                  "attended": attended}))
+                  "attended": attended, "split": split}))
 """
 
 
@@ -397,13 +395,16 @@ def test_the_emulation_catches_what_a_gpu_run_found(mutation, mutation_build, tm
     environment = os.environ | {"MACS_KERNELS_CUDA_EMULATION": "1", "MACS_KERNELS_EMULATION_SOURCES": str(sources),
                                 "MACS_KERNELS_EMULATION_BUILD": str(mutation_build)}
     kernel, layout = (kernel.split() + ["aligned"])[:2]
-    probe = subprocess.run([sys.executable, "-c", _PROBE, kernel, layout], env=environment, capture_output=True,
+    [dim] = [dim for dtype, dim in CUDA_SPLIT_KERNEL_SHAPES[kernel] if dtype == torch.bfloat16]
+    probe = subprocess.run([sys.executable, "-c", _PROBE, str(dim), layout], env=environment, capture_output=True,
                            text=True, timeout=600)
     if expected == "crash":
         assert probe.returncode < 0, (probe.returncode, probe.stdout[-500:], probe.stderr[-2000:])
         return
     assert probe.returncode == 0, probe.stderr[-3000:]
     found = json.loads(probe.stdout.strip().splitlines()[-1])
+    if found["error"] is None:
+        assert found["split"] and all(CUDA_SPLIT_KERNEL_NAMES[kernel] in name for name in found["split"]), found
     if expected.startswith("error: "):
         assert found["error"] is not None and expected[len("error: "):] in found["error"], found
     elif expected == "order":

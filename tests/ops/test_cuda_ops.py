@@ -1,16 +1,15 @@
 """The cuda backend (macs_kernels._C) against the float64 references, on a pairwise grid of shapes and options.
 
-The split-KV ops run over every split kernel (the `split_kernel` fixture): the pipelined default
-(csrc/split_kv_pipelined), the verified one it replaced, and the tensor-core one, which must pass here and under
-compute-sanitizer (.ci/gpu) before it may become the default. Needs a CUDA device and the built extension; skips
-with the reason otherwise, so a GPU session runs it as is.
+The split-KV ops choose their split kernel by shape (ops/cuda/__init__.py): the grid's dtypes and head dimensions
+reach each of them (fp16/bf16 at D 64 and 128: the tensor-core kernel; float32 at D 64 and 128, and D 256: the
+pipelined one; D 72: split_kernel). Needs a CUDA device and the built extension; skips with the reason otherwise,
+so a GPU session runs it as is.
 """
 import pytest
 import torch
 
 from macs_kernels import ops
 from macs_kernels.ops import reference
-from macs_kernels.ops.cuda import CUDA_SPLIT_KV_KERNELS, cuda_split_kv_kernel, set_cuda_split_kv_kernel
 from tests.grids import pairwise
 from tests.ops.cases import CUDA_BACKEND_DEVICE as DEVICE
 from tests.ops.cases import assert_close_log_c, assert_relative_score_bound, why_no_cuda_backend
@@ -19,18 +18,10 @@ from tests.tolerances import RELATIVE_ERROR, relative_error
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(why_no_cuda_backend() is not None, reason=str(why_no_cuda_backend()))]
 
-@pytest.fixture(params=CUDA_SPLIT_KV_KERNELS)
-def split_kernel(request):
-    """The test runs once per split kernel of the cuda backend; the process's choice is restored afterwards."""
-    previous = cuda_split_kv_kernel()
-    set_cuda_split_kv_kernel(request.param)
-    yield request.param
-    set_cuda_split_kv_kernel(previous)
-
 
 FACTORS = {
     "keys": (1, 113, 1023),
-    "dim": (64, 128),
+    "dim": (64, 72, 128, 256),
     "group": (1, 3, 4, 8),
     "batch": (1, 3),
     "pooling": ("max", "mean", "min"),
@@ -75,7 +66,6 @@ def reference_lse(q, k_cache, start, length, scale):
     ], dtype=torch.float32, device=q.device)
 
 
-@pytest.mark.usefixtures("split_kernel")
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_macs_update(case):
     q, k_cache, _, log_c, start, end, length = make_inputs(case)
@@ -104,7 +94,6 @@ def test_macs_update_rows(case):
     assert_close_log_c(log_c, expected, case["dtype"])
 
 
-@pytest.mark.usefixtures("split_kernel")
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_decode_attention(case):
     q, k_cache, v_cache, log_c, start, end, length = make_inputs(case)
@@ -129,11 +118,11 @@ def test_decode_attention(case):
         assert_close_log_c(log_c, expected_log_c, case["dtype"])
 
 
-@pytest.mark.usefixtures("split_kernel")
 @pytest.mark.parametrize(
     "batch, kv_heads, group, keys, dim, dtype",
     [
         (3, 8, 4, 5000, 128, torch.bfloat16),  # many tiles per split: the online softmax rescales
+        (2, 2, 4, 5000, 128, torch.float32),  # the same on the pipelined kernel
         (1, 2, 16, 300, 256, torch.float16),  # G * D_v = 4096: 256 threads, > 48 KB shared memory
         (2, 3, 3, 700, 66, torch.float32),  # rows not 16-byte aligned: element-wise loads
     ],
@@ -172,7 +161,6 @@ def test_macs_zscore(n_max):
     assert relative_error(z, reference.macs_zscore_reference(log_c, counts)) < RELATIVE_ERROR[torch.float32]
 
 
-@pytest.mark.usefixtures("split_kernel")
 def test_cuda_equals_torch_backend_through_the_operators():
     case = dict(CASES[0], keys=113, batch=3)
     q, k_cache, v_cache, log_c, start, end, length = make_inputs(case)
@@ -199,7 +187,6 @@ def test_launcher_errors_are_readable():
                                            "max", True, None)
 
 
-@pytest.mark.usefixtures("split_kernel")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "window, softcap, with_sinks",
@@ -261,10 +248,9 @@ def test_attention_features_computing_its_lse(dtype, window, softcap, with_sinks
     assert relative_error(features, expected.to(features.device)) < RELATIVE_ERROR[dtype]
 
 
-@pytest.mark.usefixtures("split_kernel")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("pooling", ["max", "min"])
 def test_the_log_c_update_keeps_log_p_within_2_to_the_minus_11(dtype, pooling):
-    """Every split kernel, the tensor-core one keeping its scores as float16 relative to a running max per 16 keys
-    (SplitParams::relative_scores) included: each log c increment within 2^-11 of its size."""
+    """The tensor-core kernel (16-bit inputs at D 64) keeping its scores as float16 relative to a running max per 16
+    keys (SplitParams::relative_scores): each log c increment within 2^-11 of its size."""
     assert_relative_score_bound(dtype, pooling, "cuda", DEVICE)

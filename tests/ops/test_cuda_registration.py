@@ -1,8 +1,8 @@
 """macs_kernels._C registers a CUDA kernel for every operator macs_kernels/ops defines, and the launchers'
 own behaviour that the per-op backend grids do not reach: query rows spread over several blocks and key
 splits (macs_pool), the pooled mode of decode_attention, the attention-variant arguments against the torch
-kernels, and argument errors naming the argument; the split-KV cases over both split kernels (`split_kernel`),
-and the kernel chosen is the kernel launched.
+kernels, and argument errors naming the argument; the split-KV cases on shapes of each split kernel, and the
+kernel each shape runs.
 
 Needs a CUDA device and the built extension; skips with the reason otherwise.
 """
@@ -15,9 +15,8 @@ import torch
 import macs_kernels.ops  # noqa: F401 - defines the operators whose CUDA kernels _C registers
 from macs_kernels.ops import reference
 from tests.ops.cases import CUDA_BACKEND_DEVICE as DEVICE
-from tests.ops.cases import synchronize, why_no_cuda_backend
+from tests.ops.cases import CUDA_SPLIT_KERNEL_CASES, CUDA_SPLIT_KERNEL_NAMES, synchronize, why_no_cuda_backend
 from tests.ops.test_cuda_build import OPS
-from tests.ops.test_cuda_ops import split_kernel  # noqa: F401 - the fixture that runs a test over both kernels
 from tests.ops.test_library_opcheck import CASES
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
@@ -45,13 +44,13 @@ def _verify_block(batch, kv_heads, group, rows, keys, dim, dtype):
     return q, k_cache, start.unsqueeze(1).expand(batch, rows), input_end.unsqueeze(1).expand(batch, rows), kv_len
 
 
-@pytest.mark.usefixtures("split_kernel")
 @pytest.mark.parametrize(
     "batch, kv_heads, group, rows, keys, dim, dtype",
     [
         (2, 2, 8, 11, 1023, 64, torch.float32),  # 8 rows per block: two row chunks, several key splits
         (3, 3, 3, 5, 113, 66, torch.float16),  # rows not 16-byte aligned: element-wise loads
         (1, 1, 64, 3, 300, 128, torch.bfloat16),  # 64 heads: one row per block, > 48 KB of shared memory
+        (2, 2, 4, 11, 1023, 128, torch.bfloat16),  # the tensor-core kernel: 4 rows of GQA 4:1 per block
     ],
 )
 @pytest.mark.parametrize("pooling", ["max", "mean", "min"])
@@ -87,13 +86,13 @@ def _paged(k_cache, page_size):
     return spare[:, :, :, :dim], table.int()
 
 
-@pytest.mark.usefixtures("split_kernel")
 @pytest.mark.parametrize(
     "batch, kv_heads, group, rows, keys, dim, dtype, page_size",
     [
         (2, 2, 8, 11, 1023, 64, torch.float32, 16),  # row chunks and key splits across page borders
         (3, 3, 3, 5, 113, 66, torch.float16, 7),  # element-wise loads, pages not a power of two
         (1, 1, 64, 3, 300, 128, torch.bfloat16, 256),  # > 48 KB of shared memory, flash_attn's page size
+        (2, 2, 4, 11, 1023, 64, torch.float16, 16),  # the tensor-core kernel
     ],
 )
 def test_macs_pool_paged_equals_macs_pool(batch, kv_heads, group, rows, keys, dim, dtype, page_size):
@@ -107,11 +106,11 @@ def test_macs_pool_paged_equals_macs_pool(batch, kv_heads, group, rows, keys, di
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.usefixtures("split_kernel")
+@pytest.mark.parametrize("kernel, dtype, dim", CUDA_SPLIT_KERNEL_CASES)
 @pytest.mark.parametrize("redistribute", [True, False])
-def test_decode_attention_pooled_writes_macs_pool_and_the_same_output(redistribute):
-    batch, kv_heads, group, keys, dim = 3, 2, 4, 700, 64
-    q, k_cache, start, input_end, kv_len = _verify_block(batch, kv_heads, group, 1, keys, dim, torch.float32)
+def test_decode_attention_pooled_writes_macs_pool_and_the_same_output(redistribute, kernel, dtype, dim):
+    batch, kv_heads, group, keys = 3, 2, 4, 700
+    q, k_cache, start, input_end, kv_len = _verify_block(batch, kv_heads, group, 1, keys, dim, dtype)
     v_cache = torch.randn_like(k_cache)
     scale = dim ** -0.5
     expected = reference.macs_pool_reference(
@@ -126,7 +125,7 @@ def test_decode_attention_pooled_writes_macs_pool_and_the_same_output(redistribu
         input_end[:, 0].contiguous(), 0.8, "max", redistribute, pooled,
     )
     assert relative_error(pooled, expected) < RELATIVE_ERROR[torch.float32]
-    assert relative_error(out, expected_out) < RELATIVE_ERROR[torch.float32]
+    assert relative_error(out, expected_out) < RELATIVE_ERROR[dtype]
     assert relative_error(lse, expected_lse) < RELATIVE_ERROR[torch.float32]
 
 
@@ -180,7 +179,6 @@ def test_launcher_errors_name_the_argument():
         macs_pool(q, k_cache, out, start, input_end, kv_len, 0.1, "max", True, None, start[:, 0].contiguous())
 
 
-@pytest.mark.usefixtures("split_kernel")
 @pytest.mark.parametrize("case", ["macs_pool/variant", "decode_attention/log_c+variant",
                                   "decode_attention/pooled+variant", "attention_features/variant"])
 def test_variant_arguments_equal_the_torch_kernel(case):
@@ -213,19 +211,18 @@ def launched_kernels():
     names.extend(launch.name for launch in emulation.take_launches())
 
 
-@pytest.mark.usefixtures("split_kernel")
 @pytest.mark.parametrize(
-    "dim, dtype, pipelined_fits, mma_fits",
-    [(128, torch.bfloat16, True, True), (64, torch.float16, True, True), (128, torch.float32, True, False),
-     (66, torch.float32, False, False)],
+    "dim, dtype, group, expected",
+    [(128, torch.bfloat16, 4, "mma"), (64, torch.float16, 16, "mma"), (128, torch.float32, 4, "pipelined"),
+     (256, torch.bfloat16, 4, "pipelined"), (64, torch.bfloat16, 32, "pipelined"), (72, torch.bfloat16, 4, "general"),
+     (66, torch.float32, 4, "general")],
 )
-def test_the_chosen_split_kernel_is_launched(dim, dtype, pipelined_fits, mma_fits):
-    """The profiler names the split kernel each op launched: the tensor-core one where "mma" is chosen and fits
-    (fp16/bf16, D 64 or 128), the pipelined one where "pipelined" or "mma" is chosen and it fits (16-byte rows),
-    split_kernel otherwise; so that the tests over every kernel cannot pass on one of them twice."""
-    from macs_kernels.ops.cuda import cuda_split_kv_kernel
-
-    q, k_cache, start, input_end, kv_len = _verify_block(2, 2, 4, 1, 300, dim, dtype)
+def test_the_split_kernel_is_chosen_by_shape(dim, dtype, group, expected):
+    """The profiler names the split kernel each op launched: the tensor-core one for fp16/bf16 at D 64 or 128 and
+    GQA up to 16:1, else the pipelined one for 16-byte rows of a power-of-two count of 16 bytes (float32 among them)
+    up to 256 threads a block, else split_kernel (D 72 bf16: 9 vectors of 16 bytes; D 66 float32: rows not 16-byte
+    aligned); so that the tests over each kernel's shapes (tests/ops/cases.py) run the kernel they name."""
+    q, k_cache, start, input_end, kv_len = _verify_block(2, 2, group, 1, 300, dim, dtype)
     v_cache = torch.randn_like(k_cache)
     log_c = torch.zeros(2, int((input_end - start).max()), device=DEVICE)
     out = torch.zeros(2, 1, log_c.shape[1], device=DEVICE)
@@ -243,9 +240,4 @@ def test_the_chosen_split_kernel_is_launched(dim, dtype, pipelined_fits, mma_fit
                                                None)
         synchronize(DEVICE)
     launched = [name for name in names if "split_kernel<" in name]
-    chosen = cuda_split_kv_kernel()
-    expected = ("mma" if chosen == "mma" and mma_fits else
-                "pipelined" if chosen in ("pipelined", "mma") and pipelined_fits else "verified")
-    assert len(launched) == 4, launched
-    for kernel, prefix in (("pipelined", "pipelined_split_kernel<"), ("mma", "mma_split_kernel<")):
-        assert all((prefix in name) == (expected == kernel) for name in launched), launched
+    assert len(launched) == 4 and all(CUDA_SPLIT_KERNEL_NAMES[expected] in name for name in launched), launched

@@ -1,9 +1,10 @@
-"""Every split-KV pass a GPU runs, against the float64 references: the cuda backend's split kernels
-(CUDA_SPLIT_KV_KERNELS: verified, pipelined, mma) and the triton backend's fused pass. The fused decode's out, lse,
-m' (pooled) and log c update in fp32 and bf16, GQA 1, 4 and 8, D 64 and 128, ragged per-row ranges with generated
-keys, an odd key count; and m' of a verify block of 40 rows per KV head, triton's 64-row tiles in bf16, at D 128
-and 256. The `kernels` preset of .ci/gpu runs it (under compute-sanitizer too, -k mma), so that one GPU run can decide
-between the kernels. Skips without a CUDA device and the backend."""
+"""Every split-KV pass a GPU runs, against the float64 references: the cuda backend's split kernels, each on the
+shapes it is chosen for (ops/cuda/__init__.py: bf16 at D 64 and 128 the tensor-core kernel, float32 up to D 128 and
+bf16 at D 256 the pipelined one, D 72 and float32 at D 256 split_kernel), and the triton backend's fused pass. The
+fused decode's out, lse, m' (pooled) and log c update in fp32 and bf16, GQA 1, 4 and 8, ragged per-row ranges with
+generated keys, an odd key count; and m' of a verify block of 40 rows per KV head, triton's 64-row tiles in bf16, at
+D 128 and 256. The `kernels` preset of .ci/gpu runs it (the tensor-core kernel's cases under compute-sanitizer too).
+Skips without a CUDA device and the backend."""
 from __future__ import annotations
 
 import itertools
@@ -14,45 +15,27 @@ import torch
 
 from macs_kernels import ops
 from macs_kernels.ops import reference, why_unavailable
-from macs_kernels.ops.cuda import CUDA_SPLIT_KV_KERNELS, cuda_split_kv_kernel, set_cuda_split_kv_kernel
 from tests.ops.cases import CUDA_BACKEND_DEVICE, synchronize, why_no_cuda_backend
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
 
-def _kernels():
-    params = []
-    for backend, names in (("cuda", CUDA_SPLIT_KV_KERNELS), ("triton", ("fused",))):
-        if backend == "cuda":
-            reason = why_no_cuda_backend()
-        else:
-            reason = "no CUDA device" if not torch.cuda.is_available() else why_unavailable(backend, "cuda")
-        for name in names:
-            params.append(pytest.param(backend, name, id=f"{backend}-{name}", marks=[pytest.mark.gpu] + (
-                [pytest.mark.skip(reason=reason)] if reason else [])))
-    return params
+def _marks(backend):
+    if backend == "cuda":
+        reason = why_no_cuda_backend()
+    else:
+        reason = "no CUDA device" if not torch.cuda.is_available() else why_unavailable(backend, "cuda")
+    return [pytest.mark.gpu] + ([pytest.mark.skip(reason=reason)] if reason else [])
 
 
-@pytest.fixture
-def chosen(request):
-    """Run the cuda split kernel named by the test's parameters; the process's choice is restored afterwards."""
-    backend, name = request.node.callspec.params["backend"], request.node.callspec.params["name"]
-    if backend != "cuda":
-        yield
-        return
-    previous = cuda_split_kv_kernel()
-    set_cuda_split_kv_kernel(name)
-    yield
-    set_cuda_split_kv_kernel(previous)
+# D 72 and 256 reach the cuda backend's other split kernels; the triton backend's tiles are the same at every D.
+CASES = [pytest.param(backend, dtype, group, dim, marks=_marks(backend),
+                      id=f"{backend}-{str(dtype).removeprefix('torch.')}-gqa{group}-d{dim}")
+         for backend, dims in (("cuda", (64, 72, 128, 256)), ("triton", (64, 128)))
+         for dtype, group, dim in itertools.product((torch.float32, torch.bfloat16), (1, 4, 8), dims)]
 
 
-CASES = list(itertools.product((torch.float32, torch.bfloat16), (1, 4, 8), (64, 128)))
-
-
-@pytest.mark.usefixtures("chosen")
-@pytest.mark.parametrize("dtype, group, dim", CASES,
-                         ids=[f"{str(dtype).removeprefix('torch.')}-gqa{group}-d{dim}" for dtype, group, dim in CASES])
-@pytest.mark.parametrize("backend, name", _kernels())
-def test_the_fused_decode_matches_float64(backend, name, dtype, group, dim):
+@pytest.mark.parametrize("backend, dtype, group, dim", CASES)
+def test_the_fused_decode_matches_float64(backend, dtype, group, dim):
     batch, kv_heads, keys = 3, 2, 1537
     generator = torch.Generator().manual_seed(group * 1000 + dim)
     q = torch.randn(batch, group * kv_heads, dim, generator=generator).to(dtype)
@@ -92,11 +75,10 @@ def test_the_fused_decode_matches_float64(backend, name, dtype, group, dim):
 ROW_TILE_CASES = list(itertools.product((torch.float32, torch.bfloat16), (128, 256)))
 
 
-@pytest.mark.usefixtures("chosen")
 @pytest.mark.parametrize("dtype, dim", ROW_TILE_CASES,
                          ids=[f"{str(dtype).removeprefix('torch.')}-d{dim}" for dtype, dim in ROW_TILE_CASES])
-@pytest.mark.parametrize("backend, name", _kernels())
-def test_a_verify_block_of_many_rows_matches_float64(backend, name, dtype, dim):
+@pytest.mark.parametrize("backend", [pytest.param(backend, marks=_marks(backend)) for backend in ("cuda", "triton")])
+def test_a_verify_block_of_many_rows_matches_float64(backend, dtype, dim):
     """m' of a 5-row verify block at GQA 8:1, 40 rows per KV head (macs_pool: no V, no relative scores): the triton
     backend's tiles for many rows (ops.triton.common.split_kv_block: 64 rows on 8 warps in bf16, fewer keys a step at
     D 256, 16 rows from D 128 up in float32), which no decode row reaches."""

@@ -10,7 +10,8 @@ from macs_kernels.ops import reference, why_unavailable
 from macs_kernels.ops.registry import Kernels
 from macs_kernels.ops.torch.packed import Segments
 from macs_kernels.ops.variant import Variant
-from tests.ops.cases import DEVICE
+from tests.ops.cases import CUDA_BACKEND_DEVICE, CUDA_SPLIT_KERNEL_CASES, DEVICE, why_no_cuda_backend
+from tests.tolerances import RELATIVE_ERROR, relative_error
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 VARIANTS = {  # name -> (window, softcap, sinks?)
@@ -23,12 +24,12 @@ VARIANTS = {  # name -> (window, softcap, sinks?)
 }
 
 
-def _case(window, sinks, seed):
+def _case(window, sinks, seed, dim=DIM, dtype=torch.float32):
     generator = torch.Generator().manual_seed(seed)
     # Two items of 23 tokens; item 1 left-padded by 3; rows: the last query and a verify row before it.
-    k = torch.randn(2, KV_HEADS, 23, DIM, generator=generator) * 2
-    v = torch.randn(2, KV_HEADS, 23, DIM, generator=generator)
-    q = torch.randn(2, HEADS, 2, DIM, generator=generator) * 2
+    k = (torch.randn(2, KV_HEADS, 23, dim, generator=generator) * 2).to(dtype)
+    v = torch.randn(2, KV_HEADS, 23, dim, generator=generator).to(dtype)
+    q = (torch.randn(2, HEADS, 2, dim, generator=generator) * 2 / (dim / DIM) ** 0.5).to(dtype)
     input_start = torch.tensor([[0, 0], [3, 3]])
     input_end = torch.tensor([[11, 11], [9, 9]])
     kv_len = torch.tensor([[22, 23], [22, 23]])
@@ -44,11 +45,26 @@ BACKENDS = [pytest.param(name, marks=pytest.mark.skip(reason=why_unavailable(nam
 @pytest.mark.parametrize("pooling", ["max", "mean"])
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_pool_and_decode_of_a_variant_layer_equal_the_reference(name, pooling, backend):
+    _check_variant_layer(name, pooling, backend, DEVICE)
+
+
+@pytest.mark.skipif(why_no_cuda_backend() is not None, reason=str(why_no_cuda_backend()))
+@pytest.mark.parametrize("kernel, dtype, dim", CUDA_SPLIT_KERNEL_CASES)
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_each_cuda_split_kernel_runs_a_variant_layer(name, kernel, dtype, dim):
+    """The cuda backend's split kernels each take the shapes they serve (tests/ops/cases.py): the variant arguments
+    on each, in 16-bit inputs too (the tensor-core kernel's)."""
+    _check_variant_layer(name, "max", "cuda", CUDA_BACKEND_DEVICE, dim, dtype)
+
+
+def _check_variant_layer(name, pooling, backend, device, dim=DIM, dtype=torch.float32):
+    """m' of a verify block and the fused decode's m' and output of its last row, against float64 from the same
+    inputs: m' from float32 scores in every dtype, the output within its dtype's tolerance."""
     window, softcap, with_sinks = VARIANTS[name]
     kernels = Kernels.of(backend)
-    q, k, v, ranges, sinks = _case(window, with_sinks, seed=len(name))
-    q, k, v, sinks = (None if t is None else t.to(DEVICE) for t in (q, k, v, sinks))
-    ranges = tuple(bound.to(DEVICE) for bound in ranges)
+    q, k, v, ranges, sinks = _case(window, with_sinks, len(name), dim, dtype)
+    q, k, v, sinks = (None if t is None else t.to(device) for t in (q, k, v, sinks))
+    ranges = tuple(bound.to(device) for bound in ranges)
     expected, expected_out = reference.variant_pool_reference(
         q, k, v, input_start=ranges[0], input_end=ranges[1], kv_len=ranges[2], scale=0.25, window=window,
         softcap=softcap, sinks=sinks, pooling=pooling,
@@ -56,22 +72,22 @@ def test_pool_and_decode_of_a_variant_layer_equal_the_reference(name, pooling, b
     # A sliding-window cache holds only the last tokens: drop the first ones the window no longer needs.
     offset = 23 - window - 1 if window is not None else 0
     variant = Variant(window=window, key_offset=offset, softcap=softcap, sinks=sinks)
-    out = torch.empty(2, 2, 11, device=DEVICE)
+    out = torch.empty(2, 2, 11, device=device)
     slots, extra = variant.key_slots(*ranges)
     kernels.pool(q, k[:, :, offset:], out, *slots, 0.25, pooling, True, None, **extra)
-    torch.testing.assert_close(out.cpu().double(), expected, rtol=0, atol=2e-6)
+    assert relative_error(out, expected) < RELATIVE_ERROR[torch.float32]
     if window is not None:  # the window bites: the first inputs are seen through the spread only
         assert not torch.allclose(expected, reference.variant_pool_reference(
             q, k, v, input_start=ranges[0], input_end=ranges[1], kv_len=ranges[2], scale=0.25, softcap=softcap,
             sinks=sinks, pooling=pooling)[0])
-    pooled = torch.empty(2, 11, device=DEVICE)
+    pooled = torch.empty(2, 11, device=device)
     (attend, end, length), extra = variant.key_slots(ranges[0][:, 1], ranges[1][:, 1], ranges[2][:, 1])
     attention, _ = kernels.decode(
         q[:, :, 1], k[:, :, offset:], v[:, :, offset:], attend, length, 0.25, None, end, 0.0, pooling, True, pooled,
         **extra,
     )
-    torch.testing.assert_close(pooled.cpu().double(), expected[:, 1], rtol=0, atol=2e-6)
-    torch.testing.assert_close(attention.cpu().double(), expected_out[:, 1], rtol=0, atol=2e-5)
+    assert relative_error(pooled, expected[:, 1]) < RELATIVE_ERROR[torch.float32]
+    assert relative_error(attention, expected_out[:, 1]) < RELATIVE_ERROR[dtype]
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
