@@ -144,7 +144,7 @@ def plot(summary: list[dict], path: Path) -> None:
         # A shape's cuda split kernel is the one its D chooses: each pass has bars at its own shapes.
         placed = [(j, r) for j, s in enumerate(shapes_seen) for r in fused
                   if (r["B"], r["S"], r["D"]) == s and r["split_pass"] == split_pass]
-        positions = [j + (i - 1) * width for j, _ in placed]
+        positions = [j + (i - (len(split_passes) - 1) / 2) * width for j, _ in placed]
         rows = [r for _, r in placed]
         ax.bar(positions, [r["distinct_over_attention"] for r in rows], width, label=f"{split_pass} (distinct)")
         ax.scatter(positions, [r["sector_over_attention"] for r in rows], color="black", marker="_", s=120,

@@ -254,10 +254,12 @@ struct SplitShape {
     const int64_t sm_count = device_attribute(cudaDevAttrMultiProcessorCount, q);
     const int64_t limit = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, q);
     const int64_t smem_per_sm = device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, q);
-    // The fastest kernel that takes the shape and whose block fits this GPU's shared memory (SplitKernel). The
-    // tensor-core kernel's m16n8k16 MMA and ldmatrix need sm_80 (its device code traps below).
-    if (device_attribute(cudaDevAttrComputeCapabilityMajor, q) >= 8 &&
-        mma_fits(group, dim, dim_v, v != nullptr, vectorized, q.element_size())) {
+    // The fastest kernel that takes the shape and whose block fits this GPU's shared memory (SplitKernel): on
+    // GPUs with 99 KB a block (sm_86, sm_89) the tensor-core kernel's block at D 128 with V does not, and
+    // decode_attention runs the pipelined one there. The tensor-core kernel's m16n8k16 MMA and ldmatrix need sm_80
+    // (its device code traps below).
+    if (mma_fits(group, dim, dim_v, v != nullptr, vectorized, q.element_size()) &&
+        device_attribute(cudaDevAttrComputeCapabilityMajor, q) >= 8) {
       policy = mma_policy(batch, heads, kv_heads, rows, keys, dim, v != nullptr, sm_count, smem_per_sm);
     }
     if ((policy.kernel == SplitKernel::kGeneral || int64_t(policy.smem_bytes) > limit) &&

@@ -8,8 +8,9 @@
 namespace macs {
 
 // The split kernels of pass 1, chosen by shape (SplitShape in launch_utils.h): the tensor-core one
-// (split_kv_mma/kernel.cuh) where it fits, else the pipelined one (split_kv_pipelined/kernel.cuh), else split_kernel
-// (split_kv/kernel.cuh), which takes any shape.
+// (split_kv_mma/kernel.cuh) where it takes the shape and its block fits the GPU's shared memory, else the pipelined
+// one (split_kv_pipelined/kernel.cuh) on the same terms, else split_kernel (split_kv/kernel.cuh), whose only limit
+// is its block's shared memory.
 enum class SplitKernel : int { kGeneral, kPipelined, kMma };
 
 constexpr int kTileKeys = 32;         // one key per lane in the per-row softmax step

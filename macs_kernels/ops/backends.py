@@ -110,7 +110,7 @@ DECLARED = (
                          "MACS_KERNELS_SKIP_CUDA_BUILD=1)"))),
         device_reason="the cuda backend needs CUDA tensors (or MACS_KERNELS_CUDA_EMULATION=1 for its CPU build)",
         interpreted=cuda_emulated,
-        summary="the compiled extension's CUDA kernels (csrc/; settings in ops/cuda/)",
+        summary="the compiled extension's CUDA kernels (csrc/; their CPU emulation in ops/cuda/)",
     ),
     Backend(
         "numba", devices=("cpu",), ops=("macs_pool_paged",), variant_ops=("macs_pool_paged",),

@@ -11,8 +11,7 @@ layer with an attention variant (window, softcap, sinks) runs on a backend whose
 (`variant_backend`). The engines take their per-layer kernels as one `Kernels` bundle from here.
 
 Optional backends are imported only here and only when asked for, so `import macs_kernels` needs neither
-triton nor the compiled extension. A backend's own settings live in its package (the cuda split kernel:
-ops/cuda/). Every implementation takes the validated positional arguments of its
+triton nor the compiled extension. Every implementation takes the validated positional arguments of its
 operator (keywords by the same names work too).
 """
 from __future__ import annotations

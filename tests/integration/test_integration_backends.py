@@ -10,7 +10,7 @@ import torch
 
 from macs_kernels import explain
 from tests.helpers import default_model
-from tests.ops.cases import CUDA_BACKEND_DEVICE, why_no_cuda_backend
+from tests.ops.cases import CUDA_BACKEND_DEVICE, launched_kernels, split_kernels_launched, why_no_cuda_backend
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
 
@@ -71,18 +71,19 @@ def test_triton_backend_equals_torch_backend_and_really_runs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32-pipelined", "bfloat16-mma"])
-def test_cuda_backend_equals_torch_backend_on_a_model_of_the_default_shape(dtype):
+@pytest.mark.parametrize("dtype, kernel", [(torch.float32, "pipelined"), (torch.bfloat16, "mma")],
+                         ids=["float32-pipelined", "bfloat16-mma"])
+def test_cuda_backend_equals_torch_backend_on_a_model_of_the_default_shape(dtype, kernel):
     """Generation traced on the cuda backend, in float32 (the pipelined split kernel at D 64) and bf16 (the
-    tensor-core one; tests/ops/test_cuda_registration.py checks the choice by shape), gives the torch backend's
-    tokens and rows: on a GPU, or on the CPU where the emulation runs the kernels
-    (MACS_KERNELS_CUDA_EMULATION=1; the torch backend never calls the operators, so it stays the independent side).
-    In bf16 the two backends' attention outputs round differently, so the rows agree to bf16's tolerance."""
+    tensor-core one; the launched kernels' names say so), gives the torch backend's tokens and rows: on a GPU, or on
+    the CPU where the emulation runs the kernels (MACS_KERNELS_CUDA_EMULATION=1; the torch backend never calls the
+    operators, so it stays the independent side). In bf16 the two backends' attention outputs round differently, so
+    the rows agree to bf16's tolerance."""
     if why_no_cuda_backend():
         pytest.skip(why_no_cuda_backend())
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from macs_kernels import attach
+    from macs_kernels import attach, ops
     from macs_kernels.apps.bench import ARCHITECTURES
 
     device = torch.device(CUDA_BACKEND_DEVICE)
@@ -93,11 +94,13 @@ def test_cuda_backend_equals_torch_backend_on_a_model_of_the_default_shape(dtype
     prompts = torch.randint(3, config.vocab_size, (2, 40), device=device)
     mask = torch.ones_like(prompts)
     mask[1, :7] = 0  # a left-padded second row
-    runs = {}
+    runs, launched = {}, {}
+    ops.resolve_backend("cuda", device)  # the backend's self-checks (float32 kernels) before the launches counted
     for backend in ("torch", "cuda"):
-        with torch.no_grad(), attach(model, backend=backend) as tracer:
+        with torch.no_grad(), attach(model, backend=backend) as tracer, launched_kernels() as names:
             out = model.generate(prompts, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-        runs[backend] = (out, [tracer.rows(b) for b in range(2)])
+        runs[backend], launched[backend] = (out, [tracer.rows(b) for b in range(2)]), split_kernels_launched(names)
+    assert launched == {"torch": set(), "cuda": {kernel}}, launched
     assert torch.equal(runs["torch"][0], runs["cuda"][0])
     for (log_torch, z_torch), (log_cuda, z_cuda) in zip(runs["torch"][1], runs["cuda"][1]):
         if dtype == torch.float32:

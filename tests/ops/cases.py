@@ -224,6 +224,28 @@ CUDA_SPLIT_KERNEL_CASES = [pytest.param(kernel, dtype, dim, id=f"{kernel}-{str(d
                            for kernel, shapes in CUDA_SPLIT_KERNEL_SHAPES.items() for dtype, dim in shapes]
 
 
+@contextlib.contextmanager
+def launched_kernels():
+    """The names of the cuda backend's kernels launched inside the block (filled when it ends): the profiler's on a
+    GPU, the emulation's log on the CPU."""
+    names = []
+    if CUDA_BACKEND_DEVICE == "cuda":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            yield names
+        names.extend(event.name for event in profile.events())
+        return
+    from macs_kernels.ops.cuda import emulation
+
+    emulation.take_launches()
+    yield names
+    names.extend(launch.name for launch in emulation.take_launches())
+
+
+def split_kernels_launched(names) -> set[str]:
+    """The split kernels among launched kernels' names, each as CUDA_SPLIT_KERNEL_NAMES names it."""
+    return {kernel for kernel, prefix in CUDA_SPLIT_KERNEL_NAMES.items() for name in names if prefix in name}
+
+
 # Per backend, the split passes whose log c update keeps 16-bit inputs' scores as float16 `s - m`, and the keys per
 # float32 maximum m they keep (the cuda mma kernel, SplitParams::relative_scores); every other score is float32.
 RELATIVE_SCORE_PASSES = {"triton": ((), None), "cuda": (("mma",), 16)}

@@ -83,6 +83,58 @@ def test_the_tensor_core_kernel_is_chosen_only_from_sm_80(device, expected):
     assert len(split) == 1 and expected in split[0], split
 
 
+@pytest.mark.parametrize("dim, attention, update", [(128, "pipelined", "mma"), (64, "mma", "mma")])
+def test_where_the_tensor_core_block_does_not_fit_the_pipelined_kernel_runs(dim, attention, update):
+    """An L40 (sm_89, as sm_86) holds 99 KB of shared memory a block: the tensor-core kernel's block at D 128 with V
+    (3 stages of 64 keys of K and V) needs more, so decode_attention runs the pipelined kernel on bf16 there, and
+    macs_update (no V) the tensor-core one; both against float64."""
+    from macs_kernels.ops import reference
+    from tests.tolerances import RELATIVE_ERROR, relative_error
+
+    generator = torch.Generator().manual_seed(dim)
+    q = torch.randn(2, 8, dim, generator=generator).bfloat16()
+    k, v = torch.randn(2, 2, 2, 700, dim, generator=generator).bfloat16()
+    ranges = dict(kv_start=torch.tensor([0, 9]), kv_len=torch.tensor([700, 650]), scale=dim ** -0.5)
+    inputs = dict(input_start=ranges["kv_start"], input_end=torch.tensor([690, 600]), kv_len=ranges["kv_len"],
+                  scale=dim ** -0.5)
+    start_log_c = -torch.rand(2, 690, generator=generator)
+    log_c = start_log_c.clone()
+    with emulated("L40"):
+        attention_launches = launches_of(lambda: ops.decode_attention(q, k, v, backend="cuda", **ranges))
+        out, lse = ops.decode_attention(q, k, v, backend="cuda", **ranges)
+        update_launches = launches_of(lambda: ops.macs_update(q, k, torch.zeros(2, 690), backend="cuda", **inputs))
+        ops.macs_update(q, k, log_c, backend="cuda", **inputs)
+    for launches, kernel in ((attention_launches, attention), (update_launches, update)):
+        split = [launch.name for launch in launches if "split_kernel<" in launch.name]
+        assert len(split) == 1 and CUDA_SPLIT_KERNEL_NAMES[kernel] in split[0], split
+    want_out, want_lse = reference.decode_attention_reference(q, k, v, **ranges)
+    assert relative_error(out, want_out) < RELATIVE_ERROR[torch.bfloat16]
+    assert relative_error(lse, want_lse) < RELATIVE_ERROR[torch.float32]
+    want_log_c = reference.macs_update_reference(q, k, start_log_c.double(), **inputs)
+    for b, n in enumerate((690, 591)):
+        assert relative_error(log_c[b, :n], want_log_c[b, :n]) < RELATIVE_ERROR[torch.bfloat16]
+
+
+def test_a_setting_of_the_removed_split_kernel_switch_is_named():
+    """MACS_KERNELS_CUDA_SPLIT_KV chose the split kernel until the choice went to the shape: loading the extension
+    with it set warns that it is no longer read (csrc/bindings.cpp), once, and loads."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import warnings; warnings.simplefilter('always')\n"
+             "from macs_kernels.ops.cuda import emulation\n"
+             "print('loaded', emulation.library.__name__)")
+    for value, warned in (("verified", True), (None, False)):
+        environment = {k: v for k, v in os.environ.items() if k != "MACS_KERNELS_CUDA_SPLIT_KV"}
+        if value is not None:
+            environment["MACS_KERNELS_CUDA_SPLIT_KV"] = value
+        run = subprocess.run([sys.executable, "-c", probe], env=environment, capture_output=True, text=True,
+                             timeout=600)
+        assert run.returncode == 0 and "loaded" in run.stdout, run.stderr[-2000:]
+        assert run.stderr.count("MACS_KERNELS_CUDA_SPLIT_KV is no longer read") == int(warned), run.stderr[-2000:]
+
+
 def test_launches_without_their_kernels_are_checked_and_logged():
     """set_execute(False) (benchmarks/bench_checks.py's host path to the launch): each launch is checked and logged,
     and no kernel runs."""

@@ -1,9 +1,9 @@
 """The cuda backend (macs_kernels._C) against the float64 references, on a pairwise grid of shapes and options.
 
 The split-KV ops choose their split kernel by shape (ops/cuda/__init__.py): the grid's dtypes and head dimensions
-reach each of them (fp16/bf16 at D 64 and 128: the tensor-core kernel; float32 at D 64 and 128, and D 256: the
-pipelined one; D 72: split_kernel). Needs a CUDA device and the built extension; skips with the reason otherwise,
-so a GPU session runs it as is.
+reach each of them (fp16/bf16 at D 64 and 128: the tensor-core kernel; float32 at D 64 and 128, and fp16/bf16 at D
+256: the pipelined one; D 72, and float32 at D 256: split_kernel). Needs a CUDA device and the built extension;
+skips with the reason otherwise, so a GPU session runs it as is.
 """
 import pytest
 import torch
@@ -123,6 +123,7 @@ def test_decode_attention(case):
     [
         (3, 8, 4, 5000, 128, torch.bfloat16),  # many tiles per split: the online softmax rescales
         (2, 2, 4, 5000, 128, torch.float32),  # the same on the pipelined kernel
+        (3, 8, 4, 5000, 72, torch.bfloat16),  # and on split_kernel
         (1, 2, 16, 300, 256, torch.float16),  # G * D_v = 4096: 256 threads, > 48 KB shared memory
         (2, 3, 3, 700, 66, torch.float32),  # rows not 16-byte aligned: element-wise loads
     ],

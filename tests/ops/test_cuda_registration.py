@@ -7,15 +7,20 @@ kernel each shape runs.
 Needs a CUDA device and the built extension; skips with the reason otherwise.
 """
 
-import contextlib
-
 import pytest
 import torch
 
 import macs_kernels.ops  # noqa: F401 - defines the operators whose CUDA kernels _C registers
 from macs_kernels.ops import reference
 from tests.ops.cases import CUDA_BACKEND_DEVICE as DEVICE
-from tests.ops.cases import CUDA_SPLIT_KERNEL_CASES, CUDA_SPLIT_KERNEL_NAMES, synchronize, why_no_cuda_backend
+from tests.ops.cases import (
+    CUDA_SPLIT_KERNEL_CASES,
+    CUDA_SPLIT_KERNEL_NAMES,
+    launched_kernels,
+    split_kernels_launched,
+    synchronize,
+    why_no_cuda_backend,
+)
 from tests.ops.test_cuda_build import OPS
 from tests.ops.test_library_opcheck import CASES
 from tests.tolerances import RELATIVE_ERROR, relative_error
@@ -120,10 +125,13 @@ def test_decode_attention_pooled_writes_macs_pool_and_the_same_output(redistribu
         q[:, :, 0], k_cache, v_cache, kv_start=start[:, 0], kv_len=kv_len[:, 0], scale=scale
     )
     pooled = torch.full(expected.shape, float("nan"), device=DEVICE)
-    out, lse = torch.ops.macs_kernels.decode_attention(
-        q[:, :, 0], k_cache, v_cache, start[:, 0].contiguous(), kv_len[:, 0].contiguous(), scale, None,
-        input_end[:, 0].contiguous(), 0.8, "max", redistribute, pooled,
-    )
+    with launched_kernels() as names:
+        out, lse = torch.ops.macs_kernels.decode_attention(
+            q[:, :, 0], k_cache, v_cache, start[:, 0].contiguous(), kv_len[:, 0].contiguous(), scale, None,
+            input_end[:, 0].contiguous(), 0.8, "max", redistribute, pooled,
+        )
+        synchronize(DEVICE)
+    assert split_kernels_launched(names) == {kernel}, names
     assert relative_error(pooled, expected) < RELATIVE_ERROR[torch.float32]
     assert relative_error(out, expected_out) < RELATIVE_ERROR[dtype]
     assert relative_error(lse, expected_lse) < RELATIVE_ERROR[torch.float32]
@@ -192,23 +200,6 @@ def test_variant_arguments_equal_the_torch_kernel(case):
     for expected, actual in zip([*want, *args], [*got, *on_gpu]):
         if isinstance(expected, torch.Tensor) and expected.is_floating_point():
             assert relative_error(actual, expected) < RELATIVE_ERROR[torch.float32]
-
-
-@contextlib.contextmanager
-def launched_kernels():
-    """The names of the kernels launched inside the block (filled when it ends): the profiler's on a GPU, the
-    emulation's log on the CPU."""
-    names = []
-    if DEVICE == "cuda":
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-            yield names
-        names.extend(event.name for event in profile.events())
-        return
-    from macs_kernels.ops.cuda import emulation
-
-    emulation.take_launches()
-    yield names
-    names.extend(launch.name for launch in emulation.take_launches())
 
 
 @pytest.mark.parametrize(

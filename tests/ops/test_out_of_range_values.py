@@ -8,14 +8,18 @@ tensors set to two different values. Memory outside the tensors must come back a
 two runs must agree bit for bit (no stray read: a K row read from the guard would score 0 in one run and 3e4 in the
 other). The ranges step outside in every way a caller can get them wrong: a start before the cache, a length past it,
 an input range longer than the output row, an input end before its start, a length before the start, page numbers
-outside the pages; each item's range touches the edge of a tensor so that a stray access lands in the guard."""
+outside the pages; each item's range touches the edge of a tensor so that a stray access lands in the guard. The cuda
+backend's split-KV calls run on inputs of each of its split kernels (float32 at D 16: the pipelined one; bf16 at D 64:
+the tensor-core one; bf16 at D 72: split_kernel)."""
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 
 from macs_kernels import ops
-from tests.ops.cases import DEVICE, backends
+from tests.ops.cases import DEVICE, backends, launched_kernels, split_kernels_launched
 
 B, H, H_KV, S, D, R, WIDTH, PAGE = 3, 6, 2, 41, 16, 2, 32, 8
 PAGES = B * 5
@@ -49,13 +53,13 @@ def _bad_ranges() -> dict:
     return ranges
 
 
-def _inputs(fill) -> tuple[dict, list[torch.Tensor]]:
-    """The guarded inputs (and the buffers around them) with `fill` in the guards."""
+def _inputs(fill, dtype=torch.float32, dim=D) -> tuple[dict, list[torch.Tensor]]:
+    """The guarded inputs (and the buffers around them) with `fill` in the guards; q, K, V and pages in `dtype`."""
     generator = torch.Generator().manual_seed(11)
-    q = torch.randn(B, H, D, generator=generator)
-    block = torch.randn(B, H, R, D, generator=generator)
-    k, v = torch.randn(2, B, H_KV, S, D, generator=generator)
-    pages = torch.randn(PAGES, PAGE, H_KV, D, generator=generator)
+    q = torch.randn(B, H, dim, generator=generator).to(dtype)
+    block = torch.randn(B, H, R, dim, generator=generator).to(dtype)
+    k, v = torch.randn(2, B, H_KV, S, dim, generator=generator).to(dtype)
+    pages = torch.randn(PAGES, PAGE, H_KV, dim, generator=generator).to(dtype)
     rows = torch.softmax(torch.randn(B, H, S, generator=generator), -1)
     # Pages outside [0, PAGES) in use: one before, one after.
     table = torch.randperm(PAGES, generator=generator).to(torch.int32).view(B, 5)
@@ -153,8 +157,8 @@ CALL_OPS = {"decode_attention": "decode_attention", "decode_attention_fused": "d
             "efficient_attention": "efficient_attention"}
 
 
-def _run(call: str, backend: str, fill):
-    data, buffers = _inputs(fill)
+def _run(call: str, backend: str, fill, dtype=torch.float32, dim=D):
+    data, buffers = _inputs(fill, dtype, dim)
     results = _calls(data, fill)[call](backend)
     buffers += data.get("buffers", [])
     return [t.clone() for t in results], buffers
@@ -165,15 +169,34 @@ def _guards_intact(buffer: torch.Tensor, fill) -> bool:
     return bool((guards == _guard_value(fill, buffer.dtype)).all())
 
 
+# The cuda backend's split kernels, by inputs each is chosen for: (dtype, D).
+CUDA_SPLIT_KERNEL_INPUTS = {"pipelined": (torch.float32, D), "mma": (torch.bfloat16, 64),
+                            "general": (torch.bfloat16, 72)}
+SPLIT_KV_OPS = ("decode_attention", "macs_pool", "macs_pool_paged", "macs_update")
+
+
+def _params():
+    for call, op in CALL_OPS.items():
+        for backend in backends(op):
+            kernels = CUDA_SPLIT_KERNEL_INPUTS if backend.id == "cuda" and op in SPLIT_KV_OPS else {None: None}
+            for kernel, inputs in kernels.items():
+                yield pytest.param(call, *backend.values, kernel, *(inputs or (torch.float32, D)), marks=backend.marks,
+                                   id=f"{call}-{backend.id}" + (f"-{kernel}" if kernel else ""))
+
+
 # The interpreter warns of the divisions of empty rows (0 inputs), whose results no one reads.
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("call, backend", [
-    pytest.param(call, *backend.values, marks=backend.marks, id=f"{call}-{backend.id}")
-    for call, op in CALL_OPS.items() for backend in backends(op)])
-def test_unchecked_bad_ranges_stay_inside_the_tensors(call, backend):
+@pytest.mark.parametrize("call, backend, kernel, dtype, dim", list(_params()))
+def test_unchecked_bad_ranges_stay_inside_the_tensors(call, backend, kernel, dtype, dim):
+    """`kernel`: the cuda split kernel the call must launch (None: not a cuda split-KV call)."""
+    if kernel is not None:
+        ops.resolve_backend(backend, DEVICE, CALL_OPS[call])  # its self-check before the launches counted
     runs = []
     for fill in FILLS:
-        results, buffers = _run(call, backend, fill)
+        with launched_kernels() if kernel is not None else contextlib.nullcontext([]) as names:
+            results, buffers = _run(call, backend, fill, dtype, dim)
+        if kernel is not None:
+            assert split_kernels_launched(names) == {kernel}, names
         for buffer in buffers:
             assert _guards_intact(buffer, fill), f"{call}: a write outside its tensors (guard {fill})"
         runs.append(results)

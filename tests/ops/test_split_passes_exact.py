@@ -7,6 +7,7 @@ D 128 and 256. The `kernels` preset of .ci/gpu runs it (the tensor-core kernel's
 Skips without a CUDA device and the backend."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 
@@ -15,7 +16,13 @@ import torch
 
 from macs_kernels import ops
 from macs_kernels.ops import reference, why_unavailable
-from tests.ops.cases import CUDA_BACKEND_DEVICE, synchronize, why_no_cuda_backend
+from tests.ops.cases import (
+    CUDA_BACKEND_DEVICE,
+    launched_kernels,
+    split_kernels_launched,
+    synchronize,
+    why_no_cuda_backend,
+)
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
 
@@ -25,6 +32,13 @@ def _marks(backend):
     else:
         reason = "no CUDA device" if not torch.cuda.is_available() else why_unavailable(backend, "cuda")
     return [pytest.mark.gpu] + ([pytest.mark.skip(reason=reason)] if reason else [])
+
+
+def _cuda_split_kernel(dtype, dim):
+    """The cuda split kernel these cases' shapes (GQA up to 8:1, aligned rows) are chosen for on sm_80 and later."""
+    if dim in (64, 128):
+        return "mma" if dtype != torch.float32 else "pipelined"
+    return "pipelined" if dim * dtype.itemsize in (128, 256, 512) else "general"
 
 
 # D 72 and 256 reach the cuda backend's other split kernels; the triton backend's tiles are the same at every D.
@@ -53,8 +67,11 @@ def test_the_fused_decode_matches_float64(backend, dtype, group, dim):
     out, lse = ops.decode_attention(*on_device, pooled=pooled, backend=backend, **ranges)
     start_log_c = -torch.rand(batch, width, generator=generator)
     log_c = start_log_c.to(device, copy=True)
-    ops.decode_attention(*on_device, log_c=log_c, backend=backend, **ranges)
-    synchronize(device)
+    with launched_kernels() if backend == "cuda" else contextlib.nullcontext([]) as names:
+        ops.decode_attention(*on_device, log_c=log_c, backend=backend, **ranges)
+        synchronize(device)
+    if backend == "cuda":
+        assert split_kernels_launched(names) == {_cuda_split_kernel(dtype, dim)}, names
 
     want_out, want_lse = reference.decode_attention_reference(q, k, v, kv_start=kv_start, kv_len=kv_len, scale=scale)
     want_pool = reference.macs_pool_reference(q[:, :, None], k, input_start=kv_start[:, None],

@@ -142,10 +142,12 @@ def set_run_order(order: str, seed: int = 0) -> None:
 
 # What the launchers' device queries answer: multiprocessors, shared memory for one block (opt-in) and per
 # multiprocessor (bytes), compute capability major. The host policy sizes its splits from them; "sm_75" (a T4) has
-# no mma.sync.m16n8k16, so the tensor-core kernel is never chosen there.
+# no mma.sync.m16n8k16, so the tensor-core kernel is never chosen there; an L40's 99 KB a block (sm_89, as sm_86)
+# does not hold the tensor-core kernel's block at D 128 with V.
 DEVICES = {
     "H200": (132, 227 * 1024, 228 * 1024, 9),
     "A100": (108, 163 * 1024, 164 * 1024, 8),
+    "L40": (142, 99 * 1024, 100 * 1024, 8),
     "T4": (40, 64 * 1024, 64 * 1024, 7),
     "4 SMs": (4, 227 * 1024, 228 * 1024, 9),  # few splits, each of many tiles
 }
