@@ -16,8 +16,8 @@ from tests.ops.cases import CUDA_BACKEND_DEVICE as DEVICE
 from tests.ops.cases import (
     CUDA_SPLIT_KERNEL_CASES,
     CUDA_SPLIT_KERNEL_NAMES,
+    assert_split_kernel,
     launched_kernels,
-    split_kernels_launched,
     synchronize,
     why_no_cuda_backend,
 )
@@ -131,7 +131,7 @@ def test_decode_attention_pooled_writes_macs_pool_and_the_same_output(redistribu
             input_end[:, 0].contiguous(), 0.8, "max", redistribute, pooled,
         )
         synchronize(DEVICE)
-    assert split_kernels_launched(names) == {kernel}, names
+    assert_split_kernel(names, kernel)
     assert relative_error(pooled, expected) < RELATIVE_ERROR[torch.float32]
     assert relative_error(out, expected_out) < RELATIVE_ERROR[dtype]
     assert relative_error(lse, expected_lse) < RELATIVE_ERROR[torch.float32]
@@ -230,5 +230,7 @@ def test_the_split_kernel_is_chosen_by_shape(dim, dtype, group, expected):
         torch.ops.macs_kernels.macs_pool_paged(q, k_pages, table, out, start, input_end, kv_len, 0.1, "max", True,
                                                None)
         synchronize(DEVICE)
+    if not names.observed:
+        pytest.skip("under compute-sanitizer no kernel names are recorded; the stages without it check them")
     launched = [name for name in names if "split_kernel<" in name]
     assert len(launched) == 4 and all(CUDA_SPLIT_KERNEL_NAMES[expected] in name for name in launched), launched
