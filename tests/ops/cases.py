@@ -243,6 +243,7 @@ def launched_kernels():
             return
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
             yield names
+            torch.cuda.synchronize()  # every kernel launched inside has run and is recorded
         names.extend(event.name for event in profile.events())
         return
     from macs_kernels.ops.cuda import emulation
