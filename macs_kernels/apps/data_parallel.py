@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import fcntl
 import os
+import sys
 from pathlib import Path
 
 
@@ -65,6 +66,13 @@ def data_parallel(required: bool = False):
     finally:
         if created:
             dist.destroy_process_group()
+
+
+def print_line(text: str) -> None:
+    """Print `text` and its newline in one write. Ranks share one stdout, and print() writes the newline apart when
+    stdout is unbuffered (PYTHONUNBUFFERED, common under torchrun and in CI): two ranks' lines then joined into one."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def append_line(path: str | os.PathLike, text: str) -> None:

@@ -128,6 +128,7 @@ def _run(args: argparse.Namespace, shard) -> None:
     import torch
 
     from macs_kernels.api.models import DEFAULT_MODEL
+    from macs_kernels.apps.data_parallel import print_line
     from macs_kernels.apps.evaluation.runner import EvalSettings, run_eval
 
     if args.threads:
@@ -140,12 +141,11 @@ def _run(args: argparse.Namespace, shard) -> None:
         records_root=None if args.records is None else str(args.records), backend=args.backend,
     )
     rank = f"rank {shard.rank} of {shard.size}: " if shard.size > 1 else ""
-    print(f"eval: {rank}{len(shard.take(samples))} of {len(samples)} samples, methods "
-          f"{', '.join(m.name + (f' (samples {m.indices[0]}:{m.indices[1]})' if m.indices else '') for m in methods)}",
-          flush=True)
+    named = (m.name + (f" (samples {m.indices[0]}:{m.indices[1]})" if m.indices else "") for m in methods)
+    print_line(f"eval: {rank}{len(shard.take(samples))} of {len(samples)} samples, methods {', '.join(named)}")
     skips = method_skips(methods, samples)
     if skips:
-        print(f"eval: methods not scored on some samples: {skips_text(skips)}", flush=True)
+        print_line(f"eval: methods not scored on some samples: {skips_text(skips)}")
     runner = run_eval(model, tokenizer, samples, methods, settings, args.out, progress=not args.no_progress,
                       shard=shard)
-    print(f"eval: {rank}{runner.counts.describe()}", flush=True)
+    print_line(f"eval: {rank}{runner.counts.describe()}")

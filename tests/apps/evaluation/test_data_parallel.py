@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from macs_kernels.apps.cli import main
+from macs_kernels.apps.data_parallel import print_line
 from macs_kernels.apps.evaluation.store import checksum_problem, read_results
 from tests.apps.evaluation.test_resume import eval_command, results, write_data
 from tests.helpers import QUESTIONS
@@ -71,9 +73,8 @@ def test_two_ranks_write_one_stream_equal_to_a_single_process(tmp_path, capsys):
     kept = [t for t in text if json.loads(t).get("index") not in dropped]
     out.write_text("\n".join(kept) + "\n" + text[-1][: len(text[-1]) // 2])
     resumed = torchrun_eval(eval_command(data, out, tmp_path / "records_resumed"))
-    generations = sum(int(part.split(" generations")[0].rsplit(" ", 1)[-1])
-                      for part in resumed.stdout.splitlines() if " generations this run" in part)
-    assert generations == len(dropped)
+    generations = dict(re.findall(r"rank (\d) of 2: (\d+) generations this run", resumed.stdout))
+    assert sorted(generations) == ["0", "1"] and sum(map(int, generations.values())) == len(dropped), resumed.stdout
     final = {key: line for key, line in read_results(out).items() if key[0] != "run"}  # skips the cut line
     assert sorted(final) == sorted(single)
     for key, line in single.items():
@@ -84,3 +85,21 @@ def test_distributed_flag_outside_torchrun_is_refused(tmp_path):
     data = write_data(tmp_path / "qa.json", PAIRS[:1], ANSWERS[:1])
     with pytest.raises(SystemExit, match="torchrun"):
         main(eval_command(data, tmp_path / "r.jsonl", tmp_path / "records") + ["--distributed"])
+
+
+def test_a_ranks_line_reaches_stdout_in_one_write(monkeypatch):
+    # Unbuffered, print() writes the newline apart, and two ranks sharing the pipe joined their lines (a CI failure).
+    class Recording:
+        def __init__(self):
+            self.writes = []
+
+        def write(self, text):
+            self.writes.append(text)
+
+        def flush(self):
+            pass
+
+    stdout = Recording()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    print_line("eval: rank 1 of 2: 1 generations this run")
+    assert stdout.writes == ["eval: rank 1 of 2: 1 generations this run\n"]
