@@ -195,6 +195,7 @@ const T* pointer(const at::Tensor& t) {
 struct SplitShape {
   int64_t batch, heads, kv_heads, rows, keys, dim, dim_v;
   int64_t page_size = 0;  // 0: contiguous keys
+  int64_t sm_count = 0;
   bool vectorized;
   SplitPolicy policy;
 
@@ -251,7 +252,7 @@ struct SplitShape {
       policy = SplitPolicy{1, 1, 1, 0, 0};
       return;
     }
-    const int64_t sm_count = device_attribute(cudaDevAttrMultiProcessorCount, q);
+    sm_count = device_attribute(cudaDevAttrMultiProcessorCount, q);
     const int64_t limit = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, q);
     const int64_t smem_per_sm = device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, q);
     // The fastest kernel that takes the shape and whose block fits this GPU's shared memory (SplitKernel): on
@@ -343,7 +344,10 @@ struct SplitRun {
     scratch.allocate(q);
     const NamedBuffers named({scratch.named(part_stats), scratch.named(part_acc), scratch.named(scores),
                               scratch.named(relative_scores), scratch.named(score_maxima), scratch.named(stats)});
-    if (pooled) pool.stats = scratch.floats(stats);
+    if (pooled) {
+      pool.stats = scratch.floats(stats);
+      pool.head_slices = pool_head_slices(pool.n_max * shape.rows * shape.batch, shape.heads, shape.sm_count);
+    }
     const double softcap = variant == nullptr ? 0.0 : variant->softcap;
     const c10::cuda::CUDAGuard guard(q.device());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

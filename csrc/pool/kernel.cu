@@ -7,8 +7,21 @@ namespace macs {
 
 template <typename Src, bool FROM_SCORES>
 cudaError_t pool_heads(const PoolParams<Src>& p, int64_t batch, cudaStream_t stream) {
-  const dim3 grid(unsigned(ceil_div(p.n_max, kPoolThreads)), unsigned(p.rows), unsigned(batch));
-  pool_kernel<Src, FROM_SCORES><<<grid, kPoolThreads, 2 * p.heads * sizeof(float), stream>>>(p);
+  const dim3 grid(unsigned(ceil_div(p.n_max * p.head_slices, kPoolThreads)), unsigned(p.rows), unsigned(batch));
+  const size_t shared = (2 * p.heads + (p.head_slices > 1 ? kPoolThreads : 0)) * sizeof(float);
+  switch (p.head_slices) {
+    case 1:
+      pool_kernel<Src, FROM_SCORES, 1><<<grid, kPoolThreads, shared, stream>>>(p);
+      break;
+    case 2:
+      pool_kernel<Src, FROM_SCORES, 2><<<grid, kPoolThreads, shared, stream>>>(p);
+      break;
+    case kPoolMaxHeadSlices:
+      pool_kernel<Src, FROM_SCORES, kPoolMaxHeadSlices><<<grid, kPoolThreads, shared, stream>>>(p);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
   return cudaGetLastError();
 }
 
@@ -23,7 +36,7 @@ cudaError_t split_kv_pool(const SplitParams<T>& p, const CombineParams<T>& combi
                                    tail.stats,   tail.out,                  tail.n_max,      p.heads,
                                    p.rows,       p.keys,                    p.start,         p.input_end,
                                    p.end,        tail.alpha,                tail.pooling,    tail.epilogue,
-                                   tail.score_start, maxima};
+                                   tail.score_start, maxima,                  tail.head_slices};
     return pool_heads<Score, true>(params, p.batch, stream);
   };
   return p.relative_scores != nullptr ? pool(p.relative_scores, p.score_maxima) : pool(p.scores, nullptr);

@@ -289,8 +289,92 @@ def test_only_the_tensor_core_kernels_log_c_update_pools_float16_scores(kernel, 
             [split] = [launch.name for launch in launches if "split_kernel<" in launch.name]
             assert CUDA_SPLIT_KERNEL_NAMES[kernel] in split, split
     expected = "__half" if kernel == "mma" else "float"
-    assert pools == {"log_c": f"void macs::pool_kernel<{expected}, true>(macs::PoolParams<{expected}>)",
-                     "pooled": "void macs::pool_kernel<float, true>(macs::PoolParams<float>)"}, pools
+    assert pools == {"log_c": f"void macs::pool_kernel<{expected}, true, 1>(macs::PoolParams<{expected}>)",
+                     "pooled": "void macs::pool_kernel<float, true, 1>(macs::PoolParams<float>)"}, pools
+
+
+# (device, keys, query heads, head slices): 2 items of (keys - 10) inputs at most, one query row each; "4 SMs" keeps
+# 8,192 threads resident, an H200 270,336.
+HEAD_SLICE_CASES = [("H200", 300, 32, 4), ("H200", 300, 24, 2), ("H200", 300, 12, 1), ("4 SMs", 2100, 32, 2),
+                    ("4 SMs", 4200, 32, 1)]
+
+
+@pytest.mark.parametrize("device, keys, heads, slices", HEAD_SLICE_CASES)
+def test_head_pooling_splits_a_keys_heads_over_threads_while_the_grid_is_under_a_wave(device, keys, heads, slices):
+    """pool/kernel.cuh's pool_head_slices: while the pool's grid holds fewer threads (one a key) than the GPU keeps
+    resident, 2 or 4 threads pool a key's heads, each a slice of at least 8. Every epilogue and source against float64:
+    m' from float32 scores, log c from the tensor-core kernel's fp16 relative scores (bf16) and from float32 ones
+    (fp32), and from rows; every pooling; inputs of two lengths (the shorter item's tail is zero in m')."""
+    from macs_kernels.ops import reference
+    from macs_kernels.ops.cuda import emulation
+    from tests.tolerances import RELATIVE_ERROR, relative_error
+
+    generator = torch.Generator().manual_seed(heads)
+    start, end, length = torch.tensor([0, 5]), torch.tensor([keys - 10, keys - 60]), torch.tensor([keys, keys - 30])
+    width = int((end - start).max())
+    inputs = dict(input_start=start, input_end=end, kv_len=length)
+    poolings = ("max", "mean", "min") if device == "H200" else ("max",)
+    launched = []
+    with emulated(device):
+        for dtype, log_c_tolerance in ((torch.bfloat16, RELATIVE_ERROR[torch.float16]),
+                                       (torch.float32, RELATIVE_ERROR[torch.float32])):
+            q = torch.randn(2, heads, 64, generator=generator).to(dtype)
+            k, v = torch.randn(2, 2, 8 if heads > 12 else 4, keys, 64, generator=generator).to(dtype)
+            for pooling in poolings:
+                options = dict(kv_start=start, kv_len=length, input_end=end, scale=0.125, pooling=pooling,
+                               backend="cuda")
+                log_c, pooled = -torch.rand(2, width, generator=generator), torch.zeros(2, width)
+                want_log_c = reference.macs_update_reference(q, k, log_c.double(), scale=0.125, pooling=pooling,
+                                                             **inputs)
+                want_pooled = reference.macs_pool_reference(q[:, :, None], k, scale=0.125, pooling=pooling,
+                                                            **{name: value[:, None] for name, value in inputs.items()})
+                emulation.take_launches()
+                ops.decode_attention(q, k, v, log_c=log_c, **options)
+                ops.decode_attention(q, k, v, pooled=pooled, **options)
+                launched += emulation.take_launches()
+                for b in range(2):
+                    n = int(end[b] - start[b])
+                    error = relative_error(log_c[b, :n], want_log_c[b, :n])
+                    assert error < log_c_tolerance, (dtype, pooling, b, error)
+                assert relative_error(pooled, want_pooled[:, 0]) < RELATIVE_ERROR[torch.float32], (dtype, pooling)
+        rows = torch.softmax(torch.randn(2, heads, keys, generator=generator), -1)
+        row_log_c = torch.zeros(2, width)
+        emulation.take_launches()
+        ops.macs_update_rows(rows, row_log_c, backend="cuda", **inputs)
+        launched += emulation.take_launches()
+    want = reference.macs_update_rows_reference(rows, torch.zeros(2, width), **inputs)
+    assert relative_error(row_log_c, want) < RELATIVE_ERROR[torch.float32]
+    pools = {launch.name for launch in launched if "pool_kernel<" in launch.name}
+    assert pools == {f"void macs::pool_kernel<{source}, {scores}, {slices}>(macs::PoolParams<{source}>)"
+                     for source, scores in (("__half", "true"), ("float", "true"), ("float", "false"))}, pools
+
+
+def test_a_keys_head_slices_meet_at_one_barrier_in_any_thread_order():
+    """The slices' partial pools pass through shared memory: the same bits whichever threads run first."""
+    from macs_kernels.ops.cuda import emulation
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 32, 64, generator=generator).bfloat16()
+    k, v = torch.randn(2, 2, 8, 300, 64, generator=generator).bfloat16()
+    options = dict(kv_start=[0, 5], kv_len=[300, 270], input_end=[290, 240], scale=0.125, backend="cuda")
+    results = {}
+    try:
+        for order, seed in (("forward", 0), ("reverse", 0), ("shuffled", 1)):
+            emulation.set_run_order(order, seed)
+            log_c, pooled = torch.zeros(2, 290), torch.zeros(2, 290)
+            emulation.take_launches()
+            ops.decode_attention(q, k, v, log_c=log_c, **options)
+            ops.decode_attention(q, k, v, pooled=pooled, **options)
+            launches = emulation.take_launches()
+            results[order, seed] = log_c, pooled
+    finally:
+        emulation.set_run_order("forward")
+    assert {launch.name for launch in launches} >= {
+        "void macs::pool_kernel<__half, true, 4>(macs::PoolParams<__half>)",
+        "void macs::pool_kernel<float, true, 4>(macs::PoolParams<float>)"}
+    want = results["forward", 0]
+    for key, got in results.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"{key} changed a result: a race"
 
 
 @pytest.mark.parametrize("kernel, dtype, dim", CUDA_SPLIT_KERNEL_CASES)
