@@ -332,12 +332,14 @@ struct SplitRun {
     const bool relative = pooled && policy.kernel == SplitKernel::kMma && pool.epilogue == PoolEpilogue::kAddLogFloor;
     // All the pass's scratch in one float32 allocation (each costs host time on a GPU), regions 64-byte aligned:
     // the splits' partials (B, H, R, splits, 4) and (B, H, R, splits, D_v), the input keys' scores (B, H, R, S) as
-    // float32, or fp16 with their maxima (B, H, R, ceil(S / 16)), and head pooling's (B, H, R, 2) stats.
+    // float32, or fp16 in rows padded to 16 keys with their maxima (B, H, R, ceil(S / 16)), and head pooling's
+    // (B, H, R, 2) stats.
     Scratch scratch;
     const Scratch::Region part_stats = scratch.reserve("part_stats", query_rows * policy.splits * 4);
     const Scratch::Region part_acc = scratch.reserve("part_acc", query_rows * policy.splits * shape.dim_v, v != nullptr);
     const Scratch::Region scores = scratch.reserve("scores", query_rows * shape.keys, pooled && !relative);
-    const Scratch::Region relative_scores = scratch.reserve("relative_scores", query_rows * shape.keys, relative, 2);
+    const Scratch::Region relative_scores =
+        scratch.reserve("relative_scores", query_rows * relative_score_stride(shape.keys), relative, 2);
     const Scratch::Region score_maxima =
         scratch.reserve("score_maxima", query_rows * ceil_div(shape.keys, kRelativeScoreGroup), relative);
     const Scratch::Region stats = scratch.reserve("stats", query_rows * 2, pooled);

@@ -30,16 +30,17 @@ cudaError_t split_kv_pool(const SplitParams<T>& p, const CombineParams<T>& combi
                           SplitKernel kernel, bool vectorized, cudaStream_t stream) {
   const cudaError_t error = split_kv<T, WITH_V>(p, combine, kernel, vectorized, stream);
   if (error != cudaSuccess || tail.out == nullptr) return error;
-  const auto pool = [&](const auto* scores, const float* maxima) {
+  const auto pool = [&](const auto* scores, int64_t stride, const float* maxima) {
     using Score = std::remove_const_t<std::remove_pointer_t<decltype(scores)>>;
-    const PoolParams<Score> params{scores,       p.heads * p.rows * p.keys, p.rows * p.keys, p.keys,
+    const PoolParams<Score> params{scores,       p.heads * p.rows * stride, p.rows * stride, stride,
                                    tail.stats,   tail.out,                  tail.n_max,      p.heads,
                                    p.rows,       p.keys,                    p.start,         p.input_end,
                                    p.end,        tail.alpha,                tail.pooling,    tail.epilogue,
                                    tail.score_start, maxima,                  tail.head_slices};
     return pool_heads<Score, true>(params, p.batch, stream);
   };
-  return p.relative_scores != nullptr ? pool(p.relative_scores, p.score_maxima) : pool(p.scores, nullptr);
+  return p.relative_scores != nullptr ? pool(p.relative_scores, relative_score_stride(p.keys), p.score_maxima)
+                                      : pool(p.scores, p.keys, nullptr);
 }
 
 template cudaError_t pool_heads<float, true>(const PoolParams<float>&, int64_t, cudaStream_t);

@@ -41,7 +41,7 @@ enum class PoolEpilogue : int {
 template <typename Src>
 struct PoolParams {
   // Rows (B, H, [R,] S); with FROM_SCORES the split-KV pass's base-2 scores: float32, or fp16 relative to
-  // `maxima` (SplitParams::relative_scores).
+  // `maxima` (SplitParams::relative_scores, in its padded rows and slot order).
   const Src* values;
   int64_t stride_b, stride_h, stride_r;
   // (B, H, R, 2) per query row: the base-2 log-sum-exp that normalises its scores (unused for rows), and
@@ -102,8 +102,8 @@ __global__ void __launch_bounds__(kPoolThreads) pool_kernel(PoolParams<Src> p) {
   // range may put the attended start at the end of the cache).
   const bool seen = input && column0 + i >= range.start;
   const int64_t key = seen ? column0 + i : range.start;
-  const Src* column = p.values + b * p.stride_b + r * p.stride_r + key;
   constexpr bool kRelative = FROM_SCORES && std::is_same_v<Src, __half>;
+  const Src* column = p.values + b * p.stride_b + r * p.stride_r + (kRelative ? relative_score_slot(key) : key);
   const int64_t groups = ceil_div(p.keys, kRelativeScoreGroup);  // per row of maxima
   const float* maxima =
       kRelative ? p.maxima + (b * p.heads * p.rows + r) * groups + key / kRelativeScoreGroup : nullptr;

@@ -27,6 +27,20 @@ namespace macs {
 // Keys per stored maximum of mma_split_kernel's relative scores (SplitParams::relative_scores).
 constexpr int kRelativeScoreGroup = 16;
 
+// Relative scores sit in rows padded to whole groups, each group's keys in the order mma_split_kernel's lanes hold
+// them: key 8 n + 2 t + i of a group (n8 tile n, quad position t, pair element i) at slot 4 t + 2 n + i, so that a
+// lane stores its 4 scores of a row in one 8-byte store. Stored key by key, a row's 32-byte sector took 4 stores of 2
+// bytes from 4 lanes each (ncu at 8 x 32k keys: the fused pass's split kernel 28 us over its attention's, with its
+// DRAM writes only the 18 MB the scores are).
+static_assert(kRelativeScoreGroup == 16, "the slot order below is a group of two n8 tiles");
+__host__ __device__ inline int64_t relative_score_stride(int64_t keys) {
+  return ceil_div(keys, kRelativeScoreGroup) * kRelativeScoreGroup;
+}
+__host__ __device__ inline int64_t relative_score_slot(int64_t key) {
+  const int64_t k = key % kRelativeScoreGroup;
+  return key - k + ((k >> 1) & 3) * 4 + (k >> 3) * 2 + (k & 1);
+}
+
 template <typename T>
 struct SplitParams {
   const T* q;  // (B, H, R, D)
@@ -50,7 +64,8 @@ struct SplitParams {
   // attended input key's base-2 score as s - m in fp16, where m is the running max of the row in the warp that scores the
   // key's group of kRelativeScoreGroup keys (counted from key 0), taken after that group and stored in score_maxima
   // (B, H, R, ceil(S / 16)) float32. s <= m <= lse, so |s - m| <= |s - lse| = -log2 p: the fp16 value carries log p
-  // to 2^-11 of itself.
+  // to 2^-11 of itself. (B, H, R, relative_score_stride(S)), key j at relative_score_slot(j); the slots of a group's
+  // other keys hold what the kernel computed for them, which nothing reads.
   __half* relative_scores = nullptr;
   float* score_maxima = nullptr;
 };

@@ -392,15 +392,12 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
       for (int h = 0; h < 2; ++h) {
         if (g + 8 * h >= vectors || j0 >= generated_lo[h]) continue;  // no input key in this group
         const int64_t row = score_row[h];
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-          for (int i = 2 * h; i < 2 * h + 2; ++i) {
-            const int j = j0 + 8 * nt + 2 * t + (i & 1);
-            if (j >= lo[h] && j < generated_lo[h]) {
-              p.relative_scores[row * p.keys + begin + j] = __float2half_rn(s[nt][i] - m[h]);
-            }
-          }
+        if (j0 + 16 > lo[h]) {
+          // Keys 2t, 2t + 1, 8 + 2t, 9 + 2t of the group: slots 4t to 4t + 3 (relative_score_slot).
+          const uint2 lane_scores = make_uint2(pack2<__half>(s[0][2 * h] - m[h], s[0][2 * h + 1] - m[h]),
+                                               pack2<__half>(s[1][2 * h] - m[h], s[1][2 * h + 1] - m[h]));
+          *reinterpret_cast<uint2*>(p.relative_scores + row * relative_score_stride(p.keys) + begin + j0 + 4 * t) =
+              lane_scores;
         }
         if (t == 0) {
           p.score_maxima[row * ceil_div(p.keys, kRelativeScoreGroup) + (begin + j0) / kRelativeScoreGroup] = m[h];

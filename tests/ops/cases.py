@@ -202,13 +202,16 @@ class KeyReadingCall:
     """One public call of an op that reads the cache in the split-KV pass, with what it must read: `cache`, the
     tensors K (and V) are read from, and `attended`, the bytes of each that the call's ranges attend (each key row
     of each KV head, once). `score_columns`: B x H x R x N, the input keys' scores a fused MACS pass keeps;
-    `updates_log_c`: whether they feed a log c update (where a pass may keep them as float16 relative scores)."""
+    `updates_log_c`: whether they feed a log c update (where a pass may keep them as float16 relative scores), and
+    then `score_groups`: B x H x R x the groups of 16 keys (from key 0) that hold an input key (relative scores are
+    stored a whole group at a time)."""
     name: str
     call: Callable[[], object]
     cache: dict[str, torch.Tensor]
     attended: int
     score_columns: int
     updates_log_c: bool = False
+    score_groups: int = 0
 
 
 # The cuda backend chooses its split kernel by shape (ops/cuda/__init__.py): (dtype, D) of inputs that each kernel
@@ -292,6 +295,7 @@ def key_reading_calls(dtype: torch.dtype, backend: str, device=DEVICE, D: int = 
     start, end, length = index([0, 7, 50]), index([150, 120, 51]), index([S, 190, 120])
     width = int((end - start).max())
     columns = int((end - start).sum())
+    groups = int((-(-end // 16) - start // 16).sum())
     attended = int((length - start).sum()) * H_KV * D * k.element_size()
     ranges = dict(input_start=start, input_end=end, kv_len=length, scale=D ** -0.5, backend=backend)
     attention = dict(kv_start=start, kv_len=length, scale=D ** -0.5, backend=backend)
@@ -301,11 +305,12 @@ def key_reading_calls(dtype: torch.dtype, backend: str, device=DEVICE, D: int = 
         KeyReadingCall("decode_attention", lambda: ops.decode_attention(q, k, v, **attention),
                        {"k": k, "v": v}, attended, 0),
         KeyReadingCall("decode_attention with log_c", lambda: ops.decode_attention(
-            q, k, v, input_end=end, log_c=state(), **attention), {"k": k, "v": v}, attended, H * columns, True),
+            q, k, v, input_end=end, log_c=state(), **attention), {"k": k, "v": v}, attended, H * columns, True,
+            H * groups),
         KeyReadingCall("decode_attention with pooled", lambda: ops.decode_attention(
             q, k, v, input_end=end, pooled=state(), **attention), {"k": k, "v": v}, attended, H * columns),
         KeyReadingCall("macs_update", lambda: ops.macs_update(q, k, state(), **ranges), {"k": k}, attended,
-                       H * columns, True),
+                       H * columns, True, H * groups),
         KeyReadingCall("macs_pool", lambda: ops.macs_pool(q, k, out=state(), **ranges), {"k": k}, attended,
                        H * columns),
         KeyReadingCall("macs_pool, a verify block", lambda: ops.macs_pool(

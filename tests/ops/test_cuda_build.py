@@ -23,6 +23,7 @@ import re
 import subprocess
 import sysconfig
 import time
+from collections import Counter
 
 import pytest
 
@@ -236,6 +237,11 @@ def test_mma_key_loop_copies_a_tile_and_reads_its_fragments_in_straight_line_cod
                 f"{name} {arch}: exp2f's subnormal fix-up"
             votes = sum(operation.startswith("VOTE.ANY") for operation in executed)
             assert votes == (2 if with_v else 1), f"{name} {arch}: {votes} votes"
+            # A lane's relative scores of its two rows: one 8-byte store each (csrc/split_kv/kernel.cuh's
+            # relative_score_slot), where 8 2-byte stores wrote each row's sector in pieces; 4-byte ones: float32
+            # scores (m'), 4 a row, and the relative scores' maxima, 1 a row.
+            stores = Counter(operation for operation in executed if operation.startswith("STG"))
+            assert (stores["STG.E.64"], stores["STG.E.U16"], stores["STG.E"]) == (2, 0, 10), f"{name} {arch}: {stores}"
 
 
 def test_loads_in_flight_stop_at_the_first_instruction_that_reads_a_loaded_register():

@@ -20,6 +20,7 @@ from tests.ops.cases import (
     MMA_BLOCKS_BY_REGISTERS,
     MMA_THREADS,
     NEEDS_CUDA_EMULATION,
+    RELATIVE_SCORE_PASSES,
     every_op_results,
     key_reading_calls,
     score_bytes,
@@ -382,8 +383,9 @@ def test_each_split_kernel_reads_each_attended_key_once_and_each_score_once(kern
     """Every op's split kernel (its accesses counted by the emulation, apps/bench/traffic.py) reads each attended key
     (and value) row once, nothing outside the cache by copy, on "4 SMs" (splits of many tiles) and on an H200 (many
     splits that meet at their edges); a fused MACS pass writes each input key's score once, at its width (float32; the
-    tensor-core kernel's log c update: float16 relative to one float32 maximum per 16 keys, each written once), and
-    head pooling reads each back once: no score of a generated key, which no pooling reads."""
+    tensor-core kernel's log c update: float16 relative to one float32 maximum per 16 keys, each written once, a
+    whole group of 16 keys at a time where one holds an input key), and head pooling reads each input key's back once:
+    no score of a generated key, which no pooling reads."""
     from macs_kernels.apps.bench.traffic import OUTSIDE, Counts, cuda_traffic
 
     for device in ("4 SMs", "H200"):
@@ -407,8 +409,9 @@ def test_each_split_kernel_reads_each_attended_key_once_and_each_score_once(kern
                 relative = width == 2
                 scores = traffic.of("relative_scores" if relative else "scores")
                 expected = case.score_columns * width
+                written = case.score_groups * RELATIVE_SCORE_PASSES["cuda"][1] * width if relative else expected
                 assert (scores.written, scores.written_distinct, scores.read, scores.read_distinct) == \
-                    (expected,) * 4, f"{where}: {scores} for {expected} bytes of scores"
+                    (written, written, expected, expected), f"{where}: {scores} for {expected} bytes of scores"
                 maxima = traffic.of("score_maxima")
                 assert maxima.written == maxima.written_distinct == maxima.read_distinct > 0 if relative else \
                     maxima == Counts(), f"{where}: score maxima {maxima}"
@@ -436,10 +439,11 @@ def test_the_features_lse_pass_reads_each_key_once_per_block_of_rows():
 
 
 # What a GPU's first run of a kernel found or would find, planted in a copy of csrc/: (file, text, replacement, the
-# split kernel whose bfloat16 inputs to run [and "misaligned" K/V rows], what the emulation must report). "rows": the
-# rows come back wrong; "order": they change with the order blocks and threads run in; "error: ...": the launch fails
-# saying so; "crash": the process faults; "traffic": the rows are right, but the split kernel copies more K/V bytes
-# than the keys attended.
+# split kernel whose bfloat16 inputs to run [and "misaligned" K/V rows, or "log_c": with a log c update], what the
+# emulation must report). "rows": the rows come back wrong; "order": they change with the order blocks and threads
+# run in; "error: ...": the launch fails saying so; "abort: ...": -fsanitize's check stops the process saying so;
+# "crash": the process faults; "traffic": the rows are right, but the split kernel copies more K/V bytes than the
+# keys attended.
 MUTATIONS = {
     "cp.async wait one group short": (
         "split_kv_mma/kernel.cuh", "copy_async_wait<kMmaStages - 2>();  // this thread",
@@ -463,6 +467,9 @@ MUTATIONS = {
     "each slice copying 8 keys past its end": (
         "split_kv_mma/kernel.cuh", "const bool inside = j < stop_offset && j >= first_offset;",
         "const bool inside = j < stop_offset + 8 && begin + j < p.keys && j >= first_offset;", "mma", "traffic"),
+    "relative-score rows not padded to whole groups": (
+        "split_kv/kernel.cuh", "return ceil_div(keys, kRelativeScoreGroup) * kRelativeScoreGroup;", "return keys;",
+        "mma log_c", "abort: store to misaligned address"),
 }
 
 _PROBE = """
@@ -480,6 +487,8 @@ offset = int(sys.argv[2] == "misaligned")
 k, v = (torch.randn(2 * 2 * 301 * dim + 1, generator=generator).bfloat16()[offset:offset + 2 * 2 * 301 * dim]
         .view(2, 2, 301, dim) for _ in range(2))
 kv_len = torch.tensor([301, 250])
+# argv[2] "log_c": with a log c update (the tensor-core kernel's relative scores).
+input_end, log_c = (torch.tensor([290, 240]), torch.zeros(2, 290)) if sys.argv[2] == "log_c" else (None, None)
 want, _ = decode_attention_reference(q, k, v, kv_start=torch.zeros(2, dtype=torch.long), kv_len=kv_len, scale=0.125)
 results = {}
 for order in emulation.RUN_ORDERS:
@@ -488,7 +497,7 @@ for order in emulation.RUN_ORDERS:
         with cuda_traffic({"k": k, "v": v}) as traffic:
             # The operator as the engines call it: the public op would copy misaligned rows.
             out, _ = torch.ops.macs_kernels.decode_attention(q, k, v, torch.zeros(2, dtype=torch.long), kv_len, 0.125,
-                                                             None, None, 0.8, "max", True, None)
+                                                             log_c, input_end, 0.8, "max", True, None)
     except RuntimeError as error:
         print(json.dumps({"error": str(error)}))
         sys.exit()
@@ -536,6 +545,9 @@ def test_the_emulation_catches_what_a_gpu_run_found(mutation, mutation_build, tm
                            text=True, timeout=600)
     if expected == "crash":
         assert probe.returncode < 0, (probe.returncode, probe.stdout[-500:], probe.stderr[-2000:])
+        return
+    if expected.startswith("abort: "):
+        assert probe.returncode != 0 and expected[len("abort: "):] in probe.stderr, probe.stderr[-2000:]
         return
     assert probe.returncode == 0, probe.stderr[-3000:]
     found = json.loads(probe.stdout.strip().splitlines()[-1])
