@@ -1,7 +1,8 @@
 """Every split-KV pass a GPU runs, against the float64 references: the cuda backend's split kernels, each on the
 shapes it is chosen for (ops/cuda/__init__.py: bf16 at D 64 and 128 the tensor-core kernel, float32 up to D 128 and
 bf16 at D 256 the pipelined one, D 72 and float32 at D 256 split_kernel), and the triton backend's fused pass. The
-fused decode's out, lse, m' (pooled) and log c update in fp32 and bf16, GQA 1, 4 and 8, ragged per-row ranges with
+fused decode's out, lse, m' (pooled) and log c update in fp32 and bf16, GQA 1, 4 and 8 (and 16 for cuda: 32 query
+heads, which head pooling splits over 4 threads a key, 16 over 2), ragged per-row ranges with
 generated keys, an odd key count; and m' of a verify block of 40 rows per KV head, triton's 64-row tiles in bf16, at
 D 128 and 256. The `kernels` preset of .ci/gpu runs it (the tensor-core kernel's cases under compute-sanitizer too).
 Skips without a CUDA device and the backend."""
@@ -34,18 +35,20 @@ def _marks(backend):
     return [pytest.mark.gpu] + ([pytest.mark.skip(reason=reason)] if reason else [])
 
 
-def _cuda_split_kernel(dtype, dim):
-    """The cuda split kernel these cases' shapes (GQA up to 8:1, aligned rows) are chosen for on sm_80 and later."""
-    if dim in (64, 128):
-        return "mma" if dtype != torch.float32 else "pipelined"
-    return "pipelined" if dim * dtype.itemsize in (128, 256, 512) else "general"
+def _cuda_split_kernel(dtype, dim, group):
+    """The cuda split kernel these cases' shapes (GQA up to 16:1, aligned rows) are chosen for on sm_80 and later:
+    pipelined's block holds a KV head's query heads at 16 bytes of a row a thread, 256 threads at most."""
+    if dim in (64, 128) and dtype != torch.float32:
+        return "mma"
+    lanes = dim * dtype.itemsize // 16
+    return "pipelined" if lanes in (8, 16, 32) and group * lanes <= 256 else "general"
 
 
 # D 72 and 256 reach the cuda backend's other split kernels; the triton backend's tiles are the same at every D.
 CASES = [pytest.param(backend, dtype, group, dim, marks=_marks(backend),
                       id=f"{backend}-{str(dtype).removeprefix('torch.')}-gqa{group}-d{dim}")
-         for backend, dims in (("cuda", (64, 72, 128, 256)), ("triton", (64, 128)))
-         for dtype, group, dim in itertools.product((torch.float32, torch.bfloat16), (1, 4, 8), dims)]
+         for backend, groups, dims in (("cuda", (1, 4, 8, 16), (64, 72, 128, 256)), ("triton", (1, 4, 8), (64, 128)))
+         for dtype, group, dim in itertools.product((torch.float32, torch.bfloat16), groups, dims)]
 
 
 @pytest.mark.parametrize("backend, dtype, group, dim", CASES)
@@ -71,7 +74,7 @@ def test_the_fused_decode_matches_float64(backend, dtype, group, dim):
         ops.decode_attention(*on_device, log_c=log_c, backend=backend, **ranges)
         synchronize(device)
     if backend == "cuda":
-        assert_split_kernel(names, _cuda_split_kernel(dtype, dim))
+        assert_split_kernel(names, _cuda_split_kernel(dtype, dim, group))
 
     want_out, want_lse = reference.decode_attention_reference(q, k, v, kv_start=kv_start, kv_len=kv_len, scale=scale)
     want_pool = reference.macs_pool_reference(q[:, :, None], k, input_start=kv_start[:, None],
