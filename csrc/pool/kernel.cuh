@@ -94,9 +94,11 @@ __global__ void __launch_bounds__(kPoolThreads) pool_kernel(PoolParams<Src> p) {
   if constexpr (SLICES == 1) {
     if (!input) return store_past_inputs();
   }
-  // This thread's heads: [head_begin, head_end).
-  const int64_t head_begin = slice * ceil_div(p.heads, SLICES);
-  const int64_t head_end = SLICES == 1 ? p.heads : min(p.heads, head_begin + ceil_div(p.heads, SLICES));
+  // This thread's heads [head_begin, head_end): whole chunks (a slice's heads past its chunks take a round trip
+  // each: 24 heads as 12 and 12 would chain 5, as 16 and 8 chain 2).
+  const int64_t slice_heads = ceil_div(ceil_div(p.heads, kPoolHeadChunk), SLICES) * kPoolHeadChunk;
+  const int64_t head_begin = slice * slice_heads;
+  const int64_t head_end = SLICES == 1 ? p.heads : min(p.heads, head_begin + slice_heads);
 
   // An input before the attended start is unseen by this row: probability 0, and its slot is not read (an unchecked
   // range may put the attended start at the end of the cache).

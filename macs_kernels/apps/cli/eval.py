@@ -100,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, shard) -> None:
+    from macs_kernels.apps.data_parallel import print_line
     from macs_kernels.apps.evaluation.data import load_qa, parse_range
     from macs_kernels.apps.evaluation.methods import method_skips, parse_method_ranges, parse_methods
     from macs_kernels.apps.evaluation.report import skips_text
@@ -119,16 +120,16 @@ def _run(args: argparse.Namespace, shard) -> None:
         raise SystemExit(f"eval: {error}") from None
     relocated = [s for s in samples if s.relocated]
     if relocated:
-        print(f"eval: {sum(len(s.relocated) for s in relocated)} gold answers were not at their answer_start and "
-              f"moved to the nearest occurrence of their text (samples {', '.join(str(s.index) for s in relocated)})")
+        print_line(f"eval: {sum(len(s.relocated) for s in relocated)} gold answers were not at their answer_start and "
+                   f"moved to the nearest occurrence of their text "
+                   f"(samples {', '.join(str(s.index) for s in relocated)})")
     for sample in samples:
         if sample.problem:
-            print(f"eval: sample {sample.index} refused: {sample.problem}")
+            print_line(f"eval: sample {sample.index} refused: {sample.problem}")
 
     import torch
 
     from macs_kernels.api.models import DEFAULT_MODEL
-    from macs_kernels.apps.data_parallel import print_line
     from macs_kernels.apps.evaluation.runner import EvalSettings, run_eval
 
     if args.threads:
