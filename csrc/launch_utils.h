@@ -348,7 +348,7 @@ struct SplitRun {
                               scratch.named(relative_scores), scratch.named(score_maxima), scratch.named(stats)});
     if (pooled) {
       pool.stats = scratch.floats(stats);
-      pool.head_slices = pool_head_slices(pool.n_max * shape.rows * shape.batch, shape.heads, shape.sm_count);
+      pool.sm_count = shape.sm_count;
     }
     const double softcap = variant == nullptr ? 0.0 : variant->softcap;
     const c10::cuda::CUDAGuard guard(q.device());

@@ -11,8 +11,8 @@ cudaError_t macs_update_rows(const RowsParams<T>& p, cudaStream_t stream) {
   const PoolParams<T> pool{p.rows,    p.stride_b,    p.stride_h,  0,        p.stats,
                            p.log_c,   p.n_max,       p.heads,     1,        p.keys,
                            p.input_start, p.input_end, p.kv_len,  p.alpha,  p.pooling,
-                           PoolEpilogue::kAddLogFloor, {nullptr, 0, 0}, nullptr, p.head_slices};
-  return pool_heads<T, false>(pool, p.batch, stream);
+                           PoolEpilogue::kAddLogFloor};
+  return pool_heads<T, false>(pool, p.batch, p.sm_count, stream);
 }
 
 template cudaError_t macs_update_rows<float>(const RowsParams<float>&, cudaStream_t);

@@ -18,7 +18,7 @@ struct RowsParams {
   Pooling pooling;
   bool redistribute;
   float* stats;  // scratch (B, H, 2)
-  int head_slices;  // pool_head_slices
+  int64_t sm_count;  // the GPU's multiprocessors (head pooling's pool_head_slices)
 };
 
 constexpr int kMassThreads = 256;

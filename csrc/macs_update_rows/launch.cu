@@ -29,8 +29,7 @@ void macs_update_rows_cuda(const at::Tensor& rows, at::Tensor& log_c, const at::
     const RowsParams<T> p{pointer<T>(rows), rows.stride(0), rows.stride(1), batch, heads, keys,
                           log_c.data_ptr<float>(), log_c.size(1), start, inputs_end, end, float(alpha), pool,
                           redistribute, stats.data_ptr<float>(),
-                          pool_head_slices(log_c.size(1) * batch, heads,
-                                           device_attribute(cudaDevAttrMultiProcessorCount, rows))};
+                          device_attribute(cudaDevAttrMultiProcessorCount, rows)};
     check_launch(op, macs_update_rows<T>(p, c10::cuda::getCurrentCUDAStream()));
   });
 }

@@ -2,9 +2,9 @@
 // head's mass on generated keys / N), then either the layer's floor term added to log_c or m' stored.
 //
 // Pooling needs all H heads of a key, so it runs after the rows (or the split-KV pass's scores and their
-// per-row log-sum-exp) are complete: head_slices threads per input key (pool_head_slices) each loop over a slice of
+// per-row log-sum-exp) are complete: SLICES threads per input key (pool_head_slices) each loop over a slice of
 // its heads, then the first combines their partial pools; consecutive threads read consecutive keys of a head's row.
-// Grid (ceil(N_max * head_slices / kPoolThreads), R, B). A thread loads kPoolHeadChunk heads' values before it uses
+// Grid (ceil(N_max * SLICES / kPoolThreads), R, B). A thread loads kPoolHeadChunk heads' values before it uses
 // any: the loop is bound by memory latency, one DRAM round trip per chunk, where each load consumed before the next
 // was issued (a branch on whether the key is seen kept them apart) made 32 round trips for 32 heads.
 #pragma once
@@ -24,7 +24,7 @@ constexpr int64_t kResidentThreadsPerSM = 2048;
 // 270k (B * R * N) keys: at 1 x 32k keys and 32 heads the pool ran 7.3 us, 128 blocks each waiting on its chains
 // (ncu, 64cce54). Below a full complement of resident threads the heads are split further, each slice keeping a
 // whole chunk of loads.
-__host__ __device__ inline int pool_head_slices(int64_t keys_in_grid, int64_t heads, int64_t sm_count) {
+inline int pool_head_slices(int64_t keys_in_grid, int64_t heads, int64_t sm_count) {
   int slices = 1;
   while (slices < kPoolMaxHeadSlices && keys_in_grid * slices < sm_count * kResidentThreadsPerSM &&
          heads >= 2 * slices * kPoolHeadChunk) {
@@ -57,7 +57,6 @@ struct PoolParams {
   // window's start; the inputs before it get 0, and may precede slot 0): (B, [R]) key slots, or null data.
   Index score_start{nullptr, 0, 0};
   const float* maxima = nullptr;  // (B, H, R, ceil(S / kRelativeScoreGroup)) with fp16 relative scores
-  int head_slices = 1;            // pool_head_slices
 };
 
 template <typename Src, bool FROM_SCORES, int SLICES>
@@ -168,10 +167,10 @@ __global__ void __launch_bounds__(kPoolThreads) pool_kernel(PoolParams<Src> p) {
   }
 }
 
-// Launches pool_kernel on `stream` (instantiated in kernel.cu for the rows' dtypes, and for float32
-// scores).
+// Launches pool_kernel on `stream` with the head slices pool_head_slices gives a GPU of `sm_count` multiprocessors
+// (instantiated in kernel.cu for the rows' dtypes, and for float32 and fp16 relative scores).
 template <typename Src, bool FROM_SCORES>
-cudaError_t pool_heads(const PoolParams<Src>& p, int64_t batch, cudaStream_t stream);
+cudaError_t pool_heads(const PoolParams<Src>& p, int64_t batch, int64_t sm_count, cudaStream_t stream);
 
 // What follows a split-KV pass when the op pools its scores: `out` null for plain attention.
 struct PoolTail {
@@ -182,7 +181,7 @@ struct PoolTail {
   PoolEpilogue epilogue;
   float* stats;  // scratch (B, H, R, 2), filled by the combine pass
   Index score_start{nullptr, 0, 0};  // see PoolParams
-  int head_slices = 1;               // see PoolParams
+  int64_t sm_count = 0;              // the GPU's multiprocessors (pool_head_slices)
 };
 
 // The split-KV pass (split_kv/kernel.cuh), then head pooling of its scores into tail.out: decode_attention,
