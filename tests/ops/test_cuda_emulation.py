@@ -23,6 +23,7 @@ from tests.ops.cases import (
     RELATIVE_SCORE_PASSES,
     every_op_results,
     key_reading_calls,
+    launched_kernels,
     score_bytes,
     uninitialized_memory_poisoned,
 )
@@ -307,7 +308,6 @@ def test_head_pooling_splits_a_keys_heads_over_threads_while_the_grid_is_under_a
     m' from float32 scores, log c from the tensor-core kernel's fp16 relative scores (bf16) and from float32 ones
     (fp32), and from rows; every pooling; inputs of two lengths (the shorter item's tail is zero in m')."""
     from macs_kernels.ops import reference
-    from macs_kernels.ops.cuda import emulation
     from tests.tolerances import RELATIVE_ERROR, relative_error
 
     generator = torch.Generator().manual_seed(heads)
@@ -335,10 +335,10 @@ def test_head_pooling_splits_a_keys_heads_over_threads_while_the_grid_is_under_a
                                                              **inputs)
                 want_pooled = reference.macs_pool_reference(q[:, :, None], k, scale=0.125, pooling=pooling,
                                                             **{name: value[:, None] for name, value in inputs.items()})
-                emulation.take_launches()
-                ops.decode_attention(q, k, v, log_c=log_c, **options)
-                ops.decode_attention(q, k, v, pooled=pooled, **options)
-                launched += emulation.take_launches()
+                with launched_kernels() as names:
+                    ops.decode_attention(q, k, v, log_c=log_c, **options)
+                    ops.decode_attention(q, k, v, pooled=pooled, **options)
+                launched += names
                 for b in range(2):
                     n = int(end[b] - start[b])
                     error = relative_error(log_c[b, :n], want_log_c[b, :n])
@@ -347,12 +347,12 @@ def test_head_pooling_splits_a_keys_heads_over_threads_while_the_grid_is_under_a
                 assert relative_error(pooled, want_pooled[:, 0]) < RELATIVE_ERROR[torch.float32], (dtype, pooling)
         rows = torch.softmax(torch.randn(2, heads, keys, generator=generator), -1)
         row_log_c = torch.zeros(2, width)
-        emulation.take_launches()
-        ops.macs_update_rows(rows, row_log_c, backend="cuda", **inputs)
-        launched += emulation.take_launches()
+        with launched_kernels() as names:
+            ops.macs_update_rows(rows, row_log_c, backend="cuda", **inputs)
+        launched += names
     want = reference.macs_update_rows_reference(rows, torch.zeros(2, width), **inputs)
     assert relative_error(row_log_c, want) < RELATIVE_ERROR[torch.float32]
-    pools = {launch.name for launch in launched if "pool_kernel<" in launch.name}
+    pools = {name for name in launched if "pool_kernel<" in name}
     assert pools == {f"void macs::pool_kernel<{source}, {scores}, {slices}>(macs::PoolParams<{source}>)"
                      for source, scores in (("__half", "true"), ("float", "true"), ("float", "false"))}, pools
 
@@ -371,14 +371,13 @@ def test_a_keys_head_slices_meet_at_one_barrier_in_any_thread_order(heads, slice
         for order, seed in (("forward", 0), ("reverse", 0), ("shuffled", 1)):
             emulation.set_run_order(order, seed)
             log_c, pooled = torch.zeros(2, 290), torch.zeros(2, 290)
-            emulation.take_launches()
-            ops.decode_attention(q, k, v, log_c=log_c, **options)
-            ops.decode_attention(q, k, v, pooled=pooled, **options)
-            launches = emulation.take_launches()
+            with launched_kernels() as names:
+                ops.decode_attention(q, k, v, log_c=log_c, **options)
+                ops.decode_attention(q, k, v, pooled=pooled, **options)
             results[order, seed] = log_c, pooled
     finally:
         emulation.set_run_order("forward")
-    assert {launch.name for launch in launches} >= {
+    assert set(names) >= {
         f"void macs::pool_kernel<__half, true, {slices}>(macs::PoolParams<__half>)",
         f"void macs::pool_kernel<float, true, {slices}>(macs::PoolParams<float>)"}
     want = results["forward", 0]
