@@ -38,7 +38,8 @@ cudaError_t split_kv(const SplitParams<T>& p, const CombineParams<T>& combine, S
   if (kernel == SplitKernel::kGeneral) error = launch_split_kernel<T, WITH_V>(p, vectorized, stream);
   if (error != cudaSuccess) return error;
   const dim3 combine_grid(unsigned(combine.rows_per_item), unsigned(p.batch));
-  combine_kernel<T><<<combine_grid, kCombineThreads, combine_smem_bytes(p.splits), stream>>>(combine);
+  const auto combine_pass = combine_columns(combine.dim_v) == 4 ? combine_kernel<T, 4> : combine_kernel<T, 1>;
+  combine_pass<<<combine_grid, kCombineThreads, combine_smem_bytes(p.splits), stream>>>(combine);
   return cudaGetLastError();
 }
 

@@ -302,21 +302,61 @@ struct CombineParams {
 // may take without opting in.
 __host__ __device__ inline size_t combine_smem_bytes(int64_t splits) { return size_t(splits) * sizeof(float); }
 
-// A row's splits are merged by all its block's threads at once, and each thread sums its output columns over
-// kCombineChunk splits at a time with the chunk's loads issued before any is used: the row's partials were written
-// by another kernel, so each read is an L2 round trip, and a loop that reads a split or two per round trip takes 33
-// to 66 of them at one item on an H200 (where 32 blocks, a row each, do all the work). The splits' weights wait in
-// shared memory: a weight read from global memory next to its accumulator lets ptxas load the accumulator only after
-// the weight's test, a second round trip per chunk.
-template <typename T>
+// Output columns a combine thread sums at once: 4 (one 16-byte load a split) where D_v is a multiple of 4, else 1.
+__host__ __device__ inline int combine_columns(int64_t dim_v) { return dim_v % 4 == 0 ? 4 : 1; }
+
+template <int W>
+struct Columns {
+  float v[W];
+};
+
+template <int W>
+__device__ __forceinline__ Columns<W> load_columns(const float* source) {
+  Columns<W> loaded;
+  if constexpr (W == 4) {
+    const float4 vector = *reinterpret_cast<const float4*>(source);
+    loaded.v[0] = vector.x, loaded.v[1] = vector.y, loaded.v[2] = vector.z, loaded.v[3] = vector.w;
+  } else {
+    loaded.v[0] = *source;
+  }
+  return loaded;
+}
+
+// One block a query row. Each of its loads is an L2 round trip (another kernel wrote the partials), so the row's
+// splits are read in as few as its threads allow, as Triton's combine reads them: the threads are groups of D_v / W
+// lanes, each group summing every groups-th split's W columns a lane, kCombineChunk splits a load. Each thread issues
+// its first chunk before it reads the splits' states (one 16-byte load a split, merged by shuffles and shared
+// memory), so the two share a round trip: at one item on an H200 (33 splits at D 128: 4 groups of 32 lanes, 9
+// splits a thread) the whole row is read in one. The groups' sums meet in shared memory, added in group order. The
+// splits' weights wait in shared memory: a weight read from global memory next to its accumulator lets ptxas load
+// the accumulator only after the weight's test, a second round trip per chunk.
+template <typename T, int W>
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams<T> p) {
   static_assert(kCombineThreads % 32 == 0, "whole warps");
   constexpr int kWarps = kCombineThreads / 32;
   __shared__ float warp_states[kWarps][4];
+  __shared__ float group_sums[kCombineThreads * W];
   extern __shared__ float split_weight[];  // [splits]: each split's max, then 2^(max - the row's max)
   const int64_t row = blockIdx.y * p.rows_per_item + blockIdx.x;
   const float* part = p.part_stats + row * p.splits * 4;
   const int splits = int(p.splits);  // at most a wave of blocks
+  // Column vectors of the row, and the lanes of a group: a D_v of more than kCombineThreads vectors takes one group
+  // that steps over them.
+  const int vectors = int(p.dim_v) / W, lanes = max(1, min(vectors, kCombineThreads));
+  const int groups = kCombineThreads / lanes, group = threadIdx.x / lanes, lane = threadIdx.x % lanes;
+  const bool summing = p.out != nullptr && group < groups;
+  const float* acc = summing ? p.part_acc + row * p.splits * p.dim_v : nullptr;
+  Columns<W> loaded[kCombineChunk];
+  // Split `group + chunk_split * groups` of the group's chunk `first`; past the last split the chunk reads the last
+  // one again and adds nothing: unconditional loads stay together.
+  const auto load_chunk = [&](int first, int vector) {
+#pragma unroll
+    for (int i = 0; i < kCombineChunk; ++i) {
+      const int split = min(group + (first + i) * groups, splits - 1);
+      loaded[i] = load_columns<W>(acc + int64_t(split) * p.dim_v + vector * W);
+    }
+  };
+  if (summing) load_chunk(0, lane);
   SoftmaxState all, generated;
   for (int s = threadIdx.x; s < splits; s += kCombineThreads) {
     const float4 stats = reinterpret_cast<const float4*>(part)[s];  // (max, sum, generated max, generated sum)
@@ -326,8 +366,8 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams<
   }
   all.merge_warp();
   generated.merge_warp();
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (lane == 0) {
+  const int warp_lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (warp_lane == 0) {
     warp_states[warp][0] = all.m;
     warp_states[warp][1] = all.l;
     warp_states[warp][2] = generated.m;
@@ -352,24 +392,38 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams<
   // Each thread turns the maxima it stored into weights; a split whose rows attend no key (max -inf) weighs 0.
   for (int s = threadIdx.x; s < splits; s += kCombineThreads) split_weight[s] = exp2_weight(split_weight[s], all.m);
   __syncthreads();
+  if (groups == 1 && group != 0) return;  // threads past the one group's lanes
   const float inverse = all.l > 0.0f ? 1.0f / all.l : 0.0f;
-  const float* acc = p.part_acc + row * p.splits * p.dim_v;
-  for (int64_t d = threadIdx.x; d < p.dim_v; d += kCombineThreads) {
-    float sum = 0.0f;
-    for (int first = 0; first < splits; first += kCombineChunk) {
-      // Past the last split the chunk reads the last one again and adds nothing: unconditional loads stay together.
-      float split_acc[kCombineChunk], weight[kCombineChunk];
+  for (int vector = lane; vector < vectors; vector += lanes) {  // once unless D_v has over kCombineThreads vectors
+    float sum[W] = {};
+    if (summing) {
+      for (int first = 0;; first += kCombineChunk) {
+        if (first > 0 || vector != lane) load_chunk(first, vector);
 #pragma unroll
-      for (int i = 0; i < kCombineChunk; ++i) weight[i] = first + i < splits ? split_weight[first + i] : 0.0f;
+        for (int i = 0; i < kCombineChunk; ++i) {
+          const int split = group + (first + i) * groups;
+          const float weight = split < splits ? split_weight[split] : 0.0f;
+          // A weight of 0 adds nothing, whatever the split's accumulator holds.
+          if (weight != 0.0f) {
 #pragma unroll
-      for (int i = 0; i < kCombineChunk; ++i) split_acc[i] = acc[int64_t(min(first + i, splits - 1)) * p.dim_v + d];
-#pragma unroll
-      for (int i = 0; i < kCombineChunk; ++i) {
-        // A weight of 0 adds nothing, whatever the split's accumulator holds.
-        if (weight[i] != 0.0f) sum = fmaf(weight[i], split_acc[i], sum);
+            for (int j = 0; j < W; ++j) sum[j] = fmaf(weight, loaded[i].v[j], sum[j]);
+          }
+        }
+        if (group + (first + kCombineChunk) * groups >= splits) break;
       }
     }
-    p.out[row * p.dim_v + d] = from_float<T>(sum * inverse);
+    if (groups > 1) {  // one pass (vectors < kCombineThreads): the groups' sums meet
+#pragma unroll
+      for (int j = 0; j < W; ++j) group_sums[threadIdx.x * W + j] = sum[j];
+      __syncthreads();
+      if (group != 0) return;
+      for (int g = 1; g < groups; ++g) {
+#pragma unroll
+        for (int j = 0; j < W; ++j) sum[j] += group_sums[(g * lanes + lane) * W + j];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < W; ++j) p.out[row * p.dim_v + vector * W + j] = from_float<T>(sum[j] * inverse);
   }
 }
 

@@ -17,7 +17,7 @@ constexpr int kTileKeys = 32;         // one key per lane in the per-row softmax
 constexpr int kMaxAccumulators = 16;  // output elements per thread: vectors * D_v <= threads * 16
 constexpr int kMaxSplitThreads = 256;
 constexpr int kCombineThreads = 128;
-constexpr int kCombineChunk = 8;  // splits whose partial outputs a combine thread loads at once
+constexpr int kCombineChunk = 16;  // splits whose partial outputs a combine thread loads at once
 // A block's query vectors (query heads of one KV head times query rows) times D_v: the output registers.
 constexpr int64_t kMaxVectorsTimesDimV = int64_t(kMaxSplitThreads) * kMaxAccumulators;
 // Split blocks per multiprocessor. Each block keeps one K (and V) tile of 32 keys in flight, so bandwidth needs

@@ -34,6 +34,7 @@ from macs_kernels.apps.bench.sass import (
     blocks_per_multiprocessor,
     cuobjdump,
     divisions,
+    instructions,
     key_loop,
     loads_in_flight,
     loops,
@@ -281,16 +282,22 @@ def test_pool_kernel_loads_a_chunk_of_heads_before_using_any(compiled_pieces):
 
 
 def test_combine_kernel_loads_a_chunk_of_splits_before_using_any(compiled_pieces):
-    """The combine pass reads partials another kernel wrote (L2 round trips): each thread issues a chunk of 8 splits'
+    """The combine pass reads partials another kernel wrote (L2 round trips): each thread issues a chunk of 16 splits'
     partial outputs (policy.cuh's kCombineChunk) before an instruction reads one, their weights taken from shared
     memory (read from global memory beside them, ptxas loaded one accumulator only after its weight's test: a second
-    round trip a chunk). Before, its loops over splits had 2 to 8 loads in flight, a round trip for every split or two:
-    33 to 66 of them at one item on an H200."""
+    round trip a chunk); its first chunk goes out with the splits' states, before any is used (a shared round trip),
+    in both instantiations: 4 columns a thread (16-byte loads) and 1. Before, a thread summed every split of its column,
+    the first chunk after the states' merge."""
     loops_by_kernel = _loading_loops(compiled_pieces, "split_kv", "combine_kernel")
     for arch in ARCHES:
-        assert len([name for kernel_arch, name in loops_by_kernel if kernel_arch == arch]) == len(DTYPES), arch
+        assert len([name for kernel_arch, name in loops_by_kernel if kernel_arch == arch]) == 2 * len(DTYPES), arch
+    folder, _ = compiled_pieces
     for (arch, name), split_loop in loops_by_kernel.items():
-        assert loads_in_flight(split_loop) == 8, f"{name} {arch}: {loads_in_flight(split_loop)} in flight"
+        assert loads_in_flight(split_loop) == 16, f"{name} {arch}: {loads_in_flight(split_loop)} in flight"
+        code = instructions(sass_by_function(folder / "split_kv" / f"kernel.compute_{arch[3:]}.cubin")[name])
+        assert loads_in_flight(code) == 16 + 1, f"{name} {arch}: {loads_in_flight(code)} in flight from the start"
+        if "Li4E" in name:
+            assert sum(opcode(instruction) == "LDG.E.128" for instruction in split_loop) == 16, name
 
 
 @pytest.mark.slow
