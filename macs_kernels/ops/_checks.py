@@ -76,12 +76,12 @@ def values_to_check(validate: bool | None, *tensors: torch.Tensor) -> tuple[torc
     """The index tensors a rule is checked on under `validate` (see the module's docstring), or None when this call
     checks no values. Device tensors that validate=True has the host read are copied there, one sync."""
     check_validate(validate)
-    if validate is None and os.environ.get("MACS_KERNELS_VALIDATE", "") not in ("", "0"):
-        validate = True
     if validate is False:
         return None
     if on_host(*tensors):
         return tensors
+    if validate is None and os.environ.get("MACS_KERNELS_VALIDATE", "") not in ("", "0"):
+        validate = True
     if validate is None:
         # Device tensors by default: no launch, no sync.
         return None
@@ -170,8 +170,10 @@ def as_index(name, value, batch, device):
 
 
 # (device, dtype) -> zeros that every call with a default start of 0 reads (a slice: no launch). Never freed or
-# grown: a CUDA graph that captured a slice keeps reading it.
+# grown: a CUDA graph that captured a slice keeps reading it. Each batch size's slice is kept too (a view costs a
+# call about a microsecond of host time).
 _ZEROS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_ZERO_SLICES: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
 _ZEROS_SIZE = 1024
 
 
@@ -182,6 +184,9 @@ def zeros_index(batch, device, dtype=torch.int64):
     device = torch.device(device)
     if torch.compiler.is_compiling() or batch > _ZEROS_SIZE:
         return torch.zeros(batch, dtype=dtype, device=device)
+    sliced = _ZERO_SLICES.get((device, dtype, batch))
+    if sliced is not None:
+        return sliced
     zeros = _ZEROS.get((device, dtype))
     if zeros is None:
         if device.type == "cuda":
@@ -192,7 +197,8 @@ def zeros_index(batch, device, dtype=torch.int64):
         if device.type == "cuda":
             # Other streams read it too: its fill must be done before any of them does.
             torch.cuda.current_stream(device).synchronize()
-    return zeros[:batch]
+    sliced = _ZERO_SLICES[device, dtype, batch] = zeros[:batch]
+    return sliced
 
 
 def as_row_index(name, value, batch, rows, device):
@@ -249,22 +255,21 @@ def check_q_k(q, k_cache, v_cache=None, *, q_dims=3):
     """q (B, H, D), or (B, H, R, D) with q_dims=4, against k_cache (B, H_kv, S, D) and v_cache."""
     check_tensor("q", q, q_dims)
     check_tensor("k_cache", k_cache, 4)
-    batch, heads, dim = q.shape[0], q.shape[1], q.shape[-1]
-    if k_cache.shape[0] != batch or k_cache.shape[3] != dim:
-        raise ValueError(
-            f"k_cache must be ({batch}, H_kv, S, {dim}) to match q {tuple(q.shape)}, got {tuple(k_cache.shape)}"
-        )
-    if heads % k_cache.shape[1]:
-        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({k_cache.shape[1]})")
-    check_keys("k_cache", k_cache.shape[2])
-    if k_cache.device != q.device:
-        raise ValueError(f"q is on {q.device} but k_cache is on {k_cache.device}")
+    # Each shape or device read builds a Python object: read once, they cost every public call less host time.
+    q_shape, k_shape, device = q.shape, k_cache.shape, q.device
+    batch, heads, dim = q_shape[0], q_shape[1], q_shape[-1]
+    if k_shape[0] != batch or k_shape[3] != dim:
+        raise ValueError(f"k_cache must be ({batch}, H_kv, S, {dim}) to match q {tuple(q_shape)}, got {tuple(k_shape)}")
+    if heads % k_shape[1]:
+        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({k_shape[1]})")
+    check_keys("k_cache", k_shape[2])
+    if k_cache.device != device:
+        raise ValueError(f"q is on {device} but k_cache is on {k_cache.device}")
     if v_cache is not None:
         check_tensor("v_cache", v_cache, 4)
-        if v_cache.shape[:3] != k_cache.shape[:3] or v_cache.device != q.device:
-            raise ValueError(
-                f"v_cache must be {tuple(k_cache.shape[:3])} x D_v on {q.device}, got {tuple(v_cache.shape)}"
-            )
+        v_shape = v_cache.shape
+        if v_shape[:3] != k_shape[:3] or v_cache.device != device:
+            raise ValueError(f"v_cache must be {tuple(k_shape[:3])} x D_v on {device}, got {tuple(v_shape)}")
 
 
 def check_paged(q, k_pages, block_table):

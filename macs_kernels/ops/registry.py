@@ -54,7 +54,8 @@ def _check_op(op: str | None) -> None:
 
 def device_key(device: torch.device | str) -> torch.device:
     """`device` with its index (the current CUDA device's for a bare "cuda"): verdicts are per physical device."""
-    device = torch.device(device)
+    if type(device) is not torch.device:
+        device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
