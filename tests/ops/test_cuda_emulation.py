@@ -385,52 +385,6 @@ def test_a_keys_head_slices_meet_at_one_barrier_in_any_thread_order(heads, slice
         assert all(torch.equal(a, b) for a, b in zip(got, want)), f"{key} changed a result: a race"
 
 
-# (dtype, D, KV heads, GQA, keys, the columns a combine thread sums at once): split_kv/kernel.cuh's combine_kernel
-# as groups of D / columns lanes, each group every groups-th split. D 30: 30 lanes, 4 groups, 8 threads idle; D 36:
-# 9 lanes, 14 groups, 2 idle; D 90: one group of 90 lanes, 38 idle; D 130 and 600: more vectors than threads, one
-# group stepping over them; bf16 D 128 (the tensor-core kernel) at one KV head: 4 groups of 32 lanes over some 260
-# splits, 5 chunks a thread.
-COMBINE_CASES = [(torch.float32, 30, 1, 2, 6000, 1), (torch.float32, 36, 1, 2, 9000, 4),
-                 (torch.float32, 90, 1, 1, 3000, 1), (torch.float32, 130, 1, 1, 3000, 1),
-                 (torch.float32, 600, 1, 1, 3000, 4), (torch.bfloat16, 128, 1, 4, 12000, 4)]
-
-
-@pytest.mark.parametrize("dtype, dim, kv_heads, group, keys, columns", COMBINE_CASES,
-                         ids=[f"{str(case[0]).removeprefix('torch.')}-d{case[1]}" for case in COMBINE_CASES])
-def test_the_combine_sums_every_split_over_groups_of_threads(dtype, dim, kv_heads, group, keys, columns):
-    """The combine pass's out and lse against float64, with every split it merged (its launch's shared memory holds a
-    weight a split; more than the threads' first chunk where the groups are few), and the same bits whichever of its
-    threads run first (the groups' sums meet in shared memory)."""
-    from macs_kernels.ops import reference
-    from macs_kernels.ops.cuda import emulation
-    from tests.tolerances import RELATIVE_ERROR, relative_error
-
-    generator = torch.Generator().manual_seed(dim)
-    q = torch.randn(1, group * kv_heads, dim, generator=generator).to(dtype)
-    k, v = torch.randn(2, 1, kv_heads, keys, dim, generator=generator).to(dtype)
-    options = dict(kv_start=torch.tensor([3]), kv_len=torch.tensor([keys - 2]), scale=dim ** -0.5)
-    launches = launches_of(lambda: ops.decode_attention(q, k, v, backend="cuda", **options))
-    combines = [launch for launch in launches if "combine_kernel<" in launch.name]
-    assert len(combines) == 1 and f", {columns}>(" in combines[0].name, combines
-    splits = combines[0].shared_bytes // 4
-    vectors = dim // columns
-    groups = 128 // min(vectors, 128)
-    assert splits > (16 * groups if groups > 1 else 1), f"{splits} splits: a chunk a thread covers them"
-    want_out, want_lse = reference.decode_attention_reference(q, k, v, **options)
-    results = {}
-    try:
-        for order, seed in (("forward", 0), ("reverse", 0), ("shuffled", 1)):
-            emulation.set_run_order(order, seed)
-            results[order, seed] = ops.decode_attention(q, k, v, backend="cuda", **options)
-    finally:
-        emulation.set_run_order("forward")
-    out, lse = results["forward", 0]
-    assert relative_error(out, want_out) < RELATIVE_ERROR[dtype]
-    assert relative_error(lse, want_lse) < RELATIVE_ERROR[torch.float32]
-    for key, (other_out, other_lse) in results.items():
-        assert torch.equal(other_out, out) and torch.equal(other_lse, lse), f"{key} changed a result: a race"
-
-
 @pytest.mark.parametrize("kernel, dtype, dim", CUDA_SPLIT_KERNEL_CASES)
 def test_each_split_kernel_reads_each_attended_key_once_and_each_score_once(kernel, dtype, dim):
     """Every op's split kernel (its accesses counted by the emulation, apps/bench/traffic.py) reads each attended key

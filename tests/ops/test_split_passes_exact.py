@@ -4,7 +4,8 @@ bf16 at D 256 the pipelined one, D 72 and float32 at D 256 split_kernel), and th
 fused decode's out, lse, m' (pooled) and log c update in fp32 and bf16, GQA 1, 4 and 8 (and 16 for cuda: 32 query
 heads, which head pooling splits over 4 threads a key, 16 over 2), ragged per-row ranges with
 generated keys, an odd key count; and m' of a verify block of 40 rows per KV head, triton's 64-row tiles in bf16, at
-D 128 and 256. The `kernels` preset of .ci/gpu runs it (the tensor-core kernel's cases under compute-sanitizer too).
+D 128 and 256; and the cuda combine pass at every layout of its threads (head dimensions 30 to 600). The `kernels`
+preset of .ci/gpu runs it (the tensor-core kernel's cases under compute-sanitizer too).
 Skips without a CUDA device and the backend."""
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 
 from macs_kernels import ops
 from macs_kernels.ops import reference, why_unavailable
+from macs_kernels.ops.backends import cuda_emulated
 from tests.ops.cases import (
     CUDA_BACKEND_DEVICE,
     assert_split_kernel,
@@ -121,3 +123,62 @@ def test_a_verify_block_of_many_rows_matches_float64(backend, dtype, dim):
     for b in range(batch):
         n = int(input_end[b, 0] - input_start[b, 0])
         assert relative_error(got[b, :, :n], want[b, :, :n]) < RELATIVE_ERROR[torch.float32]
+
+
+# (dtype, D, KV heads, GQA, keys, the columns a thread of the cuda combine sums at once): split_kv/kernel.cuh's
+# combine_kernel as groups of D / columns lanes, each group every groups-th split. D 30: 30 lanes, 4 groups, 8 threads
+# idle; D 36: 9 lanes, 14 groups, 2 idle; D 90: one group of 90 lanes, 38 idle; D 130 and 600: more vectors than
+# threads, one group stepping over them; bf16 D 128 (the tensor-core kernel) at one KV head: 4 groups of 32 lanes over
+# some 260 splits (on an H200), 5 chunks a thread.
+COMBINE_CASES = [(torch.float32, 30, 1, 2, 6000, 1), (torch.float32, 36, 1, 2, 9000, 4),
+                 (torch.float32, 90, 1, 1, 3000, 1), (torch.float32, 130, 1, 1, 3000, 1),
+                 (torch.float32, 600, 1, 1, 3000, 4), (torch.bfloat16, 128, 1, 4, 12000, 4)]
+
+
+@pytest.mark.parametrize("dtype, dim, kv_heads, group, keys, columns", COMBINE_CASES,
+                         ids=[f"combine{case[5]}-d{case[1]}-{str(case[0]).removeprefix('torch.')}"
+                              for case in COMBINE_CASES])
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=_marks("cuda"))])
+def test_the_cuda_combine_merges_every_split_at_any_head_dimension(backend, dtype, dim, kv_heads, group, keys,
+                                                                   columns):
+    """The cuda combine pass's out and lse against float64 at every layout of its threads, launched with its column
+    width. On the emulation also: it merged more splits than a chunk a thread covers where the groups are few (its
+    launch's shared memory holds a weight a split), and gives the same bits whichever of its threads run first (the
+    groups' sums meet in shared memory)."""
+    generator = torch.Generator().manual_seed(dim)
+    q = torch.randn(1, group * kv_heads, dim, generator=generator).to(dtype)
+    k, v = torch.randn(2, 1, kv_heads, keys, dim, generator=generator).to(dtype)
+    options = dict(kv_start=torch.tensor([3]), kv_len=torch.tensor([keys - 2]), scale=dim ** -0.5)
+    on_device = dict(q=q.to(CUDA_BACKEND_DEVICE), k_cache=k.to(CUDA_BACKEND_DEVICE), v_cache=v.to(CUDA_BACKEND_DEVICE),
+                     **{name: value.to(CUDA_BACKEND_DEVICE) if torch.is_tensor(value) else value
+                        for name, value in options.items()})
+
+    def call():
+        return ops.decode_attention(backend=backend, **on_device)
+
+    call()  # an op's first call in the process runs its self-check, whose launches are not this call's
+    with launched_kernels() as names:
+        out, lse = call()
+        synchronize(CUDA_BACKEND_DEVICE)
+    if names.observed:
+        combines = [name for name in names if "combine_kernel<" in name]
+        assert combines and all(f", {columns}>(" in name for name in combines), combines
+    want_out, want_lse = reference.decode_attention_reference(q, k, v, **options)
+    assert relative_error(out, want_out) < RELATIVE_ERROR[dtype]
+    assert relative_error(lse, want_lse) < RELATIVE_ERROR[torch.float32]
+    if not cuda_emulated():
+        return
+    from macs_kernels.ops.cuda import emulation
+
+    emulation.take_launches()
+    call()
+    splits = next(launch.shared_bytes // 4 for launch in emulation.take_launches() if "combine_kernel<" in launch.name)
+    groups = 128 // min(dim // columns, 128)
+    assert splits > (16 * groups if groups > 1 else 1), f"{splits} splits: a chunk a thread covers them"
+    try:
+        for order, seed in (("reverse", 0), ("shuffled", 1)):
+            emulation.set_run_order(order, seed)
+            other_out, other_lse = call()
+            assert torch.equal(other_out, out) and torch.equal(other_lse, lse), f"{order} changed a result: a race"
+    finally:
+        emulation.set_run_order("forward")
