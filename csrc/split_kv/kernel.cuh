@@ -322,16 +322,18 @@ __device__ __forceinline__ Columns<W> load_columns(const float* source) {
   return loaded;
 }
 
-// One block a query row. Each of its loads is an L2 round trip (another kernel wrote the partials), so the row's
-// splits are read in as few as its threads allow, as Triton's combine reads them: the threads are groups of D_v / W
-// lanes, each group summing every groups-th split's W columns a lane, kCombineChunk splits a load. Each thread issues
-// its first chunk before it reads the splits' states (one 16-byte load a split, merged by shuffles and shared
-// memory), so the two share a round trip: at one item on an H200 (33 splits at D 128: 4 groups of 32 lanes, 9
-// splits a thread) the whole row is read in one. The groups' sums meet in shared memory, added in group order. The
-// splits' weights wait in shared memory: a weight read from global memory next to its accumulator lets ptxas load
-// the accumulator only after the weight's test, a second round trip per chunk.
+// One block a query row. Each of its loads is an L2 round trip (another kernel wrote the partials), so the row's splits
+// are read in as few as its threads allow, as Triton's combine reads them: the threads are groups of D_v / W lanes,
+// each group summing every groups-th split's W columns a lane, kCombineChunk splits a load. Each thread issues its
+// first chunk before it reads the splits' states (one 16-byte load a split, merged by shuffles and shared memory), so
+// the two share a round trip: at one item on an H200 (33 splits at D 128: 4 groups of 32 lanes, 9 splits a thread) the
+// whole row is read in one, its sink and a given lse with it. The groups' sums meet in shared memory, added in group
+// order. The splits' weights wait in shared memory: a weight read from global memory next to its accumulator lets ptxas
+// load the accumulator only after the weight's test, a second round trip per chunk. The launch bound asks for one block
+// a multiprocessor, no more: without it ptxas held the 4-column kernel to 96 registers (5 blocks) and spilled 8 bytes
+// of its chunk, and a pass of one short block a query row gains nothing from more resident blocks.
 template <typename T, int W>
-__global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams<T> p) {
+__global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineParams<T> p) {
   static_assert(kCombineThreads % 32 == 0, "whole warps");
   constexpr int kWarps = kCombineThreads / 32;
   __shared__ float warp_states[kWarps][4];
@@ -344,7 +346,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams<
   // that steps over them.
   const int vectors = int(p.dim_v) / W, lanes = max(1, min(vectors, kCombineThreads));
   const int groups = kCombineThreads / lanes, group = threadIdx.x / lanes, lane = threadIdx.x % lanes;
-  const bool summing = p.out != nullptr && group < groups;
+  const bool summing = p.out != nullptr && vectors > 0 && group < groups;
   const float* acc = summing ? p.part_acc + row * p.splits * p.dim_v : nullptr;
   Columns<W> loaded[kCombineChunk];
   // Split `group + chunk_split * groups` of the group's chunk `first`; past the last split the chunk reads the last
@@ -357,6 +359,11 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams<
     }
   };
   if (summing) load_chunk(0, lane);
+  // The sink's logit and a given lse load beside the states too: used after the barrier, each read later would be a
+  // round trip of its own.
+  const float sink = p.sinks != nullptr ? p.sinks[blockIdx.x / p.rows] * kLog2e : 0.0f;
+  const bool writes_stats = threadIdx.x == 0 && p.stats != nullptr;
+  const float given_norm = writes_stats && p.lse_in != nullptr ? p.lse_in[row] * kLog2e : 0.0f;
   SoftmaxState all, generated;
   for (int s = threadIdx.x; s < splits; s += kCombineThreads) {
     const float4 stats = reinterpret_cast<const float4*>(part)[s];  // (max, sum, generated max, generated sum)
@@ -379,11 +386,11 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams<
     all.merge(warp_states[w][0], warp_states[w][1]);
     generated.merge(warp_states[w][2], warp_states[w][3]);
   }
-  if (p.sinks != nullptr) all.merge(p.sinks[blockIdx.x / p.rows] * kLog2e, 1.0f);
+  if (p.sinks != nullptr) all.merge(sink, 1.0f);
   if (threadIdx.x == 0) {
     if (p.lse_out != nullptr) p.lse_out[row] = all.lse();
-    if (p.stats != nullptr) {
-      const float norm = p.lse_in == nullptr ? all.lse2() : p.lse_in[row] * kLog2e;
+    if (writes_stats) {
+      const float norm = p.lse_in == nullptr ? all.lse2() : given_norm;
       p.stats[2 * row] = norm;
       p.stats[2 * row + 1] = p.redistribute && generated.l > 0.0f ? generated.l * exp2_diff(generated.m, norm) : 0.0f;
     }
@@ -412,7 +419,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams<
         if (group + (first + kCombineChunk) * groups >= splits) break;
       }
     }
-    if (groups > 1) {  // one pass (vectors < kCombineThreads): the groups' sums meet
+    if (groups > 1) {  // one pass (vectors <= kCombineThreads / 2): the groups' sums meet
 #pragma unroll
       for (int j = 0; j < W; ++j) group_sums[threadIdx.x * W + j] = sum[j];
       __syncthreads();

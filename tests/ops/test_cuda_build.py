@@ -286,12 +286,16 @@ def test_combine_kernel_loads_a_chunk_of_splits_before_using_any(compiled_pieces
     partial outputs (policy.cuh's kCombineChunk) before an instruction reads one, their weights taken from shared
     memory (read from global memory beside them, ptxas loaded one accumulator only after its weight's test: a second
     round trip a chunk); its first chunk goes out with the splits' states, before any is used (a shared round trip),
-    in both instantiations: 4 columns a thread (16-byte loads) and 1. Before, a thread summed every split of its column,
-    the first chunk after the states' merge."""
+    in both instantiations: 4 columns a thread (16-byte loads) and 1, with no local memory. Before, a thread summed
+    every split of its column, the first chunk after the states' merge."""
     loops_by_kernel = _loading_loops(compiled_pieces, "split_kv", "combine_kernel")
     for arch in ARCHES:
         assert len([name for kernel_arch, name in loops_by_kernel if kernel_arch == arch]) == 2 * len(DTYPES), arch
-    folder, _ = compiled_pieces
+    folder, results = compiled_pieces
+    # Its chunk stays in registers (the launch bounds in csrc/split_kv/kernel.cuh say why it can).
+    for name, arch, stack, spill_stores, spill_loads, _ in PTXAS_ENTRY.findall(results["split_kv"].stderr):
+        if "combine_kernel" in name:
+            assert (int(stack), int(spill_stores), int(spill_loads)) == (0, 0, 0), f"{name} {arch}: local memory"
     for (arch, name), split_loop in loops_by_kernel.items():
         assert loads_in_flight(split_loop) == 16, f"{name} {arch}: {loads_in_flight(split_loop)} in flight"
         code = instructions(sass_by_function(folder / "split_kv" / f"kernel.compute_{arch[3:]}.cubin")[name])

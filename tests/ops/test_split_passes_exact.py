@@ -125,26 +125,28 @@ def test_a_verify_block_of_many_rows_matches_float64(backend, dtype, dim):
         assert relative_error(got[b, :, :n], want[b, :, :n]) < RELATIVE_ERROR[torch.float32]
 
 
-# (dtype, D, KV heads, GQA, keys, the columns a thread of the cuda combine sums at once): split_kv/kernel.cuh's
-# combine_kernel as groups of D / columns lanes, each group every groups-th split. D 30: 30 lanes, 4 groups, 8 threads
-# idle; D 36: 9 lanes, 14 groups, 2 idle; D 90: one group of 90 lanes, 38 idle; D 130 and 600: more vectors than
-# threads, one group stepping over them; bf16 D 128 (the tensor-core kernel) at one KV head: 4 groups of 32 lanes over
-# some 260 splits (on an H200), 5 chunks a thread.
-COMBINE_CASES = [(torch.float32, 30, 1, 2, 6000, 1), (torch.float32, 36, 1, 2, 9000, 4),
-                 (torch.float32, 90, 1, 1, 3000, 1), (torch.float32, 130, 1, 1, 3000, 1),
-                 (torch.float32, 600, 1, 1, 3000, 4), (torch.bfloat16, 128, 1, 4, 12000, 4)]
+# (dtype, D, KV heads, GQA, keys, the columns a thread of the cuda combine sums at once, the splits it merges as the
+# emulated H200 splits them): split_kv/kernel.cuh's combine_kernel as groups of D / columns lanes, each group every
+# groups-th split. "chunks": more than one chunk a thread; "few": fewer splits than groups, some groups summing none.
+# D 30: 30 lanes, 4 groups, 8 threads idle; D 36: 9 lanes, 14 groups, 2 idle; D 90: one group of 90 lanes, 38 idle;
+# D 130 and 600: more vectors than threads, one group stepping over them; bf16 D 128 (the tensor-core kernel) at one
+# KV head: 4 groups of 32 lanes over 188 splits, 3 chunks a thread; D 8 at 200 keys: 64 groups of 2 lanes.
+COMBINE_CASES = [(torch.float32, 30, 1, 2, 6000, 1, "chunks"), (torch.float32, 36, 1, 2, 9000, 4, "chunks"),
+                 (torch.float32, 90, 1, 1, 3000, 1, "chunks"), (torch.float32, 130, 1, 1, 3000, 1, "chunks"),
+                 (torch.float32, 600, 1, 1, 3000, 4, "chunks"), (torch.bfloat16, 128, 1, 4, 12000, 4, "chunks"),
+                 (torch.float32, 8, 1, 1, 200, 4, "few")]
 
 
-@pytest.mark.parametrize("dtype, dim, kv_heads, group, keys, columns", COMBINE_CASES,
+@pytest.mark.parametrize("dtype, dim, kv_heads, group, keys, columns, splits_merged", COMBINE_CASES,
                          ids=[f"combine{case[5]}-d{case[1]}-{str(case[0]).removeprefix('torch.')}"
                               for case in COMBINE_CASES])
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=_marks("cuda"))])
 def test_the_cuda_combine_merges_every_split_at_any_head_dimension(backend, dtype, dim, kv_heads, group, keys,
-                                                                   columns):
+                                                                   columns, splits_merged):
     """The cuda combine pass's out and lse against float64 at every layout of its threads, launched with its column
-    width. On the emulation also: it merged more splits than a chunk a thread covers where the groups are few (its
-    launch's shared memory holds a weight a split), and gives the same bits whichever of its threads run first (the
-    groups' sums meet in shared memory)."""
+    width. On the emulation also: the splits it merged (its launch's shared memory holds a weight a split) are more
+    than a chunk a thread covers where the groups are few, or fewer than its groups, and it gives the same bits
+    whichever of its threads run first (the groups' sums meet in shared memory)."""
     generator = torch.Generator().manual_seed(dim)
     q = torch.randn(1, group * kv_heads, dim, generator=generator).to(dtype)
     k, v = torch.randn(2, 1, kv_heads, keys, dim, generator=generator).to(dtype)
@@ -174,7 +176,10 @@ def test_the_cuda_combine_merges_every_split_at_any_head_dimension(backend, dtyp
     call()
     splits = next(launch.shared_bytes // 4 for launch in emulation.take_launches() if "combine_kernel<" in launch.name)
     groups = 128 // min(dim // columns, 128)
-    assert splits > (16 * groups if groups > 1 else 1), f"{splits} splits: a chunk a thread covers them"
+    if splits_merged == "chunks":
+        assert splits > (16 * groups if groups > 1 else 16), f"{splits} splits: a chunk a thread covers them"
+    else:
+        assert 1 < splits < groups, f"{splits} splits for {groups} groups"
     try:
         for order, seed in (("reverse", 0), ("shuffled", 1)):
             emulation.set_run_order(order, seed)
