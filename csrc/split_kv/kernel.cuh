@@ -349,8 +349,8 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombinePara
   const bool summing = p.out != nullptr && vectors > 0 && group < groups;
   const float* acc = summing ? p.part_acc + row * p.splits * p.dim_v : nullptr;
   Columns<W> loaded[kCombineChunk];
-  // Split `group + chunk_split * groups` of the group's chunk `first`; past the last split the chunk reads the last
-  // one again and adds nothing: unconditional loads stay together.
+  // The group's splits group + (first + i) * groups, i < kCombineChunk, columns [vector * W, vector * W + W); past the
+  // last split the chunk reads the last one again and adds nothing: unconditional loads stay together.
   const auto load_chunk = [&](int first, int vector) {
 #pragma unroll
     for (int i = 0; i < kCombineChunk; ++i) {
