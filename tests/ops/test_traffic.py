@@ -37,10 +37,14 @@ def test_each_attended_key_is_read_once_and_each_score_written_and_read_once(dty
             continue
         scores = traffic.of("scores")
         expected = case.score_columns * 4
-        assert (scores.written, scores.written_distinct) == (expected, expected), f"{case.name}: {scores}"
-        # The scores come back once: the pooling kernel's `values`.
-        read_back = scores.read_distinct + traffic.of("values").read_distinct
-        assert read_back == expected, f"{case.name}: {read_back} score bytes read back, {expected} written"
+        # No column twice: the inputs' and those beside them in their rows that their key blocks reach (a block's
+        # columns start 64-byte aligned and store whole: ops/triton/split_kv.py; where each goes:
+        # test_triton_split_kv_pass.py).
+        assert scores.written == scores.written_distinct >= expected, f"{case.name}: {scores}"
+        # The scores come back once, as the pooling kernel's `values`: whole rows, 16-byte vectors.
+        values = traffic.of("values")
+        read_back = scores.read_distinct + values.read_distinct
+        assert scores.read + values.read == read_back >= expected, f"{case.name}: {read_back} score bytes read back"
 
 
 def test_the_counts_are_the_accesses_made():

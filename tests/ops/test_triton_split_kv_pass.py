@@ -120,3 +120,53 @@ def test_the_combine_reads_the_slices_a_chunk_at_a_time(monkeypatch, sinks):
         assert relative_error(lse, want_lse) < RELATIVE_ERROR[torch.float32], chunk
         for b, n in enumerate((590, 120)):
             assert relative_error(pooled[b, :n], want_pooled[b, :n]) < RELATIVE_ERROR[torch.float32], (chunk, b)
+
+
+@pytest.mark.parametrize("keys_a_step", [16, 64])
+def test_score_rows_hold_input_i_in_column_i_plus_the_start_mod_16(monkeypatch, keys_a_step):
+    """split_kv_pass's scores: row (b, h, r) holds input key s + i's score in column i + s % 16, s its score start, and
+    the fused pass's log c update reads them there: starts of every residue mod 16, a window's score start before slot
+    0, a verify block whose two rows start apart, in slices that start at a whole key block below their first row's
+    start as on a GPU (the tensor-core path, which the interpreter otherwise never takes), against float64."""
+    from macs_kernels.ops.triton import common, split_kv
+
+    plan = common.split_kv_tiles
+
+    def gpu_keys(*args, **kwargs):
+        tiles = plan(*args, **kwargs)
+        per_split = common.cdiv(common.cdiv(tiles.splits * tiles.split_size, keys_a_step), 3)
+        return common.SplitKV(16, keys_a_step, 4, 3, per_split * keys_a_step)
+
+    monkeypatch.setattr(split_kv, "split_kv_tiles", gpu_keys)
+    monkeypatch.setattr(split_kv, "dot_in_f32", lambda *tensors: False)
+    generator = torch.Generator().manual_seed(keys_a_step)
+    batch, heads, kv_heads, rows, keys, dim, n_scores = 17, 4, 2, 2, 157, 32, 120
+    q = torch.randn(batch, heads, rows, dim, generator=generator)
+    k, v = torch.randn(2, batch, kv_heads, keys, dim, generator=generator)
+    start = torch.stack([torch.arange(batch), torch.arange(batch) + 5], 1)  # every residue; rows 5 apart
+    input_end = start + 100
+    score_start = start.clone()
+    score_start[-1] = start[-1] - 35  # a window whose first inputs slid out before slot 0: -19, -14
+    input_end[-1] = start[-1] + 80  # 115 inputs, within n_scores
+    kv_len = input_end + 20
+    _, _, _, scores = split_kv.split_kv_pass(q, k, v, start, input_end, kv_len, 0.125, n_scores,
+                                             score_start=score_start)
+    assert scores.shape == (batch, heads, rows, split_kv.score_columns(n_scores))
+    want = torch.einsum("bhrd,bhsd->bhrs", q.double(), k.double().repeat_interleave(heads // kv_heads, 1)) * 0.125
+    for b in range(batch):
+        for r in range(rows):
+            first, end = int(score_start[b, r]), int(input_end[b, r])
+            column = first % 16
+            attended = torch.arange(first, end) >= start[b, r]
+            got = scores[b, :, r, column:column + end - first][:, attended]
+            assert relative_error(got, want[b, :, r, int(start[b, r]):end]) < RELATIVE_ERROR[torch.float32], (b, r)
+            if b < batch - 1:
+                assert column == int(start[b, r]) % 16
+    one_row = (slice(None), slice(None), slice(0, 1))
+    start_log_c = -torch.rand(batch, n_scores, generator=generator)
+    log_c = start_log_c.clone()
+    ops.decode_attention(q[one_row][:, :, 0], k, v, kv_start=start[:, 0], kv_len=kv_len[:, 0],
+                         input_end=input_end[:, 0], scale=0.125, log_c=log_c, backend="triton")
+    want_log_c = reference.macs_update_reference(q[one_row][:, :, 0], k, start_log_c.double(), input_start=start[:, 0],
+                                                 input_end=input_end[:, 0], kv_len=kv_len[:, 0], scale=0.125)
+    assert relative_error(log_c[:, :100], want_log_c[:, :100]) < RELATIVE_ERROR[torch.float32]

@@ -38,14 +38,17 @@ SPLIT_INDEX = {"start_ptr": "i64", "input_end_ptr": "i64", "kv_len_ptr": "i64", 
                "score_start_ptr": "i64"}
 # Scalar arguments the launchers pass as Python floats: inductor types them fp64 on devices that have fp64.
 _FLOAT_ARGUMENTS = frozenset({"scale", "alpha", "softcap"})
+# Integers every launch passes as multiples of 16 besides the strides (a slice is whole key blocks; a row of the split
+# pass's scores is score_columns wide), which Triton's specialisation marks so.
+_MULTIPLES_OF_16 = frozenset({"split_size", "n_columns"})
 
 
 def compile_triton(module: str, kernel_name: str, pointers: dict, constexprs: dict, options: dict, arch: int,
                    floats: str = "fp32"):
     """`macs_kernels.ops.triton.<module>.<kernel_name>` compiled for sm_<arch>: pointer arguments typed by `pointers`
-    (argument name -> element type, "fp32" when absent), pointers and strides divisible by 16 (a contiguous cache with
-    D = 64 or 128), other integers i32, float scalars `floats` ("fp64" is inductor's signature). Returns Triton's
-    CompiledKernel (asm["ptx"], asm["cubin"], metadata)."""
+    (argument name -> element type, "fp32" when absent), pointers, strides and _MULTIPLES_OF_16 divisible by 16 (a
+    contiguous cache with D = 64 or 128), other integers i32, float scalars `floats` ("fp64" is inductor's signature).
+    Returns Triton's CompiledKernel (asm["ptx"], asm["cubin"], metadata)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -62,7 +65,7 @@ def compile_triton(module: str, kernel_name: str, pointers: dict, constexprs: di
             signature[name] = floats
         else:
             signature[name] = "i32"
-            if name.startswith("stride_"):
+            if name.startswith("stride_") or name in _MULTIPLES_OF_16:
                 attrs[(index,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
                           options=options)

@@ -36,7 +36,7 @@ def _generated_mass_kernel(
 @triton.jit
 def _pool_kernel(
     values_ptr, lse_ptr, gen_ptr, start_ptr, end_ptr, kv_len_ptr, column_start_ptr, target_ptr,
-    alpha, heads, rows, n_target, keys,
+    alpha, heads, rows, n_target, n_columns, keys,
     stride_vb, stride_vh, stride_vr, stride_lb, stride_lh, stride_lr, stride_gb, stride_gh, stride_gr,
     stride_ib, stride_ir, stride_eb, stride_er, stride_kb, stride_kr, stride_pb, stride_pr, stride_tb, stride_tr,
     H_PAD: tl.constexpr, BLOCK_I: tl.constexpr, FROM_SCORES: tl.constexpr, REDISTRIBUTE: tl.constexpr,
@@ -46,21 +46,30 @@ def _pool_kernel(
     alpha = tl.cast(alpha, tl.float32)
     b = (tl.program_id(0) // rows).to(tl.int64)
     r = (tl.program_id(0) % rows).to(tl.int64)
-    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    column = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     start, n_input = input_columns(start_ptr, end_ptr, kv_len_ptr, column_start_ptr, b, r, keys, stride_ib, stride_ir,
                                    stride_eb, stride_er, stride_kb, stride_kr, stride_pb, stride_pr, WINDOWED)
-    # The row holds n_target columns (only an unchecked input range is longer).
-    i_mask = (i < n_input) & (i < n_target)
     h = tl.arange(0, H_PAD)
     h_mask = h < heads
-    tile_mask = h_mask[:, None] & i_mask[None, :]
     if FROM_SCORES:
-        # The split pass writes input i of a row in column i; given rows keep absolute key positions.
-        column = i
+        # The split pass writes input i of a row in column i + start % 16 of its n_columns (a multiple of 16): a mask
+        # whole over every 16 columns reads 16-byte vectors. Given rows keep absolute key positions.
+        i = column - (start - (start >> 4 << 4))
+        tile_mask = h_mask[:, None] & (column < n_columns)[None, :]
     else:
+        i = column
         column = start + i
+    # The row holds n_target columns (only an unchecked input range is longer).
+    i_mask = (i >= 0) & (i < n_input) & (i < n_target)
+    if not FROM_SCORES:
+        tile_mask = h_mask[:, None] & i_mask[None, :]
     x = tl.load(values_ptr + b * stride_vb + r * stride_vr + h[:, None] * stride_vh + column[None, :],
                 mask=tile_mask, other=0.0).to(tl.float32)
+    target = target_ptr + b * stride_tb + r * stride_tr + i
+    if INTO_LOG_C:
+        # Issued beside the tile's loads, not one round trip after the pooling (before them, its change of layout
+        # through shared memory held the tile's loads back until it arrived).
+        log_c = tl.load(target, mask=i_mask)
     if FROM_SCORES:
         lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + r * stride_lr, mask=h_mask, other=0.0)
         x = tl.exp(x - lse.to(tl.float32)[:, None])
@@ -79,21 +88,21 @@ def _pool_kernel(
         pooled = tl.min(tl.where(h_mask[:, None], x, float("inf")), 0)
     else:
         pooled = tl.sum(tl.where(h_mask[:, None], x, 0.0), 0) / heads
-    target = target_ptr + b * stride_tb + r * stride_tr + i
     if INTO_LOG_C:
         # Efficient-attention rows can pool below zero; clamping keeps the floor's log defined.
         term = tl.log(alpha * tl.maximum(pooled, 0.0) + (1.0 - alpha))
-        tl.store(target, tl.load(target, mask=i_mask) + term, mask=i_mask)
+        tl.store(target, log_c + term, mask=i_mask)
     else:
-        tl.store(target, tl.where(i_mask, pooled, 0.0), mask=i < n_target)
+        tl.store(target, tl.where(i_mask, pooled, 0.0), mask=(i >= 0) & (i < n_target))
 
 
 def pool(values, target, start, end, kv_len, keys, *, column_start=None, lse=None, generated=None, alpha=None,
          pooling="max", redistribute=True, into_log_c=True):
     """Pool `values` over heads into `target` for each query row.
 
-    values: scores (B, H, R, N_max) with lse and generated = lse_gen (B, H, R), or rows (B, H, S) (R = 1)
-        with generated = each head's generated mass (B, H) float32 (lse None).
+    values: the split pass's scores (B, H, R, split_kv.score_columns(N_max)) (input i of a row in column
+        i + s % 16, s its inputs' start) with lse and generated = lse_gen (B, H, R), or rows (B, H, S) (R = 1) with
+        generated = each head's generated mass (B, H) float32 (lse None).
     start, end, kv_len: (B, R) int32 or int64, each read with its own strides (stride 0 over R allowed): the
         attended keys [start, kv_len) of a cache of `keys` keys, inputs [start, end), or [column_start, end) (a
         window's inputs, which may start before the attended start); clamped as the split pass clamps them.
@@ -111,13 +120,14 @@ def pool(values, target, start, end, kv_len, keys, *, column_start=None, lse=Non
     gen = generated if generated is not None else values4  # not read: REDISTRIBUTE is off
     gen3 = gen if gen.dim() != 2 else gen[:, :, None]
     lse3 = lse if from_scores else values4
-    block_i = pool_block(heads, n_target)
+    n_columns = values4.shape[-1] if from_scores else n_target
+    block_i = pool_block(heads, n_columns)
     windowed = column_start is not None
     column_start = column_start if windowed else start
     launch(
-        _pool_kernel, (batch * rows, cdiv(n_target, block_i)),
+        _pool_kernel, (batch * rows, cdiv(n_columns, block_i)),
         values4, lse3, gen3, start, end, kv_len, column_start, target3,
-        float(alpha) if into_log_c else 0.0, heads, rows, n_target, keys,
+        float(alpha) if into_log_c else 0.0, heads, rows, n_target, n_columns, keys,
         values4.stride(0), values4.stride(1), values4.stride(2), lse3.stride(0), lse3.stride(1), lse3.stride(2),
         gen3.stride(0), gen3.stride(1), gen3.stride(2), *start.stride(), *end.stride(), *kv_len.stride(),
         *column_start.stride(), target3.stride(0), target3.stride(1),

@@ -7,8 +7,8 @@ tl.dot) and one slice of the keys, so each K/V tile is loaded once for all of th
 keys [start, kv_len) of its own range; per row it keeps an online softmax (max m, mass l) and, in the same
 registers, the mass l_gen of its generated keys [input_end, kv_len): exp(lse_gen - lse) is then the row's
 attention on generated tokens without a second pass over K. With scores on, it writes the scores of the
-input keys, key start + i in column i of (B, H, R, N_max) float32: H x R x N x 4 bytes, against
-H_kv x S x 2D bytes of K.
+input keys (and of the keys beside them that their key blocks reach) into rows of (B, H, R, score_columns(N_max))
+float32, key start + i in column i + start % 16: H x R x N x 4 bytes, against H_kv x S x 2D bytes of K.
 `_split_kv_combine_kernel` (grid (B * H * R,)): merges the slices into lse, lse_gen and out.
 
 The fused MACS pass (`fused_pass`) then pools the input keys' probabilities over heads (pool.py's `_pool_kernel`):
@@ -73,7 +73,7 @@ def _slice_offset(key, first, span):
 def _split_kv_kernel(
     q_ptr, k_ptr, v_ptr, start_ptr, input_end_ptr, kv_len_ptr, block_table_ptr, score_start_ptr,
     scores_ptr, partials_ptr,
-    scale, softcap, split_size, splits, kv_heads, rows, keys, n_scores, pages, stride_part,
+    scale, softcap, split_size, splits, kv_heads, rows, keys, n_columns, pages, stride_part,
     stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ib, stride_ir, stride_eb, stride_er, stride_lb, stride_lr, stride_fb, stride_fr,
     stride_tb, stride_sb, stride_sh, stride_sr,
@@ -106,7 +106,12 @@ def _split_kv_kernel(
     if WINDOWED:  # a window's columns count from its inputs' start, at or before the attended start
         score_start = tl.minimum(
             tl.load(score_start_ptr + b * stride_fb + r * stride_fr, mask=row_ok, other=0).to(tl.int64), start)
-    lo = tl.maximum(tl.min(tl.where(row_ok, start, 2147483647), 0), split * split_size)
+    # From a whole key block (a slice is whole blocks): with the scores' columns aligned below, every key block stores
+    # as 16-byte vectors. Keys before a row's start are masked as ever.
+    first_key = tl.min(tl.where(row_ok, start, 2147483647), 0)
+    if not DOT_F32:
+        first_key = first_key.to(tl.int32) // BLOCK_N * BLOCK_N
+    lo = tl.maximum(first_key, split * split_size)
     hi = tl.minimum(tl.max(kv_len, 0), (split + 1) * split_size)
 
     d = tl.arange(0, BLOCK_D)
@@ -126,15 +131,21 @@ def _split_kv_kernel(
     partial = ((b * kv_heads * GROUP + head) * rows + r) * splits + split
     # Each row's bounds as int32 offsets from `lo`, clamped into the slice's `span` keys: a mask of the (BLOCK_M,
     # BLOCK_N) tile is then one 32-bit compare per element and bound (an int64 compare takes two instructions), with
-    # the slice's own bounds folded in. Attended keys: [attended_lo, attended_hi); inputs whose scores are stored:
-    # [attended_lo, input_hi) (only an unchecked input range longer than the row of scores reaches column n_scores);
-    # generated keys: from generated_lo.
+    # the slice's own bounds folded in. Attended keys: [attended_lo, attended_hi); generated keys: from generated_lo.
     span = tl.maximum(hi - lo, 0)
     attended_lo = _slice_offset(tl.maximum(start, lo), lo, span)
     attended_hi = _slice_offset(tl.minimum(kv_len, hi), lo, span)
-    input_hi = tl.minimum(attended_hi, _slice_offset(tl.minimum(input_end, score_start + n_scores), lo, span))
     generated_lo = _slice_offset(input_end, lo, span)
-    score_rows = scores_ptr + b * stride_sb + head * stride_sh + r * stride_sr + (lo - score_start)
+    input_hi = tl.minimum(attended_hi, _slice_offset(tl.minimum(input_end, score_start + n_columns - 15), lo, span))
+    # Column 0 of a row's scores holds key score_base, its score start rounded down to a multiple of 16 (a window's may
+    # be negative): a key block's columns then start on a 64-byte boundary and, with a mask whole over every 16
+    # columns, store as 16-byte vectors (a mask of the row's inputs alone stored them a float at a time). So every
+    # column of the row's n_columns (a multiple of 16) that a block reaches is stored; the pool reads the inputs'.
+    score_base = score_start >> 4 << 4
+    # A padding row's columns lie far past any key (arithmetic, not a select, which would hide the 16s from Triton).
+    column_lo = (score_base - lo + (1 - row_ok.to(tl.int64)) * (1 << 30)).to(tl.int32)
+    column_hi = column_lo + n_columns
+    score_rows = scores_ptr + b * stride_sb + head * stride_sh + r * stride_sr + (lo - score_base)
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         offset = (n0 - lo).to(tl.int32) + tl.arange(0, BLOCK_N)
@@ -151,8 +162,11 @@ def _split_kv_kernel(
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
         s = tl.where(attended, s, float("-inf"))
         if WITH_SCORES:
-            is_input = (offset[None, :] >= attended_lo[:, None]) & (offset[None, :] < input_hi[:, None])
-            tl.store(score_rows[:, None] + offset[None, :], s, mask=is_input)
+            if DOT_F32:  # its blocks start at the first row's start, and the last may reach into the next slice
+                stored = (offset[None, :] >= attended_lo[:, None]) & (offset[None, :] < input_hi[:, None])
+            else:
+                stored = (offset[None, :] >= column_lo[:, None]) & (offset[None, :] < column_hi[:, None])
+            tl.store(score_rows[:, None] + offset[None, :], s, mask=stored)
         m_new = tl.maximum(m, tl.max(s, 1))
         # The rescale stays tl.exp: with its two calls on fast_exp too, ptxas spilled 8 bytes a thread at two tiles'
         # register caps (D 64 paged on sm_80, D 256 on sm_90).
@@ -258,8 +272,9 @@ def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores
 
     Returns (out (B, H, R, D) in q's dtype or None, lse (B, H, R) float32, lse_gen (B, H, R) float32 (-inf
     where no generated key; it may also be -inf where the generated keys' share of the row is below about 2^-126:
-    their weights are taken from the running max by fast_exp), scores (B, H, R, n_scores) float32 or None); lse_gen and
-    scores are views of the pass's workspace.
+    their weights are taken from the running max by fast_exp), scores (B, H, R, score_columns(n_scores)) float32 or
+    None: input i of row (b, h, r) in column i + s % 16 where s is the row's score start, score_start or start);
+    lse_gen and scores are views of the pass's workspace.
     """
     split = _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block_table, score_start, softcap)
     batch, heads, rows, dim = q.shape
@@ -295,7 +310,7 @@ class _Split(NamedTuple):
     """What the split kernel left for the combine, in one float32 workspace (one allocation, not six: each costs
     microseconds of host time on a GPU): the per (row, slice) partials m, l, l_gen and (with_v) acc, each in a region
     `stride_part` floats long (acc: stride_part x D), then lse_gen (B, H, R), which the combine writes, and the input
-    keys' scores (B, H, R, n_scores), the split kernel's (None without)."""
+    keys' scores (B, H, R, score_columns(n_scores)), the split kernel's (None without)."""
     splits: int
     with_v: bool
     workspace: torch.Tensor
@@ -308,6 +323,12 @@ def _aligned(floats: int) -> int:
     """floats rounded up to a multiple of 16: every workspace region starts 64-byte aligned (the allocation itself is
     512-byte aligned), and Triton specialises their offsets as multiples of 16 (vector loads and stores)."""
     return -(-floats // 16) * 16
+
+
+def score_columns(n_scores: int) -> int:
+    """Columns of a row of the split pass's scores: a row's column 0 holds the key its score start rounded down to a
+    multiple of 16, so its n_scores inputs start up to 15 columns in; a multiple of 16, each row 64-byte aligned."""
+    return _aligned(n_scores + 15)
 
 
 def _cache_keys(k_cache, block_table) -> int:
@@ -336,13 +357,14 @@ def _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block
     stride_part = _aligned(query_rows * tiles.splits)
     lse_gen_at = stride_part * (3 + dim if with_v else 3)
     scores_at = lse_gen_at + _aligned(query_rows)
-    workspace = torch.empty(scores_at + query_rows * n_scores, device=q.device, dtype=torch.float32)
+    columns = score_columns(n_scores) if n_scores else 0
+    workspace = torch.empty(scores_at + query_rows * columns, device=q.device, dtype=torch.float32)
     lse_gen = workspace.as_strided((batch, heads, rows), (heads * rows, rows, 1), lse_gen_at)
     windowed = score_start is not None
     scores = None
     if n_scores:
-        scores = workspace.as_strided((batch, heads, rows, n_scores), (heads * rows * n_scores, rows * n_scores,
-                                                                       n_scores, 1), scores_at)
+        scores = workspace.as_strided((batch, heads, rows, columns), (heads * rows * columns, rows * columns,
+                                                                      columns, 1), scores_at)
         if windowed:
             scores.fill_(float("-inf"))
     v = v_cache if with_v else k_cache
@@ -351,7 +373,7 @@ def _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block
         q, k_cache, v, start, input_end, kv_len, block_table if paged else start,
         score_start if windowed else start, lse_gen if scores is None else scores, workspace,
         scale, 1.0 if softcap is None else float(softcap), tiles.split_size, tiles.splits, kv_heads, rows,
-        keys, n_scores, k_cache.shape[0] if paged else 0, stride_part,
+        keys, columns, k_cache.shape[0] if paged else 0, stride_part,
         *q.stride()[:3], *k_strides, *(v_strides if with_v else k_strides),
         *start.stride(), *input_end.stride(), *kv_len.stride(), *(score_start if windowed else start).stride(),
         block_table.stride(0) if paged else 0,
