@@ -115,6 +115,14 @@ def input_columns(start_ptr, input_end_ptr, kv_len_ptr, column_start_ptr, b, r, 
     return column0, clamped(input_end, column0, kv_len) - column0
 
 
+@triton.jit
+def score_base(score_start):
+    """The key in column 0 of a row of the split pass's scores: the row's score start rounded down to a multiple of 16
+    (a window's may be negative), so that its key blocks' columns start 64-byte aligned; input i is in column
+    i + score_start - score_base(score_start)."""
+    return score_start >> 4 << 4
+
+
 @contextlib.contextmanager
 def uncounted():
     """Launches inside are not counted (the backend self-check's are not the caller's work)."""

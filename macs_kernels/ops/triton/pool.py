@@ -12,7 +12,16 @@ import torch
 import triton
 import triton.language as tl
 
-from macs_kernels.ops.triton.common import cdiv, clamped, input_columns, launch, next_pow2, pool_block, row_block
+from macs_kernels.ops.triton.common import (
+    cdiv,
+    clamped,
+    input_columns,
+    launch,
+    next_pow2,
+    pool_block,
+    row_block,
+    score_base,
+)
 
 
 @triton.jit
@@ -52,9 +61,9 @@ def _pool_kernel(
     h = tl.arange(0, H_PAD)
     h_mask = h < heads
     if FROM_SCORES:
-        # The split pass writes input i of a row in column i + start % 16 of its n_columns (a multiple of 16): a mask
-        # whole over every 16 columns reads 16-byte vectors. Given rows keep absolute key positions.
-        i = column - (start - (start >> 4 << 4))
+        # The split pass writes input i of a row in column i + start - score_base(start) of its n_columns (a multiple
+        # of 16): a mask whole over every 16 columns reads 16-byte vectors. Given rows keep absolute key positions.
+        i = column - (start - score_base(start))
         tile_mask = h_mask[:, None] & (column < n_columns)[None, :]
     else:
         i = column

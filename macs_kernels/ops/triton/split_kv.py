@@ -41,6 +41,7 @@ from macs_kernels.ops.triton.common import (
     launch,
     next_pow2,
     operand,
+    score_base,
     split_kv_tiles,
     splits_chunk,
 )
@@ -106,8 +107,9 @@ def _split_kv_kernel(
     if WINDOWED:  # a window's columns count from its inputs' start, at or before the attended start
         score_start = tl.minimum(
             tl.load(score_start_ptr + b * stride_fb + r * stride_fr, mask=row_ok, other=0).to(tl.int64), start)
-    # From a whole key block (a slice is whole blocks): with the scores' columns aligned below, every key block stores
-    # as 16-byte vectors. Keys before a row's start are masked as ever.
+    # On tensor cores, from a whole key block (a slice is whole blocks): with the scores' columns aligned below, every
+    # key block stores as 16-byte vectors. Keys before a row's start are masked as ever. float32's CUDA-core tiles start
+    # at the first row's start (aligned, they spilled 8 bytes a thread on sm_80).
     first_key = tl.min(tl.where(row_ok, start, 2147483647), 0)
     if not DOT_F32:
         first_key = first_key.to(tl.int32) // BLOCK_N * BLOCK_N
@@ -131,21 +133,21 @@ def _split_kv_kernel(
     partial = ((b * kv_heads * GROUP + head) * rows + r) * splits + split
     # Each row's bounds as int32 offsets from `lo`, clamped into the slice's `span` keys: a mask of the (BLOCK_M,
     # BLOCK_N) tile is then one 32-bit compare per element and bound (an int64 compare takes two instructions), with
-    # the slice's own bounds folded in. Attended keys: [attended_lo, attended_hi); generated keys: from generated_lo.
+    # the slice's own bounds folded in. Attended keys: [attended_lo, attended_hi); generated keys: from generated_lo;
+    # inputs whose scores float32's pass stores: [attended_lo, input_hi) (within the row's columns).
     span = tl.maximum(hi - lo, 0)
     attended_lo = _slice_offset(tl.maximum(start, lo), lo, span)
     attended_hi = _slice_offset(tl.minimum(kv_len, hi), lo, span)
     generated_lo = _slice_offset(input_end, lo, span)
     input_hi = tl.minimum(attended_hi, _slice_offset(tl.minimum(input_end, score_start + n_columns - 15), lo, span))
-    # Column 0 of a row's scores holds key score_base, its score start rounded down to a multiple of 16 (a window's may
-    # be negative): a key block's columns then start on a 64-byte boundary and, with a mask whole over every 16
+    # A key block's columns start on a 64-byte boundary (common.score_base) and, with a mask whole over every 16
     # columns, store as 16-byte vectors (a mask of the row's inputs alone stored them a float at a time). So every
     # column of the row's n_columns (a multiple of 16) that a block reaches is stored; the pool reads the inputs'.
-    score_base = score_start >> 4 << 4
+    row_base = score_base(score_start)
     # A padding row's columns lie far past any key (arithmetic, not a select, which would hide the 16s from Triton).
-    column_lo = (score_base - lo + (1 - row_ok.to(tl.int64)) * (1 << 30)).to(tl.int32)
+    column_lo = (row_base - lo + (1 - row_ok.to(tl.int64)) * (1 << 30)).to(tl.int32)
     column_hi = column_lo + n_columns
-    score_rows = scores_ptr + b * stride_sb + head * stride_sh + r * stride_sr + (lo - score_base)
+    score_rows = scores_ptr + b * stride_sb + head * stride_sh + r * stride_sr + (lo - row_base)
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         offset = (n0 - lo).to(tl.int32) + tl.arange(0, BLOCK_N)
@@ -326,8 +328,8 @@ def _aligned(floats: int) -> int:
 
 
 def score_columns(n_scores: int) -> int:
-    """Columns of a row of the split pass's scores: a row's column 0 holds the key its score start rounded down to a
-    multiple of 16, so its n_scores inputs start up to 15 columns in; a multiple of 16, each row 64-byte aligned."""
+    """Columns of a row of the split pass's scores: its column 0 holds common.score_base of its score start, so its
+    n_scores inputs start up to 15 columns in; a multiple of 16, each row 64-byte aligned."""
     return _aligned(n_scores + 15)
 
 
