@@ -169,3 +169,36 @@ def test_score_rows_hold_input_i_in_column_i_plus_the_start_mod_16(monkeypatch, 
     want_log_c = reference.macs_update_reference(q[:, :, 0], k, start_log_c.double(), input_start=start[:, 0],
                                                  input_end=input_end[:, 0], kv_len=kv_len[:, 0], scale=0.125)
     assert relative_error(log_c[:, :100], want_log_c[:, :100]) < RELATIVE_ERROR[torch.float32]
+
+
+def test_score_columns_no_key_block_reached_weigh_nothing(monkeypatch):
+    """The pool reads whole score rows, among them columns that no key block wrote (before a row's start, past its
+    inputs): whatever the workspace held there, here 3e38 (whose exp overflows) and NaN, weighs nothing and raises no
+    warning (the backend's self-check counts a warning as a failure). log c against float64."""
+    import warnings
+
+    from macs_kernels.ops.triton import split_kv
+
+    empty = torch.empty
+
+    def dirty(*size, **kwargs):
+        tensor = empty(*size, **kwargs)
+        if tensor.is_floating_point():
+            tensor.view(-1)[0::2], tensor.view(-1)[1::2] = 3e38, float("nan")
+        return tensor
+
+    monkeypatch.setattr(split_kv.torch, "empty", dirty)
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 6, 64, generator=generator)
+    k = torch.randn(2, 2, 150, 64, generator=generator)
+    start, input_end, kv_len = torch.tensor([5, 21]), torch.tensor([120, 90]), torch.tensor([150, 130])
+    start_log_c = -torch.rand(2, 115, generator=generator)
+    log_c = start_log_c.to(DEVICE, copy=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ops.macs_update(q.to(DEVICE), k.to(DEVICE), log_c, input_start=start.to(DEVICE), input_end=input_end.to(DEVICE),
+                        kv_len=kv_len.to(DEVICE), scale=0.125, backend="triton")
+    want = reference.macs_update_reference(q, k, start_log_c.double(), input_start=start, input_end=input_end,
+                                           kv_len=kv_len, scale=0.125)
+    for b, n in enumerate((115, 69)):
+        assert relative_error(log_c[b, :n], want[b, :n]) < RELATIVE_ERROR[torch.float32], b

@@ -81,7 +81,8 @@ def _pool_kernel(
         log_c = tl.load(target, mask=i_mask)
     if FROM_SCORES:
         lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + r * stride_lr, mask=h_mask, other=0.0)
-        x = tl.exp(x - lse.to(tl.float32)[:, None])
+        # Columns that no key block reached hold whatever the workspace held (NaN, huge): weight 0.
+        x = tl.exp(tl.where(i_mask[None, :], x, float("-inf")) - lse.to(tl.float32)[:, None])
     gen = 0.0
     if REDISTRIBUTE:
         gen = tl.load(gen_ptr + b * stride_gb + h * stride_gh + r * stride_gr, mask=h_mask, other=0.0)
