@@ -66,12 +66,14 @@ def test_each_ratio_is_to_the_same_backends_call(capsys):
     directly, and a fused pass's by its own attention alone: never by another backend's."""
     shape = dict(op="decode_attention", mode="cudagraph", B=1, H=32, H_kv=8, D=128, S=4096, GB_s=1.0, vs_sdpa=1.0)
     times = {"cuda": 0.04, "cuda-attention-only": 0.032, "cuda-public": 0.1, "triton": 0.03,
-             "triton-attention-only": 0.025, "triton-public": 0.06}
+             "triton-attention-only": 0.025, "triton-public": 0.06, "triton-pdl": 0.028,
+             "triton-pdl-attention-only": 0.02}
     bench_ops.print_json_lines([dict(shape, provider=name, ms=ms) for name, ms in times.items()])
     lines = {line["provider"]: line for line in map(json.loads, capsys.readouterr().out.splitlines())}
     assert lines["cuda-public"]["public_vs_kernel"] == 2.5 and lines["cuda-public"]["public_extra_us"] == 60.0
     assert lines["triton-public"]["public_vs_kernel"] == 2.0
     assert lines["cuda"]["fused_vs_attention"] == 1.25 and lines["triton"]["fused_vs_attention"] == 1.2
+    assert lines["triton-pdl"]["fused_vs_attention"] == 1.4
     assert "public_vs_kernel" not in lines["cuda"] and "fused_vs_attention" not in lines["cuda-attention-only"]
 
 

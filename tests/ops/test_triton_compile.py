@@ -86,44 +86,48 @@ VARIANTS = {
                                                            SOFTCAP=True),
     "combine_bf16": (
         "split_kv", "_split_kv_combine_kernel", {"out_ptr": "bf16"},
-        dict(D=128, BLOCK_D=128, SPLITS_PAD=64, SPLITS_CHUNK=64, WITH_V=True, HAS_SINKS=False), dict(num_warps=4),
+        dict(D=128, BLOCK_D=128, SPLITS_PAD=64, SPLITS_CHUNK=64, WITH_V=True, HAS_SINKS=False, PDL=False),
+        dict(num_warps=4),
     ),
     "combine_sinks_bf16": (
         "split_kv", "_split_kv_combine_kernel", {"out_ptr": "bf16", "sinks_ptr": "bf16"},
-        dict(D=64, BLOCK_D=64, SPLITS_PAD=64, SPLITS_CHUNK=64, WITH_V=True, HAS_SINKS=True), dict(num_warps=4),
+        dict(D=64, BLOCK_D=64, SPLITS_PAD=64, SPLITS_CHUNK=64, WITH_V=True, HAS_SINKS=True, PDL=False),
+        dict(num_warps=4),
     ),
     # One KV head's batch-1 decode on an H200: 264 slices (512 padded) at Gemma 3's D = 256, their accumulators read
     # 32 slices at a time.
     "combine_bf16_d256_512_slices": (
         "split_kv", "_split_kv_combine_kernel", {"out_ptr": "bf16"},
-        dict(D=256, BLOCK_D=256, SPLITS_PAD=512, SPLITS_CHUNK=32, WITH_V=True, HAS_SINKS=False), dict(num_warps=4),
+        dict(D=256, BLOCK_D=256, SPLITS_PAD=512, SPLITS_CHUNK=32, WITH_V=True, HAS_SINKS=False, PDL=False),
+        dict(num_warps=4),
     ),
     "combine_sinks_pool": (
         "split_kv", "_split_kv_combine_kernel", {},
-        dict(D=64, BLOCK_D=64, SPLITS_PAD=16, SPLITS_CHUNK=16, WITH_V=False, HAS_SINKS=True), dict(num_warps=4),
+        dict(D=64, BLOCK_D=64, SPLITS_PAD=16, SPLITS_CHUNK=16, WITH_V=False, HAS_SINKS=True, PDL=False),
+        dict(num_warps=4),
     ),
     "pool_scores_max": (
         "pool", "_pool_kernel", POOL_RANGES,
         dict(H_PAD=32, BLOCK_I=128, FROM_SCORES=True, REDISTRIBUTE=True, POOLING="max", INTO_LOG_C=True,
-             WINDOWED=False),
+             WINDOWED=False, PDL=False),
         dict(num_warps=4),
     ),
     "pool_scores_out_min": (
         "pool", "_pool_kernel", POOL_RANGES,
         dict(H_PAD=16, BLOCK_I=256, FROM_SCORES=True, REDISTRIBUTE=True, POOLING="min", INTO_LOG_C=False,
-             WINDOWED=True),
+             WINDOWED=True, PDL=False),
         dict(num_warps=4),
     ),
     "pool_scores_int32_ranges": (
         "pool", "_pool_kernel", dict.fromkeys(POOL_RANGES, "i32"),
         dict(H_PAD=32, BLOCK_I=128, FROM_SCORES=True, REDISTRIBUTE=True, POOLING="max", INTO_LOG_C=True,
-             WINDOWED=False),
+             WINDOWED=False, PDL=False),
         dict(num_warps=4),
     ),
     "pool_rows_bf16_mean": (
         "pool", "_pool_kernel", {"values_ptr": "bf16", **POOL_RANGES},
         dict(H_PAD=16, BLOCK_I=256, FROM_SCORES=False, REDISTRIBUTE=False, POOLING="mean", INTO_LOG_C=True,
-             WINDOWED=False),
+             WINDOWED=False, PDL=False),
         dict(num_warps=4),
     ),
     "generated_mass_bf16": (
@@ -153,6 +157,30 @@ VARIANTS.update({
                                                   DOT_F32=dtype == "fp32")
     for dtype in ("bf16", "fp32") for dim in (64, 128, 256) for rows in (16, 32, 64)
 })
+# The fused decode's kernels launched as programmatic dependents (common.dependent_launch), for sm_90 only: the grid
+# dependency control they use (griddepcontrol) starts there.
+VARIANTS.update({
+    "pdl_decode_bf16_gqa4_d128": _split_kv("bf16", D=128, GROUP=4, rows=16, WITH_V=True, PDL=True),
+    "pdl_combine_bf16": (
+        "split_kv", "_split_kv_combine_kernel", {"out_ptr": "bf16"},
+        dict(D=128, BLOCK_D=128, SPLITS_PAD=64, SPLITS_CHUNK=64, WITH_V=True, HAS_SINKS=False, PDL=True),
+        dict(num_warps=4, launch_pdl=True),
+    ),
+    "pdl_pool_scores_max": (
+        "pool", "_pool_kernel", POOL_RANGES,
+        dict(H_PAD=32, BLOCK_I=128, FROM_SCORES=True, REDISTRIBUTE=True, POOLING="max", INTO_LOG_C=True,
+             WINDOWED=False, PDL=True),
+        dict(num_warps=4, launch_pdl=True),
+    ),
+    "pdl_pool_scores_out_min": (
+        "pool", "_pool_kernel", POOL_RANGES,
+        dict(H_PAD=16, BLOCK_I=256, FROM_SCORES=True, REDISTRIBUTE=True, POOLING="min", INTO_LOG_C=False,
+             WINDOWED=True, PDL=True),
+        dict(num_warps=4, launch_pdl=True),
+    ),
+})
+ARCHES = {name: [90] if name.startswith("pdl_") else list(TARGETS) for name in VARIANTS}
+COMPILES = [(name, arch) for name in sorted(VARIANTS) for arch in ARCHES[name]]
 _SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -164,7 +192,7 @@ for (name, variant), floats in (
         + [(item, "fp64") for item in variants.items() if not item[0].startswith("tiles_")]):
     if floats == "fp64":
         name = "inductor_" + name
-    for arch in json.loads(sys.argv[3]) if floats == "fp32" else [90]:
+    for arch in json.loads(sys.argv[3])[name] if floats == "fp32" else [90]:
         compiled = compile_triton(*variant, arch, floats)
         cubin = f"{sys.argv[4]}/{name}@sm_{arch}.cubin"
         with open(cubin, "wb") as file:
@@ -182,15 +210,14 @@ def compiled(tmp_path_factory):
     env = dict(os.environ, TRITON_INTERPRET="0")
     cubins = tmp_path_factory.mktemp("cubins")
     done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(ROOT), json.dumps(VARIANTS), json.dumps(TARGETS), str(cubins)],
+        [sys.executable, "-c", _SCRIPT, str(ROOT), json.dumps(VARIANTS), json.dumps(ARCHES), str(cubins)],
         env=env, capture_output=True, text=True, timeout=600, check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("arch", TARGETS)
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize(("variant", "arch"), COMPILES)
 def test_kernel_compiles(compiled, variant, arch):
     result = compiled[f"{variant}@sm_{arch}"]
     assert result["cubin_bytes"] > 0
@@ -229,8 +256,7 @@ def test_half_precision_feature_scores_use_tensor_cores(compiled, variant, arch)
     assert re.search(r"\b(mma\.sync\.aligned\.m16n8k16|wgmma\.mma_async)", compiled[f"{variant}@sm_{arch}"]["ptx"])
 
 
-@pytest.mark.parametrize("arch", TARGETS)
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize(("variant", "arch"), COMPILES)
 def test_kernel_fits_shared_memory_without_spilling(compiled, variant, arch):
     """Every kernel keeps its values in registers and its stages in the shared memory a block gets, with the tiles its
     launcher picks: the split kernels' (ops.triton.common.split_kv_block) and AT2's feature kernels' (features_block)
@@ -327,6 +353,43 @@ def test_pool_reads_scores_as_vectors_and_log_c_beside_them(compiled, variant, a
     assert code.count("LDG.E.128") == tile_loads
     first_barrier = next(n for n, name in enumerate(code) if name.startswith("BAR"))
     assert not [name for name in code[first_barrier:] if name.startswith("LDG")]
+
+
+# griddepcontrol in sm_90's SASS: .wait is ACQBULK, .launch_dependents PREEXIT.
+WAIT, RELEASE = "ACQBULK", "PREEXIT"
+
+
+@pytest.mark.parametrize("variant", ["decode_bf16_gqa4_d128", "pdl_decode_bf16_gqa4_d128", "combine_bf16",
+                                     "pdl_combine_bf16", "pool_scores_max", "pdl_pool_scores_max",
+                                     "pool_scores_out_min", "pdl_pool_scores_out_min"])
+def test_dependent_kernels_wait_for_their_predecessor_before_reading_what_it_wrote(compiled, variant, arch=90):
+    """Launched as programmatic dependents (common.dependent_launch), the combine and the pooling start before the
+    kernel they follow has ended: each waits for it (griddepcontrol.wait) before its first read of what it wrote. The
+    combine reads only the split kernel's partials: it waits first. The pooling reads its ranges and log c (written
+    before the split pass) while the combine ends, then waits, then reads the scores (16-byte vectors), lse and
+    lse_gen. The split kernel and the combine release their dependents at once (a dependent's programs then wait on
+    SMs they would otherwise leave idle). Without PDL none of it is there."""
+    if cuobjdump() is None:
+        pytest.skip("no cuobjdump (neither the CUDA toolkit's nor Triton's) to read the SASS")
+    (sass,) = sass_by_function(Path(compiled[f"{variant}@sm_{arch}"]["cubin"])).values()
+    code = [opcode(instruction) for instruction in instructions(sass)]
+    kernel = VARIANTS[variant][1]
+    if not variant.startswith("pdl_"):
+        assert WAIT not in code and RELEASE not in code
+        return
+    assert code.count(WAIT) == (kernel != "_split_kv_kernel")
+    assert code.count(RELEASE) == (kernel != "_pool_kernel")
+    loads = [n for n, name in enumerate(code) if name.startswith("LDG")]
+    if kernel == "_split_kv_combine_kernel":
+        assert code.index(WAIT) < loads[0] and code.index(RELEASE) < loads[0]
+    if kernel == "_pool_kernel":
+        wait = code.index(WAIT)
+        early = [code[n] for n in loads if n < wait]
+        # start, end and kv_len (one int64 each), a window's column start, and with INTO_LOG_C the log c a thread
+        # adds to.
+        constexprs = VARIANTS[variant][3]
+        assert len(early) == 3 + constexprs["WINDOWED"] + constexprs["INTO_LOG_C"], early
+        assert "LDG.E.128" not in early
 
 
 @pytest.mark.parametrize("arch", TARGETS)

@@ -99,6 +99,21 @@ with null_driver.activate() as null:
         results[name] = {"first": first, "direct": recorded(case, direct=True, stream=11),
                          "triton": recorded(case, direct=False, stream=11)}
 
+    # Dependent launches forced on (a GPU of sm_90 and later with MACS_KERNELS_TRITON_PDL=1): each launched kernel's
+    # launch_pdl, which its launcher passes the driver.
+    split_kv = importlib.import_module("macs_kernels.ops.triton.split_kv")
+    pool = importlib.import_module("macs_kernels.ops.triton.pool")
+    split_kv.dependent_launch = pool.dependent_launch = lambda device: True
+    for name in ("fused bf16 GQA 3:1 D64 113 keys", "attention fp16 GQA 4:1 D128 1024 keys"):
+        case = cases[name]
+        first = recorded(case, direct=True, stream=3)
+        dependent = {"first": first, "direct": recorded(case, direct=True, stream=11),
+                     "triton": recorded(case, direct=False, stream=11)}
+        pdl = {compiled.metadata.hash: compiled.metadata.launch_pdl for _, compiled in common._COMPILED.values()}
+        dependent["launch_pdl"] = [[launch[0], pdl[launch[1]]] for launch in dependent["direct"]["launches"]]
+        results["dependent " + name] = dependent
+    split_kv.dependent_launch = pool.dependent_launch = common.dependent_launch
+
     hook_calls = []
     hook = lambda metadata: hook_calls.append(metadata)
     chain = knobs.runtime.launch_enter_hook
@@ -134,6 +149,23 @@ def test_a_direct_launch_calls_the_kernel_tritons_path_calls_with_the_same_argum
     assert [launch[3] for launch in result["first"]["launches"]] == [3] * len(result["first"]["launches"])
     assert [launch[:3] + launch[4:] for launch in result["first"]["launches"]] == \
         [launch[:3] + launch[4:] for launch in result["triton"]["launches"]]
+
+
+@pytest.mark.parametrize("case", ["fused bf16 GQA 3:1 D64 113 keys", "attention fp16 GQA 4:1 D128 1024 keys"])
+def test_dependent_launches_make_the_combine_and_the_pooling_dependents_of_the_kernel_before(launches, case):
+    """With dependent launches on, the combine and the head pooling launch with launch_pdl (the split kernel, which
+    follows the caller's own kernels, does not), direct launches still call what Triton's path calls, and the split
+    kernel is another compile (it releases its dependents early)."""
+    result = launches["dependent " + case]
+    expected = {"_split_kv_kernel": False, "_split_kv_combine_kernel": True, "_pool_kernel": True}
+    assert result["launch_pdl"] == [[name, expected[name]] for name, _ in result["launch_pdl"]]
+    assert [name for name, _ in result["launch_pdl"]] == [launch[0] for launch in launches[case]["direct"]["launches"]]
+    assert result["direct"]["jit_runs"] == 0
+    assert result["direct"]["launches"] == result["triton"]["launches"]
+    digests = {kind: {launch[0]: launch[1] for launch in runs["direct"]["launches"]}
+               for kind, runs in (("plain", launches[case]), ("dependent", result))}
+    assert digests["plain"].keys() == digests["dependent"].keys()
+    assert all(digests["plain"][name] != digests["dependent"][name] for name in digests["plain"])
 
 
 def test_each_specialisation_gets_its_own_kernel(launches):

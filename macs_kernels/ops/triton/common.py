@@ -16,6 +16,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import os
 
 import torch
 import triton
@@ -30,6 +31,10 @@ try:
     from triton import knobs
 except ImportError:  # Triton < 3.4
     knobs = None
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # Triton < 3.3: no grid dependency control
+    gdc_launch_dependents = gdc_wait = None
 
 LOG2E = tl.constexpr(1.4426950408889634)
 MIN_SCORE = tl.constexpr(-1.0e30)
@@ -42,6 +47,14 @@ INTERPRETED = triton_interpreted()
 # JITFunction and CompiledKernel internals it uses (the same since 3.4: the binder last in `device_caches`, the
 # launcher's arguments, the knobs' launch hooks).
 DIRECT_LAUNCHES = knobs is not None and not INTERPRETED
+
+# Whether the split pass's combine and head pooling launch as programmatic dependents of the kernel before them
+# (MACS_KERNELS_TRITON_PDL=1, read at import; `dependent_launches` for a block of code), on sm_90 and later: a
+# dependent's programs start while its predecessor's last ones run, read what does not come from it (ranges, log c),
+# then wait for it (griddepcontrol.wait: its writes visible), instead of starting after it ends. FlashInfer's decode
+# kernels launch the same way (their enable_pdl). Off by default: no GPU has timed it or checked it exact yet (the
+# `kernels` preset of .ci/gpu does both).
+PDL_LAUNCHES = os.environ.get("MACS_KERNELS_TRITON_PDL", "0") not in ("", "0")
 
 # Kernel name -> launches since import: lets an integration test prove that Triton really ran.
 LAUNCHES: collections.Counter = collections.Counter()
@@ -207,6 +220,52 @@ def next_pow2(value: int) -> int:
     """The least power of two >= value (1 for value <= 1); int() specialises a traced size."""
     value = int(value)
     return 1 << (value - 1).bit_length() if value > 1 else 1
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether this call's dependent kernels launch programmatically (PDL_LAUNCHES): on a GPU of compute capability 9
+    or more, outside the interpreter and torch.compile's tracing (inductor launches the kernels it traces itself)."""
+    return (PDL_LAUNCHES and device.type == "cuda" and gdc_wait is not None and not INTERPRETED
+            and not torch.compiler.is_compiling() and capability_major(device) >= 9)
+
+
+def dependent_options(dependent: bool) -> dict:
+    """The launch option that makes a kernel a programmatic dependent of the one before it (none otherwise: Triton's
+    own default, and versions without the option)."""
+    return {"launch_pdl": True} if dependent else {}
+
+
+@contextlib.contextmanager
+def dependent_launches(enabled: bool = True):
+    """PDL_LAUNCHES set to `enabled` inside: what the benchmarks and the GPU tests compare."""
+    global PDL_LAUNCHES
+    saved, PDL_LAUNCHES = PDL_LAUNCHES, enabled
+    try:
+        yield
+    finally:
+        PDL_LAUNCHES = saved
+
+
+@triton.jit
+def wait_for_prior_grid(PDL: tl.constexpr):
+    """With PDL, wait until the kernel this one was launched after has finished and its writes are visible: before
+    the first read of anything it wrote."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def release_dependent_grid(PDL: tl.constexpr):
+    """With PDL, let the next kernel's programs start once every program of this one has passed here (they then wait
+    in wait_for_prior_grid: this grants no early read)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@functools.cache
+def capability_major(device: torch.device) -> int:
+    """A CUDA device's compute capability's major number (cached per device: the query costs microseconds)."""
+    return torch.cuda.get_device_capability(device)[0]
 
 
 @functools.cache

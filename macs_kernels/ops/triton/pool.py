@@ -15,12 +15,15 @@ import triton.language as tl
 from macs_kernels.ops.triton.common import (
     cdiv,
     clamped,
+    dependent_launch,
+    dependent_options,
     input_columns,
     launch,
     next_pow2,
     pool_block,
     row_block,
     score_base,
+    wait_for_prior_grid,
 )
 
 
@@ -49,8 +52,10 @@ def _pool_kernel(
     stride_vb, stride_vh, stride_vr, stride_lb, stride_lh, stride_lr, stride_gb, stride_gh, stride_gr,
     stride_ib, stride_ir, stride_eb, stride_er, stride_kb, stride_kr, stride_pb, stride_pr, stride_tb, stride_tr,
     H_PAD: tl.constexpr, BLOCK_I: tl.constexpr, FROM_SCORES: tl.constexpr, REDISTRIBUTE: tl.constexpr,
-    POOLING: tl.constexpr, INTO_LOG_C: tl.constexpr, WINDOWED: tl.constexpr,
+    POOLING: tl.constexpr, INTO_LOG_C: tl.constexpr, WINDOWED: tl.constexpr, PDL: tl.constexpr,
 ):
+    """PDL: launched as the split pass's combine's programmatic dependent: the ranges and log c (written before the
+    split pass) are read while the combine ends, the scores, lse and lse_gen after it."""
     # Inductor passes Python floats as fp64 (a loop-carried max would turn fp64): the math stays fp32.
     alpha = tl.cast(alpha, tl.float32)
     b = (tl.program_id(0) // rows).to(tl.int64)
@@ -72,10 +77,14 @@ def _pool_kernel(
     i_mask = (i >= 0) & (i < n_input) & (i < n_target)
     if not FROM_SCORES:
         tile_mask = h_mask[:, None] & i_mask[None, :]
+    target = target_ptr + b * stride_tb + r * stride_tr + i
+    if PDL:
+        if INTO_LOG_C:
+            log_c = tl.load(target, mask=i_mask)
+        wait_for_prior_grid(PDL)
     x = tl.load(values_ptr + b * stride_vb + r * stride_vr + h[:, None] * stride_vh + column[None, :],
                 mask=tile_mask, other=0.0).to(tl.float32)
-    target = target_ptr + b * stride_tb + r * stride_tr + i
-    if INTO_LOG_C:
+    if INTO_LOG_C and not PDL:
         # Issued beside the tile's loads, not one round trip after the pooling (before them, its change of layout
         # through shared memory held the tile's loads back until it arrived).
         log_c = tl.load(target, mask=i_mask)
@@ -107,7 +116,7 @@ def _pool_kernel(
 
 
 def pool(values, target, start, end, kv_len, keys, *, column_start=None, lse=None, generated=None, alpha=None,
-         pooling="max", redistribute=True, into_log_c=True):
+         pooling="max", redistribute=True, into_log_c=True, after_combine=False):
     """Pool `values` over heads into `target` for each query row.
 
     values: the split pass's scores (B, H, R, split_kv.score_columns(N_max)) (input i of a row in column
@@ -119,6 +128,8 @@ def pool(values, target, start, end, kv_len, keys, *, column_start=None, lse=Non
     target: log_c (B, N_max) to which log(alpha * m' + 1 - alpha) is added for i < N (into_log_c), or
         out (B, R, N_max) that receives m' for i < N and 0 after.
     alpha: the floor weight of log c's update (into_log_c: required); None where m' is written.
+    after_combine: launched right after the split pass's combine, which wrote lse and generated: it may launch as the
+        combine's programmatic dependent (common.dependent_launch).
     """
     if into_log_c and alpha is None:
         raise ValueError("pool into log_c needs alpha")
@@ -134,6 +145,7 @@ def pool(values, target, start, end, kv_len, keys, *, column_start=None, lse=Non
     block_i = pool_block(heads, n_columns)
     windowed = column_start is not None
     column_start = column_start if windowed else start
+    dependent = after_combine and dependent_launch(values.device)
     launch(
         _pool_kernel, (batch * rows, cdiv(n_columns, block_i)),
         values4, lse3, gen3, start, end, kv_len, column_start, target3,
@@ -142,7 +154,8 @@ def pool(values, target, start, end, kv_len, keys, *, column_start=None, lse=Non
         gen3.stride(0), gen3.stride(1), gen3.stride(2), *start.stride(), *end.stride(), *kv_len.stride(),
         *column_start.stride(), target3.stride(0), target3.stride(1),
         H_PAD=next_pow2(heads), BLOCK_I=block_i, FROM_SCORES=from_scores, REDISTRIBUTE=redistribute,
-        POOLING=pooling, INTO_LOG_C=into_log_c, WINDOWED=windowed, num_warps=4,
+        POOLING=pooling, INTO_LOG_C=into_log_c, WINDOWED=windowed, PDL=dependent, num_warps=4,
+        **dependent_options(dependent),
     )
 
 

@@ -33,6 +33,8 @@ from macs_kernels.ops.triton.common import (
     MIN_SCORE,
     cdiv,
     clamped,
+    dependent_launch,
+    dependent_options,
     dot,
     dot_in_f32,
     fast_exp,
@@ -41,9 +43,11 @@ from macs_kernels.ops.triton.common import (
     launch,
     next_pow2,
     operand,
+    release_dependent_grid,
     score_base,
     split_kv_tiles,
     splits_chunk,
+    wait_for_prior_grid,
 )
 from macs_kernels.ops.triton.pool import pool
 
@@ -80,10 +84,12 @@ def _split_kv_kernel(
     stride_tb, stride_sb, stride_sh, stride_sr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, WITH_V: tl.constexpr, WITH_SCORES: tl.constexpr, DOT_F32: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program's (row tile, key slice): the online softmax state (m, l, l_gen, acc) of its BLOCK_M rows over the
-    slice, stored as the slice's partials for the combine, and the input keys' scores written on the way."""
+    slice, stored as the slice's partials for the combine, and the input keys' scores written on the way. PDL: the
+    combine launches as its programmatic dependent."""
+    release_dependent_grid(PDL)
     # Inductor passes Python floats as fp64 (a loop-carried max would turn fp64): the math stays fp32.
     scale, softcap = tl.cast(scale, tl.float32), tl.cast(softcap, tl.float32)
     row_tiles = tl.cdiv(GROUP * rows, BLOCK_M)
@@ -255,8 +261,11 @@ def _split_kv_combine_kernel(
     partials_ptr, out_ptr, lse_ptr, lse_gen_ptr, sinks_ptr,
     splits, heads, rows, stride_part, stride_ob, stride_oh, stride_or,
     D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLITS_CHUNK: tl.constexpr,
-    WITH_V: tl.constexpr, HAS_SINKS: tl.constexpr,
+    WITH_V: tl.constexpr, HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
 ):
+    """PDL: launched as the split kernel's programmatic dependent, and the head pooling as its own."""
+    wait_for_prior_grid(PDL)
+    release_dependent_grid(PDL)
     _combine_row(tl.program_id(0).to(tl.int64), partials_ptr, out_ptr, lse_ptr, lse_gen_ptr, sinks_ptr, splits,
                  heads, rows, stride_part, stride_ob, stride_oh, stride_or, D, BLOCK_D, SPLITS_PAD, SPLITS_CHUNK,
                  WITH_V, HAS_SINKS)
@@ -278,7 +287,9 @@ def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores
     None: input i of row (b, h, r) in column i + s % 16 where s is the row's score start, score_start or start);
     lse_gen and scores are views of the pass's workspace.
     """
-    split = _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block_table, score_start, softcap)
+    dependent = dependent_launch(q.device)
+    split = _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block_table, score_start, softcap,
+                   dependent)
     batch, heads, rows, dim = q.shape
     out = torch.empty(batch, heads, rows, dim, device=q.device, dtype=q.dtype) if split.with_v else None
     lse = torch.empty(batch, heads, rows, device=q.device, dtype=torch.float32)
@@ -288,7 +299,8 @@ def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores
         split.workspace, target, lse, split.lse_gen, split.workspace if sinks is None else sinks,
         split.splits, heads, rows, split.stride_part, *(target.stride()[:3] if split.with_v else (0, 0, 0)),
         D=dim, BLOCK_D=head_block(dim), SPLITS_PAD=next_pow2(split.splits),
-        SPLITS_CHUNK=splits_chunk(split.splits, dim), WITH_V=split.with_v, HAS_SINKS=sinks is not None, num_warps=4,
+        SPLITS_CHUNK=splits_chunk(split.splits, dim), WITH_V=split.with_v, HAS_SINKS=sinks is not None, PDL=dependent,
+        num_warps=4, **dependent_options(dependent),
     )
     return out, lse, split.lse_gen, split.scores
 
@@ -304,7 +316,8 @@ def fused_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, target, *, 
         score_start=score_start, softcap=softcap, sinks=sinks)
     pool(scores, target, start, input_end, kv_len, _cache_keys(k_cache, block_table),
          column_start=None if score_start is None else pool_start, lse=own_lse if lse is None else lse,
-         generated=lse_gen, alpha=alpha, pooling=pooling, redistribute=redistribute, into_log_c=into_log_c)
+         generated=lse_gen, alpha=alpha, pooling=pooling, redistribute=redistribute, into_log_c=into_log_c,
+         after_combine=True)
     return out, own_lse
 
 
@@ -338,8 +351,10 @@ def _cache_keys(k_cache, block_table) -> int:
     return k_cache.shape[2] if block_table is None else block_table.shape[1] * k_cache.shape[1]
 
 
-def _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block_table, score_start, softcap):
-    """Launch `_split_kv_kernel` (arguments as split_kv_pass's) into a new workspace (a _Split)."""
+def _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block_table, score_start, softcap,
+           dependent):
+    """Launch `_split_kv_kernel` (arguments as split_kv_pass's; dependent: the combine launches as its programmatic
+    dependent) into a new workspace (a _Split)."""
     batch, heads, rows, dim = q.shape
     paged = block_table is not None
     keys = _cache_keys(k_cache, block_table)
@@ -382,7 +397,7 @@ def _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block
         *(scores.stride()[:3] if n_scores else (0, 0, 0)),
         D=dim, BLOCK_D=head_block(dim), GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         WITH_V=with_v, WITH_SCORES=bool(n_scores), DOT_F32=dot_f32, PAGE_SIZE=page_size,
-        SOFTCAP=softcap is not None, WINDOWED=windowed,
+        SOFTCAP=softcap is not None, WINDOWED=windowed, PDL=dependent,
         num_warps=tiles.num_warps, num_stages=3,
     )
     return _Split(tiles.splits, with_v, workspace, stride_part, lse_gen, scores)
