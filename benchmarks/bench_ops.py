@@ -16,7 +16,7 @@ All providers attend keys [0, S) with the last 16 keys as generated tokens (N = 
 On GPU: triton.testing.do_bench, and for B = 1 also one replay of a captured CUDA graph. The cuda backend runs the
 split kernel its shape chooses (ops/cuda/__init__.py; bf16 at D 64 and 128: the tensor-core one); torch's
 scaled_dot_product_attention with enable_gqa is the anchor (torch-sdpa-gqa, column vs_sdpa = time over its time).
-triton-pdl: the triton backend with its combine and head pooling launched as programmatic dependents (sm_90+).
+triton-pdl, cuda-pdl: those backends with their combine and head pooling launched as programmatic dependents (sm_90+).
     python benchmarks/bench_ops.py --shapes issue   # issue 43's shapes, graph replay at every batch, ratio table
     python benchmarks/bench_ops.py --shapes issue48 --graph-only   # issue 48's table as JSON lines (ratios)
 """
@@ -128,23 +128,29 @@ def gpu_with(module: str | None = None):
     return reason
 
 
-def triton_pdl_unavailable(device: torch.device) -> str | None:
-    reason = gpu_with()(device) or why_unavailable("triton", device)
-    if reason is None and torch.cuda.get_device_capability(device)[0] < 9:
-        reason = "programmatic dependent launches need sm_90 or later"
+def dependent_unavailable(backend: str):
+    """Why `backend`'s dependent launches cannot run on a device (None: they can)."""
+    def reason(device: torch.device) -> str | None:
+        why = gpu_with()(device) or why_unavailable(backend, device)
+        if why is None and torch.cuda.get_device_capability(device)[0] < 9:
+            why = "programmatic dependent launches need sm_90 or later"
+        return why
     return reason
 
 
-def dependent(build):
-    """A provider whose calls (and their graph captures) launch the Triton backend's combine and head pooling as
-    programmatic dependents (ops/triton/common.py, dependent_launches)."""
-    def build_dependent(op: str, p: Problem):
-        from macs_kernels.ops.triton import common
+# Where each backend's switch of dependent launches lives.
+DEPENDENT_LAUNCHES = {"triton": "macs_kernels.ops.triton.common", "cuda": "macs_kernels.ops.cuda"}
 
+
+def dependent(backend: str, build):
+    """A provider whose calls (and their graph captures) launch `backend`'s combine and head pooling as programmatic
+    dependents (ops/triton/common.py and ops/cuda: dependent_launches)."""
+    def build_dependent(op: str, p: Problem):
+        launches = importlib.import_module(DEPENDENT_LAUNCHES[backend]).dependent_launches
         fn = build(op, p)
 
         def call():
-            with common.dependent_launches():
+            with launches():
                 return fn()
         return call
     return build_dependent
@@ -163,13 +169,14 @@ PROVIDERS = (
     Provider("triton", OPS, lambda d: gpu_with()(d) or why_unavailable("triton", d), backend_call("triton")),
     Provider("triton-attention-only", ("decode_attention",),
              lambda d: gpu_with()(d) or why_unavailable("triton", d), backend_call("triton", fused=False)),
-    # The same with the combine and the pooling launched as programmatic dependents (MACS_KERNELS_TRITON_PDL=1).
-    Provider("triton-pdl", OPS, triton_pdl_unavailable, dependent(backend_call("triton"))),
-    Provider("triton-pdl-attention-only", ("decode_attention",), triton_pdl_unavailable,
-             dependent(backend_call("triton", fused=False))),
     Provider("cuda", OPS, lambda d: gpu_with()(d) or why_unavailable("cuda", d), backend_call("cuda")),
     Provider("cuda-attention-only", ("decode_attention",), lambda d: gpu_with()(d) or why_unavailable("cuda", d),
              backend_call("cuda", fused=False)),
+    # The same with the combine and the pooling launched as programmatic dependents (MACS_KERNELS_TRITON_PDL=1,
+    # MACS_KERNELS_CUDA_PDL=1).
+    *(Provider(f"{backend}-pdl{suffix}", ops, dependent_unavailable(backend),
+               dependent(backend, backend_call(backend, fused=not suffix)))
+      for backend in ("triton", "cuda") for suffix, ops in (("", OPS), ("-attention-only", ("decode_attention",)))),
     # The public op (argument checks with the device default, index arguments, backend choice) around the backend's
     # kernels (the provider without -public): issue 48's goal is <= 1.05x (or 2 us) of them inside a graph.
     Provider("triton-public", OPS, lambda d: gpu_with()(d) or why_unavailable("triton", d),

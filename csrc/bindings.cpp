@@ -3,7 +3,60 @@
 // itself holds no functions.
 #include <Python.h>
 
+#include <atomic>
 #include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include <cuda_runtime.h>
+
+// Defined here, declared in common.cuh (which a C++ compiler cannot read: its launcher uses <<<>>>).
+namespace macs {
+namespace {
+
+int dependent_launches_from_environment() {
+  const char* value = std::getenv("MACS_KERNELS_CUDA_PDL");
+  return value != nullptr && std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
+}
+
+// Read when the library loads. The functions that touch it are left out of the CPU emulation's thread-sanitizer
+// instrumentation, whose runtime (csrc/emulation/runtime.cpp) counts plain accesses and has no atomic callbacks.
+std::atomic<int> dependent_launch_setting{dependent_launches_from_environment()};
+
+}  // namespace
+
+__attribute__((no_sanitize("thread"))) bool dependent_launches() {
+  return dependent_launch_setting.load(std::memory_order_relaxed) != 0;
+}
+
+bool waits_for_prior_grid(const void* kernel) {
+#ifdef MACS_CPU_EMULATION
+  (void)kernel;
+  return true;
+#else
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, bool> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = known.find({kernel, device});
+  if (found != known.end()) return found->second;
+  cudaFuncAttributes attributes;
+  const bool waits = cudaFuncGetAttributes(&attributes, kernel) == cudaSuccess && attributes.ptxVersion >= 90;
+  known[{kernel, device}] = waits;
+  return waits;
+#endif
+}
+
+}  // namespace macs
+
+// Sets whether later split passes launch their combine and head pooling as programmatic dependents (common.cuh);
+// returns the previous setting. Called through ctypes (macs_kernels.ops.cuda.dependent_launches).
+extern "C" __attribute__((no_sanitize("thread"))) int macs_kernels_set_dependent_launches(int enabled) {
+  return macs::dependent_launch_setting.exchange(enabled != 0);
+}
 
 extern "C" PyMODINIT_FUNC PyInit__C(void) {
   // The split kernel is chosen by shape (split_kv/policy.cuh): a setting of the removed switch is named, not ignored

@@ -132,4 +132,57 @@ __device__ float block_reduce(float x, float* scratch) {
   return IS_MAX ? warp_max(x) : warp_sum(x);
 }
 
+// Programmatic dependent launch (sm_90 and later): a kernel launched as the dependent of the one before it on its
+// stream (launch_kernel's `dependent`) may start while that one's last blocks run; it must call wait_for_prior_grid
+// before its first read of anything the kernel before wrote (the wait returns once that kernel has ended and its writes
+// are visible; without a dependent launch it returns at once). release_dependent_grid lets the next kernel's blocks be
+// placed once every block of this one has passed it (they then wait: it grants no early read). Both compile to
+// nothing below sm_90 (and in the CPU emulation, which runs grids one after another).
+__device__ __forceinline__ void wait_for_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void release_dependent_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether the split pass launches its combine and head pooling as programmatic dependents: MACS_KERNELS_CUDA_PDL=1,
+// read at the first launch, or macs_kernels_set_dependent_launches (csrc/bindings.cpp; off by default until a GPU
+// times it).
+bool dependent_launches();
+// Whether `kernel`, as loaded for the current device, waits in wait_for_prior_grid: its code was compiled for
+// compute_90 or later (a build whose newest target is older, run through the driver's PTX compiler, does not wait,
+// and a dependent launch of it would read its inputs early).
+bool waits_for_prior_grid(const void* kernel);
+
+// kernel<<<grid, block, shared_bytes, stream>>>(args...), as a programmatic dependent of the kernel before it when
+// `dependent` and the kernel waits for it (waits_for_prior_grid).
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel(bool dependent, void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes,
+                          cudaStream_t stream, Args... args) {
+#ifdef MACS_CPU_EMULATION
+  ::cuda_emulation::launch(kernel, grid, block, shared_bytes, stream, dependent)(args...);
+#else
+  if (dependent && waits_for_prior_grid(reinterpret_cast<const void*>(kernel))) {
+    cudaLaunchAttribute attribute;
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = shared_bytes;
+    config.stream = stream;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, kernel, args...);
+  }
+  kernel<<<grid, block, shared_bytes, stream>>>(args...);
+#endif
+  return cudaGetLastError();
+}
+
 }  // namespace macs

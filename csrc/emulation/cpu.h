@@ -225,11 +225,13 @@ void copy16_async(void* shared, const void* global, bool fill);
 void copy_async_commit();
 void copy_async_wait(int pending);
 
-// A kernel launch: every block of `grid`, one after another, each with one thread per CUDA thread.
+// A kernel launch: every block of `grid`, one after another, each with one thread per CUDA thread. `dependent`: launched
+// as a programmatic dependent of the launch before (macs::launch_kernel), recorded only: grids run one after another.
 struct LaunchConfig {
   const void* kernel;
   dim3 grid, block;
   size_t shared_bytes;
+  bool dependent;
 };
 bool launch_refused(const LaunchConfig& config);  // sets the launch error the next cudaGetLastError returns
 void run_grid(const LaunchConfig& config, void (*run_thread)(void*), void* call);
@@ -254,8 +256,8 @@ struct Launch {
 
 template <typename... Params>
 Launch<Params...> launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes = 0,
-                         cudaStream_t = nullptr) {
-  return {kernel, LaunchConfig{reinterpret_cast<const void*>(kernel), grid, block, shared_bytes}};
+                         cudaStream_t = nullptr, bool dependent = false) {
+  return {kernel, LaunchConfig{reinterpret_cast<const void*>(kernel), grid, block, shared_bytes, dependent}};
 }
 
 }  // namespace cuda_emulation

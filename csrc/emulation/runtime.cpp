@@ -523,7 +523,8 @@ extern "C" const char* cuda_emulation_take_launches() {
   for (const cuda_emulation::LaunchConfig& launch : cuda_emulation::launches) {
     cuda_emulation::launches_text += cuda_emulation::kernel_name(launch.kernel) + '\t' +
                                      cuda_emulation::dims(launch.grid) + '\t' + cuda_emulation::dims(launch.block) +
-                                     '\t' + std::to_string(launch.shared_bytes) + '\n';
+                                     '\t' + std::to_string(launch.shared_bytes) + '\t' +
+                                     (launch.dependent ? "1" : "0") + '\n';
   }
   cuda_emulation::launches.clear();
   return cuda_emulation::launches_text.c_str();

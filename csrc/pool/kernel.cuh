@@ -71,22 +71,29 @@ __global__ void __launch_bounds__(kPoolThreads) pool_kernel(PoolParams<Src> p) {
   }
   const int64_t n_input = inputs_end - column0;
 
-  // [heads][2] of this query row: the base-2 log-sum-exp its scores are normalised by, then its mass on generated
-  // keys spread over the N inputs (computed once here, the same float division every key made before); then, with
-  // head slices, each thread's partial pool.
-  extern __shared__ float shared[];
-  float* stats = shared;
-  for (int64_t i = threadIdx.x; i < 2 * p.heads; i += blockDim.x) {
-    const float stat = p.stats[((b * p.heads + i / 2) * p.rows + r) * 2 + i % 2];
-    stats[i] = i % 2 == 0 ? stat : stat / float(n_input);
-  }
-  __syncthreads();
-
   constexpr int kKeysPerBlock = kPoolThreads / SLICES;
   const int slice = SLICES == 1 ? 0 : int(threadIdx.x) / kKeysPerBlock;
   const int64_t i = blockIdx.x * int64_t(kKeysPerBlock) + int(threadIdx.x) % kKeysPerBlock;
   float* out = p.out + (b * p.rows + r) * p.n_max + i;
   const bool input = i < n_input && i < p.n_max;
+  // Loaded first, with the ranges (each load is a DRAM or L2 round trip): log c was written before the split pass
+  // began, so a programmatic dependent reads it before its wait.
+  const float previous = input && slice == 0 && p.epilogue == PoolEpilogue::kAddLogFloor ? *out : 0.0f;
+  // As the combine's programmatic dependent (split_kv_pool, kernel.cu), the stats, scores and maxima the split pass
+  // wrote are read after this.
+  wait_for_prior_grid();
+
+  // [heads][2] of this query row: the base-2 log-sum-exp its scores are normalised by, then its mass on generated
+  // keys spread over the N inputs (computed once here, the same float division every key made before); then, with
+  // head slices, each thread's partial pool.
+  extern __shared__ float shared[];
+  float* stats = shared;
+  for (int64_t h = threadIdx.x; h < 2 * p.heads; h += blockDim.x) {
+    const float stat = p.stats[((b * p.heads + h / 2) * p.rows + r) * 2 + h % 2];
+    stats[h] = h % 2 == 0 ? stat : stat / float(n_input);
+  }
+  __syncthreads();
+
   const auto store_past_inputs = [&] {
     if (i < p.n_max && p.epilogue == PoolEpilogue::kStore) *out = 0.0f;
   };
@@ -108,8 +115,6 @@ __global__ void __launch_bounds__(kPoolThreads) pool_kernel(PoolParams<Src> p) {
   const int64_t groups = ceil_div(p.keys, kRelativeScoreGroup);  // per row of maxima
   const float* maxima =
       kRelative ? p.maxima + (b * p.heads * p.rows + r) * groups + key / kRelativeScoreGroup : nullptr;
-  // Loaded with the heads, not after them: each load is a DRAM or L2 round trip.
-  const float previous = input && slice == 0 && p.epilogue == PoolEpilogue::kAddLogFloor ? *out : 0.0f;
   float pooled = p.pooling == Pooling::kMax ? kNegInf : (p.pooling == Pooling::kMin ? kInf : 0.0f);
   const auto pool_value = [&](float value) {
     pooled = p.pooling == Pooling::kMax ? fmaxf(pooled, value)
@@ -168,9 +173,11 @@ __global__ void __launch_bounds__(kPoolThreads) pool_kernel(PoolParams<Src> p) {
 }
 
 // Launches pool_kernel on `stream` with the head slices pool_head_slices gives a GPU of `sm_count` multiprocessors
-// (instantiated in kernel.cu for the rows' dtypes, and for float32 and fp16 relative scores).
+// (instantiated in kernel.cu for the rows' dtypes, and for float32 and fp16 relative scores); `dependent`: as the
+// programmatic dependent of the kernel before it, which wrote what it reads (common.cuh, launch_kernel).
 template <typename Src, bool FROM_SCORES>
-cudaError_t pool_heads(const PoolParams<Src>& p, int64_t batch, int64_t sm_count, cudaStream_t stream);
+cudaError_t pool_heads(const PoolParams<Src>& p, int64_t batch, int64_t sm_count, cudaStream_t stream,
+                       bool dependent = false);
 
 // What follows a split-KV pass when the op pools its scores: `out` null for plain attention.
 struct PoolTail {

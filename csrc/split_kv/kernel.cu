@@ -39,8 +39,8 @@ cudaError_t split_kv(const SplitParams<T>& p, const CombineParams<T>& combine, S
   if (error != cudaSuccess) return error;
   const dim3 combine_grid(unsigned(combine.rows_per_item), unsigned(p.batch));
   const auto combine_pass = combine_columns(combine.dim_v) == 4 ? combine_kernel<T, 4> : combine_kernel<T, 1>;
-  combine_pass<<<combine_grid, kCombineThreads, combine_smem_bytes(p.splits), stream>>>(combine);
-  return cudaGetLastError();
+  return launch_kernel(dependent_launches(), combine_pass, combine_grid, dim3(kCombineThreads),
+                       combine_smem_bytes(p.splits), stream, combine);
 }
 
 #define MACS_INSTANTIATE_SPLIT_KV(T)                                                                                 \

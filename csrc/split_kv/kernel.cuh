@@ -148,6 +148,7 @@ __device__ __forceinline__ void stage_tile(const KeyRows<T>& rows, int64_t dim, 
 template <typename T, int VEC, bool WITH_V, bool SOFTCAP>
 __global__ void __launch_bounds__(kMaxSplitThreads) split_kernel(SplitParams<T> p) {
   extern __shared__ __align__(16) unsigned char smem[];
+  release_dependent_grid();  // the combine (common.cuh)
   const int64_t split = blockIdx.x, b = blockIdx.z;
   const int64_t row_chunks = ceil_div(p.rows, p.rows_per_block);
   const int64_t kv_head = blockIdx.y / row_chunks, row0 = (blockIdx.y % row_chunks) * p.rows_per_block;
@@ -339,6 +340,10 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombinePara
   __shared__ float warp_states[kWarps][4];
   __shared__ float group_sums[kCombineThreads * W];
   extern __shared__ float split_weight[];  // [splits]: each split's max, then 2^(max - the row's max)
+  // As the split kernel's programmatic dependent (split_kv, kernel.cu) it reads nothing before that kernel has ended;
+  // its own dependent, the head pooling, may be placed at once.
+  wait_for_prior_grid();
+  release_dependent_grid();
   const int64_t row = blockIdx.y * p.rows_per_item + blockIdx.x;
   const float* part = p.part_stats + row * p.splits * 4;
   const int splits = int(p.splits);  // at most a wave of blocks

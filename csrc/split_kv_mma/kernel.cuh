@@ -159,6 +159,7 @@ __global__ void __launch_bounds__(kMmaThreads, mma_blocks_by_registers(DIM, WITH
     mma_split_kernel(SplitParams<T> p) {
   constexpr int PITCH = DIM + kMmaPad, KSTEPS = DIM / 16, NTILES = DIM / 8, VEC = kVec16<T>, LANES = DIM / VEC;
   extern __shared__ __align__(16) unsigned char smem[];
+  release_dependent_grid();  // the combine (common.cuh)
   const int64_t split = blockIdx.x, b = blockIdx.z;
   const int64_t row_chunks = ceil_div(p.rows, p.rows_per_block);
   const int64_t kv_head = blockIdx.y / row_chunks, row0 = (blockIdx.y % row_chunks) * p.rows_per_block;

@@ -146,6 +146,7 @@ template <typename T, bool WITH_V>
 __global__ void __launch_bounds__(kPipelinedMaxThreads, kPipelinedMinBlocks) pipelined_split_kernel(SplitParams<T> p) {
   constexpr int VEC = kVec16<T>;
   extern __shared__ __align__(16) unsigned char smem[];
+  release_dependent_grid();  // the combine (common.cuh)
   const int64_t split = blockIdx.x, b = blockIdx.z;
   const int64_t row_chunks = ceil_div(p.rows, p.rows_per_block);
   const int64_t kv_head = blockIdx.y / row_chunks, row0 = (blockIdx.y % row_chunks) * p.rows_per_block;

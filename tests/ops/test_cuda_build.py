@@ -18,6 +18,7 @@ the CPU by the emulation (MACS_KERNELS_CUDA_EMULATION=1, ops/cuda/emulation.py),
 """
 import concurrent.futures
 import importlib.util
+import itertools
 import os
 import re
 import subprocess
@@ -302,6 +303,44 @@ def test_combine_kernel_loads_a_chunk_of_splits_before_using_any(compiled_pieces
         assert loads_in_flight(code) == 16 + 1, f"{name} {arch}: {loads_in_flight(code)} in flight from the start"
         if "Li4E" in name:
             assert sum(opcode(instruction) == "LDG.E.128" for instruction in split_loop) == 16, name
+
+
+# griddepcontrol (common.cuh) in SASS: .wait is ACQBULK, .launch_dependents PREEXIT.
+WAIT, RELEASE = "ACQBULK", "PREEXIT"
+
+
+def test_dependent_kernels_wait_for_the_split_pass_before_reading_what_it_wrote(compiled_pieces):
+    """With MACS_KERNELS_CUDA_PDL=1 the combine and the head pooling launch as programmatic dependents of the kernel
+    before them (common.cuh's launch_kernel), so they may start before it ends. On sm_90: every split kernel releases
+    its dependent as it starts; the combine waits before its first load and then releases its own; the pooling loads
+    its ranges (an int32 and an int64 path each: start, input_end, kv_len, a window's column start, input_end again
+    there) and log c, all written before the split pass began, then waits before the stats, scores and maxima. sm_80
+    has neither instruction (a launch there is never dependent)."""
+    if cuobjdump() is None:
+        pytest.skip("no cuobjdump (neither the CUDA toolkit's nor Triton's) to read the SASS")
+    folder, _ = compiled_pieces
+    kernels = {"split_kv": ("split_kernel", "combine_kernel"), "split_kv_pipelined": ("pipelined_split_kernel",),
+               "split_kv_mma": ("mma_split_kernel",), "pool": ("pool_kernel",)}
+    seen = Counter()
+    for (piece, names), arch in itertools.product(kernels.items(), ARCHES):
+        for function, sass in sass_by_function(folder / piece / f"kernel.compute_{arch[3:]}.cubin").items():
+            (kernel,) = [name for name in names if name in function]
+            seen[kernel, arch] += 1
+            code = [opcode(instruction) for instruction in instructions(sass)]
+            if arch == "sm_80":
+                assert WAIT not in code and RELEASE not in code, function
+                continue
+            loads = [n for n, name in enumerate(code) if name.startswith("LDG")]
+            assert code.count(WAIT) == (kernel in ("combine_kernel", "pool_kernel")), function
+            assert code.count(RELEASE) == (kernel != "pool_kernel"), function
+            if kernel.endswith("split_kernel"):
+                assert code.index(RELEASE) < loads[0], function
+            if kernel == "combine_kernel":
+                assert code.index(WAIT) < code.index(RELEASE) < loads[0], function
+            if kernel == "pool_kernel":
+                early = Counter(code[n] for n in loads if n < code.index(WAIT))
+                assert early == {"LDG.E.64": 5, "LDG.E": 5 + 1}, (function, early)
+    assert all(seen[kernel, arch] for names in kernels.values() for kernel in names for arch in ARCHES), seen
 
 
 @pytest.mark.slow

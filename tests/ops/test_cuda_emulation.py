@@ -137,6 +137,31 @@ def test_a_setting_of_the_removed_split_kernel_switch_is_named():
         assert run.stderr.count("MACS_KERNELS_CUDA_SPLIT_KV is no longer read") == int(warned), run.stderr[-2000:]
 
 
+@pytest.mark.parametrize("kernel, dtype, dim", CUDA_SPLIT_KERNEL_CASES)
+def test_dependent_launches_make_the_combine_and_the_pooling_dependents_and_change_no_result(kernel, dtype, dim):
+    """With dependent launches on (ops.cuda.dependent_launches, MACS_KERNELS_CUDA_PDL=1) each op's split pass launches
+    its combine, and the head pooling right after it, as programmatic dependents of the kernel before, and nothing
+    else: not the split kernel (it follows the caller's own kernels), nor a pooling of given rows (macs_update_rows:
+    it follows its own mass kernel). Every launch and result stays as plain launches make them."""
+    from macs_kernels.ops.cuda import dependent_launches
+
+    plain = launches_of(lambda: every_op_results(dtype, "cuda", dim))
+    expected = every_op_results(dtype, "cuda", dim)
+    with dependent_launches():
+        dependent = launches_of(lambda: every_op_results(dtype, "cuda", dim))
+        got = every_op_results(dtype, "cuda", dim)
+    assert [launch.name for launch in dependent] == [launch.name for launch in plain]
+    assert not any(launch.dependent for launch in plain)
+    wanted = [("combine_kernel<" in launch.name
+               or ("pool_kernel<" in launch.name and "combine_kernel<" in before.name))
+              for before, launch in zip([plain[0], *plain], plain)]
+    assert [launch.dependent for launch in dependent] == wanted
+    kinds = {name for launch in dependent if launch.dependent for name in ("combine", "pool") if name in launch.name}
+    assert kinds == {"combine", "pool"}, kinds
+    for want, result in zip(expected, got, strict=True):
+        assert torch.equal(want, result)
+
+
 def test_launches_without_their_kernels_are_checked_and_logged():
     """set_execute(False) (benchmarks/bench_checks.py's host path to the launch): each launch is checked and logged,
     and no kernel runs."""

@@ -1,7 +1,7 @@
 """Every split-KV pass a GPU runs, against the float64 references: the cuda backend's split kernels, each on the
 shapes it is chosen for (ops/cuda/__init__.py: bf16 at D 64 and 128 the tensor-core kernel, float32 up to D 128 and
 bf16 at D 256 the pipelined one, D 72 and float32 at D 256 split_kernel), and the triton backend's fused pass (also with
-its combine and pooling launched as programmatic dependents, triton-pdl, on sm_90 and later). The
+its combine and pooling launched as programmatic dependents, triton-pdl and cuda-pdl, on sm_90 and later). The
 fused decode's out, lse, m' (pooled) and log c update in fp32 and bf16, GQA 1, 4 and 8 (and 16 for cuda: 32 query
 heads, which head pooling splits over 4 threads a key, 16 over 2), ragged per-row ranges with
 generated keys, an odd key count; and m' of a verify block of 40 rows per KV head, triton's 64-row tiles in bf16, at
@@ -31,9 +31,11 @@ from tests.tolerances import RELATIVE_ERROR, relative_error
 
 
 def _marks(backend):
-    backend = backend.removesuffix("-pdl")
+    dependent, backend = backend.endswith("-pdl"), backend.removesuffix("-pdl")
     if backend == "cuda":
         reason = why_no_cuda_backend()
+        if reason is None and dependent and cuda_emulated():
+            reason = "the emulation runs grids one after another (test_cuda_emulation.py checks dependent launches)"
     else:
         reason = "no CUDA device" if not torch.cuda.is_available() else why_unavailable(backend, "cuda")
     return [pytest.mark.gpu] + ([pytest.mark.skip(reason=reason)] if reason else [])
@@ -49,19 +51,24 @@ def _cuda_split_kernel(dtype, dim, group):
 
 
 # D 72 and 256 reach the cuda backend's other split kernels; the triton backend's tiles are the same at every D.
-# triton-pdl: the triton backend with its combine and pooling launched as programmatic dependents (sm_90 and later).
+# -pdl: the backend with its combine and pooling launched as programmatic dependents (sm_90 and later).
 CASES = [pytest.param(backend, dtype, group, dim, marks=_marks(backend),
                       id=f"{backend}-{str(dtype).removeprefix('torch.')}-gqa{group}-d{dim}")
          for backend, groups, dims in (("cuda", (1, 4, 8, 16), (64, 72, 128, 256)), ("triton", (1, 4, 8), (64, 128)),
-                                       ("triton-pdl", (1, 4, 8), (64, 128)))
+                                       ("cuda-pdl", (4,), (64, 72, 128, 256)), ("triton-pdl", (4,), (64, 128)))
          for dtype, group, dim in itertools.product((torch.float32, torch.bfloat16), groups, dims)]
 
 
 def _launches(backend: str):
-    """The backend a case names, and the context its calls run in: triton-pdl's dependent launches, checked to be on
-    where the GPU has them."""
+    """The backend a case names, and the context its calls run in: a -pdl case's dependent launches (the triton
+    backend's checked to be on where the GPU has them)."""
     if not backend.endswith("-pdl"):
         return backend, contextlib.nullcontext()
+    backend = backend.removesuffix("-pdl")
+    if backend == "cuda":
+        from macs_kernels.ops.cuda import dependent_launches
+
+        return backend, dependent_launches()
     from macs_kernels.ops.triton import common
 
     @contextlib.contextmanager
@@ -71,7 +78,7 @@ def _launches(backend: str):
                 assert common.dependent_launch(torch.device("cuda", torch.cuda.current_device()))
             yield
 
-    return backend.removesuffix("-pdl"), dependent()
+    return backend, dependent()
 
 
 @pytest.mark.parametrize("backend, dtype, group, dim", CASES)
@@ -127,7 +134,7 @@ ROW_TILE_CASES = list(itertools.product((torch.float32, torch.bfloat16), (128, 2
 @pytest.mark.parametrize("dtype, dim", ROW_TILE_CASES,
                          ids=[f"{str(dtype).removeprefix('torch.')}-d{dim}" for dtype, dim in ROW_TILE_CASES])
 @pytest.mark.parametrize("backend", [pytest.param(backend, marks=_marks(backend))
-                                     for backend in ("cuda", "triton", "triton-pdl")])
+                                     for backend in ("cuda", "triton", "cuda-pdl", "triton-pdl")])
 def test_a_verify_block_of_many_rows_matches_float64(backend, dtype, dim):
     """m' of a 5-row verify block at GQA 8:1, 40 rows per KV head (macs_pool: no V, no relative scores): the triton
     backend's tiles for many rows (ops.triton.common.split_kv_block: 64 rows on 8 warps in bf16, fewer keys a step at

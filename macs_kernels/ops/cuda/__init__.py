@@ -10,3 +10,31 @@ a power of two up to 32, D_v == D and (H / H_kv) * D / 16 bytes <= 256 (float32 
 (csrc/split_kv) for the other shapes the ops accept.
 Importing this package loads no extension.
 """
+from __future__ import annotations
+
+import contextlib
+import ctypes
+
+
+@contextlib.contextmanager
+def dependent_launches(enabled: bool = True):
+    """Split passes inside launch their combine and head pooling as programmatic dependents of the kernel before
+    them (`enabled`), or not: what MACS_KERNELS_CUDA_PDL=1 sets for the process (csrc/common.cuh, launch_kernel; sm_90
+    and later, kernels compiled for compute_90 or later; off by default until a GPU times it). Loads the extension
+    (or, with MACS_KERNELS_CUDA_EMULATION=1, its CPU build, whose launch log records each launch's `dependent`)."""
+    from macs_kernels.ops.backends import cuda_emulated
+
+    if cuda_emulated():
+        from macs_kernels.ops.cuda import emulation
+
+        library = emulation._runtime
+    else:
+        from macs_kernels import _C
+
+        library = ctypes.CDLL(_C.__file__)
+    previous = library.macs_kernels_set_dependent_launches(int(enabled))
+    try:
+        yield
+    finally:
+        library.macs_kernels_set_dependent_launches(previous)
+

@@ -167,21 +167,22 @@ def set_execute(execute: bool) -> None:
 
 
 class Launch(NamedTuple):
-    """A kernel launch as a profiler lists it: the kernel (named as on a GPU), its grid and block sizes, and its
-    dynamic shared memory in bytes."""
+    """A kernel launch as a profiler lists it: the kernel (named as on a GPU), its grid and block sizes, its dynamic
+    shared memory in bytes, and whether it was launched as a programmatic dependent of the launch before."""
     name: str
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     shared_bytes: int
+    dependent: bool = False
 
 
 def take_launches() -> list[Launch]:
     """The launches since the last call, oldest first (the latest 4,096)."""
     launches = []
     for line in _runtime.cuda_emulation_take_launches().decode().splitlines():
-        name, grid, block, shared_bytes = line.split("\t")
+        name, grid, block, shared_bytes, dependent = line.split("\t")
         launches.append(Launch(name, tuple(map(int, grid.split(","))), tuple(map(int, block.split(","))),
-                               int(shared_bytes)))
+                               int(shared_bytes), dependent == "1"))
     return launches
 
 
