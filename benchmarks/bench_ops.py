@@ -144,7 +144,8 @@ DEPENDENT_LAUNCHES = {"triton": "macs_kernels.ops.triton.common", "cuda": "macs_
 
 def dependent(backend: str, build):
     """A provider whose calls (and their graph captures) launch `backend`'s combine and head pooling as programmatic
-    dependents (ops/triton/common.py and ops/cuda: dependent_launches)."""
+    dependents (ops/triton/common.py and ops/cuda: dependent_launches). Setting and restoring the switch around each
+    call adds to an eager call's host time (two foreign calls for cuda), not to a graph's replay."""
     def build_dependent(op: str, p: Problem):
         launches = importlib.import_module(DEPENDENT_LAUNCHES[backend]).dependent_launches
         fn = build(op, p)

@@ -24,11 +24,16 @@ int dependent_launches_from_environment() {
 // Read when the library loads. The functions that touch it are left out of the CPU emulation's thread-sanitizer
 // instrumentation, whose runtime (csrc/emulation/runtime.cpp) counts plain accesses and has no atomic callbacks.
 std::atomic<int> dependent_launch_setting{dependent_launches_from_environment()};
+std::atomic<long long> dependent_launches_made{0};
 
 }  // namespace
 
 __attribute__((no_sanitize("thread"))) bool dependent_launches() {
   return dependent_launch_setting.load(std::memory_order_relaxed) != 0;
+}
+
+__attribute__((no_sanitize("thread"))) void count_dependent_launch() {
+  dependent_launches_made.fetch_add(1, std::memory_order_relaxed);
 }
 
 bool waits_for_prior_grid(const void* kernel) {
@@ -44,7 +49,11 @@ bool waits_for_prior_grid(const void* kernel) {
   const auto found = known.find({kernel, device});
   if (found != known.end()) return found->second;
   cudaFuncAttributes attributes;
-  const bool waits = cudaFuncGetAttributes(&attributes, kernel) == cudaSuccess && attributes.ptxVersion >= 90;
+  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) {
+    (void)cudaGetLastError();  // not the launch's error: the launch goes plain, and the next query asks again
+    return false;
+  }
+  const bool waits = attributes.ptxVersion >= 90;
   known[{kernel, device}] = waits;
   return waits;
 #endif
@@ -56,6 +65,12 @@ bool waits_for_prior_grid(const void* kernel) {
 // returns the previous setting. Called through ctypes (macs_kernels.ops.cuda.dependent_launches).
 extern "C" __attribute__((no_sanitize("thread"))) int macs_kernels_set_dependent_launches(int enabled) {
   return macs::dependent_launch_setting.exchange(enabled != 0);
+}
+
+// How many launches have been made as programmatic dependents since the library loaded (the CPU emulation's record
+// its launch log instead).
+extern "C" __attribute__((no_sanitize("thread"))) long long macs_kernels_dependent_launches_made() {
+  return macs::dependent_launches_made.load(std::memory_order_relaxed);
 }
 
 extern "C" PyMODINIT_FUNC PyInit__C(void) {

@@ -151,9 +151,12 @@ __device__ __forceinline__ void release_dependent_grid() {
 }
 
 // Whether the split pass launches its combine and head pooling as programmatic dependents: MACS_KERNELS_CUDA_PDL=1,
-// read at the first launch, or macs_kernels_set_dependent_launches (csrc/bindings.cpp; off by default until a GPU
-// times it).
+// read when the library loads, or macs_kernels_set_dependent_launches (csrc/bindings.cpp; process-wide; off by
+// default until a GPU times it).
 bool dependent_launches();
+// Counts a launch made as a programmatic dependent (macs_kernels_dependent_launches_made: a GPU test checks that its
+// dependent cases made some).
+void count_dependent_launch();
 // Whether `kernel`, as loaded for the current device, waits in wait_for_prior_grid: its code was compiled for
 // compute_90 or later (a build whose newest target is older, run through the driver's PTX compiler, does not wait,
 // and a dependent launch of it would read its inputs early).
@@ -178,7 +181,9 @@ cudaError_t launch_kernel(bool dependent, void (*kernel)(Params...), dim3 grid, 
     config.stream = stream;
     config.attrs = &attribute;
     config.numAttrs = 1;
-    return cudaLaunchKernelEx(&config, kernel, args...);
+    cudaLaunchKernelEx(&config, kernel, args...);
+    count_dependent_launch();
+    return cudaGetLastError();  // and clears it, as after a plain launch
   }
   kernel<<<grid, block, shared_bytes, stream>>>(args...);
 #endif

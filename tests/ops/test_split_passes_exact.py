@@ -25,6 +25,7 @@ from tests.ops.cases import (
     assert_split_kernel,
     launched_kernels,
     synchronize,
+    uninitialized_memory_poisoned,
     why_no_cuda_backend,
 )
 from tests.tolerances import RELATIVE_ERROR, relative_error
@@ -38,6 +39,8 @@ def _marks(backend):
             reason = "the emulation runs grids one after another (test_cuda_emulation.py checks dependent launches)"
     else:
         reason = "no CUDA device" if not torch.cuda.is_available() else why_unavailable(backend, "cuda")
+    if reason is None and dependent and torch.cuda.get_device_capability()[0] < 9:
+        reason = "programmatic dependent launches need sm_90 or later"
     return [pytest.mark.gpu] + ([pytest.mark.skip(reason=reason)] if reason else [])
 
 
@@ -60,22 +63,27 @@ CASES = [pytest.param(backend, dtype, group, dim, marks=_marks(backend),
 
 
 def _launches(backend: str):
-    """The backend a case names, and the context its calls run in: a -pdl case's dependent launches (the triton
-    backend's checked to be on where the GPU has them)."""
+    """The backend a case names, and the context its calls run in. A -pdl case's: dependent launches on (checked to
+    have been made), and fresh memory filled with NaN (tests/ops/cases.py): a dependent kernel that read the split
+    pass's workspace before its wait would find NaN there, not the previous call's results."""
     if not backend.endswith("-pdl"):
         return backend, contextlib.nullcontext()
     backend = backend.removesuffix("-pdl")
-    if backend == "cuda":
-        from macs_kernels.ops.cuda import dependent_launches
-
-        return backend, dependent_launches()
-    from macs_kernels.ops.triton import common
 
     @contextlib.contextmanager
     def dependent():
-        with common.dependent_launches():
-            if torch.cuda.get_device_capability()[0] >= 9:
-                assert common.dependent_launch(torch.device("cuda", torch.cuda.current_device()))
+        if backend == "cuda":
+            from macs_kernels.ops import cuda
+
+            made = cuda.dependent_launches_made()
+            with cuda.dependent_launches(), uninitialized_memory_poisoned():
+                yield
+            assert cuda.dependent_launches_made() > made, "no launch was made as a dependent"
+            return
+        from macs_kernels.ops.triton import common
+
+        with common.dependent_launches(), uninitialized_memory_poisoned():
+            assert common.dependent_launch(torch.device("cuda", torch.cuda.current_device()))
             yield
 
     return backend, dependent()

@@ -109,8 +109,11 @@ with null_driver.activate() as null:
         first = recorded(case, direct=True, stream=3)
         dependent = {"first": first, "direct": recorded(case, direct=True, stream=11),
                      "triton": recorded(case, direct=False, stream=11)}
-        pdl = {compiled.metadata.hash: compiled.metadata.launch_pdl for _, compiled in common._COMPILED.values()}
-        dependent["launch_pdl"] = [[launch[0], pdl[launch[1]]] for launch in dependent["direct"]["launches"]]
+        # Per compiled kernel: launched as a dependent, and whether its code waits and releases (PTX).
+        pdl = {compiled.metadata.hash: [compiled.metadata.launch_pdl, "griddepcontrol.wait" in compiled.asm["ptx"],
+                                        "griddepcontrol.launch_dependents" in compiled.asm["ptx"]]
+               for _, compiled in common._COMPILED.values()}
+        dependent["launch_pdl"] = [[launch[0], *pdl[launch[1]]] for launch in dependent["direct"]["launches"]]
         results["dependent " + name] = dependent
     split_kv.dependent_launch = pool.dependent_launch = common.dependent_launch
 
@@ -153,13 +156,17 @@ def test_a_direct_launch_calls_the_kernel_tritons_path_calls_with_the_same_argum
 
 @pytest.mark.parametrize("case", ["fused bf16 GQA 3:1 D64 113 keys", "attention fp16 GQA 4:1 D128 1024 keys"])
 def test_dependent_launches_make_the_combine_and_the_pooling_dependents_of_the_kernel_before(launches, case):
-    """With dependent launches on, the combine and the head pooling launch with launch_pdl (the split kernel, which
-    follows the caller's own kernels, does not), direct launches still call what Triton's path calls, and the split
-    kernel is another compile (it releases its dependents early)."""
+    """With dependent launches on, the combine and the head pooling launch with launch_pdl and their code waits for
+    the kernel before (a launch as a dependent of a kernel compiled without the wait would read early); the split
+    kernel, which follows the caller's own kernels, launches plainly and releases its dependent, as the combine does;
+    direct launches still call what Triton's path calls, and every kernel is another compile."""
     result = launches["dependent " + case]
-    expected = {"_split_kv_kernel": False, "_split_kv_combine_kernel": True, "_pool_kernel": True}
-    assert result["launch_pdl"] == [[name, expected[name]] for name, _ in result["launch_pdl"]]
-    assert [name for name, _ in result["launch_pdl"]] == [launch[0] for launch in launches[case]["direct"]["launches"]]
+    # (launched as a dependent, waits, releases) per kernel.
+    expected = {"_split_kv_kernel": [False, False, True], "_split_kv_combine_kernel": [True, True, True],
+                "_pool_kernel": [True, True, False]}
+    assert result["launch_pdl"] == [[name, *expected[name]] for name, *_ in result["launch_pdl"]]
+    assert [name for name, *_ in result["launch_pdl"]] == \
+        [launch[0] for launch in launches[case]["direct"]["launches"]]
     assert result["direct"]["jit_runs"] == 0
     assert result["direct"]["launches"] == result["triton"]["launches"]
     digests = {kind: {launch[0]: launch[1] for launch in runs["direct"]["launches"]}

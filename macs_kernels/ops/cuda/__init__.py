@@ -14,27 +14,41 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 
 
-@contextlib.contextmanager
-def dependent_launches(enabled: bool = True):
-    """Split passes inside launch their combine and head pooling as programmatic dependents of the kernel before
-    them (`enabled`), or not: what MACS_KERNELS_CUDA_PDL=1 sets for the process (csrc/common.cuh, launch_kernel; sm_90
-    and later, kernels compiled for compute_90 or later; off by default until a GPU times it). Loads the extension
-    (or, with MACS_KERNELS_CUDA_EMULATION=1, its CPU build, whose launch log records each launch's `dependent`)."""
+@functools.cache
+def _library() -> ctypes.CDLL:
+    """The extension's library (or, with MACS_KERNELS_CUDA_EMULATION=1, its CPU build's), for its C functions."""
     from macs_kernels.ops.backends import cuda_emulated
 
     if cuda_emulated():
         from macs_kernels.ops.cuda import emulation
 
-        library = emulation._runtime
-    else:
-        from macs_kernels import _C
+        return emulation._runtime
+    from macs_kernels import _C
 
-        library = ctypes.CDLL(_C.__file__)
-    previous = library.macs_kernels_set_dependent_launches(int(enabled))
+    return ctypes.CDLL(_C.__file__)
+
+
+@contextlib.contextmanager
+def dependent_launches(enabled: bool = True):
+    """Split passes inside launch their combine and head pooling as programmatic dependents of the kernel before
+    them (`enabled`), or not: what MACS_KERNELS_CUDA_PDL=1 sets (csrc/common.cuh, launch_kernel; sm_90 and later,
+    kernels compiled for compute_90 or later; off by default until a GPU times it). The switch is the process's: other
+    threads' launches meanwhile follow it too. Loads the extension (or its CPU build, whose launch log records each
+    launch's `dependent`)."""
+    set_dependent = _library().macs_kernels_set_dependent_launches
+    previous = set_dependent(int(enabled))
     try:
         yield
     finally:
-        library.macs_kernels_set_dependent_launches(previous)
+        set_dependent(previous)
 
+
+def dependent_launches_made() -> int:
+    """Launches made as programmatic dependents since the extension loaded (0 in the CPU build, which records them in
+    its launch log)."""
+    made = _library().macs_kernels_dependent_launches_made
+    made.restype = ctypes.c_longlong
+    return made()

@@ -33,7 +33,7 @@ except ImportError:  # Triton < 3.4
     knobs = None
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # Triton < 3.3: no grid dependency control
+except ImportError:  # Triton < 3.4: no grid dependency control
     gdc_launch_dependents = gdc_wait = None
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -49,11 +49,11 @@ INTERPRETED = triton_interpreted()
 DIRECT_LAUNCHES = knobs is not None and not INTERPRETED
 
 # Whether the split pass's combine and head pooling launch as programmatic dependents of the kernel before them
-# (MACS_KERNELS_TRITON_PDL=1, read at import; `dependent_launches` for a block of code), on sm_90 and later: a
-# dependent's programs start while its predecessor's last ones run, read what does not come from it (ranges, log c),
-# then wait for it (griddepcontrol.wait: its writes visible), instead of starting after it ends. FlashInfer's decode
-# kernels launch the same way (their enable_pdl). Off by default: no GPU has timed it or checked it exact yet (the
-# `kernels` preset of .ci/gpu does both).
+# (MACS_KERNELS_TRITON_PDL=1, read at import; `dependent_launches`, process-wide, for a block of code), on NVIDIA GPUs
+# of sm_90 and later: a dependent's programs start while its predecessor's last ones run, read what does not come from
+# it (ranges, log c), then wait for it (griddepcontrol.wait: its writes visible), instead of starting after it ends.
+# FlashInfer's decode kernels launch the same way (their enable_pdl). Off by default: no GPU has timed it or checked
+# it exact yet (the `kernels` preset of .ci/gpu does both; docs/backends.md, "Dependent launches").
 PDL_LAUNCHES = os.environ.get("MACS_KERNELS_TRITON_PDL", "0") not in ("", "0")
 
 # Kernel name -> launches since import: lets an integration test prove that Triton really ran.
@@ -225,8 +225,8 @@ def next_pow2(value: int) -> int:
 def dependent_launch(device: torch.device) -> bool:
     """Whether this call's dependent kernels launch programmatically (PDL_LAUNCHES): on a GPU of compute capability 9
     or more, outside the interpreter and torch.compile's tracing (inductor launches the kernels it traces itself)."""
-    return (PDL_LAUNCHES and device.type == "cuda" and gdc_wait is not None and not INTERPRETED
-            and not torch.compiler.is_compiling() and capability_major(device) >= 9)
+    return (PDL_LAUNCHES and device.type == "cuda" and torch.version.hip is None and gdc_wait is not None
+            and not INTERPRETED and not torch.compiler.is_compiling() and capability_major(device) >= 9)
 
 
 def dependent_options(dependent: bool) -> dict:

@@ -287,12 +287,14 @@ def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores
     None: input i of row (b, h, r) in column i + s % 16 where s is the row's score start, score_start or start);
     lse_gen and scores are views of the pass's workspace.
     """
+    batch, heads, rows, dim = q.shape
+    # Allocated before the split kernel: a fill of fresh memory (torch's deterministic mode) must not come between it
+    # and the combine, its dependent.
+    out = torch.empty(batch, heads, rows, dim, device=q.device, dtype=q.dtype) if v_cache is not None else None
+    lse = torch.empty(batch, heads, rows, device=q.device, dtype=torch.float32)
     dependent = dependent_launch(q.device)
     split = _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block_table, score_start, softcap,
                    dependent)
-    batch, heads, rows, dim = q.shape
-    out = torch.empty(batch, heads, rows, dim, device=q.device, dtype=q.dtype) if split.with_v else None
-    lse = torch.empty(batch, heads, rows, device=q.device, dtype=torch.float32)
     target = out if split.with_v else lse
     launch(
         _split_kv_combine_kernel, (batch * heads * rows,),
