@@ -247,7 +247,8 @@ def add_sdpa_ratio(rows) -> None:
 def print_json_lines(rows) -> None:
     """decode_attention under graph replay, one JSON line per shape and provider: us per call, TB/s of K+V, time
     over sdpa's and, for a fused provider, over its own attention-only call (issue 48's goals: <= 1.10); for a
-    public op, its time over its kernel's and the microseconds it adds (goal: <= 1.05x or 2 us)."""
+    public op, its time over its kernel's and the microseconds it adds (goal: <= 1.05x or 2 us); for a -pdl provider,
+    its time over the same provider's with plain launches (below 1: dependent launches help)."""
     chosen = [r for r in rows if r["op"] == "decode_attention" and r["mode"] == "cudagraph"]
     attention = {(_config(r), r["provider"].removesuffix("-attention-only")): r["ms"] for r in chosen
                  if r["provider"].endswith("-attention-only")}
@@ -263,6 +264,9 @@ def print_json_lines(rows) -> None:
         if kernel and row["provider"].endswith("-public"):
             line["public_vs_kernel"] = round(row["ms"] / kernel, 3)
             line["public_extra_us"] = round(1e3 * (row["ms"] - kernel), 2)
+        plain = kernels.get((_config(row), row["provider"].replace("-pdl", "")))
+        if plain and "-pdl" in row["provider"]:
+            line["pdl_vs_plain"] = round(row["ms"] / plain, 3)
         print(json.dumps(line), flush=True)
 
 

@@ -74,6 +74,9 @@ def test_each_ratio_is_to_the_same_backends_call(capsys):
     assert lines["triton-public"]["public_vs_kernel"] == 2.0
     assert lines["cuda"]["fused_vs_attention"] == 1.25 and lines["triton"]["fused_vs_attention"] == 1.2
     assert lines["triton-pdl"]["fused_vs_attention"] == 1.4
+    assert lines["triton-pdl"]["pdl_vs_plain"] == round(0.028 / 0.03, 3)
+    assert lines["triton-pdl-attention-only"]["pdl_vs_plain"] == 0.8
+    assert "pdl_vs_plain" not in lines["triton"] and "pdl_vs_plain" not in lines["triton-public"]
     assert "public_vs_kernel" not in lines["cuda"] and "fused_vs_attention" not in lines["cuda-attention-only"]
 
 
