@@ -30,6 +30,8 @@ import pytest
 
 from macs_kernels.apps.bench.sass import (
     CSRC,
+    GRID_RELEASE,
+    GRID_WAIT,
     MANGLED_DTYPES,
     TORCH_NVCC_FLAGS,
     blocks_per_multiprocessor,
@@ -305,10 +307,6 @@ def test_combine_kernel_loads_a_chunk_of_splits_before_using_any(compiled_pieces
             assert sum(opcode(instruction) == "LDG.E.128" for instruction in split_loop) == 16, name
 
 
-# griddepcontrol (common.cuh) in SASS: .wait is ACQBULK, .launch_dependents PREEXIT.
-WAIT, RELEASE = "ACQBULK", "PREEXIT"
-
-
 def test_dependent_kernels_wait_for_the_split_pass_before_reading_what_it_wrote(compiled_pieces):
     """With MACS_KERNELS_CUDA_PDL=1 the combine and the head pooling launch as programmatic dependents of the kernel
     before them (common.cuh's launch_kernel), so they may start before it ends. On sm_90: every split kernel releases
@@ -328,17 +326,17 @@ def test_dependent_kernels_wait_for_the_split_pass_before_reading_what_it_wrote(
             seen[kernel, arch] += 1
             code = [opcode(instruction) for instruction in instructions(sass)]
             if arch == "sm_80":
-                assert WAIT not in code and RELEASE not in code, function
+                assert GRID_WAIT not in code and GRID_RELEASE not in code, function
                 continue
             loads = [n for n, name in enumerate(code) if name.startswith("LDG")]
-            assert code.count(WAIT) == (kernel in ("combine_kernel", "pool_kernel")), function
-            assert code.count(RELEASE) == (kernel != "pool_kernel"), function
+            assert code.count(GRID_WAIT) == (kernel in ("combine_kernel", "pool_kernel")), function
+            assert code.count(GRID_RELEASE) == (kernel != "pool_kernel"), function
             if kernel.endswith("split_kernel"):
-                assert code.index(RELEASE) < loads[0], function
+                assert code.index(GRID_RELEASE) < loads[0], function
             if kernel == "combine_kernel":
-                assert code.index(WAIT) < code.index(RELEASE) < loads[0], function
+                assert code.index(GRID_WAIT) < code.index(GRID_RELEASE) < loads[0], function
             if kernel == "pool_kernel":
-                early = Counter(code[n] for n in loads if n < code.index(WAIT))
+                early = Counter(code[n] for n in loads if n < code.index(GRID_WAIT))
                 assert early == {"LDG.E.64": 5, "LDG.E": 5 + 1}, (function, early)
     assert all(seen[kernel, arch] for names in kernels.values() for kernel in names for arch in ARCHES), seen
 

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 
 from macs_kernels.apps.bench.sass import (
+    GRID_RELEASE,
+    GRID_WAIT,
     SHARED_PER_BLOCK,
     SPLIT_INDEX,
     cuobjdump,
@@ -158,26 +160,16 @@ VARIANTS.update({
     for dtype in ("bf16", "fp32") for dim in (64, 128, 256) for rows in (16, 32, 64)
 })
 # The fused decode's kernels launched as programmatic dependents (common.dependent_launch), for sm_90 only: the grid
-# dependency control they use (griddepcontrol) starts there.
+# dependency control they use (griddepcontrol) starts there. The split kernel itself launches plainly.
+def _dependent(variant, launched_as_dependent=True):
+    module, kernel, types, constexprs, options = variant
+    return module, kernel, types, dict(constexprs, PDL=True), dict(options, launch_pdl=launched_as_dependent)
+
+
 VARIANTS.update({
-    "pdl_decode_bf16_gqa4_d128": _split_kv("bf16", D=128, GROUP=4, rows=16, WITH_V=True, PDL=True),
-    "pdl_combine_bf16": (
-        "split_kv", "_split_kv_combine_kernel", {"out_ptr": "bf16"},
-        dict(D=128, BLOCK_D=128, SPLITS_PAD=64, SPLITS_CHUNK=64, WITH_V=True, HAS_SINKS=False, PDL=True),
-        dict(num_warps=4, launch_pdl=True),
-    ),
-    "pdl_pool_scores_max": (
-        "pool", "_pool_kernel", POOL_RANGES,
-        dict(H_PAD=32, BLOCK_I=128, FROM_SCORES=True, REDISTRIBUTE=True, POOLING="max", INTO_LOG_C=True,
-             WINDOWED=False, PDL=True),
-        dict(num_warps=4, launch_pdl=True),
-    ),
-    "pdl_pool_scores_out_min": (
-        "pool", "_pool_kernel", POOL_RANGES,
-        dict(H_PAD=16, BLOCK_I=256, FROM_SCORES=True, REDISTRIBUTE=True, POOLING="min", INTO_LOG_C=False,
-             WINDOWED=True, PDL=True),
-        dict(num_warps=4, launch_pdl=True),
-    ),
+    "pdl_decode_bf16_gqa4_d128": _dependent(VARIANTS["decode_bf16_gqa4_d128"], launched_as_dependent=False),
+    **{f"pdl_{name}": _dependent(VARIANTS[name])
+       for name in ("combine_bf16", "pool_scores_max", "pool_scores_out_min")},
 })
 ARCHES = {name: [90] if name.startswith("pdl_") else list(TARGETS) for name in VARIANTS}
 COMPILES = [(name, arch) for name in sorted(VARIANTS) for arch in ARCHES[name]]
@@ -355,10 +347,6 @@ def test_pool_reads_scores_as_vectors_and_log_c_beside_them(compiled, variant, a
     assert not [name for name in code[first_barrier:] if name.startswith("LDG")]
 
 
-# griddepcontrol in sm_90's SASS: .wait is ACQBULK, .launch_dependents PREEXIT.
-WAIT, RELEASE = "ACQBULK", "PREEXIT"
-
-
 @pytest.mark.parametrize("variant", ["decode_bf16_gqa4_d128", "pdl_decode_bf16_gqa4_d128", "combine_bf16",
                                      "pdl_combine_bf16", "pool_scores_max", "pdl_pool_scores_max",
                                      "pool_scores_out_min", "pdl_pool_scores_out_min"])
@@ -375,15 +363,15 @@ def test_dependent_kernels_wait_for_their_predecessor_before_reading_what_it_wro
     code = [opcode(instruction) for instruction in instructions(sass)]
     kernel = VARIANTS[variant][1]
     if not variant.startswith("pdl_"):
-        assert WAIT not in code and RELEASE not in code
+        assert GRID_WAIT not in code and GRID_RELEASE not in code
         return
-    assert code.count(WAIT) == (kernel != "_split_kv_kernel")
-    assert code.count(RELEASE) == (kernel != "_pool_kernel")
+    assert code.count(GRID_WAIT) == (kernel != "_split_kv_kernel")
+    assert code.count(GRID_RELEASE) == (kernel != "_pool_kernel")
     loads = [n for n, name in enumerate(code) if name.startswith("LDG")]
     if kernel == "_split_kv_combine_kernel":
-        assert code.index(WAIT) < loads[0] and code.index(RELEASE) < loads[0]
+        assert code.index(GRID_WAIT) < loads[0] and code.index(GRID_RELEASE) < loads[0]
     if kernel == "_pool_kernel":
-        wait = code.index(WAIT)
+        wait = code.index(GRID_WAIT)
         early = [code[n] for n in loads if n < wait]
         # start, end and kv_len (one int64 each), a window's column start, and with INTO_LOG_C the log c a thread
         # adds to.

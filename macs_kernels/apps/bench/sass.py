@@ -41,6 +41,8 @@ _FLOAT_ARGUMENTS = frozenset({"scale", "alpha", "softcap"})
 # Integers every launch passes as multiples of 16 besides the strides (a slice is whole key blocks; a row of the split
 # pass's scores is score_columns wide), which Triton's specialisation marks so.
 _MULTIPLES_OF_16 = frozenset({"split_size", "n_columns"})
+# griddepcontrol (programmatic dependent launch) in sm_90's SASS: .wait is ACQBULK, .launch_dependents PREEXIT.
+GRID_WAIT, GRID_RELEASE = "ACQBULK", "PREEXIT"
 
 
 def compile_triton(module: str, kernel_name: str, pointers: dict, constexprs: dict, options: dict, arch: int,

@@ -25,10 +25,13 @@ def _library() -> ctypes.CDLL:
     if cuda_emulated():
         from macs_kernels.ops.cuda import emulation
 
-        return emulation._runtime
-    from macs_kernels import _C
+        library = emulation._runtime
+    else:
+        from macs_kernels import _C
 
-    return ctypes.CDLL(_C.__file__)
+        library = ctypes.CDLL(_C.__file__)
+    library.macs_kernels_dependent_launches_made.restype = ctypes.c_longlong
+    return library
 
 
 @contextlib.contextmanager
@@ -49,6 +52,4 @@ def dependent_launches(enabled: bool = True):
 def dependent_launches_made() -> int:
     """Launches made as programmatic dependents since the extension loaded (0 in the CPU build, which records them in
     its launch log)."""
-    made = _library().macs_kernels_dependent_launches_made
-    made.restype = ctypes.c_longlong
-    return made()
+    return _library().macs_kernels_dependent_launches_made()
