@@ -76,7 +76,7 @@ def decode_attention(
         check_log_c(state, batch, q.device, name=name)
         input_end = as_index("input_end", input_end, batch, q.device)
         check_ranges(kv_start, input_end, kv_len, keys, state.shape[1], state=name, validate=validate)
-    run = kernel(backend, q.device, "decode_attention", variant)
+    run = kernel(backend, q.device, "decode_attention", variant if varied else None)
     extra = {}
     if varied:  # token positions -> key slots; the kernel takes the variant's arguments
         (kv_start, end, kv_len), extra = variant.key_slots(kv_start, kv_len if input_end is None else input_end,

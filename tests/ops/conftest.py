@@ -10,4 +10,4 @@ from macs_kernels.ops import _checks
 def on_device(monkeypatch):
     """Index tensors as the checks see device tensors: values not on the host."""
     monkeypatch.setattr(_checks, "on_host", lambda *tensors: False)
-    monkeypatch.delenv("MACS_KERNELS_VALIDATE", raising=False)
+    monkeypatch.setattr(_checks, "VALIDATE_EVERY_CALL", False)

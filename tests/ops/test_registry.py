@@ -168,3 +168,35 @@ def test_a_kernel_found_registered_is_not_looked_up_again(monkeypatch):
     for _ in range(3):
         assert registry._registered("macs_pool", "CUDA") and not registry._registered("macs_pool", "CPU")
     assert asked == ["CUDA", "CPU", "CPU", "CPU"]
+
+
+def test_an_eager_public_call_reuses_its_choice_until_what_it_read_changes(monkeypatch):
+    """The choice costs a public call about 3 us of host time (issue 48): an eager call keeps it per (backend named,
+    device, op, captured) until a verdict is added, the verdicts are replaced or a registration is found."""
+    from macs_kernels import ops
+
+    monkeypatch.setattr(registry, "_choices", {})
+    chosen = []
+    resolve = registry.resolve_backend
+    monkeypatch.setattr(registry, "resolve_backend", lambda *args: chosen.append(args) or resolve(*args))
+    log_c = torch.randn(2, 5)
+    c = log_c[0].exp()
+
+    def calls(**options):
+        before = len(chosen)
+        for _ in range(3):
+            torch.testing.assert_close(ops.macs_zscore(log_c, [5, 4], **options)[0], (c - c.mean()) / c.std(correction=0))
+        return len(chosen) - before
+
+    assert calls() == 1
+    assert calls() == 0
+    assert calls(backend="torch") == 1
+    monkeypatch.setitem(registry._verdicts, ("triton", "cuda:7", "macs_zscore"), None)
+    assert calls() == 1
+    monkeypatch.setattr(registry, "_verdicts", dict(registry._verdicts))
+    assert calls() == 1
+    monkeypatch.setattr(registry, "_registrations", registry._registrations | {("macs_zscore", "XLA")})
+    assert calls() == 1
+    monkeypatch.setattr(registry, "_stream_capturing", lambda: True)
+    assert calls() == 1 and chosen[-1][-1] is True
+    assert calls() == 0

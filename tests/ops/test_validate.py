@@ -48,8 +48,14 @@ def test_validate_true_reads_device_values_on_the_host(on_device):
         ops.decode_attention(q, k, v, scale=0.3, pooled=pooled, backend="torch", validate=True, **_bad_ranges())
 
 
+@pytest.mark.parametrize("value, validates", [("1", True), ("0", False), ("", False)])
+def test_the_environment_switch_is_read_from_macs_kernels_validate(monkeypatch, value, validates):
+    monkeypatch.setenv("MACS_KERNELS_VALIDATE", value)
+    assert _checks.validate_from_environment() is validates
+
+
 def test_the_environment_switch_validates_every_call(on_device, monkeypatch):
-    monkeypatch.setenv("MACS_KERNELS_VALIDATE", "1")
+    monkeypatch.setattr(_checks, "VALIDATE_EVERY_CALL", True)
     log_c = torch.zeros(B, N_MAX)
     q, k, _, _ = _data()
     with pytest.raises(ValueError, match=r"row 0: 15 input tokens do not fit log_c's 11 columns"):
