@@ -1,5 +1,5 @@
 """Instructions a public op's call executes on the host besides its kernel, counted by valgrind's callgrind:
-counts that repeat within 0.1% from run to run, where this machine's timings of a 10 us call vary up to 2x (issue 48).
+counts that repeat within 0.2% from run to run, where this machine's timings of a 10 us call vary up to 2x (issue 48).
 
     python benchmarks/count_call_instructions.py                      # this checkout
     git clone -q . /tmp/old && git -C /tmp/old checkout -q b3af15c && \
@@ -7,8 +7,9 @@ counts that repeat within 0.1% from run to run, where this machine's timings of 
 
 Each source runs bench_checks.py's public calls (B = 8, GQA 4:1, D = 128, 4,096 keys, int32 ranges) with index values
 as on a GPU (not on the host), on each of PATHS: the public op with its kernel a no-op, and the cuda backend's whole
-host path on its CPU emulation. Per op, after a warm-up, `--calls` calls run inside one functools.reduce, the function callgrind
-collects in (`--toggle-collect`) and dumps after; instructions per call are that dump's total over the calls.
+host path on its CPU emulation. Per op, after a warm-up, `--calls` calls run inside one functools.reduce, the
+function callgrind collects in (`--toggle-collect`) and dumps after; instructions per call are that dump's total over
+the calls.
 Writes benchmarks/results/call_instructions_cpu.{json,png} (or --out); needs valgrind (Debian's package).
 """
 from __future__ import annotations
@@ -34,8 +35,9 @@ COLLECTED = "functools_reduce"
 PATHS = {"wrapper": {}, "cuda to the launch": {"MACS_KERNELS_CUDA_EMULATION": "1"}}
 
 
-def _child(source: Path, calls: int, path: str) -> None:
-    """Runs under callgrind: the public calls of `source`'s macs_kernels, one collected reduce per op."""
+def _child(source: Path, calls: int, path: str, dumps: Path) -> None:
+    """Runs under callgrind: the public calls of `source`'s macs_kernels, one collected reduce per op; prints each op
+    with the number of the dump its reduce wrote (callgrind writes it as the reduce returns, into `dumps`)."""
     sys.path.insert(0, str(source))
     from unittest import mock
 
@@ -60,7 +62,7 @@ def _child(source: Path, calls: int, path: str) -> None:
             for _ in range(50):
                 call()
             functools.reduce(lambda _, __, call=call: call(), range(calls), None)
-            print(op, flush=True)
+            print(op, len(list(dumps.glob("callgrind.out.*"))), flush=True)
 
 
 def count(source: Path, calls: int, path: str) -> dict[str, float]:
@@ -70,14 +72,17 @@ def count(source: Path, calls: int, path: str) -> dict[str, float]:
         run = subprocess.run(
             ["valgrind", "--tool=callgrind", "--collect-atstart=no", f"--toggle-collect={COLLECTED}",
              f"--dump-after={COLLECTED}", f"--callgrind-out-file={out}", sys.executable, __file__, "--child",
-             "--source", str(source), "--calls", str(calls), "--path", path],
+             "--source", str(source), "--calls", str(calls), "--path", path, "--dumps", folder],
             capture_output=True, text=True, check=True,
             env={**os.environ, "PYTHONHASHSEED": "0", **PATHS[path]})
-        ops = run.stdout.split()
-        # Reduces run while the emulated extension loads, before the first op's: the ops' are the last dumps.
-        dumps = sorted(Path(folder).glob("callgrind.out.*"), key=lambda path: int(path.suffix[1:]))[-len(ops):]
-        totals = [int(re.search(r"^summary: (\d+)", dump.read_text(), re.M).group(1)) for dump in dumps]
-    return {op: total / calls for op, total in zip(ops, totals)}
+        counts = {}
+        # Other reduces (the emulated extension's build, say) write dumps too: each op's is the one its own wrote.
+        for line in run.stdout.splitlines():
+            op, number = line.split()
+            dump = (out.parent / f"{out.name}.{number}").read_text()
+            counts[op] = int(re.search(r"^summary: (\d+)", dump, re.M).group(1)) / calls
+        assert counts, run.stderr[-2000:]
+    return counts
 
 
 def _commit(source: Path) -> str:
@@ -117,10 +122,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--path", choices=PATHS, action="append", help="default: every one")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--dumps", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "call_instructions_cpu")
     args = parser.parse_args()
     if args.child:
-        _child(args.source[0].resolve(), args.calls, args.path[0])
+        _child(args.source[0].resolve(), args.calls, args.path[0], args.dumps)
         return
     rows = []
     for path in args.path or PATHS:

@@ -66,7 +66,9 @@ inline void check_tensor(const char* op, const char* name, const at::Tensor& t, 
   TORCH_CHECK(t.device() == like.device(), op, ": ", name, " is on ", t.device(), " but the data is on ",
               like.device());
   TORCH_CHECK(t.dim() == dim, op, ": ", name, " must have ", dim, " dimensions, got shape ", t.sizes());
-  TORCH_CHECK(t.numel() == 0 || t.stride(-1) == 1, op, ": ", name,
+  // A last dimension of one element is read at offset 0 whatever its stride (the public ops' rule too: torch calls such
+  // a tensor contiguous).
+  TORCH_CHECK(t.numel() == 0 || t.size(-1) == 1 || t.stride(-1) == 1, op, ": ", name,
               " must have unit stride in its last dimension, got strides ", t.strides());
 }
 

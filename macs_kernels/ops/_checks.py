@@ -141,7 +141,8 @@ def check_tensor(name, tensor, ndim, *, float_dtype=True):
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(tensor.shape)}")
     if float_dtype and not tensor.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
-    # is_contiguous() reads a flag; stride(-1) parses its argument (twice the host time): asked only of views.
+    # is_contiguous() reads a flag; stride(-1) parses its argument (twice the host time): asked only of views. A
+    # contiguous tensor's last stride is 1 unless its last dimension has one element, read at offset 0 by every kernel.
     if not tensor.is_contiguous() and tensor.stride(-1) != 1:
         raise ValueError(f"{name} must have unit stride in its last dimension, got strides {tensor.stride()}")
 

@@ -249,23 +249,27 @@ def resolve_backend(backend: str | None, device: torch.device | str, op: str | N
 # The backends eager public calls resolved, per (backend named, device, op, captured). The choice reads what changes
 # only when a verdict is added or the verdicts replaced, or an operator's registration is found (the probes' import
 # errors are kept for the process): with those unchanged it is the same, and asked again it would cost each public call
-# about 3 us of host time (issue 48) against 0.3 for the lookup.
+# about 3 us of host time (issue 48) against 0.3 for the lookup. Not watched: the preference table and the probes'
+# functions (tests that patch them replace the verdicts too), a verdict overwritten in place.
 _choices: dict[tuple, str] = {}
 _choices_read: tuple = (None, -1, -1)
 
 
 def _eager_choice(backend: str | None, device: torch.device, op: str, captured: bool) -> str:
     global _choices_read
+    verdicts, decided, registered = _verdicts, len(_verdicts), len(_registrations)
     read = _choices_read
-    if read[0] is not _verdicts or read[1] != len(_verdicts) or read[2] != len(_registrations):
+    if read[0] is not verdicts or read[1] != decided or read[2] != registered:
         _choices.clear()
+        _choices_read = (verdicts, decided, registered)
     key = (backend, device, op, captured)
     resolved = _choices.get(key)
     if resolved is None:
         resolved = resolve_backend(backend, device, op, captured)
-        # Read after resolving: the first choice adds its own verdicts.
-        _choices_read = (_verdicts, len(_verdicts), len(_registrations))
-        _choices[key] = resolved
+        # Kept only if nothing it reads changed while it chose: a first choice adds its self-checks' verdicts (the
+        # next call keeps it), and another thread may add some meanwhile.
+        if _verdicts is verdicts and len(_verdicts) == decided and len(_registrations) == registered:
+            _choices[key] = resolved
     return resolved
 
 

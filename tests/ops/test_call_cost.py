@@ -164,3 +164,25 @@ def test_a_row_update_kernel_reads_a_column_of_the_lengths(backend):
     update(rows, got, start[:, 0].contiguous(), end[:, 0].contiguous(), kv_len[:, -1], 0.8, "max", True)
     update(rows, want, start[:, 0].contiguous(), end[:, 0].contiguous(), kv_len[:, -1].contiguous(), 0.8, "max", True)
     assert want.abs().sum() > 0 and torch.equal(got, want)
+
+
+def test_a_last_dimension_with_another_stride_is_refused_naming_the_tensor():
+    data = _data()
+    q = torch.stack([data["q"], data["q"]], dim=-1)[..., 0]
+    with pytest.raises(ValueError, match=r"q must have unit stride in its last dimension, got strides \(192, 32, 2\)"):
+        ops.decode_attention(q, data["k"], data["v"], kv_len=S, scale=0.25)
+
+
+@pytest.mark.parametrize("backend", backends("macs_update"))
+def test_a_last_dimension_of_one_element_is_taken_whatever_its_stride(backend):
+    """torch calls a (B, 1) tensor with strides (1, B) contiguous (a transposed row): the public op's check and the
+    cuda launchers' take it, and every kernel updates its one column at offset 0."""
+    data = _data()
+    log_c = torch.zeros(1, B, device=DEVICE).t()
+    assert log_c.stride() == (1, B) and log_c.is_contiguous()
+    copy = log_c.clone(memory_format=torch.contiguous_format)
+    start = torch.tensor([0, 4, 9], device=DEVICE)
+    for state in (log_c, copy):
+        ops.macs_update(data["q"], data["k"], state, input_start=start, input_end=start + 1, kv_len=[33, 40, 25],
+                        scale=0.25, backend=backend)
+    assert copy.abs().min() > 0 and torch.equal(log_c, copy)
