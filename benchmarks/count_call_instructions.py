@@ -36,8 +36,9 @@ PATHS = {"wrapper": {}, "cuda to the launch": {"MACS_KERNELS_CUDA_EMULATION": "1
 
 
 def _child(source: Path, calls: int, path: str, dumps: Path) -> None:
-    """Runs under callgrind: the public calls of `source`'s macs_kernels, one collected reduce per op; prints each op
-    with the number of the dump its reduce wrote (callgrind writes it as the reduce returns, into `dumps`)."""
+    """Runs under callgrind: the public calls of `source`'s macs_kernels, one collected reduce per op; prints the
+    source's commit, then each op with the number of the dump its reduce wrote (callgrind writes it as the reduce
+    returns, into `dumps`)."""
     sys.path.insert(0, str(source))
     from unittest import mock
 
@@ -49,7 +50,10 @@ def _child(source: Path, calls: int, path: str, dumps: Path) -> None:
     spec = importlib.util.spec_from_file_location("bench_checks", ROOT / "benchmarks" / "bench_checks.py")
     bench_checks = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_checks)
+    from macs_kernels.apps.bench.common import source_commit
     from macs_kernels.ops import _checks, registry
+
+    print(source_commit(short=True) or "?", flush=True)
 
     if path == "wrapper":
         backend, kernels = None, bench_checks._stubbed_kernels()
@@ -65,8 +69,8 @@ def _child(source: Path, calls: int, path: str, dumps: Path) -> None:
             print(op, len(list(dumps.glob("callgrind.out.*"))), flush=True)
 
 
-def count(source: Path, calls: int, path: str) -> dict[str, float]:
-    """op -> instructions per call of `source`'s public op on `path` (PATHS)."""
+def count(source: Path, calls: int, path: str) -> tuple[str, dict[str, float]]:
+    """`source`'s commit, and op -> instructions per call of its public op on `path` (PATHS)."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "callgrind.out"
         run = subprocess.run(
@@ -75,19 +79,15 @@ def count(source: Path, calls: int, path: str) -> dict[str, float]:
              "--source", str(source), "--calls", str(calls), "--path", path, "--dumps", folder],
             capture_output=True, text=True, check=True,
             env={**os.environ, "PYTHONHASHSEED": "0", **PATHS[path]})
+        commit, *lines = run.stdout.splitlines()
         counts = {}
         # Other reduces (the emulated extension's build, say) write dumps too: each op's is the one its own wrote.
-        for line in run.stdout.splitlines():
+        for line in lines:
             op, number = line.split()
             dump = (out.parent / f"{out.name}.{number}").read_text()
             counts[op] = int(re.search(r"^summary: (\d+)", dump, re.M).group(1)) / calls
         assert counts, run.stderr[-2000:]
-    return counts
-
-
-def _commit(source: Path) -> str:
-    return subprocess.run(["git", "-C", str(source), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip() or "?"
+    return commit, counts
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -131,8 +131,8 @@ def main() -> None:
     rows = []
     for path in args.path or PATHS:
         for source in [ROOT, *(folder.resolve() for folder in args.source)]:
-            commit = _commit(source)
-            for op, instructions in count(source, args.calls, path).items():
+            commit, counts = count(source, args.calls, path)
+            for op, instructions in counts.items():
                 row = {"path": path, "commit": commit, "op": op, "instructions_per_call": round(instructions)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
