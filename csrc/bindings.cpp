@@ -59,6 +59,21 @@ bool waits_for_prior_grid(const void* kernel) {
 #endif
 }
 
+cudaError_t allow_dynamic_shared(const void* kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;  // granted to every kernel
+  int device = 0;
+  cudaError_t error = cudaGetDevice(&device);
+  if (error != cudaSuccess) return error;
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, size_t> granted;
+  const std::lock_guard<std::mutex> lock(mutex);
+  size_t& grant = granted[{kernel, device}];
+  if (bytes <= grant) return cudaSuccess;
+  error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  if (error == cudaSuccess) grant = bytes;
+  return error;
+}
+
 }  // namespace macs
 
 // Sets whether later split passes launch their combine and head pooling as programmatic dependents (common.cuh);

@@ -162,6 +162,18 @@ void count_dependent_launch();
 // and a dependent launch of it would read its inputs early).
 bool waits_for_prior_grid(const void* kernel);
 
+// Lets `kernel`, on the current device, launch with `bytes` of dynamic shared memory (above 48 KiB a kernel must be
+// granted it). The grant is the kernel's, per device, whoever launches it: it only grows (a thread that set a smaller
+// one between another's grant and launch would fail that launch), and a size granted already costs no runtime call,
+// where cudaFuncSetAttribute on every launch cost the host a driver call each time (it waits for the device's pending
+// copies, too).
+cudaError_t allow_dynamic_shared(const void* kernel, size_t bytes);
+
+template <typename... Params>
+cudaError_t allow_dynamic_shared(void (*kernel)(Params...), size_t bytes) {
+  return allow_dynamic_shared(reinterpret_cast<const void*>(kernel), bytes);
+}
+
 // kernel<<<grid, block, shared_bytes, stream>>>(args...), as a programmatic dependent of the kernel before it when
 // `dependent` and the kernel waits for it (waits_for_prior_grid).
 template <typename... Params, typename... Args>

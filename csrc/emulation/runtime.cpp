@@ -109,8 +109,11 @@ cudaError_t last_error = cudaSuccess;
 bool launch_failed = false;  // the running launch failed: it stops after the block that failed
 std::string last_error_text;
 
-// The maximum dynamic shared memory each kernel was allowed (cudaFuncSetAttribute); 48 KiB without.
+// The maximum dynamic shared memory each kernel was allowed (cudaFuncSetAttribute); 48 KiB without. Each grant is also
+// logged (the latest kLaunchLog), for tests of how often the launchers ask.
 std::map<const void*, int> max_dynamic_shared;
+std::deque<std::pair<const void*, int>> shared_grants;
+std::string shared_grants_text;
 constexpr size_t kDefaultDynamicSharedBytes = 48 * 1024;
 
 // The dynamic shared memory's pages, then a page mapped without access: a launch's region ends at it, so that an access
@@ -530,6 +533,17 @@ extern "C" const char* cuda_emulation_take_launches() {
   return cuda_emulation::launches_text.c_str();
 }
 
+// The grants of dynamic shared memory (cudaFuncSetAttribute) since the last call, one per line: kernel name, bytes.
+extern "C" const char* cuda_emulation_take_shared_grants() {
+  const std::lock_guard<std::mutex> lock(cuda_emulation::launch_mutex);
+  cuda_emulation::shared_grants_text.clear();
+  for (const auto& [kernel, bytes] : cuda_emulation::shared_grants) {
+    cuda_emulation::shared_grants_text += cuda_emulation::kernel_name(kernel) + '\t' + std::to_string(bytes) + '\n';
+  }
+  cuda_emulation::shared_grants.clear();
+  return cuda_emulation::shared_grants_text.c_str();
+}
+
 // Runs the kernels of later launches (1) or only checks and logs the launches (0).
 extern "C" void cuda_emulation_set_execute(int execute) {
   const std::lock_guard<std::mutex> lock(cuda_emulation::launch_mutex);
@@ -615,6 +629,13 @@ cudaError_t cudaFuncSetAttribute(const void* kernel, enum cudaFuncAttribute attr
   }
   const std::lock_guard<std::mutex> lock(cuda_emulation::launch_mutex);
   cuda_emulation::max_dynamic_shared[kernel] = value;
+  cuda_emulation::shared_grants.emplace_back(kernel, value);
+  if (cuda_emulation::shared_grants.size() > cuda_emulation::kLaunchLog) cuda_emulation::shared_grants.pop_front();
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDevice(int* device) {
+  *device = 0;  // one emulated GPU
   return cudaSuccess;
 }
 

@@ -17,10 +17,8 @@ cudaError_t launch_split_kernel(const SplitParams<T>& p, bool vectorized, cudaSt
   const auto kernel = vectorized ? (capped ? split_kernel<T, kVec16<T>, WITH_V, true>
                                            : split_kernel<T, kVec16<T>, WITH_V, false>)
                                  : (capped ? split_kernel<T, 1, WITH_V, true> : split_kernel<T, 1, WITH_V, false>);
-  if (smem > 48 * 1024) {
-    const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (error != cudaSuccess) return error;
-  }
+  const cudaError_t error = allow_dynamic_shared(kernel, smem);
+  if (error != cudaSuccess) return error;
   kernel<<<grid, threads, smem, stream>>>(p);
   return cudaGetLastError();
 }

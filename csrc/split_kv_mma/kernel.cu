@@ -9,10 +9,8 @@ cudaError_t mma_split(const SplitParams<T>& p, cudaStream_t stream) {
   const size_t smem = mma_smem_bytes(p.rows_per_block, p.dim, WITH_V);
   const dim3 grid(unsigned(p.splits), unsigned(p.kv_heads * ceil_div(p.rows, p.rows_per_block)), unsigned(p.batch));
   const auto kernel = p.dim == 64 ? mma_split_kernel<T, 64, WITH_V> : mma_split_kernel<T, 128, WITH_V>;
-  if (smem > 48 * 1024) {
-    const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (error != cudaSuccess) return error;
-  }
+  const cudaError_t error = allow_dynamic_shared(kernel, smem);
+  if (error != cudaSuccess) return error;
   kernel<<<grid, kMmaThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }

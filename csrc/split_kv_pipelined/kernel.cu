@@ -13,10 +13,8 @@ cudaError_t pipelined_split(const SplitParams<T>& p, cudaStream_t stream) {
   const int threads = pipelined_threads(group * block_rows, lanes, p.key_groups);
   const dim3 grid(unsigned(p.splits), unsigned(p.kv_heads * ceil_div(p.rows, block_rows)), unsigned(p.batch));
   const auto kernel = pipelined_split_kernel<T, WITH_V>;
-  if (smem > 48 * 1024) {
-    const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (error != cudaSuccess) return error;
-  }
+  const cudaError_t error = allow_dynamic_shared(kernel, smem);
+  if (error != cudaSuccess) return error;
   kernel<<<grid, threads, smem, stream>>>(p);
   return cudaGetLastError();
 }

@@ -185,6 +185,36 @@ def test_launches_without_their_kernels_are_checked_and_logged():
     assert [launch.name for launch in emulation.take_launches()] == names and not bool((written == 7.0).any())
 
 
+def test_a_kernels_dynamic_shared_memory_is_granted_once_and_never_lowered():
+    """A split kernel whose block takes over 48 KiB of shared memory is granted it by the runtime (cudaFuncSetAttribute)
+    once per size it grows to (csrc/common.cuh, allow_dynamic_shared): later launches of that size or a smaller one
+    ask nothing (each ask is a driver call), and a smaller one never lowers the grant (one thread lowering it between
+    another's grant and launch would fail that launch). macs_pool's tensor-core kernel without V at D 128, one query
+    row a block and then four (GQA 4:1): two sizes above 48 KiB of one instantiation."""
+    from macs_kernels.ops.cuda import emulation
+
+    generator = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 1, 300, 128, generator=generator).bfloat16()
+
+    def pool(rows):
+        q = torch.randn(1, 4, rows, 128, generator=generator).bfloat16()
+        ops.macs_pool(q, k, input_start=0, input_end=torch.full((1, rows), 250), kv_len=torch.full((1, rows), 300),
+                      scale=128 ** -0.5, out=torch.zeros(1, rows, 250), backend="cuda")
+
+    pool(4)  # the larger block first: its grant, if no earlier launch made it (and the process's self-check)
+    emulation.take_launches()
+    emulation.take_shared_grants()
+    emulation.set_execute(False)  # each launch is still checked against its kernel's grant
+    try:
+        for rows in (1, 4, 1, 4):
+            pool(rows)
+    finally:
+        emulation.set_execute(True)
+    sizes = [launch.shared_bytes for launch in emulation.take_launches() if "mma_split_kernel<" in launch.name]
+    assert len(sizes) == 4 and sizes[0] < sizes[1] and min(sizes) > 48 * 1024, sizes
+    assert emulation.take_shared_grants() == []
+
+
 @pytest.mark.parametrize("device", ["H200", "A100"])
 @pytest.mark.parametrize("dim, with_v", list(MMA_BLOCKS_BY_REGISTERS))
 def test_the_tensor_core_kernel_fills_one_wave_of_the_blocks_a_multiprocessor_holds(device, dim, with_v):

@@ -124,6 +124,7 @@ library = load()
 # The runtime's controls (csrc/emulation/runtime.cpp), plain C functions of the same library.
 _runtime = ctypes.CDLL(library.__file__)
 _runtime.cuda_emulation_take_launches.restype = ctypes.c_char_p
+_runtime.cuda_emulation_take_shared_grants.restype = ctypes.c_char_p
 _runtime.cuda_emulation_kernel_name.restype = ctypes.c_char_p
 _runtime.cuda_emulation_kernel_name.argtypes = [ctypes.c_void_p]
 _runtime.cuda_emulation_accesses.restype = ctypes.c_size_t
@@ -184,6 +185,13 @@ def take_launches() -> list[Launch]:
         launches.append(Launch(name, tuple(map(int, grid.split(","))), tuple(map(int, block.split(","))),
                                int(shared_bytes), dependent == "1"))
     return launches
+
+
+def take_shared_grants() -> list[tuple[str, int]]:
+    """The launchers' grants of dynamic shared memory above 48 KiB to a kernel (cudaFuncSetAttribute) since the last
+    call, oldest first (the latest 4,096): (kernel name, bytes)."""
+    return [(name, int(size)) for name, size in
+            (line.split("\t") for line in _runtime.cuda_emulation_take_shared_grants().decode().splitlines())]
 
 
 # csrc/emulation/runtime.cpp's records of an access and of a named buffer.
