@@ -137,9 +137,13 @@ __device__ float block_reduce(float x, float* scratch) {
 // before its first read of anything the kernel before wrote (the wait returns once that kernel has ended and its writes
 // are visible; without a dependent launch it returns at once). release_dependent_grid lets the next kernel's blocks be
 // placed once every block of this one has passed it (they then wait: it grants no early read). Both compile to
-// nothing below sm_90 (and in the CPU emulation, which runs grids one after another).
+// nothing below sm_90. The CPU emulation runs grids one after another; there the wait marks the thread's later
+// accesses, so that a test can find an access a dependent makes before it to memory the kernels before it write
+// (emulation.dependent_launch_hazards).
 __device__ __forceinline__ void wait_for_prior_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(MACS_CPU_EMULATION)
+  ::cuda_emulation::thread().waited_for_prior_grid = true;
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }

@@ -79,6 +79,9 @@ struct Thread {
   int lane = 0;
   CopyGroup open;                   // issued, not yet committed
   std::deque<CopyGroup> committed;  // oldest first
+  // Past its wait_for_prior_grid (common.cuh): the accesses it counts before are those a programmatic dependent
+  // launch may make while the kernels before it still run (Accesses' before_wait).
+  bool waited_for_prior_grid = false;
 };
 
 // The running CUDA thread (valid inside a kernel only).

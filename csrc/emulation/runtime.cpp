@@ -158,7 +158,8 @@ struct Access {
   const void* kernel;
   int32_t buffer;  // index into AccessLog::buffers, or -1
   uint16_t bytes;
-  uint8_t written, unused = 0;
+  uint8_t written;
+  uint8_t before_wait;  // made by a thread of the kernel before its wait_for_prior_grid (or outside any thread)
 };
 struct Span {
   uint64_t start, end;
@@ -241,6 +242,7 @@ __attribute__((no_sanitize_thread, noinline)) void log_access(AccessLog* log, co
   access.buffer = buffer;
   access.bytes = uint16_t(bytes);
   access.written = uint8_t(written);
+  access.before_wait = uint8_t(current == nullptr || !current->waited_for_prior_grid);
   append(log->accesses, log->access_count, log->access_capacity, access);
 }
 

@@ -162,6 +162,32 @@ def test_dependent_launches_make_the_combine_and_the_pooling_dependents_and_chan
         assert torch.equal(want, result)
 
 
+@pytest.mark.parametrize("kernel, dtype, dim", CUDA_SPLIT_KERNEL_CASES)
+def test_a_dependent_launch_waits_before_it_touches_what_the_kernels_before_it_write(kernel, dtype, dim):
+    """On a GPU a programmatic dependent (the combine after the split kernel, the head pooling after the combine) runs
+    its code before wait_for_prior_grid while the kernels before it still run, and a read there of what they write is
+    a race that no CPU run of the grids one after another shows. The emulation marks each access made before the wait:
+    none of the split passes' dependents touches before its wait a byte the kernels before it write, nor writes one
+    they read (emulation.dependent_launch_hazards; every op that reads the cache, on inputs of each split kernel)."""
+    from macs_kernels.ops.cuda import dependent_launches, emulation
+
+    for call in key_reading_calls(dtype, "cuda", D=dim):
+        with dependent_launches():
+            call.call()  # the process's first call runs the self-check
+            emulation.take_launches()
+            emulation.count_accesses([(t.data_ptr(), t.data_ptr() + t.nbytes) for t in call.cache.values()])
+            try:
+                call.call()
+                accesses = emulation.counted_accesses()
+            finally:
+                emulation.count_accesses(None)
+        launches = emulation.take_launches()
+        assert any(launch.dependent for launch in launches), (call.name, launches)
+        early = accesses.records[accesses.records["before_wait"] == 1]
+        assert len(early) < len(accesses.records), call.name  # the dependents' waits were seen
+        assert emulation.dependent_launch_hazards(accesses, launches) == [], call.name
+
+
 def test_launches_without_their_kernels_are_checked_and_logged():
     """set_execute(False) (benchmarks/bench_checks.py's host path to the launch): each launch is checked and logged,
     and no kernel runs."""
@@ -505,7 +531,8 @@ def test_the_features_lse_pass_reads_each_key_once_per_block_of_rows():
 # emulation must report). "rows": the rows come back wrong; "order": they change with the order blocks and threads
 # run in; "error: ...": the launch fails saying so; "abort: ...": -fsanitize's check stops the process saying so;
 # "crash": the process faults; "traffic": the rows are right, but the split kernel copies more K/V bytes than the
-# keys attended.
+# keys attended; "hazard": the rows are right, but under dependent launches a kernel touches before its wait what the
+# kernels before it write (emulation.dependent_launch_hazards: a race on a GPU).
 MUTATIONS = {
     "cp.async wait one group short": (
         "split_kv_mma/kernel.cuh", "copy_async_wait<kMmaStages - 2>();  // this thread",
@@ -535,13 +562,18 @@ MUTATIONS = {
     "relative-score rows not padded to whole groups": (
         "split_kv/kernel.cuh", "return ceil_div(keys, kRelativeScoreGroup) * kRelativeScoreGroup;", "return keys;",
         "mma log_c", "abort: store to misaligned address"),
+    "a combine that reads the splits before its wait": (
+        "split_kv/kernel.cuh", "  wait_for_prior_grid();\n  release_dependent_grid();\n  const int64_t row",
+        "  release_dependent_grid();\n  const int64_t row", "mma", "hazard"),
+    "a head pooling that reads the combine's stats before its wait": (
+        "pool/kernel.cuh", "  wait_for_prior_grid();\n\n  // [heads][2]", "\n  // [heads][2]", "mma log_c", "hazard"),
 }
 
 _PROBE = """
 import json, sys, torch, warnings
 warnings.simplefilter("ignore")
 from macs_kernels.apps.bench.traffic import cuda_traffic
-from macs_kernels.ops.cuda import emulation
+from macs_kernels.ops.cuda import dependent_launches, emulation
 from macs_kernels.ops.reference import decode_attention_reference
 dim = int(sys.argv[1])
 emulation.set_device("4 SMs")
@@ -573,8 +605,17 @@ for order in emulation.RUN_ORDERS:
 error = ((results["forward"].double() - want).abs().max() / want.abs().max()).item()
 changed = any(not torch.equal(results["forward"], other) for other in results.values())
 attended = 2 * int(kv_len.sum()) * 2 * dim * 2  # K and V, 2 KV heads, dim bfloat16 each
+# Once more as programmatic dependents, each access before a wait marked.
+emulation.set_run_order("forward")
+emulation.take_launches()
+emulation.count_accesses([])
+with dependent_launches():
+    torch.ops.macs_kernels.decode_attention(q, k, v, torch.zeros(2, dtype=torch.long), kv_len, 0.125, log_c, input_end,
+                                            0.8, "max", True, None)
+hazards = emulation.dependent_launch_hazards(emulation.counted_accesses(), emulation.take_launches())
+emulation.count_accesses(None)
 print(json.dumps({"error": None, "relative_error": error, "order_changed": changed, "copied": copied,
-                  "attended": attended, "split": split}))
+                  "attended": attended, "split": split, "hazards": hazards}))
 """
 
 
@@ -625,5 +666,8 @@ def test_the_emulation_catches_what_a_gpu_run_found(mutation, mutation_build, tm
     elif expected == "traffic":
         assert found["error"] is None and found["relative_error"] <= RELATIVE_ERROR[torch.bfloat16], found
         assert found["copied"] > found["attended"], found
+    elif expected == "hazard":
+        assert found["error"] is None and found["relative_error"] <= RELATIVE_ERROR[torch.bfloat16], found
+        assert found["hazards"], found
     else:
         assert found["error"] is None and found["relative_error"] > RELATIVE_ERROR[torch.bfloat16], found
