@@ -168,7 +168,8 @@ def test_a_dependent_launch_waits_before_it_touches_what_the_kernels_before_it_w
     its code before wait_for_prior_grid while the kernels before it still run, and a read there of what they write is
     a race that no CPU run of the grids one after another shows. The emulation marks each access made before the wait:
     none of the split passes' dependents touches before its wait a byte the kernels before it write, nor writes one
-    they read (emulation.dependent_launch_hazards; every op that reads the cache, on inputs of each split kernel)."""
+    they read (traffic.cuda_dependent_hazards; every op that reads the cache, on inputs of each split kernel)."""
+    from macs_kernels.apps.bench.traffic import cuda_dependent_hazards
     from macs_kernels.ops.cuda import dependent_launches, emulation
 
     for call in key_reading_calls(dtype, "cuda", D=dim):
@@ -185,7 +186,7 @@ def test_a_dependent_launch_waits_before_it_touches_what_the_kernels_before_it_w
         assert any(launch.dependent for launch in launches), (call.name, launches)
         early = accesses.records[accesses.records["before_wait"] == 1]
         assert len(early) < len(accesses.records), call.name  # the dependents' waits were seen
-        assert emulation.dependent_launch_hazards(accesses, launches) == [], call.name
+        assert cuda_dependent_hazards(accesses, launches) == [], call.name
 
 
 def test_launches_without_their_kernels_are_checked_and_logged():
@@ -532,7 +533,7 @@ def test_the_features_lse_pass_reads_each_key_once_per_block_of_rows():
 # run in; "error: ...": the launch fails saying so; "abort: ...": -fsanitize's check stops the process saying so;
 # "crash": the process faults; "traffic": the rows are right, but the split kernel copies more K/V bytes than the
 # keys attended; "hazard": the rows are right, but under dependent launches a kernel touches before its wait what the
-# kernels before it write (emulation.dependent_launch_hazards: a race on a GPU).
+# kernels before it write (traffic.cuda_dependent_hazards: a race on a GPU).
 MUTATIONS = {
     "cp.async wait one group short": (
         "split_kv_mma/kernel.cuh", "copy_async_wait<kMmaStages - 2>();  // this thread",
@@ -572,7 +573,7 @@ MUTATIONS = {
 _PROBE = """
 import json, sys, torch, warnings
 warnings.simplefilter("ignore")
-from macs_kernels.apps.bench.traffic import cuda_traffic
+from macs_kernels.apps.bench.traffic import cuda_dependent_hazards, cuda_traffic
 from macs_kernels.ops.cuda import dependent_launches, emulation
 from macs_kernels.ops.reference import decode_attention_reference
 dim = int(sys.argv[1])
@@ -612,7 +613,7 @@ emulation.count_accesses([])
 with dependent_launches():
     torch.ops.macs_kernels.decode_attention(q, k, v, torch.zeros(2, dtype=torch.long), kv_len, 0.125, log_c, input_end,
                                             0.8, "max", True, None)
-hazards = emulation.dependent_launch_hazards(emulation.counted_accesses(), emulation.take_launches())
+hazards = cuda_dependent_hazards(emulation.counted_accesses(), emulation.take_launches())
 emulation.count_accesses(None)
 print(json.dumps({"error": None, "relative_error": error, "order_changed": changed, "copied": copied,
                   "attended": attended, "split": split, "hazards": hazards}))

@@ -71,3 +71,29 @@ def test_the_order_is_the_one_asked_for():
     with programs_run("reverse"):
         record[(5,)](out, counter)
     assert out.tolist() == [4, 3, 2, 1, 0]
+
+
+def test_a_dependent_launch_waits_before_it_touches_what_the_kernels_before_it_write():
+    """On an sm_90 GPU with dependent launches (MACS_KERNELS_TRITON_PDL=1) the combine and the head pooling start while
+    the kernels before them run, and what a program reads before its wait (gdc_wait) races with them; the interpreter
+    runs each grid after the last has ended, which hides such a read. Under traffic.triton_dependent_accesses every
+    access a program makes before its wait is marked: no dependent touches early a byte that a kernel before it writes,
+    nor writes early one that kernel reads, in any op that reads the cache (as test_cuda_emulation.py checks the cuda
+    kernels). With the waits marking nothing, the fused decode's dependents are found."""
+    from macs_kernels.apps.bench.traffic import triton_dependent_accesses
+    from tests.ops.cases import key_reading_calls
+
+    calls = key_reading_calls(torch.float32, "triton")
+    for call in calls:
+        call.call()  # the process's first call runs the backend's self-check
+        with triton_dependent_accesses() as recorded:
+            call.call()
+        assert any(dependent for _, dependent in recorded.launches), (call.name, recorded.launches)
+        assert any(early for *_, early, _ in recorded.accesses), call.name
+        assert recorded.hazards() == [], call.name
+    [fused] = [call for call in calls if call.name == "decode_attention with log_c"]
+    with triton_dependent_accesses(waits=False) as recorded:
+        fused.call()
+    found = recorded.hazards()
+    for dependent in ("_split_kv_combine_kernel", "_pool_kernel"):
+        assert any(hazard.startswith(dependent + " ") for hazard in found), found

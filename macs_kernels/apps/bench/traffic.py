@@ -9,6 +9,10 @@ first on the bytes it adds).
   outputs). A kernel's accesses of one size and direction to one argument count as one access (its sectors are
   their distinct sectors).
 
+And from the same records, what either backend's programmatic dependent launches would race on
+(`cuda_dependent_hazards`, `triton_dependent_accesses`): a CPU runs a launch's grid after the one before it has
+ended, where on a GPU a dependent's code before its wait runs beside it.
+
 Per (kernel, argument) three figures each for reads and writes, which bound what DRAM moves:
 - `read` / `written`: the bytes the accesses asked for;
 - `read_distinct` / `written_distinct`: the bytes of distinct addresses over the whole count (every repeat served by
@@ -22,7 +26,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from unittest import mock
 
 import numpy
@@ -253,3 +258,145 @@ def cuda_traffic(tensors: dict[str, torch.Tensor]) -> Iterator[Traffic]:
                            records["address"][group], item_bytes)
     finally:
         emulation.count_accesses(None)
+
+
+def dependent_launch_hazards(launches: list[tuple[str, bool]], touched: Callable) -> list[str]:
+    """What a programmatic dependent launch would read or overwrite while the kernels before it still run on a GPU:
+    for each launch made as a dependent, its accesses before its wait (griddepcontrol.wait) to bytes that a kernel
+    before it in its chain (the launches back to the last one made plainly, which starts after everything before it)
+    writes, and its writes before the wait to bytes that kernel reads. `launches`: (kernel name, made as a dependent)
+    in launch order, each kernel once; `touched(name, written, early)`: byte address -> the name of what holds it, over
+    kernel `name`'s writes (written True), reads (False) or both (None), only those before its wait when `early`. One
+    line per pair of kernels and holder; none when every dependent waits first."""
+    hazards, chain = [], []
+    for name, dependent in launches:
+        if not dependent:
+            chain = [name]
+            continue
+        early, early_writes = touched(name, None, True), touched(name, True, True)
+        for before in chain:
+            for mine, theirs, what, verb in ((early, touched(before, True, False), "reads or writes", "writes"),
+                                             (early_writes, touched(before, False, False), "writes", "reads")):
+                shared = mine.keys() & theirs.keys()
+                for holder in sorted({theirs[address] for address in shared}):
+                    count = sum(theirs[address] == holder for address in shared)
+                    hazards.append(f"{name} {what} {count} bytes of {holder} before its wait that {before} {verb}")
+        chain.append(name)
+    return hazards
+
+
+def _bytes_held(addresses: numpy.ndarray, sizes: numpy.ndarray, holders: list[str]) -> dict[int, str]:
+    """Byte address -> holder, for accesses of sizes[i] bytes at addresses[i] held by holders[i]."""
+    sizes = numpy.asarray(sizes, dtype=numpy.int64)
+    starts = numpy.repeat(numpy.asarray(addresses, dtype=numpy.uint64), sizes)
+    offsets = numpy.arange(starts.size, dtype=numpy.int64) - numpy.repeat(numpy.cumsum(sizes) - sizes, sizes)
+    return dict(zip((starts + offsets.astype(numpy.uint64)).tolist(),
+                    [holder for holder, size in zip(holders, sizes.tolist()) for _ in range(size)]))
+
+
+def cuda_dependent_hazards(accesses, launches) -> list[str]:
+    """dependent_launch_hazards of the CUDA emulation's counted `accesses` (emulation.counted_accesses) over its
+    `launches` (emulation.take_launches, of the same calls): an access is early when its thread had not passed
+    wait_for_prior_grid (csrc/common.cuh); a holder is a buffer a launcher named, else "a tensor"."""
+    kernel_of = {name: kernel for kernel, name in accesses.kernels.items()}
+    records = accesses.records
+
+    def touched(name: str, written: bool | None, early: bool) -> dict[int, str]:
+        kept = records[records["kernel"] == kernel_of.get(name, -1)]
+        if written is not None:
+            kept = kept[kept["written"] == int(written)]
+        if early:
+            kept = kept[kept["before_wait"] == 1]
+        return _bytes_held(kept["address"], kept["bytes"],
+                           [accesses.buffers[b].name if b >= 0 else "a tensor" for b in kept["buffer"].tolist()])
+
+    return dependent_launch_hazards([(launch.name, launch.dependent) for launch in launches], touched)
+
+
+@dataclasses.dataclass
+class DependentAccesses:
+    """What triton_dependent_accesses recorded: the launches (kernel name, made as a dependent) in order, and each
+    access (kernel name, its byte addresses, written, made before the program's wait, the argument holding it)."""
+    launches: list[tuple[str, bool]] = dataclasses.field(default_factory=list)
+    accesses: list[tuple[str, numpy.ndarray, bool, bool, str]] = dataclasses.field(default_factory=list)
+
+    def hazards(self) -> list[str]:
+        def touched(name: str, written: bool | None, early: bool) -> dict[int, str]:
+            held = {}
+            for kernel, addresses, was_written, was_early, holder in self.accesses:
+                if kernel == name and written in (None, was_written) and (was_early or not early):
+                    held.update(dict.fromkeys(addresses.tolist(), holder))
+            return held
+
+        return dependent_launch_hazards(self.launches, touched)
+
+
+@contextlib.contextmanager
+def triton_dependent_accesses(waits: bool = True) -> Iterator[DependentAccesses]:
+    """Inside (Triton's interpreter only), the triton backend launches its split passes' combine and head pooling as
+    programmatic dependents (common.dependent_launch), as on an sm_90 GPU, and every program's loads and stores are
+    recorded, each marked early while the program has not passed its wait (common.gdc_wait, which the interpreter
+    cannot run: here it marks; `waits` False: it marks nothing, every access of a dependent early). The interpreter
+    runs each grid after the one before it has ended, so results are as plain launches give; `hazards()` says what
+    the same code would race on where a dependent's programs run beside the kernels before it."""
+    from triton.runtime import interpreter
+
+    from macs_kernels.ops.triton import common
+
+    builder = interpreter.interpreter_builder
+    recorded = DependentAccesses()
+    running: list[tuple[str, dict[str, Region]]] = []
+    waited = [False]
+    run_launch, set_index = interpreter.GridExecutor.__call__, builder.set_grid_idx
+    load, store = builder.create_masked_load, builder.create_masked_store
+
+    def launch(executor, *args, **kwargs):
+        named = inspect.getcallargs(executor.fn, *args, **{k: v for k, v in kwargs.items()
+                                                            if k in inspect.signature(executor.fn).parameters})
+        regions = {name.removesuffix("_ptr"): Region.of(value) for name, value in named.items()
+                   if isinstance(value, torch.Tensor)}
+        recorded.launches.append((executor.fn.__name__, bool(kwargs.get("launch_pdl", False))))
+        running.append((executor.fn.__name__, regions))
+        try:
+            return run_launch(executor, *args, **kwargs)
+        finally:
+            running.pop()
+
+    def program(x, y, z):
+        waited[0] = False
+        return set_index(x, y, z)
+
+    def wait():
+        waited[0] = waits
+
+    def access(pointers, mask, written: bool):
+        kernel, regions = running[-1]
+        addresses = _kept(pointers, mask)
+        item_bytes = _item_bytes(pointers)
+        for name, region in regions.items():
+            held = addresses[region.holds(addresses)]
+            if held.size:
+                spread = (held[:, None] + numpy.arange(item_bytes, dtype=numpy.uint64)).ravel()
+                recorded.accesses.append((kernel, spread, written, not waited[0], name))
+
+    def masked_load(pointers, mask, *args):
+        access(pointers, mask, False)
+        return load(pointers, mask, *args)
+
+    def masked_store(pointers, value, mask, *args):
+        access(pointers, mask, True)
+        return store(pointers, value, mask, *args)
+
+    with contextlib.ExitStack() as patches:
+        for target, name, value in ((interpreter.GridExecutor, "__call__", launch), (builder, "set_grid_idx", program),
+                                    (builder, "create_masked_load", masked_load),
+                                    (builder, "create_masked_store", masked_store), (common, "gdc_wait", wait),
+                                    (common, "gdc_launch_dependents", lambda: None)):
+            patches.enter_context(mock.patch.object(target, name, value))
+        # The launchers import the choice by name.
+        choice = common.dependent_launch
+        for module in [module for name, module in sys.modules.items() if name.startswith("macs_kernels.ops.triton")]:
+            if getattr(module, "dependent_launch", None) is choice:
+                patches.enter_context(mock.patch.object(module, "dependent_launch", lambda device: True))
+        yield recorded
+

@@ -216,47 +216,6 @@ class Accesses(NamedTuple):
     kernels: dict[int, str]
 
 
-def dependent_launch_hazards(accesses: Accesses, launches: list[Launch]) -> list[str]:
-    """What a programmatic dependent launch would read or overwrite while the kernels before it still run on a GPU,
-    from the `accesses` counted over `launches` (take_launches, of the same calls; each kernel launched once): for each
-    launch made as a dependent (Launch.dependent), its accesses before its wait_for_prior_grid to bytes that a kernel
-    before it in its chain (the launches back to the last one made plainly, which waits for everything before it)
-    writes, and its writes before the wait to bytes that kernel reads. One line per pair of kernels and buffer ("a
-    tensor" where no launcher named it); none when the dependents wait before every such access."""
-    kernel_of = {name: kernel for kernel, name in accesses.kernels.items()}
-    records = accesses.records
-
-    def touched(name: str, written: bool | None = None, before_wait: bool = False) -> dict[int, int]:
-        """Byte address -> the record's buffer index, for kernel `name`'s accesses (writes, reads or both)."""
-        kept = records[records["kernel"] == kernel_of.get(name, -1)]
-        if written is not None:
-            kept = kept[kept["written"] == int(written)]
-        if before_wait:
-            kept = kept[kept["before_wait"] == 1]
-        addresses = numpy.repeat(kept["address"], kept["bytes"]) + numpy.concatenate(
-            [numpy.arange(size, dtype=numpy.uint64) for size in kept["bytes"]] or [numpy.empty(0, numpy.uint64)])
-        return dict(zip(addresses.tolist(), numpy.repeat(kept["buffer"], kept["bytes"]).tolist()))
-
-    hazards, chain = [], []
-    for launch in launches:
-        if not launch.dependent:
-            chain = [launch.name]
-            continue
-        early, early_writes = touched(launch.name, before_wait=True), touched(launch.name, True, before_wait=True)
-        for before in chain:
-            for what, mine, theirs in (("reads or writes", early, touched(before, written=True)),
-                                       ("writes", early_writes, touched(before, written=False))):
-                shared = mine.keys() & theirs.keys()
-                for buffer in sorted({theirs[address] for address in shared}):
-                    where = accesses.buffers[buffer].name if buffer >= 0 else "a tensor"
-                    count = sum(theirs[address] == buffer for address in shared)
-                    verb = "writes" if what == "reads or writes" else "reads"
-                    hazards.append(f"{launch.name} {what} {count} bytes of {where} before its wait that "
-                                   f"{before} {verb}")
-        chain.append(launch.name)
-    return hazards
-
-
 def count_accesses(spans: list[tuple[int, int]] | None) -> None:
     """Record the global-memory accesses of the kernels this thread launches from now on (None: stop): every 16-byte
     asynchronous copy (`cp.async`) that reads global memory, and every plain load and store in one of `spans`
