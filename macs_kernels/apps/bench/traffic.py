@@ -163,6 +163,15 @@ def _kept(pointers, mask) -> numpy.ndarray:
     return data.ravel() if mask is None else data[numpy.broadcast_to(mask.data.astype(bool), data.shape)]
 
 
+def _argument_regions(kernel, args: tuple, kwargs: dict) -> dict[str, Region]:
+    """A Triton launch's tensor arguments by name (a `_ptr` suffix dropped), as the regions of memory they hold; the
+    launch options among `kwargs` (num_warps, launch_pdl) are not the kernel's."""
+    parameters = inspect.signature(kernel).parameters
+    named = inspect.getcallargs(kernel, *args, **{k: v for k, v in kwargs.items() if k in parameters})
+    return {name.removesuffix("_ptr"): Region.of(value) for name, value in named.items()
+            if isinstance(value, torch.Tensor)}
+
+
 @contextlib.contextmanager
 def triton_traffic() -> Iterator[Traffic]:
     """Count the memory accesses of every Triton kernel launched inside the context (Triton's interpreter only)."""
@@ -174,11 +183,7 @@ def triton_traffic() -> Iterator[Traffic]:
     run_launch = interpreter.GridExecutor.__call__
 
     def launch(executor, *args, **kwargs):
-        named = inspect.getcallargs(executor.fn, *args, **{k: v for k, v in kwargs.items()
-                                                            if k in inspect.signature(executor.fn).parameters})
-        regions = {name.removesuffix("_ptr"): Region.of(value) for name, value in named.items()
-                   if isinstance(value, torch.Tensor)}
-        launches.append((executor.fn.__name__, regions))
+        launches.append((executor.fn.__name__, _argument_regions(executor.fn, args, kwargs)))
         try:
             return run_launch(executor, *args, **kwargs)
         finally:
@@ -351,12 +356,8 @@ def triton_dependent_accesses(waits: bool = True) -> Iterator[DependentAccesses]
     load, store = builder.create_masked_load, builder.create_masked_store
 
     def launch(executor, *args, **kwargs):
-        named = inspect.getcallargs(executor.fn, *args, **{k: v for k, v in kwargs.items()
-                                                            if k in inspect.signature(executor.fn).parameters})
-        regions = {name.removesuffix("_ptr"): Region.of(value) for name, value in named.items()
-                   if isinstance(value, torch.Tensor)}
         recorded.launches.append((executor.fn.__name__, bool(kwargs.get("launch_pdl", False))))
-        running.append((executor.fn.__name__, regions))
+        running.append((executor.fn.__name__, _argument_regions(executor.fn, args, kwargs)))
         try:
             return run_launch(executor, *args, **kwargs)
         finally:
