@@ -110,7 +110,8 @@ if __name__ == "__main__":  # setuptools runs this file as __main__; tests impor
             "triton": ["triton>=3.1"],
             "gguf": ["gguf>=0.10", "accelerate"],
             "eval": ["datasets", "rouge-score", "scikit-learn"],
-            "serve": ["fastapi>=0.110", "uvicorn>=0.29"],
+            # The server runs text models on continuous batching, which MACS follows from transformers 5.19.
+            "serve": ["fastapi>=0.110", "uvicorn>=0.29", "transformers>=5.19"],
             # vLLM on CUDA GPUs, the release the plugin follows (it reads vLLM 0.32's internals).
             "vllm": ["vllm>=0.32,<0.33"],
             # vLLM's CPU build, for CPU machines (where "vllm" resolves the CUDA build): it pins torch==2.13.0+cpu

@@ -51,10 +51,9 @@ def workload(requests: int, shortest: int, longest: int, vocab: int) -> list[lis
 
 def _child(mode: str, requests: int, shortest: int, longest: int, new_tokens: int, threads: int) -> dict:
     from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     from macs_kernels.api.models import load_model
-    from macs_kernels.engines.continuous import attach_continuous
+    from macs_kernels.engines.continuous import attach_continuous, batching_config_class
 
     if threads:
         torch.set_num_threads(threads)
@@ -65,7 +64,7 @@ def _child(mode: str, requests: int, shortest: int, longest: int, new_tokens: in
     blocks = sum(-(-(len(p) + new_tokens) // page) for p in prompts) + 1
 
     def run():
-        config = ContinuousBatchingConfig(page_size=page, num_blocks=blocks, auto_switch_to_flash=False)
+        config = batching_config_class()(page_size=page, num_blocks=blocks, auto_switch_to_flash=False)
         return model.generate_batch(prompts, generation_config=generation, continuous_batching_config=config)
 
     base = _rss_kib("VmRSS")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 
 from macs_kernels.api.prompts import qa_messages
@@ -14,6 +15,23 @@ QUESTIONS = [
     ("What colour is the sky?", "On a clear day the sky is blue because air scatters short wavelengths."),
     ("Where is the Eiffel Tower?", "The Eiffel Tower stands in Paris, France. It was built in 1889 for a fair."),
 ]
+
+
+def continuous_batching_refusal() -> str | None:
+    """Why MACS under continuous batching is refused with the installed transformers (None: it runs there)."""
+    from macs_kernels.engines.continuous import batching_config_class
+
+    try:
+        batching_config_class()
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+# The tests that run MACS under continuous batching skip where the installed transformers is refused (the GPU image's
+# 5.17); the refusal itself is tested in tests/integration/test_continuous_versions.py.
+NEEDS_CONTINUOUS_BATCHING = pytest.mark.skipif(continuous_batching_refusal() is not None,
+                                               reason=str(continuous_batching_refusal()))
 
 
 @functools.cache

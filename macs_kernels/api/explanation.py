@@ -459,8 +459,9 @@ def explain_continuous(model, tokenizer, prompts, *, max_new_tokens=64, continuo
         holds exactly these prompts and their new tokens (sized from free memory, its allocation would dominate).
     config: the MacsConfig, or options: its fields.
     """
-    from macs_kernels.engines.continuous import attach_continuous, engine_config
+    from macs_kernels.engines.continuous import attach_continuous, batching_config_class, engine_config
 
+    batching_config_class()
     macs_config = config_of(config, options)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import threading
 
 import torch
@@ -43,8 +44,8 @@ from macs_kernels.ops import efficient_attention, registry
 from macs_kernels.ops.torch import row as torch_row
 from macs_kernels.ops.torch.packed import Segments, macs_pool_packed
 
-__all__ = ["ContinuousTracer", "Segments", "attach_continuous", "engine_config", "generate_options",
-           "macs_pool_packed"]
+__all__ = ["ContinuousTracer", "Segments", "attach_continuous", "batching_config_class",
+           "engine_config", "generate_options", "macs_pool_packed"]
 
 # The names continuous batching accepts that run on any device; flash names need CUDA and hand the attention
 # function a block table on decode steps instead of packed keys.
@@ -522,6 +523,7 @@ def attach_continuous(model, *, manager=None, keep_finished: int = 256, config: 
     requests keep their rows until `release` (older ones are dropped). On exit the model, its attention
     implementation and transformers' registries are as they were.
     """
+    batching_config_class()
     macs_config = config_of(config, options)
     if isinstance(keep_finished, bool) or not isinstance(keep_finished, int) or keep_finished < 0:
         raise ValueError(f"keep_finished must be an int >= 0, got {keep_finished!r}")
@@ -612,11 +614,10 @@ def engine_config(continuous_batching_config, prompt_lengths: list[int], max_new
     default) with flash attention, CUDA graphs and async batching off unless asked for (they bypass the traced
     attention; asked for, they are refused later), and without `num_blocks` a paged cache that holds exactly these
     prompts and their new tokens (sized from free memory, its allocation would dominate)."""
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
+    config_class = batching_config_class()
     if continuous_batching_config is None:
-        continuous_batching_config = ContinuousBatchingConfig()
-    elif not isinstance(continuous_batching_config, ContinuousBatchingConfig):
+        continuous_batching_config = config_class()
+    elif not isinstance(continuous_batching_config, config_class):
         raise TypeError("continuous_batching_config must be a transformers ContinuousBatchingConfig")
     continuous_batching_config = dataclasses.replace(
         continuous_batching_config, auto_switch_to_flash=False,
@@ -628,4 +629,21 @@ def engine_config(continuous_batching_config, prompt_lengths: list[int], max_new
         pages = sum(-(-(length + max_new_tokens) // page) for length in prompt_lengths)
         continuous_batching_config.num_blocks = pages + 1
     return continuous_batching_config
+
+
+def batching_config_class():
+    """transformers' ContinuousBatchingConfig where the installed transformers runs continuous batching the way the
+    tracer follows it, from 5.19 on; before any work, a clear error elsewhere. Read from transformers' wheels and run
+    here: 5.17 and 5.18 name the page size `block_size` (5.17) and have no `auto_switch_to_flash` (the manager then
+    switches to flash attention wherever flash-attn is installed), run a model's sdpa layers as "paged|sdpa", and
+    update the paged cache without the pass's keywords; versions before 5.4 have no such class."""
+    import transformers
+
+    config_class = getattr(importlib.import_module("transformers.generation.configuration_utils"),
+                           "ContinuousBatchingConfig", None)
+    if config_class is None or "auto_switch_to_flash" not in {field.name for field in dataclasses.fields(config_class)}:
+        raise RuntimeError(f"MACS under continuous batching (explain(continuous_batching=True), attach_continuous, "
+                           f"macs-kernels serve) needs transformers>=5.19; this is transformers "
+                           f"{transformers.__version__}")
+    return config_class
 

@@ -148,6 +148,10 @@ def window_key_offset(cache, layer: int, keys: int) -> int:
         return 0
     entry = layers[layer]
     tokens = getattr(entry, "cumulative_length_int", getattr(entry, "cumulative_length", None))
+    if isinstance(tokens, torch.Tensor) and tokens.dim() == 0 and not tokens.is_floating_point():
+        # transformers 5.17's dynamic sliding layer keeps a tensor after a crop by a tensor count (assisted decoding
+        # and prompt lookup, which read their candidates on the host anyway); its static one keeps an int beside.
+        tokens = int(tokens)
     if not isinstance(tokens, int):
         raise NotImplementedError(
             f"a sliding-window cache layer of type {type(entry).__name__} is not supported: the tracer cannot read "

@@ -7,7 +7,7 @@ import torch
 
 from macs_kernels import explain
 from macs_kernels.api.alignment import user_span
-from tests.helpers import tiny_chat_model
+from tests.helpers import NEEDS_CONTINUOUS_BATCHING, tiny_chat_model
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +33,7 @@ def test_a_free_prompt_spans_the_user_text_only(chat_model):
     assert all(start <= i < end for i, _, _ in explanation.top_k(3, span=True))
 
 
+@NEEDS_CONTINUOUS_BATCHING
 def test_messages_batches_and_ids(chat_model):
     model, tokenizer = chat_model
     chat = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Red."},

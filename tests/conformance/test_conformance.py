@@ -19,7 +19,7 @@ from transformers.generation.continuous_batching.offloading_manager import Offlo
 from macs_kernels import explain
 from macs_kernels.core import support
 from macs_kernels.engines.hf_models import attention_variants
-from tests.helpers import eager_norm_log_c
+from tests.helpers import continuous_batching_refusal, eager_norm_log_c
 from tests.integration.test_integration_efficient import _efficient_reference as efficient_reference
 
 from .conftest import TINY, eager_at2_features, eager_log_c
@@ -146,6 +146,8 @@ offload_requests = OffloadingManager.offload_requests
 
 def continuous_engine(model, tokenizer, _server):
     def run(method, layout):
+        if continuous_batching_refusal() is not None:
+            pytest.skip(continuous_batching_refusal())
         prompts, options = LAYOUTS[layout][0], _options(model, tokenizer, layout)
         offloaded = []
 

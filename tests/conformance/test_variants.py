@@ -4,14 +4,16 @@ engine x method x layout either equal to the teacher-forced eager `output_attent
 before work with the support table's message (naming the model type)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import DynamicCache
 
 from macs_kernels.api.explanation import encode_prompts
 from macs_kernels.core import support
-from macs_kernels.engines.hf_models import attention_variants, cache_argument, returned_cache
-from tests.helpers import eager_macs
+from macs_kernels.engines.hf_models import attention_variants, cache_argument, returned_cache, window_key_offset
+from tests.helpers import NEEDS_CONTINUOUS_BATCHING, eager_macs
 
 from .conftest import VARIANT_MODELS, WINDOW, eager_log_c, variant_model
 from .test_conformance import (
@@ -264,6 +266,24 @@ def _cache_mode_sequences(name: str, model, tokenizer, mode: str, method: str) -
     return sequences
 
 
+def test_a_window_layers_token_count_is_read_as_an_int_or_a_0_dim_integer_tensor():
+    """transformers 5.17's dynamic sliding layer holds its token count as a 0-dim tensor after a crop by a tensor count
+    (assisted decoding, prompt lookup): read as the int it stands for; any other kind is refused, naming the layer."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    layer = DynamicSlidingWindowLayer(sliding_window=8)
+    cache = SimpleNamespace(layers=[layer])
+    offsets = []
+    for count in (69, torch.tensor(69), torch.tensor(69, dtype=torch.int32)):
+        layer.cumulative_length = count
+        offsets.append(window_key_offset(cache, 0, keys=7))
+    assert offsets == [62, 62, 62]
+    for count in (torch.tensor(69.0), torch.tensor([69]), None):
+        layer.cumulative_length = count
+        with pytest.raises(NotImplementedError, match="DynamicSlidingWindowLayer is not supported"):
+            window_key_offset(cache, 0, keys=7)
+
+
 @pytest.mark.parametrize(("name", "mode", "method"), CACHE_CASES)
 def test_window_caches_rolled_cropped_or_passed_in_equal_the_reference(name, mode, method, variant_models, request):
     """Window layers' keys start where their cache says (hf_models.window_key_offset): static caches, assisted
@@ -281,6 +301,7 @@ def test_window_caches_rolled_cropped_or_passed_in_equal_the_reference(name, mod
     assert_sequences_equal_the_reference(model, method, sequences, request, efficient=_window_efficient_reference)
 
 
+@NEEDS_CONTINUOUS_BATCHING
 @pytest.mark.parametrize("method", ["exact", "fused"])
 def test_continuous_batching_computes_the_capped_attention_of_gemma2(method, variant_models):
     """transformers' continuous-batching attention (paged|eager, sdpa) drops Gemma 2's logit cap; with macs_kernels

@@ -97,7 +97,8 @@ def test_heads_that_do_not_split_evenly_are_refused(tmp_path):
     """6 query / 3 KV heads over 2 ranks: transformers loads it, MACS refuses before any pass, naming why."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=97, hidden_size=96, intermediate_size=64, num_hidden_layers=2,
+    # An even vocabulary: transformers 5.17 refuses an lm_head that does not split over the ranks before MACS looks.
+    config = LlamaConfig(vocab_size=98, hidden_size=96, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=64)
     LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
     (tmp_path / "worker.py").write_text(UNEVEN_WORKER)

@@ -18,7 +18,7 @@ from transformers.generation.configuration_utils import CompileConfig
 
 from macs_kernels import attach, explain
 from macs_kernels.engines.hf_models import cache_argument
-from tests.helpers import default_model, eager_macs, tiny_llama
+from tests.helpers import NEEDS_CONTINUOUS_BATCHING, default_model, eager_macs, tiny_llama
 from tests.ops.cases import CUDA_BACKEND_DEVICE, why_no_cuda_backend
 
 LOG_TOLERANCE = 1e-3
@@ -155,6 +155,7 @@ def test_a_backend_whose_kernels_do_not_compile_is_replaced_with_one_warning(mon
     """Triton's interpreted kernels (TRITON_INTERPRET on a CPU) cannot be traced by dynamo: the registry's compiled
     self-check finds it before the steps compile, the steps run torch's kernels, generate does not fail, and the rows
     are exact."""
+    pytest.importorskip("triton")
     from macs_kernels.ops import registry
 
     monkeypatch.setattr(registry, "_warned", set())  # the warning is once per process: an earlier test may have had it
@@ -240,6 +241,7 @@ def test_a_compiled_plain_forward_is_refused():
             model(PROMPTS[1:])
 
 
+@NEEDS_CONTINUOUS_BATCHING
 def test_continuous_batching_with_a_compiled_forward_is_refused():
     from macs_kernels.engines.continuous import attach_continuous
 

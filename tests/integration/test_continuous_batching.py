@@ -20,8 +20,10 @@ from macs_kernels.engines.continuous import (
     macs_pool_packed,
 )
 from macs_kernels.ops import reference
-from tests.helpers import default_model, eager_macs, qa, tiny_llama
+from tests.helpers import NEEDS_CONTINUOUS_BATCHING, default_model, eager_macs, qa, tiny_llama
 from tests.tolerances import RELATIVE_ERROR, relative_error
+
+pytestmark = NEEDS_CONTINUOUS_BATCHING
 
 LOG_C_TOLERANCE = 1e-3
 GREEDY = {"do_sample": False, "eos_token_id": -1, "pad_token_id": 0}

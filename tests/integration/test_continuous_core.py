@@ -8,8 +8,10 @@ from transformers.generation.continuous_batching.requests import RequestState
 
 from macs_kernels.engines.continuous import attach_continuous
 from macs_kernels.ops.torch.packed import Segments
-from tests.helpers import eager_macs, tiny_llama
+from tests.helpers import NEEDS_CONTINUOUS_BATCHING, eager_macs, tiny_llama
 from tests.integration.test_integration_efficient import _efficient_reference as efficient_reference
+
+pytestmark = NEEDS_CONTINUOUS_BATCHING
 
 LOG_C_TOLERANCE = 1e-3
 GREEDY = {"do_sample": False, "eos_token_id": -1, "pad_token_id": 0}

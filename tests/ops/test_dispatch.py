@@ -9,7 +9,6 @@ import warnings
 import pytest
 import torch
 
-import macs_kernels.ops.triton as triton_backend
 from macs_kernels import ops
 from macs_kernels.ops import registry, verify
 from macs_kernels.ops.backends import cuda_emulated
@@ -28,13 +27,22 @@ def fresh_verdicts(monkeypatch):
 
 
 @pytest.fixture
-def triton_is_a_candidate(monkeypatch, fresh_verdicts):
+def triton_backend():
+    """The triton backend's module (skips where triton is not installed)."""
+    pytest.importorskip("triton")
+    import macs_kernels.ops.triton as backend
+
+    return backend
+
+
+@pytest.fixture
+def triton_is_a_candidate(monkeypatch, fresh_verdicts, triton_backend):
     """The automatic choice tries triton before torch (on a CPU, the interpreter)."""
     monkeypatch.setitem(registry.PREFERENCE, (HERE.type, False), ("triton", "torch"))
 
 
 @pytest.fixture
-def wrong_triton_zscore(monkeypatch):
+def wrong_triton_zscore(monkeypatch, triton_backend):
     original = triton_backend.macs_zscore
     monkeypatch.setattr(triton_backend, "macs_zscore", lambda log_c, n_input: original(log_c, n_input) * 1.01)
 
@@ -71,7 +79,7 @@ def test_an_explicit_backend_is_kept_but_its_check_is_reported(fresh_verdicts, w
     torch.testing.assert_close(z, ops.macs_zscore(log_c, [7, 3], backend="torch") * 1.01)
 
 
-def test_a_backend_that_raises_fails_its_check(triton_is_a_candidate, monkeypatch):
+def test_a_backend_that_raises_fails_its_check(triton_is_a_candidate, triton_backend, monkeypatch):
     def broken(*args):
         raise RuntimeError("no kernel image is available for execution on the device")
 
@@ -80,7 +88,7 @@ def test_a_backend_that_raises_fails_its_check(triton_is_a_candidate, monkeypatc
         assert ops.verified_backend(None, HERE) == "torch"
 
 
-def test_self_check_catches_a_wrong_pooled_decode(fresh_verdicts, monkeypatch):
+def test_self_check_catches_a_wrong_pooled_decode(fresh_verdicts, triton_backend, monkeypatch):
     """decode_attention is checked in both fused modes: a kernel wrong only in the pooled mode fails."""
     original = triton_backend.decode_attention
 
@@ -94,7 +102,7 @@ def test_self_check_catches_a_wrong_pooled_decode(fresh_verdicts, monkeypatch):
     assert "differs from the torch path" in ops.self_check("triton", HERE, "decode_attention")
 
 
-def test_verdicts_are_cached_per_process_and_device(fresh_verdicts, monkeypatch):
+def test_verdicts_are_cached_per_process_and_device(fresh_verdicts, triton_backend, monkeypatch):
     calls = []
     compare = verify.compare
     monkeypatch.setattr(verify, "compare", lambda *args: calls.append(args) or compare(*args))
@@ -150,7 +158,7 @@ def test_automatic_choice_prefers_cuda_then_triton(monkeypatch, fresh_verdicts, 
     assert ops.resolve_backend(None, torch.device("cpu")) == "torch"
 
 
-def test_launch_counter_counts_each_kernel():
+def test_launch_counter_counts_each_kernel(triton_backend):
     ops.verified_backend("triton", HERE, ops=("decode_attention", "macs_update", "macs_update_rows", "macs_zscore"))
     counts = triton_backend.LAUNCHES
     before = counts.copy()
@@ -167,7 +175,7 @@ def test_launch_counter_counts_each_kernel():
     }
 
 
-def test_self_check_launches_are_not_counted(fresh_verdicts):
+def test_self_check_launches_are_not_counted(fresh_verdicts, triton_backend):
     before = triton_backend.LAUNCHES.copy()
     assert ops.self_check("triton", HERE, "macs_update") is None
     assert triton_backend.LAUNCHES == before

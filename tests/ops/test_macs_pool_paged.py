@@ -12,6 +12,7 @@ import torch
 from macs_kernels import ops
 from macs_kernels.ops import reference
 from tests.grids import case_ids, pairwise
+from tests.helpers import NEEDS_CONTINUOUS_BATCHING
 from tests.ops.cases import DEVICE, POOLINGS, backends
 from tests.tolerances import RELATIVE_ERROR, relative_error
 
@@ -209,6 +210,7 @@ def test_pages_before_every_rows_window_may_be_freed(backend):
     torch.testing.assert_close(freed, kept, rtol=0, atol=0)
 
 
+@NEEDS_CONTINUOUS_BATCHING
 def test_transformers_paged_cache_through_its_own_block_table(monkeypatch):
     """In a real generate_batch run (tiny GQA model, page size 4, shared prefixes), the op reads the engine's
     page views through the block table transformers' fill_block_table writes (the table its flash decode

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("triton")  # triton.compile for sm_80 and sm_90
+
 from macs_kernels.apps.bench.sass import (
     GRID_RELEASE,
     GRID_WAIT,

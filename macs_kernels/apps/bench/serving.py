@@ -37,12 +37,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _manager(model, max_new_tokens: int, cache_tokens: int, page_size: int = 64):
-    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers import GenerationConfig
+
+    from macs_kernels.engines.continuous import batching_config_class
 
     generation = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    config = ContinuousBatchingConfig(page_size=page_size, num_blocks=-(-cache_tokens // page_size) + 1,
-                                      max_batch_tokens=256, auto_switch_to_flash=False, use_cuda_graph=False,
-                                      use_async_batching=False)
+    config = batching_config_class()(page_size=page_size, num_blocks=-(-cache_tokens // page_size) + 1,
+                                     max_batch_tokens=256, auto_switch_to_flash=False, use_cuda_graph=False,
+                                     use_async_batching=False)
     manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=config)
     manager.start()
     return manager

@@ -146,10 +146,16 @@ def run_serve(args) -> int:
     from macs_kernels.apps.cli.common import load_from_args
     from macs_kernels.apps.serve.app import create_app
     from macs_kernels.apps.serve.engine import Engine
+    from macs_kernels.engines.continuous import batching_config_class
 
     if args.threads:
         torch.set_num_threads(args.threads)
     vision = vision_language_type(args.model) is not None
+    if not vision:  # text models run on continuous batching: refused before the model loads
+        try:
+            batching_config_class()
+        except RuntimeError as error:
+            raise SystemExit(f"macs-kernels serve: {error}") from None
     try:
         if vision:
             engine = _vision_engine(args)

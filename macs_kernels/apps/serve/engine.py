@@ -127,8 +127,11 @@ class Engine(_Requests):
 
     def __init__(self, model, tokenizer, *, name: str, cache_tokens: int = 8192, page_size: int = 64,
                  max_batch_tokens: int = 256, default_max_tokens: int = 256, at2_coefficients=None):
-        from transformers import ContinuousBatchingConfig, GenerationConfig
+        from transformers import GenerationConfig
 
+        from macs_kernels.engines.continuous import batching_config_class
+
+        config_class = batching_config_class()
         check_sizes(cache_tokens=cache_tokens, page_size=page_size, max_batch_tokens=max_batch_tokens,
                     default_max_tokens=default_max_tokens)
         super().__init__(model, tokenizer, name=name, context_tokens=_context(model, cache_tokens),
@@ -139,7 +142,7 @@ class Engine(_Requests):
         )
         # The MACS tracer runs inside the Python attention function: no flash decode path (block tables), no
         # CUDA graphs or async batching (they replay passes without it).
-        self.cb_config = ContinuousBatchingConfig(
+        self.cb_config = config_class(
             num_blocks=cache_tokens // page_size, page_size=page_size, max_batch_tokens=max_batch_tokens,
             auto_switch_to_flash=False, use_cuda_graph=False, use_async_batching=False,
         )

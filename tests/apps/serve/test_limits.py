@@ -10,6 +10,8 @@ import threading
 import httpx
 import pytest
 
+from tests.helpers import NEEDS_CONTINUOUS_BATCHING
+
 from .conftest import TINY, Server, TokenizerProxy
 
 LIMIT = 4096
@@ -74,6 +76,7 @@ class _GatedTokenizer(TokenizerProxy):
         return self._tokenizer.apply_chat_template(messages, *args, **kwargs)
 
 
+@NEEDS_CONTINUOUS_BATCHING
 def test_health_answers_while_a_long_prompt_is_tokenized(tiny_model):
     """The long request's tokenization is held open until /health has answered: with tokenization on the
     event loop, /health could not answer until the hold timed out, after the long request's own answer."""

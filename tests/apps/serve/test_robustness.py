@@ -15,6 +15,7 @@ from macs_kernels.apps.serve.app import _Choice, _StopMatcher, create_app
 from macs_kernels.apps.serve.engine import Engine, Step
 from macs_kernels.apps.serve.sampling import Sampling
 from macs_kernels.apps.serve.schemas import MAX_STOP, MAX_STOP_CHARS
+from tests.helpers import continuous_batching_refusal
 
 from .conftest import TINY, TokenizerProxy
 
@@ -39,6 +40,8 @@ class _GatedTokenizer(TokenizerProxy):
 
 @pytest.fixture(scope="module")
 def served(tiny_model):
+    if continuous_batching_refusal() is not None:
+        pytest.skip(continuous_batching_refusal())
     """(engine, app, gated tokenizer) on a copy of the tiny model; the engine runs for the whole module."""
     from macs_kernels.api.models import load_model
 

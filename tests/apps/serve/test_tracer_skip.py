@@ -7,7 +7,9 @@ import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from macs_kernels.engines.continuous import attach_continuous
-from tests.helpers import eager_macs, tiny_llama
+from tests.helpers import NEEDS_CONTINUOUS_BATCHING, eager_macs, tiny_llama
+
+pytestmark = NEEDS_CONTINUOUS_BATCHING
 
 
 def test_a_skipped_request_gets_no_rows_and_its_neighbour_is_traced():
