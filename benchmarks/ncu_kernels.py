@@ -1,8 +1,9 @@
 """Why each decode pass of issue 48 runs at the speed it does, by hardware counters: Nsight Compute (ncu) on one call
 of each provider whose kernels bench_ops breaks down (each fused pass, its attention alone, sdpa), at 1 and 8 items
 of 32k keys (bf16, 32 query / 8 KV heads, D 128; the mma kernel's bandwidth gap and the Triton fused pass's batch-8
-overhead). Per kernel: its time, DRAM bytes and throughput, achieved occupancy, issue-slot use, how evenly its grid
-keeps the SMs busy, and the warp stall reasons that cost the most.
+overhead) and at 1 item at D 64 (where the mma kernel's attention read at 0.71x sdpa's rate, its widest gap). Per
+kernel: its time, DRAM bytes and throughput, achieved occupancy, issue-slot use, how evenly its grid keeps the SMs
+busy, and the warp stall reasons that cost the most.
 
     python benchmarks/ncu_kernels.py --out OUT      # profile, export, summarise (a GPU and ncu)
     python benchmarks/ncu_kernels.py --summarise OUT/ncu_issue48_raw.csv --out OUT   # again, from the export
@@ -39,7 +40,7 @@ MARKER = "spin_kernel"
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "SchedulerStats")
 EXTRA_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "smsp__inst_executed.sum", "sm__cycles_active.avg",
                  "sm__cycles_active.max")
-SHAPES = ((1, 32, 8, 128, 32768), (8, 32, 8, 128, 32768))  # B, H, H_kv, D, S
+SHAPES = ((1, 32, 8, 128, 32768), (8, 32, 8, 128, 32768), (1, 32, 8, 64, 32768))  # B, H, H_kv, D, S
 # ncu's raw metric names: what the table shows, by column.
 METRICS = {
     "us": "gpu__time_duration.sum",

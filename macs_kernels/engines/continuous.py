@@ -633,9 +633,9 @@ def engine_config(continuous_batching_config, prompt_lengths: list[int], max_new
 
 def batching_config_class():
     """transformers' ContinuousBatchingConfig where the installed transformers runs continuous batching the way the
-    tracer follows it, from 5.19 on; before any work, a clear error elsewhere. Read from transformers' wheels and run
-    here: 5.17 and 5.18 name the page size `block_size` (5.17) and have no `auto_switch_to_flash` (the manager then
-    switches to flash attention wherever flash-attn is installed), run a model's sdpa layers as "paged|sdpa", and
+    tracer follows it (5.19 on); elsewhere a clear error, raised before any work. Read from transformers' wheels and
+    run here: 5.17 names the page size `block_size`; 5.17 and 5.18 have no `auto_switch_to_flash` (their manager
+    switches to flash attention wherever flash-attn is installed), run a model's sdpa layers as "paged|sdpa" and
     update the paged cache without the pass's keywords; versions before 5.4 have no such class."""
     import transformers
 
