@@ -329,10 +329,19 @@ def test_server_seeded_sampling_under_cache_pressure_draws_what_each_request_dra
         assert (log_c.double() - reference).abs().max() <= LOG_C_TOLERANCE
 
 
+def tensor_parallel_engines() -> list[tuple[str, dict]]:
+    """The engines tp_worker.py runs, with explain's options: continuous batching only where it is not refused before
+    any work (transformers < 5.19; the refusal is tests/integration/test_continuous_versions.py's)."""
+    engines = [("generate", {})]
+    if continuous_batching_refusal() is None:
+        engines.append(("continuous", {"continuous_batching": True}))
+    return engines
+
+
 def check_tensor_parallel_ranks(model, folder, out, *worker_args, efficient=None) -> None:
     """tp_worker.py on two ranks over the model saved in `folder` (each rank with half the query and KV heads):
     both ranks return the same rows, equal to the single-process eager reference of their tokens, in generate
-    and in continuous batching alike (efficient: as in check_rows_or_refusal)."""
+    and in continuous batching alike where it runs (efficient: as in check_rows_or_refusal)."""
     import os
     import subprocess
     import sys
@@ -345,7 +354,7 @@ def check_tensor_parallel_ranks(model, folder, out, *worker_args, efficient=None
     result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
-    assert set(ranks[0]) == {f"{engine}-{method}" for engine in ("generate", "continuous") for method in METHODS}
+    assert set(ranks[0]) == {f"{engine}-{method}" for engine, _ in tensor_parallel_engines() for method in METHODS}
     # A model with attention variants may be refused for one of them before tensor parallelism is looked at.
     layouts = ("tensor_parallel", *attention_variants(model))
     for name, sequences in ranks[0].items():

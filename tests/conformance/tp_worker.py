@@ -16,7 +16,7 @@ import torch.distributed as dist
 from macs_kernels import explain
 from macs_kernels.api.models import load_tokenizer
 from macs_kernels.core import support
-from tests.conformance.test_conformance import METHODS, NEW_TOKENS, PROMPTS
+from tests.conformance.test_conformance import METHODS, NEW_TOKENS, PROMPTS, tensor_parallel_engines
 
 SINK_PLAN = {**{f"model.layers.*.self_attn.{name}": "colwise" for name in ("q_proj", "k_proj", "v_proj", "sinks")},
              "model.layers.*.self_attn.o_proj": "rowwise", "model.layers.*.self_attn": "local_params"}
@@ -31,7 +31,7 @@ def main(folder: str, out: Path, sinks: bool) -> None:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **split).eval()
     tokenizer = load_tokenizer(folder)
     saved = {}
-    for engine, options in (("generate", {}), ("continuous", {"continuous_batching": True})):
+    for engine, options in tensor_parallel_engines():
         for method, config in METHODS.items():
             refusal = support.message(engine, method, "tensor_parallel")
             if refusal is not None:  # refused before work, with the support table's message
