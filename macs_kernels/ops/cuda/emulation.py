@@ -67,7 +67,14 @@ def _write_if_changed(path: Path, text: str) -> None:
 
 
 def build_folder() -> Path:
-    default = Path.home() / ".cache" / "macs_kernels" / "cuda_emulation"
+    """Where the library is built: one folder per torch and Python version, so that environments do not rebuild over
+    each other's library (CI's main environment and the GPU image's stack)."""
+    import sys
+
+    import torch
+
+    version = f"torch{torch.__version__}-py{sys.version_info.major}.{sys.version_info.minor}"
+    default = Path.home() / ".cache" / "macs_kernels" / "cuda_emulation" / version
     return Path(os.environ.get("MACS_KERNELS_EMULATION_BUILD", default))
 
 
@@ -112,7 +119,9 @@ def load():
             "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
             f"-DPyInit__C=PyInit_{NAME}", "-Wno-attributes",
         ],
-        extra_ldflags=["-fsanitize=alignment"],
+        # Its own CUDA runtime (csrc/emulation/runtime.cpp) answers its calls even where torch's CUDA build has loaded
+        # the real one globally first (the GPU image's torch on a CPU: "CUDA driver version is insufficient").
+        extra_ldflags=["-fsanitize=alignment", "-Wl,-Bsymbolic"],
         build_directory=str(folder / "objects"),
         with_cuda=False,
         is_python_module=True,
