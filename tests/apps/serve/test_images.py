@@ -170,8 +170,9 @@ REFUSALS = {
 
 @pytest.fixture(scope="module")
 def refusing_client(monkeypatch_module):
-    """A VLM app whose model must not generate: every request here is refused before work."""
-    model, processor = tiny_vlm("llava")
+    """A VLM app whose model must not generate: every request here is refused before work. Its own model (not
+    tiny_vlm's cached one): the patch lasts the module, whose other tests generate with the cached model."""
+    model, processor = tiny_vlm.__wrapped__("llava")
     monkeypatch_module.setattr(model, "generate", lambda *a, **k: pytest.fail("generate ran"))
     with TestClient(create_app(VisionEngine(model, processor, name=NAME), max_image_pixels=4096)) as client:
         yield client
