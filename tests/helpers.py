@@ -28,6 +28,15 @@ def continuous_batching_refusal() -> str | None:
     return None
 
 
+def skip_where_continuous_batching_is_refused(output: str) -> None:
+    """A run of continuous batching (or of the server, which runs on it) that stopped with the installed transformers'
+    refusal in its `output` (< 5.19, the lent GPUs' image) skips; the refusal is
+    tests/integration/test_continuous_versions.py's."""
+    refusal = continuous_batching_refusal()
+    if refusal is not None and refusal in output:
+        pytest.skip(refusal)
+
+
 # The tests that run MACS under continuous batching skip where the installed transformers is refused (the GPU image's
 # 5.17); the refusal itself is tested in tests/integration/test_continuous_versions.py.
 NEEDS_CONTINUOUS_BATCHING = pytest.mark.skipif(continuous_batching_refusal() is not None,

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import continuous_batching_refusal
+from tests.helpers import skip_where_continuous_batching_is_refused
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
@@ -132,15 +132,6 @@ def assert_same_output(printed: str, expected: Block) -> None:
                          f"masked)\n--- shown ---\n{expected.text}--- printed ---\n{printed}")
 
 
-def _skip_where_continuous_batching_is_refused(output: str) -> None:
-    """An example of continuous batching (or the server, which runs on it) stopped by the refusal of the installed
-    transformers (< 5.19, the lent GPUs' image): skipped there; the refusal is
-    tests/integration/test_continuous_versions.py's."""
-    refusal = continuous_batching_refusal()
-    if refusal is not None and refusal in output:
-        pytest.skip(refusal)
-
-
 def run_python(program: list[Block], cwd: Path, env: dict | None = None) -> None:
     """Run the blocks in one interpreter, one namespace; each block's printout is checked against the output
     block that follows it, if any."""
@@ -154,7 +145,7 @@ def run_python(program: list[Block], cwd: Path, env: dict | None = None) -> None
     result = subprocess.run([sys.executable, str(script)], cwd=cwd, capture_output=True, text=True,
                             timeout=TIMEOUT_S, env=env)
     if result.returncode != 0:
-        _skip_where_continuous_batching_is_refused(result.stderr)
+        skip_where_continuous_batching_is_refused(result.stderr)
     assert result.returncode == 0, f"{program[0].name} failed:\n{result.stderr[-6000:]}"
     printed = result.stdout.split(marker)[1:]
     for block, text in zip(program, printed):
@@ -307,7 +298,7 @@ def _wait_for_health(server: subprocess.Popen, port: int, log: Path, timeout_s: 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            _skip_where_continuous_batching_is_refused(log.read_text())
+            skip_where_continuous_batching_is_refused(log.read_text())
             pytest.fail(f"the server exited with {server.returncode}:\n{log.read_text()[-6000:]}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:

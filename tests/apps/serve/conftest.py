@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers import TINY, continuous_batching_refusal, tiny_chat_model
+from tests.helpers import TINY, skip_where_continuous_batching_is_refused, tiny_chat_model
 
 pytest.importorskip("fastapi", reason="the server needs the serve extra: pip install -e .[serve]")
 pytest.importorskip("uvicorn", reason="the server needs the serve extra: pip install -e .[serve]")
@@ -54,9 +54,7 @@ class Server:
         deadline = time.monotonic() + startup_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                refusal = continuous_batching_refusal()  # text models are served on continuous batching
-                if refusal is not None and refusal in self.log():
-                    pytest.skip(refusal)
+                skip_where_continuous_batching_is_refused(self.log())  # text models are served on it
                 raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
