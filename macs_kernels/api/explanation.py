@@ -277,6 +277,9 @@ def _prepare(model, tokenizer, prompt, input_ids, max_new_tokens, config, genera
     """Every check explain() and stream() make before any generation; with images, the processor's image inputs
     join the generate arguments and the prompts' image layouts come back (else None)."""
     check_model(model)
+    if not callable(getattr(model, "generate", None)):
+        raise TypeError(f"{type(model).__name__} cannot generate: explain a model with its language-model head (a "
+                        "...ForCausalLM or ...ForConditionalGeneration), not its base model")
     layouts = None
     if images is None:
         if prompt is not None and tokenizer is not None:
@@ -297,7 +300,7 @@ def _prepare(model, tokenizer, prompt, input_ids, max_new_tokens, config, genera
     check_context(model, ids.shape[1], max_new_tokens)
     # A model whose generation config asks for a dict would make generate return one.
     kwargs["return_dict_in_generate"] = False
-    plan = check_generate(model, kwargs, attention=config.attention)
+    plan = check_generate(model, kwargs, attention=config.attention, prompt_length=ids.shape[1])
     if plan.stop_strings:
         kwargs["tokenizer"] = tokenizer
     device = next(model.parameters()).device

@@ -12,6 +12,11 @@ from macs_kernels.engines.hf_models import cache_argument
 
 def _prompt_text(tokenizer, prompt) -> str:
     if is_messages(prompt):
+        for i, message in enumerate(prompt):
+            # The chat template would fail inside jinja ("'dict object' has no attribute 'content'").
+            if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), (str, list)):
+                raise ValueError(f"message {i} must have a string 'role' and a 'content' that is a string or a list "
+                                 f"of parts, got {message!r}")
         if not getattr(tokenizer, "chat_template", None):
             return plain_prompt(prompt)
         return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
@@ -107,6 +112,9 @@ def check_tokenizer(model, tokenizer) -> None:
     """Refuse a tokenizer that cannot be the model's, by cheap signals: more tokens than the model embeds, or
     fewer than half of its embedding rows (a model pads its embedding to a multiple of 64 or 128, not to twice its
     vocabulary); warn when its end-of-sequence id is none of the model's."""
+    if isinstance(tokenizer, str):  # len() of a name would be read as a vocabulary size
+        raise TypeError(f"the tokenizer must be a tokenizer object (load_model() returns the model's), got the "
+                        f"string {tokenizer!r}")
     rows = model.get_input_embeddings().num_embeddings
     try:
         size = len(tokenizer)
@@ -156,6 +164,9 @@ def generation_kwargs(model, tokenizer, max_new_tokens, generate_kwargs) -> dict
             "strings with one and the explanation decode with the other; drop tokenizer= (generate gets explain's "
             "own when it needs one) or pass the same object"
         )
+    if "attention_mask" in generate_kwargs:
+        raise ValueError("attention_mask= is explain's own: it pads and masks the prompt itself; drop it (for a "
+                         "tokenizer's output, pass input_ids=encoding['input_ids'])")
     if tokenizer is None and generate_kwargs.get("stop_strings") is not None:
         raise ValueError("stop_strings= needs the model's tokenizer (explain's second argument) to read them")
     kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False, "pad_token_id": pad_id(model, tokenizer)}

@@ -53,6 +53,9 @@ class MacsConfig:
             raise ValueError(f"unknown attention {self.attention!r}; choose one of {ATTENTIONS}")
         if self.fused_decode is not None and not isinstance(self.fused_decode, bool):
             raise TypeError(f"fused_decode must be True, False or None, got {self.fused_decode!r}")
+        if self.fused_decode and self.attention != "softmax":
+            raise ValueError(f"fused_decode=True fuses softmax rows only; attention={self.attention!r} rows need the "
+                             "attention output first: leave fused_decode unset")
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -83,9 +83,13 @@ class ZAggregation:
             for row in z:
                 steps.add(row)
             runs = steps.best_runs()
-        return self.finish(z.amax(dim=0), z.mean(dim=0), runs)
+        return self.finish(z.amax(dim=0), z.mean(dim=0), runs, steps=z.shape[0])
 
-    def finish(self, top: torch.Tensor, mean: torch.Tensor, runs: torch.Tensor | None) -> torch.Tensor:
+    def finish(self, top: torch.Tensor, mean: torch.Tensor, runs: torch.Tensor | None, steps: int) -> torch.Tensor:
+        # One step has nothing to stand out from: every score "above the mean" would be 0 for every token, so a
+        # one-token answer scores its step's z-scores.
+        if steps == 1:
+            return top.float()
         return self.combine(top, mean, runs).float()
 
 
@@ -178,7 +182,8 @@ def whole_answer_scores(step_log_c: torch.Tensor, how: str = DEFAULT_AGGREGATION
     """(N,) float32 whole-answer score of each prompt token from the (steps, N) rows log c, by the name `how`
     (AGGREGATIONS). Underflowed entries (-inf, alpha = 1 only): a token with one at any step scores -inf
     under the means (its mean is -inf), max_z takes the largest finite step, and a run through one counts it at
-    its step's lowest finite z-score; no steps: zeros."""
+    its step's lowest finite z-score; one step: that step's z-scores (sinkless ones for the sinkless scores), since
+    nothing stands out from a single step; no steps: zeros."""
     if how not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {how!r}; choose one of {', '.join(AGGREGATIONS)}")
     if step_log_c.dim() != 2:
@@ -218,7 +223,8 @@ class StepStatistics:
 
     def score(self, aggregation: ZAggregation) -> torch.Tensor:
         """(N,) float32 `aggregation` of the z-scores added so far (at least one step)."""
-        return aggregation.finish(self.top, self.total / self.steps, self.best_runs() if aggregation.runs else None)
+        return aggregation.finish(self.top, self.total / self.steps, self.best_runs() if aggregation.runs else None,
+                                  self.steps)
 
     def best_runs(self) -> torch.Tensor:
         """(N,) the best run each token is part of, runs as long as the steps and tokens allow (<= run_steps); a

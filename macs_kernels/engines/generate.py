@@ -120,7 +120,7 @@ def _traced_generate(model, tracer: Tracer, generate):
             raise NotImplementedError(
                 "generate without input_ids (inputs_embeds) is not supported: the tracer needs the prompt's token slots"
             )
-        plan = check_generate(model, kwargs, attention=tracer.config.attention)
+        plan = check_generate(model, kwargs, attention=tracer.config.attention, prompt_length=inputs.shape[-1])
         layouts = [layout for layout, applies in (("beams", plan.num_beams > 1), ("compiled", plan.compiled),
                                                   ("assisted", plan.mode == "assisted_generation")) if applies]
         for hook in tracer.hooks:

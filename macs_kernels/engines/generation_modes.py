@@ -46,11 +46,13 @@ class GenerationPlan:
         return max(1, (self.max_length or prompt_length + 1) - prompt_length)
 
 
-def check_generate(model, generate_kwargs: dict, *, attention: str = "softmax") -> GenerationPlan:
-    """The plan of `model.generate(**generate_kwargs)`, or an error naming the option that the tracer cannot
-    follow. An allow-list: greedy, sampling, beam search (with sampling, num_return_sequences,
-    length_penalty, early_stopping), assisted decoding with `assistant_model` or `prompt_lookup_num_tokens`,
-    dynamic and static caches, a cache passed in (continued conversation); under torch.compile (`COMPILED_MODES`)
+def check_generate(model, generate_kwargs: dict, *, attention: str = "softmax",
+                   prompt_length: int | None = None) -> GenerationPlan:
+    """The plan of `model.generate(**generate_kwargs)` on a prompt of `prompt_length` tokens, or an error naming the
+    option that the tracer cannot follow. An allow-list: greedy, sampling, beam search (with sampling,
+    num_return_sequences, length_penalty, early_stopping), assisted decoding with `assistant_model` or
+    `prompt_lookup_num_tokens`, dynamic and static caches, a cache passed in (continued conversation, with a prompt
+    longer than the cache); under torch.compile (`COMPILED_MODES`)
     greedy and sampled generation with a static cache and softmax rows."""
     from transformers import DynamicCache, StaticCache
 
@@ -62,6 +64,12 @@ def check_generate(model, generate_kwargs: dict, *, attention: str = "softmax") 
     if mode not in SUPPORTED_MODES:
         option = _MODE_OPTIONS.get(mode, f"the options that select {mode}")
         raise NotImplementedError(f"{option} is not supported by macs_kernels; supported modes: {SUPPORTED_MODES}")
+    if config.use_cache is False:
+        raise NotImplementedError(
+            "use_cache=False is not supported by macs_kernels: every pass would then recompute the whole sequence "
+            "without a KV cache, and the tracer reads each pass's last query against the cache of the keys before "
+            "it; generate with the cache (use_cache=True, the default)"
+        )
     method = support.attention_method(attention)
     if getattr(config, "prefill_chunk_size", None):
         support.check("generate", method, "chunked_prefill")
@@ -89,6 +97,12 @@ def check_generate(model, generate_kwargs: dict, *, attention: str = "softmax") 
     if cache is not None and type(cache) not in (DynamicCache, StaticCache):
         raise NotImplementedError(
             f"past_key_values of type {type(cache).__name__} is not supported; pass a DynamicCache or StaticCache"
+        )
+    if cache is not None and prompt_length is not None and cache.get_seq_length() >= prompt_length:
+        raise ValueError(
+            f"the cache holds {cache.get_seq_length()} tokens and the prompt has {prompt_length}: with the cache of "
+            "earlier turns, the prompt is the whole conversation (those turns, then the new tokens), longer than "
+            "the cache"
         )
     static = cache_implementation == "static" or isinstance(cache, StaticCache)
     compiled = compiled_forward(model) or (static and _generate_compiles(model, config))

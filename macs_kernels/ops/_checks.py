@@ -275,6 +275,9 @@ def check_q_k(q, k_cache, v_cache=None, *, q_dims=3):
     batch, heads, dim = q_shape[0], q_shape[1], q_shape[-1]
     if k_shape[0] != batch or k_shape[3] != dim:
         raise ValueError(f"k_cache must be ({batch}, H_kv, S, {dim}) to match q {tuple(q_shape)}, got {tuple(k_shape)}")
+    if not (heads and dim and k_shape[1]):  # the checks below divide by them; a kernel of width 0 crashed Triton's
+        raise ValueError(f"q {tuple(q_shape)} and k_cache {tuple(k_shape)} need at least one head, KV head and "
+                         "head dimension")
     if heads % k_shape[1]:
         raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({k_shape[1]})")
     check_keys("k_cache", k_shape[2])
@@ -283,8 +286,9 @@ def check_q_k(q, k_cache, v_cache=None, *, q_dims=3):
     if v_cache is not None:
         check_tensor("v_cache", v_cache, 4)
         v_shape = v_cache.shape
-        if v_shape[:3] != k_shape[:3] or v_cache.device != device:
-            raise ValueError(f"v_cache must be {tuple(k_shape[:3])} x D_v on {device}, got {tuple(v_shape)}")
+        if v_shape[:3] != k_shape[:3] or v_cache.device != device or v_shape[3] == 0:
+            raise ValueError(f"v_cache must be {tuple(k_shape[:3])} x D_v (D_v >= 1) on {device}, got "
+                             f"{tuple(v_shape)}")
 
 
 def check_paged(q, k_pages, block_table):

@@ -39,8 +39,8 @@ def decode_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query per sequence over keys [kv_start, kv_len), optionally fused with MACS.
 
-    q: (B, H, D); k_cache, v_cache: (B, H_kv, S, D). kv_start: (B,) left pads (default 0).
-    Returns out (B, H, D) in q's dtype and lse (B, H) float32 (natural log). From the same single read of K,
+    q: (B, H, D); k_cache: (B, H_kv, S, D); v_cache: (B, H_kv, S, D_v). kv_start: (B,) left pads (default 0).
+    Returns out (B, H, D_v) in q's dtype and lse (B, H) float32 (natural log). From the same single read of K,
     with `input_end` (B,) (inputs are keys [kv_start, input_end)) and either
     - `log_c` (B, N_max): also performs macs_update, or
     - `pooled` (B, N_max) float32: also writes macs_pool's m' (the tracer floors and logs it per pass).

@@ -36,8 +36,10 @@ def check_efficient_args(p, v_cache, kv_start, kv_len, rcond, *, causal=False, v
         raise ValueError(
             f"v_cache must be ({batch}, H_kv, {keys}, D) to match p {tuple(p.shape)}, got {tuple(v_cache.shape)}"
         )
-    if heads % v_cache.shape[1]:
+    if not v_cache.shape[1] or heads % v_cache.shape[1]:
         raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({v_cache.shape[1]})")
+    if not isinstance(causal, bool):  # bool("no") would be True
+        raise TypeError(f"causal must be True or False, got {causal!r}")
     if v_cache.device != p.device:
         raise ValueError(f"p is on {p.device} but v_cache is on {v_cache.device}")
     if isinstance(rcond, bool) or not isinstance(rcond, (int, float)) or not 0.0 <= rcond < 1.0:

@@ -40,8 +40,8 @@ class Variant:
         if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
                                         or self.window < 1):
             raise ValueError(f"window must be an int >= 1 or None, got {self.window!r}")
-        if self.softcap is not None and not (isinstance(self.softcap, (int, float)) and math.isfinite(self.softcap)
-                                             and self.softcap > 0):
+        if self.softcap is not None and (isinstance(self.softcap, bool) or not (
+                isinstance(self.softcap, (int, float)) and math.isfinite(self.softcap) and self.softcap > 0)):
             raise ValueError(f"softcap must be a finite float > 0 or None, got {self.softcap!r}")
         if self.sinks is not None and (not isinstance(self.sinks, torch.Tensor) or self.sinks.dim() != 1):
             raise ValueError("sinks must be a (H,) tensor of per-head sink logits or None")
@@ -72,7 +72,10 @@ class Variant:
         `softcap` and `sinks`."""
         attend, start, end, length = window_ranges(input_start, input_end, kv_len, self.key_offset, self.window)
         score_start = None if self.window is None or not scored else start
-        return (attend, end, length), {"score_start": score_start, "softcap": self.softcap, "sinks": self.sinks}
+        # The kernels read the sinks as a contiguous (H,) vector (Triton's combine took a column of a wider tensor
+        # for one).
+        sinks = None if self.sinks is None else self.sinks.contiguous()
+        return (attend, end, length), {"score_start": score_start, "softcap": self.softcap, "sinks": sinks}
 
     def check(self, heads: int, input_start: torch.Tensor, kv_len: torch.Tensor, keys: int,
               validate: bool | None = None) -> int:

@@ -56,6 +56,36 @@ def test_a_continued_conversation_hands_its_cache_without_a_deprecation(chat_mod
         explain(model, tokenizer, input_ids=both, max_new_tokens=2, cache=cache, past_key_values=cache)
 
 
+def test_a_prompt_that_does_not_extend_the_cache_is_refused_before_generation(chat_model, monkeypatch):
+    """A cache of earlier turns goes with the whole conversation as the prompt: a prompt no longer than the cache (the
+    new turn alone, or the earlier turns without a new token) failed deep inside generation (an index out of bounds
+    in the tracer, a reshape of 0 elements in the model)."""
+    from macs_kernels import attach
+
+    model, tokenizer = chat_model
+    first = tokenizer.apply_chat_template([{"role": "user", "content": "Name a colour."}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)["input_ids"]
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        turn_1 = model.generate(first, max_new_tokens=3, do_sample=False, pad_token_id=2,
+                                **cache_argument(model, cache))
+    cached = cache.get_seq_length()
+    generated = []
+    monkeypatch.setattr(model, "forward", lambda *args, **kwargs: generated.append(1))
+    for prompt, length in (("Another?", None), (turn_1[0, :cached], cached), (turn_1[0, :4], 4)):
+        given = dict(input_ids=prompt) if length is not None else dict(prompt=prompt)
+        if length is None:
+            length = len(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                       add_generation_prompt=True)["input_ids"])
+        message = f"the cache holds {cached} tokens and the prompt has {length}: with the cache of earlier turns"
+        with pytest.raises(ValueError, match=message):
+            explain(model, tokenizer, max_new_tokens=2, cache=cache, **given)
+    with pytest.raises(ValueError, match=f"the cache holds {cached} tokens and the prompt has 4"):
+        with torch.no_grad(), attach(model):
+            model.generate(turn_1[:, :4], max_new_tokens=2, pad_token_id=2, **cache_argument(model, cache))
+    assert not generated and cache.get_seq_length() == cached
+
+
 @pytest.fixture
 def no_generation(chat_model, monkeypatch):
     def refuse(*args, **kwargs):
@@ -118,3 +148,20 @@ def test_a_tokenizer_whose_end_of_sequence_is_not_the_models_is_warned_of(no_gen
     with pytest.warns(UserWarning, match=r"the tokenizer's end-of-sequence id 0 is none of the model's \[2\]"):
         with pytest.raises(AssertionError, match="generation ran"):
             explain(model, other, "Why is the sky blue?")
+
+
+def test_misused_arguments_are_named_before_generation(no_generation):
+    """Each of these failed inside generate or the chat template, or named the wrong problem."""
+    model, tokenizer = no_generation
+    encoding = tokenizer("Why is the sky blue?", return_tensors="pt")  # input_ids and attention_mask
+    with pytest.raises(ValueError, match="attention_mask= is explain's own: it pads and masks the prompt itself"):
+        explain(model, tokenizer, **encoding, max_new_tokens=2)
+    base = model.model
+    with pytest.raises(TypeError, match=f"{type(base).__name__} cannot generate: explain a model with its "
+                                        "language-model head"):
+        explain(base, tokenizer, "Hi", max_new_tokens=2)
+    with pytest.raises(TypeError, match="the tokenizer must be a tokenizer object .*got the string 'org/name'"):
+        explain(model, "org/name", "Hi", max_new_tokens=2)
+    for messages in ([{"role": "user", "content": None}], [{"text": "hi"}], [{"role": 1, "content": "hi"}]):
+        with pytest.raises(ValueError, match="message 0 must have a string 'role' and a 'content' that is a string"):
+            explain(model, tokenizer, messages, max_new_tokens=2)

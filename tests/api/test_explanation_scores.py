@@ -246,6 +246,8 @@ def _whole_answer_reference(log_c: torch.Tensor, how: str) -> torch.Tensor:
         return torch.from_numpy(np.mean(out, 0))
     zs = np.stack([z(row, sinkless=how.endswith("_sinkless_z")) for row in rows])
     top, mean = zs.max(0), zs.mean(0)
+    if len(rows) == 1:  # nothing to stand out from: the step's own z-scores
+        return torch.from_numpy(top)
     if how in ("max_minus_mean_z", "max_minus_mean_sinkless_z"):
         return torch.from_numpy(np.where(np.isfinite(mean), top - mean, -np.inf))
     if how == "max_plus_run_minus_mean_sinkless_z":
@@ -254,13 +256,14 @@ def _whole_answer_reference(log_c: torch.Tensor, how: str) -> torch.Tensor:
     return torch.from_numpy({"max_z": top, "mean_z": mean}[how])
 
 
+@pytest.mark.parametrize("steps", [7, 1])
 @pytest.mark.parametrize("how", list(AGGREGATIONS))
-def test_every_whole_answer_score_equals_its_reference(how):
+def test_every_whole_answer_score_equals_its_reference(how, steps):
     generator = torch.Generator().manual_seed(3)
-    log_c = -30 + 4 * torch.randn(7, 50, generator=generator)
+    log_c = -30 + 4 * torch.randn(steps, 50, generator=generator)
     log_c[:, 0] = -0.01  # the attention sink
     if how != "paper_mean_z":  # the paper's z of c has no -inf: c = 0 is a value there
-        log_c[2, [5, 9]] = float("-inf")
+        log_c[min(2, steps - 1), [5, 9]] = float("-inf")
     explanation = _explanation(log_c)
     got = explanation.whole_answer(how)
     want = _whole_answer_reference(log_c, how)
@@ -333,3 +336,15 @@ def test_a_copied_run_outranks_a_lone_peak():
     assert torch.topk(explanation.scores, 4).indices.sort().values.tolist() == [20, 21, 22, 23]
     without_runs = explanation.whole_answer("max_minus_mean_sinkless_z")
     assert (without_runs[20:24] < without_runs[8]).all()
+
+
+def test_a_one_token_answer_ranks_its_tokens_by_its_step():
+    """With one step, "above the mean over steps" is 0 for every token: the whole-answer scores would all tie (the
+    CLI printed the prompt's first tokens at +0.00 as its top tokens). They are that step's z-scores instead."""
+    log_c = -30 + 4 * torch.randn(1, 40, generator=torch.Generator().manual_seed(6))
+    log_c[0, 0] = -0.01
+    explanation = _explanation(log_c)
+    assert torch.equal(explanation.scores, log_zscores(log_c, sinkless=True)[0])
+    assert torch.equal(explanation.whole_answer("max_minus_mean_z"), explanation.step_scores[0])
+    assert explanation.scores.unique().numel() == 40
+    assert [i for i, _, _ in explanation.top_k(3)] == [i for i, _, _ in explanation.top_k(3, step=0)]

@@ -68,3 +68,18 @@ def test_an_entry_point_passes_the_object_on():
     with pytest.raises(TypeError, match="must be a MacsConfig"):
         config_of({"alpha": 0.5}, {})
     assert core_config.OPTION_KINDS == ("rows", "pass", "engine")
+
+
+@pytest.mark.parametrize("attention", ["efficient", "norm"])
+def test_fused_decode_is_refused_for_rows_that_never_fuse(attention):
+    """Efficient and norm rows need the attention output first: fused_decode=True with them would be accepted and
+    ignored (the server reported it back as if it had run), so every entry point's config refuses it."""
+    with pytest.raises(ValueError, match=f"fused_decode=True fuses softmax rows only; attention='{attention}'"):
+        MacsConfig(attention=attention, fused_decode=True)
+    assert MacsConfig(attention=attention, fused_decode=False).fused_decode is False
+    assert MacsConfig(attention="softmax", fused_decode=True).fused_decode is True
+    pydantic = pytest.importorskip("pydantic")
+    from macs_kernels.apps.serve.schemas import AttributionOptions
+
+    with pytest.raises(pydantic.ValidationError, match="fused_decode=True fuses softmax rows only"):
+        AttributionOptions(attention=attention, fused_decode=True)

@@ -235,8 +235,9 @@ def _count_forwards(model):
     (dict(prefill_chunk_size=4), "prefill_chunk_size"),
     (dict(assistant_early_exit=1), "assistant_early_exit"),
     (dict(token_healing=True), "token_healing"),
+    (dict(use_cache=False), "use_cache=False"),
 ], ids=["contrastive", "dola", "constrained", "group-beams", "custom", "offloaded-cache", "chunked-prefill",
-        "early-exit", "token-healing"])
+        "early-exit", "token-healing", "no-cache"])
 def test_unsupported_modes_are_refused_before_generation(gqa_model, generate_kwargs, option):
     calls, handle = _count_forwards(gqa_model)
     try:

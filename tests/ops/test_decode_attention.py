@@ -85,3 +85,26 @@ def test_decode_attention(case, backend):
     assert relative_error(lse, torch_lse) <= max(tolerance, 1e-5)
     if case["fused"]:
         assert_log_c(log_c, ref_log_c, kv_start, input_end, dtype)
+
+
+@pytest.mark.parametrize("backend", backends("decode_attention"))
+@pytest.mark.parametrize("dim_v", [32, 96])
+def test_values_of_another_head_dimension_than_the_keys(backend, dim_v):
+    """V's head dimension apart from q's and K's (as in DeepSeek-V2): out is (B, H, D_v). Triton's pass sized it and
+    read V by K's dimension (D_v 32: half of each row from past it; D_v 96: a third of the output dropped)."""
+    batch, heads, kv_heads, keys, dim = 2, 6, 2, 113, 64
+    q = torch.randn(batch, heads, dim, device=DEVICE)
+    k = torch.randn(batch, kv_heads, keys, dim, device=DEVICE)
+    v = torch.randn(batch, kv_heads, keys, dim_v, device=DEVICE)
+    kv_start, input_end, kv_len = row_ranges(keys, batch)
+    log_c = fresh_log_c(kv_start, input_end)
+    ref_log_c = reference.macs_update_reference(q, k, log_c, input_start=kv_start, input_end=input_end,
+                                                kv_len=kv_len, scale=dim ** -0.5)
+    out, lse = ops.decode_attention(q, k, v, kv_start=kv_start, kv_len=kv_len, scale=dim ** -0.5, log_c=log_c,
+                                    input_end=input_end, backend=backend)
+    ref_out, ref_lse = reference.decode_attention_reference(q, k, v, kv_start=kv_start, kv_len=kv_len,
+                                                            scale=dim ** -0.5)
+    assert out.shape == (batch, heads, dim_v)
+    assert relative_error(out, ref_out) <= RELATIVE_ERROR[torch.float32]
+    assert relative_error(lse, ref_lse) <= RELATIVE_ERROR[torch.float32]
+    assert_log_c(log_c, ref_log_c, kv_start, input_end, torch.float32)

@@ -214,6 +214,10 @@ def test_bad_arguments_raise():
         ops.efficient_attention(p, v[:, :, :50], kv_len=[50, 50])
     with pytest.raises(ValueError, match="multiple of KV heads"):
         ops.efficient_attention(p[:, :2], v.expand(2, 3, 57, 8)[:, :], kv_len=[50, 50])
+    with pytest.raises(ValueError, match=r"multiple of KV heads \(0\)"):
+        ops.efficient_attention(p, v[:, :0], kv_len=[50, 50])
+    with pytest.raises(TypeError, match="causal must be True or False, got 'no'"):
+        ops.efficient_attention(p, v, kv_len=[50, 50], causal="no")
     with pytest.raises(ValueError, match="rcond"):
         ops.efficient_attention(p, v, kv_len=[50, 50], rcond=2.0)
     with pytest.raises(ValueError, match="kv_len"):

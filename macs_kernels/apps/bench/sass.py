@@ -84,8 +84,9 @@ def split_kv_variant(dtype, *, D, GROUP, rows, WITH_V=False, WITH_SCORES=True, D
     return (
         "split_kv", "_split_kv_kernel",
         {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, **SPLIT_INDEX},
-        dict(D=D, BLOCK_D=D, GROUP=GROUP, BLOCK_M=block_m, BLOCK_N=block_n, WITH_V=WITH_V, WITH_SCORES=WITH_SCORES,
-             DOT_F32=DOT_F32, PAGE_SIZE=PAGE_SIZE, SOFTCAP=SOFTCAP, WINDOWED=WINDOWED, PDL=PDL),
+        dict(D=D, BLOCK_D=D, D_V=D, BLOCK_DV=D, GROUP=GROUP, BLOCK_M=block_m, BLOCK_N=block_n, WITH_V=WITH_V,
+             WITH_SCORES=WITH_SCORES, DOT_F32=DOT_F32, PAGE_SIZE=PAGE_SIZE, SOFTCAP=SOFTCAP, WINDOWED=WINDOWED,
+             PDL=PDL),
         dict(num_warps=num_warps, num_stages=3),
     )
 

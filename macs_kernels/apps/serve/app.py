@@ -9,6 +9,7 @@ import json
 import math
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 
 import torch
@@ -24,7 +25,7 @@ from macs_kernels.api.prompts import QA_TEMPLATE
 from macs_kernels.api.viz import _unit
 from macs_kernels.apps.serve.engine import Engine, Job, RequestRejected, Step, VisionEngine
 from macs_kernels.apps.serve.images import DEFAULT_MAX_IMAGE_PIXELS, decode_image
-from macs_kernels.apps.serve.limits import DEFAULT_MAX_BODY_BYTES
+from macs_kernels.apps.serve.limits import DEFAULT_MAX_BODY_BYTES, LONG_PROMPT_BYTES
 from macs_kernels.apps.serve.schemas import AttributionOptions, ChatCompletionRequest, CompletionRequest
 from macs_kernels.core import support
 from macs_kernels.core.scores import SCORE_DIGITS, RunningWholeAnswer, json_values
@@ -330,6 +331,11 @@ def create_app(engine: Engine | VisionEngine, *, max_body_bytes: int = DEFAULT_M
     """The application around a (not yet started) engine; its lifespan starts and drains it. A request body
     over max_body_bytes is refused unread (413); an image over max_image_pixels pixels with a 400."""
 
+    # Prompts of long requests are prepared one at a time in a thread of their own. In asyncio's default pool
+    # (min(32, CPUs + 4) threads), which also runs every stream's per-token detokenising, a few dozen long prompts
+    # (seconds of tokenizer each) held up the running streams and every short request's prompt behind them.
+    long_prompts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="macs-kernels-long-prompts")
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         engine.start()
@@ -337,6 +343,7 @@ def create_app(engine: Engine | VisionEngine, *, max_body_bytes: int = DEFAULT_M
             yield
         finally:
             # Uvicorn reaches this on SIGTERM only after in-flight responses have finished.
+            long_prompts.shutdown(wait=False, cancel_futures=True)
             engine.stop()
 
     app = FastAPI(title="macs-kernels serve", lifespan=lifespan)
@@ -365,13 +372,19 @@ def create_app(engine: Engine | VisionEngine, *, max_body_bytes: int = DEFAULT_M
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request, exc: StarletteHTTPException):
+        # FastAPI answers a body that json.loads fails on other than by a JSONDecodeError with "There was an error
+        # parsing the body", the failure as the exception's cause: name it.
+        unreadable = {UnicodeDecodeError: "it is not UTF-8 text", RecursionError: "it nests too deeply"}
+        for kind, why in unreadable.items():
+            if exc.status_code == 400 and isinstance(exc.__cause__, kind):
+                return _error(f"the body is not valid JSON: {why}", 400, code="invalid_json")
         return _error(str(exc.detail), exc.status_code)
 
     @app.exception_handler(Exception)
     async def _unexpected(_request, exc: Exception):
         return _error(f"internal error: {type(exc).__name__}: {exc}", 500)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers' checks send HEAD
     async def health():
         if not engine.alive():
             return _error("the generation engine is not running", 503, code="engine_unavailable")
@@ -439,7 +452,7 @@ def create_app(engine: Engine | VisionEngine, *, max_body_bytes: int = DEFAULT_M
             return PromptSpan(list(tokenizer(body.prompt)["input_ids"]))
         return PromptSpan(list(body.prompt))
 
-    async def prepared(make_prompt, body, options) -> PromptSpan:
+    async def prepared(request: Request, make_prompt, body, options) -> PromptSpan:
         """The request's prompt, tokenized (and its tokens decoded) in a worker thread: a long prompt takes
         the tokenizer seconds, during which the event loop goes on serving every other client."""
 
@@ -449,6 +462,8 @@ def create_app(engine: Engine | VisionEngine, *, max_body_bytes: int = DEFAULT_M
                 prompt.tokens = decode_tokens(tokenizer, prompt.ids)
             return prompt
 
+        if len(await request.body()) > LONG_PROMPT_BYTES:  # read already: FastAPI parsed it
+            return await asyncio.get_running_loop().run_in_executor(long_prompts, work)
         return await asyncio.to_thread(work)
 
     async def run(request: Request, body, prompt: PromptSpan, options, chat: bool):
@@ -554,13 +569,14 @@ def create_app(engine: Engine | VisionEngine, *, max_body_bytes: int = DEFAULT_M
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         options = body.attribution
         check_model(body.model)
-        return await run(request, body, await prepared(chat_prompt, body, options), options, chat=True)
+        return await run(request, body, await prepared(request, chat_prompt, body, options), options, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
         options = body.attribution
         check_model(body.model)
-        return await run(request, body, await prepared(completion_prompt, body, options), options, chat=False)
+        return await run(request, body, await prepared(request, completion_prompt, body, options), options,
+                         chat=False)
 
     static = resources.files(__package__) / "static"
     page = (static / "index.html").read_text().replace("{{QA_TEMPLATE}}", json.dumps(QA_TEMPLATE)).replace(

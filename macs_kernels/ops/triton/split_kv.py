@@ -82,13 +82,14 @@ def _split_kv_kernel(
     stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ib, stride_ir, stride_eb, stride_er, stride_lb, stride_lr, stride_fb, stride_fr,
     stride_tb, stride_sb, stride_sh, stride_sr,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, WITH_V: tl.constexpr, WITH_SCORES: tl.constexpr, DOT_F32: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr, PDL: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, D_V: tl.constexpr, BLOCK_DV: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WITH_V: tl.constexpr, WITH_SCORES: tl.constexpr,
+    DOT_F32: tl.constexpr, PAGE_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program's (row tile, key slice): the online softmax state (m, l, l_gen, acc) of its BLOCK_M rows over the
-    slice, stored as the slice's partials for the combine, and the input keys' scores written on the way. PDL: the
-    combine launches as its programmatic dependent."""
+    slice, stored as the slice's partials for the combine, and the input keys' scores written on the way. D: q's and
+    K's head dimension, D_V: V's (they differ in models such as DeepSeek-V2's). PDL: the combine launches as its
+    programmatic dependent."""
     release_dependent_grid(PDL)
     # Inductor passes Python floats as fp64 (a loop-carried max would turn fp64): the math stays fp32.
     scale, softcap = tl.cast(scale, tl.float32), tl.cast(softcap, tl.float32)
@@ -133,7 +134,9 @@ def _split_kv_kernel(
     m = tl.full([BLOCK_M], MIN_SCORE, tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     l_gen = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dv = tl.arange(0, BLOCK_DV)
+    dv_mask = dv < D_V
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     # Where the rows' partials go, computed before the loop: only it stays live through it, not head and r (float32
     # at D 128 on sm_80 spilled 8 bytes a thread with those).
     partial = ((b * kv_heads * GROUP + head) * rows + r) * splits + split
@@ -184,15 +187,16 @@ def _split_kv_kernel(
         l_gen = l_gen * correction + tl.sum(tl.where(offset[None, :] >= generated_lo[:, None], p, 0.0), 1)
         if WITH_V:
             v_rows = v_head + page * stride_vb + slot * stride_vs
-            v = operand(tl.load(v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0), DOT_F32)
+            v = operand(tl.load(v_rows[:, None] + dv[None, :], mask=in_slice[:, None] & dv_mask[None, :], other=0.0),
+                        DOT_F32)
             acc = acc * correction[:, None] + dot(p.to(v.dtype), v, DOT_F32)
         m = m_new
     tl.store(partials_ptr + partial, m, mask=row_ok)
     tl.store(partials_ptr + stride_part + partial, l, mask=row_ok)
     tl.store(partials_ptr + 2 * stride_part + partial, l_gen, mask=row_ok)
     if WITH_V:
-        tl.store(partials_ptr + 3 * stride_part + partial[:, None] * D + d[None, :], acc,
-                 mask=row_ok[:, None] & d_mask[None, :])
+        tl.store(partials_ptr + 3 * stride_part + partial[:, None] * D_V + dv[None, :], acc,
+                 mask=row_ok[:, None] & dv_mask[None, :])
 
 
 @triton.jit
@@ -281,16 +285,17 @@ def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores
     int32 the caches are paged, (P, page_size, H_kv, D), and key j of item b is in page
     block_table[b, j // page_size]; otherwise they are (B, H_kv, S, D).
 
-    Returns (out (B, H, R, D) in q's dtype or None, lse (B, H, R) float32, lse_gen (B, H, R) float32 (-inf
+    Returns (out (B, H, R, D_v) in q's dtype or None, lse (B, H, R) float32, lse_gen (B, H, R) float32 (-inf
     where no generated key; it may also be -inf where the generated keys' share of the row is below about 2^-126:
     their weights are taken from the running max by fast_exp), scores (B, H, R, score_columns(n_scores)) float32 or
     None: input i of row (b, h, r) in column i + s % 16 where s is the row's score start, score_start or start);
     lse_gen and scores are views of the pass's workspace.
     """
-    batch, heads, rows, dim = q.shape
+    batch, heads, rows = q.shape[:3]
+    dim_v = v_cache.shape[-1] if v_cache is not None else 0
     # Allocated before the split kernel: a fill of fresh memory (torch's deterministic mode) must not come between it
     # and the combine, its dependent.
-    out = torch.empty(batch, heads, rows, dim, device=q.device, dtype=q.dtype) if v_cache is not None else None
+    out = torch.empty(batch, heads, rows, dim_v, device=q.device, dtype=q.dtype) if v_cache is not None else None
     lse = torch.empty(batch, heads, rows, device=q.device, dtype=torch.float32)
     dependent = dependent_launch(q.device)
     split = _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block_table, score_start, softcap,
@@ -300,8 +305,8 @@ def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores
         _split_kv_combine_kernel, (batch * heads * rows,),
         split.workspace, target, lse, split.lse_gen, split.workspace if sinks is None else sinks,
         split.splits, heads, rows, split.stride_part, *(target.stride()[:3] if split.with_v else (0, 0, 0)),
-        D=dim, BLOCK_D=head_block(dim), SPLITS_PAD=next_pow2(split.splits),
-        SPLITS_CHUNK=splits_chunk(split.splits, dim), WITH_V=split.with_v, HAS_SINKS=sinks is not None, PDL=dependent,
+        D=dim_v, BLOCK_D=head_block(dim_v), SPLITS_PAD=next_pow2(split.splits),
+        SPLITS_CHUNK=splits_chunk(split.splits, dim_v), WITH_V=split.with_v, HAS_SINKS=sinks is not None, PDL=dependent,
         num_warps=4, **dependent_options(dependent),
     )
     return out, lse, split.lse_gen, split.scores
@@ -326,7 +331,7 @@ def fused_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, target, *, 
 class _Split(NamedTuple):
     """What the split kernel left for the combine, in one float32 workspace (one allocation, not six: each costs
     microseconds of host time on a GPU): the per (row, slice) partials m, l, l_gen and (with_v) acc, each in a region
-    `stride_part` floats long (acc: stride_part x D), then lse_gen (B, H, R), which the combine writes, and the input
+    `stride_part` floats long (acc: stride_part x D_v), then lse_gen (B, H, R), which the combine writes, and the input
     keys' scores (B, H, R, score_columns(n_scores)), the split kernel's (None without)."""
     splits: int
     with_v: bool
@@ -370,11 +375,12 @@ def _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block
         k_strides, v_strides = (t.stride()[:3] if t is not None else None for t in (k_cache, v_cache))
     group = heads // kv_heads
     with_v = v_cache is not None
+    dim_v = v_cache.shape[-1] if with_v else dim
     dot_f32 = dot_in_f32(q, k_cache, *((v_cache,) if with_v else ()))
-    tiles = split_kv_tiles(batch, kv_heads, group * rows, keys, dim, dot_f32, q.device)
+    tiles = split_kv_tiles(batch, kv_heads, group * rows, keys, max(dim, dim_v), dot_f32, q.device)
     query_rows = batch * heads * rows
     stride_part = _aligned(query_rows * tiles.splits)
-    lse_gen_at = stride_part * (3 + dim if with_v else 3)
+    lse_gen_at = stride_part * (3 + dim_v if with_v else 3)
     scores_at = lse_gen_at + _aligned(query_rows)
     columns = score_columns(n_scores) if n_scores else 0
     workspace = torch.empty(scores_at + query_rows * columns, device=q.device, dtype=torch.float32)
@@ -397,7 +403,8 @@ def _split(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores, block
         *start.stride(), *input_end.stride(), *kv_len.stride(), *(score_start if windowed else start).stride(),
         block_table.stride(0) if paged else 0,
         *(scores.stride()[:3] if n_scores else (0, 0, 0)),
-        D=dim, BLOCK_D=head_block(dim), GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        D=dim, BLOCK_D=head_block(dim), D_V=dim_v, BLOCK_DV=head_block(dim_v), GROUP=group, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
         WITH_V=with_v, WITH_SCORES=bool(n_scores), DOT_F32=dot_f32, PAGE_SIZE=page_size,
         SOFTCAP=softcap is not None, WINDOWED=windowed, PDL=dependent,
         num_warps=tiles.num_warps, num_stages=3,

@@ -23,6 +23,7 @@ openai = pytest.importorskip("openai", reason="the server tests need the officia
 def test_health_and_models(server, client):
     health = httpx.get(server.url + "/health").json()
     assert health["status"] == "ok" and health["model"] == MODEL
+    assert httpx.head(server.url + "/health").status_code == 200
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
@@ -151,6 +152,9 @@ LONG = "word " * 5000  # ~5000 tokens: beyond the test server's 4096-token cache
 
 @pytest.mark.parametrize("path, body, status, param, code", [
     ("/v1/chat/completions", b"{not json", 400, None, "invalid_json"),
+    ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, None,
+     "invalid_json"),
+    ("/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000, 400, None, "invalid_json"),
     ("/v1/chat/completions", _chat(max_tokens="two"), 400, "max_tokens", "invalid_value"),
     ("/v1/chat/completions", _chat(max_tokens=0), 400, "max_tokens", "invalid_value"),
     ("/v1/chat/completions", _chat(max_tokens=4090), 400, "max_tokens", "context_length_exceeded"),
@@ -172,6 +176,8 @@ LONG = "word " * 5000  # ~5000 tokens: beyond the test server's 4096-token cache
     ("/v1/chat/completions", _chat(attribution={"source": "not in the prompt"}), 400, "attribution.source",
      "invalid_value"),
     ("/v1/chat/completions", _chat(attribution={"beta": 1}), 400, "attribution.beta", "invalid_value"),
+    ("/v1/chat/completions", _chat(attribution={"attention": "efficient", "fused_decode": True}), 400, "attribution",
+     "invalid_value"),
     ("/v1/chat/completions", _chat(temperature=2.5), 400, "temperature", "invalid_value"),
     ("/v1/chat/completions", _chat(n=0), 400, "n", "invalid_value"),
     ("/v1/chat/completions", _chat(frobnicate=1), 400, "frobnicate", "invalid_value"),
@@ -193,6 +199,16 @@ def test_bad_input_gets_an_openai_error(server, path, body, status, param, code)
     error = response.json()["error"]
     assert error["param"] == param and error["code"] == code and error["message"]
     assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body, why", [(b'{"model": "m", "messages": "\xff"}', "it is not UTF-8 text"),
+                                       (b"[" * 100_000 + b"]" * 100_000, "it nests too deeply")])
+def test_a_body_json_cannot_read_is_named(server, body, why):
+    """FastAPI answered both "There was an error parsing the body", with no code."""
+    response = httpx.post(server.url + "/v1/chat/completions", content=body, timeout=60,
+                          headers={"Content-Type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == f"the body is not valid JSON: {why}"
 
 
 def test_a_lone_surrogate_is_named(server):

@@ -110,3 +110,76 @@ def test_health_answers_while_a_long_prompt_is_tokenized(tiny_model):
     assert health.status_code == 200 and health.json()["status"] == "ok"
     assert answered_first, "/health waited for the long request's tokenization"
     assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded", long.text
+
+
+class _HoldingTokenizer(TokenizerProxy):
+    """The server's tokenizer, except that templating any prompt longer than `long` characters signals `inside`,
+    then waits for `release`."""
+
+    def __init__(self, tokenizer, long: int):
+        super().__init__(tokenizer)
+        self._long = long
+        self.inside, self.release = threading.Event(), threading.Event()
+
+    def apply_chat_template(self, messages, *args, **kwargs):
+        if sum(len(m["content"]) for m in messages) > self._long:
+            self.inside.set()
+            self.release.wait(120)
+        return self._tokenizer.apply_chat_template(messages, *args, **kwargs)
+
+
+@NEEDS_CONTINUOUS_BATCHING
+def test_long_prompts_being_tokenized_hold_up_no_stream_and_no_short_request(tiny_model):
+    """Four long prompts are held in the tokenizer while a short stream and a short request run. With every prompt
+    and every streamed token's detokenising in asyncio's default pool (2 threads here, min(32, CPUs + 4) in a
+    server), the long prompts took its threads and the short requests waited until they were released."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from macs_kernels.api.models import load_model
+    from macs_kernels.apps.serve.app import create_app
+    from macs_kernels.apps.serve.engine import Engine
+    from macs_kernels.apps.serve.limits import LONG_PROMPT_BYTES
+
+    model, tokenizer = load_model(str(tiny_model[0]))
+    held = _HoldingTokenizer(tokenizer, long=LONG_PROMPT_BYTES // 2)
+    engine = Engine(model, held, name=TINY, cache_tokens=4096)
+    app = create_app(engine)
+    long_body = _chat("word " * (LONG_PROMPT_BYTES // 4))  # over LONG_PROMPT_BYTES; beyond the context
+    assert len(long_body) > LONG_PROMPT_BYTES
+    short = {"model": TINY, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+
+    async def scenario():
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=2))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://serve", timeout=180) as client:
+            longs = [asyncio.ensure_future(client.post("/v1/chat/completions", content=long_body,
+                                                       headers={"Content-Type": "application/json"}))
+                     for _ in range(4)]
+            for _ in range(400):  # not asyncio.to_thread: the default pool is what is under test
+                if held.inside.is_set():
+                    break
+                await asyncio.sleep(0.05)
+            assert held.inside.is_set(), "no long prompt reached the tokenizer"
+
+            async def stream():
+                async with client.stream("POST", "/v1/chat/completions", json=short | {"stream": True}) as response:
+                    return response.status_code, [line async for line in response.aiter_lines() if line]
+
+            streamed = await asyncio.wait_for(stream(), 60)
+            answered = await asyncio.wait_for(client.post("/v1/chat/completions", json=short), 60)
+            still_held = sum(not request.done() for request in longs)
+            held.release.set()
+            return streamed, answered, still_held, await asyncio.gather(*longs)
+
+    engine.start()
+    try:
+        (status, lines), answered, still_held, longs = asyncio.run(scenario())
+    finally:
+        held.release.set()
+        engine.stop()
+    assert status == 200 and lines[-1] == "data: [DONE]" and len(lines) >= 3, lines
+    assert answered.status_code == 200 and answered.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert still_held == 4
+    for response in longs:
+        assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded", \
+            response.text
