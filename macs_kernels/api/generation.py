@@ -13,10 +13,13 @@ from macs_kernels.engines.hf_models import cache_argument
 def _prompt_text(tokenizer, prompt) -> str:
     if is_messages(prompt):
         for i, message in enumerate(prompt):
-            # The chat template would fail inside jinja ("'dict object' has no attribute 'content'").
-            if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), (str, list)):
+            # The chat template would fail inside jinja ("'dict object' has no attribute 'content'"). An assistant's
+            # tool call may have no content.
+            content = message.get("content")
+            if not isinstance(message.get("role"), str) or not (
+                    isinstance(content, (str, list)) or content is None and "tool_calls" in message):
                 raise ValueError(f"message {i} must have a string 'role' and a 'content' that is a string or a list "
-                                 f"of parts, got {message!r}")
+                                 f"of parts (or 'tool_calls'), got {message!r}")
         if not getattr(tokenizer, "chat_template", None):
             return plain_prompt(prompt)
         return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)

@@ -88,14 +88,14 @@ def test_decode_attention(case, backend):
 
 
 @pytest.mark.parametrize("backend", backends("decode_attention"))
-@pytest.mark.parametrize("dim_v", [32, 96])
-def test_values_of_another_head_dimension_than_the_keys(backend, dim_v):
+@pytest.mark.parametrize("dim_v, dtype", [(32, torch.float32), (96, torch.float32), (64, torch.bfloat16)])
+def test_values_of_another_head_dimension_than_the_keys(backend, dim_v, dtype):
     """V's head dimension apart from q's and K's (as in DeepSeek-V2): out is (B, H, D_v). Triton's pass sized it and
     read V by K's dimension (D_v 32: half of each row from past it; D_v 96: a third of the output dropped)."""
-    batch, heads, kv_heads, keys, dim = 2, 6, 2, 113, 64
-    q = torch.randn(batch, heads, dim, device=DEVICE)
-    k = torch.randn(batch, kv_heads, keys, dim, device=DEVICE)
-    v = torch.randn(batch, kv_heads, keys, dim_v, device=DEVICE)
+    batch, heads, kv_heads, keys, dim = 2, 6, 2, 113, 128 if dtype == torch.bfloat16 else 64
+    q = torch.randn(batch, heads, dim, device=DEVICE, dtype=dtype)
+    k = torch.randn(batch, kv_heads, keys, dim, device=DEVICE, dtype=dtype)
+    v = torch.randn(batch, kv_heads, keys, dim_v, device=DEVICE, dtype=dtype)
     kv_start, input_end, kv_len = row_ranges(keys, batch)
     log_c = fresh_log_c(kv_start, input_end)
     ref_log_c = reference.macs_update_reference(q, k, log_c, input_start=kv_start, input_end=input_end,
@@ -104,7 +104,7 @@ def test_values_of_another_head_dimension_than_the_keys(backend, dim_v):
                                     input_end=input_end, backend=backend)
     ref_out, ref_lse = reference.decode_attention_reference(q, k, v, kv_start=kv_start, kv_len=kv_len,
                                                             scale=dim ** -0.5)
-    assert out.shape == (batch, heads, dim_v)
-    assert relative_error(out, ref_out) <= RELATIVE_ERROR[torch.float32]
-    assert relative_error(lse, ref_lse) <= RELATIVE_ERROR[torch.float32]
-    assert_log_c(log_c, ref_log_c, kv_start, input_end, torch.float32)
+    assert out.shape == (batch, heads, dim_v) and out.dtype == dtype
+    assert relative_error(out, ref_out) <= RELATIVE_ERROR[dtype]
+    assert relative_error(lse, ref_lse) <= RELATIVE_ERROR[dtype]
+    assert_log_c(log_c, ref_log_c, kv_start, input_end, dtype)

@@ -58,6 +58,7 @@ def _with_pointers(variant, **pointers):
 VARIANTS = {
     "decode_bf16_gqa4_d128": _split_kv("bf16", D=128, GROUP=4, rows=16, WITH_V=True),
     "decode_bf16_gqa4_d64": _split_kv("bf16", D=64, GROUP=4, rows=16, WITH_V=True),
+    "decode_bf16_gqa4_d128_dv64": _split_kv("bf16", D=128, GROUP=4, rows=16, WITH_V=True, D_V=64),
     # The same decode step's attention alone (decode_attention without MACS).
     "attention_bf16_gqa4_d128": _split_kv("bf16", D=128, GROUP=4, rows=16, WITH_V=True, WITH_SCORES=False),
     "attention_bf16_gqa4_d64": _split_kv("bf16", D=64, GROUP=4, rows=16, WITH_V=True, WITH_SCORES=False),

@@ -74,8 +74,9 @@ def compile_triton(module: str, kernel_name: str, pointers: dict, constexprs: di
 
 
 def split_kv_variant(dtype, *, D, GROUP, rows, WITH_V=False, WITH_SCORES=True, DOT_F32=False, PAGE_SIZE=0,
-                     SOFTCAP=False, WINDOWED=False, PDL=False):
-    """`compile_triton`'s arguments for a `_split_kv_kernel` variant (ops/triton/split_kv.py): q, k and v in `dtype`,
+                     SOFTCAP=False, WINDOWED=False, PDL=False, D_V=None):
+    """`compile_triton`'s arguments for a `_split_kv_kernel` variant (ops/triton/split_kv.py): q, k and v in `dtype`
+    (V's head dimension D_V, D unless given),
     `rows` query rows per KV head (the group's heads times the query rows), one tile over the head dimension, the
     launcher's tiles and options (split_kv_block)."""
     from macs_kernels.ops.triton.common import split_kv_block
@@ -84,9 +85,9 @@ def split_kv_variant(dtype, *, D, GROUP, rows, WITH_V=False, WITH_SCORES=True, D
     return (
         "split_kv", "_split_kv_kernel",
         {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, **SPLIT_INDEX},
-        dict(D=D, BLOCK_D=D, D_V=D, BLOCK_DV=D, GROUP=GROUP, BLOCK_M=block_m, BLOCK_N=block_n, WITH_V=WITH_V,
-             WITH_SCORES=WITH_SCORES, DOT_F32=DOT_F32, PAGE_SIZE=PAGE_SIZE, SOFTCAP=SOFTCAP, WINDOWED=WINDOWED,
-             PDL=PDL),
+        dict(D=D, BLOCK_D=D, D_V=D_V or D, BLOCK_DV=D_V or D, GROUP=GROUP, BLOCK_M=block_m, BLOCK_N=block_n,
+             WITH_V=WITH_V, WITH_SCORES=WITH_SCORES, DOT_F32=DOT_F32, PAGE_SIZE=PAGE_SIZE, SOFTCAP=SOFTCAP,
+             WINDOWED=WINDOWED, PDL=PDL),
         dict(num_warps=num_warps, num_stages=3),
     )
 

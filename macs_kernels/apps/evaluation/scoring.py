@@ -16,10 +16,11 @@ from macs_kernels.apps.evaluation.methods import MODEL_METHODS, Method, MethodUn
 from macs_kernels.apps.evaluation.metrics import auc_pr_sample, average_precision, count_ties, paper_form_zscores
 from macs_kernels.core.scores import AGGREGATIONS, DEFAULT_AGGREGATION, whole_answer_scores
 
-# 4 (macs): the aggregate is the whole-answer score Explanation.scores (core.DEFAULT_AGGREGATION, with copied runs:
+# 5 (macs): a one-step answer's whole-answer scores are its step's z-scores (they were 0 for every token); 4: the
+# aggregate is the whole-answer score Explanation.scores (core.DEFAULT_AGGREGATION, with copied runs:
 # max_plus_run_minus_mean_sinkless_z), every named aggregation's AUC-PR is kept too; 3: max_minus_mean_sinkless_z;
 # 2: max_minus_mean_z; 1: the mean of the paper's step z-scores.
-SCORING_VERSIONS = {"macs": 4}
+SCORING_VERSIONS = {"macs": 5}
 RANDOM_SEED = 20250921
 
 

@@ -333,7 +333,8 @@ def create_app(engine: Engine | VisionEngine, *, max_body_bytes: int = DEFAULT_M
 
     # Prompts of long requests are prepared one at a time in a thread of their own. In asyncio's default pool
     # (min(32, CPUs + 4) threads), which also runs every stream's per-token detokenising, a few dozen long prompts
-    # (seconds of tokenizer each) held up the running streams and every short request's prompt behind them.
+    # (seconds of tokenizer each) held up the running streams and every short request's prompt behind them. Not shut
+    # down with the lifespan: uvicorn ends it after the last response, and an app may be started again.
     long_prompts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="macs-kernels-long-prompts")
 
     @contextlib.asynccontextmanager
@@ -343,7 +344,6 @@ def create_app(engine: Engine | VisionEngine, *, max_body_bytes: int = DEFAULT_M
             yield
         finally:
             # Uvicorn reaches this on SIGTERM only after in-flight responses have finished.
-            long_prompts.shutdown(wait=False, cancel_futures=True)
             engine.stop()
 
     app = FastAPI(title="macs-kernels serve", lifespan=lifespan)
@@ -384,11 +384,13 @@ def create_app(engine: Engine | VisionEngine, *, max_body_bytes: int = DEFAULT_M
     async def _unexpected(_request, exc: Exception):
         return _error(f"internal error: {type(exc).__name__}: {exc}", 500)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers' checks send HEAD
+    @app.get("/health")
     async def health():
         if not engine.alive():
             return _error("the generation engine is not running", 503, code="engine_unavailable")
         return {"status": "ok", "model": engine.name, "requests": engine.load()}
+
+    app.head("/health", include_in_schema=False)(health)  # load balancers' checks send HEAD
 
     @app.get("/v1/models")
     async def models():

@@ -9,7 +9,7 @@ def decode_attention(
     q, k_cache, v_cache, kv_start, kv_len, scale, log_c, input_end, alpha, pooling, redistribute, pooled,
     score_start=None, softcap=None, sinks=None,
 ):
-    """out (B, H, D) in q's dtype and lse (B, H) float32; with log_c or pooled (B, N_max), also the MACS
+    """out (B, H, D_v) in q's dtype and lse (B, H) float32; with log_c or pooled (B, N_max), also the MACS
     update or m' (input_start = kv_start).
 
     score_start (B,), softcap, sinks (H,): the layer's attention variant in key slots, as

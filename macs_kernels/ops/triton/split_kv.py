@@ -282,8 +282,8 @@ def split_kv_pass(q, k_cache, v_cache, start, input_end, kv_len, scale, n_scores
     score_start (B, R), same strides: where a row's score columns start when it differs from its attended start
     (a window; columns before the window stay -inf); softcap, sinks (H,): the layer's variant.
     v_cache None skips out; n_scores > 0 also returns the input keys' scores. With a block_table (B, pages)
-    int32 the caches are paged, (P, page_size, H_kv, D), and key j of item b is in page
-    block_table[b, j // page_size]; otherwise they are (B, H_kv, S, D).
+    int32 the caches are paged, (P, page_size, H_kv, D) (V's last dimension D_v), and key j of item b is in page
+    block_table[b, j // page_size]; otherwise they are (B, H_kv, S, D) (and D_v).
 
     Returns (out (B, H, R, D_v) in q's dtype or None, lse (B, H, R) float32, lse_gen (B, H, R) float32 (-inf
     where no generated key; it may also be -inf where the generated keys' share of the row is below about 2^-126:
