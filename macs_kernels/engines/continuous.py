@@ -255,6 +255,8 @@ class ContinuousTracer(RequestRows):
         unknown = set(config) - set(_PER_REQUEST_FIELDS)
         if unknown:
             raise ValueError(f"configure() takes {_PER_REQUEST_FIELDS} per request, not {sorted(unknown)}")
+        if config.get("attention", "softmax") != "softmax" and "fused_decode" not in config:
+            config["fused_decode"] = None  # the engine's fused decode is for softmax rows: these never fuse
         merged = dataclasses.replace(self.config, **config)
         support.check_method("continuous", support.method_of(merged))
         if at2_features and self.shards is not None:

@@ -84,12 +84,15 @@ def test_fused_decode_passes_compute_the_output_from_the_scored_probabilities(ti
         assert_equal_reference(rows[request_id], log_ref)
 
 
-def test_efficient_attention_requests_share_the_batch_with_softmax_ones(tiny):
+@pytest.mark.parametrize("fused_decode", [None, True])
+def test_efficient_attention_requests_share_the_batch_with_softmax_ones(tiny, fused_decode):
+    """With the engine's fused_decode=True too: its softmax requests fuse, the efficient ones (which never fuse) do
+    not, and asking for them is no conflict."""
     # Prompts longer than head_dim + 1 keys: efficient rows then differ from softmax rows.
     prompts = [list(range(1, 30)), list(range(31, 52)), list(range(60, 85))]
     cb_config = ContinuousBatchingConfig(max_batch_tokens=16, page_size=4, num_blocks=64)
     options = {"req_0": {"attention": "efficient"}, "req_2": {"attention": "efficient"}}
-    outputs, rows = generate(tiny, prompts, 5, cb_config, configure=options)
+    outputs, rows = generate(tiny, prompts, 5, cb_config, configure=options, fused_decode=fused_decode)
     for (request_id, output), prompt in zip(outputs.items(), prompts):
         generated = torch.tensor(output.generated_tokens)
         softmax_ref, _ = eager_macs(tiny, torch.tensor(prompt), generated)
