@@ -32,6 +32,14 @@ def test_token_ids_need_no_tokenizer(chat_model):
         explain(model, None, input_ids=ids, stop_strings=["."])
 
 
+def _first_turn(model, ids):
+    """(the first turn's tokens, prompt and answer, (1, n); the cache that holds them) from plain greedy generate."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        turn_1 = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=2, **cache_argument(model, cache))
+    return turn_1, cache
+
+
 def test_a_continued_conversation_hands_its_cache_without_a_deprecation(chat_model):
     """The first turn, then explain() of the second with the first's cache under either name: no FutureWarning
     about past_key_values, and both names give the rows of the same generation."""
@@ -41,10 +49,7 @@ def test_a_continued_conversation_hands_its_cache_without_a_deprecation(chat_mod
     for name in ("past_key_values", "cache"):
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message=".*past_key_values.* is deprecated", category=FutureWarning)
-            cache = DynamicCache(config=model.config)
-            with torch.no_grad():
-                turn_1 = model.generate(first, max_new_tokens=3, do_sample=False, pad_token_id=2,
-                                        **cache_argument(model, cache))
+            turn_1, cache = _first_turn(model, first)
             both = torch.cat([turn_1[0], torch.tensor(tokenizer(" Another?")["input_ids"])])
             results.append(explain(model, tokenizer, input_ids=both, max_new_tokens=3, **{name: cache}))
     by_old_name, by_new_name = results
@@ -65,10 +70,7 @@ def test_a_prompt_that_does_not_extend_the_cache_is_refused_before_generation(ch
     model, tokenizer = chat_model
     first = tokenizer.apply_chat_template([{"role": "user", "content": "Name a colour."}], add_generation_prompt=True,
                                           return_tensors="pt", return_dict=True)["input_ids"]
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        turn_1 = model.generate(first, max_new_tokens=3, do_sample=False, pad_token_id=2,
-                                **cache_argument(model, cache))
+    turn_1, cache = _first_turn(model, first)
     cached = cache.get_seq_length()
     generated = []
     monkeypatch.setattr(model, "forward", lambda *args, **kwargs: generated.append(1))

@@ -61,8 +61,8 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(small_server):
 
 
 class _GatedTokenizer(TokenizerProxy):
-    """The server's tokenizer, except that templating a prompt longer than `long` characters first signals
-    `inside`, then waits for `release`: the test decides when that tokenization ends."""
+    """The server's tokenizer, except that templating any prompt longer than `long` characters first signals
+    `inside`, then waits for `release`: the test decides when those tokenizations end."""
 
     def __init__(self, tokenizer, long: int):
         super().__init__(tokenizer)
@@ -70,9 +70,9 @@ class _GatedTokenizer(TokenizerProxy):
         self.inside, self.release = threading.Event(), threading.Event()
 
     def apply_chat_template(self, messages, *args, **kwargs):
-        if sum(len(m["content"]) for m in messages) > self._long and not self.inside.is_set():
+        if sum(len(m["content"]) for m in messages) > self._long:
             self.inside.set()
-            self.release.wait(20)
+            self.release.wait(120)
         return self._tokenizer.apply_chat_template(messages, *args, **kwargs)
 
 
@@ -112,22 +112,6 @@ def test_health_answers_while_a_long_prompt_is_tokenized(tiny_model):
     assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded", long.text
 
 
-class _HoldingTokenizer(TokenizerProxy):
-    """The server's tokenizer, except that templating any prompt longer than `long` characters signals `inside`,
-    then waits for `release`."""
-
-    def __init__(self, tokenizer, long: int):
-        super().__init__(tokenizer)
-        self._long = long
-        self.inside, self.release = threading.Event(), threading.Event()
-
-    def apply_chat_template(self, messages, *args, **kwargs):
-        if sum(len(m["content"]) for m in messages) > self._long:
-            self.inside.set()
-            self.release.wait(120)
-        return self._tokenizer.apply_chat_template(messages, *args, **kwargs)
-
-
 @NEEDS_CONTINUOUS_BATCHING
 def test_long_prompts_being_tokenized_hold_up_no_stream_and_no_short_request(tiny_model):
     """Four long prompts are held in the tokenizer while a short stream and a short request run. With every prompt
@@ -141,7 +125,7 @@ def test_long_prompts_being_tokenized_hold_up_no_stream_and_no_short_request(tin
     from macs_kernels.apps.serve.limits import LONG_PROMPT_BYTES
 
     model, tokenizer = load_model(str(tiny_model[0]))
-    held = _HoldingTokenizer(tokenizer, long=LONG_PROMPT_BYTES // 2)
+    held = _GatedTokenizer(tokenizer, long=LONG_PROMPT_BYTES // 2)
     engine = Engine(model, held, name=TINY, cache_tokens=4096)
     app = create_app(engine)
     long_body = _chat("word " * (LONG_PROMPT_BYTES // 4))  # over LONG_PROMPT_BYTES; beyond the context
